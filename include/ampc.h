@@ -1,0 +1,394 @@
+/*
+ * ampc.h - automatic mixed precision (AMP) training in C: the whole public API.
+ *
+ * A training step reads like the PyTorch loop it replaces:
+ *
+ *     ampc_module *net = ampc_sequential(3, ampc_linear_new(8, 16, true),
+ *                                        ampc_relu_new(), ampc_linear_new(16, 1, true));
+ *     ampc_optimizer *opt = ampc_sgd_new(net, &(ampc_sgd_options){.lr = 1e-3});
+ *     ampc_scaler_options so = ampc_scaler_defaults();
+ *     so.enabled = use_amp;
+ *     ampc_scaler *scaler = ampc_scaler_new(&so);
+ *     for (int step = 0; step < n; step++) {
+ *         ampc_scope_begin();                        // intermediates of this step live here
+ *         ampc_autocast_enter(AMPC_F16, use_amp);
+ *         ampc_tensor *out  = ampc_module_forward(net, x);
+ *         ampc_tensor *loss = ampc_mse_loss(out, y, AMPC_REDUCTION_MEAN);
+ *         ampc_autocast_exit();
+ *         if (ampc_backward(ampc_scaler_scale(scaler, loss)) < 0) fail(ampc_last_error());
+ *         ampc_scaler_step(scaler, opt);
+ *         ampc_scaler_update(scaler);
+ *         ampc_optimizer_zero_grad(opt);
+ *         ampc_scope_end();                          // ...and are released here
+ *     }
+ *
+ * Memory model (who owns what):
+ * - Every tensor returned by an ampc function belongs to the innermost open scope of the
+ *   calling thread (ampc_scope_begin/ampc_scope_end); outside any scope it belongs to the
+ *   thread's root scope, released by ampc_tensor_free or at thread exit/ampc_shutdown.
+ *   The user never frees intermediates one by one.
+ * - ampc_tensor_keep moves a tensor to the enclosing scope (a function "returning" it);
+ *   ampc_tensor_own takes it out of every scope: the caller then frees it with ampc_tensor_free.
+ * - The autograd graph holds its own references: tensors saved for backward stay alive
+ *   until backward has used them, and are released right after, even if their scope is open.
+ * - Parameters belong to their module; optimizer state to its optimizer.
+ *
+ * Errors: functions that can fail return NULL or a negative ampc_status and leave a message
+ * in ampc_last_error() (thread-local). Ops given a NULL input return NULL and keep the first
+ * error, so a chain of ops can be checked once at its end. Nothing calls exit() or abort().
+ */
+#ifndef AMPC_H
+#define AMPC_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+
+#define AMPC_STATUS_LIST(X)                                                                    \
+    X(AMPC_OK, 0, "success")                                                                   \
+    X(AMPC_ERR_INVALID, -1, "invalid argument")                                                \
+    X(AMPC_ERR_SHAPE, -2, "shape mismatch")                                                    \
+    X(AMPC_ERR_DTYPE, -3, "unsupported or mismatched dtype")                                   \
+    X(AMPC_ERR_OOM, -4, "out of memory")                                                       \
+    X(AMPC_ERR_STATE, -5, "call not valid in the current state")                               \
+    X(AMPC_ERR_UNSUPPORTED, -6, "not supported by this backend")                               \
+    X(AMPC_ERR_BACKEND, -7, "backend library failure")                                         \
+    X(AMPC_ERR_IO, -8, "input/output error")                                                   \
+    X(AMPC_ERR_FORMAT, -9, "malformed data")
+
+typedef enum {
+#define AMPC_X_ENUM(name, value, text) name = value,
+    AMPC_STATUS_LIST(AMPC_X_ENUM)
+#undef AMPC_X_ENUM
+} ampc_status;
+
+const char *ampc_strerror(int status);   /* static text for a status code */
+const char *ampc_last_error(void);       /* message of the last failure on this thread */
+int ampc_last_status(void);              /* status code of the last failure on this thread */
+void ampc_clear_error(void);
+
+// ---------------------------------------------------------------------------------------------
+// Library, threads, RNG
+
+/* Optional: called implicitly by the first ampc call. Picks kernels from CPU features. */
+int ampc_init(void);
+/* Releases every scope, cached block and backend resource. Safe to call once at exit. */
+void ampc_shutdown(void);
+void ampc_set_num_threads(int n);        /* OpenMP threads for kernels (and oneDNN) */
+int ampc_get_num_threads(void);
+const char *ampc_cpu_features(void);     /* e.g. "avx512_bf16 avx512f f16c avx2" (static) */
+void ampc_manual_seed(uint64_t seed);    /* seeds init and dropout; same seed, same numbers */
+
+// ---------------------------------------------------------------------------------------------
+// Dtypes and devices
+
+typedef enum {
+    AMPC_F32 = 0,
+    AMPC_F16,
+    AMPC_BF16,
+    AMPC_F64,   /* reference computations; the REF device's float type */
+    AMPC_I64,   /* class labels */
+    AMPC_DTYPE_COUNT
+} ampc_dtype;
+
+const char *ampc_dtype_name(ampc_dtype dt);   /* "f32", "f16", ... */
+size_t ampc_dtype_size(ampc_dtype dt);
+bool ampc_dtype_is_float(ampc_dtype dt);
+
+/* Scalar conversions: round to nearest even, subnormals kept, inf/NaN kept, overflow -> inf. */
+uint16_t ampc_f32_to_f16(float x);
+float ampc_f16_to_f32(uint16_t h);
+uint16_t ampc_f32_to_bf16(float x);
+float ampc_bf16_to_f32(uint16_t h);
+/* Bulk conversions (vectorized, runtime CPU dispatch); same results as the scalar ones. */
+void ampc_convert_f32_to_f16(const float *src, uint16_t *dst, size_t n);
+void ampc_convert_f16_to_f32(const uint16_t *src, float *dst, size_t n);
+void ampc_convert_f32_to_bf16(const float *src, uint16_t *dst, size_t n);
+void ampc_convert_bf16_to_f32(const uint16_t *src, float *dst, size_t n);
+
+/* A device is a backend: CPU (oneDNN + vectorized C) or REF (plain fp64 C, the test oracle).
+   A later CUDA backend is one more entry here. */
+typedef enum { AMPC_DEVICE_CPU = 0, AMPC_DEVICE_REF, AMPC_DEVICE_COUNT } ampc_device;
+const char *ampc_device_name(ampc_device d);
+void ampc_set_default_device(ampc_device d);  /* thread-local; for new tensors */
+ampc_device ampc_default_device(void);
+
+// ---------------------------------------------------------------------------------------------
+// Memory
+
+typedef enum {
+    AMPC_MEM_PARAMETERS = 0,
+    AMPC_MEM_GRADIENTS,
+    AMPC_MEM_OPTIMIZER,
+    AMPC_MEM_ACTIVATIONS,   /* op outputs, saved tensors, inputs, weight casts */
+    AMPC_MEM_WORKSPACE,     /* kernel scratch */
+    AMPC_MEM_KIND_COUNT
+} ampc_mem_kind;
+
+typedef struct {
+    size_t current[AMPC_MEM_KIND_COUNT];   /* bytes in use, by kind */
+    size_t peak[AMPC_MEM_KIND_COUNT];      /* peak of each kind since the last reset */
+    size_t current_total, peak_total;      /* all kinds together */
+    size_t cached;                         /* freed blocks kept for reuse */
+    size_t limit;                          /* 0: none */
+    uint64_t n_alloc, n_malloc;            /* allocations served; of them, new system blocks */
+} ampc_memory_stats_t;
+
+ampc_memory_stats_t ampc_memory_stats(void);
+const char *ampc_mem_kind_name(ampc_mem_kind k);
+void ampc_memory_reset_peak(void);
+/* Budget in bytes for memory in use (0: none). An allocation past it fails with AMPC_ERR_OOM. */
+void ampc_memory_set_limit(size_t bytes);
+void ampc_memory_empty_cache(void);   /* returns cached blocks to the system */
+
+// ---------------------------------------------------------------------------------------------
+// Tensors (contiguous, row-major, up to AMPC_MAX_DIMS dimensions)
+
+#define AMPC_MAX_DIMS 8
+typedef struct ampc_tensor ampc_tensor;
+
+/* New tensors belong to the current scope. Shape values must be >= 0. */
+ampc_tensor *ampc_tensor_empty(ampc_dtype dt, int ndim, const int64_t *shape);
+ampc_tensor *ampc_tensor_zeros(ampc_dtype dt, int ndim, const int64_t *shape);
+ampc_tensor *ampc_tensor_full(ampc_dtype dt, int ndim, const int64_t *shape, double value);
+/* Copies n = numel values from data, converting from f32 (rounding to nearest even). */
+ampc_tensor *ampc_tensor_from_f32(ampc_dtype dt, int ndim, const int64_t *shape, const float *data);
+ampc_tensor *ampc_tensor_from_f64(ampc_dtype dt, int ndim, const int64_t *shape, const double *data);
+ampc_tensor *ampc_tensor_from_i64(int ndim, const int64_t *shape, const int64_t *data);
+/* Uniform [lo, hi) / normal(mean, std) from the global generator. */
+ampc_tensor *ampc_tensor_rand(ampc_dtype dt, int ndim, const int64_t *shape, double lo, double hi);
+ampc_tensor *ampc_tensor_randn(ampc_dtype dt, int ndim, const int64_t *shape, double mean, double std);
+
+void ampc_tensor_free(ampc_tensor *t);      /* drop the owner's reference now (NULL: no-op) */
+ampc_tensor *ampc_tensor_keep(ampc_tensor *t); /* move to the enclosing scope; returns t */
+ampc_tensor *ampc_tensor_own(ampc_tensor *t);  /* out of all scopes: caller frees; returns t */
+
+ampc_dtype ampc_tensor_dtype(const ampc_tensor *t);
+ampc_device ampc_tensor_device(const ampc_tensor *t);
+int ampc_tensor_ndim(const ampc_tensor *t);
+int64_t ampc_tensor_dim(const ampc_tensor *t, int i);   /* negative i counts from the end */
+const int64_t *ampc_tensor_shape(const ampc_tensor *t);
+int64_t ampc_tensor_numel(const ampc_tensor *t);
+void *ampc_tensor_data(ampc_tensor *t);                 /* raw storage, in the tensor's dtype */
+const void *ampc_tensor_cdata(const ampc_tensor *t);
+/* Copy out converting to f32/f64 (n must be >= numel). */
+int ampc_tensor_to_f32(const ampc_tensor *t, float *dst, size_t n);
+int ampc_tensor_to_f64(const ampc_tensor *t, double *dst, size_t n);
+int ampc_tensor_copy_from_f32(ampc_tensor *t, const float *src, size_t n);   /* in place */
+double ampc_tensor_item(const ampc_tensor *t);          /* single-element tensor; NaN on error */
+/* New tensor (in the current scope) on device/dtype; no autograd history. */
+ampc_tensor *ampc_tensor_to(const ampc_tensor *t, ampc_device dev, ampc_dtype dt);
+
+/* Autograd flags. Only leaf tensors (not produced by a recorded op) can change requires_grad. */
+int ampc_tensor_set_requires_grad(ampc_tensor *t, bool on);
+bool ampc_tensor_requires_grad(const ampc_tensor *t);
+bool ampc_tensor_is_leaf(const ampc_tensor *t);
+ampc_tensor *ampc_tensor_grad(const ampc_tensor *t);     /* accumulated fp32 grad or NULL; owned by t */
+void ampc_tensor_zero_grad(ampc_tensor *t);              /* sets the grad to none */
+ampc_tensor *ampc_tensor_detach(ampc_tensor *t);         /* shares storage, no history */
+const char *ampc_tensor_grad_fn_name(const ampc_tensor *t); /* "LinearBackward", NULL for leaves */
+
+// ---------------------------------------------------------------------------------------------
+// Scopes
+
+void ampc_scope_begin(void);
+/* Releases every tensor created in the scope (that was not kept or owned). */
+void ampc_scope_end(void);
+int ampc_scope_depth(void);
+
+// ---------------------------------------------------------------------------------------------
+// Autograd
+
+/* Backpropagates from a single-element loss (or with an explicit grad of the same shape),
+   accumulating fp32 gradients into leaves that require grad. The graph is freed as it goes:
+   a second backward through the same graph is an error. */
+int ampc_backward(ampc_tensor *loss);
+int ampc_backward_with_grad(ampc_tensor *out, ampc_tensor *grad);
+void ampc_no_grad_enter(void);   /* nestable, thread-local: ops record no history */
+void ampc_no_grad_exit(void);
+bool ampc_grad_enabled(void);
+
+// ---------------------------------------------------------------------------------------------
+// Ops: each works in fp32/fp16/bf16 (and f64 on REF), records itself for backward, and obeys
+// autocast (see ampc_op_policy). Outputs belong to the current scope.
+
+typedef enum { AMPC_REDUCTION_MEAN = 0, AMPC_REDUCTION_SUM, AMPC_REDUCTION_NONE } ampc_reduction;
+
+ampc_tensor *ampc_add(ampc_tensor *a, ampc_tensor *b);   /* broadcasting, numpy rules */
+ampc_tensor *ampc_sub(ampc_tensor *a, ampc_tensor *b);
+ampc_tensor *ampc_mul(ampc_tensor *a, ampc_tensor *b);
+ampc_tensor *ampc_add_scalar(ampc_tensor *a, double s);
+ampc_tensor *ampc_mul_scalar(ampc_tensor *a, double s);
+ampc_tensor *ampc_relu(ampc_tensor *x);
+ampc_tensor *ampc_gelu(ampc_tensor *x);     /* exact (erf) form, PyTorch's default */
+ampc_tensor *ampc_tanh(ampc_tensor *x);
+ampc_tensor *ampc_sigmoid(ampc_tensor *x);
+ampc_tensor *ampc_exp(ampc_tensor *x);
+ampc_tensor *ampc_log(ampc_tensor *x);
+ampc_tensor *ampc_pow(ampc_tensor *x, double exponent);
+/* Sum of all elements (dim == AMPC_ALL_DIMS) or over one dim. */
+#define AMPC_ALL_DIMS 127
+ampc_tensor *ampc_sum(ampc_tensor *x, int dim, bool keepdim);
+ampc_tensor *ampc_mean(ampc_tensor *x, int dim, bool keepdim);
+ampc_tensor *ampc_reshape(ampc_tensor *x, int ndim, const int64_t *shape); /* one -1 allowed */
+ampc_tensor *ampc_flatten(ampc_tensor *x, int start_dim, int end_dim);
+ampc_tensor *ampc_cast(ampc_tensor *x, ampc_dtype dt);   /* differentiable */
+ampc_tensor *ampc_softmax(ampc_tensor *x, int dim);
+ampc_tensor *ampc_log_softmax(ampc_tensor *x, int dim);
+/* a (..., M, K) @ b (K, N) or batched (..., K, N); 1-d operands as numpy. */
+ampc_tensor *ampc_matmul(ampc_tensor *a, ampc_tensor *b);
+/* x (..., in) @ w(out, in)^T + b(out); b may be NULL. */
+ampc_tensor *ampc_linear(ampc_tensor *x, ampc_tensor *w, ampc_tensor *b);
+ampc_tensor *ampc_mse_loss(ampc_tensor *input, ampc_tensor *target, ampc_reduction r);
+typedef struct {
+    ampc_reduction reduction;   /* default MEAN (over non-ignored targets) */
+    double label_smoothing;     /* default 0 */
+    int64_t ignore_index;       /* default -100 */
+} ampc_cross_entropy_options;
+ampc_cross_entropy_options ampc_cross_entropy_defaults(void);
+/* logits (N, C), targets int64 (N); opts NULL: defaults. */
+ampc_tensor *ampc_cross_entropy(ampc_tensor *logits, ampc_tensor *targets,
+                                const ampc_cross_entropy_options *opts);
+/* Zeroes each element with probability p and scales the rest by 1/(1-p) when training. */
+ampc_tensor *ampc_dropout(ampc_tensor *x, double p, bool training);
+
+// ---------------------------------------------------------------------------------------------
+// Autocast: thread-local, nestable. enabled=false makes a region run in fp32.
+
+typedef enum {
+    AMPC_POLICY_UNSET = 0,   /* never in the table: a test checks every op has a policy */
+    AMPC_POLICY_LOWER,       /* cast floating inputs to the autocast dtype (matmul, linear) */
+    AMPC_POLICY_FP32,        /* cast floating inputs to fp32 (softmax, sum, losses, ...) */
+    AMPC_POLICY_PROMOTE,     /* cast all floating inputs to the widest among them */
+    AMPC_POLICY_PASSTHROUGH, /* run in the inputs' dtype (elementwise, shape ops) */
+} ampc_policy;
+
+typedef enum {
+    AMPC_OP_CAST = 0, AMPC_OP_ADD, AMPC_OP_SUB, AMPC_OP_MUL, AMPC_OP_ADD_SCALAR,
+    AMPC_OP_MUL_SCALAR, AMPC_OP_RELU, AMPC_OP_GELU, AMPC_OP_TANH, AMPC_OP_SIGMOID,
+    AMPC_OP_EXP, AMPC_OP_LOG, AMPC_OP_POW, AMPC_OP_SUM, AMPC_OP_MEAN, AMPC_OP_RESHAPE,
+    AMPC_OP_SOFTMAX, AMPC_OP_LOG_SOFTMAX, AMPC_OP_MATMUL, AMPC_OP_LINEAR, AMPC_OP_MSE_LOSS,
+    AMPC_OP_CROSS_ENTROPY, AMPC_OP_DROPOUT,
+    AMPC_OP_COUNT
+} ampc_op;
+
+const char *ampc_op_name(ampc_op op);                      /* "linear" */
+ampc_policy ampc_op_policy(ampc_op op, ampc_dtype autocast_dtype);
+const char *ampc_policy_name(ampc_policy p);
+
+void ampc_autocast_enter(ampc_dtype dtype, bool enabled);  /* AMPC_F16 or AMPC_BF16 */
+void ampc_autocast_exit(void);  /* leaving the outermost region clears the weight-cast cache */
+bool ampc_autocast_is_enabled(void);
+ampc_dtype ampc_autocast_dtype(void);
+int ampc_autocast_cache_size(void);   /* weight casts cached in this thread */
+
+// ---------------------------------------------------------------------------------------------
+// Modules
+
+typedef struct ampc_module ampc_module;
+
+/* Constructors initialise like PyTorch's defaults from the global generator (ampc_manual_seed).
+   Parameters are fp32 on the default device. */
+ampc_module *ampc_linear_new(int64_t in_features, int64_t out_features, bool bias);
+ampc_module *ampc_relu_new(void);
+ampc_module *ampc_gelu_new(void);
+ampc_module *ampc_tanh_new(void);
+ampc_module *ampc_sigmoid_new(void);
+ampc_module *ampc_dropout_new(double p);
+ampc_module *ampc_flatten_new(void);
+/* Takes ownership of the n children (named "0".."n-1"); NULL child: NULL result, all freed. */
+ampc_module *ampc_sequential(int n, ...);
+ampc_module *ampc_sequential_from(int n, ampc_module **children);
+
+ampc_tensor *ampc_module_forward(ampc_module *m, ampc_tensor *x);
+void ampc_module_train(ampc_module *m, bool training);    /* recursive */
+bool ampc_module_is_training(const ampc_module *m);
+const char *ampc_module_type(const ampc_module *m);       /* "Linear", "Sequential", ... */
+int ampc_module_num_children(const ampc_module *m);
+ampc_module *ampc_module_child(ampc_module *m, int i);
+/* Parameters in state_dict order with PyTorch names ("0.weight", "2.bias"). The arrays stay
+   valid until the module changes; n_out receives the count. */
+int ampc_module_parameters(ampc_module *m, ampc_tensor ***params, const char ***names);
+int64_t ampc_module_num_parameters(ampc_module *m, bool trainable_only);
+void ampc_module_requires_grad(ampc_module *m, bool on);  /* freeze / unfreeze recursively */
+void ampc_module_free(ampc_module *m);
+
+// ---------------------------------------------------------------------------------------------
+// Optimizers: update fp32 master weights in place from their fp32 grads; params without a
+// grad (frozen or unused) are skipped, like PyTorch.
+
+typedef struct ampc_optimizer ampc_optimizer;
+typedef struct {
+    double lr, momentum, dampening, weight_decay;
+    bool nesterov;
+} ampc_sgd_options;
+typedef struct {
+    double lr, beta1, beta2, eps, weight_decay;
+    bool amsgrad;
+} ampc_adam_options;
+ampc_sgd_options ampc_sgd_defaults(void);     /* lr 1e-3, rest 0 */
+ampc_adam_options ampc_adam_defaults(void);   /* lr 1e-3, betas (0.9, 0.999), eps 1e-8, wd 0 */
+ampc_adam_options ampc_adamw_defaults(void);  /* as Adam, wd 1e-2 */
+/* Over every parameter of m (trainable at step time). opts NULL: defaults. */
+ampc_optimizer *ampc_sgd_new(ampc_module *m, const ampc_sgd_options *opts);
+ampc_optimizer *ampc_adam_new(ampc_module *m, const ampc_adam_options *opts);
+ampc_optimizer *ampc_adamw_new(ampc_module *m, const ampc_adam_options *opts);
+/* Over an explicit parameter list (fp32 leaf tensors, not owned). */
+ampc_optimizer *ampc_sgd_new_params(ampc_tensor **params, int n, const ampc_sgd_options *opts);
+ampc_optimizer *ampc_adam_new_params(ampc_tensor **params, int n, const ampc_adam_options *opts);
+ampc_optimizer *ampc_adamw_new_params(ampc_tensor **params, int n, const ampc_adam_options *opts);
+int ampc_optimizer_step(ampc_optimizer *opt);
+void ampc_optimizer_zero_grad(ampc_optimizer *opt);        /* grads to none */
+double ampc_optimizer_get_lr(const ampc_optimizer *opt);
+void ampc_optimizer_set_lr(ampc_optimizer *opt, double lr);
+int ampc_optimizer_num_params(const ampc_optimizer *opt);
+ampc_tensor *ampc_optimizer_param(const ampc_optimizer *opt, int i);
+void ampc_optimizer_free(ampc_optimizer *opt);
+
+/* torch.nn.utils.clip_grad_norm_ (p=2): returns the total norm before clipping (may be inf/NaN),
+   or a negative status. With a scaler, call it after ampc_scaler_unscale. */
+double ampc_clip_grad_norm(ampc_optimizer *opt, double max_norm);
+
+// ---------------------------------------------------------------------------------------------
+// GradScaler. Defaults: init_scale 65536, growth 2.0, backoff 0.5, interval 2000, enabled;
+// min_scale 0, max_scale inf (no clamp), hysteresis 1 (back off at the first overflow): with
+// these defaults it behaves exactly like PyTorch's GradScaler.
+
+typedef struct ampc_scaler ampc_scaler;
+typedef struct {
+    float init_scale, growth_factor, backoff_factor;
+    int growth_interval;
+    bool enabled;
+    float min_scale, max_scale;
+    int hysteresis;   /* DeepSpeed-style: back off only at the hysteresis-th overflow in a row
+                         of overflowing updates without growth in between */
+} ampc_scaler_options;
+
+ampc_scaler_options ampc_scaler_defaults(void);
+ampc_scaler *ampc_scaler_new(const ampc_scaler_options *opts);   /* NULL: defaults */
+/* loss * scale, in fp32 (pass-through when disabled). */
+ampc_tensor *ampc_scaler_scale(ampc_scaler *s, ampc_tensor *loss);
+int ampc_scaler_unscale(ampc_scaler *s, ampc_optimizer *opt);   /* once per step; <0 error */
+int ampc_scaler_step(ampc_scaler *s, ampc_optimizer *opt);      /* 1 applied, 0 skipped, <0 error */
+int ampc_scaler_update(ampc_scaler *s);                         /* <0: no step recorded */
+void ampc_scaler_set_scale(ampc_scaler *s, float new_scale);
+float ampc_scaler_get_scale(const ampc_scaler *s);     /* 1.0 when disabled */
+int ampc_scaler_growth_tracker(const ampc_scaler *s);
+bool ampc_scaler_is_enabled(const ampc_scaler *s);
+int64_t ampc_scaler_steps_applied(const ampc_scaler *s);
+int64_t ampc_scaler_steps_skipped(const ampc_scaler *s);
+/* Whether the last unscale of opt found an inf/NaN gradient. */
+bool ampc_scaler_found_inf(const ampc_scaler *s, const ampc_optimizer *opt);
+void ampc_scaler_free(ampc_scaler *s);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* AMPC_H */

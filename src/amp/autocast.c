@@ -1,0 +1,190 @@
+/*
+ * autocast.c - the op policy table, the thread-local autocast state and the weight-cast cache.
+ *
+ * Policies follow PyTorch's CUDA autocast lists (aten/src/ATen/autocast_mode.cpp) for the ops
+ * ampc has, for fp16 and bf16 alike: matmul-like ops run in the lower precision; reductions
+ * that PyTorch lists as fp32 (sum, softmax, log_softmax, exp, log, pow) and every loss run in
+ * fp32; ops PyTorch leaves out of its lists (elementwise, mean, reshape, dropout) run in the
+ * inputs' dtype, with ordinary type promotion for binary ops.
+ */
+#include "ops/ops.h"
+
+#include <stdlib.h>
+
+typedef struct { ampc_policy f16, bf16; } policy_row;
+
+#define BOTH(p) {AMPC_POLICY_##p, AMPC_POLICY_##p}
+static const policy_row policy_table[AMPC_OP_COUNT] = {
+    [AMPC_OP_CAST] = BOTH(PASSTHROUGH),
+    [AMPC_OP_ADD] = BOTH(PASSTHROUGH),
+    [AMPC_OP_SUB] = BOTH(PASSTHROUGH),
+    [AMPC_OP_MUL] = BOTH(PASSTHROUGH),
+    [AMPC_OP_ADD_SCALAR] = BOTH(PASSTHROUGH),
+    [AMPC_OP_MUL_SCALAR] = BOTH(PASSTHROUGH),
+    [AMPC_OP_RELU] = BOTH(PASSTHROUGH),
+    [AMPC_OP_GELU] = BOTH(PASSTHROUGH),
+    [AMPC_OP_TANH] = BOTH(PASSTHROUGH),
+    [AMPC_OP_SIGMOID] = BOTH(PASSTHROUGH),
+    [AMPC_OP_EXP] = BOTH(FP32),
+    [AMPC_OP_LOG] = BOTH(FP32),
+    [AMPC_OP_POW] = BOTH(FP32),
+    [AMPC_OP_SUM] = BOTH(FP32),
+    [AMPC_OP_MEAN] = BOTH(PASSTHROUGH),
+    [AMPC_OP_RESHAPE] = BOTH(PASSTHROUGH),
+    [AMPC_OP_SOFTMAX] = BOTH(FP32),
+    [AMPC_OP_LOG_SOFTMAX] = BOTH(FP32),
+    [AMPC_OP_MATMUL] = BOTH(LOWER),
+    [AMPC_OP_LINEAR] = BOTH(LOWER),
+    [AMPC_OP_MSE_LOSS] = BOTH(FP32),
+    [AMPC_OP_CROSS_ENTROPY] = BOTH(FP32),
+    [AMPC_OP_DROPOUT] = BOTH(PASSTHROUGH),
+};
+
+static const char *op_names[AMPC_OP_COUNT] = {
+    [AMPC_OP_CAST] = "cast", [AMPC_OP_ADD] = "add", [AMPC_OP_SUB] = "sub", [AMPC_OP_MUL] = "mul",
+    [AMPC_OP_ADD_SCALAR] = "add_scalar", [AMPC_OP_MUL_SCALAR] = "mul_scalar", [AMPC_OP_RELU] = "relu",
+    [AMPC_OP_GELU] = "gelu", [AMPC_OP_TANH] = "tanh", [AMPC_OP_SIGMOID] = "sigmoid", [AMPC_OP_EXP] = "exp",
+    [AMPC_OP_LOG] = "log", [AMPC_OP_POW] = "pow", [AMPC_OP_SUM] = "sum", [AMPC_OP_MEAN] = "mean",
+    [AMPC_OP_RESHAPE] = "reshape", [AMPC_OP_SOFTMAX] = "softmax", [AMPC_OP_LOG_SOFTMAX] = "log_softmax",
+    [AMPC_OP_MATMUL] = "matmul", [AMPC_OP_LINEAR] = "linear", [AMPC_OP_MSE_LOSS] = "mse_loss",
+    [AMPC_OP_CROSS_ENTROPY] = "cross_entropy", [AMPC_OP_DROPOUT] = "dropout",
+};
+
+const char *ampc_op_name(ampc_op op) {
+    return (unsigned)op < AMPC_OP_COUNT && op_names[op] ? op_names[op] : "?";
+}
+
+ampc_policy ampc_op_policy(ampc_op op, ampc_dtype autocast_dtype) {
+    if ((unsigned)op >= AMPC_OP_COUNT) return AMPC_POLICY_UNSET;
+    return autocast_dtype == AMPC_BF16 ? policy_table[op].bf16 : policy_table[op].f16;
+}
+
+const char *ampc_policy_name(ampc_policy p) {
+    switch (p) {
+    case AMPC_POLICY_LOWER: return "lower_precision";
+    case AMPC_POLICY_FP32: return "fp32";
+    case AMPC_POLICY_PROMOTE: return "promote";
+    case AMPC_POLICY_PASSTHROUGH: return "passthrough";
+    default: return "unset";
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Thread-local state
+
+#define MAX_NEST 64
+typedef struct { bool enabled; ampc_dtype dtype; } region;
+
+static _Thread_local region stack[MAX_NEST];
+static _Thread_local int depth;      /* regions entered (PyTorch's nesting counter) */
+
+typedef struct { ampc_tensor *key, *value; } cache_entry;
+static _Thread_local cache_entry *cache;
+static _Thread_local int cache_n, cache_cap;
+
+void ampc_autocast_enter(ampc_dtype dtype, bool enabled) {
+    if (dtype != AMPC_F16 && dtype != AMPC_BF16) {
+        ampc__err(AMPC_ERR_DTYPE, "autocast dtype must be f16 or bf16, not %s; autocast disabled in this region",
+                  ampc_dtype_name(dtype));
+        enabled = false;
+        dtype = AMPC_BF16;
+    }
+    if (depth < MAX_NEST) stack[depth] = (region){enabled, dtype};
+    depth++;
+}
+
+void ampc__autocast_clear_cache(void) {
+    for (int i = 0; i < cache_n; i++) {
+        ampc__release(cache[i].value);
+        ampc__release(cache[i].key);
+    }
+    cache_n = 0;
+}
+
+void ampc_autocast_exit(void) {
+    if (depth == 0) {
+        ampc__err(AMPC_ERR_STATE, "autocast_exit without a matching autocast_enter");
+        return;
+    }
+    if (--depth == 0) ampc__autocast_clear_cache();
+}
+
+static const region *current(void) {
+    if (depth == 0) return NULL;
+    return &stack[(depth <= MAX_NEST ? depth : MAX_NEST) - 1];
+}
+
+bool ampc_autocast_is_enabled(void) {
+    const region *r = current();
+    return r && r->enabled;
+}
+
+ampc_dtype ampc_autocast_dtype(void) {
+    const region *r = current();
+    return r ? r->dtype : AMPC_F16;   /* PyTorch's default for CUDA autocast */
+}
+
+int ampc_autocast_cache_size(void) { return cache_n; }
+
+// ---------------------------------------------------------------------------------------------
+// Casting inputs
+
+static bool eligible(const ampc_tensor *t) {
+    return t && ampc__dt(t->dtype)->is_float && t->dtype != AMPC_F64;
+}
+
+/* Casts to the lower-precision dtype, through the cache for fp32 leaves that require grad. */
+static ampc_tensor *cached_cast(ampc_tensor *x, ampc_dtype dt) {
+    bool can_cache = x->dtype == AMPC_F32 && x->requires_grad && !x->grad_fn;
+    if (can_cache)
+        for (int i = 0; i < cache_n; i++)
+            if (cache[i].key == x) return ampc__retain(cache[i].value);
+    ampc_tensor *y = ampc__cast_record(x, dt);
+    if (!y || !can_cache) return y;
+    if (cache_n == cache_cap) {
+        int cap = cache_cap ? 2 * cache_cap : 64;
+        cache_entry *c = realloc(cache, (size_t)cap * sizeof *c);
+        if (!c) return y;   /* no cache entry: still correct, just not shared */
+        cache = c;
+        cache_cap = cap;
+    }
+    cache[cache_n++] = (cache_entry){ampc__retain(x), ampc__retain(y)};
+    return y;
+}
+
+static int replace(ampc_tensor **slot, ampc_tensor *with) {
+    if (!with) return ampc_last_status();
+    ampc__release(*slot);
+    *slot = with;
+    return AMPC_OK;
+}
+
+int ampc__autocast_apply(ampc_op op, ampc_tensor **in, int n) {
+    const region *r = current();
+    if (!r || !r->enabled) return AMPC_OK;
+    ampc_policy p = ampc_op_policy(op, r->dtype);
+    int rc = AMPC_OK;
+    switch (p) {
+    case AMPC_POLICY_LOWER:
+        for (int i = 0; i < n && rc >= 0; i++)
+            if (eligible(in[i]) && in[i]->dtype != r->dtype) rc = replace(&in[i], cached_cast(in[i], r->dtype));
+        break;
+    case AMPC_POLICY_FP32:
+        for (int i = 0; i < n && rc >= 0; i++)
+            if (eligible(in[i]) && in[i]->dtype != AMPC_F32) rc = replace(&in[i], ampc__cast_record(in[i], AMPC_F32));
+        break;
+    case AMPC_POLICY_PROMOTE: {
+        ampc_dtype widest = AMPC_DTYPE_COUNT;
+        for (int i = 0; i < n; i++)
+            if (eligible(in[i])) widest = widest == AMPC_DTYPE_COUNT ? in[i]->dtype : ampc__promote(widest, in[i]->dtype);
+        for (int i = 0; i < n && rc >= 0; i++)
+            if (eligible(in[i]) && in[i]->dtype != widest) rc = replace(&in[i], ampc__cast_record(in[i], widest));
+        break;
+    }
+    case AMPC_POLICY_PASSTHROUGH:
+        break;
+    default:
+        rc = ampc__err(AMPC_ERR_STATE, "op %s has no autocast policy", ampc_op_name(op));
+    }
+    return rc;
+}

@@ -1,0 +1,65 @@
+/*
+ * autograd.h - the define-by-run tape.
+ *
+ * Every recorded op makes one node, owned by its output tensor (grad_fn). A node holds edges
+ * to the nodes of its inputs (their grad_fn, or an AccumulateGrad node for leaves that require
+ * grad), the tensors it saved for backward, and the metadata (shape, dtype) of its inputs.
+ * ampc_backward runs the nodes in topological order; each node's saved tensors are released
+ * right after its backward ran, and each intermediate gradient once it has been propagated.
+ */
+#ifndef AMPC_AUTOGRAD_H
+#define AMPC_AUTOGRAD_H
+
+#include "core/core.h"
+
+#define AMPC_NODE_MAX_INPUTS 3
+#define AMPC_NODE_MAX_SAVED 4
+
+/* Computes the gradient of each input i that needs one (n->next[i] != NULL) from gy, the
+   gradient of the output. gx[i] receive new tensors owned by the engine (or NULL when not
+   needed). Runs with grad mode off. Returns AMPC_OK or a negative status. */
+typedef int (*ampc_backward_fn)(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx);
+
+typedef struct {
+    int ndim;
+    int64_t shape[AMPC_MAX_DIMS];
+    ampc_dtype dtype;
+} ampc_meta;
+
+struct ampc_node {
+    atomic_int refcount;
+    const char *name;                 /* "LinearBackward" */
+    ampc_backward_fn backward;
+    int n_inputs;
+    ampc_node *next[AMPC_NODE_MAX_INPUTS];   /* owning; NULL: input needs no grad */
+    ampc_meta in[AMPC_NODE_MAX_INPUTS];      /* metadata of each input */
+    ampc_tensor *saved[AMPC_NODE_MAX_SAVED]; /* owning */
+    double f[4];                      /* op parameters */
+    int64_t i[4];
+    void *extra;                      /* op-owned buffer (ampc__free'd with extra_bytes) */
+    size_t extra_bytes;
+    ampc_tensor *leaf;                /* AccumulateGrad: the leaf (owning) */
+    bool released;                    /* backward ran: saved tensors are gone */
+    /* backward bookkeeping */
+    int deps;
+    ampc_tensor *grad;                /* gradient of this node's output, accumulated */
+    ampc_node *pool_next;
+};
+
+/* Should an op with these inputs record a node? (grad mode on and some input requires grad) */
+bool ampc__needs_grad(ampc_tensor *const *inputs, int n);
+/* New node for the op with the given inputs: edges to their grad nodes, metadata copied.
+   Returns NULL on allocation failure (error set). */
+ampc_node *ampc__node_new(const char *name, ampc_backward_fn fn, ampc_tensor *const *inputs, int n);
+/* Saves t (takes a new reference). */
+void ampc__node_save(ampc_node *n, int slot, ampc_tensor *t);
+/* Makes out the node's output: out->grad_fn = n (takes the caller's reference to n),
+   out->requires_grad = true. */
+void ampc__node_attach(ampc_node *n, ampc_tensor *out);
+void ampc__node_release(ampc_node *n);
+ampc_node *ampc__node_retain(ampc_node *n);
+
+/* Gradient accumulation into a leaf's .grad (fp32 for fp32 leaves), used by AccumulateGrad. */
+int ampc__accumulate_grad(ampc_tensor *leaf, ampc_tensor *g);
+
+#endif /* AMPC_AUTOGRAD_H */

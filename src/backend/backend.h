@@ -1,0 +1,125 @@
+/*
+ * backend.h - the device seam: a table of kernel function pointers per device.
+ *
+ * Ops (src/ops) check shapes and dtypes, then call ampc__backend(dev)->kernel(...). Nothing
+ * above src/backend/ knows which table runs. A NULL entry means "not supported here": the op
+ * reports AMPC_ERR_UNSUPPORTED. All tensors given to kernels are contiguous; kernels never
+ * allocate tensors, only scratch through ampc__alloc(..., AMPC_MEM_WORKSPACE, ...).
+ *
+ * CPU (src/backend/cpu): f32/f16/bf16 storage, f32 compute, oneDNN for matmul.
+ * REF (src/backend/ref): f64 only, plain loops: the oracle of the tests.
+ */
+#ifndef AMPC_BACKEND_H
+#define AMPC_BACKEND_H
+
+#include "core/core.h"
+
+typedef enum {
+    AMPC_UNARY_RELU = 0,
+    AMPC_UNARY_GELU,      /* exact: x * Phi(x) */
+    AMPC_UNARY_TANH,
+    AMPC_UNARY_SIGMOID,
+    AMPC_UNARY_EXP,
+    AMPC_UNARY_LOG,
+    AMPC_UNARY_POW,       /* x^alpha */
+    AMPC_UNARY_SCALE,     /* alpha * x */
+    AMPC_UNARY_ADD_SCALAR,/* x + alpha */
+    AMPC_UNARY_COUNT
+} ampc_unary_op;
+
+typedef enum { AMPC_BINARY_ADD = 0, AMPC_BINARY_SUB, AMPC_BINARY_MUL, AMPC_BINARY_COUNT } ampc_binary_op;
+
+/* C[b] = op(A[b]) @ op(B[b]) (+ bias over columns), b < batch; op = transpose if ta/tb.
+   A is (M, K) or (K, M) when ta; B is (K, N) or (N, K) when tb; C is (M, N), all row-major.
+   stride_* are batch strides in elements, 0 to broadcast one matrix to every batch. */
+typedef struct {
+    int64_t batch, M, N, K;
+    bool ta, tb;
+    int64_t stride_a, stride_b, stride_c;
+} ampc_gemm_desc;
+
+typedef struct {
+    int64_t outer, dim, inner;   /* x viewed as (outer, dim, inner); reduce along dim */
+} ampc_axis_desc;
+
+typedef struct {
+    double lr, momentum, dampening, weight_decay;
+    bool nesterov;
+} ampc_sgd_hparams;
+
+typedef struct {
+    double lr, beta1, beta2, eps, weight_decay;
+    bool amsgrad, decoupled;   /* decoupled: AdamW */
+    int64_t step;              /* 1 at the first step */
+} ampc_adam_hparams;
+
+typedef struct ampc_backend {
+    const char *name;
+    bool host_memory;          /* storage readable by the CPU (true for CPU and REF) */
+    bool dtypes[AMPC_DTYPE_COUNT];   /* storage dtypes this device holds */
+    void *(*raw_alloc)(size_t nbytes);   /* 64-byte aligned */
+    void (*raw_free)(void *p);
+
+    /* dst = src converted (same numel; any dtypes the device holds) */
+    int (*copy)(const ampc_tensor *src, ampc_tensor *dst);
+    int (*fill)(ampc_tensor *t, double value);
+    /* y = f(x); x and y may be the same tensor */
+    int (*unary)(ampc_unary_op op, const ampc_tensor *x, ampc_tensor *y, double alpha);
+    /* gx = gy * f'(x); y = f(x) is given too (sigmoid/tanh/exp use it) */
+    int (*unary_backward)(ampc_unary_op op, const ampc_tensor *x, const ampc_tensor *y,
+                          const ampc_tensor *gy, ampc_tensor *gx, double alpha);
+    /* out = a op b with numpy broadcasting; out has the broadcast shape; same dtype */
+    int (*binary)(ampc_binary_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out);
+    /* out = alpha * (x summed down to out's shape): out's shape right-aligned against x's,
+       each out dim 1 or equal; f32 accumulation (f64 on REF). */
+    int (*sum_to)(const ampc_tensor *x, ampc_tensor *out, double alpha);
+    /* out = alpha * x broadcast up to out's shape (the inverse of sum_to) */
+    int (*expand)(const ampc_tensor *x, ampc_tensor *out, double alpha);
+    /* softmax / log-softmax along the axis */
+    int (*softmax)(const ampc_tensor *x, ampc_tensor *y, ampc_axis_desc ax, bool log);
+    int (*softmax_backward)(const ampc_tensor *y, const ampc_tensor *gy, ampc_tensor *gx,
+                            ampc_axis_desc ax, bool log);
+    /* c = a @ b (+ bias); a, b, bias, c share one dtype; accumulation in f32, one rounding */
+    int (*gemm)(const ampc_gemm_desc *d, const ampc_tensor *a, const ampc_tensor *b,
+                const ampc_tensor *bias, ampc_tensor *c);
+    /* logits (N, C) float, targets (N) i64. out: (N) per-sample losses (reduction NONE) or a
+       single value (MEAN/SUM). *weight_out: the divisor used by MEAN (count of non-ignored). */
+    int (*cross_entropy)(const ampc_tensor *logits, const ampc_tensor *targets,
+                         const ampc_cross_entropy_options *o, ampc_tensor *out,
+                         double *weight_out);
+    /* gx = d loss / d logits given gy (scalar or (N)) */
+    int (*cross_entropy_backward)(const ampc_tensor *logits, const ampc_tensor *targets,
+                                  const ampc_tensor *gy, const ampc_cross_entropy_options *o,
+                                  double weight, ampc_tensor *gx);
+    /* y = x * mask / (1 - p), mask (numel bytes, 0/1) written from the rng stream */
+    int (*dropout)(const ampc_tensor *x, ampc_tensor *y, uint8_t *mask, double p, ampc_rng_state rng);
+    int (*dropout_backward)(const ampc_tensor *gy, const uint8_t *mask, double p, ampc_tensor *gx);
+
+    /* GradScaler: for every grad g: if any element non-finite, *found_inf = 1; g *= inv_scale
+       (skipped when inv_scale == 1). One pass over all gradients. */
+    int (*unscale_check)(ampc_tensor **grads, int n, float inv_scale, float *found_inf);
+    /* sum of squares of all elements, in double */
+    int (*sum_squares)(const ampc_tensor *t, double *out);
+    /* optimizer updates of fp32 master weights (buffers may be NULL when unused) */
+    int (*sgd_step)(ampc_tensor *param, const ampc_tensor *grad, ampc_tensor *momentum_buf,
+                    bool first, const ampc_sgd_hparams *h);
+    int (*adam_step)(ampc_tensor *param, const ampc_tensor *grad, ampc_tensor *exp_avg,
+                     ampc_tensor *exp_avg_sq, ampc_tensor *max_exp_avg_sq,
+                     const ampc_adam_hparams *h);
+    void (*shutdown)(void);
+} ampc_backend;
+
+const ampc_backend *ampc__backend(ampc_device dev);
+
+/* Each backend file fills its table (called once from ampc_init). */
+void ampc__cpu_backend_init(ampc_backend *be);
+void ampc__ref_backend_init(ampc_backend *be);
+/* The CPU table is assembled from these, one per kernel file. */
+void ampc__cpu_register_elementwise(ampc_backend *be);
+void ampc__cpu_register_gemm(ampc_backend *be);
+void ampc__cpu_register_optim(ampc_backend *be);
+void ampc__ref_register_elementwise(ampc_backend *be);
+void ampc__ref_register_gemm(ampc_backend *be);
+void ampc__ref_register_optim(ampc_backend *be);
+
+#endif /* AMPC_BACKEND_H */

@@ -1,0 +1,66 @@
+/*
+ * cpu_backend.c - the CPU table: host memory, f32/f16/bf16 (and i64 labels) storage, f32
+ * compute. Copy and fill live here; the other kernels in one file per family.
+ */
+#include "backend/backend.h"
+#include "backend/cpu/cpu.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static void *cpu_alloc(size_t n) { return aligned_alloc(64, (n + 63) & ~(size_t)63); }
+static void cpu_free(void *p) { free(p); }
+
+/* Converting copy: through f32 chunks for float dtypes, memcpy when dtypes agree. */
+static int cpu_copy(const ampc_tensor *src, ampc_tensor *dst) {
+    size_t n = (size_t)src->numel;
+    const ampc_dtype_traits *ts = ampc__dt(src->dtype), *td = ampc__dt(dst->dtype);
+    const char *s = ampc__data(src);
+    char *d = ampc__data(dst);
+    if (src->dtype == dst->dtype) {
+        if (s != d) memcpy(d, s, n * ts->size);
+        return AMPC_OK;
+    }
+    int nt = ampc__threads_for((int64_t)n);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (size_t base = 0; base < n; base += AMPC_CPU_CHUNK) {
+        float buf[AMPC_CPU_CHUNK];
+        size_t m = n - base < AMPC_CPU_CHUNK ? n - base : AMPC_CPU_CHUNK;
+        ts->to_f32(s + base * ts->size, buf, m);
+        td->from_f32(buf, d + base * td->size, m);
+    }
+    return AMPC_OK;
+}
+
+static int cpu_fill(ampc_tensor *t, double value) {
+    size_t n = (size_t)t->numel, sz = ampc__dt(t->dtype)->size;
+    char *d = ampc__data(t);
+    if (n == 0) return AMPC_OK;
+    char one[8];
+    if (t->dtype == AMPC_I64) {
+        int64_t v = (int64_t)value;
+        memcpy(one, &v, 8);
+    } else {
+        ampc__dt(t->dtype)->from_f64(&value, one, 1);
+    }
+    if (sz == 4 && !memcmp(one, (char[4]){0}, 4)) {
+        memset(d, 0, n * sz);
+        return AMPC_OK;
+    }
+    for (size_t i = 0; i < n; i++) memcpy(d + i * sz, one, sz);
+    return AMPC_OK;
+}
+
+void ampc__cpu_backend_init(ampc_backend *be) {
+    memset(be, 0, sizeof *be);
+    be->name = "cpu";
+    be->host_memory = true;
+    be->dtypes[AMPC_F32] = be->dtypes[AMPC_F16] = be->dtypes[AMPC_BF16] = be->dtypes[AMPC_I64] = true;
+    be->raw_alloc = cpu_alloc;
+    be->raw_free = cpu_free;
+    be->copy = cpu_copy;
+    be->fill = cpu_fill;
+    ampc__cpu_register_elementwise(be);
+    ampc__cpu_register_gemm(be);
+    ampc__cpu_register_optim(be);
+}

@@ -1,0 +1,146 @@
+/*
+ * core.h - internal core of ampc: dtype table, storage and caching allocator, tensor struct,
+ * scopes, errors and the random generator. Everything above src/core/ includes this.
+ */
+#ifndef AMPC_CORE_H
+#define AMPC_CORE_H
+
+#include "ampc.h"
+
+#include <stdatomic.h>
+#include <stdio.h>
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+
+/* Records a failure (printf-style message) and returns status, for `return ampc__err(...)`. */
+int ampc__err(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Same, for functions that return a pointer. */
+void *ampc__err_null(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void ampc__ensure_init(void);
+
+// ---------------------------------------------------------------------------------------------
+// Dtypes: one table, the only place dtype facts live.
+
+typedef struct {
+    const char *name;
+    size_t size;
+    bool is_float;
+    /* n values of this dtype to/from f32 and f64 (round to nearest even when narrowing) */
+    void (*to_f32)(const void *src, float *dst, size_t n);
+    void (*from_f32)(const float *src, void *dst, size_t n);
+    void (*to_f64)(const void *src, double *dst, size_t n);
+    void (*from_f64)(const double *src, void *dst, size_t n);
+    double unit_roundoff;   /* 2^-24, 2^-11, 2^-8, 2^-53; 0 for integers */
+    double max_finite;
+} ampc_dtype_traits;
+
+extern const ampc_dtype_traits ampc__dtype_traits[AMPC_DTYPE_COUNT];
+static inline const ampc_dtype_traits *ampc__dt(ampc_dtype dt) { return &ampc__dtype_traits[dt]; }
+/* Plain C scalar loops (the fallback and the reference for the vectorized ones). */
+void ampc__f32_to_f16_c(const float *src, uint16_t *dst, size_t n);
+void ampc__f16_to_f32_c(const uint16_t *src, float *dst, size_t n);
+void ampc__f32_to_bf16_c(const float *src, uint16_t *dst, size_t n);
+void ampc__bf16_to_f32_c(const uint16_t *src, float *dst, size_t n);
+void ampc__convert_init(void);   /* picks vectorized conversions from CPU features */
+
+/* Wider of two float dtypes (PyTorch promotion: f16+bf16 -> f32). */
+ampc_dtype ampc__promote(ampc_dtype a, ampc_dtype b);
+
+// ---------------------------------------------------------------------------------------------
+// Storage and the caching allocator
+
+typedef struct ampc_storage {
+    void *data;
+    size_t nbytes;          /* bytes requested */
+    size_t block_bytes;     /* bytes of the cached block (rounded up) */
+    ampc_mem_kind kind;
+    ampc_device device;
+    atomic_int refcount;
+} ampc_storage;
+
+/* Raw blocks (64-byte aligned) counted under kind; NULL + AMPC_ERR_OOM past the limit. */
+void *ampc__alloc(ampc_device dev, size_t nbytes, ampc_mem_kind kind, size_t *block_bytes);
+void ampc__free(ampc_device dev, void *p, size_t block_bytes, ampc_mem_kind kind);
+/* Moves an allocation's bytes from one kind's count to another's. */
+void ampc__mem_retag(size_t block_bytes, ampc_mem_kind from, ampc_mem_kind to);
+
+ampc_storage *ampc__storage_new(ampc_device dev, size_t nbytes, ampc_mem_kind kind);
+void ampc__storage_retain(ampc_storage *s);
+void ampc__storage_release(ampc_storage *s);
+void ampc__storage_set_kind(ampc_storage *s, ampc_mem_kind kind);
+
+/* Fixed-size header pools (tensors, storages, nodes): no malloc once warm. */
+typedef struct { size_t obj_size; void *free_list; } ampc_pool;
+void *ampc__pool_get(ampc_pool *pool);   /* zeroed object */
+void ampc__pool_put(ampc_pool *pool, void *p);
+void ampc__pool_drain(ampc_pool *pool);
+
+/* Kind given to new tensors on this thread (activations unless a module/optimizer says). */
+ampc_mem_kind ampc__mem_kind_push(ampc_mem_kind k);   /* returns the previous kind */
+void ampc__mem_kind_pop(ampc_mem_kind prev);
+ampc_mem_kind ampc__current_mem_kind(void);
+
+// ---------------------------------------------------------------------------------------------
+// Tensors
+
+typedef struct ampc_node ampc_node;
+typedef struct ampc_scope_rec ampc_scope_rec;
+
+struct ampc_tensor {
+    ampc_storage *storage;
+    ampc_dtype dtype;
+    ampc_device device;
+    int ndim;
+    int64_t shape[AMPC_MAX_DIMS];
+    int64_t numel;
+    atomic_int refcount;
+    bool requires_grad;
+    ampc_node *grad_fn;       /* owning ref; NULL for leaves */
+    ampc_node *grad_acc;      /* weak: the AccumulateGrad node of a leaf, if one exists */
+    ampc_tensor *grad;        /* owning ref: accumulated gradient of a leaf */
+    /* scope membership (the scope's reference) */
+    ampc_scope_rec *scope;
+    ampc_tensor *scope_prev, *scope_next;
+    ampc_tensor *pool_next;   /* free list of tensor headers */
+};
+
+static inline void *ampc__data(const ampc_tensor *t) { return t->storage ? t->storage->data : NULL; }
+static inline size_t ampc__nbytes(const ampc_tensor *t) { return (size_t)t->numel * ampc__dt(t->dtype)->size; }
+
+/* New tensor with refcount 1 owned by the caller (in no scope), storage uninitialised. */
+ampc_tensor *ampc__tensor_new(ampc_dtype dt, ampc_device dev, int ndim, const int64_t *shape);
+/* New header sharing t's storage with another shape of the same numel (a view). */
+ampc_tensor *ampc__tensor_view(ampc_tensor *t, int ndim, const int64_t *shape);
+ampc_tensor *ampc__tensor_like(const ampc_tensor *t, ampc_dtype dt);
+ampc_tensor *ampc__retain(ampc_tensor *t);   /* returns t */
+void ampc__release(ampc_tensor *t);          /* NULL: no-op */
+/* Gives the caller's reference to the current scope; returns t (NULL passes through). */
+ampc_tensor *ampc__scope_adopt(ampc_tensor *t);
+int64_t ampc__numel(int ndim, const int64_t *shape);
+bool ampc__same_shape(const ampc_tensor *a, const ampc_tensor *b);
+/* "(2, 3, 4)" into buf. */
+const char *ampc__shape_str(const ampc_tensor *t, char *buf, size_t n);
+/* Converting copy between any dtypes/devices with the same numel. */
+int ampc__copy(const ampc_tensor *src, ampc_tensor *dst);
+ampc_device ampc__default_device(void);
+
+// ---------------------------------------------------------------------------------------------
+// Random numbers: Philox4x32-10, counter based, so results don't depend on thread count.
+
+typedef struct { uint64_t seed, offset; } ampc_rng_state;
+/* Reserves n 32-bit draws from the global generator: returns (seed, offset) to use them. */
+ampc_rng_state ampc__rng_reserve(uint64_t n);
+/* The 4 32-bit outputs of block `counter` for key seed. */
+void ampc__philox(uint64_t seed, uint64_t counter, uint32_t out[4]);
+/* Draw i of a reserved stream, as a uniform float in [0, 1) with 24 random bits. */
+float ampc__rng_uniform(ampc_rng_state st, uint64_t i);
+uint32_t ampc__rng_u32(ampc_rng_state st, uint64_t i);
+
+// ---------------------------------------------------------------------------------------------
+// Threads
+
+/* Number of OpenMP threads worth using for n elements of light work. */
+int ampc__threads_for(int64_t n);
+
+#endif /* AMPC_CORE_H */

@@ -1,0 +1,92 @@
+/*
+ * init.c - library start-up (CPU features, conversion dispatch, backend tables), shutdown,
+ * threads.
+ */
+#include "backend/backend.h"
+#include "core/convert.h"
+
+#include <omp.h>
+#include <pthread.h>
+#include <string.h>
+
+static ampc_backend backends[AMPC_DEVICE_COUNT];
+static pthread_once_t init_once = PTHREAD_ONCE_INIT;
+static char features[128];
+
+static void do_init(void) {
+    __builtin_cpu_init();
+    static const char *names[] = {"avx512bf16", "avx512bw", "avx512f", "f16c", "avx2", "fma"};
+    static const char *shown[] = {"avx512_bf16", "avx512bw", "avx512f", "f16c", "avx2", "fma"};
+    size_t k = 0;
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
+        bool has = false;
+        /* __builtin_cpu_supports needs literal strings */
+        switch (i) {
+        case 0: has = __builtin_cpu_supports("avx512bf16"); break;
+        case 1: has = __builtin_cpu_supports("avx512bw"); break;
+        case 2: has = __builtin_cpu_supports("avx512f"); break;
+        case 3: has = __builtin_cpu_supports("f16c"); break;
+        case 4: has = __builtin_cpu_supports("avx2"); break;
+        case 5: has = __builtin_cpu_supports("fma"); break;
+        }
+        (void)names;
+        if (has) k += (size_t)snprintf(features + k, sizeof features - k, "%s%s", k ? " " : "", shown[i]);
+    }
+    ampc__convert_init();
+    ampc__cpu_backend_init(&backends[AMPC_DEVICE_CPU]);
+    ampc__ref_backend_init(&backends[AMPC_DEVICE_REF]);
+}
+
+void ampc__ensure_init(void) { pthread_once(&init_once, do_init); }
+
+int ampc_init(void) {
+    ampc__ensure_init();
+    return AMPC_OK;
+}
+
+const ampc_backend *ampc__backend(ampc_device dev) {
+    ampc__ensure_init();
+    return &backends[dev];
+}
+
+const char *ampc_device_name(ampc_device d) {
+    switch (d) {
+    case AMPC_DEVICE_CPU: return "cpu";
+    case AMPC_DEVICE_REF: return "ref";
+    default: return "?";
+    }
+}
+
+const char *ampc_cpu_features(void) {
+    ampc__ensure_init();
+    return features;
+}
+
+void ampc__scopes_clear_all(void);
+void ampc__tensor_pool_drain(void);
+void ampc__node_pool_drain(void);
+void ampc__autocast_clear_cache(void);
+
+void ampc_shutdown(void) {
+    ampc__ensure_init();
+    ampc__autocast_clear_cache();
+    ampc__scopes_clear_all();
+    for (int d = 0; d < AMPC_DEVICE_COUNT; d++)
+        if (backends[d].shutdown) backends[d].shutdown();
+    ampc_memory_empty_cache();
+    ampc__tensor_pool_drain();
+    ampc__node_pool_drain();
+}
+
+void ampc_set_num_threads(int n) {
+    if (n > 0) omp_set_num_threads(n);
+}
+int ampc_get_num_threads(void) { return omp_get_max_threads(); }
+
+int ampc__threads_for(int64_t n) {
+    /* below ~32K light elements a parallel region costs more than it saves */
+    if (n < 32768) return 1;
+    int t = omp_get_max_threads();
+    int64_t by_size = n / 16384;
+    return by_size < t ? (int)by_size : t;
+}

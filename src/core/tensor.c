@@ -1,0 +1,438 @@
+/*
+ * tensor.c - tensor headers (pooled), reference counting, scopes, views, converting copies,
+ * accessors and random initialisation.
+ */
+#include "autograd/autograd.h"
+#include "backend/backend.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <string.h>
+
+// ---------------------------------------------------------------------------------------------
+// Scopes: a thread-local stack; each scope holds one reference to each tensor made in it.
+
+#define MAX_SCOPES 256
+
+struct ampc_scope_rec {
+    ampc_tensor *head;
+    int depth;
+};
+
+static _Thread_local ampc_scope_rec scopes[MAX_SCOPES];
+static _Thread_local int scope_top;        /* index of the innermost scope; 0 is the root */
+static _Thread_local int scope_overflow;   /* begins past MAX_SCOPES, ignored with their ends */
+static _Thread_local ampc_device default_device = AMPC_DEVICE_CPU;
+
+static void scope_link(ampc_scope_rec *s, ampc_tensor *t) {
+    t->scope = s;
+    t->scope_prev = NULL;
+    t->scope_next = s->head;
+    if (s->head) s->head->scope_prev = t;
+    s->head = t;
+}
+
+static void scope_unlink(ampc_tensor *t) {
+    ampc_scope_rec *s = t->scope;
+    if (!s) return;
+    if (t->scope_prev) t->scope_prev->scope_next = t->scope_next;
+    else s->head = t->scope_next;
+    if (t->scope_next) t->scope_next->scope_prev = t->scope_prev;
+    t->scope = NULL;
+    t->scope_prev = t->scope_next = NULL;
+}
+
+void ampc_scope_begin(void) {
+    if (scope_top + 1 >= MAX_SCOPES) {
+        scope_overflow++;
+        return;
+    }
+    scope_top++;
+    scopes[scope_top].head = NULL;
+    scopes[scope_top].depth = scope_top;
+}
+
+static void scope_clear(ampc_scope_rec *s) {
+    while (s->head) {
+        ampc_tensor *t = s->head;
+        scope_unlink(t);
+        ampc__release(t);
+    }
+}
+
+void ampc_scope_end(void) {
+    if (scope_overflow) {
+        scope_overflow--;
+        return;
+    }
+    if (scope_top == 0) return;   /* unbalanced end: the root scope is never closed */
+    scope_clear(&scopes[scope_top]);
+    scope_top--;
+}
+
+int ampc_scope_depth(void) { return scope_top + scope_overflow; }
+
+/* Releases every scope of this thread (ampc_shutdown). */
+void ampc__scopes_clear_all(void) {
+    while (scope_top > 0) ampc_scope_end();
+    scope_clear(&scopes[0]);
+}
+
+ampc_tensor *ampc__scope_adopt(ampc_tensor *t) {
+    if (t) scope_link(&scopes[scope_top], t);
+    return t;
+}
+
+ampc_tensor *ampc_tensor_keep(ampc_tensor *t) {
+    if (!t || !t->scope) return t;
+    int d = t->scope->depth;
+    scope_unlink(t);
+    scope_link(&scopes[d > 0 ? d - 1 : 0], t);
+    return t;
+}
+
+ampc_tensor *ampc_tensor_own(ampc_tensor *t) {
+    if (t) scope_unlink(t);
+    return t;
+}
+
+void ampc_tensor_free(ampc_tensor *t) {
+    if (!t) return;
+    scope_unlink(t);
+    ampc__release(t);
+}
+
+void ampc_set_default_device(ampc_device d) {
+    if ((unsigned)d < AMPC_DEVICE_COUNT) default_device = d;
+}
+ampc_device ampc_default_device(void) { return default_device; }
+ampc_device ampc__default_device(void) { return default_device; }
+
+// ---------------------------------------------------------------------------------------------
+// Headers and reference counts
+
+static ampc_pool tensor_pool = {sizeof(ampc_tensor), NULL};
+
+int64_t ampc__numel(int ndim, const int64_t *shape) {
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++) n *= shape[i];
+    return n;
+}
+
+static ampc_tensor *header_new(ampc_dtype dt, ampc_device dev, int ndim, const int64_t *shape) {
+    if ((unsigned)dt >= AMPC_DTYPE_COUNT) return ampc__err_null(AMPC_ERR_DTYPE, "unknown dtype %d", (int)dt);
+    if ((unsigned)dev >= AMPC_DEVICE_COUNT) return ampc__err_null(AMPC_ERR_INVALID, "unknown device %d", (int)dev);
+    if (!ampc__backend(dev)->dtypes[dt])
+        return ampc__err_null(AMPC_ERR_DTYPE, "device %s does not hold %s tensors",
+                              ampc_device_name(dev), ampc_dtype_name(dt));
+    if (ndim < 0 || ndim > AMPC_MAX_DIMS)
+        return ampc__err_null(AMPC_ERR_SHAPE, "%d dimensions (0..%d allowed)", ndim, AMPC_MAX_DIMS);
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0) return ampc__err_null(AMPC_ERR_SHAPE, "negative size %lld in dim %d", (long long)shape[i], i);
+        if (shape[i] && n > INT64_MAX / 16 / shape[i]) return ampc__err_null(AMPC_ERR_SHAPE, "tensor too large");
+        n *= shape[i];
+    }
+    ampc_tensor *t = ampc__pool_get(&tensor_pool);
+    if (!t) return NULL;
+    t->dtype = dt;
+    t->device = dev;
+    t->ndim = ndim;
+    for (int i = 0; i < ndim; i++) t->shape[i] = shape[i];
+    t->numel = n;
+    atomic_init(&t->refcount, 1);
+    return t;
+}
+
+ampc_tensor *ampc__tensor_new(ampc_dtype dt, ampc_device dev, int ndim, const int64_t *shape) {
+    ampc__ensure_init();
+    ampc_tensor *t = header_new(dt, dev, ndim, shape);
+    if (!t) return NULL;
+    t->storage = ampc__storage_new(dev, ampc__nbytes(t), ampc__current_mem_kind());
+    if (!t->storage) {
+        ampc__pool_put(&tensor_pool, t);
+        return NULL;
+    }
+    return t;
+}
+
+ampc_tensor *ampc__tensor_like(const ampc_tensor *t, ampc_dtype dt) {
+    return ampc__tensor_new(dt, t->device, t->ndim, t->shape);
+}
+
+ampc_tensor *ampc__tensor_view(ampc_tensor *t, int ndim, const int64_t *shape) {
+    ampc_tensor *v = header_new(t->dtype, t->device, ndim, shape);
+    if (!v) return NULL;
+    if (v->numel != t->numel) {
+        ampc__pool_put(&tensor_pool, v);
+        return ampc__err_null(AMPC_ERR_SHAPE, "view of %lld elements from %lld", (long long)v->numel, (long long)t->numel);
+    }
+    v->storage = t->storage;
+    ampc__storage_retain(t->storage);
+    return v;
+}
+
+ampc_tensor *ampc__retain(ampc_tensor *t) {
+    if (t) atomic_fetch_add(&t->refcount, 1);
+    return t;
+}
+
+void ampc__release(ampc_tensor *t) {
+    if (!t || atomic_fetch_sub(&t->refcount, 1) != 1) return;
+    if (t->grad_fn) ampc__node_release(t->grad_fn);
+    if (t->grad) ampc__release(t->grad);
+    ampc__storage_release(t->storage);
+    ampc__pool_put(&tensor_pool, t);
+}
+
+void ampc__tensor_pool_drain(void) { ampc__pool_drain(&tensor_pool); }
+
+bool ampc__same_shape(const ampc_tensor *a, const ampc_tensor *b) {
+    if (a->ndim != b->ndim) return false;
+    for (int i = 0; i < a->ndim; i++)
+        if (a->shape[i] != b->shape[i]) return false;
+    return true;
+}
+
+const char *ampc__shape_str(const ampc_tensor *t, char *buf, size_t n) {
+    size_t k = 0;
+    k += (size_t)snprintf(buf + k, n - k, "(");
+    for (int i = 0; i < t->ndim && k < n; i++)
+        k += (size_t)snprintf(buf + k, n - k, i ? ", %lld" : "%lld", (long long)t->shape[i]);
+    if (k < n) snprintf(buf + k, n - k, "%s)", t->ndim == 1 ? "," : "");
+    return buf;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Creation
+
+#define CHUNK 1024
+
+ampc_tensor *ampc_tensor_empty(ampc_dtype dt, int ndim, const int64_t *shape) {
+    return ampc__scope_adopt(ampc__tensor_new(dt, ampc__default_device(), ndim, shape));
+}
+
+ampc_tensor *ampc_tensor_full(ampc_dtype dt, int ndim, const int64_t *shape, double value) {
+    ampc_tensor *t = ampc__tensor_new(dt, ampc__default_device(), ndim, shape);
+    if (!t) return NULL;
+    if (ampc__backend(t->device)->fill(t, value) < 0) {
+        ampc__release(t);
+        return NULL;
+    }
+    return ampc__scope_adopt(t);
+}
+
+ampc_tensor *ampc_tensor_zeros(ampc_dtype dt, int ndim, const int64_t *shape) {
+    return ampc_tensor_full(dt, ndim, shape, 0.0);
+}
+
+ampc_tensor *ampc_tensor_from_f32(ampc_dtype dt, int ndim, const int64_t *shape, const float *data) {
+    ampc_tensor *t = ampc__tensor_new(dt, ampc__default_device(), ndim, shape);
+    if (!t) return NULL;
+    if (ampc_tensor_copy_from_f32(t, data, (size_t)t->numel) < 0) {
+        ampc__release(t);
+        return NULL;
+    }
+    return ampc__scope_adopt(t);
+}
+
+ampc_tensor *ampc_tensor_from_f64(ampc_dtype dt, int ndim, const int64_t *shape, const double *data) {
+    ampc_tensor *t = ampc__tensor_new(dt, ampc__default_device(), ndim, shape);
+    if (!t) return NULL;
+    ampc__dt(dt)->from_f64(data, ampc__data(t), (size_t)t->numel);
+    return ampc__scope_adopt(t);
+}
+
+ampc_tensor *ampc_tensor_from_i64(int ndim, const int64_t *shape, const int64_t *data) {
+    ampc_tensor *t = ampc__tensor_new(AMPC_I64, ampc__default_device(), ndim, shape);
+    if (!t) return NULL;
+    memcpy(ampc__data(t), data, ampc__nbytes(t));
+    return ampc__scope_adopt(t);
+}
+
+/* Fills t with f(i) computed in f64 chunk by chunk (host-memory devices). */
+static void fill_random(ampc_tensor *t, ampc_rng_state st, int normal, double a, double b) {
+    double buf[CHUNK];
+    const ampc_dtype_traits *tr = ampc__dt(t->dtype);
+    char *dst = ampc__data(t);
+    for (int64_t base = 0; base < t->numel; base += CHUNK) {
+        int64_t m = t->numel - base < CHUNK ? t->numel - base : CHUNK;
+        for (int64_t j = 0; j < m; j++) {
+            uint64_t i = (uint64_t)(base + j);
+            if (normal) {   /* Box-Muller on two draws per value */
+                double u1 = 1.0 - (double)ampc__rng_uniform(st, 2 * i);
+                double u2 = (double)ampc__rng_uniform(st, 2 * i + 1);
+                buf[j] = a + b * sqrt(-2.0 * log(u1)) * cos(2.0 * M_PI * u2);
+            } else {
+                buf[j] = a + (b - a) * (double)ampc__rng_uniform(st, i);
+            }
+        }
+        tr->from_f64(buf, dst + (size_t)base * tr->size, (size_t)m);
+    }
+}
+
+static ampc_tensor *rand_common(ampc_dtype dt, int ndim, const int64_t *shape, int normal, double a, double b) {
+    ampc_tensor *t = ampc__tensor_new(dt, ampc__default_device(), ndim, shape);
+    if (!t) return NULL;
+    if (!ampc__dt(dt)->is_float) {
+        ampc__release(t);
+        return ampc__err_null(AMPC_ERR_DTYPE, "random values need a float dtype, not %s", ampc_dtype_name(dt));
+    }
+    fill_random(t, ampc__rng_reserve((uint64_t)t->numel * (normal ? 2 : 1)), normal, a, b);
+    return ampc__scope_adopt(t);
+}
+
+ampc_tensor *ampc_tensor_rand(ampc_dtype dt, int ndim, const int64_t *shape, double lo, double hi) {
+    return rand_common(dt, ndim, shape, 0, lo, hi);
+}
+ampc_tensor *ampc_tensor_randn(ampc_dtype dt, int ndim, const int64_t *shape, double mean, double std) {
+    return rand_common(dt, ndim, shape, 1, mean, std);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Copies and accessors
+
+int ampc__copy(const ampc_tensor *src, ampc_tensor *dst) {
+    if (src->numel != dst->numel)
+        return ampc__err(AMPC_ERR_SHAPE, "copy of %lld elements into %lld", (long long)src->numel, (long long)dst->numel);
+    if (src->device == dst->device) return ampc__backend(src->device)->copy(src, dst);
+    if (!ampc__backend(src->device)->host_memory || !ampc__backend(dst->device)->host_memory)
+        return ampc__err(AMPC_ERR_UNSUPPORTED, "copy between %s and %s", ampc_device_name(src->device), ampc_device_name(dst->device));
+    double buf[CHUNK];
+    const ampc_dtype_traits *ts = ampc__dt(src->dtype), *td = ampc__dt(dst->dtype);
+    const char *s = ampc__data(src);
+    char *d = ampc__data(dst);
+    for (int64_t base = 0; base < src->numel; base += CHUNK) {
+        size_t m = (size_t)(src->numel - base < CHUNK ? src->numel - base : CHUNK);
+        ts->to_f64(s + (size_t)base * ts->size, buf, m);
+        td->from_f64(buf, d + (size_t)base * td->size, m);
+    }
+    return AMPC_OK;
+}
+
+ampc_tensor *ampc_tensor_to(const ampc_tensor *t, ampc_device dev, ampc_dtype dt) {
+    if (!t) return NULL;
+    ampc_tensor *o = ampc__tensor_new(dt, dev, t->ndim, t->shape);
+    if (!o) return NULL;
+    if (ampc__copy(t, o) < 0) {
+        ampc__release(o);
+        return NULL;
+    }
+    return ampc__scope_adopt(o);
+}
+
+int ampc_tensor_to_f32(const ampc_tensor *t, float *dst, size_t n) {
+    if (!t || !dst) return ampc__err(AMPC_ERR_INVALID, "NULL tensor or buffer");
+    if (n < (size_t)t->numel) return ampc__err(AMPC_ERR_INVALID, "buffer of %zu for %lld elements", n, (long long)t->numel);
+    if (!ampc__backend(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not readable here");
+    ampc__dt(t->dtype)->to_f32(ampc__data(t), dst, (size_t)t->numel);
+    return AMPC_OK;
+}
+
+int ampc_tensor_to_f64(const ampc_tensor *t, double *dst, size_t n) {
+    if (!t || !dst) return ampc__err(AMPC_ERR_INVALID, "NULL tensor or buffer");
+    if (n < (size_t)t->numel) return ampc__err(AMPC_ERR_INVALID, "buffer of %zu for %lld elements", n, (long long)t->numel);
+    if (!ampc__backend(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not readable here");
+    ampc__dt(t->dtype)->to_f64(ampc__data(t), dst, (size_t)t->numel);
+    return AMPC_OK;
+}
+
+int ampc_tensor_copy_from_f32(ampc_tensor *t, const float *src, size_t n) {
+    if (!t || !src) return ampc__err(AMPC_ERR_INVALID, "NULL tensor or buffer");
+    if (n < (size_t)t->numel) return ampc__err(AMPC_ERR_INVALID, "buffer of %zu for %lld elements", n, (long long)t->numel);
+    if (!ampc__backend(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not writable here");
+    ampc__dt(t->dtype)->from_f32(src, ampc__data(t), (size_t)t->numel);
+    return AMPC_OK;
+}
+
+double ampc_tensor_item(const ampc_tensor *t) {
+    double v = NAN;
+    if (!t) return v;
+    if (t->numel != 1) {
+        ampc__err(AMPC_ERR_SHAPE, "item() of a tensor with %lld elements", (long long)t->numel);
+        return v;
+    }
+    ampc_tensor_to_f64(t, &v, 1);
+    return v;
+}
+
+ampc_dtype ampc_tensor_dtype(const ampc_tensor *t) { return t->dtype; }
+ampc_device ampc_tensor_device(const ampc_tensor *t) { return t->device; }
+int ampc_tensor_ndim(const ampc_tensor *t) { return t->ndim; }
+int64_t ampc_tensor_dim(const ampc_tensor *t, int i) {
+    if (i < 0) i += t->ndim;
+    return (i >= 0 && i < t->ndim) ? t->shape[i] : -1;
+}
+const int64_t *ampc_tensor_shape(const ampc_tensor *t) { return t->shape; }
+int64_t ampc_tensor_numel(const ampc_tensor *t) { return t->numel; }
+void *ampc_tensor_data(ampc_tensor *t) { return t ? ampc__data(t) : NULL; }
+const void *ampc_tensor_cdata(const ampc_tensor *t) { return t ? ampc__data(t) : NULL; }
+
+int ampc_tensor_set_requires_grad(ampc_tensor *t, bool on) {
+    if (!t) return ampc__err(AMPC_ERR_INVALID, "NULL tensor");
+    if (t->grad_fn) return ampc__err(AMPC_ERR_STATE, "requires_grad can only be changed on leaf tensors (this one comes from %s)", t->grad_fn->name);
+    if (on && !ampc__dt(t->dtype)->is_float) return ampc__err(AMPC_ERR_DTYPE, "only float tensors can require grad, not %s", ampc_dtype_name(t->dtype));
+    t->requires_grad = on;
+    return AMPC_OK;
+}
+bool ampc_tensor_requires_grad(const ampc_tensor *t) { return t && t->requires_grad; }
+bool ampc_tensor_is_leaf(const ampc_tensor *t) { return t && !t->grad_fn; }
+ampc_tensor *ampc_tensor_grad(const ampc_tensor *t) { return t ? t->grad : NULL; }
+void ampc_tensor_zero_grad(ampc_tensor *t) {
+    if (!t || !t->grad) return;
+    ampc__release(t->grad);
+    t->grad = NULL;
+}
+const char *ampc_tensor_grad_fn_name(const ampc_tensor *t) { return t && t->grad_fn ? t->grad_fn->name : NULL; }
+
+ampc_tensor *ampc_tensor_detach(ampc_tensor *t) {
+    if (!t) return NULL;
+    return ampc__scope_adopt(ampc__tensor_view(t, t->ndim, t->shape));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Random numbers
+
+static pthread_mutex_t rng_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t rng_seed = 0x853c49e6748fea9bull, rng_offset;
+
+void ampc_manual_seed(uint64_t seed) {
+    pthread_mutex_lock(&rng_lock);
+    rng_seed = seed;
+    rng_offset = 0;
+    pthread_mutex_unlock(&rng_lock);
+}
+
+ampc_rng_state ampc__rng_reserve(uint64_t n) {
+    pthread_mutex_lock(&rng_lock);
+    ampc_rng_state st = {rng_seed, rng_offset};
+    rng_offset += (n + 3) / 4;   /* blocks of four 32-bit outputs */
+    pthread_mutex_unlock(&rng_lock);
+    return st;
+}
+
+void ampc__philox(uint64_t seed, uint64_t counter, uint32_t out[4]) {
+    uint32_t c0 = (uint32_t)counter, c1 = (uint32_t)(counter >> 32), c2 = 0, c3 = 0;
+    uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    for (int r = 0; r < 10; r++) {
+        uint64_t p0 = (uint64_t)0xD2511F53u * c0, p1 = (uint64_t)0xCD9E8D57u * c2;
+        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
+        c1 = (uint32_t)p1;
+        c3 = (uint32_t)p0;
+        c0 = n0;
+        c2 = n2;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    out[0] = c0; out[1] = c1; out[2] = c2; out[3] = c3;
+}
+
+uint32_t ampc__rng_u32(ampc_rng_state st, uint64_t i) {
+    uint32_t out[4];
+    ampc__philox(st.seed, st.offset + i / 4, out);
+    return out[i % 4];
+}
+
+float ampc__rng_uniform(ampc_rng_state st, uint64_t i) {
+    return (float)(ampc__rng_u32(st, i) >> 8) * 0x1p-24f;
+}

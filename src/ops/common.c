@@ -1,0 +1,259 @@
+/*
+ * common.c - the op front door, kernel wrappers, broadcasting, and the cast op.
+ */
+#include "ops/ops.h"
+
+#include <string.h>
+
+// ---------------------------------------------------------------------------------------------
+// Front door
+
+int ampc__op_prepare(ampc_op op, ampc_op_args *a, int n, ampc_tensor *const *inputs, unsigned optional_mask) {
+    memset(a, 0, sizeof *a);
+    a->op = op;
+    a->n = n;
+    const ampc_tensor *first = NULL;
+    for (int i = 0; i < n; i++) {
+        const ampc_tensor *t = inputs[i];
+        if (!t) {
+            if (optional_mask & (1u << i)) continue;
+            if (ampc_last_status() == 0) ampc__err(AMPC_ERR_INVALID, "%s: input %d is NULL", ampc_op_name(op), i);
+            return ampc_last_status();
+        }
+        if (first && t->device != first->device)
+            return ampc__err(AMPC_ERR_INVALID, "%s: inputs on devices %s and %s", ampc_op_name(op),
+                             ampc_device_name(first->device), ampc_device_name(t->device));
+        if (!first) first = t;
+    }
+    for (int i = 0; i < n; i++) a->in[i] = ampc__retain(inputs[i]);
+    int rc = ampc__autocast_apply(op, a->in, n);
+    if (rc < 0) ampc__op_args_release(a);
+    return rc;
+}
+
+void ampc__op_args_release(ampc_op_args *a) {
+    for (int i = 0; i < a->n; i++) {
+        ampc__release(a->in[i]);
+        a->in[i] = NULL;
+    }
+}
+
+ampc_tensor *ampc__op_finish(ampc_op_args *a, ampc_tensor *out, ampc_node *node) {
+    ampc__op_args_release(a);
+    if (!out) {
+        ampc__node_release(node);
+        return NULL;
+    }
+    if (node) ampc__node_attach(node, out);
+    return ampc__scope_adopt(out);
+}
+
+int ampc__norm_dim(int dim, int ndim, int *out) {
+    int d = dim < 0 ? dim + ndim : dim;
+    if (d < 0 || d >= (ndim ? ndim : 1))
+        return ampc__err(AMPC_ERR_INVALID, "dim %d out of range for %d dimensions", dim, ndim);
+    *out = d;
+    return AMPC_OK;
+}
+
+int ampc__check_float(const ampc_tensor *t, const char *op, const char *what) {
+    if (!ampc__dt(t->dtype)->is_float)
+        return ampc__err(AMPC_ERR_DTYPE, "%s: %s must be a float tensor, not %s", op, what, ampc_dtype_name(t->dtype));
+    return AMPC_OK;
+}
+
+int ampc__broadcast_shapes(const ampc_tensor *a, const ampc_tensor *b, int *ndim_out, int64_t *out) {
+    int nd = a->ndim > b->ndim ? a->ndim : b->ndim;
+    for (int i = 0; i < nd; i++) {
+        int ia = a->ndim - nd + i, ib = b->ndim - nd + i;
+        int64_t da = ia >= 0 ? a->shape[ia] : 1, db = ib >= 0 ? b->shape[ib] : 1;
+        if (da != db && da != 1 && db != 1) {
+            char s1[96], s2[96];
+            return ampc__err(AMPC_ERR_SHAPE, "shapes %s and %s do not broadcast (dim %d: %lld vs %lld)",
+                             ampc__shape_str(a, s1, sizeof s1), ampc__shape_str(b, s2, sizeof s2), i,
+                             (long long)da, (long long)db);
+        }
+        out[i] = da == 1 ? db : da;
+    }
+    *ndim_out = nd;
+    return AMPC_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel wrappers
+
+#define BACKEND_CALL(t, kernel, ...)                                                               \
+    (ampc__backend((t)->device)->kernel                                                            \
+         ? ampc__backend((t)->device)->kernel(__VA_ARGS__)                                         \
+         : ampc__err(AMPC_ERR_UNSUPPORTED, "%s on device %s", #kernel, ampc_device_name((t)->device)))
+
+static ampc_tensor *finish_kernel(ampc_tensor *out, int rc) {
+    if (rc < 0) {
+        ampc__release(out);
+        return NULL;
+    }
+    return out;
+}
+
+ampc_tensor *ampc__k_cast(ampc_tensor *x, ampc_dtype dt) {
+    if (x->dtype == dt) return ampc__retain(x);
+    ampc_tensor *y = ampc__tensor_like(x, dt);
+    if (!y) return NULL;
+    return finish_kernel(y, BACKEND_CALL(x, copy, x, y));
+}
+
+ampc_tensor *ampc__k_unary(ampc_unary_op op, ampc_tensor *x, double alpha) {
+    ampc_tensor *y = ampc__tensor_like(x, x->dtype);
+    if (!y) return NULL;
+    return finish_kernel(y, BACKEND_CALL(x, unary, op, x, y, alpha));
+}
+
+ampc_tensor *ampc__k_unary_backward(ampc_unary_op op, ampc_tensor *x, ampc_tensor *y, ampc_tensor *gy, double alpha) {
+    ampc_tensor *gx = ampc__tensor_like(gy, gy->dtype);
+    if (!gx) return NULL;
+    return finish_kernel(gx, BACKEND_CALL(gy, unary_backward, op, x, y, gy, gx, alpha));
+}
+
+ampc_tensor *ampc__k_binary(ampc_binary_op op, ampc_tensor *a, ampc_tensor *b) {
+    int nd;
+    int64_t shape[AMPC_MAX_DIMS];
+    if (ampc__broadcast_shapes(a, b, &nd, shape) < 0) return NULL;
+    if (a->dtype != b->dtype) return ampc__err_null(AMPC_ERR_DTYPE, "binary kernel on %s and %s", ampc_dtype_name(a->dtype), ampc_dtype_name(b->dtype));
+    ampc_tensor *out = ampc__tensor_new(a->dtype, a->device, nd, shape);
+    if (!out) return NULL;
+    return finish_kernel(out, BACKEND_CALL(a, binary, op, a, b, out));
+}
+
+ampc_tensor *ampc__k_sum_to(ampc_tensor *x, int ndim, const int64_t *shape, double alpha) {
+    ampc_tensor *out = ampc__tensor_new(x->dtype, x->device, ndim, shape);
+    if (!out) return NULL;
+    return finish_kernel(out, BACKEND_CALL(x, sum_to, x, out, alpha));
+}
+
+ampc_tensor *ampc__k_expand(ampc_tensor *x, int ndim, const int64_t *shape, double alpha) {
+    ampc_tensor *out = ampc__tensor_new(x->dtype, x->device, ndim, shape);
+    if (!out) return NULL;
+    return finish_kernel(out, BACKEND_CALL(x, expand, x, out, alpha));
+}
+
+ampc_tensor *ampc__k_gemm(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b, ampc_tensor *bias, int ndim,
+                          const int64_t *out_shape) {
+    ampc_tensor *c = ampc__tensor_new(a->dtype, a->device, ndim, out_shape);
+    if (!c) return NULL;
+    return finish_kernel(c, BACKEND_CALL(a, gemm, d, a, b, bias, c));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cast: differentiable; its backward casts the gradient back (fp32 for master weights).
+
+static int cast_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
+    gx[0] = ampc__k_cast(gy, n->in[0].dtype);
+    return gx[0] ? AMPC_OK : ampc_last_status();
+}
+
+ampc_tensor *ampc__cast_record(ampc_tensor *x, ampc_dtype dt) {
+    if (x->dtype == dt) return ampc__retain(x);
+    if (!ampc__dt(x->dtype)->is_float || !ampc__dt(dt)->is_float)
+        return ampc__err_null(AMPC_ERR_DTYPE, "cast from %s to %s", ampc_dtype_name(x->dtype), ampc_dtype_name(dt));
+    ampc_tensor *y = ampc__k_cast(x, dt);
+    if (!y) return NULL;
+    if (ampc__needs_grad(&x, 1)) {
+        ampc_node *node = ampc__node_new("CastBackward", cast_backward, &x, 1);
+        if (!node) {
+            ampc__release(y);
+            return NULL;
+        }
+        ampc__node_attach(node, y);
+    }
+    return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Aliases: a new header over the same storage (reshape, same-dtype cast); the gradient is gy
+// viewed with the input's shape.
+
+static int alias_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
+    gx[0] = ampc__tensor_view(gy, n->in[0].ndim, n->in[0].shape);
+    return gx[0] ? AMPC_OK : ampc_last_status();
+}
+
+ampc_tensor *ampc__alias_record(ampc_tensor *x, int ndim, const int64_t *shape, const char *name) {
+    ampc_tensor *y = ampc__tensor_view(x, ndim, shape);
+    if (!y) return NULL;
+    if (ampc__needs_grad(&x, 1)) {
+        ampc_node *node = ampc__node_new(name, alias_backward, &x, 1);
+        if (!node) {
+            ampc__release(y);
+            return NULL;
+        }
+        ampc__node_attach(node, y);
+    }
+    return y;
+}
+
+ampc_tensor *ampc_cast(ampc_tensor *x, ampc_dtype dt) {
+    ampc_op_args a;
+    if (ampc__op_prepare(AMPC_OP_CAST, &a, 1, &x, 0) < 0) return NULL;
+    if ((unsigned)dt >= AMPC_DTYPE_COUNT) {
+        ampc__op_args_release(&a);
+        return ampc__err_null(AMPC_ERR_DTYPE, "cast to unknown dtype %d", (int)dt);
+    }
+    if (!ampc__backend(a.in[0]->device)->dtypes[dt]) {
+        ampc__op_args_release(&a);
+        return ampc__err_null(AMPC_ERR_DTYPE, "cast to %s on device %s", ampc_dtype_name(dt), ampc_device_name(x->device));
+    }
+    ampc_tensor *y;
+    if (a.in[0]->dtype == dt) return ampc__op_finish(&a, ampc__alias_record(a.in[0], x->ndim, x->shape, "AliasBackward"), NULL);
+    if (!ampc__dt(dt)->is_float || !ampc__dt(a.in[0]->dtype)->is_float) {
+        y = ampc__k_cast(a.in[0], dt);   /* no gradient through integer casts */
+    } else {
+        y = ampc__cast_record(a.in[0], dt);
+    }
+    return ampc__op_finish(&a, y, NULL);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reshape and flatten (views)
+
+ampc_tensor *ampc_reshape(ampc_tensor *x, int ndim, const int64_t *shape) {
+    ampc_op_args a;
+    if (ampc__op_prepare(AMPC_OP_RESHAPE, &a, 1, &x, 0) < 0) return NULL;
+    int64_t s[AMPC_MAX_DIMS], known = 1;
+    int infer = -1;
+    if (ndim < 0 || ndim > AMPC_MAX_DIMS || !shape) {
+        ampc__op_args_release(&a);
+        return ampc__err_null(AMPC_ERR_SHAPE, "reshape to %d dimensions", ndim);
+    }
+    for (int i = 0; i < ndim; i++) {
+        s[i] = shape[i];
+        if (s[i] == -1 && infer < 0) infer = i;
+        else if (s[i] < 0) {
+            ampc__op_args_release(&a);
+            return ampc__err_null(AMPC_ERR_SHAPE, "reshape: invalid size %lld in dim %d", (long long)s[i], i);
+        } else known *= s[i];
+    }
+    if (infer >= 0) s[infer] = known ? x->numel / known : 0;
+    if (ampc__numel(ndim, s) != x->numel) {
+        char buf[96];
+        ampc__op_args_release(&a);
+        return ampc__err_null(AMPC_ERR_SHAPE, "cannot reshape %s (%lld elements) to %d dims of %lld elements",
+                              ampc__shape_str(x, buf, sizeof buf), (long long)x->numel, ndim, (long long)ampc__numel(ndim, s));
+    }
+    return ampc__op_finish(&a, ampc__alias_record(a.in[0], ndim, s, "ReshapeBackward"), NULL);
+}
+
+ampc_tensor *ampc_flatten(ampc_tensor *x, int start_dim, int end_dim) {
+    if (!x) return NULL;
+    int s, e;
+    if (x->ndim == 0) return ampc_reshape(x, 1, (int64_t[]){1});
+    if (ampc__norm_dim(start_dim, x->ndim, &s) < 0 || ampc__norm_dim(end_dim, x->ndim, &e) < 0) return NULL;
+    if (s > e) return ampc__err_null(AMPC_ERR_INVALID, "flatten: start_dim %d after end_dim %d", start_dim, end_dim);
+    int64_t shape[AMPC_MAX_DIMS];
+    int nd = 0;
+    for (int i = 0; i < s; i++) shape[nd++] = x->shape[i];
+    int64_t m = 1;
+    for (int i = s; i <= e; i++) m *= x->shape[i];
+    shape[nd++] = m;
+    for (int i = e + 1; i < x->ndim; i++) shape[nd++] = x->shape[i];
+    return ampc_reshape(x, nd, shape);
+}

@@ -1,0 +1,68 @@
+/*
+ * ops.h - what every op file shares: the front door (NULL/device checks, autocast casts) and
+ * owned-result kernel wrappers that forward and backward code call (no autograd, no autocast).
+ *
+ * An op reads:
+ *     ampc_op_args a;
+ *     if (ampc__op_prepare(AMPC_OP_X, &a, 2, (ampc_tensor *[]){x, w}, 0) < 0) return NULL;
+ *     // a.in[] are owned refs, already cast per the autocast policy
+ *     ... checks, out = ampc__k_...(a.in[0], ...)
+ *     if (ampc__needs_grad(a.in, a.n)) { node = ampc__node_new("XBackward", x_backward, a.in, a.n); save ...}
+ *     return ampc__op_finish(&a, out, node);   // attaches node, releases a.in, adopts out into scope
+ */
+#ifndef AMPC_OPS_H
+#define AMPC_OPS_H
+
+#include "autograd/autograd.h"
+#include "backend/backend.h"
+
+typedef struct {
+    ampc_op op;
+    int n;
+    ampc_tensor *in[AMPC_NODE_MAX_INPUTS];   /* owned references (after autocast casts) */
+} ampc_op_args;
+
+/* Checks the n inputs (NULL -> keeps the earlier error and fails, unless bit i of
+   optional_mask allows input i to be NULL), same device, then applies the op's autocast
+   policy. On failure nothing is held. */
+int ampc__op_prepare(ampc_op op, ampc_op_args *a, int n, ampc_tensor *const *inputs, unsigned optional_mask);
+/* Attaches node (may be NULL) to out, releases the inputs, adopts out into the scope.
+   out NULL: releases node and inputs, returns NULL. */
+ampc_tensor *ampc__op_finish(ampc_op_args *a, ampc_tensor *out, ampc_node *node);
+void ampc__op_args_release(ampc_op_args *a);
+
+/* Records a differentiable cast (CastBackward) when x requires grad; owned result.
+   Same dtype: returns a new reference to x. */
+ampc_tensor *ampc__cast_record(ampc_tensor *x, ampc_dtype dt);
+
+/* A view of x with another shape of the same numel, recording `name` (gradient: gy viewed
+   back) when x requires grad; owned result. */
+ampc_tensor *ampc__alias_record(ampc_tensor *x, int ndim, const int64_t *shape, const char *name);
+
+/* Kernel wrappers: new owned tensor or NULL with the error set. */
+ampc_tensor *ampc__k_cast(ampc_tensor *x, ampc_dtype dt);   /* same dtype: new ref to x */
+ampc_tensor *ampc__k_unary(ampc_unary_op op, ampc_tensor *x, double alpha);
+ampc_tensor *ampc__k_unary_backward(ampc_unary_op op, ampc_tensor *x, ampc_tensor *y,
+                                    ampc_tensor *gy, double alpha);
+ampc_tensor *ampc__k_binary(ampc_binary_op op, ampc_tensor *a, ampc_tensor *b);
+/* x summed down to shape (broadcast-compatible), times alpha, in dtype dt */
+ampc_tensor *ampc__k_sum_to(ampc_tensor *x, int ndim, const int64_t *shape, double alpha);
+ampc_tensor *ampc__k_expand(ampc_tensor *x, int ndim, const int64_t *shape, double alpha);
+ampc_tensor *ampc__k_gemm(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b,
+                          ampc_tensor *bias, int ndim, const int64_t *out_shape);
+
+/* numpy broadcast of two shapes into out (ndim_out receives the rank); error if incompatible */
+int ampc__broadcast_shapes(const ampc_tensor *a, const ampc_tensor *b, int *ndim_out, int64_t *out);
+/* Normalises a possibly negative dim against ndim; error if out of range. */
+int ampc__norm_dim(int dim, int ndim, int *out);
+/* Float-dtype check for an op's input. */
+int ampc__check_float(const ampc_tensor *t, const char *op, const char *what);
+
+// ---------------------------------------------------------------------------------------------
+// Autocast hooks (src/amp/autocast.c)
+
+/* Replaces in[i] (owned refs) by their casts per op's policy when autocast is enabled. */
+int ampc__autocast_apply(ampc_op op, ampc_tensor **in, int n);
+void ampc__autocast_clear_cache(void);
+
+#endif /* AMPC_OPS_H */

@@ -1,0 +1,166 @@
+/*
+ * test_core.c - tensors, scopes, views, errors and the caching allocator's accounting.
+ */
+#include "testutil.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "core/core.h"
+
+static void ampc__philox_public_kat(uint32_t out[4]) { ampc__philox(0, 0, out); }
+
+static void test_create_and_read(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    float data[6] = {1, -2, 3.5f, 0, 1e-3f, 65504};
+    for (int dt = AMPC_F32; dt <= AMPC_BF16; dt++) {
+        ampc_tensor *t = ampc_tensor_from_f32((ampc_dtype)dt, 2, (int64_t[]){2, 3}, data);
+        ASSERT_NOT_NULL_MSG(t);
+        assert_int_equal(ampc_tensor_numel(t), 6);
+        assert_int_equal(ampc_tensor_dim(t, -1), 3);
+        float out[6];
+        ASSERT_OK(ampc_tensor_to_f32(t, out, 6));
+        for (int i = 0; i < 6; i++) {
+            float expect = dt == AMPC_F16 ? ampc_f16_to_f32(ampc_f32_to_f16(data[i]))
+                         : dt == AMPC_BF16 ? ampc_bf16_to_f32(ampc_f32_to_bf16(data[i])) : data[i];
+            assert_true(out[i] == expect);
+        }
+    }
+    ampc_tensor *z = ampc_tensor_full(AMPC_BF16, 1, (int64_t[]){5}, 2.5);
+    double v[5];
+    ASSERT_OK(ampc_tensor_to_f64(z, v, 5));
+    for (int i = 0; i < 5; i++) assert_true(v[i] == 2.5);
+    ampc_scope_end();
+}
+
+static void test_scope_releases(void **state) {
+    (void)state;
+    size_t base = ampc_memory_stats().current[AMPC_MEM_ACTIVATIONS];
+    ampc_scope_begin();
+    ampc_tensor *a = ampc_tensor_zeros(AMPC_F32, 2, (int64_t[]){100, 100});
+    ASSERT_NOT_NULL_MSG(a);
+    ampc_tensor *kept = NULL;
+    ampc_scope_begin();
+    ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){1000});
+    kept = ampc_tensor_keep(ampc_tensor_full(AMPC_F32, 1, (int64_t[]){10}, 7.0));
+    assert_int_equal(ampc_scope_depth(), 2);
+    ampc_scope_end();
+    assert_true(ampc_tensor_item(ampc_reshape(kept, 2, (int64_t[]){1, -1})) != 0); /* kept is alive */
+    assert_true(ampc_memory_stats().current[AMPC_MEM_ACTIVATIONS] >= base + 40000);
+    ampc_scope_end();
+    assert_int_equal(ampc_memory_stats().current[AMPC_MEM_ACTIVATIONS], base);
+}
+
+static void test_own_and_free(void **state) {
+    (void)state;
+    size_t base = ampc_memory_stats().current_total;
+    ampc_tensor *t = ampc_tensor_own(ampc_tensor_zeros(AMPC_F16, 1, (int64_t[]){4096}));
+    ampc_scope_begin();
+    ampc_scope_end();   /* not in this scope, nor in any: still alive */
+    assert_int_equal(ampc_memory_stats().current_total, base + 8192);
+    ampc_tensor_free(t);
+    assert_int_equal(ampc_memory_stats().current_total, base);
+}
+
+static void test_allocator_caches_and_counts_peak(void **state) {
+    (void)state;
+    ampc_memory_reset_peak();
+    ampc_memory_stats_t s0 = ampc_memory_stats();
+    for (int i = 0; i < 5; i++) {
+        ampc_scope_begin();
+        ampc_tensor_empty(AMPC_F32, 1, (int64_t[]){1 << 16});
+        ampc_tensor_empty(AMPC_F32, 1, (int64_t[]){1 << 16});
+        ampc_scope_end();
+    }
+    ampc_memory_stats_t s1 = ampc_memory_stats();
+    assert_int_equal(s1.n_alloc - s0.n_alloc, 10);
+    assert_true(s1.n_malloc - s0.n_malloc <= 2);   /* steady state: served from the cache */
+    assert_int_equal(s1.peak_total - s0.current_total, 2 * 4 * (1 << 16));
+    assert_int_equal(s1.current_total, s0.current_total);
+}
+
+static void test_memory_limit(void **state) {
+    (void)state;
+    size_t in_use = ampc_memory_stats().current_total;
+    ampc_memory_set_limit(in_use + (1 << 20));
+    ampc_scope_begin();
+    ampc_tensor *ok = ampc_tensor_empty(AMPC_F32, 1, (int64_t[]){1 << 17});   /* 512 KiB */
+    ASSERT_NOT_NULL_MSG(ok);
+    ampc_tensor *too_big = ampc_tensor_empty(AMPC_F32, 1, (int64_t[]){1 << 18});  /* 1 MiB more */
+    assert_null(too_big);
+    assert_int_equal(ampc_last_status(), AMPC_ERR_OOM);
+    assert_non_null(strstr(ampc_last_error(), "out of memory"));
+    assert_non_null(strstr(ampc_last_error(), "limit"));
+    ampc_scope_end();
+    ampc_memory_set_limit(0);
+    ampc_clear_error();
+}
+
+static void test_bad_shapes_and_views(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    assert_null(ampc_tensor_empty(AMPC_F32, 2, (int64_t[]){-1, 3}));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_SHAPE);
+    assert_null(ampc_tensor_empty(AMPC_F64, 1, (int64_t[]){3}));   /* CPU holds no f64 */
+    assert_int_equal(ampc_last_status(), AMPC_ERR_DTYPE);
+    ampc_tensor *a = ampc_tensor_rand(AMPC_F32, 2, (int64_t[]){4, 6}, -1, 1);
+    ampc_tensor *r = ampc_reshape(a, 3, (int64_t[]){2, -1, 3});
+    ASSERT_NOT_NULL_MSG(r);
+    assert_int_equal(ampc_tensor_dim(r, 1), 4);
+    assert_ptr_equal(ampc_tensor_data(r), ampc_tensor_data(a));   /* a view */
+    assert_null(ampc_reshape(a, 2, (int64_t[]){5, 5}));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_SHAPE);
+    assert_non_null(strstr(ampc_last_error(), "(4, 6)"));
+    ampc_tensor *f = ampc_flatten(r, 1, -1);
+    assert_int_equal(ampc_tensor_ndim(f), 2);
+    assert_int_equal(ampc_tensor_dim(f, 1), 12);
+    assert_null(ampc_reshape(NULL, 1, (int64_t[]){1}));   /* keeps the earlier error */
+    assert_int_equal(ampc_last_status(), AMPC_ERR_SHAPE);
+    ampc_clear_error();
+    ampc_scope_end();
+}
+
+static void test_rng_reproducible(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    double a[64], b[64], c[64];
+    ampc_manual_seed(7);
+    ampc_tensor_to_f64(ampc_tensor_randn(AMPC_F32, 1, (int64_t[]){64}, 0, 1), a, 64);
+    ampc_manual_seed(7);
+    ampc_tensor_to_f64(ampc_tensor_randn(AMPC_F32, 1, (int64_t[]){64}, 0, 1), b, 64);
+    ampc_tensor_to_f64(ampc_tensor_randn(AMPC_F32, 1, (int64_t[]){64}, 0, 1), c, 64);
+    double mean = 0;
+    for (int i = 0; i < 64; i++) {
+        assert_true(a[i] == b[i]);
+        mean += c[i] / 64;
+    }
+    assert_true(memcmp(b, c, sizeof b) != 0);
+    assert_true(fabs(mean) < 0.5);   /* 4 sigma for 64 standard normals */
+    ampc_scope_end();
+}
+
+static void test_philox_known_answer(void **state) {
+    (void)state;
+    /* Random123's published known-answer vector for philox4x32-10: counter 0, key 0 */
+    uint32_t out[4];
+    ampc__philox_public_kat(out);
+    assert_int_equal(out[0], 0x6627e8d5u);
+    assert_int_equal(out[1], 0xe169c58du);
+    assert_int_equal(out[2], 0xbc57ac4cu);
+    assert_int_equal(out[3], 0x9b00dbd8u);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_create_and_read),
+        cmocka_unit_test(test_scope_releases),
+        cmocka_unit_test(test_own_and_free),
+        cmocka_unit_test(test_allocator_caches_and_counts_peak),
+        cmocka_unit_test(test_memory_limit),
+        cmocka_unit_test(test_bad_shapes_and_views),
+        cmocka_unit_test(test_rng_reproducible),
+        cmocka_unit_test(test_philox_known_answer),
+    };
+    return cmocka_run_group_tests_name("core", tests, tu_group_setup, tu_group_teardown);
+}
