@@ -115,11 +115,15 @@ const ampc_backend *ampc__backend(ampc_device dev);
 void ampc__cpu_backend_init(ampc_backend *be);
 void ampc__ref_backend_init(ampc_backend *be);
 /* The CPU table is assembled from these, one per kernel file. */
-void ampc__cpu_register_elementwise(ampc_backend *be);
+void ampc__cpu_register_elementwise(ampc_backend *be);  /* unary, binary, sum_to, expand */
+void ampc__cpu_register_loss(ampc_backend *be);         /* softmax, cross_entropy, dropout */
 void ampc__cpu_register_gemm(ampc_backend *be);
-void ampc__cpu_register_optim(ampc_backend *be);
+void ampc__cpu_register_optim(ampc_backend *be);        /* sgd_step, adam_step */
+void ampc__cpu_register_amp(ampc_backend *be);          /* unscale_check, sum_squares */
 void ampc__ref_register_elementwise(ampc_backend *be);
+void ampc__ref_register_loss(ampc_backend *be);
 void ampc__ref_register_gemm(ampc_backend *be);
 void ampc__ref_register_optim(ampc_backend *be);
+void ampc__ref_register_amp(ampc_backend *be);
 
 #endif /* AMPC_BACKEND_H */

@@ -62,5 +62,7 @@ void ampc__cpu_backend_init(ampc_backend *be) {
     be->fill = cpu_fill;
     ampc__cpu_register_elementwise(be);
     ampc__cpu_register_gemm(be);
+    ampc__cpu_register_loss(be);
     ampc__cpu_register_optim(be);
+    ampc__cpu_register_amp(be);
 }

@@ -44,5 +44,7 @@ void ampc__ref_backend_init(ampc_backend *be) {
     be->fill = ref_fill;
     ampc__ref_register_elementwise(be);
     ampc__ref_register_gemm(be);
+    ampc__ref_register_loss(be);
     ampc__ref_register_optim(be);
+    ampc__ref_register_amp(be);
 }

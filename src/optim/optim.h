@@ -1,0 +1,23 @@
+/*
+ * optim.h - the optimizer object shared by src/optim and src/amp (the scaler unscales and
+ * checks the gradients of an optimizer's parameters).
+ */
+#ifndef AMPC_OPTIM_H
+#define AMPC_OPTIM_H
+
+#include "core/core.h"
+
+typedef enum { AMPC_OPTIM_SGD = 0, AMPC_OPTIM_ADAM, AMPC_OPTIM_ADAMW } ampc_optim_kind;
+
+struct ampc_optimizer {
+    ampc_optim_kind kind;
+    int n;                       /* parameters (not owned: they belong to the module/caller) */
+    ampc_tensor **params;
+    ampc_tensor **state[3];      /* per param, NULL until its first step: SGD momentum buffer;
+                                    Adam exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad) */
+    int64_t *steps;              /* per param: steps taken (Adam bias correction) */
+    ampc_sgd_options sgd;
+    ampc_adam_options adam;
+};
+
+#endif /* AMPC_OPTIM_H */
