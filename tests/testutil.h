@@ -40,3 +40,34 @@ int tu_group_setup(void **state);
 int tu_group_teardown(void **state);
 
 #endif
+
+// ---------------------------------------------------------------------------------------------
+// Op checks (ggml's test-backend-ops pattern): one description per op case drives
+// 1) a finite-difference gradient check of the op on the REF device in f64, and
+// 2) for each CPU dtype, forward and backward against REF run on the same (rounded) inputs,
+//    within a tolerance derived from the dtype's unit roundoff and the reduction length.
+
+#define TU_MAX_IN 3
+typedef struct {
+    const char *name;
+    int n_inputs;
+    int ndim[TU_MAX_IN];
+    int64_t shape[TU_MAX_IN][AMPC_MAX_DIMS];
+    bool is_label[TU_MAX_IN];   /* int64 labels in [0, n_classes) (no gradient) */
+    int64_t n_classes;
+    bool no_grad[TU_MAX_IN];    /* float input that does not require grad */
+    double lo, hi;              /* input values uniform in [lo, hi) */
+    double avoid;               /* and |x| >= avoid (kinks at 0), when > 0 */
+    /* runs the op; ctx passes parameters */
+    ampc_tensor *(*fn)(ampc_tensor **in, const void *ctx);
+    const void *ctx;
+    double k;                   /* longest reduction/accumulation length (1 for elementwise) */
+    double k_backward;          /* same for the backward pass (0: = k) */
+    unsigned skip_dtypes;       /* bit (1 << dtype) skips that CPU dtype */
+    bool skip_fd;               /* random ops: no finite differences */
+} tu_op_case;
+
+/* Runs both checks; fails the test with a message naming op, dtype, input and element. */
+void tu_check_op(const tu_op_case *c);
+/* Only the finite-difference check on REF (returns the max abs error seen). */
+double tu_gradcheck_ref(const tu_op_case *c);
