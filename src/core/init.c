@@ -15,23 +15,16 @@ static char features[128];
 
 static void do_init(void) {
     __builtin_cpu_init();
-    static const char *names[] = {"avx512bf16", "avx512bw", "avx512f", "f16c", "avx2", "fma"};
-    static const char *shown[] = {"avx512_bf16", "avx512bw", "avx512f", "f16c", "avx2", "fma"};
+    /* __builtin_cpu_supports needs literal strings, hence one line per feature */
+    struct { bool has; const char *name; } f[] = {
+        {__builtin_cpu_supports("avx512bf16"), "avx512_bf16"}, {__builtin_cpu_supports("avx512bw"), "avx512bw"},
+        {__builtin_cpu_supports("avx512f"), "avx512f"},        {__builtin_cpu_supports("f16c"), "f16c"},
+        {__builtin_cpu_supports("avx2"), "avx2"},              {__builtin_cpu_supports("fma"), "fma"},
+    };
     size_t k = 0;
-    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
-        bool has = false;
-        /* __builtin_cpu_supports needs literal strings */
-        switch (i) {
-        case 0: has = __builtin_cpu_supports("avx512bf16"); break;
-        case 1: has = __builtin_cpu_supports("avx512bw"); break;
-        case 2: has = __builtin_cpu_supports("avx512f"); break;
-        case 3: has = __builtin_cpu_supports("f16c"); break;
-        case 4: has = __builtin_cpu_supports("avx2"); break;
-        case 5: has = __builtin_cpu_supports("fma"); break;
-        }
-        (void)names;
-        if (has) k += (size_t)snprintf(features + k, sizeof features - k, "%s%s", k ? " " : "", shown[i]);
-    }
+    for (size_t i = 0; i < sizeof f / sizeof *f; i++)
+        if (f[i].has && k < sizeof features)
+            k += (size_t)snprintf(features + k, sizeof features - k, "%s%s", k ? " " : "", f[i].name);
     ampc__convert_init();
     ampc__cpu_backend_init(&backends[AMPC_DEVICE_CPU]);
     ampc__ref_backend_init(&backends[AMPC_DEVICE_REF]);

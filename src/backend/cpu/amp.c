@@ -1,6 +1,148 @@
 /*
- * amp.c - CPU kernels: amp (filled in by the kernel work).
+ * amp.c - CPU kernels of the grad scaler and gradient clipping:
+ *   unscale_check: one fused pass per gradient that flags non-finite values (checked on the
+ *                  value before scaling, like PyTorch's _amp_foreach_non_finite_check_and_unscale_)
+ *                  and multiplies by inv_scale in place (skipped when inv_scale == 1);
+ *   sum_squares:   sum of x^2 in double, blockwise so the result does not depend on the
+ *                  number of threads.
+ * f32 is the fast path (master gradients); f16/bf16 go through f32 staging chunks.
  */
-#include "backend/backend.h"
+#include "backend/cpu/cpu.h"
 
-void ampc__cpu_register_amp(ampc_backend *be) { (void)be; }
+#include <float.h>
+#include <math.h>
+
+// ---------------------------------------------------------------------------------------------
+// unscale_check
+
+#define AMP_BLOCK 8192   /* elements per parallel work item */
+
+/* Non-finite test as a float compare (NaN fails every compare), so the loop vectorizes. */
+static inline int nonfinite(float v) { return !(fabsf(v) <= FLT_MAX); }
+
+static int check_block_f32(const float *restrict x, int64_t n) {
+    int bad = 0;
+#pragma omp simd reduction(| : bad)
+    for (int64_t i = 0; i < n; i++) bad |= nonfinite(x[i]);
+    return bad;
+}
+
+static int unscale_block_f32(float *restrict x, int64_t n, float inv_scale) {
+    int bad = 0;
+#pragma omp simd reduction(| : bad)
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i];
+        bad |= nonfinite(v);
+        x[i] = v * inv_scale;
+    }
+    return bad;
+}
+
+static int unscale_f32(float *x, int64_t n, float inv_scale) {
+    bool mul = inv_scale != 1.0f;
+    int bad = 0;
+#pragma omp parallel for num_threads(ampc__threads_for(n)) reduction(| : bad) schedule(static)
+    for (int64_t b = 0; b < n; b += AMP_BLOCK) {
+        int64_t m = n - b < AMP_BLOCK ? n - b : AMP_BLOCK;
+        bad |= mul ? unscale_block_f32(x + b, m, inv_scale) : check_block_f32(x + b, m);
+    }
+    return bad;
+}
+
+/* f16/bf16: load a chunk to f32, check, scale, store back (one rounding). */
+static int unscale_16(ampc_tensor *t, float inv_scale) {
+    bool mul = inv_scale != 1.0f;
+    int64_t n = t->numel;
+    int bad = 0;
+#pragma omp parallel for num_threads(ampc__threads_for(n)) reduction(| : bad) schedule(static)
+    for (int64_t b = 0; b < n; b += AMPC_CPU_CHUNK) {
+        float buf[AMPC_CPU_CHUNK];
+        size_t m = (size_t)(n - b < AMPC_CPU_CHUNK ? n - b : AMPC_CPU_CHUNK);
+        const float *v = ampc__cpu_load(t, (size_t)b, m, buf);
+        if (!mul) {
+            bad |= check_block_f32(v, (int64_t)m);
+            continue;
+        }
+        bad |= unscale_block_f32(buf, (int64_t)m, inv_scale);
+        ampc__cpu_store(t, (size_t)b, m, buf);
+    }
+    return bad;
+}
+
+static int cpu_unscale_check(ampc_tensor **grads, int n, float inv_scale, float *found_inf) {
+    for (int k = 0; k < n; k++) {
+        const ampc_tensor *g = grads[k];
+        if (g && g->dtype != AMPC_F32 && g->dtype != AMPC_F16 && g->dtype != AMPC_BF16)
+            return ampc__err(AMPC_ERR_DTYPE, "unscale: gradient %d is %s, not a float dtype of the cpu device", k,
+                             ampc_dtype_name(g->dtype));
+    }
+    int bad = 0;
+    for (int k = 0; k < n; k++) {
+        ampc_tensor *g = grads[k];
+        if (!g || g->numel == 0) continue;
+        bad |= g->dtype == AMPC_F32 ? unscale_f32(ampc__data(g), g->numel, inv_scale) : unscale_16(g, inv_scale);
+    }
+    if (bad) *found_inf = 1.0f;   /* never cleared here: the caller zeroes it once per optimizer */
+    return AMPC_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// sum_squares
+
+/* Eight independent double lanes (vectorizable without reassociation flags); a square of a
+   float is exact in double, so only the additions round. */
+static double sumsq_block_f32(const float *restrict x, int64_t n) {
+    double acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) {
+            double v = x[i + j];
+            acc[j] += v * v;
+        }
+    double tail = 0;
+    for (; i < n; i++) tail += (double)x[i] * x[i];
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
+}
+
+static double sumsq_block(const ampc_tensor *t, int64_t b, int64_t m) {
+    if (t->dtype == AMPC_F32) return sumsq_block_f32((const float *)ampc__data(t) + b, m);
+    double s = 0;
+    for (int64_t c = 0; c < m; c += AMPC_CPU_CHUNK) {
+        float buf[AMPC_CPU_CHUNK];
+        size_t k = (size_t)(m - c < AMPC_CPU_CHUNK ? m - c : AMPC_CPU_CHUNK);
+        s += sumsq_block_f32(ampc__cpu_load(t, (size_t)(b + c), k, buf), (int64_t)k);
+    }
+    return s;
+}
+
+static int cpu_sum_squares(const ampc_tensor *t, double *out) {
+    if (t->dtype != AMPC_F32 && t->dtype != AMPC_F16 && t->dtype != AMPC_BF16)
+        return ampc__err(AMPC_ERR_DTYPE, "sum_squares of a %s tensor on cpu", ampc_dtype_name(t->dtype));
+    int64_t n = t->numel, nb = (n + AMP_BLOCK - 1) / AMP_BLOCK;
+    if (nb <= 1) {
+        *out = n ? sumsq_block(t, 0, n) : 0.0;
+        return AMPC_OK;
+    }
+    /* per-block partial sums added in block order: the same result for any thread count */
+    double stack_part[256], *part = stack_part;
+    size_t bytes = 0;
+    if (nb > 256) {
+        part = ampc__alloc(AMPC_DEVICE_CPU, (size_t)nb * sizeof *part, AMPC_MEM_WORKSPACE, &bytes);
+        if (!part) return ampc_last_status();
+    }
+#pragma omp parallel for num_threads(ampc__threads_for(n)) schedule(static)
+    for (int64_t k = 0; k < nb; k++) {
+        int64_t b = k * AMP_BLOCK;
+        part[k] = sumsq_block(t, b, n - b < AMP_BLOCK ? n - b : AMP_BLOCK);
+    }
+    double s = 0;
+    for (int64_t k = 0; k < nb; k++) s += part[k];
+    if (part != stack_part) ampc__free(AMPC_DEVICE_CPU, part, bytes, AMPC_MEM_WORKSPACE);
+    *out = s;
+    return AMPC_OK;
+}
+
+void ampc__cpu_register_amp(ampc_backend *be) {
+    be->unscale_check = cpu_unscale_check;
+    be->sum_squares = cpu_sum_squares;
+}

@@ -1,0 +1,49 @@
+/*
+ * clip.c - gradient clipping by total 2-norm (torch.nn.utils.clip_grad_norm_, PyTorch 1.13).
+ *
+ *   total     = sqrt(sum over every grad of sum(g^2))       (double, backend sum_squares)
+ *   clip_coef = max_norm / (total + 1e-6)
+ *   every grad *= clip_coef when clip_coef < 1 (or NaN)     (backend unary SCALE, in place)
+ *
+ * PyTorch multiplies by clamp(clip_coef, max=1), which is the identity when clip_coef >= 1
+ * and propagates NaN: a NaN norm makes every grad NaN, an infinite one multiplies by 0. We skip
+ * only the identity multiply. PyTorch reduces in the grads' dtype (fp32); we accumulate in
+ * double, so the returned norm is at least as accurate. No grads: returns 0, like PyTorch.
+ */
+#include "backend/backend.h"
+#include "optim/optim.h"
+
+#include <math.h>
+
+double ampc_clip_grad_norm(ampc_optimizer *opt, double max_norm) {
+    if (!opt) return ampc__err(AMPC_ERR_INVALID, "clip_grad_norm: NULL optimizer");
+    double sumsq = 0.0;
+    int n_grads = 0;
+    for (int i = 0; i < opt->n; i++) {
+        ampc_tensor *p = opt->params[i];
+        if (!p || !p->grad) continue;
+        const ampc_backend *be = ampc__backend(p->grad->device);
+        if (!be->sum_squares)
+            return ampc__err(AMPC_ERR_UNSUPPORTED, "sum_squares on device %s", ampc_device_name(p->grad->device));
+        double s;
+        int rc = be->sum_squares(p->grad, &s);
+        if (rc < 0) return rc;
+        sumsq += s;
+        n_grads++;
+    }
+    if (!n_grads) return 0.0;
+    double total = sqrt(sumsq);
+    double clip_coef = max_norm / (total + 1e-6);
+    if (!(clip_coef >= 1.0)) {
+        for (int i = 0; i < opt->n; i++) {
+            ampc_tensor *p = opt->params[i];
+            if (!p || !p->grad) continue;
+            const ampc_backend *be = ampc__backend(p->grad->device);
+            if (!be->unary)
+                return ampc__err(AMPC_ERR_UNSUPPORTED, "unary scale on device %s", ampc_device_name(p->grad->device));
+            int rc = be->unary(AMPC_UNARY_SCALE, p->grad, p->grad, clip_coef);
+            if (rc < 0) return rc;
+        }
+    }
+    return total;
+}

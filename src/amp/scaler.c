@@ -1,0 +1,332 @@
+/*
+ * scaler.c - the gradient scaler (PyTorch's torch.cuda.amp.GradScaler, in C).
+ *
+ * Same state machine as PyTorch: each optimizer seen since the last update() is READY,
+ * UNSCALED or STEPPED.
+ *   scale(loss)    loss * scale in fp32 (16-bit losses are cast to fp32 first), recorded for
+ *                  backward: a cast and a mul_scalar op.
+ *   unscale(opt)   READY only (twice -> error, after step -> error). inv_scale =
+ *                  (float)(1.0 / (double)scale); one fused backend pass per device over the
+ *                  optimizer's grads multiplies them by inv_scale and records found_inf (any
+ *                  inf/NaN, checked before scaling). An fp16 grad is an error (PyTorch's
+ *                  allow_fp16=False) and nothing is modified. An optimizer without grads
+ *                  records no inf check (then step() fails, as in PyTorch).
+ *   step(opt)      not twice before update(); unscales if READY; skips the optimizer step if
+ *                  this optimizer's found_inf is set. Returns 1 applied, 0 skipped.
+ *   update()       needs at least one inf check since the last update; found_inf is the sum
+ *                  over every optimizer unscaled since then. Then every optimizer is READY.
+ *
+ * Update rule (PyTorch's _amp_update_scale_, products in double rounded once to float):
+ *   found_inf:  scale = max((float)(scale * backoff), min_scale); tracker = 0
+ *   otherwise:  tracker + 1 == growth_interval ?
+ *                   g = (float)(scale * growth); if g is finite, scale = min(g, max_scale);
+ *                   tracker = 0
+ *               : tracker += 1
+ * min_scale 0 and max_scale inf (the defaults) make the clamps no-ops: exactly PyTorch.
+ *
+ * Hysteresis H (DeepSpeed DynamicLossScaler with consecutive_hysteresis=False): a counter
+ * `hyst` starts at H.
+ *   found_inf with hyst > 1:   hyst -= 1; tracker = 0; the scale is kept.
+ *   found_inf with hyst <= 1:  back off as above (hyst stays at 1, so every further overflow
+ *                              backs off until the next growth point).
+ *   growth point (tracker + 1 reaches growth_interval): hyst = H, whether or not the scale
+ *                              could grow (fp32 overflow or max_scale).
+ * H = 1 (the default) is PyTorch's rule. The optimizer step is skipped on every overflow,
+ * absorbed by hysteresis or not.
+ *
+ * Per-optimizer states live in an array keyed by the optimizer pointer, and the grad list in
+ * a scratch array; both only grow, so a steady-state step allocates nothing.
+ */
+#include "ops/ops.h"
+#include "optim/optim.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+typedef enum { STAGE_READY = 0, STAGE_UNSCALED, STAGE_STEPPED } stage;
+
+typedef struct {
+    const ampc_optimizer *opt;
+    stage stage;
+    bool recorded;        /* an inf check ran since the last update (PyTorch: found_inf_per_device non-empty) */
+    float found_inf;      /* sum over devices of this optimizer's found_inf since the last update */
+    bool last_found_inf;  /* kept across update(): ampc_scaler_found_inf */
+} opt_state;
+
+struct ampc_scaler {
+    ampc_scaler_options o;
+    float scale;
+    int tracker;          /* consecutive unskipped updates since the last growth/backoff */
+    int hyst;             /* overflows still absorbed before a backoff */
+    int64_t applied, skipped;
+    opt_state *states;
+    int n_states, cap_states;
+    ampc_tensor **grads;  /* scratch: one device's grads for the backend kernel */
+    int cap_grads;
+};
+
+ampc_scaler_options ampc_scaler_defaults(void) {
+    return (ampc_scaler_options){
+        .init_scale = 65536.0f,
+        .growth_factor = 2.0f,
+        .backoff_factor = 0.5f,
+        .growth_interval = 2000,
+        .enabled = true,
+        .min_scale = 0.0f,
+        .max_scale = INFINITY,
+        .hysteresis = 1,
+    };
+}
+
+static int check_options(const ampc_scaler_options *o) {
+    if (!o->enabled) return AMPC_OK;   /* PyTorch checks factors only when enabled */
+    if (!(o->growth_factor > 1.0f))
+        return ampc__err(AMPC_ERR_INVALID, "scaler: the growth factor must be > 1.0, not %g", (double)o->growth_factor);
+    if (!(o->backoff_factor < 1.0f && o->backoff_factor > 0.0f))
+        return ampc__err(AMPC_ERR_INVALID, "scaler: the backoff factor must be in (0, 1), not %g", (double)o->backoff_factor);
+    if (o->growth_interval < 1)
+        return ampc__err(AMPC_ERR_INVALID, "scaler: growth_interval must be >= 1, not %d", o->growth_interval);
+    if (!(o->init_scale > 0.0f && isfinite(o->init_scale)))
+        return ampc__err(AMPC_ERR_INVALID, "scaler: init_scale must be positive and finite, not %g", (double)o->init_scale);
+    if (!(o->min_scale >= 0.0f) || !(o->max_scale >= o->min_scale))
+        return ampc__err(AMPC_ERR_INVALID, "scaler: need 0 <= min_scale <= max_scale, got min %g max %g",
+                         (double)o->min_scale, (double)o->max_scale);
+    if (o->hysteresis < 1)
+        return ampc__err(AMPC_ERR_INVALID, "scaler: hysteresis must be >= 1, not %d", o->hysteresis);
+    return AMPC_OK;
+}
+
+ampc_scaler *ampc_scaler_new(const ampc_scaler_options *opts) {
+    ampc__ensure_init();
+    ampc_scaler_options o = opts ? *opts : ampc_scaler_defaults();
+    if (check_options(&o) < 0) return NULL;
+    ampc_scaler *s = calloc(1, sizeof *s);
+    if (!s) return ampc__err_null(AMPC_ERR_OOM, "scaler: out of memory");
+    s->o = o;
+    s->scale = o.init_scale;
+    s->hyst = o.hysteresis;
+    return s;
+}
+
+void ampc_scaler_free(ampc_scaler *s) {
+    if (!s) return;
+    free(s->states);
+    free(s->grads);
+    free(s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-optimizer state
+
+static opt_state *find_state(const ampc_scaler *s, const ampc_optimizer *opt) {
+    for (int i = 0; i < s->n_states; i++)
+        if (s->states[i].opt == opt) return &s->states[i];
+    return NULL;
+}
+
+static opt_state *state_for(ampc_scaler *s, const ampc_optimizer *opt) {
+    opt_state *st = find_state(s, opt);
+    if (st) return st;
+    if (s->n_states == s->cap_states) {
+        int cap = s->cap_states ? 2 * s->cap_states : 4;
+        opt_state *v = realloc(s->states, (size_t)cap * sizeof *v);
+        if (!v) return ampc__err_null(AMPC_ERR_OOM, "scaler: out of memory for optimizer states");
+        s->states = v;
+        s->cap_states = cap;
+    }
+    st = &s->states[s->n_states++];
+    *st = (opt_state){.opt = opt, .stage = STAGE_READY};
+    return st;
+}
+
+// ---------------------------------------------------------------------------------------------
+// scale
+
+ampc_tensor *ampc_scaler_scale(ampc_scaler *s, ampc_tensor *loss) {
+    if (!s) return ampc__err_null(AMPC_ERR_INVALID, "scaler_scale: NULL scaler");
+    if (!loss) {
+        if (ampc_last_status() == 0) ampc__err(AMPC_ERR_INVALID, "scaler_scale: NULL loss");
+        return NULL;
+    }
+    if (!s->o.enabled) return loss;
+    ampc_tensor *x = loss;
+    if (loss->dtype == AMPC_F16 || loss->dtype == AMPC_BF16) {
+        x = ampc_cast(loss, AMPC_F32);
+        if (!x) return NULL;
+    } else if (!ampc__dt(loss->dtype)->is_float) {
+        return ampc__err_null(AMPC_ERR_DTYPE, "scaler_scale: the loss is %s, not a float tensor",
+                              ampc_dtype_name(loss->dtype));
+    }
+    return ampc_mul_scalar(x, (double)s->scale);
+}
+
+// ---------------------------------------------------------------------------------------------
+// unscale
+
+static int unscale_grads(ampc_scaler *s, ampc_optimizer *opt, opt_state *st) {
+    /* validate everything first: an error leaves every gradient untouched, as in PyTorch */
+    int n_grads = 0;
+    for (int i = 0; i < opt->n; i++) {
+        ampc_tensor *p = opt->params[i];
+        if (!p || !p->grad) continue;
+        if (p->grad->dtype == AMPC_F16)
+            return ampc__err(AMPC_ERR_DTYPE, "scaler: Attempting to unscale FP16 gradients (parameter %d); "
+                                             "master weights and their grads must be fp32", i);
+        if (!ampc__dt(p->grad->dtype)->is_float)
+            return ampc__err(AMPC_ERR_DTYPE, "scaler: gradient of parameter %d is %s", i, ampc_dtype_name(p->grad->dtype));
+        n_grads++;
+    }
+    if (n_grads > s->cap_grads) {
+        ampc_tensor **g = realloc(s->grads, (size_t)n_grads * sizeof *g);
+        if (!g) return ampc__err(AMPC_ERR_OOM, "scaler: out of memory for the gradient list");
+        s->grads = g;
+        s->cap_grads = n_grads;
+    }
+    const float inv_scale = (float)(1.0 / (double)s->scale);   /* reciprocal in double, like PyTorch */
+    float found_inf = 0.0f;
+    bool recorded = false;
+    for (int d = 0; d < AMPC_DEVICE_COUNT; d++) {
+        int n = 0;
+        for (int i = 0; i < opt->n; i++) {
+            ampc_tensor *p = opt->params[i];
+            if (p && p->grad && p->grad->device == (ampc_device)d) s->grads[n++] = p->grad;
+        }
+        if (!n) continue;
+        const ampc_backend *be = ampc__backend((ampc_device)d);
+        if (!be->unscale_check)
+            return ampc__err(AMPC_ERR_UNSUPPORTED, "unscale_check on device %s", ampc_device_name((ampc_device)d));
+        float dev_found_inf = 0.0f;
+        int rc = be->unscale_check(s->grads, n, inv_scale, &dev_found_inf);
+        if (rc < 0) return rc;
+        found_inf += dev_found_inf;
+        recorded = true;
+    }
+    st->found_inf = found_inf;
+    st->recorded = recorded;
+    st->last_found_inf = found_inf != 0.0f;
+    st->stage = STAGE_UNSCALED;
+    return AMPC_OK;
+}
+
+int ampc_scaler_unscale(ampc_scaler *s, ampc_optimizer *opt) {
+    if (!s || !opt) return ampc__err(AMPC_ERR_INVALID, "scaler_unscale: NULL %s", s ? "optimizer" : "scaler");
+    if (!s->o.enabled) return AMPC_OK;
+    opt_state *st = state_for(s, opt);
+    if (!st) return ampc_last_status();
+    if (st->stage == STAGE_UNSCALED)
+        return ampc__err(AMPC_ERR_STATE, "scaler: unscale() has already been called on this optimizer since the last update()");
+    if (st->stage == STAGE_STEPPED)
+        return ampc__err(AMPC_ERR_STATE, "scaler: unscale() is being called after step() (call update() first)");
+    return unscale_grads(s, opt, st);
+}
+
+// ---------------------------------------------------------------------------------------------
+// step
+
+int ampc_scaler_step(ampc_scaler *s, ampc_optimizer *opt) {
+    if (!s || !opt) return ampc__err(AMPC_ERR_INVALID, "scaler_step: NULL %s", s ? "optimizer" : "scaler");
+    if (!s->o.enabled) {
+        int rc = ampc_optimizer_step(opt);
+        if (rc < 0) return rc;
+        s->applied++;
+        return 1;
+    }
+    opt_state *st = state_for(s, opt);
+    if (!st) return ampc_last_status();
+    if (st->stage == STAGE_STEPPED)
+        return ampc__err(AMPC_ERR_STATE, "scaler: step() has already been called since the last update()");
+    if (st->stage == STAGE_READY) {
+        int rc = unscale_grads(s, opt, st);
+        if (rc < 0) return rc;
+    }
+    if (!st->recorded)
+        return ampc__err(AMPC_ERR_STATE, "scaler: No inf checks were recorded for this optimizer "
+                                         "(none of its parameters has a gradient)");
+    if (st->found_inf != 0.0f) {
+        st->stage = STAGE_STEPPED;
+        s->skipped++;
+        return 0;
+    }
+    int rc = ampc_optimizer_step(opt);
+    if (rc < 0) return rc;   /* stays UNSCALED, as when PyTorch's optimizer.step() raises */
+    st->stage = STAGE_STEPPED;
+    s->applied++;
+    return 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// update
+
+static void backoff(ampc_scaler *s) {
+    float v = (float)((double)s->scale * (double)s->o.backoff_factor);
+    s->scale = v < s->o.min_scale ? s->o.min_scale : v;
+    s->tracker = 0;
+}
+
+static void update_scale(ampc_scaler *s, bool found_inf) {
+    if (found_inf) {
+        if (s->hyst > 1) {
+            s->hyst--;
+            s->tracker = 0;
+        } else {
+            backoff(s);
+        }
+        return;
+    }
+    int successful = s->tracker + 1;
+    if (successful == s->o.growth_interval) {
+        float g = (float)((double)s->scale * (double)s->o.growth_factor);
+        if (isfinite(g)) s->scale = g > s->o.max_scale ? s->o.max_scale : g;   /* never grow to inf */
+        s->tracker = 0;
+        s->hyst = s->o.hysteresis;
+    } else {
+        s->tracker = successful;
+    }
+}
+
+int ampc_scaler_update(ampc_scaler *s) {
+    if (!s) return ampc__err(AMPC_ERR_INVALID, "scaler_update: NULL scaler");
+    if (!s->o.enabled) return AMPC_OK;
+    float found_inf = 0.0f;
+    bool any = false;
+    for (int i = 0; i < s->n_states; i++) {
+        if (!s->states[i].recorded) continue;
+        any = true;
+        found_inf += s->states[i].found_inf;
+    }
+    if (!any)
+        return ampc__err(AMPC_ERR_STATE, "scaler: No inf checks were recorded prior to update() "
+                                         "(call step() or unscale() on an optimizer with gradients first)");
+    update_scale(s, found_inf != 0.0f);
+    for (int i = 0; i < s->n_states; i++) {
+        s->states[i].stage = STAGE_READY;
+        s->states[i].recorded = false;
+        s->states[i].found_inf = 0.0f;
+    }
+    return AMPC_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Accessors
+
+void ampc_scaler_set_scale(ampc_scaler *s, float new_scale) {
+    if (!s || !s->o.enabled) return;
+    if (!(new_scale > 0.0f) || !isfinite(new_scale)) {
+        ampc__err(AMPC_ERR_INVALID, "scaler_set_scale: the scale must be positive and finite, not %g; kept %g",
+                  (double)new_scale, (double)s->scale);
+        return;
+    }
+    s->scale = new_scale;
+}
+
+float ampc_scaler_get_scale(const ampc_scaler *s) { return s && s->o.enabled ? s->scale : 1.0f; }
+int ampc_scaler_growth_tracker(const ampc_scaler *s) { return s && s->o.enabled ? s->tracker : 0; }
+bool ampc_scaler_is_enabled(const ampc_scaler *s) { return s && s->o.enabled; }
+int64_t ampc_scaler_steps_applied(const ampc_scaler *s) { return s ? s->applied : 0; }
+int64_t ampc_scaler_steps_skipped(const ampc_scaler *s) { return s ? s->skipped : 0; }
+
+bool ampc_scaler_found_inf(const ampc_scaler *s, const ampc_optimizer *opt) {
+    if (!s || !s->o.enabled) return false;
+    const opt_state *st = find_state(s, opt);
+    return st && st->last_found_inf;
+}

@@ -1,0 +1,87 @@
+/*
+ * layers.c - the simple layers: Linear, the activations, Dropout and Flatten. Each is a
+ * vtable and a forward that calls the public ops (which obey autocast and record autograd).
+ */
+#include "nn/nn.h"
+
+#include <math.h>
+
+// ---------------------------------------------------------------------------------------------
+// Linear: y = x @ weight^T + bias, weight (out, in), bias (out)
+
+static ampc_tensor *linear_forward(ampc_module *m, ampc_tensor *x) {
+    return ampc_linear(x, ampc__module_param(m, "weight"), ampc__module_param(m, "bias"));
+}
+
+static const ampc_module_vtable linear_vtable = {"Linear", linear_forward, NULL};
+
+ampc_module *ampc_linear_new(int64_t in_features, int64_t out_features, bool bias) {
+    if (in_features < 0 || out_features < 0)
+        return ampc__err_null(AMPC_ERR_INVALID, "Linear(%lld, %lld): negative size", (long long)in_features,
+                              (long long)out_features);
+    ampc_module *m = ampc__module_new(&linear_vtable);
+    if (!m) return NULL;
+    m->i[0] = in_features;
+    m->i[1] = out_features;
+    /* PyTorch's reset_parameters: kaiming_uniform_(a=sqrt(5)) on the weight gives the bound
+       gain * sqrt(3 / fan_in) with gain = sqrt(2 / (1 + 5)), that is 1/sqrt(fan_in); the bias
+       uses the same bound. The weight draws come first, then the bias, as in PyTorch. */
+    double bound = in_features > 0 ? 1.0 / sqrt((double)in_features) : 0.0;
+    ampc_scope_begin();
+    int rc = ampc__module_add_param(m, "weight", ampc__param_uniform(2, (int64_t[]){out_features, in_features}, bound));
+    if (rc >= 0 && bias) rc = ampc__module_add_param(m, "bias", ampc__param_uniform(1, (int64_t[]){out_features}, bound));
+    ampc_scope_end();
+    if (rc < 0) {
+        ampc_module_free(m);
+        return NULL;
+    }
+    return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Activations
+
+static ampc_tensor *relu_forward(ampc_module *m, ampc_tensor *x) { (void)m; return ampc_relu(x); }
+static ampc_tensor *gelu_forward(ampc_module *m, ampc_tensor *x) { (void)m; return ampc_gelu(x); }
+static ampc_tensor *tanh_forward(ampc_module *m, ampc_tensor *x) { (void)m; return ampc_tanh(x); }
+static ampc_tensor *sigmoid_forward(ampc_module *m, ampc_tensor *x) { (void)m; return ampc_sigmoid(x); }
+
+static const ampc_module_vtable relu_vtable = {"ReLU", relu_forward, NULL};
+static const ampc_module_vtable gelu_vtable = {"GELU", gelu_forward, NULL};
+static const ampc_module_vtable tanh_vtable = {"Tanh", tanh_forward, NULL};
+static const ampc_module_vtable sigmoid_vtable = {"Sigmoid", sigmoid_forward, NULL};
+
+ampc_module *ampc_relu_new(void) { return ampc__module_new(&relu_vtable); }
+ampc_module *ampc_gelu_new(void) { return ampc__module_new(&gelu_vtable); }
+ampc_module *ampc_tanh_new(void) { return ampc__module_new(&tanh_vtable); }
+ampc_module *ampc_sigmoid_new(void) { return ampc__module_new(&sigmoid_vtable); }
+
+// ---------------------------------------------------------------------------------------------
+// Dropout (f[0] = p): the identity in eval mode, as PyTorch returns its input unchanged.
+
+static ampc_tensor *dropout_forward(ampc_module *m, ampc_tensor *x) {
+    if (!m->training || m->f[0] == 0.0) return x;
+    return ampc_dropout(x, m->f[0], true);
+}
+
+static const ampc_module_vtable dropout_vtable = {"Dropout", dropout_forward, NULL};
+
+ampc_module *ampc_dropout_new(double p) {
+    if (!(p >= 0.0 && p <= 1.0))
+        return ampc__err_null(AMPC_ERR_INVALID, "Dropout probability has to be between 0 and 1, but got %g", p);
+    ampc_module *m = ampc__module_new(&dropout_vtable);
+    if (m) m->f[0] = p;
+    return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flatten (start_dim 1, end_dim -1): (N, ...) -> (N, prod(...))
+
+static ampc_tensor *flatten_forward(ampc_module *m, ampc_tensor *x) {
+    (void)m;
+    return ampc_flatten(x, 1, -1);
+}
+
+static const ampc_module_vtable flatten_vtable = {"Flatten", flatten_forward, NULL};
+
+ampc_module *ampc_flatten_new(void) { return ampc__module_new(&flatten_vtable); }

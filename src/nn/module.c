@@ -1,0 +1,329 @@
+/*
+ * module.c - the module object: registration of parameters, buffers and children, the flat
+ * state_dict-ordered lists, forward in a scope, train/eval, freezing, Sequential.
+ *
+ * This file calls no op, so programs that only use optimizers over explicit tensors do not
+ * pull the op library in (layers live in layers.c).
+ */
+#include "nn/nn.h"
+#include "backend/backend.h"
+
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+// ---------------------------------------------------------------------------------------------
+// Named lists
+
+static int list_push(ampc_named_list *l, const char *name, void *item) {
+    if (l->n == l->cap) {
+        int cap = l->cap ? l->cap * 2 : 4;
+        char **names = realloc(l->names, (size_t)cap * sizeof *names);
+        if (!names) return ampc__err(AMPC_ERR_OOM, "module registry");
+        l->names = names;
+        void **items = realloc(l->items, (size_t)cap * sizeof *items);
+        if (!items) return ampc__err(AMPC_ERR_OOM, "module registry");
+        l->items = items;
+        l->cap = cap;
+    }
+    char *copy = strdup(name);
+    if (!copy) return ampc__err(AMPC_ERR_OOM, "module registry");
+    l->names[l->n] = copy;
+    l->items[l->n] = item;
+    l->n++;
+    return AMPC_OK;
+}
+
+static void *list_find(const ampc_named_list *l, const char *name) {
+    for (int i = 0; i < l->n; i++)
+        if (!strcmp(l->names[i], name)) return l->items[i];
+    return NULL;
+}
+
+static void list_free_names(ampc_named_list *l) {
+    for (int i = 0; i < l->n; i++) free(l->names[i]);
+    free(l->names);
+    free(l->items);
+    memset(l, 0, sizeof *l);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flat lists (state_dict order, dotted names)
+
+static void flat_clear(ampc_flat_list *f) {
+    for (int i = 0; i < f->n; i++) free(f->names[i]);
+    f->n = 0;
+    f->valid = false;
+}
+
+static void flat_free(ampc_flat_list *f) {
+    flat_clear(f);
+    free(f->names);
+    free(f->tensors);
+    memset(f, 0, sizeof *f);
+}
+
+static int flat_push(ampc_flat_list *f, const char *prefix, const char *name, ampc_tensor *t) {
+    if (f->n == f->cap) {
+        int cap = f->cap ? f->cap * 2 : 8;
+        char **names = realloc(f->names, (size_t)cap * sizeof *names);
+        if (!names) return ampc__err(AMPC_ERR_OOM, "parameter list");
+        f->names = names;
+        ampc_tensor **ts = realloc(f->tensors, (size_t)cap * sizeof *ts);
+        if (!ts) return ampc__err(AMPC_ERR_OOM, "parameter list");
+        f->tensors = ts;
+        f->cap = cap;
+    }
+    size_t len = strlen(prefix) + strlen(name) + 1;
+    char *full = malloc(len);
+    if (!full) return ampc__err(AMPC_ERR_OOM, "parameter list");
+    snprintf(full, len, "%s%s", prefix, name);
+    f->names[f->n] = full;
+    f->tensors[f->n] = t;
+    f->n++;
+    return AMPC_OK;
+}
+
+/* Appends m's entries under prefix: own parameters, own buffers (if wanted), then children. */
+static int flat_collect(ampc_flat_list *f, const ampc_module *m, const char *prefix, bool buffers) {
+    for (int i = 0; i < m->params.n; i++)
+        if (flat_push(f, prefix, m->params.names[i], m->params.items[i]) < 0) return AMPC_ERR_OOM;
+    if (buffers)
+        for (int i = 0; i < m->buffers.n; i++)
+            if (flat_push(f, prefix, m->buffers.names[i], m->buffers.items[i]) < 0) return AMPC_ERR_OOM;
+    for (int c = 0; c < m->children.n; c++) {
+        const char *cn = m->children.names[c];
+        size_t len = strlen(prefix) + strlen(cn) + 2;
+        char *sub = malloc(len);
+        if (!sub) return ampc__err(AMPC_ERR_OOM, "parameter list");
+        snprintf(sub, len, "%s%s.", prefix, cn);
+        int rc = flat_collect(f, m->children.items[c], sub, buffers);
+        free(sub);
+        if (rc < 0) return rc;
+    }
+    return AMPC_OK;
+}
+
+static int flat_get(ampc_module *m, ampc_flat_list *f, bool buffers, ampc_tensor ***tensors, const char ***names) {
+    if (!f->valid) {
+        flat_clear(f);
+        if (flat_collect(f, m, "", buffers) < 0) {
+            flat_clear(f);
+            return ampc_last_status();
+        }
+        f->valid = true;
+    }
+    if (tensors) *tensors = f->tensors;
+    if (names) *names = (const char **)f->names;
+    return f->n;
+}
+
+void ampc__module_invalidate(ampc_module *m) {
+    for (; m; m = m->parent) {
+        m->flat_params.valid = false;
+        m->flat_state.valid = false;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Construction and registration
+
+ampc_module *ampc__module_new(const ampc_module_vtable *vt) {
+    ampc__ensure_init();
+    ampc_module *m = calloc(1, sizeof *m);
+    if (!m) return ampc__err_null(AMPC_ERR_OOM, "module %s", vt->type);
+    m->vt = vt;
+    m->training = true;
+    return m;
+}
+
+int ampc__module_add_param(ampc_module *m, const char *name, ampc_tensor *t) {
+    if (!t) return ampc_last_status() ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "parameter %s is NULL", name);
+    ampc_tensor_own(t);
+    int rc = ampc_tensor_set_requires_grad(t, true);
+    if (rc >= 0 && list_find(&m->params, name)) rc = ampc__err(AMPC_ERR_INVALID, "parameter %s registered twice", name);
+    if (rc >= 0) rc = list_push(&m->params, name, t);
+    if (rc < 0) {
+        ampc__release(t);
+        return rc;
+    }
+    ampc__module_invalidate(m);
+    return AMPC_OK;
+}
+
+int ampc__module_add_buffer(ampc_module *m, const char *name, ampc_tensor *t) {
+    if (!t) return ampc_last_status() ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "buffer %s is NULL", name);
+    ampc_tensor_own(t);
+    int rc = list_find(&m->buffers, name) ? ampc__err(AMPC_ERR_INVALID, "buffer %s registered twice", name)
+                                          : list_push(&m->buffers, name, t);
+    if (rc < 0) {
+        ampc__release(t);
+        return rc;
+    }
+    ampc__module_invalidate(m);
+    return AMPC_OK;
+}
+
+int ampc__module_add_child(ampc_module *m, const char *name, ampc_module *child) {
+    if (!child) return ampc_last_status() ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "child %s is NULL", name);
+    if (child->parent)   /* not freed: it belongs to its parent */
+        return ampc__err(AMPC_ERR_STATE, "%s %s is already a child of another module", child->vt->type, name);
+    int rc = list_push(&m->children, name, child);
+    if (rc < 0) {
+        ampc_module_free(child);
+        return rc;
+    }
+    child->parent = m;
+    ampc__module_invalidate(m);
+    return AMPC_OK;
+}
+
+ampc_tensor *ampc__module_param(const ampc_module *m, const char *name) { return list_find(&m->params, name); }
+ampc_tensor *ampc__module_buffer(const ampc_module *m, const char *name) { return list_find(&m->buffers, name); }
+
+ampc_dtype ampc__param_dtype(void) {
+    return ampc__backend(ampc__default_device())->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64;
+}
+
+ampc_tensor *ampc__param_uniform(int ndim, const int64_t *shape, double bound) {
+    ampc_mem_kind prev = ampc__mem_kind_push(AMPC_MEM_PARAMETERS);
+    ampc_tensor *t = ampc_tensor_rand(ampc__param_dtype(), ndim, shape, -bound, bound);
+    ampc__mem_kind_pop(prev);
+    return t;
+}
+
+void ampc_module_free(ampc_module *m) {
+    if (!m) return;
+    if (m->vt->free) m->vt->free(m);
+    for (int i = 0; i < m->children.n; i++) {
+        ampc_module *c = m->children.items[i];
+        c->parent = NULL;
+        ampc_module_free(c);
+    }
+    for (int i = 0; i < m->params.n; i++) ampc__release(m->params.items[i]);
+    for (int i = 0; i < m->buffers.n; i++) ampc__release(m->buffers.items[i]);
+    list_free_names(&m->children);
+    list_free_names(&m->params);
+    list_free_names(&m->buffers);
+    flat_free(&m->flat_params);
+    flat_free(&m->flat_state);
+    free(m);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Public accessors
+
+ampc_tensor *ampc_module_forward(ampc_module *m, ampc_tensor *x) {
+    if (!m) return ampc__err_null(AMPC_ERR_INVALID, "forward of a NULL module");
+    if (!x) {   /* keep the error that produced the NULL input */
+        if (!ampc_last_status()) ampc__err(AMPC_ERR_INVALID, "%s: input is NULL", m->vt->type);
+        return NULL;
+    }
+    /* The forward's intermediates belong to this scope; only the output leaves it. Whatever
+       the autograd graph saved stays alive through the graph's own references. */
+    ampc_scope_begin();
+    ampc_tensor *y = m->vt->forward(m, x);
+    if (y && y != x) ampc_tensor_keep(y);
+    ampc_scope_end();
+    return y;
+}
+
+void ampc_module_train(ampc_module *m, bool training) {
+    if (!m) return;
+    m->training = training;
+    for (int i = 0; i < m->children.n; i++) ampc_module_train(m->children.items[i], training);
+}
+
+bool ampc_module_is_training(const ampc_module *m) { return m && m->training; }
+const char *ampc_module_type(const ampc_module *m) { return m ? m->vt->type : NULL; }
+int ampc_module_num_children(const ampc_module *m) { return m ? m->children.n : 0; }
+
+ampc_module *ampc_module_child(ampc_module *m, int i) {
+    if (!m || i < 0 || i >= m->children.n) return NULL;
+    return m->children.items[i];
+}
+
+int ampc_module_parameters(ampc_module *m, ampc_tensor ***params, const char ***names) {
+    if (!m) return ampc__err(AMPC_ERR_INVALID, "parameters of a NULL module");
+    return flat_get(m, &m->flat_params, false, params, names);
+}
+
+int ampc__module_state_dict(ampc_module *m, ampc_tensor ***tensors, const char ***names) {
+    if (!m) return ampc__err(AMPC_ERR_INVALID, "state_dict of a NULL module");
+    return flat_get(m, &m->flat_state, true, tensors, names);
+}
+
+int64_t ampc_module_num_parameters(ampc_module *m, bool trainable_only) {
+    ampc_tensor **p;
+    int n = ampc_module_parameters(m, &p, NULL);
+    if (n < 0) return n;
+    int64_t total = 0;
+    for (int i = 0; i < n; i++)
+        if (!trainable_only || p[i]->requires_grad) total += p[i]->numel;
+    return total;
+}
+
+void ampc_module_requires_grad(ampc_module *m, bool on) {
+    if (!m) return;
+    for (int i = 0; i < m->params.n; i++) ((ampc_tensor *)m->params.items[i])->requires_grad = on;
+    for (int i = 0; i < m->children.n; i++) ampc_module_requires_grad(m->children.items[i], on);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sequential
+
+static ampc_tensor *sequential_forward(ampc_module *m, ampc_tensor *x) {
+    ampc_tensor *h = x;
+    for (int i = 0; i < m->children.n && h; i++) h = ampc_module_forward(m->children.items[i], h);
+    return h;
+}
+
+static const ampc_module_vtable sequential_vtable = {"Sequential", sequential_forward, NULL};
+
+ampc_module *ampc_sequential_from(int n, ampc_module **children) {
+    int bad = -1;
+    if (n < 0 || (n > 0 && !children)) {
+        ampc__err(AMPC_ERR_INVALID, "Sequential of %d children", n);
+        bad = 0;
+    }
+    for (int i = 0; bad < 0 && i < n; i++)
+        if (!children[i]) bad = i;
+    ampc_module *m = NULL;
+    if (bad < 0) {
+        m = ampc__module_new(&sequential_vtable);
+        if (!m) bad = 0;
+    } else if (!ampc_last_status()) {
+        ampc__err(AMPC_ERR_INVALID, "Sequential: child %d is NULL", bad);
+    }
+    if (bad >= 0) {   /* the first error stays; every child given is freed */
+        for (int i = 0; i < n && children; i++) ampc_module_free(children[i]);
+        return NULL;
+    }
+    for (int i = 0; i < n; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "%d", i);
+        if (ampc__module_add_child(m, name, children[i]) < 0) {   /* it freed children[i] */
+            for (int j = i + 1; j < n; j++) ampc_module_free(children[j]);
+            ampc_module_free(m);
+            return NULL;
+        }
+    }
+    return m;
+}
+
+ampc_module *ampc_sequential(int n, ...) {
+    if (n < 0) return ampc__err_null(AMPC_ERR_INVALID, "Sequential of %d children", n);
+    ampc_module **c = malloc((size_t)(n ? n : 1) * sizeof *c);
+    va_list ap;
+    va_start(ap, n);
+    for (int i = 0; i < n; i++) {
+        ampc_module *x = va_arg(ap, ampc_module *);
+        if (c) c[i] = x;
+        else ampc_module_free(x);
+    }
+    va_end(ap);
+    if (!c) return ampc__err_null(AMPC_ERR_OOM, "Sequential of %d children", n);
+    ampc_module *m = ampc_sequential_from(n, c);
+    free(c);
+    return m;
+}

@@ -1,0 +1,91 @@
+/*
+ * nn.h - the module object behind ampc_module: a small vtable, named children, named
+ * parameters and buffers, a training flag, and lazily built flat lists in state_dict order.
+ *
+ * A layer is a struct ampc_module with its vtable and whatever it registered:
+ *     m = ampc__module_new(&linear_vtable);
+ *     ampc__module_add_param(m, "weight", ampc__param_uniform(m, 2, (int64_t[]){out, in}, b));
+ * and a forward that calls public ops (they obey autocast and record autograd nodes).
+ * ampc_module_forward runs each forward in its own scope and keeps only the output, so the
+ * forward's intermediates live only as long as the autograd graph needs them.
+ *
+ * Tensors a module holds:
+ * - parameters: fp32 leaves that require grad (unless frozen), counted as AMPC_MEM_PARAMETERS,
+ *   owned by the module (out of every scope), listed by ampc_module_parameters;
+ * - buffers: state that belongs in a checkpoint but is not trained (BatchNorm's running_mean,
+ *   running_var, num_batches_tracked): no grad, not given to optimizers, and listed with the
+ *   parameters by ampc__module_state_dict in PyTorch's order (a module's own parameters, then
+ *   its own buffers, then each child's entries under "<child>.").
+ * Conv2d/BatchNorm2d/ResNet blocks are more layers of this kind: a vtable, their parameters and
+ * buffers, hyperparameters in f[]/i[] or in `impl`, and children for composite blocks.
+ */
+#ifndef AMPC_NN_H
+#define AMPC_NN_H
+
+#include "core/core.h"
+
+typedef struct {
+    const char *type;   /* PyTorch's class name: "Linear", "Sequential", ... */
+    /* Output for input x, in the current scope (or x itself for an identity); NULL + error. */
+    ampc_tensor *(*forward)(ampc_module *m, ampc_tensor *x);
+    /* Releases `impl` and anything else layer-specific (NULL: nothing to do). Parameters,
+       buffers and children are freed by ampc_module_free itself. */
+    void (*free)(ampc_module *m);
+} ampc_module_vtable;
+
+/* A growable list of owned, named entries. */
+typedef struct {
+    int n, cap;
+    char **names;
+    void **items;   /* ampc_tensor * (owned refs) or ampc_module * (owned) */
+} ampc_named_list;
+
+/* Flat lists in state_dict order with dotted names, rebuilt when stale. */
+typedef struct {
+    bool valid;
+    int n, cap;
+    ampc_tensor **tensors;   /* borrowed from the modules */
+    char **names;            /* owned strings */
+} ampc_flat_list;
+
+struct ampc_module {
+    const ampc_module_vtable *vt;
+    bool training;                /* true after construction, like PyTorch */
+    ampc_module *parent;          /* weak; set when added as a child (to invalidate flat lists) */
+    ampc_named_list children;     /* ampc_module * */
+    ampc_named_list params;       /* ampc_tensor *: this module's own parameters */
+    ampc_named_list buffers;      /* ampc_tensor *: this module's own buffers (no grad) */
+    double f[4];                  /* hyperparameters of simple layers (dropout p, ...) */
+    int64_t i[4];                 /* (in_features, out_features, ...) */
+    void *impl;                   /* layer-specific data, freed by vt->free */
+    ampc_flat_list flat_params;   /* ampc_module_parameters */
+    ampc_flat_list flat_state;    /* ampc__module_state_dict: parameters and buffers */
+};
+
+/* New module of the given kind, training mode, nothing registered (NULL + error on OOM). */
+ampc_module *ampc__module_new(const ampc_module_vtable *vt);
+/* Registers t as a parameter: takes it out of its scope (the module owns it from here on) and
+   sets requires_grad. t must be a float leaf. On failure t is freed. */
+int ampc__module_add_param(ampc_module *m, const char *name, ampc_tensor *t);
+/* Registers t as a buffer (owned, no grad). On failure t is freed. */
+int ampc__module_add_buffer(ampc_module *m, const char *name, ampc_tensor *t);
+/* Adds child under name, taking ownership. On failure child is freed, unless it already had a
+   parent (an error too: a module has one parent). */
+int ampc__module_add_child(ampc_module *m, const char *name, ampc_module *child);
+/* This module's own parameter/buffer by local name ("weight"), or NULL. */
+ampc_tensor *ampc__module_param(const ampc_module *m, const char *name);
+ampc_tensor *ampc__module_buffer(const ampc_module *m, const char *name);
+/* Marks the flat lists of m and its ancestors stale (after registering something). */
+void ampc__module_invalidate(ampc_module *m);
+
+/* Float dtype for parameters on the default device: f32, or f64 on devices without f32 (REF). */
+ampc_dtype ampc__param_dtype(void);
+/* New parameter-kind tensor (in the current scope) ~ U(-bound, bound) from the global
+   generator, for ampc__module_add_param. */
+ampc_tensor *ampc__param_uniform(int ndim, const int64_t *shape, double bound);
+
+/* Parameters and buffers in PyTorch's state_dict order with dotted names; the arrays are owned
+   by m and valid until m changes. Returns the count or a negative status. */
+int ampc__module_state_dict(ampc_module *m, ampc_tensor ***tensors, const char ***names);
+
+#endif /* AMPC_NN_H */
