@@ -307,18 +307,21 @@ ampc_module *ampc_flatten_new(void);
 ampc_module *ampc_sequential(int n, ...);
 ampc_module *ampc_sequential_from(int n, ampc_module **children);
 
+/* Output in the current scope. Each module's forward runs in its own scope, so its
+   intermediates are held only by the autograd graph and freed as backward consumes them. */
 ampc_tensor *ampc_module_forward(ampc_module *m, ampc_tensor *x);
 void ampc_module_train(ampc_module *m, bool training);    /* recursive */
 bool ampc_module_is_training(const ampc_module *m);
 const char *ampc_module_type(const ampc_module *m);       /* "Linear", "Sequential", ... */
 int ampc_module_num_children(const ampc_module *m);
 ampc_module *ampc_module_child(ampc_module *m, int i);
-/* Parameters in state_dict order with PyTorch names ("0.weight", "2.bias"). The arrays stay
-   valid until the module changes; n_out receives the count. */
+/* Parameters in state_dict order with PyTorch names ("0.weight", "2.bias", "1.0.weight" for
+   nested modules), frozen ones included. Returns the count (or a negative status); params and
+   names (either may be NULL) receive arrays owned by the module, valid until it changes. */
 int ampc_module_parameters(ampc_module *m, ampc_tensor ***params, const char ***names);
 int64_t ampc_module_num_parameters(ampc_module *m, bool trainable_only);
 void ampc_module_requires_grad(ampc_module *m, bool on);  /* freeze / unfreeze recursively */
-void ampc_module_free(ampc_module *m);
+void ampc_module_free(ampc_module *m);   /* with its children, parameters and their grads */
 
 // ---------------------------------------------------------------------------------------------
 // Optimizers: update fp32 master weights in place from their fp32 grads; params without a
@@ -366,9 +369,11 @@ typedef struct {
     float init_scale, growth_factor, backoff_factor;
     int growth_interval;
     bool enabled;
-    float min_scale, max_scale;
-    int hysteresis;   /* DeepSpeed-style: back off only at the hysteresis-th overflow in a row
-                         of overflowing updates without growth in between */
+    float min_scale, max_scale;   /* clamp the scale when backing off / growing */
+    int hysteresis;   /* DeepSpeed-style (non-consecutive): a counter starts at hysteresis; an
+                         overflowing update with counter > 1 only decrements it (step skipped,
+                         growth tracker reset, scale kept), one with counter <= 1 backs off;
+                         each completed growth interval resets it to hysteresis */
 } ampc_scaler_options;
 
 ampc_scaler_options ampc_scaler_defaults(void);

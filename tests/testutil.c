@@ -248,8 +248,9 @@ void tu_check_op(const tu_op_case *c) {
         run_result got = run_case(c, xs, ns, AMPC_DEVICE_CPU, dt, NULL, true);
         run_result ref = run_case(c, xs, ns, AMPC_DEVICE_REF, AMPC_F64, got.gy, true);
         char what[160];
-        if (got.n_out != ref.n_out) fail_msg("%s/%s: %lld outputs vs %lld on ref", c->name, ampc_dtype_name(dt),
-                                             (long long)got.n_out, (long long)ref.n_out);
+        if (got.out_ndim != ref.out_ndim || memcmp(got.out_shape, ref.out_shape, sizeof(int64_t) * (size_t)got.out_ndim))
+            fail_msg("%s/%s: output shape differs from ref (%d vs %d dims, %lld vs %lld elements)", c->name,
+                     ampc_dtype_name(dt), got.out_ndim, ref.out_ndim, (long long)got.n_out, (long long)ref.n_out);
         /* inputs are exact in dt; the output is rounded once to dt (or computed in f32 and
            rounded) after a k-term f32 accumulation: error <= (2 + k * 2^-24 / eps) eps |ref| */
         double eps = tu_eps(dt), tol = (2.0 + c->k * 0x1p-24 / eps) * eps * 2;

@@ -136,11 +136,28 @@ static bool eligible(const ampc_tensor *t) {
 /* Casts to the lower-precision dtype, through the cache for fp32 leaves that require grad. */
 static ampc_tensor *cached_cast(ampc_tensor *x, ampc_dtype dt) {
     bool can_cache = x->dtype == AMPC_F32 && x->requires_grad && !x->grad_fn;
+    /* keyed by tensor and target dtype: a bf16 region nested in an f16 one must not get the
+       f16 cast of the same weight */
+    int slot = -1;
     if (can_cache)
-        for (int i = 0; i < cache_n; i++)
-            if (cache[i].key == x) return ampc__retain(cache[i].value);
+        for (int i = 0; i < cache_n && slot < 0; i++)
+            if (cache[i].key == x && cache[i].value->dtype == dt) slot = i;
+    /* A cast cached under no-grad has no history: with grad on it is redone, or the weight
+       would silently get no gradient (PyTorch issues 65766/112583, fixed there in 2023). A cast
+       whose CastBackward already ran (a backward inside the region) is redone too: the engine
+       refuses a second pass through a released node, where PyTorch's ToCopyBackward, which
+       saves nothing, would run again. */
+    if (slot >= 0) {
+        const ampc_node *h = cache[slot].value->grad_fn;
+        if (h ? !h->released : !ampc__needs_grad(&x, 1)) return ampc__retain(cache[slot].value);
+    }
     ampc_tensor *y = ampc__cast_record(x, dt);
     if (!y || !can_cache) return y;
+    if (slot >= 0) {
+        ampc__release(cache[slot].value);
+        cache[slot].value = ampc__retain(y);
+        return y;
+    }
     if (cache_n == cache_cap) {
         int cap = cache_cap ? 2 * cache_cap : 64;
         cache_entry *c = realloc(cache, (size_t)cap * sizeof *c);

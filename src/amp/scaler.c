@@ -34,6 +34,13 @@
  * H = 1 (the default) is PyTorch's rule. The optimizer step is skipped on every overflow,
  * absorbed by hysteresis or not.
  *
+ * enabled=false: scale() returns the loss itself, get_scale() 1, unscale()/update() do nothing,
+ * step() runs the optimizer unconditionally (counted as applied). The scale is created at
+ * ampc_scaler_new, not lazily at the first scale() as in PyTorch, so unscale/step/update do not
+ * require a prior scale() call.
+ *
+ * ampc_scaler_found_inf(opt) reports the last unscale of opt and stays readable after update().
+ *
  * Per-optimizer states live in an array keyed by the optimizer pointer, and the grad list in
  * a scratch array; both only grow, so a steady-state step allocates nothing.
  */

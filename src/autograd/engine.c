@@ -241,8 +241,10 @@ static int run_node(ampc_node *n) {
     ampc_no_grad_exit();
     ampc__release(gy);
     if (!n->leaf) {
+        /* like PyTorch, only a node that saved something refuses a second pass */
+        for (int i = 0; i < AMPC_NODE_MAX_SAVED; i++) n->released |= n->saved[i] != NULL;
+        n->released |= n->extra != NULL;
         node_free_saved(n);
-        n->released = true;
     }
     for (int i = 0; i < n->n_inputs; i++) {
         ampc_node *m = n->next[i];

@@ -137,8 +137,13 @@ TARGET_AVX512 static inline __m512i f32x16_to_bf16(__m512i x) {
 
 TARGET_AVX512 static void f32_to_bf16_avx512(const float *src, uint16_t *dst, size_t n) {
     size_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(f32x16_to_bf16(_mm512_loadu_si512(src + i))));
+    for (; i + 16 <= n; i += 16) {
+        __m512i x = _mm512_loadu_si512(src + i);
+        /* Keep x in a register: otherwise gcc folds the load into three instructions, and
+           streaming from DRAM gets ~30% slower (measured on Zen 5). */
+        __asm__("" : "+v"(x));
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(f32x16_to_bf16(x)));
+    }
     if (i < n) {
         __mmask16 m = tail_mask(n - i);
         _mm512_mask_cvtepi32_storeu_epi16(dst + i, m, f32x16_to_bf16(_mm512_maskz_loadu_epi32(m, src + i)));

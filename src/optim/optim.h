@@ -11,11 +11,13 @@ typedef enum { AMPC_OPTIM_SGD = 0, AMPC_OPTIM_ADAM, AMPC_OPTIM_ADAMW } ampc_opti
 
 struct ampc_optimizer {
     ampc_optim_kind kind;
-    int n;                       /* parameters (not owned: they belong to the module/caller) */
+    int n;                       /* parameters: they belong to the module/caller; the optimizer
+                                    holds one reference to each (freeing the module first is safe) */
     ampc_tensor **params;
     ampc_tensor **state[3];      /* per param, NULL until its first step: SGD momentum buffer;
                                     Adam exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad) */
-    int64_t *steps;              /* per param: steps taken (Adam bias correction) */
+    int64_t *steps;              /* per param: steps taken (Adam bias correction; PyTorch's
+                                    state['step']), counted only for steps with a grad */
     ampc_sgd_options sgd;
     ampc_adam_options adam;
 };

@@ -28,4 +28,8 @@ static inline void ampc__cpu_store(ampc_tensor *t, size_t i, size_t n, const flo
     ampc__dt(t->dtype)->from_f32(buf, (char *)ampc__data(t) + i * ampc__dt(t->dtype)->size, n);
 }
 
+/* Implementation name oneDNN picked for this gemm (e.g. "brg:avx512_core_bf16") into buf;
+   creates and caches the primitive if needed (gemm.c). For benchmarks and tests. */
+int ampc__cpu_gemm_impl(const ampc_gemm_desc *d, ampc_dtype dt, bool has_bias, char *buf, size_t n);
+
 #endif /* AMPC_CPU_H */

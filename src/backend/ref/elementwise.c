@@ -1,6 +1,205 @@
 /*
- * elementwise.c - REF kernels: elementwise (filled in by the kernel work).
+ * elementwise.c - REF kernels: unary ops and their derivatives, broadcasting binary ops,
+ * sum_to (broadcast-reduce) and expand, in f64 with plain loops. The oracle the CPU kernels
+ * are tested against, so it favours the obvious formula over speed or cleverness.
  */
 #include "backend/backend.h"
 
-void ampc__ref_register_elementwise(ampc_backend *be) { (void)be; }
+#include <math.h>
+#include <string.h>
+
+// ---------------------------------------------------------------------------------------------
+// Broadcast indexing: every kernel walks one "iteration shape" in row-major order and reads
+// or writes each tensor through strides that are 0 along its broadcast dims.
+
+typedef struct {
+    int nd;
+    int64_t shape[AMPC_MAX_DIMS];
+    int64_t idx[AMPC_MAX_DIMS];
+} odometer;
+
+/* Strides of t along the nd dims of shape, right-aligned, 0 where t has size 1 or lacks the
+   dim. Fails unless every dim of t is 1 or equal to shape's (extra leading dims must be 1). */
+static int bcast_strides(const ampc_tensor *t, int nd, const int64_t *shape, int64_t *st) {
+    for (int j = 0; j < t->ndim - nd; j++)
+        if (t->shape[j] != 1) return ampc__err(AMPC_ERR_SHAPE, "ref: tensor of %d dims does not broadcast to %d dims", t->ndim, nd);
+    int64_t s = 1;
+    for (int i = nd - 1; i >= 0; i--) {
+        int j = t->ndim - nd + i;
+        int64_t d = j >= 0 ? t->shape[j] : 1;
+        if (d != 1 && d != shape[i])
+            return ampc__err(AMPC_ERR_SHAPE, "ref: size %lld does not broadcast to %lld in dim %d", (long long)d,
+                             (long long)shape[i], i);
+        st[i] = d == 1 ? 0 : s;
+        s *= d;
+    }
+    return AMPC_OK;
+}
+
+/* Advances the multi-index by one element, updating the k offsets with their strides. */
+static void odo_next(odometer *o, int k, int64_t *off, int64_t st[][AMPC_MAX_DIMS]) {
+    for (int d = o->nd - 1; d >= 0; d--) {
+        if (++o->idx[d] < o->shape[d]) {
+            for (int j = 0; j < k; j++) off[j] += st[j][d];
+            return;
+        }
+        for (int j = 0; j < k; j++) off[j] -= st[j][d] * (o->shape[d] - 1);
+        o->idx[d] = 0;
+    }
+}
+
+static void odo_init(odometer *o, int nd, const int64_t *shape) {
+    o->nd = nd;
+    memcpy(o->shape, shape, sizeof(int64_t) * (size_t)nd);
+    memset(o->idx, 0, sizeof o->idx);
+}
+
+static int check_f64(const ampc_tensor *t, const char *kernel) {
+    if (t && t->dtype != AMPC_F64) return ampc__err(AMPC_ERR_DTYPE, "ref %s on %s (f64 only)", kernel, ampc_dtype_name(t->dtype));
+    return AMPC_OK;
+}
+
+static const double *cdat(const ampc_tensor *t) { return t ? (const double *)ampc__data(t) : NULL; }
+
+// ---------------------------------------------------------------------------------------------
+// Unary
+
+static const double inv_sqrt2 = 0.70710678118654752440, inv_sqrt2pi = 0.39894228040143267794;
+
+static double unary_f(ampc_unary_op op, double x, double a) {
+    switch (op) {
+    case AMPC_UNARY_RELU: return x < 0 ? 0.0 : x;   /* NaN stays NaN, like torch.relu */
+    case AMPC_UNARY_GELU: return 0.5 * x * (1.0 + erf(x * inv_sqrt2));
+    case AMPC_UNARY_TANH: return tanh(x);
+    case AMPC_UNARY_SIGMOID: return 1.0 / (1.0 + exp(-x));
+    case AMPC_UNARY_EXP: return exp(x);
+    case AMPC_UNARY_LOG: return log(x);
+    case AMPC_UNARY_POW: return pow(x, a);
+    case AMPC_UNARY_SCALE: return a * x;
+    case AMPC_UNARY_ADD_SCALAR: return x + a;
+    default: return NAN;
+    }
+}
+
+static int ref_unary(ampc_unary_op op, const ampc_tensor *x, ampc_tensor *y, double alpha) {
+    if (check_f64(x, "unary") < 0 || check_f64(y, "unary") < 0) return ampc_last_status();
+    if ((unsigned)op >= AMPC_UNARY_COUNT) return ampc__err(AMPC_ERR_INVALID, "ref unary: unknown op %d", (int)op);
+    if (x->numel != y->numel) return ampc__err(AMPC_ERR_SHAPE, "ref unary: %lld inputs, %lld outputs", (long long)x->numel, (long long)y->numel);
+    const double *xp = cdat(x);
+    double *yp = ampc__data(y);
+    for (int64_t i = 0; i < x->numel; i++) yp[i] = unary_f(op, xp[i], alpha);
+    return AMPC_OK;
+}
+
+/* f'(x) (or in terms of y = f(x) where that is how PyTorch computes it) */
+static double unary_df(ampc_unary_op op, double x, double y, double a) {
+    switch (op) {
+    case AMPC_UNARY_RELU: return x > 0 ? 1.0 : 0.0;
+    case AMPC_UNARY_GELU: return 0.5 * (1.0 + erf(x * inv_sqrt2)) + x * inv_sqrt2pi * exp(-0.5 * x * x);
+    case AMPC_UNARY_TANH: return 1.0 - y * y;
+    case AMPC_UNARY_SIGMOID: return y * (1.0 - y);
+    case AMPC_UNARY_EXP: return y;
+    case AMPC_UNARY_LOG: return 1.0 / x;
+    case AMPC_UNARY_POW: return a * pow(x, a - 1.0);
+    case AMPC_UNARY_SCALE: return a;
+    default: return 1.0;   /* ADD_SCALAR */
+    }
+}
+
+/* GELU, log and pow read x; tanh, sigmoid and exp read y; ReLU reads x when given, else y
+   (y > 0 exactly when x > 0), so an op may save whichever it keeps anyway. */
+static int ref_unary_backward(ampc_unary_op op, const ampc_tensor *x, const ampc_tensor *y, const ampc_tensor *gy,
+                              ampc_tensor *gx, double alpha) {
+    if ((unsigned)op >= AMPC_UNARY_COUNT) return ampc__err(AMPC_ERR_INVALID, "ref unary_backward: unknown op %d", (int)op);
+    bool need_x = op == AMPC_UNARY_GELU || op == AMPC_UNARY_LOG || op == AMPC_UNARY_POW || (op == AMPC_UNARY_RELU && !y);
+    bool need_y = op == AMPC_UNARY_TANH || op == AMPC_UNARY_SIGMOID || op == AMPC_UNARY_EXP || (op == AMPC_UNARY_RELU && !x);
+    if ((need_x && !x) || (need_y && !y))
+        return ampc__err(AMPC_ERR_INVALID, "ref unary_backward of op %d needs its saved %s", (int)op, need_x ? "input" : "output");
+    const ampc_tensor *ts[4] = {x, y, gy, gx};
+    for (int k = 0; k < 4; k++) {
+        if (check_f64(ts[k], "unary_backward") < 0) return ampc_last_status();
+        if (ts[k] && ts[k]->numel != gx->numel) return ampc__err(AMPC_ERR_SHAPE, "ref unary_backward: sizes differ");
+    }
+    const double *xp = cdat(x), *yp = cdat(y), *gp = cdat(gy);
+    double *out = ampc__data(gx);
+    if (op == AMPC_UNARY_RELU) {
+        const double *v = x ? xp : yp;
+        for (int64_t i = 0; i < gx->numel; i++) out[i] = v[i] > 0 ? gp[i] : 0.0;
+        return AMPC_OK;
+    }
+    for (int64_t i = 0; i < gx->numel; i++)
+        out[i] = gp[i] * unary_df(op, xp ? xp[i] : 0.0, yp ? yp[i] : 0.0, alpha);
+    return AMPC_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Binary with broadcasting
+
+static int ref_binary(ampc_binary_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out) {
+    if (check_f64(a, "binary") < 0 || check_f64(b, "binary") < 0 || check_f64(out, "binary") < 0) return ampc_last_status();
+    if ((unsigned)op >= AMPC_BINARY_COUNT) return ampc__err(AMPC_ERR_INVALID, "ref binary: unknown op %d", (int)op);
+    int64_t st[2][AMPC_MAX_DIMS], off[2] = {0, 0};
+    if (bcast_strides(a, out->ndim, out->shape, st[0]) < 0 || bcast_strides(b, out->ndim, out->shape, st[1]) < 0)
+        return ampc_last_status();
+    odometer o;
+    odo_init(&o, out->ndim, out->shape);
+    const double *ap = cdat(a), *bp = cdat(b);
+    double *op_ = ampc__data(out);
+    /* out may alias a (same shape): element i of a is read before out[i] is written */
+    for (int64_t i = 0; i < out->numel; i++) {
+        double x = ap[off[0]], y = bp[off[1]];
+        op_[i] = op == AMPC_BINARY_ADD ? x + y : op == AMPC_BINARY_SUB ? x - y : x * y;
+        odo_next(&o, 2, off, st);
+    }
+    return AMPC_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// sum_to and expand
+
+static int ref_sum_to(const ampc_tensor *x, ampc_tensor *out, double alpha) {
+    if (check_f64(x, "sum_to") < 0 || check_f64(out, "sum_to") < 0) return ampc_last_status();
+    /* walk x's shape (padded with leading 1s if out has more dims); out strides are 0 along
+       the summed dims */
+    int nd = x->ndim > out->ndim ? x->ndim : out->ndim;
+    int64_t shape[AMPC_MAX_DIMS], st[1][AMPC_MAX_DIMS], off[1] = {0};
+    for (int i = 0; i < nd; i++) {
+        int j = x->ndim - nd + i;
+        shape[i] = j >= 0 ? x->shape[j] : 1;
+    }
+    if (bcast_strides(out, nd, shape, st[0]) < 0) return ampc_last_status();
+    const double *xp = cdat(x);
+    double *op = ampc__data(out);
+    for (int64_t i = 0; i < out->numel; i++) op[i] = 0.0;
+    odometer o;
+    odo_init(&o, nd, shape);
+    for (int64_t i = 0; i < x->numel; i++) {
+        op[off[0]] += xp[i];
+        odo_next(&o, 1, off, st);
+    }
+    for (int64_t i = 0; i < out->numel; i++) op[i] *= alpha;
+    return AMPC_OK;
+}
+
+static int ref_expand(const ampc_tensor *x, ampc_tensor *out, double alpha) {
+    if (check_f64(x, "expand") < 0 || check_f64(out, "expand") < 0) return ampc_last_status();
+    int64_t st[1][AMPC_MAX_DIMS], off[1] = {0};
+    if (bcast_strides(x, out->ndim, out->shape, st[0]) < 0) return ampc_last_status();
+    const double *xp = cdat(x);
+    double *op = ampc__data(out);
+    odometer o;
+    odo_init(&o, out->ndim, out->shape);
+    for (int64_t i = 0; i < out->numel; i++) {
+        op[i] = alpha * xp[off[0]];
+        odo_next(&o, 1, off, st);
+    }
+    return AMPC_OK;
+}
+
+void ampc__ref_register_elementwise(ampc_backend *be) {
+    be->unary = ref_unary;
+    be->unary_backward = ref_unary_backward;
+    be->binary = ref_binary;
+    be->sum_to = ref_sum_to;
+    be->expand = ref_expand;
+}

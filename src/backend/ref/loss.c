@@ -1,6 +1,191 @@
 /*
- * loss.c - REF kernels: loss (filled in by the kernel work).
+ * loss.c - REF kernels of softmax / log-softmax, cross-entropy and dropout: the textbook
+ * formulas in f64, one element at a time, the oracle of the CPU kernels (src/backend/cpu/loss.c).
+ * The dropout mask uses draw i of the rng stream for element i, as the CPU kernel does, so both
+ * devices drop the same elements for the same rng state.
  */
 #include "backend/backend.h"
 
-void ampc__ref_register_loss(ampc_backend *be) { (void)be; }
+#include <math.h>
+
+// ---------------------------------------------------------------------------------------------
+// Softmax: x viewed as (outer, dim, inner); element (o, d, i) at (o * dim + d) * inner + i.
+
+static int check_f64(const ampc_tensor *t, const char *kernel, const char *what) {
+    if (t->dtype != AMPC_F64)
+        return ampc__err(AMPC_ERR_DTYPE, "%s: %s is %s, the ref device computes in f64", kernel, what,
+                         ampc_dtype_name(t->dtype));
+    return AMPC_OK;
+}
+
+static int ref_softmax(const ampc_tensor *x, ampc_tensor *y, ampc_axis_desc ax, bool is_log) {
+    int rc;
+    if ((rc = check_f64(x, "softmax", "x")) < 0 || (rc = check_f64(y, "softmax", "y")) < 0) return rc;
+    const double *xp = ampc__data(x);
+    double *yp = ampc__data(y);
+    for (int64_t o = 0; o < ax.outer; o++)
+        for (int64_t i = 0; i < ax.inner; i++) {
+            const double *xr = xp + o * ax.dim * ax.inner + i;
+            double *yr = yp + o * ax.dim * ax.inner + i;
+            double m = -INFINITY, s = 0;
+            for (int64_t d = 0; d < ax.dim; d++) m = xr[d * ax.inner] > m ? xr[d * ax.inner] : m;
+            for (int64_t d = 0; d < ax.dim; d++) s += exp(xr[d * ax.inner] - m);
+            for (int64_t d = 0; d < ax.dim; d++) {
+                double v = xr[d * ax.inner] - m;
+                yr[d * ax.inner] = is_log ? v - log(s) : exp(v) / s;
+            }
+        }
+    return AMPC_OK;
+}
+
+static int ref_softmax_backward(const ampc_tensor *y, const ampc_tensor *gy, ampc_tensor *gx, ampc_axis_desc ax,
+                                bool is_log) {
+    int rc;
+    if ((rc = check_f64(y, "softmax_backward", "y")) < 0 || (rc = check_f64(gy, "softmax_backward", "gy")) < 0 ||
+        (rc = check_f64(gx, "softmax_backward", "gx")) < 0)
+        return rc;
+    const double *yp = ampc__data(y), *gp = ampc__data(gy);
+    double *xp = ampc__data(gx);
+    for (int64_t o = 0; o < ax.outer; o++)
+        for (int64_t i = 0; i < ax.inner; i++) {
+            int64_t at = o * ax.dim * ax.inner + i;
+            double s = 0;
+            /* softmax: d/dx_j = y_j (g_j - sum_k g_k y_k); log-softmax: g_j - exp(y_j) sum_k g_k */
+            for (int64_t d = 0; d < ax.dim; d++) {
+                int64_t k = at + d * ax.inner;
+                s += is_log ? gp[k] : gp[k] * yp[k];
+            }
+            for (int64_t d = 0; d < ax.dim; d++) {
+                int64_t k = at + d * ax.inner;
+                xp[k] = is_log ? gp[k] - exp(yp[k]) * s : yp[k] * (gp[k] - s);
+            }
+        }
+    return AMPC_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-entropy: loss_i = (1 - eps) * (-logp_{i,t_i}) + eps * mean_c(-logp_{i,c})
+
+static int ce_check(const ampc_tensor *logits, const ampc_tensor *targets, const ampc_cross_entropy_options *o,
+                    int64_t *count) {
+    int rc = check_f64(logits, "cross_entropy", "logits");
+    if (rc < 0) return rc;
+    if (targets->dtype != AMPC_I64)
+        return ampc__err(AMPC_ERR_DTYPE, "cross_entropy: targets are %s, not i64", ampc_dtype_name(targets->dtype));
+    if (logits->ndim != 2 || targets->ndim != 1 || targets->shape[0] != logits->shape[0])
+        return ampc__err(AMPC_ERR_SHAPE, "cross_entropy: logits must be (N, C) and targets (N)");
+    int64_t N = logits->shape[0], C = logits->shape[1], k = 0;
+    const int64_t *tg = ampc__data(targets);
+    for (int64_t i = 0; i < N; i++) {
+        if (tg[i] == o->ignore_index) continue;
+        if (tg[i] < 0 || tg[i] >= C)
+            return ampc__err(AMPC_ERR_INVALID, "cross_entropy: target %lld in row %lld is out of range [0, %lld)",
+                             (long long)tg[i], (long long)i, (long long)C);
+        k++;
+    }
+    *count = k;
+    return AMPC_OK;
+}
+
+/* log(sum_c exp(x_c)), max-subtracted */
+static double logsumexp(const double *x, int64_t C) {
+    double m = -INFINITY, s = 0;
+    for (int64_t c = 0; c < C; c++) m = x[c] > m ? x[c] : m;
+    for (int64_t c = 0; c < C; c++) s += exp(x[c] - m);
+    return m + log(s);
+}
+
+static int ref_cross_entropy(const ampc_tensor *logits, const ampc_tensor *targets, const ampc_cross_entropy_options *o,
+                             ampc_tensor *out, double *weight_out) {
+    int64_t count;
+    int rc = ce_check(logits, targets, o, &count);
+    if (rc < 0 || (rc = check_f64(out, "cross_entropy", "out")) < 0) return rc;
+    int64_t N = logits->shape[0], C = logits->shape[1];
+    if (out->numel != (o->reduction == AMPC_REDUCTION_NONE ? N : 1))
+        return ampc__err(AMPC_ERR_SHAPE, "cross_entropy: output of %lld elements", (long long)out->numel);
+    if (weight_out) *weight_out = (double)count;
+    const double *x = ampc__data(logits);
+    const int64_t *tg = ampc__data(targets);
+    double *op = ampc__data(out), eps = o->label_smoothing, sum = 0;
+    for (int64_t i = 0; i < N; i++) {
+        double loss = 0;
+        if (tg[i] != o->ignore_index) {
+            const double *xr = x + i * C;
+            double lse = logsumexp(xr, C), smooth = 0;
+            for (int64_t c = 0; c < C; c++) smooth += lse - xr[c];
+            loss = (1 - eps) * (lse - xr[tg[i]]) + eps * smooth / (double)C;
+        }
+        if (o->reduction == AMPC_REDUCTION_NONE) op[i] = loss;
+        sum += loss;
+    }
+    if (o->reduction == AMPC_REDUCTION_SUM) op[0] = sum;
+    if (o->reduction == AMPC_REDUCTION_MEAN) op[0] = count ? sum / (double)count : NAN;
+    return AMPC_OK;
+}
+
+static int ref_cross_entropy_backward(const ampc_tensor *logits, const ampc_tensor *targets, const ampc_tensor *gy,
+                                      const ampc_cross_entropy_options *o, double weight, ampc_tensor *gx) {
+    int64_t count;
+    int rc = ce_check(logits, targets, o, &count);
+    if (rc < 0 || (rc = check_f64(gy, "cross_entropy_backward", "gy")) < 0 ||
+        (rc = check_f64(gx, "cross_entropy_backward", "gx")) < 0)
+        return rc;
+    int64_t N = logits->shape[0], C = logits->shape[1];
+    bool none = o->reduction == AMPC_REDUCTION_NONE;
+    if (gy->numel != (none ? N : 1) || gx->numel != logits->numel)
+        return ampc__err(AMPC_ERR_SHAPE, "cross_entropy_backward: gy of %lld or gx of %lld elements",
+                         (long long)gy->numel, (long long)gx->numel);
+    const double *x = ampc__data(logits), *g = ampc__data(gy);
+    const int64_t *tg = ampc__data(targets);
+    double *gp = ampc__data(gx), eps = o->label_smoothing;
+    for (int64_t i = 0; i < N; i++) {
+        const double *xr = x + i * C;
+        double *gr = gp + i * C;
+        if (tg[i] == o->ignore_index) {
+            for (int64_t c = 0; c < C; c++) gr[c] = 0;
+            continue;
+        }
+        double lse = logsumexp(xr, C), gi = g[none ? i : 0] / weight;
+        for (int64_t c = 0; c < C; c++) {
+            double q = eps / (double)C + (c == tg[i] ? 1 - eps : 0);
+            gr[c] = (exp(xr[c] - lse) - q) * gi;
+        }
+    }
+    return AMPC_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dropout
+
+static int ref_dropout(const ampc_tensor *x, ampc_tensor *y, uint8_t *mask, double p, ampc_rng_state rng) {
+    int rc;
+    if ((rc = check_f64(x, "dropout", "x")) < 0 || (rc = check_f64(y, "dropout", "y")) < 0) return rc;
+    const double *xp = ampc__data(x);
+    double *yp = ampc__data(y), scale = p < 1 ? 1 / (1 - p) : 0;
+    for (int64_t i = 0; i < x->numel; i++) {
+        mask[i] = !(ampc__rng_uniform(rng, (uint64_t)i) < p);
+        yp[i] = xp[i] * (mask[i] ? scale : 0.0);
+    }
+    return AMPC_OK;
+}
+
+static int ref_dropout_backward(const ampc_tensor *gy, const uint8_t *mask, double p, ampc_tensor *gx) {
+    int rc;
+    if ((rc = check_f64(gy, "dropout_backward", "gy")) < 0 || (rc = check_f64(gx, "dropout_backward", "gx")) < 0)
+        return rc;
+    const double *g = ampc__data(gy);
+    double *o = ampc__data(gx), scale = p < 1 ? 1 / (1 - p) : 0;
+    for (int64_t i = 0; i < gy->numel; i++) o[i] = g[i] * (mask[i] ? scale : 0.0);
+    return AMPC_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+void ampc__ref_register_loss(ampc_backend *be) {
+    be->softmax = ref_softmax;
+    be->softmax_backward = ref_softmax_backward;
+    be->cross_entropy = ref_cross_entropy;
+    be->cross_entropy_backward = ref_cross_entropy_backward;
+    be->dropout = ref_dropout;
+    be->dropout_backward = ref_dropout_backward;
+}

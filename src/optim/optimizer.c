@@ -1,0 +1,255 @@
+/*
+ * optimizer.c - SGD, Adam and AdamW over fp32 master weights (PyTorch 1.13 semantics).
+ *
+ * The update rules are those of torch/optim/{sgd,adam,adamw}.py (single-tensor path); each
+ * parameter is updated by one fused backend kernel (sgd_step / adam_step), so the arithmetic
+ * lives in src/backend/{cpu,ref}/optim.c. Here: options, parameter bookkeeping, lazy state.
+ *
+ * State (momentum buffers, exp_avg, exp_avg_sq, max_exp_avg_sq) has the parameter's dtype
+ * (fp32; f64 on the REF device), is allocated at a parameter's first step under
+ * AMPC_MEM_OPTIMIZER, and is owned by the optimizer. Parameters whose grad is NULL (frozen,
+ * unused, or zero_grad'ed) are skipped and their state is left alone, like PyTorch.
+ * The optimizer holds a reference to each parameter, so freeing the module first is safe.
+ */
+#include "autograd/autograd.h"
+#include "backend/backend.h"
+#include "optim/optim.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *kind_name(ampc_optim_kind k) {
+    return k == AMPC_OPTIM_SGD ? "SGD" : k == AMPC_OPTIM_ADAM ? "Adam" : "AdamW";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Options
+
+ampc_sgd_options ampc_sgd_defaults(void) { return (ampc_sgd_options){.lr = 1e-3}; }
+
+ampc_adam_options ampc_adam_defaults(void) {
+    return (ampc_adam_options){.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.0};
+}
+
+ampc_adam_options ampc_adamw_defaults(void) {
+    ampc_adam_options o = ampc_adam_defaults();
+    o.weight_decay = 1e-2;
+    return o;
+}
+
+/* The checks of PyTorch's constructors (same messages, roughly). */
+static int check_sgd(const ampc_sgd_options *o) {
+    if (!(o->lr >= 0)) return ampc__err(AMPC_ERR_INVALID, "SGD: invalid learning rate: %g", o->lr);
+    if (!(o->momentum >= 0)) return ampc__err(AMPC_ERR_INVALID, "SGD: invalid momentum value: %g", o->momentum);
+    if (!(o->weight_decay >= 0)) return ampc__err(AMPC_ERR_INVALID, "SGD: invalid weight_decay value: %g", o->weight_decay);
+    if (!isfinite(o->dampening)) return ampc__err(AMPC_ERR_INVALID, "SGD: invalid dampening value: %g", o->dampening);
+    if (o->nesterov && (o->momentum <= 0 || o->dampening != 0))
+        return ampc__err(AMPC_ERR_INVALID, "SGD: nesterov momentum requires a momentum and zero dampening");
+    return AMPC_OK;
+}
+
+static int check_adam(const ampc_adam_options *o, const char *name) {
+    if (!(o->lr >= 0)) return ampc__err(AMPC_ERR_INVALID, "%s: invalid learning rate: %g", name, o->lr);
+    if (!(o->eps >= 0)) return ampc__err(AMPC_ERR_INVALID, "%s: invalid epsilon value: %g", name, o->eps);
+    if (!(o->beta1 >= 0 && o->beta1 < 1)) return ampc__err(AMPC_ERR_INVALID, "%s: invalid beta parameter at index 0: %g", name, o->beta1);
+    if (!(o->beta2 >= 0 && o->beta2 < 1)) return ampc__err(AMPC_ERR_INVALID, "%s: invalid beta parameter at index 1: %g", name, o->beta2);
+    if (!(o->weight_decay >= 0)) return ampc__err(AMPC_ERR_INVALID, "%s: invalid weight_decay value: %g", name, o->weight_decay);
+    return AMPC_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Construction
+
+/* Master weights: fp32, or f64 on a device that holds no fp32 (REF, the oracle). */
+static int check_param(const ampc_tensor *p, ampc_optim_kind kind, int i) {
+    if (!p) return ampc__err(AMPC_ERR_INVALID, "%s: parameter %d is NULL", kind_name(kind), i);
+    bool master = p->dtype == AMPC_F32 || (p->dtype == AMPC_F64 && !ampc__backend(p->device)->dtypes[AMPC_F32]);
+    if (!master)
+        return ampc__err(AMPC_ERR_DTYPE, "%s: parameter %d is %s; optimizers update fp32 master weights", kind_name(kind), i,
+                         ampc_dtype_name(p->dtype));
+    if (p->grad_fn)
+        return ampc__err(AMPC_ERR_INVALID, "%s: parameter %d is not a leaf (it comes from %s)", kind_name(kind), i,
+                         p->grad_fn->name);
+    return AMPC_OK;
+}
+
+static ampc_optimizer *optimizer_new(ampc_optim_kind kind, ampc_tensor **params, int n) {
+    ampc__ensure_init();
+    if (n < 0 || (n > 0 && !params)) return ampc__err_null(AMPC_ERR_INVALID, "%s over %d parameters", kind_name(kind), n);
+    for (int i = 0; i < n; i++)
+        if (check_param(params[i], kind, i) < 0) return NULL;
+    ampc_optimizer *o = calloc(1, sizeof *o);
+    size_t cnt = (size_t)(n ? n : 1);
+    if (o) {
+        o->params = calloc(cnt, sizeof *o->params);
+        for (int s = 0; s < 3; s++) o->state[s] = calloc(cnt, sizeof *o->state[s]);
+        o->steps = calloc(cnt, sizeof *o->steps);
+    }
+    if (!o || !o->params || !o->state[0] || !o->state[1] || !o->state[2] || !o->steps) {
+        ampc_optimizer_free(o);
+        return ampc__err_null(AMPC_ERR_OOM, "%s over %d parameters", kind_name(kind), n);
+    }
+    o->kind = kind;
+    o->n = n;
+    for (int i = 0; i < n; i++) o->params[i] = ampc__retain(params[i]);
+    return o;
+}
+
+ampc_optimizer *ampc_sgd_new_params(ampc_tensor **params, int n, const ampc_sgd_options *opts) {
+    ampc_sgd_options o = opts ? *opts : ampc_sgd_defaults();
+    if (check_sgd(&o) < 0) return NULL;
+    ampc_optimizer *opt = optimizer_new(AMPC_OPTIM_SGD, params, n);
+    if (opt) opt->sgd = o;
+    return opt;
+}
+
+static ampc_optimizer *adam_new(ampc_optim_kind kind, ampc_tensor **params, int n, const ampc_adam_options *opts) {
+    ampc_adam_options o = opts ? *opts : kind == AMPC_OPTIM_ADAMW ? ampc_adamw_defaults() : ampc_adam_defaults();
+    if (check_adam(&o, kind_name(kind)) < 0) return NULL;
+    ampc_optimizer *opt = optimizer_new(kind, params, n);
+    if (opt) opt->adam = o;
+    return opt;
+}
+
+ampc_optimizer *ampc_adam_new_params(ampc_tensor **params, int n, const ampc_adam_options *opts) {
+    return adam_new(AMPC_OPTIM_ADAM, params, n, opts);
+}
+
+ampc_optimizer *ampc_adamw_new_params(ampc_tensor **params, int n, const ampc_adam_options *opts) {
+    return adam_new(AMPC_OPTIM_ADAMW, params, n, opts);
+}
+
+/* Every parameter of m, frozen ones included: whether one trains is decided at each step by
+   whether it has a grad (PyTorch's optimizer(model.parameters()) behaves the same). */
+static int module_params(ampc_module *m, ampc_tensor ***p) {
+    if (!m) return ampc__err(AMPC_ERR_INVALID, "optimizer over a NULL module");
+    return ampc_module_parameters(m, p, NULL);
+}
+
+ampc_optimizer *ampc_sgd_new(ampc_module *m, const ampc_sgd_options *opts) {
+    ampc_tensor **p;
+    int n = module_params(m, &p);
+    return n < 0 ? NULL : ampc_sgd_new_params(p, n, opts);
+}
+
+ampc_optimizer *ampc_adam_new(ampc_module *m, const ampc_adam_options *opts) {
+    ampc_tensor **p;
+    int n = module_params(m, &p);
+    return n < 0 ? NULL : ampc_adam_new_params(p, n, opts);
+}
+
+ampc_optimizer *ampc_adamw_new(ampc_module *m, const ampc_adam_options *opts) {
+    ampc_tensor **p;
+    int n = module_params(m, &p);
+    return n < 0 ? NULL : ampc_adamw_new_params(p, n, opts);
+}
+
+void ampc_optimizer_free(ampc_optimizer *opt) {
+    if (!opt) return;
+    for (int i = 0; i < opt->n; i++) {
+        for (int s = 0; s < 3; s++)
+            if (opt->state[s]) ampc__release(opt->state[s][i]);
+        if (opt->params) ampc__release(opt->params[i]);
+    }
+    for (int s = 0; s < 3; s++) free(opt->state[s]);
+    free(opt->params);
+    free(opt->steps);
+    free(opt);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Step
+
+/* State slot s of parameter i, allocated zero-filled on first use (optimizer memory). */
+static ampc_tensor *state_get(ampc_optimizer *opt, int s, int i) {
+    if (opt->state[s][i]) return opt->state[s][i];
+    ampc_tensor *p = opt->params[i];
+    ampc_mem_kind prev = ampc__mem_kind_push(AMPC_MEM_OPTIMIZER);
+    ampc_tensor *t = ampc__tensor_like(p, p->dtype);
+    ampc__mem_kind_pop(prev);
+    if (!t) return NULL;
+    if (ampc__backend(t->device)->fill(t, 0.0) < 0) {
+        ampc__release(t);
+        return NULL;
+    }
+    opt->state[s][i] = t;
+    return t;
+}
+
+static int step_one(ampc_optimizer *opt, int i) {
+    ampc_tensor *p = opt->params[i], *g = p->grad;
+    const ampc_backend *be = ampc__backend(p->device);
+    int rc = check_param(p, opt->kind, i);
+    if (rc < 0) return rc;
+    if (g->dtype != p->dtype || !ampc__same_shape(g, p) || g->device != p->device) {
+        char s1[96], s2[96];
+        return ampc__err(AMPC_ERR_SHAPE, "%s: parameter %d is %s %s but its grad is %s %s", kind_name(opt->kind), i,
+                         ampc__shape_str(p, s1, sizeof s1), ampc_dtype_name(p->dtype), ampc__shape_str(g, s2, sizeof s2),
+                         ampc_dtype_name(g->dtype));
+    }
+    if (opt->kind == AMPC_OPTIM_SGD) {
+        if (!be->sgd_step) return ampc__err(AMPC_ERR_UNSUPPORTED, "sgd_step on device %s", ampc_device_name(p->device));
+        const ampc_sgd_options *o = &opt->sgd;
+        ampc_sgd_hparams h = {o->lr, o->momentum, o->dampening, o->weight_decay, o->nesterov};
+        ampc_tensor *buf = NULL;
+        bool first = false;
+        if (o->momentum != 0) {   /* PyTorch keeps no buffer without momentum */
+            first = opt->state[0][i] == NULL;
+            if (!(buf = state_get(opt, 0, i))) return ampc_last_status();
+        }
+        rc = be->sgd_step(p, g, buf, first, &h);
+        if (rc >= 0) opt->steps[i]++;
+        return rc;
+    }
+    if (!be->adam_step) return ampc__err(AMPC_ERR_UNSUPPORTED, "adam_step on device %s", ampc_device_name(p->device));
+    const ampc_adam_options *o = &opt->adam;
+    ampc_tensor *m = state_get(opt, 0, i), *v = m ? state_get(opt, 1, i) : NULL;
+    ampc_tensor *vmax = v && o->amsgrad ? state_get(opt, 2, i) : NULL;
+    if (!m || !v || (o->amsgrad && !vmax)) return ampc_last_status();
+    ampc_adam_hparams h = {o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->amsgrad,
+                           opt->kind == AMPC_OPTIM_ADAMW, opt->steps[i] + 1};
+    rc = be->adam_step(p, g, m, v, vmax, &h);
+    if (rc >= 0) opt->steps[i]++;
+    return rc;
+}
+
+int ampc_optimizer_step(ampc_optimizer *opt) {
+    if (!opt) return ampc__err(AMPC_ERR_INVALID, "step of a NULL optimizer");
+    for (int i = 0; i < opt->n; i++) {
+        if (!opt->params[i]->grad) continue;
+        int rc = step_one(opt, i);
+        if (rc < 0) return rc;
+    }
+    return AMPC_OK;
+}
+
+void ampc_optimizer_zero_grad(ampc_optimizer *opt) {
+    if (!opt) return;
+    for (int i = 0; i < opt->n; i++) ampc_tensor_zero_grad(opt->params[i]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Accessors
+
+double ampc_optimizer_get_lr(const ampc_optimizer *opt) {
+    if (!opt) return NAN;
+    return opt->kind == AMPC_OPTIM_SGD ? opt->sgd.lr : opt->adam.lr;
+}
+
+void ampc_optimizer_set_lr(ampc_optimizer *opt, double lr) {
+    if (!opt) return;
+    if (!(lr >= 0)) {
+        ampc__err(AMPC_ERR_INVALID, "%s: invalid learning rate: %g", kind_name(opt->kind), lr);
+        return;
+    }
+    if (opt->kind == AMPC_OPTIM_SGD) opt->sgd.lr = lr;
+    else opt->adam.lr = lr;
+}
+
+int ampc_optimizer_num_params(const ampc_optimizer *opt) { return opt ? opt->n : 0; }
+
+ampc_tensor *ampc_optimizer_param(const ampc_optimizer *opt, int i) {
+    if (!opt || i < 0 || i >= opt->n) return ampc__err_null(AMPC_ERR_INVALID, "optimizer parameter %d out of range", i);
+    return opt->params[i];
+}

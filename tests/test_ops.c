@@ -1,0 +1,518 @@
+/*
+ * test_ops.c - elementwise ops, broadcasting binary ops, sum and mean: every op through the
+ * op-check table (finite differences on REF in f64, then CPU f32/f16/bf16 forward and
+ * backward against REF), plus errors, type promotion, large threaded tensors, in-place
+ * aliasing and what each op saves for backward.
+ */
+#include "testutil.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "ops/ops.h"
+
+// ---------------------------------------------------------------------------------------------
+// The op table
+
+typedef struct {
+    ampc_tensor *(*unary)(ampc_tensor *);
+    ampc_tensor *(*binary)(ampc_tensor *, ampc_tensor *);
+    ampc_tensor *(*scalar)(ampc_tensor *, double);
+    ampc_tensor *(*reduce)(ampc_tensor *, int, bool);
+    double s;
+    int dim;
+    bool keepdim;
+} op_ctx;
+
+static ampc_tensor *call_op(ampc_tensor **in, const void *ctx) {
+    const op_ctx *c = ctx;
+    if (c->unary) return c->unary(in[0]);
+    if (c->binary) return c->binary(in[0], in[1]);
+    if (c->scalar) return c->scalar(in[0], c->s);
+    return c->reduce(in[0], c->dim, c->keepdim);
+}
+
+#define UNPAREN(...) __VA_ARGS__
+#define NDIM(...) (int)(sizeof((int64_t[]){__VA_ARGS__}) / sizeof(int64_t))
+#define CTX(...) .fn = call_op, .ctx = &(const op_ctx){__VA_ARGS__}
+
+/* one input of shape sh (parenthesized) */
+#define UN(nm, sh, lo_, hi_, av, k_, ...)                                                          \
+    {.name = nm, .n_inputs = 1, .ndim = {NDIM sh}, .shape = {{UNPAREN sh}}, .lo = lo_, .hi = hi_,  \
+     .avoid = av, .k = k_, CTX(__VA_ARGS__)}
+/* two inputs; kb: the longest sum in the gradients (the broadcast factor) */
+#define BIN(nm, sa, sb, kb, f)                                                                     \
+    {.name = nm, .n_inputs = 2, .ndim = {NDIM sa, NDIM sb}, .shape = {{UNPAREN sa}, {UNPAREN sb}}, \
+     .lo = -1, .hi = 1, .k = 1, .k_backward = kb, CTX(.binary = f)}
+#define RED(nm, sh, f, d, kd, k_) UN(nm, sh, -1, 1, 0, k_, .reduce = f, .dim = d, .keepdim = kd)
+
+/* Ranges: relu avoids its kink at 0; log and pow get positive inputs. tanh and sigmoid stay
+   where |y| is away from 1: their derivatives 1 - y^2 and y (1 - y) are computed, like
+   PyTorch, from the output saved in the tensor's dtype, and lose relative accuracy (by the
+   condition number 2y^2 / (1 - y^2)) where they cancel, which the derived tolerance does not
+   model. */
+static const tu_op_case unary_cases[] = {
+    UN("relu (1,)", (1), -2, 2, 0.05, 1, .unary = ampc_relu),
+    UN("relu (3,5,7)", (3, 5, 7), -2, 2, 0.05, 1, .unary = ampc_relu),
+    UN("relu (30,50)", (30, 50), -2, 2, 0.05, 1, .unary = ampc_relu),
+    UN("gelu (1,)", (1), -3, 3, 0, 1, .unary = ampc_gelu),
+    UN("gelu (3,5,7)", (3, 5, 7), -3, 3, 0, 1, .unary = ampc_gelu),
+    UN("gelu (30,50)", (30, 50), -3, 3, 0, 1, .unary = ampc_gelu),
+    UN("tanh (1,)", (1), -1, 1, 0, 1, .unary = ampc_tanh),
+    UN("tanh (3,5,7)", (3, 5, 7), -1, 1, 0, 1, .unary = ampc_tanh),
+    UN("tanh (30,50)", (30, 50), -1, 1, 0, 1, .unary = ampc_tanh),
+    UN("sigmoid (1,)", (1), -1.5, 1.5, 0, 1, .unary = ampc_sigmoid),
+    UN("sigmoid (3,5,7)", (3, 5, 7), -1.5, 1.5, 0, 1, .unary = ampc_sigmoid),
+    UN("sigmoid (30,50)", (30, 50), -1.5, 1.5, 0, 1, .unary = ampc_sigmoid),
+    UN("exp (1,)", (1), -3, 3, 0, 1, .unary = ampc_exp),
+    UN("exp (3,5,7)", (3, 5, 7), -3, 3, 0, 1, .unary = ampc_exp),
+    UN("exp (30,50)", (30, 50), -3, 3, 0, 1, .unary = ampc_exp),
+    UN("log (1,)", (1), 0.1, 5, 0, 1, .unary = ampc_log),
+    UN("log (3,5,7)", (3, 5, 7), 0.1, 5, 0, 1, .unary = ampc_log),
+    UN("log (30,50)", (30, 50), 0.1, 5, 0, 1, .unary = ampc_log),
+    UN("pow 2 (3,5,7)", (3, 5, 7), 0.2, 3, 0, 1, .scalar = ampc_pow, .s = 2),
+    UN("pow 0.5 (3,5,7)", (3, 5, 7), 0.2, 3, 0, 1, .scalar = ampc_pow, .s = 0.5),
+    UN("pow -1.5 (2,3)", (2, 3), 0.2, 3, 0, 1, .scalar = ampc_pow, .s = -1.5),
+    UN("pow 3 (1,)", (1), 0.2, 3, 0, 1, .scalar = ampc_pow, .s = 3),
+    UN("pow 3 (30,50)", (30, 50), 0.2, 3, 0, 1, .scalar = ampc_pow, .s = 3),
+    UN("add_scalar (1,)", (1), -1, 1, 0, 1, .scalar = ampc_add_scalar, .s = 0.75),
+    UN("add_scalar (3,5,7)", (3, 5, 7), -1, 1, 0, 1, .scalar = ampc_add_scalar, .s = 0.75),
+    UN("add_scalar (30,50)", (30, 50), -1, 1, 0, 1, .scalar = ampc_add_scalar, .s = -2.5),
+    UN("mul_scalar (1,)", (1), -1, 1, 0, 1, .scalar = ampc_mul_scalar, .s = -1.5),
+    UN("mul_scalar (3,5,7)", (3, 5, 7), -1, 1, 0, 1, .scalar = ampc_mul_scalar, .s = -1.5),
+    UN("mul_scalar (30,50)", (30, 50), -1, 1, 0, 1, .scalar = ampc_mul_scalar, .s = 0.1),
+};
+
+#define BIN3(nm, sa, sb, kb)                                                                       \
+    BIN("add " nm, sa, sb, kb, ampc_add), BIN("sub " nm, sa, sb, kb, ampc_sub), BIN("mul " nm, sa, sb, kb, ampc_mul)
+
+static const tu_op_case binary_cases[] = {
+    BIN3("(1,)+(1,)", (1), (1), 1),
+    BIN3("(3,5,7)+(3,5,7)", (3, 5, 7), (3, 5, 7), 1),
+    BIN3("(4,1,3)+(5,3)", (4, 1, 3), (5, 3), 5),
+    BIN3("(2,3)+(3,)", (2, 3), (3), 2),
+    BIN3("(1,)+(2,3)", (1), (2, 3), 6),
+    BIN3("(2,3)+(1,)", (2, 3), (1), 6),
+    BIN3("(3,1)+(3,4)", (3, 1), (3, 4), 4),
+    BIN3("(5,1)+(4,5,3)", (5, 1), (4, 5, 3), 12),
+    BIN3("(300,7)+(7,)", (300, 7), (7), 300),      /* bias with a tiled row, many chunks */
+    BIN3("(7,)+(300,7)", (7), (300, 7), 300),
+    BIN3("(3,1100)+(1100,)", (3, 1100), (1100), 3), /* bias rows longer than a chunk */
+    BIN3("(30,50)+(30,50)", (30, 50), (30, 50), 1),
+};
+
+static const tu_op_case reduce_cases[] = {
+    RED("sum all (1,)", (1), ampc_sum, AMPC_ALL_DIMS, false, 1),
+    RED("sum all (3,5,7)", (3, 5, 7), ampc_sum, AMPC_ALL_DIMS, false, 105),
+    RED("sum all keepdim (3,5,7)", (3, 5, 7), ampc_sum, AMPC_ALL_DIMS, true, 105),
+    RED("sum dim 0 (3,5,7)", (3, 5, 7), ampc_sum, 0, false, 3),
+    RED("sum dim 0 keepdim (3,5,7)", (3, 5, 7), ampc_sum, 0, true, 3),
+    RED("sum dim 1 (3,5,7)", (3, 5, 7), ampc_sum, 1, false, 5),
+    RED("sum dim 1 keepdim (3,5,7)", (3, 5, 7), ampc_sum, 1, true, 5),
+    RED("sum dim 2 (3,5,7)", (3, 5, 7), ampc_sum, 2, false, 7),
+    RED("sum dim -1 keepdim (3,5,7)", (3, 5, 7), ampc_sum, -1, true, 7),
+    RED("sum dim 0 (1,)", (1), ampc_sum, 0, false, 1),
+    RED("sum dim 0 (300,8)", (300, 8), ampc_sum, 0, false, 300),
+    RED("sum dim 1 (500,7)", (500, 7), ampc_sum, 1, false, 7),
+    RED("sum dim 1 (3,1500)", (3, 1500), ampc_sum, 1, true, 1500),
+    RED("mean all (1,)", (1), ampc_mean, AMPC_ALL_DIMS, false, 1),
+    RED("mean all (3,5,7)", (3, 5, 7), ampc_mean, AMPC_ALL_DIMS, false, 105),
+    RED("mean all keepdim (3,5,7)", (3, 5, 7), ampc_mean, AMPC_ALL_DIMS, true, 105),
+    RED("mean dim 0 (3,5,7)", (3, 5, 7), ampc_mean, 0, false, 3),
+    RED("mean dim 0 keepdim (3,5,7)", (3, 5, 7), ampc_mean, 0, true, 3),
+    RED("mean dim 1 (3,5,7)", (3, 5, 7), ampc_mean, 1, false, 5),
+    RED("mean dim 1 keepdim (3,5,7)", (3, 5, 7), ampc_mean, 1, true, 5),
+    RED("mean dim 2 (3,5,7)", (3, 5, 7), ampc_mean, 2, false, 7),
+    RED("mean dim -1 keepdim (3,5,7)", (3, 5, 7), ampc_mean, -1, true, 7),
+    RED("mean dim 0 (300,8)", (300, 8), ampc_mean, 0, true, 300),
+};
+
+/* Too large for finite differences (2 evaluations per input element): CPU against REF only.
+   They reach the blocked reduction paths (partial sums of RBLK-element blocks). */
+static const tu_op_case big_reduce_cases[] = {
+    {.name = "sum dim 1 (3,300,600)", .n_inputs = 1, .ndim = {3}, .shape = {{3, 300, 600}}, .lo = -1, .hi = 1,
+     .k = 300, .skip_fd = true, CTX(.reduce = ampc_sum, .dim = 1)},
+    {.name = "mean dim 0 (200,3000)", .n_inputs = 1, .ndim = {2}, .shape = {{200, 3000}}, .lo = -1, .hi = 1,
+     .k = 200, .skip_fd = true, CTX(.reduce = ampc_mean, .dim = 0)},
+    {.name = "sum dim 1 (2,70000)", .n_inputs = 1, .ndim = {2}, .shape = {{2, 70000}}, .lo = -1, .hi = 1,
+     .k = 70000, .skip_fd = true, CTX(.reduce = ampc_sum, .dim = 1)},
+};
+
+static void run_cases(const tu_op_case *cases, size_t n) {
+    for (size_t i = 0; i < n; i++) tu_check_op(&cases[i]);
+}
+
+static void test_unary_ops(void **state) {
+    (void)state;
+    run_cases(unary_cases, sizeof unary_cases / sizeof *unary_cases);
+}
+
+static void test_binary_ops(void **state) {
+    (void)state;
+    run_cases(binary_cases, sizeof binary_cases / sizeof *binary_cases);
+}
+
+static void test_reductions(void **state) {
+    (void)state;
+    run_cases(reduce_cases, sizeof reduce_cases / sizeof *reduce_cases);
+    run_cases(big_reduce_cases, sizeof big_reduce_cases / sizeof *big_reduce_cases);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shapes, names, errors
+
+static void test_output_shapes_and_names(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    ampc_tensor *x = ampc_tensor_rand(AMPC_F32, 3, (int64_t[]){3, 5, 7}, -1, 1);
+    ampc_tensor_set_requires_grad(x, true);
+    ampc_tensor *s = ampc_sum(x, 1, false);
+    assert_int_equal(ampc_tensor_ndim(s), 2);
+    assert_int_equal(ampc_tensor_dim(s, 0), 3);
+    assert_int_equal(ampc_tensor_dim(s, 1), 7);
+    assert_string_equal(ampc_tensor_grad_fn_name(s), "SumBackward");
+    ampc_tensor *all = ampc_mean(x, AMPC_ALL_DIMS, false);
+    assert_int_equal(ampc_tensor_ndim(all), 0);
+    assert_string_equal(ampc_tensor_grad_fn_name(all), "MeanBackward");
+    ampc_tensor *allk = ampc_sum(x, AMPC_ALL_DIMS, true);
+    assert_int_equal(ampc_tensor_ndim(allk), 3);
+    assert_int_equal(ampc_tensor_numel(allk), 1);
+    ampc_tensor *again = ampc_sum(all, 0, false);   /* a 0-d tensor reduces over its one dim */
+    ASSERT_NOT_NULL_MSG(again);
+    assert_int_equal(ampc_tensor_ndim(again), 0);
+
+    ampc_tensor *b = ampc_tensor_rand(AMPC_F32, 1, (int64_t[]){7}, -1, 1);
+    struct { ampc_tensor *t; const char *name; } expect[] = {
+        {ampc_add(x, b), "AddBackward"}, {ampc_sub(x, b), "SubBackward"}, {ampc_mul(x, b), "MulBackward"},
+        {ampc_add_scalar(x, 1), "AddBackward"}, {ampc_mul_scalar(x, 2), "MulBackward"},
+        {ampc_relu(x), "ReluBackward"}, {ampc_gelu(x), "GeluBackward"}, {ampc_tanh(x), "TanhBackward"},
+        {ampc_sigmoid(x), "SigmoidBackward"}, {ampc_exp(x), "ExpBackward"}, {ampc_log(ampc_exp(x)), "LogBackward"},
+        {ampc_pow(ampc_exp(x), 2), "PowBackward"},
+    };
+    for (size_t i = 0; i < sizeof expect / sizeof *expect; i++) {
+        ASSERT_NOT_NULL_MSG(expect[i].t);
+        assert_string_equal(ampc_tensor_grad_fn_name(expect[i].t), expect[i].name);
+    }
+    assert_int_equal(ampc_tensor_ndim(expect[0].t), 3);
+    /* no history without grad */
+    ampc_no_grad_enter();
+    assert_null(ampc_tensor_grad_fn_name(ampc_relu(x)));
+    ampc_no_grad_exit();
+    ampc_scope_end();
+}
+
+static void test_errors(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    ampc_tensor *a = ampc_tensor_rand(AMPC_F32, 2, (int64_t[]){2, 3}, -1, 1);
+    ampc_tensor *b = ampc_tensor_rand(AMPC_F32, 1, (int64_t[]){4}, -1, 1);
+    ampc_tensor *lab = ampc_tensor_from_i64(1, (int64_t[]){3}, (int64_t[]){0, 1, 2});
+
+    assert_null(ampc_add(a, b));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_SHAPE);
+    assert_non_null(strstr(ampc_last_error(), "(2, 3)"));
+    assert_non_null(strstr(ampc_last_error(), "(4,)"));
+    assert_null(ampc_mul(b, a));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_SHAPE);
+
+    ampc_tensor *(*binaries[])(ampc_tensor *, ampc_tensor *) = {ampc_add, ampc_sub, ampc_mul};
+    for (int i = 0; i < 3; i++) {
+        ampc_clear_error();
+        assert_null(binaries[i](a, lab));
+        assert_int_equal(ampc_last_status(), AMPC_ERR_DTYPE);
+        assert_non_null(strstr(ampc_last_error(), "i64"));
+    }
+    ampc_tensor *(*unaries[])(ampc_tensor *) = {ampc_relu, ampc_gelu, ampc_tanh, ampc_sigmoid, ampc_exp, ampc_log};
+    for (int i = 0; i < 6; i++) {
+        ampc_clear_error();
+        assert_null(unaries[i](lab));
+        assert_int_equal(ampc_last_status(), AMPC_ERR_DTYPE);
+    }
+    ampc_clear_error();
+    assert_null(ampc_pow(lab, 2));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_DTYPE);
+    assert_null(ampc_add_scalar(lab, 2));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_DTYPE);
+    assert_null(ampc_sum(lab, AMPC_ALL_DIMS, false));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_DTYPE);
+    assert_null(ampc_mean(lab, 0, false));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_DTYPE);
+
+    ampc_clear_error();
+    assert_null(ampc_sum(a, 2, false));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+    assert_null(ampc_mean(a, -3, true));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+
+    /* NULL inputs keep the first error */
+    ampc_clear_error();
+    assert_null(ampc_add(a, b));
+    assert_null(ampc_relu(ampc_add(NULL, a)));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_SHAPE);
+    ampc_clear_error();
+    assert_null(ampc_exp(NULL));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+
+    /* inputs on different devices */
+    ampc_set_default_device(AMPC_DEVICE_REF);
+    ampc_tensor *r = ampc_tensor_rand(AMPC_F64, 2, (int64_t[]){2, 3}, -1, 1);
+    ampc_set_default_device(AMPC_DEVICE_CPU);
+    ampc_clear_error();
+    assert_null(ampc_add(a, r));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+    ampc_clear_error();
+    ampc_scope_end();
+}
+
+/* Empty tensors: sums of nothing are 0, means NaN (as in PyTorch), on both devices. */
+static void test_empty(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    for (int dev = 0; dev < AMPC_DEVICE_COUNT; dev++) {
+        ampc_set_default_device((ampc_device)dev);
+        ampc_dtype dt = dev == AMPC_DEVICE_REF ? AMPC_F64 : AMPC_BF16;
+        ampc_tensor *e = ampc_tensor_zeros(dt, 2, (int64_t[]){0, 3});
+        ampc_tensor *s = ampc_sum(e, 0, false), *m = ampc_mean(e, 0, false);
+        ASSERT_NOT_NULL_MSG(s);
+        ASSERT_NOT_NULL_MSG(m);
+        double sv[3], mv[3];
+        ASSERT_OK(ampc_tensor_to_f64(s, sv, 3));
+        ASSERT_OK(ampc_tensor_to_f64(m, mv, 3));
+        for (int i = 0; i < 3; i++) {
+            assert_true(sv[i] == 0.0);
+            assert_true(isnan(mv[i]));
+        }
+        assert_int_equal(ampc_tensor_numel(ampc_add(e, ampc_tensor_zeros(dt, 1, (int64_t[]){3}))), 0);
+        assert_int_equal(ampc_tensor_numel(ampc_relu(e)), 0);
+    }
+    ampc_set_default_device(AMPC_DEVICE_CPU);
+    ampc_scope_end();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Type promotion
+
+static void test_mixed_dtypes(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    double av[6], bv[3];
+    tu_fill_uniform(av, 6, 1, -2, 2);
+    tu_fill_uniform(bv, 3, 2, -2, 2);
+    ampc_dtype pairs[][3] = {{AMPC_F16, AMPC_F32, AMPC_F32}, {AMPC_BF16, AMPC_F16, AMPC_F32},
+                             {AMPC_F32, AMPC_BF16, AMPC_F32}, {AMPC_BF16, AMPC_BF16, AMPC_BF16}};
+    for (size_t p = 0; p < sizeof pairs / sizeof *pairs; p++) {
+        ampc_tensor *a = ampc_tensor_from_f64(pairs[p][0], 2, (int64_t[]){2, 3}, av);
+        ampc_tensor *b = ampc_tensor_from_f64(pairs[p][1], 1, (int64_t[]){3}, bv);
+        ampc_tensor_set_requires_grad(a, true);
+        ampc_tensor_set_requires_grad(b, true);
+        double *ar = tu_values(a), *br = tu_values(b);   /* the values as stored */
+
+        ampc_tensor *s = ampc_add(a, b);
+        ASSERT_NOT_NULL_MSG(s);
+        assert_int_equal(ampc_tensor_dtype(s), pairs[p][2]);
+        ampc_tensor *m = ampc_mul(a, b);
+        assert_int_equal(ampc_tensor_dtype(m), pairs[p][2]);
+        /* loss = sum(a + b) + sum(a * b): da = 1 + b, db = 2 + sum_rows(a) */
+        ampc_tensor *loss = ampc_add(ampc_sum(s, AMPC_ALL_DIMS, false), ampc_sum(m, AMPC_ALL_DIMS, false));
+        ASSERT_OK(ampc_backward(loss));
+        ampc_tensor *ga = ampc_tensor_grad(a), *gb = ampc_tensor_grad(b);
+        ASSERT_NOT_NULL_MSG(ga);
+        ASSERT_NOT_NULL_MSG(gb);
+        assert_int_equal(ampc_tensor_dtype(ga), pairs[p][0]);
+        assert_int_equal(ampc_tensor_dtype(gb), pairs[p][1]);
+        assert_int_equal(ampc_tensor_ndim(gb), 1);
+        double *gav = tu_values(ga), *gbv = tu_values(gb), ea[6], eb[3];
+        for (int i = 0; i < 6; i++) ea[i] = 1 + br[i % 3];
+        for (int j = 0; j < 3; j++) eb[j] = 2 + ar[j] + ar[3 + j];
+        /* each op's branch is cast back to the input's dtype (one rounding: b in da = 1 + b,
+           the row sums in db), then the two branches are added in that dtype (a second
+           rounding), with a few roundings in the promoted dtype on the way */
+        double ua = tu_eps(pairs[p][0]), ub = tu_eps(pairs[p][1]), up = tu_eps(pairs[p][2]);
+        double max_b = 0;
+        for (int j = 0; j < 3; j++) max_b = fmax(max_b, fabs(br[j]));
+        tu_assert_close("mixed grad a", gav, ea, 6, (ua + 4 * up) * max_b, ua + 4 * up);
+        double mean_eb = (fabs(eb[0]) + fabs(eb[1]) + fabs(eb[2])) / 3;
+        tu_assert_close("mixed grad b", gbv, eb, 3, 4 * (ub + 4 * up) * mean_eb, ub + 4 * up);
+        free(ar), free(br), free(gav), free(gbv);
+    }
+    ampc_scope_end();
+}
+
+/* Under autocast, sum/exp/log/pow run in fp32 (PyTorch's fp32 list) and the rest in the
+   input's dtype. */
+static void test_autocast_policies(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    ampc_tensor *x = ampc_tensor_rand(AMPC_BF16, 2, (int64_t[]){4, 8}, 0.5, 1.5);
+    ampc_autocast_enter(AMPC_BF16, true);
+    assert_int_equal(ampc_tensor_dtype(ampc_sum(x, 1, false)), AMPC_F32);
+    assert_int_equal(ampc_tensor_dtype(ampc_exp(x)), AMPC_F32);
+    assert_int_equal(ampc_tensor_dtype(ampc_log(x)), AMPC_F32);
+    assert_int_equal(ampc_tensor_dtype(ampc_pow(x, 2)), AMPC_F32);
+    assert_int_equal(ampc_tensor_dtype(ampc_mean(x, 1, false)), AMPC_BF16);
+    assert_int_equal(ampc_tensor_dtype(ampc_relu(x)), AMPC_BF16);
+    assert_int_equal(ampc_tensor_dtype(ampc_add(x, x)), AMPC_BF16);
+    ampc_autocast_exit();
+    assert_int_equal(ampc_tensor_dtype(ampc_sum(x, 1, false)), AMPC_BF16);   /* no autocast */
+    ampc_scope_end();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Large tensors (the threaded paths)
+
+#define BIG (1 << 20)
+
+static void test_big_add_and_sum(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    double *av = malloc(BIG * sizeof *av), *bv = malloc(BIG * sizeof *bv);
+    tu_fill_uniform(av, BIG, 11, -1, 1);
+    tu_fill_uniform(bv, BIG, 12, -1, 1);
+    const ampc_dtype dts[] = {AMPC_F32, AMPC_F16, AMPC_BF16};
+    for (int d = 0; d < 3; d++) {
+        ampc_dtype dt = dts[d];
+        int64_t shape[] = {BIG};
+        ampc_tensor *a = ampc_tensor_from_f64(dt, 1, shape, av), *b = ampc_tensor_from_f64(dt, 1, shape, bv);
+        double *ar = tu_values(a), *br = tu_values(b);
+
+        /* add: one rounding of the exact sum of the stored values */
+        double *got = tu_values(ampc_add(a, b));
+        ampc_set_default_device(AMPC_DEVICE_REF);
+        double *rv = tu_values(ampc_add(ampc_tensor_to(a, AMPC_DEVICE_REF, AMPC_F64), ampc_tensor_to(b, AMPC_DEVICE_REF, AMPC_F64)));
+        ampc_set_default_device(AMPC_DEVICE_CPU);
+        /* (f16/bf16: the f32 sum may round before the final rounding, hence 1 + 2^-12) */
+        tu_assert_close("1M add vs ref", got, rv, BIG, 0, tu_eps(dt) * (1 + 0x1p-12));
+        free(got), free(rv);
+
+        /* sum: f32 accumulation; each value passes through at most CHUNK adds inside a chunk,
+           RBLK/CHUNK chunk sums and BIG/RBLK block sums, so |err| <= depth * 2^-24 * sum|x|
+           (then one rounding to dt) */
+        double exact = 0, abs_sum = 0;
+        for (int i = 0; i < BIG; i++) exact += ar[i], abs_sum += fabs(ar[i]);
+        double depth = 1024 + 65536 / 1024 + BIG / 65536;
+        int threads = ampc_get_num_threads();
+        ampc_set_num_threads(2);
+        double s2 = ampc_tensor_item(ampc_sum(a, AMPC_ALL_DIMS, false));
+        ampc_set_num_threads(1);
+        double s1 = ampc_tensor_item(ampc_sum(a, AMPC_ALL_DIMS, false));
+        ampc_set_num_threads(threads);
+        assert_true(s1 == s2);   /* fixed blocks: independent of the thread count */
+        double tol = depth * 0x1p-24 * abs_sum + tu_eps(dt) * fabs(exact) * 1.01;
+        if (fabs(s2 - exact) > tol) fail_msg("1M sum %s: %.9g vs %.9g (tol %.3g)", ampc_dtype_name(dt), s2, exact, tol);
+        double m = ampc_tensor_item(ampc_mean(a, 0, false));
+        if (fabs(m - exact / BIG) > tol / BIG) fail_msg("1M mean %s: %.9g vs %.9g", ampc_dtype_name(dt), m, exact / BIG);
+
+        /* sum over rows of a (1024, 1024) view: parallel over rows */
+        ampc_tensor *rows = ampc_sum(ampc_reshape(a, 2, (int64_t[]){1024, 1024}), 1, false);
+        double *rs = tu_values(rows);
+        for (int r = 0; r < 1024; r++) {
+            double e = 0, ab = 0;
+            for (int j = 0; j < 1024; j++) e += ar[r * 1024 + j], ab += fabs(ar[r * 1024 + j]);
+            double t = 1024 * 0x1p-24 * ab + tu_eps(dt) * fabs(e) * 1.01;
+            if (fabs(rs[r] - e) > t) fail_msg("row sum %d %s: %.9g vs %.9g", r, ampc_dtype_name(dt), rs[r], e);
+        }
+        free(rs), free(ar), free(br);
+    }
+    free(av), free(bv);
+    ampc_scope_end();
+}
+
+// ---------------------------------------------------------------------------------------------
+// In-place kernels (gradient accumulation adds into its accumulator: out == a)
+
+static void test_in_place(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    const ampc_backend *be = ampc__backend(AMPC_DEVICE_CPU);
+    const ampc_dtype dts[] = {AMPC_F32, AMPC_F16, AMPC_BF16};
+    /* same shape (flat path, several chunks and threads) and a bias-shaped b */
+    const int64_t shapes[][2] = {{300, 1000}, {37, 5}};
+    for (int d = 0; d < 3; d++)
+        for (int s = 0; s < 2; s++)
+            for (int op = 0; op < AMPC_BINARY_COUNT; op++) {
+                ampc_tensor *a = ampc_tensor_rand(dts[d], 2, shapes[s], -1, 1);
+                ampc_tensor *b = s ? ampc_tensor_rand(dts[d], 1, &shapes[s][1], -1, 1)
+                                   : ampc_tensor_rand(dts[d], 2, shapes[s], -1, 1);
+                ampc_tensor *expect = ampc_tensor_empty(dts[d], 2, shapes[s]);
+                ASSERT_OK(be->binary((ampc_binary_op)op, a, b, expect));
+                ASSERT_OK(be->binary((ampc_binary_op)op, a, b, a));
+                assert_memory_equal(ampc_tensor_data(a), ampc_tensor_data(expect), (size_t)ampc_tensor_numel(a) * ampc_dtype_size(dts[d]));
+            }
+    /* unary in place (x == y), as gradient clipping scales in place */
+    for (int d = 0; d < 3; d++) {
+        ampc_tensor *x = ampc_tensor_rand(dts[d], 1, (int64_t[]){50000}, -1, 1);
+        ampc_tensor *expect = ampc_tensor_empty(dts[d], 1, (int64_t[]){50000});
+        ASSERT_OK(be->unary(AMPC_UNARY_GELU, x, expect, 0));
+        ASSERT_OK(be->unary(AMPC_UNARY_GELU, x, x, 0));
+        assert_memory_equal(ampc_tensor_data(x), ampc_tensor_data(expect), 50000 * ampc_dtype_size(dts[d]));
+    }
+    /* a gradient reaching a leaf twice is accumulated (x + x: the accumulator adds in place) */
+    ampc_tensor *x = ampc_tensor_rand(AMPC_F32, 1, (int64_t[]){3}, -1, 1);
+    ampc_tensor_set_requires_grad(x, true);
+    ASSERT_OK(ampc_backward(ampc_sum(ampc_add(x, x), AMPC_ALL_DIMS, false)));
+    double g[3];
+    ASSERT_OK(ampc_tensor_to_f64(ampc_tensor_grad(x), g, 3));
+    for (int i = 0; i < 3; i++) assert_true(g[i] == 2.0);
+    ampc_scope_end();
+}
+
+// ---------------------------------------------------------------------------------------------
+// What each op saves for backward
+
+static int n_saved(const ampc_tensor *t) {
+    int n = 0;
+    for (int i = 0; i < AMPC_NODE_MAX_SAVED; i++) n += t->grad_fn->saved[i] != NULL;
+    return n;
+}
+
+static void test_saved_tensors(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    ampc_tensor *x = ampc_tensor_rand(AMPC_F32, 1, (int64_t[]){8}, 0.5, 1);
+    ampc_tensor *c = ampc_tensor_rand(AMPC_F32, 1, (int64_t[]){8}, 0.5, 1);   /* no grad */
+    ampc_tensor_set_requires_grad(x, true);
+    assert_int_equal(n_saved(ampc_add(x, c)), 0);
+    assert_int_equal(n_saved(ampc_sub(c, x)), 0);
+    assert_int_equal(n_saved(ampc_mul(x, c)), 1);   /* only c, for x's gradient */
+    assert_int_equal(n_saved(ampc_mul(x, x)), 2);
+    assert_int_equal(n_saved(ampc_add_scalar(x, 1)), 0);
+    assert_int_equal(n_saved(ampc_mul_scalar(x, 2)), 0);
+    assert_int_equal(n_saved(ampc_sum(x, 0, false)), 0);
+    assert_int_equal(n_saved(ampc_mean(x, AMPC_ALL_DIMS, true)), 0);
+    ampc_tensor *(*one_saved[])(ampc_tensor *) = {ampc_relu, ampc_gelu, ampc_tanh, ampc_sigmoid, ampc_exp, ampc_log};
+    for (int i = 0; i < 6; i++) assert_int_equal(n_saved(one_saved[i](x)), 1);
+    assert_int_equal(n_saved(ampc_pow(x, 3)), 1);
+    /* an output saved by its own node is no reference cycle: without backward, the scope
+       frees everything */
+    size_t before = ampc_memory_stats().current_total;
+    ampc_scope_begin();
+    ampc_tensor *(*save_output[])(ampc_tensor *) = {ampc_relu, ampc_tanh, ampc_sigmoid, ampc_exp};
+    for (int i = 0; i < 4; i++) ASSERT_NOT_NULL_MSG(ampc_sum(save_output[i](x), AMPC_ALL_DIMS, false));
+    ampc_scope_end();
+    assert_int_equal(ampc_memory_stats().current_total, before);
+    /* backward releases the saved tensors at once */
+    ampc_tensor *y = ampc_relu(x);
+    ampc_tensor *loss = ampc_sum(y, AMPC_ALL_DIMS, false);
+    ASSERT_OK(ampc_backward(loss));
+    assert_int_equal(n_saved(y), 0);
+    ampc_scope_end();
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_unary_ops),
+        cmocka_unit_test(test_binary_ops),
+        cmocka_unit_test(test_reductions),
+        cmocka_unit_test(test_output_shapes_and_names),
+        cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_empty),
+        cmocka_unit_test(test_mixed_dtypes),
+        cmocka_unit_test(test_autocast_policies),
+        cmocka_unit_test(test_big_add_and_sum),
+        cmocka_unit_test(test_in_place),
+        cmocka_unit_test(test_saved_tensors),
+    };
+    return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
+}

@@ -1,0 +1,432 @@
+/*
+ * test_optim.c - SGD, Adam and AdamW against an fp64 re-implementation of PyTorch 1.13's
+ * update rules written here (independent of the kernels), on the CPU device (fp32) and the
+ * REF device (f64); skipping of params without grad; optimizer state memory; errors.
+ *
+ * Tolerances: the oracle carries, per element, a first-order bound on the difference between
+ * the device's arithmetic and exact arithmetic: every rounded op adds u*|result| (u the
+ * device dtype's unit roundoff; a product with a rounded constant 2u), and errors in inputs
+ * propagate through the op's derivative (sqrt: e/(2 sqrt v)). The check is |got - ref| <= 2e:
+ * the factor 2 covers second-order terms and the oracle's own f64 rounding (which obeys the
+ * same bound with u = 2^-53, so it matters only on REF).
+ */
+#include "testutil.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/core.h"
+#include "optim/optim.h"
+
+#define STEPS 6
+
+// ---------------------------------------------------------------------------------------------
+// The oracle
+
+typedef struct {
+    double p, buf, m, v, vmax;       /* values in exact (f64) arithmetic */
+    double ep, ebuf, em, ev, evmax;  /* bounds on the device's deviation from them */
+    int64_t step;
+} elem;
+
+typedef struct {
+    const char *name;
+    ampc_optim_kind kind;
+    ampc_sgd_options sgd;
+    ampc_adam_options adam;
+} optcase;
+
+static void oracle_sgd(elem *e, double g, const ampc_sgd_options *o, double u) {
+    double d = g, ed = 0;
+    if (o->weight_decay != 0) {
+        d = g + o->weight_decay * e->p;
+        ed = o->weight_decay * e->ep + 2 * u * o->weight_decay * fabs(e->p) + u * fabs(d);
+    }
+    if (o->momentum != 0) {
+        double keep = 1 - o->dampening;
+        if (e->step == 0) {
+            e->buf = d;
+            e->ebuf = ed;
+        } else {
+            double nb = o->momentum * e->buf + keep * d;
+            e->ebuf = o->momentum * e->ebuf + keep * ed + 2 * u * o->momentum * fabs(e->buf) + 2 * u * keep * fabs(d) +
+                      u * fabs(nb);
+            e->buf = nb;
+        }
+        if (o->nesterov) {
+            double nd = d + o->momentum * e->buf;
+            ed = ed + o->momentum * e->ebuf + 2 * u * o->momentum * fabs(e->buf) + u * fabs(nd);
+            d = nd;
+        } else {
+            d = e->buf;
+            ed = e->ebuf;
+        }
+    }
+    double np = e->p - o->lr * d;
+    e->ep = e->ep + o->lr * ed + 2 * u * o->lr * fabs(d) + u * fabs(np);
+    e->p = np;
+    e->step++;
+}
+
+static void oracle_adam(elem *e, double g, const ampc_adam_options *o, bool decoupled, double u) {
+    int64_t t = ++e->step;
+    double bc1 = 1 - pow(o->beta1, (double)t), bc2 = 1 - pow(o->beta2, (double)t);
+    double ss = o->lr / bc1, bs = sqrt(bc2);
+    double pi = e->p, epi = e->ep;
+    if (decoupled) {
+        pi = e->p * (1 - o->lr * o->weight_decay);
+        epi = e->ep * (1 - o->lr * o->weight_decay) + 2 * u * fabs(pi);
+    }
+    double gi = g, eg = 0;
+    if (!decoupled && o->weight_decay != 0) {
+        gi = g + o->weight_decay * pi;
+        eg = o->weight_decay * epi + 2 * u * o->weight_decay * fabs(pi) + u * fabs(gi);
+    }
+    double nm = o->beta1 * e->m + (1 - o->beta1) * gi;
+    e->em = o->beta1 * e->em + (1 - o->beta1) * eg + 2 * u * o->beta1 * fabs(e->m) + 2 * u * (1 - o->beta1) * fabs(gi) +
+            u * fabs(nm);
+    e->m = nm;
+    double nv = o->beta2 * e->v + (1 - o->beta2) * gi * gi;
+    e->ev = o->beta2 * e->ev + (1 - o->beta2) * 2 * fabs(gi) * eg + 2 * u * o->beta2 * fabs(e->v) +
+            3 * u * (1 - o->beta2) * gi * gi + u * fabs(nv);
+    e->v = nv;
+    double vi = nv, evi = e->ev;
+    if (o->amsgrad) {   /* max is 1-Lipschitz in each argument */
+        e->vmax = fmax(e->vmax, nv);
+        e->evmax = fmax(e->evmax, e->ev);
+        vi = e->vmax;
+        evi = e->evmax;
+    }
+    double s = sqrt(vi), es = evi / (2 * s) + u * s;
+    double q = s / bs, eq = es / bs + 2 * u * q;
+    double den = q + o->eps, eden = eq + u * den + u * o->eps;
+    double upd = ss * e->m / den;
+    double eupd = ss * e->em / den + fabs(upd) * eden / den + 3 * u * fabs(upd);
+    double np = pi - upd;
+    e->ep = epi + eupd + u * fabs(np);
+    e->p = np;
+}
+
+/* Asserts |got[i] - ref[i]| <= 2 * bound[i] + tiny for all i; names the worst. */
+static void assert_within(const char *what, const double *got, const elem *ref, size_t n, int which) {
+    size_t bad = 0, worst = 0;
+    double worst_ratio = 0;
+    for (size_t i = 0; i < n; i++) {
+        double r = which == 0 ? ref[i].p : which == 1 ? ref[i].m : which == 2 ? ref[i].v : ref[i].buf;
+        double e = which == 0 ? ref[i].ep : which == 1 ? ref[i].em : which == 2 ? ref[i].ev : ref[i].ebuf;
+        double tol = 2 * e + 1e-300, err = fabs(got[i] - r);
+        if (!(err <= tol)) {
+            bad++;
+            if (!(err / tol <= worst_ratio)) {
+                worst_ratio = err / tol;
+                worst = i;
+            }
+        }
+    }
+    if (getenv("TEST_OPTIM_VERBOSE")) {
+        double mx = 0;
+        for (size_t i = 0; i < n; i++) {
+            double r = which == 0 ? ref[i].p : which == 1 ? ref[i].m : which == 2 ? ref[i].v : ref[i].buf;
+            double e = which == 0 ? ref[i].ep : which == 1 ? ref[i].em : which == 2 ? ref[i].ev : ref[i].ebuf;
+            if (e > 0) mx = fmax(mx, fabs(got[i] - r) / e);
+        }
+        print_message("%s: max err/bound %.3f\n", what, mx);
+    }
+    if (bad) fail_msg("%s: %zu of %zu values out of their bound; worst [%zu] err/(2 bound) %.3g", what, bad, n, worst, worst_ratio);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Driving an optimizer and the oracle with the same gradients
+
+static const int64_t sizes[] = {3000, 7};   /* several chunks and threads; a ragged tail */
+#define NPARAMS 2
+
+/* Gradient values of step t for parameter k: |g| in [0.5, 1] * scale, random sign, where the
+   scale drops after two steps so amsgrad's max differs from v. */
+static void grad_values(double *g, int64_t n, int t, int k, bool round_f32) {
+    tu_fill_uniform(g, (size_t)n, 1000u + 17u * (unsigned)t + (unsigned)k, -1, 1);
+    double scale = t < 2 ? 1.0 : 0.3;
+    for (int64_t i = 0; i < n; i++) {
+        g[i] = copysign(0.5 + 0.5 * fabs(g[i]), g[i]) * scale;
+        if (round_f32) g[i] = (double)(float)g[i];
+    }
+}
+
+static ampc_optimizer *make_opt(const optcase *c, ampc_tensor **p, int n) {
+    switch (c->kind) {
+    case AMPC_OPTIM_SGD: return ampc_sgd_new_params(p, n, &c->sgd);
+    case AMPC_OPTIM_ADAM: return ampc_adam_new_params(p, n, &c->adam);
+    default: return ampc_adamw_new_params(p, n, &c->adam);
+    }
+}
+
+static void run_case(const optcase *c, ampc_device dev) {
+    ampc_dtype dt = dev == AMPC_DEVICE_CPU ? AMPC_F32 : AMPC_F64;
+    bool f32 = dt == AMPC_F32;
+    double u = tu_eps(dt);
+    ampc_set_default_device(dev);
+    ampc_scope_begin();
+    ampc_tensor *params[NPARAMS];
+    elem *ref[NPARAMS];
+    for (int k = 0; k < NPARAMS; k++) {
+        int64_t n = sizes[k];
+        double *init = malloc((size_t)n * sizeof *init);
+        tu_fill_uniform(init, (size_t)n, 77u + (unsigned)k, -1, 1);
+        ref[k] = calloc((size_t)n, sizeof *ref[k]);
+        for (int64_t i = 0; i < n; i++) {
+            if (f32) init[i] = (double)(float)init[i];
+            ref[k][i].p = init[i];
+        }
+        params[k] = ampc_tensor_from_f64(dt, 1, &n, init);
+        ASSERT_NOT_NULL_MSG(params[k]);
+        ASSERT_OK(ampc_tensor_set_requires_grad(params[k], true));
+        free(init);
+    }
+    ampc_optimizer *opt = make_opt(c, params, NPARAMS);
+    ASSERT_NOT_NULL_MSG(opt);
+    ampc_sgd_options so = c->sgd;
+    ampc_adam_options ao = c->adam;
+    for (int t = 0; t < STEPS; t++) {
+        if (t == 3) {   /* a schedule changes the lr between steps */
+            ampc_optimizer_set_lr(opt, ampc_optimizer_get_lr(opt) * 0.5);
+            so.lr *= 0.5;
+            ao.lr *= 0.5;
+            assert_true(ampc_optimizer_get_lr(opt) == (c->kind == AMPC_OPTIM_SGD ? so.lr : ao.lr));
+        }
+        for (int k = 0; k < NPARAMS; k++) {
+            int64_t n = sizes[k];
+            double *g = malloc((size_t)n * sizeof *g);
+            grad_values(g, n, t, k, f32);
+            ASSERT_OK(ampc_backward_with_grad(params[k], ampc_tensor_from_f64(dt, 1, &n, g)));
+            for (int64_t i = 0; i < n; i++) {
+                if (c->kind == AMPC_OPTIM_SGD) oracle_sgd(&ref[k][i], g[i], &so, u);
+                else oracle_adam(&ref[k][i], g[i], &ao, c->kind == AMPC_OPTIM_ADAMW, u);
+            }
+            free(g);
+        }
+        ASSERT_OK(ampc_optimizer_step(opt));
+        ampc_optimizer_zero_grad(opt);
+        for (int k = 0; k < NPARAMS; k++) assert_null(ampc_tensor_grad(params[k]));
+    }
+    char what[128];
+    bool ams_mattered = false;
+    for (int k = 0; k < NPARAMS; k++) {
+        size_t n = (size_t)sizes[k];
+        double *got = tu_values(params[k]);
+        snprintf(what, sizeof what, "%s on %s: param %d", c->name, ampc_device_name(dev), k);
+        assert_within(what, got, ref[k], n, 0);
+        free(got);
+        /* the state too: momentum buffer, or exp_avg and exp_avg_sq */
+        int nstate = c->kind == AMPC_OPTIM_SGD ? (c->sgd.momentum != 0) : 2;
+        for (int s = 0; s < nstate; s++) {
+            ampc_tensor *st = opt->state[s][k];
+            ASSERT_NOT_NULL_MSG(st);
+            got = tu_values(st);
+            snprintf(what, sizeof what, "%s on %s: state %d of param %d", c->name, ampc_device_name(dev), s, k);
+            assert_within(what, got, ref[k], n, c->kind == AMPC_OPTIM_SGD ? 3 : 1 + s);
+            free(got);
+        }
+        if (c->kind == AMPC_OPTIM_SGD && c->sgd.momentum == 0) assert_null(opt->state[0][k]);
+        for (size_t i = 0; i < n; i++)
+            if (ref[k][i].vmax > ref[k][i].v) ams_mattered = true;
+        free(ref[k]);
+    }
+    if (c->kind != AMPC_OPTIM_SGD && c->adam.amsgrad) assert_true(ams_mattered);   /* the data exercise it */
+    ampc_optimizer_free(opt);
+    ampc_scope_end();
+    ampc_set_default_device(AMPC_DEVICE_CPU);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+static void test_sgd_variants(void **state) {
+    (void)state;
+    const optcase cases[] = {
+        {.name = "SGD", .kind = AMPC_OPTIM_SGD, .sgd = {.lr = 0.1}},
+        {.name = "SGD momentum", .kind = AMPC_OPTIM_SGD, .sgd = {.lr = 0.1, .momentum = 0.9}},
+        {.name = "SGD momentum dampening", .kind = AMPC_OPTIM_SGD, .sgd = {.lr = 0.1, .momentum = 0.9, .dampening = 0.3}},
+        {.name = "SGD nesterov", .kind = AMPC_OPTIM_SGD, .sgd = {.lr = 0.1, .momentum = 0.8, .nesterov = true}},
+        {.name = "SGD weight decay", .kind = AMPC_OPTIM_SGD, .sgd = {.lr = 0.05, .weight_decay = 0.1}},
+        {.name = "SGD all", .kind = AMPC_OPTIM_SGD, .sgd = {.lr = 0.05, .momentum = 0.9, .weight_decay = 0.01, .nesterov = true}},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        run_case(&cases[i], AMPC_DEVICE_CPU);
+        run_case(&cases[i], AMPC_DEVICE_REF);
+    }
+}
+
+static void test_adam_variants(void **state) {
+    (void)state;
+    ampc_adam_options a = ampc_adam_defaults(), aw = ampc_adamw_defaults();
+    assert_true(a.lr == 1e-3 && a.beta1 == 0.9 && a.beta2 == 0.999 && a.eps == 1e-8 && a.weight_decay == 0);
+    assert_true(aw.weight_decay == 1e-2 && !aw.amsgrad);
+    a.lr = aw.lr = 0.01;
+    ampc_adam_options a_wd = a, a_ams = a, aw_big = aw, aw_ams = aw, a_eps = a;
+    a_wd.weight_decay = 0.1;
+    a_ams.amsgrad = true;
+    a_ams.beta2 = 0.5;   /* v forgets fast, so it falls below its max within STEPS */
+    aw_big.weight_decay = 0.5;
+    aw_ams.amsgrad = true;
+    aw_ams.beta2 = 0.6;
+    a_eps.eps = 0.3;   /* eps comparable to sqrt(v): the denominator's sum matters */
+    const optcase cases[] = {
+        {.name = "Adam", .kind = AMPC_OPTIM_ADAM, .adam = a},          {.name = "Adam weight decay", .kind = AMPC_OPTIM_ADAM, .adam = a_wd},
+        {.name = "Adam amsgrad", .kind = AMPC_OPTIM_ADAM, .adam = a_ams}, {.name = "Adam big eps", .kind = AMPC_OPTIM_ADAM, .adam = a_eps},
+        {.name = "AdamW", .kind = AMPC_OPTIM_ADAMW, .adam = aw},       {.name = "AdamW wd 0.5", .kind = AMPC_OPTIM_ADAMW, .adam = aw_big},
+        {.name = "AdamW amsgrad", .kind = AMPC_OPTIM_ADAMW, .adam = aw_ams},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        run_case(&cases[i], AMPC_DEVICE_CPU);
+        run_case(&cases[i], AMPC_DEVICE_REF);
+    }
+}
+
+/* A param without grad is left bit-identical with no state; when it first gets a grad its own
+   step count starts at 1 (bias correction per parameter, as PyTorch's state['step']). */
+static void test_skips_params_without_grad(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    int64_t n = 100;
+    double init[100], g[100];
+    tu_fill_uniform(init, 100, 5, -1, 1);
+    tu_fill_uniform(g, 100, 6, -1, 1);
+    ampc_tensor *a = ampc_tensor_from_f64(AMPC_F32, 1, &n, init), *b = ampc_tensor_from_f64(AMPC_F32, 1, &n, init);
+    ampc_tensor *fresh = ampc_tensor_from_f64(AMPC_F32, 1, &n, init);
+    ampc_tensor *gt = ampc_tensor_from_f64(AMPC_F32, 1, &n, g);
+    ASSERT_OK(ampc_tensor_set_requires_grad(a, true));
+    ASSERT_OK(ampc_tensor_set_requires_grad(b, true));
+    ASSERT_OK(ampc_tensor_set_requires_grad(fresh, true));
+    ampc_adam_options o = ampc_adam_defaults();
+    o.amsgrad = true;
+    ampc_optimizer *opt = ampc_adam_new_params((ampc_tensor *[]){a, b}, 2, &o);
+    ASSERT_NOT_NULL_MSG(opt);
+    size_t mem0 = ampc_memory_stats().current[AMPC_MEM_OPTIMIZER];
+    for (int t = 0; t < 3; t++) {
+        ASSERT_OK(ampc_backward_with_grad(a, gt));
+        ASSERT_OK(ampc_optimizer_step(opt));
+        ampc_optimizer_zero_grad(opt);
+    }
+    assert_memory_equal(ampc_tensor_data(b), ampc_tensor_data(fresh), 400);
+    assert_null(opt->state[0][1]);
+    assert_null(opt->state[1][1]);
+    assert_null(opt->state[2][1]);
+    assert_int_equal(opt->steps[0], 3);
+    assert_int_equal(opt->steps[1], 0);
+    /* state of one parameter only: exp_avg, exp_avg_sq, max_exp_avg_sq of 400 bytes each */
+    assert_int_equal(ampc_memory_stats().current[AMPC_MEM_OPTIMIZER] - mem0, 3 * 448);
+    ASSERT_OK(ampc_backward_with_grad(b, gt));
+    ASSERT_OK(ampc_optimizer_step(opt));
+    ampc_optimizer *one = ampc_adam_new_params(&fresh, 1, &o);
+    ASSERT_OK(ampc_backward_with_grad(fresh, gt));
+    ASSERT_OK(ampc_optimizer_step(one));
+    assert_memory_equal(ampc_tensor_data(b), ampc_tensor_data(fresh), 400);
+    assert_int_equal(opt->steps[1], 1);
+    ampc_optimizer_free(one);
+    ampc_optimizer_free(opt);
+    ampc_scope_end();
+}
+
+/* State is fp32, counted as optimizer memory, allocated at the first step, released by free. */
+static void test_state_memory(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    int64_t n = 1024;   /* 4096 bytes: exactly one allocator size class */
+    ampc_tensor *p = ampc_tensor_zeros(AMPC_F32, 1, &n), *g = ampc_tensor_full(AMPC_F32, 1, &n, 0.25);
+    ASSERT_OK(ampc_tensor_set_requires_grad(p, true));
+    struct { ampc_optimizer *opt; size_t bytes; } cases[4];
+    cases[0].opt = ampc_sgd_new_params(&p, 1, &(ampc_sgd_options){.lr = 0.1});
+    cases[0].bytes = 0;   /* no momentum: no buffer, like PyTorch */
+    cases[1].opt = ampc_sgd_new_params(&p, 1, &(ampc_sgd_options){.lr = 0.1, .momentum = 0.5});
+    cases[1].bytes = 4096;
+    cases[2].opt = ampc_adamw_new_params(&p, 1, NULL);
+    cases[2].bytes = 2 * 4096;
+    ampc_adam_options ams = ampc_adam_defaults();
+    ams.amsgrad = true;
+    cases[3].opt = ampc_adam_new_params(&p, 1, &ams);
+    cases[3].bytes = 3 * 4096;
+    for (int i = 0; i < 4; i++) {
+        ASSERT_NOT_NULL_MSG(cases[i].opt);
+        ampc_memory_stats_t s0 = ampc_memory_stats();
+        ASSERT_OK(ampc_optimizer_step(cases[i].opt));   /* no grad yet: nothing happens */
+        assert_int_equal(ampc_memory_stats().current[AMPC_MEM_OPTIMIZER], s0.current[AMPC_MEM_OPTIMIZER]);
+        ASSERT_OK(ampc_backward_with_grad(p, g));
+        ASSERT_OK(ampc_optimizer_step(cases[i].opt));
+        ampc_optimizer_zero_grad(cases[i].opt);
+        ampc_memory_stats_t s1 = ampc_memory_stats();
+        assert_int_equal(s1.current[AMPC_MEM_OPTIMIZER] - s0.current[AMPC_MEM_OPTIMIZER], cases[i].bytes);
+        assert_int_equal(s1.current[AMPC_MEM_GRADIENTS], s0.current[AMPC_MEM_GRADIENTS]);   /* grad gone */
+        if (cases[i].bytes) assert_int_equal(ampc_tensor_dtype(cases[i].opt->state[0][0]), AMPC_F32);
+        ampc_optimizer_free(cases[i].opt);
+        assert_int_equal(ampc_memory_stats().current[AMPC_MEM_OPTIMIZER], s0.current[AMPC_MEM_OPTIMIZER]);
+    }
+    ampc_scope_end();
+}
+
+static void test_errors(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    int64_t n = 4;
+    ampc_tensor *h = ampc_tensor_zeros(AMPC_F16, 1, &n), *f = ampc_tensor_zeros(AMPC_F32, 1, &n);
+    ASSERT_OK(ampc_tensor_set_requires_grad(h, true));
+    ASSERT_OK(ampc_tensor_set_requires_grad(f, true));
+    ampc_clear_error();
+    assert_null(ampc_sgd_new_params((ampc_tensor *[]){f, h}, 2, NULL));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_DTYPE);
+    assert_non_null(strstr(ampc_last_error(), "f16"));
+    assert_null(ampc_adam_new_params(&h, 1, NULL));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_DTYPE);
+    assert_null(ampc_sgd_new_params((ampc_tensor *[]){NULL}, 1, NULL));
+    assert_null(ampc_sgd_new_params(&f, 1, &(ampc_sgd_options){.lr = 0.1, .nesterov = true}));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+    assert_null(ampc_sgd_new_params(&f, 1, &(ampc_sgd_options){.lr = -1}));
+    ampc_adam_options bad = ampc_adam_defaults();
+    bad.beta2 = 1.0;
+    assert_null(ampc_adam_new_params(&f, 1, &bad));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+    assert_int_equal(ampc_optimizer_step(NULL), AMPC_ERR_INVALID);
+    /* an empty optimizer is valid (PyTorch refuses it; nothing here depends on that) */
+    ampc_optimizer *empty = ampc_sgd_new_params(NULL, 0, NULL);
+    ASSERT_NOT_NULL_MSG(empty);
+    ASSERT_OK(ampc_optimizer_step(empty));
+    assert_int_equal(ampc_optimizer_num_params(empty), 0);
+    ampc_optimizer_free(empty);
+    /* accessors */
+    ampc_optimizer *o = ampc_sgd_new_params(&f, 1, NULL);
+    assert_true(ampc_optimizer_get_lr(o) == 1e-3);
+    assert_ptr_equal(ampc_optimizer_param(o, 0), f);
+    assert_null(ampc_optimizer_param(o, 1));
+    ampc_optimizer_set_lr(o, -1);   /* refused */
+    assert_true(ampc_optimizer_get_lr(o) == 1e-3);
+    ampc_optimizer_free(o);
+    ampc_scope_end();
+}
+
+/* The optimizer holds its parameters: freeing them (or their module) first is safe. */
+static void test_holds_params(void **state) {
+    (void)state;
+    int64_t n = 8;
+    ampc_tensor *p = ampc_tensor_own(ampc_tensor_full(AMPC_F32, 1, &n, 1.0));
+    ASSERT_OK(ampc_tensor_set_requires_grad(p, true));
+    ampc_optimizer *o = ampc_sgd_new_params(&p, 1, &(ampc_sgd_options){.lr = 0.5});
+    ampc_tensor_free(p);
+    ampc_scope_begin();
+    ASSERT_OK(ampc_backward_with_grad(ampc_optimizer_param(o, 0), ampc_tensor_full(AMPC_F32, 1, &n, 1.0)));
+    ASSERT_OK(ampc_optimizer_step(o));
+    float v[8];   /* alive: reading it is fine under ASan */
+    ASSERT_OK(ampc_tensor_to_f32(ampc_optimizer_param(o, 0), v, 8));
+    for (int i = 0; i < 8; i++) assert_true(v[i] == 0.5f);
+    ampc_scope_end();
+    ampc_optimizer_free(o);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_sgd_variants),         cmocka_unit_test(test_adam_variants),
+        cmocka_unit_test(test_skips_params_without_grad), cmocka_unit_test(test_state_memory),
+        cmocka_unit_test(test_errors),               cmocka_unit_test(test_holds_params),
+    };
+    return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
+}
