@@ -108,12 +108,62 @@ static void test_saved_tensors_freed_during_backward(void **state) {
     ampc_scope_end();
 }
 
+static ampc_tensor *op_reshape(ampc_tensor **in, const void *ctx) {
+    (void)ctx;
+    return ampc_mul(ampc_reshape(in[0], 3, (int64_t[]){2, -1, 3}), ampc_reshape(in[1], 2, (int64_t[]){4, 3}));
+}
+static ampc_tensor *op_flatten(ampc_tensor **in, const void *ctx) {
+    (void)ctx;
+    return ampc_tanh(ampc_flatten(in[0], 1, 2));
+}
+/* cast to the device's widest float and back: identity values, gradient through two casts */
+static ampc_tensor *op_cast_roundtrip(ampc_tensor **in, const void *ctx) {
+    (void)ctx;
+    ampc_dtype wide = ampc_tensor_device(in[0]) == AMPC_DEVICE_REF ? AMPC_F64 : AMPC_F32;
+    ampc_tensor *w = ampc_cast(in[0], wide);
+    return ampc_cast(ampc_mul(w, w), ampc_tensor_dtype(in[0]));
+}
+
+static void test_shape_and_cast_ops(void **state) {
+    (void)state;
+    tu_op_case cases[] = {
+        {.name = "reshape", .n_inputs = 2, .ndim = {2, 1}, .shape = {{6, 4}, {12}}, .lo = -2, .hi = 2, .fn = op_reshape, .k = 1},
+        {.name = "flatten", .n_inputs = 1, .ndim = {4}, .shape = {{2, 3, 2, 5}}, .lo = -1, .hi = 1, .fn = op_flatten, .k = 1},
+        {.name = "cast", .n_inputs = 1, .ndim = {2}, .shape = {{3, 7}}, .lo = -3, .hi = 3, .fn = op_cast_roundtrip, .k = 1},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) tu_check_op(&cases[i]);
+}
+
+/* An fp32 leaf cast to fp16 receives an fp32 gradient: the fp16 gradient cast back. */
+static void test_cast_gradient_dtype(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    float v[3] = {0.1f, -1.7f, 3.3f};
+    ampc_tensor *x = ampc_tensor_from_f32(AMPC_F32, 1, (int64_t[]){3}, v);
+    ampc_tensor_set_requires_grad(x, true);
+    ampc_tensor *h = ampc_cast(x, AMPC_F16);
+    assert_int_equal(ampc_tensor_dtype(h), AMPC_F16);
+    assert_string_equal(ampc_tensor_grad_fn_name(h), "CastBackward");
+    ASSERT_OK(ampc_backward(ampc_sum(ampc_mul(h, h), AMPC_ALL_DIMS, false)));   /* d/dh = 2h in f16 */
+    ampc_tensor *g = ampc_tensor_grad(x);
+    assert_int_equal(ampc_tensor_dtype(g), AMPC_F32);
+    float got[3];
+    ampc_tensor_to_f32(g, got, 3);
+    for (int i = 0; i < 3; i++) {
+        float h16 = ampc_f16_to_f32(ampc_f32_to_f16(v[i]));
+        assert_true(got[i] == ampc_f16_to_f32(ampc_f32_to_f16(2 * h16)));
+    }
+    ampc_scope_end();
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_diamond_and_reuse),
         cmocka_unit_test(test_second_backward_is_an_error),
         cmocka_unit_test(test_no_grad_and_flags),
         cmocka_unit_test(test_saved_tensors_freed_during_backward),
+        cmocka_unit_test(test_shape_and_cast_ops),
+        cmocka_unit_test(test_cast_gradient_dtype),
     };
     return cmocka_run_group_tests_name("autograd", tests, tu_group_setup, tu_group_teardown);
 }
