@@ -259,6 +259,35 @@ ampc_tensor *ampc_cross_entropy(ampc_tensor *logits, ampc_tensor *targets,
 /* Zeroes each element with probability p and scales the rest by 1/(1-p) when training. */
 ampc_tensor *ampc_dropout(ampc_tensor *x, double p, bool training);
 
+/* Convolutional-network ops. Activations are NCHW as the user sees them; the CPU backend runs
+   oneDNN in whatever memory layout is fastest and reorders inside the op. */
+typedef struct {
+    int stride[2], padding[2], dilation[2];   /* (h, w); zeros mean the defaults 1, 0, 1 */
+    int groups;                               /* 0 means 1 */
+} ampc_conv2d_options;
+/* x (N, C, H, W), w (O, C/groups, kh, kw), b (O) or NULL; opts NULL: stride 1, no padding. */
+ampc_tensor *ampc_conv2d(ampc_tensor *x, ampc_tensor *w, ampc_tensor *b, const ampc_conv2d_options *opts);
+typedef struct {
+    int kernel[2], stride[2], padding[2];   /* stride 0: = kernel (PyTorch's default) */
+    bool ceil_mode;
+    bool exclude_pad;   /* avg pool: divide by the unpadded window (count_include_pad=False) */
+} ampc_pool2d_options;
+ampc_tensor *ampc_max_pool2d(ampc_tensor *x, const ampc_pool2d_options *opts);
+ampc_tensor *ampc_avg_pool2d(ampc_tensor *x, const ampc_pool2d_options *opts);
+ampc_tensor *ampc_adaptive_avg_pool2d(ampc_tensor *x, int out_h, int out_w);
+/* Batch norm over (N, H, W) per channel of x (N, C, H, W). weight/bias (C) may be NULL.
+   running_mean/var (C, fp32, may be NULL when training) are updated in place when training
+   (unbiased variance, PyTorch's momentum rule); evaluation normalises with them. Statistics are
+   computed in fp32 whatever x's dtype; the output has x's dtype. */
+ampc_tensor *ampc_batch_norm2d(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias,
+                               ampc_tensor *running_mean, ampc_tensor *running_var,
+                               bool training, double momentum, double eps);
+/* Normalises over the last norm_ndim dims; weight/bias have those dims' shape or are NULL. */
+ampc_tensor *ampc_layer_norm(ampc_tensor *x, int norm_ndim, ampc_tensor *weight, ampc_tensor *bias,
+                             double eps);
+/* Concatenation along dim; inputs of different float dtypes are promoted to the widest. */
+ampc_tensor *ampc_cat(ampc_tensor *const *xs, int n, int dim);
+
 // ---------------------------------------------------------------------------------------------
 // Autocast: thread-local, nestable. enabled=false makes a region run in fp32.
 
@@ -275,7 +304,9 @@ typedef enum {
     AMPC_OP_MUL_SCALAR, AMPC_OP_RELU, AMPC_OP_GELU, AMPC_OP_TANH, AMPC_OP_SIGMOID,
     AMPC_OP_EXP, AMPC_OP_LOG, AMPC_OP_POW, AMPC_OP_SUM, AMPC_OP_MEAN, AMPC_OP_RESHAPE,
     AMPC_OP_SOFTMAX, AMPC_OP_LOG_SOFTMAX, AMPC_OP_MATMUL, AMPC_OP_LINEAR, AMPC_OP_MSE_LOSS,
-    AMPC_OP_CROSS_ENTROPY, AMPC_OP_DROPOUT,
+    AMPC_OP_CROSS_ENTROPY, AMPC_OP_DROPOUT, AMPC_OP_CONV2D, AMPC_OP_MAX_POOL2D,
+    AMPC_OP_AVG_POOL2D, AMPC_OP_ADAPTIVE_AVG_POOL2D, AMPC_OP_BATCH_NORM, AMPC_OP_LAYER_NORM,
+    AMPC_OP_CAT,
     AMPC_OP_COUNT
 } ampc_op;
 
@@ -322,6 +353,36 @@ int ampc_module_parameters(ampc_module *m, ampc_tensor ***params, const char ***
 int64_t ampc_module_num_parameters(ampc_module *m, bool trainable_only);
 void ampc_module_requires_grad(ampc_module *m, bool on);  /* freeze / unfreeze recursively */
 void ampc_module_free(ampc_module *m);   /* with its children, parameters and their grads */
+
+/* Convolutional layers (PyTorch's default initialisation: kaiming_uniform(a=sqrt(5)) weights,
+   U(+-1/sqrt(fan_in)) bias; BatchNorm: weight 1, bias 0, running_mean 0, running_var 1). */
+ampc_module *ampc_conv2d_new(int64_t in_channels, int64_t out_channels, int kernel_size,
+                             const ampc_conv2d_options *opts, bool bias);
+ampc_module *ampc_batchnorm2d_new(int64_t num_features);   /* eps 1e-5, momentum 0.1 */
+ampc_module *ampc_maxpool2d_new(const ampc_pool2d_options *opts);
+ampc_module *ampc_avgpool2d_new(const ampc_pool2d_options *opts);
+ampc_module *ampc_adaptive_avgpool2d_new(int out_h, int out_w);
+ampc_module *ampc_layernorm_new(int norm_ndim, const int64_t *normalized_shape);
+
+/* Model zoo by name: "mlp" (in_channels*28*28 -> 128 -> ReLU -> num_classes), "cnn" (PyTorch's
+   MNIST example: conv 1->32 3x3, ReLU, conv 32->64 3x3, ReLU, maxpool 2, dropout 0.25,
+   flatten, fc 9216->128, ReLU, dropout 0.5, fc 128->10, for 28x28 inputs), "resnet18",
+   "resnet50" (torchvision's architecture and state_dict names). small_input: for 28x28/32x32
+   images, ResNets use a 3x3 stride-1 stem without max pooling. NULL + error for an unknown name. */
+typedef struct {
+    int64_t num_classes;   /* 0: 10 for mlp/cnn, 1000 for resnets */
+    int64_t in_channels;   /* 0: 1 for mlp/cnn, 3 for resnets */
+    bool small_input;
+} ampc_model_options;
+ampc_module *ampc_model_new(const char *name, const ampc_model_options *opts);
+/* Child by dotted path ("fc", "layer1.0.conv1"), or NULL. */
+ampc_module *ampc_module_find(ampc_module *m, const char *path);
+/* Replaces the child at a dotted path (e.g. the classifier head "fc"), freeing the old one;
+   takes ownership of replacement. */
+int ampc_module_replace(ampc_module *m, const char *path, ampc_module *replacement);
+/* Parameters and buffers in state_dict order ("bn1.running_mean", "layer1.0.conv1.weight").
+   Same ownership rules as ampc_module_parameters. */
+int ampc_module_state_dict(ampc_module *m, ampc_tensor ***tensors, const char ***names);
 
 // ---------------------------------------------------------------------------------------------
 // Optimizers: update fp32 master weights in place from their fp32 grads; params without a

@@ -38,6 +38,15 @@ static const policy_row policy_table[AMPC_OP_COUNT] = {
     [AMPC_OP_MSE_LOSS] = BOTH(FP32),
     [AMPC_OP_CROSS_ENTROPY] = BOTH(FP32),
     [AMPC_OP_DROPOUT] = BOTH(PASSTHROUGH),
+    [AMPC_OP_CONV2D] = BOTH(LOWER),
+    [AMPC_OP_MAX_POOL2D] = BOTH(PASSTHROUGH),
+    [AMPC_OP_AVG_POOL2D] = BOTH(PASSTHROUGH),
+    [AMPC_OP_ADAPTIVE_AVG_POOL2D] = BOTH(PASSTHROUGH),
+    /* PyTorch lists batch_norm nowhere: it runs on the 16-bit input with fp32 weights and
+       fp32 statistics; ampc's op does the same. layer_norm is on the fp32 list. */
+    [AMPC_OP_BATCH_NORM] = BOTH(PASSTHROUGH),
+    [AMPC_OP_LAYER_NORM] = BOTH(FP32),
+    [AMPC_OP_CAT] = BOTH(PROMOTE),
 };
 
 static const char *op_names[AMPC_OP_COUNT] = {
@@ -48,6 +57,9 @@ static const char *op_names[AMPC_OP_COUNT] = {
     [AMPC_OP_RESHAPE] = "reshape", [AMPC_OP_SOFTMAX] = "softmax", [AMPC_OP_LOG_SOFTMAX] = "log_softmax",
     [AMPC_OP_MATMUL] = "matmul", [AMPC_OP_LINEAR] = "linear", [AMPC_OP_MSE_LOSS] = "mse_loss",
     [AMPC_OP_CROSS_ENTROPY] = "cross_entropy", [AMPC_OP_DROPOUT] = "dropout",
+    [AMPC_OP_CONV2D] = "conv2d", [AMPC_OP_MAX_POOL2D] = "max_pool2d", [AMPC_OP_AVG_POOL2D] = "avg_pool2d",
+    [AMPC_OP_ADAPTIVE_AVG_POOL2D] = "adaptive_avg_pool2d", [AMPC_OP_BATCH_NORM] = "batch_norm",
+    [AMPC_OP_LAYER_NORM] = "layer_norm", [AMPC_OP_CAT] = "cat",
 };
 
 const char *ampc_op_name(ampc_op op) {

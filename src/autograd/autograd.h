@@ -12,7 +12,7 @@
 
 #include "core/core.h"
 
-#define AMPC_NODE_MAX_INPUTS 3
+#define AMPC_NODE_MAX_INPUTS 8
 #define AMPC_NODE_MAX_SAVED 4
 
 /* Computes the gradient of each input i that needs one (n->next[i] != NULL) from gy, the

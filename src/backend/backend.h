@@ -53,6 +53,22 @@ typedef struct {
     int64_t step;              /* 1 at the first step */
 } ampc_adam_hparams;
 
+/* 2-D convolution of x (N, C, H, W) with w (O, C/groups, KH, KW) into y (N, O, OH, OW), NCHW
+   as the user sees it (a backend may compute in another layout and reorder inside). */
+typedef struct {
+    int64_t N, C, H, W, O, KH, KW, OH, OW;
+    int stride[2], padding[2], dilation[2], groups;
+} ampc_conv_desc;
+
+/* 2-D pooling of x (N, C, H, W) into y (N, C, OH, OW). Padding may be asymmetric: pad_end is
+   the padding after the last row/column that ceil_mode or adaptive windows need. */
+typedef enum { AMPC_POOL_MAX = 0, AMPC_POOL_AVG_INCLUDE_PAD, AMPC_POOL_AVG_EXCLUDE_PAD } ampc_pool_kind;
+typedef struct {
+    ampc_pool_kind kind;
+    int64_t N, C, H, W, OH, OW;
+    int kernel[2], stride[2], pad_begin[2], pad_end[2];
+} ampc_pool_desc;
+
 typedef struct ampc_backend {
     const char *name;
     bool host_memory;          /* storage readable by the CPU (true for CPU and REF) */
@@ -106,6 +122,41 @@ typedef struct ampc_backend {
     int (*adam_step)(ampc_tensor *param, const ampc_tensor *grad, ampc_tensor *exp_avg,
                      ampc_tensor *exp_avg_sq, ampc_tensor *max_exp_avg_sq,
                      const ampc_adam_hparams *h);
+    /* Convolution: y = conv(x, w) + b (b NULL or (O)); gx from gy and w; gw (and gb if not
+       NULL) from x and gy. x, w, y, gx, gw share a dtype; b/gb have it too. */
+    int (*conv2d)(const ampc_conv_desc *d, const ampc_tensor *x, const ampc_tensor *w,
+                  const ampc_tensor *b, ampc_tensor *y);
+    int (*conv2d_backward_data)(const ampc_conv_desc *d, const ampc_tensor *gy, const ampc_tensor *w,
+                                ampc_tensor *gx);
+    int (*conv2d_backward_weights)(const ampc_conv_desc *d, const ampc_tensor *x, const ampc_tensor *gy,
+                                   ampc_tensor *gw, ampc_tensor *gb);
+    /* Pooling. ws: backend-defined workspace of pool2d_workspace_size(d, dtype) bytes that the
+       forward fills (max pooling's argmax) and the backward reads; gx is fully written. */
+    size_t (*pool2d_workspace_size)(const ampc_pool_desc *d, ampc_dtype dt);
+    int (*pool2d)(const ampc_pool_desc *d, const ampc_tensor *x, ampc_tensor *y, void *ws);
+    int (*pool2d_backward)(const ampc_pool_desc *d, const ampc_tensor *gy, ampc_tensor *gx, const void *ws);
+    /* Batch norm of x (N, C, spatial...) per channel. Training: batch statistics into
+       save_mean/save_invstd (C, f32; f64 on REF) and running stats updated with momentum
+       (unbiased variance); else running stats used. weight/bias (C) f32 or NULL. */
+    int (*batch_norm)(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
+                      ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y,
+                      ampc_tensor *save_mean, ampc_tensor *save_invstd, bool training,
+                      double momentum, double eps);
+    /* gx (and gw/gb if not NULL) from gy, x and the saved statistics (training mode, or
+       evaluation when training is false: then save_* are the running mean and 1/sqrt(var+eps)) */
+    int (*batch_norm_backward)(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                               const ampc_tensor *save_mean, const ampc_tensor *save_invstd,
+                               bool training, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb);
+    /* Layer norm of x viewed as (rows, cols); mean/rstd (rows) f32 (f64 on REF) */
+    int (*layer_norm)(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
+                      ampc_tensor *y, ampc_tensor *mean, ampc_tensor *rstd, double eps);
+    int (*layer_norm_backward)(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                               const ampc_tensor *mean, const ampc_tensor *rstd, ampc_tensor *gx,
+                               ampc_tensor *gw, ampc_tensor *gb);
+    /* dst[r * dst_ld + dst_off + c] = src[r * src_ld + src_off + c] for r < rows, c < cols
+       (elements; same dtype): the slices of cat and of its backward */
+    int (*copy_block)(const ampc_tensor *src, int64_t src_off, int64_t src_ld, ampc_tensor *dst,
+                      int64_t dst_off, int64_t dst_ld, int64_t rows, int64_t cols);
     void (*shutdown)(void);
 } ampc_backend;
 
@@ -120,10 +171,16 @@ void ampc__cpu_register_loss(ampc_backend *be);         /* softmax, cross_entrop
 void ampc__cpu_register_gemm(ampc_backend *be);
 void ampc__cpu_register_optim(ampc_backend *be);        /* sgd_step, adam_step */
 void ampc__cpu_register_amp(ampc_backend *be);          /* unscale_check, sum_squares */
+void ampc__cpu_register_conv(ampc_backend *be);         /* conv2d and its backward passes */
+void ampc__cpu_register_pool(ampc_backend *be);         /* pooling, copy_block */
+void ampc__cpu_register_norm(ampc_backend *be);         /* batch_norm, layer_norm */
 void ampc__ref_register_elementwise(ampc_backend *be);
 void ampc__ref_register_loss(ampc_backend *be);
 void ampc__ref_register_gemm(ampc_backend *be);
 void ampc__ref_register_optim(ampc_backend *be);
 void ampc__ref_register_amp(ampc_backend *be);
+void ampc__ref_register_conv(ampc_backend *be);
+void ampc__ref_register_pool(ampc_backend *be);
+void ampc__ref_register_norm(ampc_backend *be);
 
 #endif /* AMPC_BACKEND_H */

@@ -65,4 +65,7 @@ void ampc__cpu_backend_init(ampc_backend *be) {
     ampc__cpu_register_loss(be);
     ampc__cpu_register_optim(be);
     ampc__cpu_register_amp(be);
+    ampc__cpu_register_conv(be);
+    ampc__cpu_register_pool(be);
+    ampc__cpu_register_norm(be);
 }

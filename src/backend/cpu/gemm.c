@@ -1,5 +1,5 @@
 /*
- * gemm.c - CPU gemm on oneDNN's matmul primitive (C API), and the CPU table's shutdown hook.
+ * gemm.c - CPU gemm on oneDNN's matmul primitive (C API).
  *
  * C[b] = op(A[b]) @ op(B[b]) (+ bias) becomes one matmul primitive whose memory descriptors
  * carry the layout: transposes are strides, batches are 3-D descriptors, a broadcast operand
@@ -9,83 +9,27 @@
  * workspace copies, multiplied in f32 and the result rounded once to f16 - what tensor cores
  * do (f16 inputs, f32 accumulation, one rounding).
  *
- * Primitives are expensive to create, so they live in a small LRU cache keyed by the shape,
- * layout, dtype and thread count, together with their memory objects (created without data;
- * each call only sets data handles). The scratchpad is user-managed and comes from the
- * caching allocator, so a steady-state call does no malloc. One mutex guards the cache and
- * the single CPU stream.
+ * Primitives live in the shared oneDNN cache (dnnl_cache.h) keyed by shape, layout, dtype and
+ * thread count, so a steady-state call does no malloc.
  */
 #include "backend/backend.h"
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/dnnl_cache.h"
 
-#include <dnnl.h>
-#include <dnnl_debug.h>
 #include <omp.h>
-#include <pthread.h>
 #include <string.h>
 
-#define CACHE_SIZE 64
-
 // ---------------------------------------------------------------------------------------------
-// Primitive cache
+// Primitive cache key
 
 /* Everything that makes two calls need different primitives. Zero-initialised with memset
-   before filling, so it can be compared with memcmp. */
+   before filling, so it can be compared bytewise. */
 typedef struct {
     dnnl_data_type_t dt;
     int64_t batch, M, N, K;
     int64_t stride_a, stride_b, stride_c;   /* 0: broadcast operand (batch dim 1) */
     int32_t ta, tb, has_bias, nthr;         /* nthr: oneDNN sizes blocking and scratchpad by it */
 } gemm_key;
-
-typedef struct {
-    gemm_key key;
-    bool used;
-    uint64_t last_use;
-    dnnl_primitive_desc_t pd;
-    dnnl_primitive_t prim;
-    dnnl_memory_t mem_a, mem_b, mem_bias, mem_c, mem_scratch;   /* no data: handles per call */
-    size_t scratch_bytes;
-} gemm_entry;
-
-static struct {
-    pthread_mutex_t lock;
-    dnnl_engine_t engine;
-    dnnl_stream_t stream;
-    gemm_entry cache[CACHE_SIZE];
-    uint64_t clock;
-} G = {.lock = PTHREAD_MUTEX_INITIALIZER};
-
-#define DNNL_TRY(call, what)                                                                       \
-    do {                                                                                           \
-        dnnl_status_t st_ = (call);                                                                \
-        if (st_ != dnnl_success) {                                                                 \
-            rc = ampc__err(AMPC_ERR_BACKEND, "oneDNN %s: %s", what, dnnl_status2str(st_));         \
-            goto fail;                                                                             \
-        }                                                                                          \
-    } while (0)
-
-static void entry_destroy(gemm_entry *e) {
-    dnnl_memory_t *mems[] = {&e->mem_a, &e->mem_b, &e->mem_bias, &e->mem_c, &e->mem_scratch};
-    for (size_t i = 0; i < sizeof mems / sizeof *mems; i++) {
-        if (*mems[i]) dnnl_memory_destroy(*mems[i]);
-        *mems[i] = NULL;
-    }
-    if (e->prim) dnnl_primitive_destroy(e->prim);
-    if (e->pd) dnnl_primitive_desc_destroy(e->pd);
-    memset(e, 0, sizeof *e);
-}
-
-/* Lazily creates the engine and stream (lock held). */
-static int ensure_engine(void) {
-    int rc = AMPC_OK;
-    if (G.stream) return AMPC_OK;
-    if (!G.engine) DNNL_TRY(dnnl_engine_create(&G.engine, dnnl_cpu, 0), "engine_create");
-    DNNL_TRY(dnnl_stream_create(&G.stream, G.engine, dnnl_stream_default_flags), "stream_create");
-    return AMPC_OK;
-fail:
-    return rc;
-}
 
 /* Descriptor of one operand viewed as (batch, rows, cols) with the stored matrix being
    (rows, cols) row-major, or (cols, rows) row-major when transposed. */
@@ -103,77 +47,32 @@ static dnnl_status_t operand_md(dnnl_memory_desc_t *md, dnnl_data_type_t dt, int
     return dnnl_memory_desc_init_by_strides(md, 3, dims, dt, strides);
 }
 
-/* Builds the primitive and its memory objects for key k into e (lock held). */
-static int entry_create(gemm_entry *e, const gemm_key *k) {
+/* Builds the matmul primitive descriptor for key k; arguments: src, weights, dst[, bias]. */
+static int build_matmul(ampc_dnnl_entry *e, const void *key) {
+    const gemm_key *k = key;
     int rc = AMPC_OK;
-    dnnl_primitive_attr_t attr = NULL;
-    memset(e, 0, sizeof *e);
-    e->key = *k;
     bool batched = k->batch > 1;
     dnnl_memory_desc_t a, b, c, bias;
-    DNNL_TRY(operand_md(&a, k->dt, k->batch, k->stride_a, k->M, k->K, k->ta), "src descriptor");
-    DNNL_TRY(operand_md(&b, k->dt, k->batch, k->stride_b, k->K, k->N, k->tb), "weights descriptor");
-    DNNL_TRY(operand_md(&c, k->dt, k->batch, k->stride_c, k->M, k->N, false), "dst descriptor");
+    AMPC_DNNL_TRY(operand_md(&a, k->dt, k->batch, k->stride_a, k->M, k->K, k->ta), "src descriptor");
+    AMPC_DNNL_TRY(operand_md(&b, k->dt, k->batch, k->stride_b, k->K, k->N, k->tb), "weights descriptor");
+    AMPC_DNNL_TRY(operand_md(&c, k->dt, k->batch, k->stride_c, k->M, k->N, false), "dst descriptor");
     if (k->has_bias) {   /* (1, N) or (1, 1, N): one row added to every output row */
         dnnl_dims_t dims = {1, 1, k->N}, strides = {k->N, k->N, 1};
         int nd = batched ? 3 : 2;
         if (!batched) dims[1] = k->N, strides[1] = 1;
-        DNNL_TRY(dnnl_memory_desc_init_by_strides(&bias, nd, dims, k->dt, strides), "bias descriptor");
+        AMPC_DNNL_TRY(dnnl_memory_desc_init_by_strides(&bias, nd, dims, k->dt, strides), "bias descriptor");
     }
     dnnl_matmul_desc_t op;
-    DNNL_TRY(dnnl_matmul_desc_init(&op, &a, &b, k->has_bias ? &bias : NULL, &c), "matmul_desc_init");
-    DNNL_TRY(dnnl_primitive_attr_create(&attr), "attr_create");
-    DNNL_TRY(dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user), "set_scratchpad_mode");
-    DNNL_TRY(dnnl_primitive_desc_create(&e->pd, &op, attr, G.engine, NULL), "matmul primitive_desc_create");
-    DNNL_TRY(dnnl_primitive_create(&e->prim, e->pd), "matmul primitive_create");
-    DNNL_TRY(dnnl_memory_create(&e->mem_a, &a, G.engine, DNNL_MEMORY_NONE), "memory_create");
-    DNNL_TRY(dnnl_memory_create(&e->mem_b, &b, G.engine, DNNL_MEMORY_NONE), "memory_create");
-    DNNL_TRY(dnnl_memory_create(&e->mem_c, &c, G.engine, DNNL_MEMORY_NONE), "memory_create");
-    if (k->has_bias) DNNL_TRY(dnnl_memory_create(&e->mem_bias, &bias, G.engine, DNNL_MEMORY_NONE), "memory_create");
-    const dnnl_memory_desc_t *sp = dnnl_primitive_desc_query_md(e->pd, dnnl_query_scratchpad_md, 0);
-    e->scratch_bytes = sp ? dnnl_memory_desc_get_size(sp) : 0;
-    if (e->scratch_bytes) DNNL_TRY(dnnl_memory_create(&e->mem_scratch, sp, G.engine, DNNL_MEMORY_NONE), "memory_create");
-    dnnl_primitive_attr_destroy(attr);
-    e->used = true;
+    AMPC_DNNL_TRY(dnnl_matmul_desc_init(&op, &a, &b, k->has_bias ? &bias : NULL, &c), "matmul_desc_init");
+    AMPC_DNNL_TRY(dnnl_primitive_desc_create(&e->pd, &op, ampc__dnnl_attr(), ampc__dnnl_engine(), NULL),
+                  "matmul primitive_desc_create");
+    if ((rc = ampc__dnnl_add_arg(e, DNNL_ARG_SRC, &a)) < 0 || (rc = ampc__dnnl_add_arg(e, DNNL_ARG_WEIGHTS, &b)) < 0 ||
+        (rc = ampc__dnnl_add_arg(e, DNNL_ARG_DST, &c)) < 0)
+        return rc;
+    if (k->has_bias) return ampc__dnnl_add_arg(e, DNNL_ARG_BIAS, &bias);
     return AMPC_OK;
 fail:
-    if (attr) dnnl_primitive_attr_destroy(attr);
-    entry_destroy(e);
     return rc;
-}
-
-/* The cached entry for k, created on a miss (evicting the least recently used). Lock held. */
-static gemm_entry *cache_get(const gemm_key *k) {
-    if (ensure_engine() < 0) return NULL;
-    gemm_entry *victim = &G.cache[0];
-    for (int i = 0; i < CACHE_SIZE; i++) {
-        gemm_entry *e = &G.cache[i];
-        if (e->used && !memcmp(&e->key, k, sizeof *k)) {
-            e->last_use = ++G.clock;
-            return e;
-        }
-        if (!e->used) {
-            if (victim->used) victim = e;
-        } else if (victim->used && e->last_use < victim->last_use) {
-            victim = e;
-        }
-    }
-    if (victim->used) entry_destroy(victim);
-    if (entry_create(victim, k) < 0) return NULL;
-    victim->last_use = ++G.clock;
-    return victim;
-}
-
-static void gemm_shutdown(void) {
-    pthread_mutex_lock(&G.lock);
-    for (int i = 0; i < CACHE_SIZE; i++)
-        if (G.cache[i].used) entry_destroy(&G.cache[i]);
-    if (G.stream) dnnl_stream_destroy(G.stream);
-    if (G.engine) dnnl_engine_destroy(G.engine);
-    G.stream = NULL;
-    G.engine = NULL;
-    G.clock = 0;
-    pthread_mutex_unlock(&G.lock);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -218,12 +117,10 @@ static int check_desc(const ampc_gemm_desc *d, const ampc_tensor *a, const ampc_
 // ---------------------------------------------------------------------------------------------
 // Kernel
 
-static dnnl_data_type_t dnnl_dt(ampc_dtype dt) { return dt == AMPC_BF16 ? dnnl_bf16 : dnnl_f32; }
-
 static gemm_key make_key(const ampc_gemm_desc *d, ampc_dtype dt, bool has_bias) {
     gemm_key k;
     memset(&k, 0, sizeof k);
-    k.dt = dnnl_dt(dt);
+    k.dt = ampc__dnnl_dt(dt);
     k.batch = d->batch;
     k.M = d->M;
     k.N = d->N;
@@ -240,32 +137,11 @@ static gemm_key make_key(const ampc_gemm_desc *d, ampc_dtype dt, bool has_bias) 
 
 /* Runs the cached primitive of d on raw pointers (lock held). */
 static int run_primitive(const ampc_gemm_desc *d, ampc_dtype dt, const void *a, const void *b, const void *bias, void *c) {
-    int rc = AMPC_OK;
     gemm_key k = make_key(d, dt, bias != NULL);
-    gemm_entry *e = cache_get(&k);
+    ampc_dnnl_entry *e = ampc__dnnl_get(AMPC_DNNL_MATMUL, &k, sizeof k, build_matmul);
     if (!e) return ampc_last_status();
-    void *scratch = NULL;
-    size_t scratch_block = 0;
-    if (e->scratch_bytes) {
-        scratch = ampc__alloc(AMPC_DEVICE_CPU, e->scratch_bytes, AMPC_MEM_WORKSPACE, &scratch_block);
-        if (!scratch) return ampc_last_status();
-        DNNL_TRY(dnnl_memory_set_data_handle(e->mem_scratch, scratch), "set_data_handle");
-    }
-    DNNL_TRY(dnnl_memory_set_data_handle(e->mem_a, (void *)a), "set_data_handle");
-    DNNL_TRY(dnnl_memory_set_data_handle(e->mem_b, (void *)b), "set_data_handle");
-    DNNL_TRY(dnnl_memory_set_data_handle(e->mem_c, c), "set_data_handle");
-    dnnl_exec_arg_t args[5] = {{DNNL_ARG_SRC, e->mem_a}, {DNNL_ARG_WEIGHTS, e->mem_b}, {DNNL_ARG_DST, e->mem_c}};
-    int nargs = 3;
-    if (bias) {
-        DNNL_TRY(dnnl_memory_set_data_handle(e->mem_bias, (void *)bias), "set_data_handle");
-        args[nargs++] = (dnnl_exec_arg_t){DNNL_ARG_BIAS, e->mem_bias};
-    }
-    if (scratch) args[nargs++] = (dnnl_exec_arg_t){DNNL_ARG_SCRATCHPAD, e->mem_scratch};
-    DNNL_TRY(dnnl_primitive_execute(e->prim, G.stream, nargs, args), "matmul execute");
-    DNNL_TRY(dnnl_stream_wait(G.stream), "stream_wait");
-fail:
-    ampc__free(AMPC_DEVICE_CPU, scratch, scratch_block, AMPC_MEM_WORKSPACE);
-    return rc;
+    void *handles[4] = {(void *)a, (void *)b, c, (void *)bias};
+    return ampc__dnnl_run(e, handles);
 }
 
 /* K == 0: every output row is the bias (or zero). */
@@ -319,10 +195,10 @@ static int cpu_gemm(const ampc_gemm_desc *desc, const ampc_tensor *a, const ampc
         d.batch = 1;
         d.stride_c = 0;
     }
-    pthread_mutex_lock(&G.lock);
+    ampc__dnnl_lock();
     if (c->dtype == AMPC_F16) rc = gemm_f16(&d, a, b, bias, c);
     else rc = run_primitive(&d, c->dtype, ampc__data(a), ampc__data(b), bias ? ampc__data(bias) : NULL, ampc__data(c));
-    pthread_mutex_unlock(&G.lock);
+    ampc__dnnl_unlock();
     size_t mat = (size_t)(d.M * d.N) * ampc__dt(c->dtype)->size;
     for (int64_t i = 1; i < copies && rc >= 0; i++)
         memcpy((char *)ampc__data(c) + (size_t)(i * stride_c) * ampc__dt(c->dtype)->size, ampc__data(c), mat);
@@ -335,17 +211,14 @@ static int cpu_gemm(const ampc_gemm_desc *desc, const ampc_tensor *a, const ampc
 int ampc__cpu_gemm_impl(const ampc_gemm_desc *desc, ampc_dtype dt, bool has_bias, char *buf, size_t n) {
     ampc_gemm_desc d = normalize(desc);
     gemm_key k = make_key(&d, dt == AMPC_F16 ? AMPC_F32 : dt, has_bias);
-    pthread_mutex_lock(&G.lock);
-    gemm_entry *e = cache_get(&k);
-    const char *name = NULL;
-    int rc = e ? AMPC_OK : ampc_last_status();
-    if (e && dnnl_primitive_desc_query(e->pd, dnnl_query_impl_info_str, 0, &name) != dnnl_success) name = NULL;
-    snprintf(buf, n, "%s", name ? name : "?");
-    pthread_mutex_unlock(&G.lock);
-    return rc;
+    ampc__dnnl_lock();
+    ampc_dnnl_entry *e = ampc__dnnl_get(AMPC_DNNL_MATMUL, &k, sizeof k, build_matmul);
+    snprintf(buf, n, "%s", e ? ampc__dnnl_impl(e) : "?");
+    ampc__dnnl_unlock();
+    return e ? AMPC_OK : ampc_last_status();
 }
 
 void ampc__cpu_register_gemm(ampc_backend *be) {
     be->gemm = cpu_gemm;
-    be->shutdown = gemm_shutdown;
+    be->shutdown = ampc__dnnl_shutdown;
 }

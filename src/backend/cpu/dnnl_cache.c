@@ -1,0 +1,152 @@
+/*
+ * dnnl_cache.c - oneDNN engine, stream, lock and the primitive cache (see dnnl_cache.h).
+ */
+#include "backend/cpu/dnnl_cache.h"
+
+#include <pthread.h>
+#include <string.h>
+
+#define CACHE_SIZE 512   /* ResNet-50 needs ~250 (conv shapes x 3 passes, reorders, norms) */
+
+static struct {
+    pthread_mutex_t lock;
+    dnnl_engine_t engine;
+    dnnl_stream_t stream;
+    dnnl_primitive_attr_t attr;
+    ampc_dnnl_entry cache[CACHE_SIZE];
+    uint64_t clock;
+} D = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+void ampc__dnnl_lock(void) { pthread_mutex_lock(&D.lock); }
+void ampc__dnnl_unlock(void) { pthread_mutex_unlock(&D.lock); }
+
+static int ensure_engine(void) {
+    int rc = AMPC_OK;
+    if (D.stream) return AMPC_OK;
+    if (!D.engine) AMPC_DNNL_TRY(dnnl_engine_create(&D.engine, dnnl_cpu, 0), "engine_create");
+    if (!D.attr) {
+        AMPC_DNNL_TRY(dnnl_primitive_attr_create(&D.attr), "attr_create");
+        AMPC_DNNL_TRY(dnnl_primitive_attr_set_scratchpad_mode(D.attr, dnnl_scratchpad_mode_user), "set_scratchpad_mode");
+    }
+    AMPC_DNNL_TRY(dnnl_stream_create(&D.stream, D.engine, dnnl_stream_default_flags), "stream_create");
+    return AMPC_OK;
+fail:
+    return rc;
+}
+
+dnnl_engine_t ampc__dnnl_engine(void) { return ensure_engine() < 0 ? NULL : D.engine; }
+const_dnnl_primitive_attr_t ampc__dnnl_attr(void) { return ensure_engine() < 0 ? NULL : D.attr; }
+
+static void entry_destroy(ampc_dnnl_entry *e) {
+    for (int i = 0; i < e->n_args; i++)
+        if (e->mem[i]) dnnl_memory_destroy(e->mem[i]);
+    if (e->scratch) dnnl_memory_destroy(e->scratch);
+    if (e->prim) dnnl_primitive_destroy(e->prim);
+    if (e->pd) dnnl_primitive_desc_destroy(e->pd);
+    memset(e, 0, sizeof *e);
+}
+
+int ampc__dnnl_add_arg(ampc_dnnl_entry *e, int arg, const dnnl_memory_desc_t *md) {
+    int rc = AMPC_OK;
+    if (e->n_args == AMPC_DNNL_MAX_ARGS) return ampc__err(AMPC_ERR_BACKEND, "oneDNN primitive with too many arguments");
+    AMPC_DNNL_TRY(dnnl_memory_create(&e->mem[e->n_args], md, D.engine, DNNL_MEMORY_NONE), "memory_create");
+    e->arg[e->n_args++] = arg;
+    return AMPC_OK;
+fail:
+    return rc;
+}
+
+const dnnl_memory_desc_t *ampc__dnnl_query_md(const ampc_dnnl_entry *e, dnnl_query_t what) {
+    return dnnl_primitive_desc_query_md(e->pd, what, 0);
+}
+
+static uint64_t hash_key(int family, const unsigned char *k, size_t n) {
+    uint64_t h = 1469598103934665603ull ^ (uint64_t)family;
+    for (size_t i = 0; i < n; i++) h = (h ^ k[i]) * 1099511628211ull;
+    return h;
+}
+
+static int entry_build(ampc_dnnl_entry *e, int family, uint64_t hash, const unsigned char *key, ampc_dnnl_build_fn build) {
+    int rc;
+    e->family = family;
+    e->hash = hash;
+    memcpy(e->key, key, AMPC_DNNL_KEY_BYTES);
+    if ((rc = build(e, key)) < 0) goto fail;
+    AMPC_DNNL_TRY(dnnl_primitive_create(&e->prim, e->pd), "primitive_create");
+    const dnnl_memory_desc_t *sp = dnnl_primitive_desc_query_md(e->pd, dnnl_query_scratchpad_md, 0);
+    e->scratch_bytes = sp ? dnnl_memory_desc_get_size(sp) : 0;
+    if (e->scratch_bytes) AMPC_DNNL_TRY(dnnl_memory_create(&e->scratch, sp, D.engine, DNNL_MEMORY_NONE), "memory_create");
+    e->used = true;
+    return AMPC_OK;
+fail:
+    entry_destroy(e);
+    return rc;
+}
+
+ampc_dnnl_entry *ampc__dnnl_get(ampc_dnnl_family family, const void *key, size_t key_len, ampc_dnnl_build_fn build) {
+    if (ensure_engine() < 0) return NULL;
+    if (key_len > AMPC_DNNL_KEY_BYTES) return ampc__err_null(AMPC_ERR_BACKEND, "oneDNN cache key of %zu bytes", key_len);
+    unsigned char k[AMPC_DNNL_KEY_BYTES] = {0};
+    memcpy(k, key, key_len);
+    uint64_t h = hash_key(family, k, sizeof k);
+    ampc_dnnl_entry *victim = &D.cache[0];
+    for (int i = 0; i < CACHE_SIZE; i++) {
+        ampc_dnnl_entry *e = &D.cache[i];
+        if (e->used && e->hash == h && e->family == (int)family && !memcmp(e->key, k, sizeof k)) {
+            e->last_use = ++D.clock;
+            return e;
+        }
+        if (!e->used) {
+            if (victim->used) victim = e;
+        } else if (victim->used && e->last_use < victim->last_use) {
+            victim = e;
+        }
+    }
+    if (victim->used) entry_destroy(victim);
+    if (entry_build(victim, (int)family, h, k, build) < 0) return NULL;
+    victim->last_use = ++D.clock;
+    return victim;
+}
+
+int ampc__dnnl_run(ampc_dnnl_entry *e, void *const *handles) {
+    int rc = AMPC_OK;
+    dnnl_exec_arg_t args[AMPC_DNNL_MAX_ARGS + 1];
+    void *scratch = NULL;
+    size_t block = 0;
+    for (int i = 0; i < e->n_args; i++) {
+        AMPC_DNNL_TRY(dnnl_memory_set_data_handle(e->mem[i], handles[i]), "set_data_handle");
+        args[i] = (dnnl_exec_arg_t){e->arg[i], e->mem[i]};
+    }
+    int n = e->n_args;
+    if (e->scratch_bytes) {
+        scratch = ampc__alloc(AMPC_DEVICE_CPU, e->scratch_bytes, AMPC_MEM_WORKSPACE, &block);
+        if (!scratch) return ampc_last_status();
+        AMPC_DNNL_TRY(dnnl_memory_set_data_handle(e->scratch, scratch), "set_data_handle");
+        args[n++] = (dnnl_exec_arg_t){DNNL_ARG_SCRATCHPAD, e->scratch};
+    }
+    AMPC_DNNL_TRY(dnnl_primitive_execute(e->prim, D.stream, n, args), "execute");
+    AMPC_DNNL_TRY(dnnl_stream_wait(D.stream), "stream_wait");
+fail:
+    ampc__free(AMPC_DEVICE_CPU, scratch, block, AMPC_MEM_WORKSPACE);
+    return rc;
+}
+
+const char *ampc__dnnl_impl(const ampc_dnnl_entry *e) {
+    const char *name = NULL;
+    if (!e || dnnl_primitive_desc_query(e->pd, dnnl_query_impl_info_str, 0, &name) != dnnl_success) return "?";
+    return name ? name : "?";
+}
+
+void ampc__dnnl_shutdown(void) {
+    pthread_mutex_lock(&D.lock);
+    for (int i = 0; i < CACHE_SIZE; i++)
+        if (D.cache[i].used) entry_destroy(&D.cache[i]);
+    if (D.attr) dnnl_primitive_attr_destroy(D.attr);
+    if (D.stream) dnnl_stream_destroy(D.stream);
+    if (D.engine) dnnl_engine_destroy(D.engine);
+    D.attr = NULL;
+    D.stream = NULL;
+    D.engine = NULL;
+    D.clock = 0;
+    pthread_mutex_unlock(&D.lock);
+}
