@@ -85,6 +85,10 @@ void ampc_set_num_threads(int n);        /* OpenMP threads for kernels (and oneD
 int ampc_get_num_threads(void);
 const char *ampc_cpu_features(void);     /* e.g. "avx512_bf16 avx512f f16c avx2" (static) */
 void ampc_manual_seed(uint64_t seed);    /* seeds init and dropout; same seed, same numbers */
+/* The global generator's state (seed and position), for checkpoints: restoring it replays the
+   same random numbers (init, dropout, shuffling) from that point. */
+void ampc_rng_get_state(uint64_t *seed, uint64_t *offset);
+void ampc_rng_set_state(uint64_t seed, uint64_t offset);
 
 // ---------------------------------------------------------------------------------------------
 // Dtypes and devices
@@ -457,4 +461,8 @@ void ampc_scaler_free(ampc_scaler *s);
 #ifdef __cplusplus
 }
 #endif
+
+#include "ampc/data.h"
+#include "ampc/io.h"
+
 #endif /* AMPC_H */

@@ -403,6 +403,20 @@ void ampc_manual_seed(uint64_t seed) {
     pthread_mutex_unlock(&rng_lock);
 }
 
+void ampc_rng_get_state(uint64_t *seed, uint64_t *offset) {
+    pthread_mutex_lock(&rng_lock);
+    if (seed) *seed = rng_seed;
+    if (offset) *offset = rng_offset;
+    pthread_mutex_unlock(&rng_lock);
+}
+
+void ampc_rng_set_state(uint64_t seed, uint64_t offset) {
+    pthread_mutex_lock(&rng_lock);
+    rng_seed = seed;
+    rng_offset = offset;
+    pthread_mutex_unlock(&rng_lock);
+}
+
 ampc_rng_state ampc__rng_reserve(uint64_t n) {
     pthread_mutex_lock(&rng_lock);
     ampc_rng_state st = {rng_seed, rng_offset};
