@@ -379,10 +379,13 @@ typedef struct {
     bool small_input;
 } ampc_model_options;
 ampc_module *ampc_model_new(const char *name, const ampc_model_options *opts);
-/* Child by dotted path ("fc", "layer1.0.conv1"), or NULL. */
+/* Child by dotted path ("fc", "layer1.0.conv1"; "" is m itself, as get_submodule), or NULL
+   with an error naming the missing component. */
 ampc_module *ampc_module_find(ampc_module *m, const char *path);
 /* Replaces the child at a dotted path (e.g. the classifier head "fc"), freeing the old one;
-   takes ownership of replacement. */
+   the name and the place in the state_dict order stay. Takes ownership of replacement: on an
+   error it is freed too, unless it already belongs to a module tree (AMPC_ERR_STATE). Arrays
+   from ampc_module_parameters/state_dict are invalidated; build optimizers after replacing. */
 int ampc_module_replace(ampc_module *m, const char *path, ampc_module *replacement);
 /* Parameters and buffers in state_dict order ("bn1.running_mean", "layer1.0.conv1.weight").
    Same ownership rules as ampc_module_parameters. */

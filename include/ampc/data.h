@@ -19,7 +19,150 @@ int64_t ampc_dataset_num_classes(const ampc_dataset *ds);
 void ampc_dataset_sample_shape(const ampc_dataset *ds, int64_t *c, int64_t *h, int64_t *w);
 /* Sample i (raw, untransformed) into img (c*h*w floats) and *label. */
 int ampc_dataset_get(ampc_dataset *ds, int64_t i, float *img, int64_t *label);
+/* Drops the caller's reference; the dataset goes once no subset or loader holds it (NULL: no-op). */
 void ampc_dataset_free(ampc_dataset *ds);
+
+// ---------------------------------------------------------------------------------------------
+// Datasets: IDX files (MNIST, Fashion-MNIST), subsets and splits
+//
+//     ampc_dataset *all = ampc_dataset_mnist_open(ampc_fashion_mnist_dir(), true);
+//     ampc_dataset *train, *val;
+//     ampc_dataset_split(all, 0.1, 42, &train, &val);
+//     ampc_dataset_free(all);             // fine: the subsets hold their own reference
+
+/* Name of class i ("Ankle boot"), owned by ds; NULL when the dataset has no names. */
+const char *ampc_dataset_class_name(const ampc_dataset *ds, int64_t i);
+/* A pair of IDX files (plain or gzip, told by content): images magic 0x00000803 (N x rows x cols
+   ubyte), labels magic 0x00000801 (N ubyte). Loaded into memory; samples are 1 x rows x cols
+   in [0, 1]; num_classes = max label + 1. NULL + AMPC_ERR_IO/AMPC_ERR_FORMAT naming the file
+   and the problem. Free with ampc_dataset_free. */
+ampc_dataset *ampc_dataset_idx_open(const char *images_path, const char *labels_path);
+/* The standard MNIST file names in dir: {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz];
+   10 classes (a label >= 10 is an error). Class names are Fashion-MNIST's ("T-shirt/top", ...)
+   when dir's name contains "fashion" (any case), none otherwise. */
+ampc_dataset *ampc_dataset_mnist_open(const char *dir, bool train);
+/* Same, always with Fashion-MNIST's class names; dir NULL: ampc_fashion_mnist_dir(). */
+ampc_dataset *ampc_dataset_fashion_mnist_open(const char *dir, bool train);
+/* Directory of Fashion-MNIST: $AMPC_FASHION_MNIST_DIR when set and non-empty, else Debian's
+   dataset-fashion-mnist (/usr/share/datasets/fashion-mnist) when it exists, else NULL. */
+const char *ampc_fashion_mnist_dir(void);
+
+/* Samples indices[0..n) of ds, in that order (copied; repeats allowed). The subset holds a
+   reference on ds: ds may be freed before it. Free with ampc_dataset_free. */
+ampc_dataset *ampc_dataset_subset(ampc_dataset *ds, const int64_t *indices, int64_t n);
+/* Random split: val gets round(val_fraction * size) samples, train the rest, each in the
+   parent's order. Depends only on (seed, size): the same split on every machine. val_fraction
+   in [0, 1]. Both are subsets of ds (free each). */
+int ampc_dataset_split(ampc_dataset *ds, double val_fraction, uint64_t seed, ampc_dataset **train,
+                       ampc_dataset **val);
+
+// ---------------------------------------------------------------------------------------------
+// Transforms: a pipeline applied per sample to f32 CHW images, in the order added.
+// Random choices of sample `index` in epoch `epoch` come from Philox keyed by (seed, epoch,
+// index): the same for any number of loader threads and on every machine.
+
+typedef struct ampc_transforms ampc_transforms;
+ampc_transforms *ampc_transforms_new(void);   /* empty (identity); free with ampc_transforms_free */
+void ampc_transforms_free(ampc_transforms *t);
+/* Bilinear resize to h x w (half-pixel centres, edge clamp, no antialiasing: PyTorch's
+   interpolate(mode="bilinear", align_corners=False)). */
+int ampc_transforms_add_resize(ampc_transforms *t, int64_t h, int64_t w);
+/* Mirrors left-right with probability p. */
+int ampc_transforms_add_hflip(ampc_transforms *t, double p);
+/* Random affine about the image centre (torchvision's RandomAffine): rotation uniform in
+   [-degrees, degrees], scale uniform in [scale_min, scale_max], shift uniform in
+   [-max_shift, max_shift] times the width (x) and height (y); bilinear sampling, zero fill. */
+int ampc_transforms_add_affine(ampc_transforms *t, double max_shift, double scale_min,
+                               double scale_max, double degrees);
+/* x = (x - mean[c]) / std[c] per channel; n = 1 applies one pair to every channel. */
+int ampc_transforms_add_normalize(ampc_transforms *t, int n, const float *mean, const float *std);
+/* Output shape for input c x h x w (checks that normalize's channel count fits). */
+int ampc_transforms_output_shape(const ampc_transforms *t, int64_t c, int64_t h, int64_t w,
+                                 int64_t *oc, int64_t *oh, int64_t *ow);
+/* Applies the pipeline to one sample in (c x h x w) into out (output shape); t NULL: copy.
+   Allocates scratch per call: the loader has a faster path. */
+int ampc_transforms_apply(const ampc_transforms *t, int64_t c, int64_t h, int64_t w, const float *in,
+                          float *out, uint64_t seed, int64_t epoch, int64_t index);
+
+// ---------------------------------------------------------------------------------------------
+// Data loader: batches of (images f32 (B, C, H, W), labels i64 (B)) on the CPU device.
+//
+//     ampc_loader_options lo = ampc_loader_defaults();
+//     lo.batch_size = 128; lo.num_workers = 2; lo.transforms = tf;
+//     ampc_loader *ld = ampc_loader_new(train, &lo);
+//     for (int epoch = 0; epoch < n_epochs; epoch++) {
+//         ampc_loader_start_epoch(ld, epoch);
+//         ampc_tensor *x, *y;
+//         int rc;
+//         ampc_scope_begin();
+//         while ((rc = ampc_loader_next(ld, &x, &y)) == 1) { ...; ampc_scope_end(); ampc_scope_begin(); }
+//         ampc_scope_end();
+//         if (rc < 0) fail(ampc_last_error());
+//     }
+//     ampc_loader_free(ld);
+
+typedef struct {
+    int64_t batch_size;    /* default 64 */
+    bool shuffle;          /* default true: order from (seed, epoch) */
+    bool drop_last;        /* default false: the last batch may be smaller */
+    uint64_t seed;         /* default 0: shuffling and random transforms */
+    int num_workers;       /* default 0: batches made on the calling thread in ampc_loader_next */
+    int prefetch;          /* batches made ahead by workers; default (0) 2 per worker */
+    const ampc_transforms *transforms;   /* default NULL; copied by ampc_loader_new */
+} ampc_loader_options;
+typedef struct ampc_loader ampc_loader;
+
+ampc_loader_options ampc_loader_defaults(void);
+/* Holds a reference on ds (ds may be freed before the loader); NULL + error on bad options. */
+ampc_loader *ampc_loader_new(ampc_dataset *ds, const ampc_loader_options *o);
+/* Starts epoch `epoch` (>= 0): the order is a function of (seed, epoch) alone, the same for every
+   num_workers. Abandons the rest of a running epoch. ampc_loader_next starts epoch 0 itself if no
+   epoch was started. */
+int ampc_loader_start_epoch(ampc_loader *ld, int64_t epoch);
+/* Next batch: 1 and two new tensors in the caller's current scope; 0 at the end of the epoch
+   (and on every call after it until the next start_epoch); < 0 on error (a dataset or transform
+   error, also one from a worker thread, with its message), sticky until the next start_epoch. */
+int ampc_loader_next(ampc_loader *ld, ampc_tensor **images, ampc_tensor **labels);
+int64_t ampc_loader_num_batches(const ampc_loader *ld);
+/* Output shape of each sample (after transforms). */
+void ampc_loader_sample_shape(const ampc_loader *ld, int64_t *c, int64_t *h, int64_t *w);
+/* Stops and joins the workers (also mid-epoch) and frees everything the loader owns. */
+void ampc_loader_free(ampc_loader *ld);
+
+// ---------------------------------------------------------------------------------------------
+// Image folders (section maintained with src/data/folder.c, src/data/image_decode.c)
+//
+// torchvision's ImageFolder layout, e.g. Caltech-256: root/<class>/.../<image>.{jpg,jpeg,png}.
+// Classes are root's subfolders sorted by name (labels 0, 1, ...; names = folder names); each
+// class folder is walked recursively, files sorted by name. Hidden names ('.'-prefixed) are
+// skipped. Images are decoded (libturbojpeg, libpng; format told by content) in
+// ampc_dataset_get and resized to height x width with PIL's antialiased bilinear filter.
+//
+//     ampc_folder_options fo = {.height = 64, .width = 64, .channels = 3,
+//                               .index_csv = "caltech256.csv"};
+//     ampc_dataset *ds = ampc_dataset_folder_open("/data/256_ObjectCategories", &fo);
+//     if (!ds) fail(ampc_last_error());
+
+typedef struct {
+    int64_t height, width;   /* every sample is resized to this; required, in [1, 16384] */
+    int channels;            /* 3 (RGB; 0 means 3) or 1 (gray: ITU-R 601 luma, as PIL's "L") */
+    /* Optional index (CSV: header image_path,target, one row per image, paths relative to root,
+       RFC 4180 quoting). Exists: read instead of scanning. Missing: scan, then write it. */
+    const char *index_csv;
+} ampc_folder_options;
+
+/* Opens an image folder. Candidates whose header is not a readable JPEG/PNG (text named x.jpg,
+   truncated header, over 16384 pixels a side) are skipped at scan time with a line on stderr
+   naming each, and counted; a file that fails later (pixel data cut short) makes
+   ampc_dataset_get fail naming it. NULL + error: root missing or not a folder, no class folder,
+   a class without images, a malformed index (the message names the line), bad options.
+   Free with ampc_dataset_free. */
+ampc_dataset *ampc_dataset_folder_open(const char *root, const ampc_folder_options *o);
+/* Files skipped at scan time (0 when read from an index); AMPC_ERR_INVALID if ds is not a folder. */
+int64_t ampc_dataset_folder_skipped(const ampc_dataset *ds);
+/* Path of sample i (root joined with its relative path), owned by ds; NULL + error if out of range
+   or ds is not a folder. */
+const char *ampc_dataset_folder_path(const ampc_dataset *ds, int64_t i);
 
 #ifdef __cplusplus
 }

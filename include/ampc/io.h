@@ -1,7 +1,106 @@
 /*
  * ampc/io.h - checkpoints (safetensors), metrics logs and plots (included by ampc.h).
+ *
+ * Resuming a run, as PyTorch's torch.save/torch.load of model, optimizer and scaler state:
+ *
+ *     const char *kv[] = {"epoch", "3", "best_acc", "0.91", NULL};
+ *     if (ampc_checkpoint_save("run/last.safetensors", net, opt, scaler, kv) < 0) fail(...);
+ *     ...
+ *     char *meta = NULL, epoch[32];
+ *     if (ampc_checkpoint_load("run/last.safetensors", net, opt, scaler, &meta) < 0) fail(...);
+ *     ampc_checkpoint_meta_get(meta, "epoch", epoch, sizeof epoch);
+ *     free(meta);
+ *
+ * The file is a plain safetensors file: the model's tensors under their state_dict names
+ * ("conv1.weight", "bn1.running_mean"), so `safetensors.torch.load_file` + `load_state_dict`
+ * read the weights in PyTorch. Optimizer state is stored as extra tensors
+ * "optimizer.<param name>.<momentum_buffer|exp_avg|exp_avg_sq|max_exp_avg_sq>"; step counts,
+ * the learning rate, the scaler, the RNG and the caller's key/values are strings in the header's
+ * "__metadata__" (keys "format", "ampc.*", "optimizer.*", "scaler.*" and "rng.*" are reserved).
  */
 #ifndef AMPC_IO_H
 #define AMPC_IO_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ampc_module ampc_module;
+typedef struct ampc_optimizer ampc_optimizer;
+typedef struct ampc_scaler ampc_scaler;
+
+// ---------------------------------------------------------------------------------------------
+// Checkpoints
+
+/* Writes m's state_dict, and when given opt's state (per-parameter buffers, step counts, lr)
+   and s's state (scale, growth tracker, hysteresis counter, applied/skipped counts), the global
+   RNG state, and meta_kv: "key", "value" pairs ending with NULL (NULL: none). Atomic: the file
+   is written to "<path>.tmp.<pid>", fsync'ed and renamed over path (then the directory is
+   fsync'ed); on failure the temporary file is removed and an existing file at path is left as
+   it was. Returns 0 or a negative status. */
+int ampc_checkpoint_save(const char *path, ampc_module *m, ampc_optimizer *opt, ampc_scaler *s,
+                         const char *const *meta_kv);
+
+/* Restores what ampc_checkpoint_save wrote, bit for bit. The whole file is validated first
+   (safetensors structure, every model tensor present with m's dtype and shape, no unexpected
+   model tensor, optimizer kind, scaler state): on any error nothing is changed (model,
+   optimizer, scaler, RNG) and the message names the problem (the key and both shapes for a
+   different model). opt NULL: optimizer entries in the file are ignored (weights only); with
+   opt the RNG state is restored too (a resumed run replays the same random numbers). s NULL or
+   disabled: scaler entries are ignored; an enabled s needs scaler state in the file.
+   meta_json_out (NULL ok) receives a malloc'd copy of the "__metadata__" JSON object ("{}" when
+   there is none); the caller frees it. */
+int ampc_checkpoint_load(const char *path, ampc_module *m, ampc_optimizer *opt, ampc_scaler *s,
+                         char **meta_json_out);
+
+/* Only the metadata of a checkpoint (validated like a load, nothing restored): a malloc'd JSON
+   object in *meta_json_out, as ampc_checkpoint_load gives it. */
+int ampc_checkpoint_read_meta(const char *path, char **meta_json_out);
+
+/* Value of key in a metadata JSON object (from load/read_meta) into buf (NUL-terminated,
+   truncated to n-1 bytes). Returns the value's full length in bytes (>= n: truncated), or
+   AMPC_ERR_INVALID when the key is absent, AMPC_ERR_FORMAT when meta_json is malformed. */
+int ampc_checkpoint_meta_get(const char *meta_json, const char *key, char *buf, size_t n);
+
+// ---------------------------------------------------------------------------------------------
+// Metrics log: a CSV file with a header line and one row per call, flushed per row.
+
+typedef struct ampc_metrics ampc_metrics;
+
+/* Opens csv_path for n columns (names copied; quoted as CSV needs). append=false truncates and
+   writes the header; append=true (a resumed run) keeps existing rows after checking that the
+   file's header is exactly this one (a missing or empty file gets the header), and drops an
+   incomplete last line left by a crash. NULL + error on failure. */
+ampc_metrics *ampc_metrics_open(const char *csv_path, const char *const *columns, int n, bool append);
+/* One row of n values (shortest text that reads back to the same double; "nan", "inf",
+   "-inf"), written and flushed. Returns 0 or a negative status. */
+int ampc_metrics_row(ampc_metrics *m, const double *values);
+int ampc_metrics_num_columns(const ampc_metrics *m);
+/* Closes the file; returns a negative status if a buffered write failed (NULL: 0). */
+int ampc_metrics_close(ampc_metrics *m);
+
+// ---------------------------------------------------------------------------------------------
+// Plots (PLplot, pngcairo device, headless)
+
+typedef struct {
+    const char *name;       /* legend entry */
+    const double *x, *y;    /* n points; non-finite points are skipped (the line breaks there) */
+    int n;
+} ampc_plot_series;
+
+/* Line plot with markers of n_series curves with title, axis labels and a legend, axes ranged
+   over the finite points (a single point or a constant series gets a padded range), written
+   as an 800x600 PNG to png_path (atomically, via a temporary file). Thread-safe (PLplot is
+   serialized by a lock). Returns 0 or a negative status (AMPC_ERR_IO: the file can't be
+   written; AMPC_ERR_UNSUPPORTED: PLplot's pngcairo driver is not installed). */
+int ampc_plot_curves(const char *png_path, const char *title, const char *xlabel, const char *ylabel,
+                     const ampc_plot_series *series, int n_series);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* AMPC_IO_H */

@@ -44,9 +44,11 @@
  * Per-optimizer states live in an array keyed by the optimizer pointer, and the grad list in
  * a scratch array; both only grow, so a steady-state step allocates nothing.
  */
+#include "amp/amp.h"
 #include "ops/ops.h"
 #include "optim/optim.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 
@@ -336,4 +338,51 @@ bool ampc_scaler_found_inf(const ampc_scaler *s, const ampc_optimizer *opt) {
     if (!s || !s->o.enabled) return false;
     const opt_state *st = find_state(s, opt);
     return st && st->last_found_inf;
+}
+
+// ---------------------------------------------------------------------------------------------
+// State for checkpoints (src/io/checkpoint.c)
+
+int ampc__scaler_export(const ampc_scaler *s, double *v, int n) {
+    if (!s || !v || n < AMPC_SCALER_STATE_COUNT)
+        return ampc__err(AMPC_ERR_INVALID, "scaler_export: need a scaler and %d values", AMPC_SCALER_STATE_COUNT);
+    v[AMPC_SCALER_STATE_ENABLED] = s->o.enabled ? 1.0 : 0.0;
+    v[AMPC_SCALER_STATE_SCALE] = (double)s->scale;
+    v[AMPC_SCALER_STATE_GROWTH_TRACKER] = (double)s->tracker;
+    v[AMPC_SCALER_STATE_HYSTERESIS] = (double)s->hyst;
+    v[AMPC_SCALER_STATE_APPLIED] = (double)s->applied;
+    v[AMPC_SCALER_STATE_SKIPPED] = (double)s->skipped;
+    return AMPC_SCALER_STATE_COUNT;
+}
+
+static bool is_count(double x, double max) { return x >= 0 && x <= max && x == floor(x); }
+
+int ampc__scaler_import(ampc_scaler *s, const double *v, int n, bool dry_run) {
+    if (!s || !v || n < AMPC_SCALER_STATE_COUNT)
+        return ampc__err(AMPC_ERR_INVALID, "scaler_import: need a scaler and %d values", AMPC_SCALER_STATE_COUNT);
+    double scale = v[AMPC_SCALER_STATE_SCALE];
+    if (!(scale > 0 && scale <= FLT_MAX) || (double)(float)scale != scale)
+        return ampc__err(AMPC_ERR_FORMAT, "scaler state: the scale %.17g is not a positive finite float", scale);
+    const double max_int = 2147483647.0, max_count = 9007199254740992.0;   /* int; 2^53 */
+    if (!is_count(v[AMPC_SCALER_STATE_GROWTH_TRACKER], max_int))
+        return ampc__err(AMPC_ERR_FORMAT, "scaler state: bad growth tracker %.17g", v[AMPC_SCALER_STATE_GROWTH_TRACKER]);
+    if (!is_count(v[AMPC_SCALER_STATE_HYSTERESIS], max_int) || v[AMPC_SCALER_STATE_HYSTERESIS] < 1)
+        return ampc__err(AMPC_ERR_FORMAT, "scaler state: bad hysteresis counter %.17g", v[AMPC_SCALER_STATE_HYSTERESIS]);
+    if (!is_count(v[AMPC_SCALER_STATE_APPLIED], max_count) || !is_count(v[AMPC_SCALER_STATE_SKIPPED], max_count))
+        return ampc__err(AMPC_ERR_FORMAT, "scaler state: bad step counts %.17g applied, %.17g skipped",
+                         v[AMPC_SCALER_STATE_APPLIED], v[AMPC_SCALER_STATE_SKIPPED]);
+    if (dry_run) return AMPC_OK;
+    s->scale = (float)scale;
+    int tracker = (int)v[AMPC_SCALER_STATE_GROWTH_TRACKER], hyst = (int)v[AMPC_SCALER_STATE_HYSTERESIS];
+    /* a run resumed with a shorter interval or less hysteresis: keep the state meaningful */
+    s->tracker = s->o.growth_interval >= 1 && tracker >= s->o.growth_interval ? s->o.growth_interval - 1 : tracker;
+    s->hyst = s->o.hysteresis >= 1 && hyst > s->o.hysteresis ? s->o.hysteresis : hyst;
+    s->applied = (int64_t)v[AMPC_SCALER_STATE_APPLIED];
+    s->skipped = (int64_t)v[AMPC_SCALER_STATE_SKIPPED];
+    for (int i = 0; i < s->n_states; i++) {
+        s->states[i].stage = STAGE_READY;
+        s->states[i].recorded = false;
+        s->states[i].found_inf = 0.0f;
+    }
+    return AMPC_OK;
 }

@@ -60,9 +60,16 @@ typedef struct {
     int stride[2], padding[2], dilation[2], groups;
 } ampc_conv_desc;
 
-/* 2-D pooling of x (N, C, H, W) into y (N, C, OH, OW). Padding may be asymmetric: pad_end is
-   the padding after the last row/column that ceil_mode or adaptive windows need. */
-typedef enum { AMPC_POOL_MAX = 0, AMPC_POOL_AVG_INCLUDE_PAD, AMPC_POOL_AVG_EXCLUDE_PAD } ampc_pool_kind;
+/* 2-D pooling of x (N, C, H, W) into y (N, C, OH, OW). Window o covers rows
+   [o*stride - pad_begin, o*stride - pad_begin + kernel); pad_end is the padding after the last
+   row/column, larger than pad_begin when ceil_mode adds windows (OH = (H + pad_begin +
+   pad_end - kernel) / stride + 1 in integer division). Max pooling ignores padding;
+   AVG_EXCLUDE_PAD divides by the window's part inside the input; AVG_INCLUDE_PAD (PyTorch's
+   rule) by its part inside [-pad_begin, H + pad_begin): ceil_mode's extra end padding is never
+   counted.
+   ADAPTIVE_AVG: PyTorch's adaptive windows, rows [floor(o*H/OH), ceil((o+1)*H/OH)) (same for
+   columns); kernel, stride and padding are unused. */
+typedef enum { AMPC_POOL_MAX = 0, AMPC_POOL_AVG_INCLUDE_PAD, AMPC_POOL_AVG_EXCLUDE_PAD, AMPC_POOL_ADAPTIVE_AVG } ampc_pool_kind;
 typedef struct {
     ampc_pool_kind kind;
     int64_t N, C, H, W, OH, OW;
@@ -131,23 +138,26 @@ typedef struct ampc_backend {
     int (*conv2d_backward_weights)(const ampc_conv_desc *d, const ampc_tensor *x, const ampc_tensor *gy,
                                    ampc_tensor *gw, ampc_tensor *gb);
     /* Pooling. ws: backend-defined workspace of pool2d_workspace_size(d, dtype) bytes that the
-       forward fills (max pooling's argmax) and the backward reads; gx is fully written. */
+       forward fills (max pooling's argmax) and the backward reads; gx is fully written. A size
+       of 0 means the backward needs none; ws NULL: inference, no workspace written. */
     size_t (*pool2d_workspace_size)(const ampc_pool_desc *d, ampc_dtype dt);
     int (*pool2d)(const ampc_pool_desc *d, const ampc_tensor *x, ampc_tensor *y, void *ws);
     int (*pool2d_backward)(const ampc_pool_desc *d, const ampc_tensor *gy, ampc_tensor *gx, const void *ws);
     /* Batch norm of x (N, C, spatial...) per channel. Training: batch statistics into
        save_mean/save_invstd (C, f32; f64 on REF) and running stats updated with momentum
-       (unbiased variance); else running stats used. weight/bias (C) f32 or NULL. */
+       (unbiased variance); else running stats used (and copied into save_mean and
+       1/sqrt(var+eps) into save_invstd). weight/bias (C) f32 or NULL; save_* may be NULL. */
     int (*batch_norm)(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                       ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y,
                       ampc_tensor *save_mean, ampc_tensor *save_invstd, bool training,
                       double momentum, double eps);
-    /* gx (and gw/gb if not NULL) from gy, x and the saved statistics (training mode, or
+    /* gx, gw, gb (each may be NULL) from gy, x and the saved statistics (training mode, or
        evaluation when training is false: then save_* are the running mean and 1/sqrt(var+eps)) */
     int (*batch_norm_backward)(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                const ampc_tensor *save_mean, const ampc_tensor *save_invstd,
                                bool training, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb);
-    /* Layer norm of x viewed as (rows, cols); mean/rstd (rows) f32 (f64 on REF) */
+    /* Layer norm of x viewed as (rows, cols); mean/rstd (rows) f32 (f64 on REF); weight/bias
+       (cols) in any float dtype or NULL. Backward: gx, gw, gb each may be NULL. */
     int (*layer_norm)(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                       ampc_tensor *y, ampc_tensor *mean, ampc_tensor *rstd, double eps);
     int (*layer_norm_backward)(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,

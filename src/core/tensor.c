@@ -250,21 +250,30 @@ ampc_tensor *ampc_tensor_from_i64(int ndim, const int64_t *shape, const int64_t 
     return ampc__scope_adopt(t);
 }
 
-/* Fills t with f(i) computed in f64 chunk by chunk (host-memory devices). */
+/* Fills t with f(i) computed in f64 chunk by chunk (host-memory devices); the draws of value i
+   depend only on (st, i), so the threads don't change the numbers. */
 static void fill_random(ampc_tensor *t, ampc_rng_state st, int normal, double a, double b) {
-    double buf[CHUNK];
     const ampc_dtype_traits *tr = ampc__dt(t->dtype);
     char *dst = ampc__data(t);
-    for (int64_t base = 0; base < t->numel; base += CHUNK) {
-        int64_t m = t->numel - base < CHUNK ? t->numel - base : CHUNK;
+    int64_t n = t->numel;
+#pragma omp parallel for num_threads(ampc__threads_for(n * 8)) schedule(static)
+    for (int64_t base = 0; base < n; base += CHUNK) {
+        double buf[CHUNK];
+        int64_t m = n - base < CHUNK ? n - base : CHUNK;
+        uint32_t blk[4];
+        uint64_t blk_id = UINT64_MAX;
         for (int64_t j = 0; j < m; j++) {
-            uint64_t i = (uint64_t)(base + j);
-            if (normal) {   /* Box-Muller on two draws per value */
-                double u1 = 1.0 - (double)ampc__rng_uniform(st, 2 * i);
-                double u2 = (double)ampc__rng_uniform(st, 2 * i + 1);
-                buf[j] = a + b * sqrt(-2.0 * log(u1)) * cos(2.0 * M_PI * u2);
+            uint64_t i = (uint64_t)(base + j), d = normal ? 2 * i : i;   /* first draw of value i */
+            if (d / 4 != blk_id) {   /* one Philox block serves four draws (ampc__rng_u32's order) */
+                blk_id = d / 4;
+                ampc__philox(st.seed, st.offset + blk_id, blk);
+            }
+            double u = (double)(blk[d % 4] >> 8) * 0x1p-24;
+            if (normal) {   /* Box-Muller on draws 2i and 2i+1 (same block: 2i is even) */
+                double u2 = (double)(blk[d % 4 + 1] >> 8) * 0x1p-24;
+                buf[j] = a + b * sqrt(-2.0 * log(1.0 - u)) * cos(2.0 * M_PI * u2);
             } else {
-                buf[j] = a + (b - a) * (double)ampc__rng_uniform(st, i);
+                buf[j] = a + (b - a) * u;
             }
         }
         tr->from_f64(buf, dst + (size_t)base * tr->size, (size_t)m);

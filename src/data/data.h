@@ -5,6 +5,12 @@
  * A dataset yields samples one at a time as f32 CHW images (values in [0, 1] before
  * normalisation) and an int64 class label. get() must be safe to call from several loader
  * threads at once (no shared mutable state, or its own lock).
+ *
+ * Lifetime (see ampc_dataset_free in dataset.c): allocate the struct zeroed (calloc or
+ * ampc__dataset_alloc); class_names and their strings with malloc. vt->free releases impl and
+ * whatever impl holds, and nothing else: ampc_dataset_free then frees class_names[i],
+ * class_names and the struct itself. Subsets hold a reference on their parent (refs), so a
+ * parent may be freed by its user before its subsets: it goes when the last holder lets go.
  */
 #ifndef AMPC_DATA_INTERNAL_H
 #define AMPC_DATA_INTERNAL_H
@@ -16,7 +22,7 @@ typedef struct {
     /* Sample i: image into img (channels*height*width f32, CHW) and its label. Raw (untransformed)
        pixels scaled to [0, 1]; for folders, decoded and resized to the dataset's size. */
     int (*get)(ampc_dataset *ds, int64_t i, float *img, int64_t *label);
-    void (*free)(ampc_dataset *ds);
+    void (*free)(ampc_dataset *ds);   /* impl only (see above); may be NULL */
 } ampc_dataset_vtable;
 
 struct ampc_dataset {
@@ -26,6 +32,32 @@ struct ampc_dataset {
     int64_t channels, height, width;   /* of every sample after decoding/resizing */
     char **class_names;                /* num_classes strings (owned) or NULL */
     void *impl;
+    atomic_int refs;                   /* holders besides the creator (subsets); 0 when fresh */
 };
+
+/* Zeroed dataset with vtable vt (NULL + AMPC_ERR_OOM on failure). */
+ampc_dataset *ampc__dataset_alloc(const ampc_dataset_vtable *vt);
+
+// ---------------------------------------------------------------------------------------------
+// Transforms, as the loader runs them (transforms.c)
+
+/* Floats each of the two scratch buffers of ampc__transforms_run needs for a c x h x w input. */
+int64_t ampc__transforms_scratch_floats(const ampc_transforms *t, int64_t c, int64_t h, int64_t w);
+/* Runs the pipeline on in (c x h x w) into out (the output shape); scratch0/1 as sized above.
+   Random draws come from Philox keyed by (seed, epoch) at counters derived from index. */
+int ampc__transforms_run(const ampc_transforms *t, int64_t c, int64_t h, int64_t w, const float *in,
+                         float *out, float *scratch0, float *scratch1, uint64_t seed, int64_t epoch,
+                         int64_t index);
+/* Deep copy (the loader keeps its own). */
+ampc_transforms *ampc__transforms_clone(const ampc_transforms *t);
+
+// ---------------------------------------------------------------------------------------------
+// Reproducible random streams shared by split, shuffle and transforms
+
+/* A 64-bit Philox key for (seed, domain, a): independent streams per purpose and epoch. */
+uint64_t ampc__data_key(uint64_t seed, uint32_t domain, int64_t a);
+enum { AMPC__DOMAIN_SPLIT = 1, AMPC__DOMAIN_SHUFFLE = 2, AMPC__DOMAIN_TRANSFORM = 3 };
+/* perm[0..n) = a permutation of 0..n-1 (Fisher-Yates) drawn from Philox under key. */
+void ampc__data_permutation(uint64_t key, int64_t n, int64_t *perm);
 
 #endif /* AMPC_DATA_INTERNAL_H */

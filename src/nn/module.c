@@ -270,6 +270,91 @@ void ampc_module_requires_grad(ampc_module *m, bool on) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Paths: find, replace, state_dict (transfer learning: freeze a backbone, swap its head)
+
+ampc_module *ampc__module_get_child(const ampc_module *m, const char *name) { return list_find(&m->children, name); }
+
+/* The submodule at path[0..len) (dotted), or NULL + error naming the missing component. */
+static ampc_module *find_prefix(ampc_module *m, const char *path, size_t len) {
+    ampc_module *cur = m;
+    size_t start = 0;
+    while (start < len) {
+        size_t end = start;
+        while (end < len && path[end] != '.') end++;
+        char name[256];
+        if (end == start || end - start >= sizeof name)
+            return ampc__err_null(AMPC_ERR_INVALID, "bad module path '%s': %s component", path,
+                                  end == start ? "empty" : "over-long");
+        memcpy(name, path + start, end - start);
+        name[end - start] = '\0';
+        ampc_module *next = list_find(&cur->children, name);
+        if (!next)
+            return ampc__err_null(AMPC_ERR_INVALID, "%s has no submodule '%s' (in module path '%s')", cur->vt->type, name, path);
+        cur = next;
+        start = end + 1;
+        if (end + 1 == len)   /* a trailing dot */
+            return ampc__err_null(AMPC_ERR_INVALID, "bad module path '%s': empty component", path);
+    }
+    return cur;
+}
+
+/* Like PyTorch's get_submodule: "" is m itself. */
+ampc_module *ampc_module_find(ampc_module *m, const char *path) {
+    if (!m || !path) return ampc__err_null(AMPC_ERR_INVALID, "ampc_module_find: %s is NULL", m ? "path" : "module");
+    return find_prefix(m, path, strlen(path));
+}
+
+/* Takes ownership of replacement: on error it is freed too, unless it already belongs to a
+   module tree (it has a parent, or is an ancestor of the place it would go). */
+int ampc_module_replace(ampc_module *m, const char *path, ampc_module *replacement) {
+    if (!replacement) {   /* keep the error of the constructor that returned NULL */
+        if (!ampc_last_status()) ampc__err(AMPC_ERR_INVALID, "ampc_module_replace: replacement is NULL");
+        return ampc_last_status();
+    }
+    if (replacement->parent)
+        return ampc__err(AMPC_ERR_STATE, "ampc_module_replace: the %s replacement is already a child of another module",
+                         replacement->vt->type);
+    int rc = AMPC_OK;
+    ampc_module *parent = NULL;
+    const char *leaf = NULL;
+    if (!m || !path || !*path) {
+        rc = ampc__err(AMPC_ERR_INVALID, "ampc_module_replace: %s", !m ? "module is NULL" : "empty path (cannot replace the root)");
+    } else {
+        const char *dot = strrchr(path, '.');
+        parent = dot ? find_prefix(m, path, (size_t)(dot - path)) : m;
+        leaf = dot ? dot + 1 : path;
+        if (!parent) rc = ampc_last_status();
+    }
+    int idx = -1;
+    if (rc >= 0) {
+        for (int i = 0; i < parent->children.n; i++)
+            if (!strcmp(parent->children.names[i], leaf)) idx = i;
+        if (idx < 0)
+            rc = ampc__err(AMPC_ERR_INVALID, "%s has no submodule '%s' (in module path '%s')", parent->vt->type,
+                           *leaf ? leaf : "(empty)", path);
+    }
+    if (rc >= 0)
+        for (ampc_module *a = parent; a; a = a->parent)
+            if (a == replacement)   /* would make a cycle; it is in use, so not freed */
+                return ampc__err(AMPC_ERR_STATE, "ampc_module_replace: the replacement contains '%s'", path);
+    if (rc < 0) {
+        ampc_module_free(replacement);
+        return rc;
+    }
+    ampc_module *old = parent->children.items[idx];
+    old->parent = NULL;
+    ampc_module_free(old);
+    parent->children.items[idx] = replacement;   /* same name, same place in the order */
+    replacement->parent = parent;
+    ampc__module_invalidate(parent);
+    return AMPC_OK;
+}
+
+int ampc_module_state_dict(ampc_module *m, ampc_tensor ***tensors, const char ***names) {
+    return ampc__module_state_dict(m, tensors, names);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Sequential
 
 static ampc_tensor *sequential_forward(ampc_module *m, ampc_tensor *x) {

@@ -88,4 +88,12 @@ ampc_tensor *ampc__param_uniform(int ndim, const int64_t *shape, double bound);
    by m and valid until m changes. Returns the count or a negative status. */
 int ampc__module_state_dict(ampc_module *m, ampc_tensor ***tensors, const char ***names);
 
+/* m's direct child by local name ("conv1", "downsample"), or NULL without setting an error. */
+ampc_module *ampc__module_get_child(const ampc_module *m, const char *name);
+
+/* Conv2d as ampc_conv2d_new, except weight_std > 0 draws the weight from N(0, weight_std^2)
+   instead of PyTorch's default uniform (torchvision ResNets' kaiming_normal_ fan_out init). */
+ampc_module *ampc__conv2d_make(int64_t in_channels, int64_t out_channels, int kernel_size,
+                               const ampc_conv2d_options *opts, bool bias, double weight_std);
+
 #endif /* AMPC_NN_H */

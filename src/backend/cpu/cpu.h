@@ -31,5 +31,7 @@ static inline void ampc__cpu_store(ampc_tensor *t, size_t i, size_t n, const flo
 /* Implementation name oneDNN picked for this gemm (e.g. "brg:avx512_core_bf16") into buf;
    creates and caches the primitive if needed (gemm.c). For benchmarks and tests. */
 int ampc__cpu_gemm_impl(const ampc_gemm_desc *d, ampc_dtype dt, bool has_bias, char *buf, size_t n);
+/* Same for a convolution pass (0 forward, 1 backward data, 2 backward weights; conv.c). */
+int ampc__cpu_conv_impl(const ampc_conv_desc *d, ampc_dtype dt, int pass, bool has_bias, char *buf, size_t n);
 
 #endif /* AMPC_CPU_H */

@@ -1,6 +1,644 @@
 /*
- * norm.c - CPU kernels: norm (filled in by the kernel work).
+ * norm.c - CPU kernels of batch norm and layer norm, written by hand (vectorized loops,
+ * OpenMP), for f32/f16/bf16 activations with f32 statistics.
+ *
+ *   batch norm: x (N, C, S...) per channel. Two storage walks:
+ *     - channels (S >= BN_COLS_BELOW): one thread does a whole channel - the N runs of S
+ *       contiguous values - in three passes (mean, centred variance, normalise). A channel's
+ *       slice stays in L2 between the passes, so x comes from memory once.
+ *     - columns (small S: BatchNorm1d's (N, C), or tiny images): x is N rows of C*S
+ *       contiguous values; fixed blocks of rows accumulate per-column sums, reduced per
+ *       channel afterwards, so the loops run along contiguous memory.
+ *   layer norm: x viewed as (rows, cols); rows split over threads; the weight/bias gradients
+ *     are column sums over fixed blocks of rows, combined in block order.
+ *
+ * Numerics: values are loaded as f32 chunks (one rounding on store), but every statistic and
+ * every gradient sum accumulates in f64, and the variance is the centred second pass
+ * sum((x - mean)^2): a channel at 1000 + noise keeps its variance (no E[x^2] - E[x]^2
+ * cancellation). Block and channel assignment depends only on the shape, so results do not
+ * depend on the number of threads.
+ *
+ * Why not oneDNN's batch normalization: on plain NCHW data oneDNN 2.6 picks its generic
+ * "ncsp_bnorm" implementation, measured on (64, 64, 32, 32) training forward + backward at
+ * ~35 ms for bf16 and ~12 ms for f32 against ~4 ms for these loops (2 cores, best of 60). It
+ * also has no f16, no unbiased variance and no running-statistics update.
  */
-#include "backend/backend.h"
+#include "backend/cpu/cpu.h"
 
-void ampc__cpu_register_norm(ampc_backend *be) { (void)be; }
+#include <math.h>
+#include <omp.h>
+#include <string.h>
+
+#define CHUNK AMPC_CPU_CHUNK
+#define BN_COLS_BELOW 32   /* spatial sizes below this take the column walk */
+#define ROW_BLOCKS 16      /* row blocks of the column sums (fixed: thread-count independent) */
+
+#if defined(__x86_64__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define VEC_KERNEL __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#endif
+#endif
+#ifndef VEC_KERNEL
+#define VEC_KERNEL
+#endif
+
+static inline size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
+
+// ---------------------------------------------------------------------------------------------
+// Vector loops on f32 chunks (f64 accumulation)
+
+VEC_KERNEL static double sum_f64(const float *x, size_t n) {
+    double s = 0;
+#pragma omp simd reduction(+ : s)
+    for (size_t i = 0; i < n; i++) s += (double)x[i];
+    return s;
+}
+
+/* sum((x - m)^2) */
+VEC_KERNEL static double sum_sq_dev(const float *x, size_t n, double m) {
+    double q = 0;
+#pragma omp simd reduction(+ : q)
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)x[i] - m;
+        q += d * d;
+    }
+    return q;
+}
+
+/* *sg += sum(g), *sgx += sum(g * (x - m)) */
+VEC_KERNEL static void sum_grad(const float *g, const float *x, size_t n, double m, double *sg, double *sgx) {
+    double a = 0, b = 0;
+#pragma omp simd reduction(+ : a, b)
+    for (size_t i = 0; i < n; i++) {
+        a += (double)g[i];
+        b += (double)g[i] * ((double)x[i] - m);
+    }
+    *sg += a;
+    *sgx += b;
+}
+
+/* y = (x - m) * a + b. x - m is exact for x near m (Sterbenz), so a large common offset
+   (x = 1000 + noise) does not cost precision as a * x + (b - a * m) would. */
+VEC_KERNEL static void affine(const float *x, float *y, size_t n, float m, float a, float b) {
+#pragma omp simd
+    for (size_t i = 0; i < n; i++) y[i] = (x[i] - m) * a + b;
+}
+
+/* o = k * g + a * (x - m) + b (o may alias g or x) */
+VEC_KERNEL static void affine2(const float *g, const float *x, float *o, size_t n, float k, float m, float a, float b) {
+#pragma omp simd
+    for (size_t i = 0; i < n; i++) o[i] = k * g[i] + a * (x[i] - m) + b;
+}
+
+/* Per-column versions: acc[j] += x[j]; acc[j] += (x[j] - m[j])^2; gradient sums. */
+VEC_KERNEL static void col_add(double *acc, const float *x, size_t n) {
+#pragma omp simd
+    for (size_t j = 0; j < n; j++) acc[j] += (double)x[j];
+}
+
+VEC_KERNEL static void col_sq_dev(double *acc, const float *x, const double *m, size_t n) {
+#pragma omp simd
+    for (size_t j = 0; j < n; j++) {
+        double d = (double)x[j] - m[j];
+        acc[j] += d * d;
+    }
+}
+
+VEC_KERNEL static void col_grad(double *sg, double *sgx, const float *g, const float *x, const float *m, size_t n) {
+#pragma omp simd
+    for (size_t j = 0; j < n; j++) {
+        sg[j] += (double)g[j];
+        sgx[j] += (double)g[j] * ((double)x[j] - m[j]);
+    }
+}
+
+VEC_KERNEL static void col_affine(const float *x, float *y, size_t n, const float *m, const float *a, const float *b) {
+#pragma omp simd
+    for (size_t j = 0; j < n; j++) y[j] = (x[j] - m[j]) * a[j] + b[j];
+}
+
+VEC_KERNEL static void col_affine2(const float *g, const float *x, float *o, size_t n, const float *k, const float *m,
+                                   const float *a, const float *b) {
+#pragma omp simd
+    for (size_t j = 0; j < n; j++) o[j] = k[j] * g[j] + a[j] * (x[j] - m[j]) + b[j];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checks and workspace
+
+static bool is_act(ampc_dtype dt) { return dt == AMPC_F32 || dt == AMPC_F16 || dt == AMPC_BF16; }
+
+/* t (NULL allowed) has n elements and is f32 (stat) or any CPU float dtype. */
+static int check(const ampc_tensor *t, int64_t n, bool stat, const char *k, const char *what) {
+    if (!t) return AMPC_OK;
+    if (stat ? t->dtype != AMPC_F32 : !is_act(t->dtype))
+        return ampc__err(AMPC_ERR_DTYPE, "cpu %s: %s is %s, expected %s", k, what, ampc_dtype_name(t->dtype),
+                         stat ? "f32" : "f32/f16/bf16");
+    if (t->numel != n)
+        return ampc__err(AMPC_ERR_SHAPE, "cpu %s: %s has %lld elements, expected %lld", k, what, (long long)t->numel,
+                         (long long)n);
+    return AMPC_OK;
+}
+
+typedef struct {
+    void *p;
+    size_t bytes;
+} ws_block;
+
+static void *ws_get(ws_block *w, size_t bytes) {
+    w->p = ampc__alloc(AMPC_DEVICE_CPU, bytes ? bytes : 1, AMPC_MEM_WORKSPACE, &w->bytes);
+    return w->p;
+}
+static void ws_put(ws_block *w) {
+    if (w->p) ampc__free(AMPC_DEVICE_CPU, w->p, w->bytes, AMPC_MEM_WORKSPACE);
+    w->p = NULL;
+}
+
+static int threads_for_items(int64_t items, int64_t numel) {
+    int nt = ampc__threads_for(numel);
+    return items < nt ? (int)(items > 0 ? items : 1) : nt;
+}
+
+static const float *f32_or_null(const ampc_tensor *t) { return t ? (const float *)ampc__data(t) : NULL; }
+
+// ---------------------------------------------------------------------------------------------
+// Batch norm: per-channel statistics and coefficients
+
+typedef struct {
+    int64_t N, C, S, M;   /* M = N * S values per channel */
+    const float *w, *b;   /* (C) or NULL */
+    float *rm, *rv, *save_mean, *save_invstd;
+    double momentum, eps;
+    bool training;
+} bn_ctx;
+
+static int bn_dims(const ampc_tensor *x, const char *k, bn_ctx *c) {
+    if (x->ndim < 2) return ampc__err(AMPC_ERR_SHAPE, "cpu %s: x needs at least 2 dimensions (N, C, ...)", k);
+    c->N = x->shape[0];
+    c->C = x->shape[1];
+    c->S = 1;
+    for (int i = 2; i < x->ndim; i++) c->S *= x->shape[i];
+    c->M = c->N * c->S;
+    return AMPC_OK;
+}
+
+/* y = (x - m) * scale + shift for one channel */
+typedef struct {
+    float m, scale, shift;
+} bn_coef;
+
+/* Channel ch with batch mean and sum of squared deviations q (training) or its running stats:
+   saves the statistics, updates the running ones, returns the normalisation's coefficients. */
+static bn_coef bn_finish_channel(const bn_ctx *c, int64_t ch, double mean, double q) {
+    double var;
+    if (c->training) {
+        var = q / (double)c->M;
+        double unbiased = c->M > 1 ? q / (double)(c->M - 1) : NAN;   /* the op refuses M == 1 */
+        if (c->rm) c->rm[ch] = (float)((1 - c->momentum) * c->rm[ch] + c->momentum * mean);
+        if (c->rv) c->rv[ch] = (float)((1 - c->momentum) * c->rv[ch] + c->momentum * unbiased);
+    } else {
+        mean = c->rm[ch];
+        var = c->rv[ch];
+    }
+    double invstd = 1 / sqrt(var + c->eps), w = c->w ? c->w[ch] : 1, b = c->b ? c->b[ch] : 0;
+    if (c->save_mean) c->save_mean[ch] = (float)mean;
+    if (c->save_invstd) c->save_invstd[ch] = (float)invstd;
+    /* the mean as a float plus a remainder folded into the shift */
+    bn_coef r = {.m = (float)mean, .scale = (float)(invstd * w)};
+    r.shift = (float)(b - (mean - (double)r.m) * invstd * w);
+    return r;
+}
+
+/* Backward coefficients of a channel from sg = sum(gy), sgx = sum(gy * (x - mean)):
+   gx = k * gy + a * (x - mean) + b; gw = sgx * invstd, gb = sg. */
+static void bn_grad_coefs(int64_t M, bool training, double w, double invstd, double sg, double sgx, float *k, float *a,
+                          float *b) {
+    double kk = w * invstd, aa = 0, bb = 0;
+    if (training) {   /* gx = w invstd (gy - sg/M - xhat sum(gy xhat)/M) */
+        aa = -kk * invstd * invstd * sgx / (double)M;
+        bb = -kk * sg / (double)M;
+    }
+    *k = (float)kk;
+    *a = (float)aa;
+    *b = (float)bb;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Batch norm: the channel walk (large S)
+
+/* The runs of channel ch: row n of length S from element (n * C + ch) * S, in chunks. */
+#define FOR_CHANNEL_CHUNKS(c, ch, i, len)                                                          \
+    for (int64_t n_ = 0; n_ < (c)->N; n_++)                                                        \
+        for (size_t off_ = 0, i = (size_t)((n_ * (c)->C + (ch)) * (c)->S), len;                    \
+             off_ < (size_t)(c)->S && (len = min_sz(CHUNK, (size_t)(c)->S - off_), 1); off_ += len, i += len)
+
+static void bn_fwd_channels(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *y) {
+    int nt = threads_for_items(c->C, x->numel);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t ch = 0; ch < c->C; ch++) {
+        float bx[CHUNK], by[CHUNK];
+        double mean = 0, q = 0;
+        if (c->training) {
+            double s = 0;
+            FOR_CHANNEL_CHUNKS(c, ch, i, len) s += sum_f64(ampc__cpu_load(x, i, len, bx), len);
+            mean = s / (double)c->M;
+            FOR_CHANNEL_CHUNKS(c, ch, i, len) q += sum_sq_dev(ampc__cpu_load(x, i, len, bx), len, mean);
+        }
+        bn_coef f = bn_finish_channel(c, ch, mean, q);
+        FOR_CHANNEL_CHUNKS(c, ch, i, len) {
+            float *out = ampc__cpu_out(y, i, by);
+            affine(ampc__cpu_load(x, i, len, bx), out, len, f.m, f.scale, f.shift);
+            ampc__cpu_store(y, i, len, out);
+        }
+    }
+}
+
+static void bn_bwd_channels(const bn_ctx *c, const ampc_tensor *x, const ampc_tensor *gy, const float *mean,
+                            const float *invstd, ampc_tensor *gx, float *gw, float *gb) {
+    int nt = threads_for_items(c->C, x->numel);
+    bool sums = gw || gb || (gx && c->training);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t ch = 0; ch < c->C; ch++) {
+        float bx[CHUNK], bg[CHUNK], k, a, b;
+        double sg = 0, sgx = 0, m = mean[ch], is = invstd[ch];
+        if (sums) {
+            FOR_CHANNEL_CHUNKS(c, ch, i, len) {
+                sum_grad(ampc__cpu_load(gy, i, len, bg), ampc__cpu_load(x, i, len, bx), len, m, &sg, &sgx);
+            }
+        }
+        if (gw) gw[ch] = (float)(sgx * is);
+        if (gb) gb[ch] = (float)sg;
+        if (!gx) continue;
+        bn_grad_coefs(c->M, c->training, c->w ? c->w[ch] : 1, is, sg, sgx, &k, &a, &b);
+        FOR_CHANNEL_CHUNKS(c, ch, i, len) {
+            const float *gp = ampc__cpu_load(gy, i, len, bg), *xp = ampc__cpu_load(x, i, len, bx);
+            float *out = ampc__cpu_out(gx, i, bg);   /* may overwrite bg: affine2 reads g[i] first */
+            affine2(gp, xp, out, len, k, mean[ch], a, b);
+            ampc__cpu_store(gx, i, len, out);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Batch norm: the column walk (small S). x is N rows of CS = C * S values.
+
+/* Rows of block bi of nb over N rows. */
+static void row_block(int64_t N, int64_t nb, int64_t bi, int64_t *r0, int64_t *r1) {
+    *r0 = N * bi / nb;
+    *r1 = N * (bi + 1) / nb;
+}
+
+/* The chunks of row n's columns. */
+#define FOR_ROW_CHUNKS(CS, n, j, i, len)                                                           \
+    for (size_t j = 0, i = (size_t)((n) * (CS)), len; j < (size_t)(CS) && (len = min_sz(CHUNK, (size_t)(CS) - j), 1); \
+         j += len, i += len)
+
+/* part (nb, CS): per-block column sums of x (m NULL) or of (x - m[col])^2. */
+static void col_sums(const ampc_tensor *x, int64_t N, int64_t CS, int64_t nb, const double *m, double *part) {
+    int nt = threads_for_items(nb, x->numel);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t bi = 0; bi < nb; bi++) {
+        float bx[CHUNK];
+        double *acc = part + bi * CS;
+        int64_t r0, r1;
+        row_block(N, nb, bi, &r0, &r1);
+        memset(acc, 0, (size_t)CS * sizeof *acc);
+        for (int64_t n = r0; n < r1; n++) {
+            FOR_ROW_CHUNKS(CS, n, j, i, len) {
+                const float *xp = ampc__cpu_load(x, i, len, bx);
+                if (m) col_sq_dev(acc + j, xp, m + j, len);
+                else col_add(acc + j, xp, len);
+            }
+        }
+    }
+}
+
+/* Sums the block partials of the columns of each channel: out[ch] (in block order). */
+static void col_reduce(const double *part, int64_t nb, int64_t C, int64_t S, double *out) {
+    for (int64_t ch = 0; ch < C; ch++) {
+        double s = 0;
+        for (int64_t bi = 0; bi < nb; bi++)
+            for (int64_t i = 0; i < S; i++) s += part[bi * C * S + ch * S + i];
+        out[ch] = s;
+    }
+}
+
+/* y = (x - Mc[col]) * A[col] + B[col], or gx = K[col] * gy + A[col] * (x - Mc[col]) + B[col]
+   when g is given. */
+static void col_apply(const ampc_tensor *g, const ampc_tensor *x, ampc_tensor *out, int64_t N, int64_t CS, const float *K,
+                      const float *Mc, const float *A, const float *B) {
+    int nt = threads_for_items(N, x->numel);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float bx[CHUNK], bg[CHUNK], bo[CHUNK];
+        FOR_ROW_CHUNKS(CS, n, j, i, len) {
+            const float *xp = ampc__cpu_load(x, i, len, bx);
+            float *op = ampc__cpu_out(out, i, bo);
+            if (g) col_affine2(ampc__cpu_load(g, i, len, bg), xp, op, len, K + j, Mc + j, A + j, B + j);
+            else col_affine(xp, op, len, Mc + j, A + j, B + j);
+            ampc__cpu_store(out, i, len, op);
+        }
+    }
+}
+
+static int bn_fwd_columns(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *y) {
+    int64_t C = c->C, S = c->S, CS = C * S, nb = c->N < ROW_BLOCKS ? (c->N > 0 ? c->N : 1) : ROW_BLOCKS;
+    ws_block w = {0};
+    /* part (nb, CS) | mexp (CS) | stat (C) doubles, then Mc, A, B (CS) floats */
+    size_t nd = (size_t)(nb * CS + CS + C);
+    double *part = ws_get(&w, nd * sizeof(double) + 3 * (size_t)CS * sizeof(float));
+    if (!part) return ampc_last_status();
+    double *mexp = part + nb * CS, *stat = mexp + CS;
+    float *Mc = (float *)(stat + C), *A = Mc + CS, *B = A + CS;
+    if (c->training) {
+        col_sums(x, c->N, CS, nb, NULL, part);
+        col_reduce(part, nb, C, S, stat);
+        for (int64_t j = 0; j < CS; j++) mexp[j] = stat[j / S] / (double)c->M;
+        col_sums(x, c->N, CS, nb, mexp, part);
+        col_reduce(part, nb, C, S, stat);   /* now sum of squared deviations */
+    }
+    for (int64_t ch = 0; ch < C; ch++) {
+        bn_coef f = bn_finish_channel(c, ch, c->training ? mexp[ch * S] : 0, c->training ? stat[ch] : 0);
+        for (int64_t i = 0; i < S; i++) Mc[ch * S + i] = f.m, A[ch * S + i] = f.scale, B[ch * S + i] = f.shift;
+    }
+    col_apply(NULL, x, y, c->N, CS, NULL, Mc, A, B);
+    ws_put(&w);
+    return AMPC_OK;
+}
+
+static int bn_bwd_columns(const bn_ctx *c, const ampc_tensor *x, const ampc_tensor *gy, const float *mean,
+                          const float *invstd, ampc_tensor *gx, float *gw, float *gb) {
+    int64_t C = c->C, S = c->S, CS = C * S, nb = c->N < ROW_BLOCKS ? (c->N > 0 ? c->N : 1) : ROW_BLOCKS;
+    bool sums = gw || gb || (gx && c->training);
+    ws_block w = {0};
+    /* part_g, part_gx (nb, CS) | sg, sgx (C) doubles, then Mc, K, A, B (CS) floats */
+    size_t nd = (size_t)(2 * nb * CS + 2 * C);
+    double *pg = ws_get(&w, nd * sizeof(double) + 4 * (size_t)CS * sizeof(float));
+    if (!pg) return ampc_last_status();
+    double *pgx = pg + nb * CS, *sg = pgx + nb * CS, *sgx = sg + C;
+    float *Mc = (float *)(sgx + C), *K = Mc + CS, *A = K + CS, *B = A + CS;
+    for (int64_t j = 0; j < CS; j++) Mc[j] = mean[j / S];
+    if (sums) {
+        int nt = threads_for_items(nb, x->numel);
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t bi = 0; bi < nb; bi++) {
+            float bx[CHUNK], bg[CHUNK];
+            double *ag = pg + bi * CS, *agx = pgx + bi * CS;
+            int64_t r0, r1;
+            row_block(c->N, nb, bi, &r0, &r1);
+            memset(ag, 0, (size_t)CS * sizeof *ag);
+            memset(agx, 0, (size_t)CS * sizeof *agx);
+            for (int64_t n = r0; n < r1; n++) {
+                FOR_ROW_CHUNKS(CS, n, j, i, len) {
+                    col_grad(ag + j, agx + j, ampc__cpu_load(gy, i, len, bg), ampc__cpu_load(x, i, len, bx), Mc + j, len);
+                }
+            }
+        }
+        col_reduce(pg, nb, C, S, sg);
+        col_reduce(pgx, nb, C, S, sgx);
+    }
+    for (int64_t ch = 0; ch < C; ch++) {
+        if (gw) gw[ch] = (float)(sgx[ch] * invstd[ch]);
+        if (gb) gb[ch] = (float)sg[ch];
+        if (!gx) continue;
+        float k, a, b;
+        bn_grad_coefs(c->M, c->training, c->w ? c->w[ch] : 1, invstd[ch], sums ? sg[ch] : 0, sums ? sgx[ch] : 0, &k, &a,
+                      &b);
+        for (int64_t i = 0; i < S; i++) K[ch * S + i] = k, A[ch * S + i] = a, B[ch * S + i] = b;
+    }
+    if (gx) col_apply(gy, x, gx, c->N, CS, K, Mc, A, B);
+    ws_put(&w);
+    return AMPC_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Batch norm kernels
+
+static int cpu_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
+                          ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *save_mean,
+                          ampc_tensor *save_invstd, bool training, double momentum, double eps) {
+    const char *k = "batch_norm";
+    bn_ctx c = {.training = training, .momentum = momentum, .eps = eps};
+    int rc;
+    if ((rc = bn_dims(x, k, &c)) < 0) return rc;
+    int64_t C = c.C;
+    if ((rc = check(x, x->numel, false, k, "x")) < 0 || (rc = check(y, x->numel, false, k, "y")) < 0 ||
+        (rc = check(weight, C, true, k, "weight")) < 0 || (rc = check(bias, C, true, k, "bias")) < 0 ||
+        (rc = check(running_mean, C, true, k, "running_mean")) < 0 ||
+        (rc = check(running_var, C, true, k, "running_var")) < 0 || (rc = check(save_mean, C, true, k, "save_mean")) < 0 ||
+        (rc = check(save_invstd, C, true, k, "save_invstd")) < 0)
+        return rc;
+    if (!training && (!running_mean || !running_var))
+        return ampc__err(AMPC_ERR_INVALID, "cpu %s: evaluation needs running_mean and running_var", k);
+    if (training && c.M < 1) return ampc__err(AMPC_ERR_INVALID, "cpu %s: no values per channel", k);
+    c.w = f32_or_null(weight);
+    c.b = f32_or_null(bias);
+    c.rm = running_mean ? ampc__data(running_mean) : NULL;
+    c.rv = running_var ? ampc__data(running_var) : NULL;
+    c.save_mean = save_mean ? ampc__data(save_mean) : NULL;
+    c.save_invstd = save_invstd ? ampc__data(save_invstd) : NULL;
+    if (c.S >= BN_COLS_BELOW) {
+        bn_fwd_channels(&c, x, y);
+        return AMPC_OK;
+    }
+    return bn_fwd_columns(&c, x, y);
+}
+
+static int cpu_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                                   const ampc_tensor *save_mean, const ampc_tensor *save_invstd, bool training,
+                                   ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
+    const char *k = "batch_norm_backward";
+    bn_ctx c = {.training = training};
+    int rc;
+    if ((rc = bn_dims(x, k, &c)) < 0) return rc;
+    int64_t C = c.C, n = x->numel;
+    if ((rc = check(x, n, false, k, "x")) < 0 || (rc = check(gy, n, false, k, "gy")) < 0 ||
+        (rc = check(gx, n, false, k, "gx")) < 0 || (rc = check(weight, C, true, k, "weight")) < 0 ||
+        (rc = check(save_mean, C, true, k, "save_mean")) < 0 || (rc = check(save_invstd, C, true, k, "save_invstd")) < 0 ||
+        (rc = check(gw, C, true, k, "gw")) < 0 || (rc = check(gb, C, true, k, "gb")) < 0)
+        return rc;
+    if (!save_mean || !save_invstd) return ampc__err(AMPC_ERR_INVALID, "cpu %s: statistics missing", k);
+    c.w = f32_or_null(weight);
+    const float *mean = ampc__data(save_mean), *invstd = ampc__data(save_invstd);
+    float *gwp = gw ? ampc__data(gw) : NULL, *gbp = gb ? ampc__data(gb) : NULL;
+    if (c.S >= BN_COLS_BELOW) {
+        bn_bwd_channels(&c, x, gy, mean, invstd, gx, gwp, gbp);
+        return AMPC_OK;
+    }
+    return bn_bwd_columns(&c, x, gy, mean, invstd, gx, gwp, gbp);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layer norm: x (rows, cols)
+
+/* y = ((x - mh) - ml) * r * w + b: the mean as a float mh plus a remainder ml, so x - mh is
+   exact for x near the mean (no precision lost to a large common offset). */
+VEC_KERNEL static void ln_apply(const float *x, float *y, size_t n, float mh, float ml, float r, const float *w,
+                                const float *b) {
+#pragma omp simd
+    for (size_t i = 0; i < n; i++) y[i] = ((x[i] - mh) - ml) * r * w[i] + b[i];
+}
+
+/* *a += sum(g w), *b += sum(g w xhat); gw_acc[i] += g xhat, gb_acc[i] += g (when not NULL) */
+VEC_KERNEL static void ln_grad_sums(const float *g, const float *x, const float *w, size_t n, double m, double r,
+                                    double *a, double *b, double *gw_acc, double *gb_acc) {
+    double sa = 0, sb = 0;
+#pragma omp simd reduction(+ : sa, sb)
+    for (size_t i = 0; i < n; i++) {
+        double gw = (double)g[i] * (double)w[i], xhat = ((double)x[i] - m) * r;
+        sa += gw;
+        sb += gw * xhat;
+    }
+    if (gw_acc) {
+#pragma omp simd
+        for (size_t i = 0; i < n; i++) gw_acc[i] += (double)g[i] * (((double)x[i] - m) * r);
+    }
+    if (gb_acc) {
+#pragma omp simd
+        for (size_t i = 0; i < n; i++) gb_acc[i] += (double)g[i];
+    }
+    *a += sa;
+    *b += sb;
+}
+
+/* gx = r w g + A (x - m) + B */
+VEC_KERNEL static void ln_grad_apply(const float *g, const float *x, const float *w, float *o, size_t n, float r, float m,
+                                     float A, float B) {
+#pragma omp simd
+    for (size_t i = 0; i < n; i++) o[i] = r * w[i] * g[i] + A * (x[i] - m) + B;
+}
+
+#define FOR_COL_CHUNKS(cols, r, j, i, len)                                                         \
+    for (size_t j = 0, i = (size_t)((r) * (cols)), len;                                            \
+         j < (size_t)(cols) && (len = min_sz(CHUNK, (size_t)(cols) - j), 1); j += len, i += len)
+
+/* rows and cols of x from the statistics' length */
+static int ln_dims(const ampc_tensor *x, const ampc_tensor *stat, const char *k, int64_t *rows, int64_t *cols) {
+    if (!stat) return ampc__err(AMPC_ERR_INVALID, "cpu %s: mean/rstd missing", k);
+    *rows = stat->numel;
+    if (*rows == 0 ? x->numel != 0 : x->numel % *rows != 0)
+        return ampc__err(AMPC_ERR_SHAPE, "cpu %s: %lld elements do not make %lld rows", k, (long long)x->numel,
+                         (long long)*rows);
+    *cols = *rows ? x->numel / *rows : 0;
+    return AMPC_OK;
+}
+
+/* w and b (cols) as f32 arrays: the tensor's own f32 data, or converted into dst, or ones /
+   zeros when absent. */
+static const float *ln_param(const ampc_tensor *t, float *dst, int64_t cols, float dflt) {
+    if (t && t->dtype == AMPC_F32) return ampc__data(t);
+    if (t) ampc__dt(t->dtype)->to_f32(ampc__data(t), dst, (size_t)cols);
+    else
+        for (int64_t i = 0; i < cols; i++) dst[i] = dflt;
+    return dst;
+}
+
+static int cpu_layer_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias, ampc_tensor *y,
+                          ampc_tensor *mean, ampc_tensor *rstd, double eps) {
+    const char *k = "layer_norm";
+    int64_t rows = 0, cols = 0;
+    int rc;
+    if ((rc = ln_dims(x, mean, k, &rows, &cols)) < 0) return rc;
+    if ((rc = check(x, x->numel, false, k, "x")) < 0 || (rc = check(y, x->numel, false, k, "y")) < 0 ||
+        (rc = check(weight, cols, false, k, "weight")) < 0 || (rc = check(bias, cols, false, k, "bias")) < 0 ||
+        (rc = check(mean, rows, true, k, "mean")) < 0 || (rc = check(rstd, rows, true, k, "rstd")) < 0)
+        return rc;
+    if (x->numel == 0) return AMPC_OK;
+    ws_block wsb = {0};
+    float *pbuf = ws_get(&wsb, 2 * (size_t)cols * sizeof(float));
+    if (!pbuf) return ampc_last_status();
+    const float *w = ln_param(weight, pbuf, cols, 1.0f), *b = ln_param(bias, pbuf + cols, cols, 0.0f);
+    float *mp = ampc__data(mean), *rp = rstd ? ampc__data(rstd) : NULL;
+    int nt = threads_for_items(rows, x->numel);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float bx[CHUNK], by[CHUNK];
+        double s = 0, q = 0;
+        FOR_COL_CHUNKS(cols, r, j, i, len) s += sum_f64(ampc__cpu_load(x, i, len, bx), len);
+        double mu = s / (double)cols;
+        FOR_COL_CHUNKS(cols, r, j, i, len) q += sum_sq_dev(ampc__cpu_load(x, i, len, bx), len, mu);
+        double rs = 1 / sqrt(q / (double)cols + eps);
+        mp[r] = (float)mu;
+        if (rp) rp[r] = (float)rs;
+        FOR_COL_CHUNKS(cols, r, j, i, len) {
+            float *out = ampc__cpu_out(y, i, by);
+            ln_apply(ampc__cpu_load(x, i, len, bx), out, len, (float)mu, (float)(mu - (double)(float)mu), (float)rs, w + j,
+                     b + j);
+            ampc__cpu_store(y, i, len, out);
+        }
+    }
+    ws_put(&wsb);
+    return AMPC_OK;
+}
+
+/* Stores acc (n doubles) into a float tensor of any CPU dtype, through f32. */
+static void store_f64(ampc_tensor *t, const double *acc, float *tmp, int64_t n) {
+    for (int64_t i = 0; i < n; i++) tmp[i] = (float)acc[i];
+    if (t->dtype == AMPC_F32) memcpy(ampc__data(t), tmp, (size_t)n * sizeof(float));
+    else ampc__dt(t->dtype)->from_f32(tmp, ampc__data(t), (size_t)n);
+}
+
+static int cpu_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                                   const ampc_tensor *mean, const ampc_tensor *rstd, ampc_tensor *gx, ampc_tensor *gw,
+                                   ampc_tensor *gb) {
+    const char *k = "layer_norm_backward";
+    int64_t rows = 0, cols = 0, n = x->numel;
+    int rc;
+    if ((rc = ln_dims(x, mean, k, &rows, &cols)) < 0) return rc;
+    if ((rc = check(x, n, false, k, "x")) < 0 || (rc = check(gy, n, false, k, "gy")) < 0 ||
+        (rc = check(gx, n, false, k, "gx")) < 0 || (rc = check(weight, cols, false, k, "weight")) < 0 ||
+        (rc = check(mean, rows, true, k, "mean")) < 0 || (rc = check(rstd, rows, true, k, "rstd")) < 0 ||
+        (rc = check(gw, cols, false, k, "gw")) < 0 || (rc = check(gb, cols, false, k, "gb")) < 0)
+        return rc;
+    if (!rstd) return ampc__err(AMPC_ERR_INVALID, "cpu %s: rstd missing", k);
+    int64_t nb = rows < ROW_BLOCKS ? (rows > 0 ? rows : 1) : ROW_BLOCKS;
+    int64_t nacc = (gw ? 1 : 0) + (gb ? 1 : 0);
+    ws_block wsb = {0};
+    /* per-block column sums (nb, nacc, cols) doubles | weight and a store buffer (cols) floats */
+    double *part = ws_get(&wsb, (size_t)(nb * nacc * cols) * sizeof(double) + 2 * (size_t)cols * sizeof(float));
+    if (!part) return ampc_last_status();
+    float *wbuf = (float *)(part + nb * nacc * cols), *tmp = wbuf + cols;
+    const float *w = ln_param(weight, wbuf, cols, 1.0f), *mp = ampc__data(mean), *rp = ampc__data(rstd);
+    int nt = threads_for_items(nb, n);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t bi = 0; bi < nb; bi++) {
+        float bx[CHUNK], bg[CHUNK];
+        double *gwa = gw ? part + bi * nacc * cols : NULL, *gba = gb ? part + (bi * nacc + (gw ? 1 : 0)) * cols : NULL;
+        if (nacc) memset(part + bi * nacc * cols, 0, (size_t)(nacc * cols) * sizeof(double));
+        int64_t r0, r1;
+        row_block(rows, nb, bi, &r0, &r1);
+        for (int64_t r = r0; r < r1; r++) {
+            double m = mp[r], rs = rp[r], a = 0, b = 0;
+            FOR_COL_CHUNKS(cols, r, j, i, len) {
+                ln_grad_sums(ampc__cpu_load(gy, i, len, bg), ampc__cpu_load(x, i, len, bx), w + j, len, m, rs, &a, &b,
+                             gwa ? gwa + j : NULL, gba ? gba + j : NULL);
+            }
+            if (!gx) continue;
+            /* gx = rs (g w - a/n - xhat b/n) = rs w g + A (x - m) + B */
+            double A = -rs * rs * b / (double)cols, B = -rs * a / (double)cols;
+            FOR_COL_CHUNKS(cols, r, j, i, len) {
+                const float *gp = ampc__cpu_load(gy, i, len, bg), *xp = ampc__cpu_load(x, i, len, bx);
+                float *out = ampc__cpu_out(gx, i, bg);
+                ln_grad_apply(gp, xp, w + j, out, len, (float)rs, mp[r], (float)A, (float)B);
+                ampc__cpu_store(gx, i, len, out);
+            }
+        }
+    }
+    for (int t = 0; t < (int)nacc; t++) {   /* combine the blocks in order */
+        double *acc = part + t * cols;
+        for (int64_t bi = 1; bi < nb; bi++)
+            for (int64_t i = 0; i < cols; i++) acc[i] += part[(bi * nacc + t) * cols + i];
+        store_f64(t == 0 && gw ? gw : gb, acc, tmp, cols);
+    }
+    ws_put(&wsb);
+    return AMPC_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+void ampc__cpu_register_norm(ampc_backend *be) {
+    be->batch_norm = cpu_batch_norm;
+    be->batch_norm_backward = cpu_batch_norm_backward;
+    be->layer_norm = cpu_layer_norm;
+    be->layer_norm_backward = cpu_layer_norm_backward;
+}

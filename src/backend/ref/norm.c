@@ -1,6 +1,230 @@
 /*
- * norm.c - REF kernels: norm (filled in by the kernel work).
+ * norm.c - REF kernels of batch norm and layer norm: the textbook formulas in f64, one
+ * element at a time (two-pass statistics), the oracle of the CPU kernels
+ * (src/backend/cpu/norm.c).
+ *
+ *   batch norm: x (N, C, S...) per channel c over the M = N * S elements x[n, c, s];
+ *               y = (x - mean) * invstd * w + b, invstd = 1 / sqrt(var + eps) with the biased
+ *               variance; running stats r = (1 - m) r + m stat with the unbiased variance.
+ *   layer norm: x viewed as (rows, cols), statistics per row, w/b per column.
  */
 #include "backend/backend.h"
 
-void ampc__ref_register_norm(ampc_backend *be) { (void)be; }
+#include <math.h>
+
+// ---------------------------------------------------------------------------------------------
+// Checks
+
+static int check_f64(const ampc_tensor *t, const char *kernel, const char *what) {
+    if (t && t->dtype != AMPC_F64)
+        return ampc__err(AMPC_ERR_DTYPE, "%s: %s is %s, the ref device computes in f64", kernel, what,
+                         ampc_dtype_name(t->dtype));
+    return AMPC_OK;
+}
+
+static int check_numel(const ampc_tensor *t, int64_t n, const char *kernel, const char *what) {
+    if (t && t->numel != n)
+        return ampc__err(AMPC_ERR_SHAPE, "%s: %s has %lld elements, expected %lld", kernel, what, (long long)t->numel,
+                         (long long)n);
+    return AMPC_OK;
+}
+
+/* Each tensor ts[i] (NULL allowed) is f64 with want[i] elements. */
+static int check_all(const ampc_tensor *const *ts, const char *const *names, const int64_t *want, int n, const char *k) {
+    int rc;
+    for (int i = 0; i < n; i++)
+        if ((rc = check_f64(ts[i], k, names[i])) < 0 || (rc = check_numel(ts[i], want[i], k, names[i])) < 0) return rc;
+    return AMPC_OK;
+}
+
+/* x (N, C, S...) as N, C and S (the product of the trailing dims). */
+static int bn_dims(const ampc_tensor *x, const char *kernel, int64_t *N, int64_t *C, int64_t *S) {
+    if (x->ndim < 2) return ampc__err(AMPC_ERR_SHAPE, "%s: x needs at least 2 dimensions (N, C, ...)", kernel);
+    *N = x->shape[0];
+    *C = x->shape[1];
+    *S = 1;
+    for (int i = 2; i < x->ndim; i++) *S *= x->shape[i];
+    return AMPC_OK;
+}
+
+static double at_or(const ampc_tensor *t, int64_t i, double dflt) { return t ? ((const double *)ampc__data(t))[i] : dflt; }
+
+// ---------------------------------------------------------------------------------------------
+// Batch norm
+
+static int ref_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
+                          ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *save_mean,
+                          ampc_tensor *save_invstd, bool training, double momentum, double eps) {
+    const char *k = "batch_norm";
+    int64_t N = 0, C = 0, S = 0;
+    int rc;
+    if ((rc = bn_dims(x, k, &N, &C, &S)) < 0) return rc;
+    const ampc_tensor *ts[] = {x, weight, bias, running_mean, running_var, y, save_mean, save_invstd};
+    const char *names[] = {"x", "weight", "bias", "running_mean", "running_var", "y", "save_mean", "save_invstd"};
+    if ((rc = check_all(ts, names, (int64_t[]){x->numel, C, C, C, C, x->numel, C, C}, 8, k)) < 0) return rc;
+    if (!training && (!running_mean || !running_var))
+        return ampc__err(AMPC_ERR_INVALID, "%s: evaluation needs running_mean and running_var", k);
+    int64_t M = N * S;
+    if (training && M < 1) return ampc__err(AMPC_ERR_INVALID, "%s: no values per channel", k);
+    const double *xp = ampc__data(x);
+    double *yp = ampc__data(y);
+    for (int64_t c = 0; c < C; c++) {
+        double mean, var;
+        if (training) {
+            double s = 0, q = 0;
+            for (int64_t n = 0; n < N; n++)
+                for (int64_t i = 0; i < S; i++) s += xp[(n * C + c) * S + i];
+            mean = s / (double)M;
+            for (int64_t n = 0; n < N; n++)
+                for (int64_t i = 0; i < S; i++) {
+                    double d = xp[(n * C + c) * S + i] - mean;
+                    q += d * d;
+                }
+            var = q / (double)M;
+            double unbiased = M > 1 ? q / (double)(M - 1) : NAN;   /* the op refuses M == 1 */
+            if (running_mean) {
+                double *rm = ampc__data(running_mean);
+                rm[c] = (1 - momentum) * rm[c] + momentum * mean;
+            }
+            if (running_var) {
+                double *rv = ampc__data(running_var);
+                rv[c] = (1 - momentum) * rv[c] + momentum * unbiased;
+            }
+        } else {
+            mean = at_or(running_mean, c, 0);
+            var = at_or(running_var, c, 1);
+        }
+        double invstd = 1 / sqrt(var + eps), w = at_or(weight, c, 1), b = at_or(bias, c, 0);
+        if (save_mean) ((double *)ampc__data(save_mean))[c] = mean;
+        if (save_invstd) ((double *)ampc__data(save_invstd))[c] = invstd;
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t i = 0; i < S; i++) {
+                int64_t j = (n * C + c) * S + i;
+                yp[j] = (xp[j] - mean) * invstd * w + b;
+            }
+    }
+    return AMPC_OK;
+}
+
+static int ref_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                                   const ampc_tensor *save_mean, const ampc_tensor *save_invstd, bool training,
+                                   ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
+    const char *k = "batch_norm_backward";
+    int64_t N = 0, C = 0, S = 0;
+    int rc;
+    if ((rc = bn_dims(x, k, &N, &C, &S)) < 0) return rc;
+    const ampc_tensor *ts[] = {x, gy, weight, save_mean, save_invstd, gx, gw, gb};
+    const char *names[] = {"x", "gy", "weight", "save_mean", "save_invstd", "gx", "gw", "gb"};
+    int64_t n = x->numel;
+    if ((rc = check_all(ts, names, (int64_t[]){n, n, C, C, C, n, C, C}, 8, k)) < 0) return rc;
+    if (!save_mean || !save_invstd) return ampc__err(AMPC_ERR_INVALID, "%s: statistics missing", k);
+    const double *xp = ampc__data(x), *g = ampc__data(gy);
+    double M = (double)(N * S);
+    for (int64_t c = 0; c < C; c++) {
+        double mean = at_or(save_mean, c, 0), invstd = at_or(save_invstd, c, 1), w = at_or(weight, c, 1);
+        double sg = 0, sgx = 0;   /* sum(gy), sum(gy * xhat) */
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t i = 0; i < S; i++) {
+                int64_t j = (n * C + c) * S + i;
+                sg += g[j];
+                sgx += g[j] * (xp[j] - mean) * invstd;
+            }
+        if (gw) ((double *)ampc__data(gw))[c] = sgx;
+        if (gb) ((double *)ampc__data(gb))[c] = sg;
+        if (!gx) continue;
+        double *o = ampc__data(gx);
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t i = 0; i < S; i++) {
+                int64_t j = (n * C + c) * S + i;
+                double xhat = (xp[j] - mean) * invstd;
+                /* training: mean and variance depend on x too */
+                o[j] = training ? w * invstd / M * (M * g[j] - sg - xhat * sgx) : g[j] * w * invstd;
+            }
+    }
+    return AMPC_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layer norm
+
+/* rows and cols of x from the statistics' length (rows) */
+static int ln_dims(const ampc_tensor *x, const ampc_tensor *stat, const char *k, int64_t *rows, int64_t *cols) {
+    if (!stat) return ampc__err(AMPC_ERR_INVALID, "%s: mean/rstd missing", k);
+    *rows = stat->numel;
+    if (*rows == 0 ? x->numel != 0 : x->numel % *rows != 0)
+        return ampc__err(AMPC_ERR_SHAPE, "%s: %lld elements do not make %lld rows", k, (long long)x->numel, (long long)*rows);
+    *cols = *rows ? x->numel / *rows : 0;
+    return AMPC_OK;
+}
+
+static int ref_layer_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias, ampc_tensor *y,
+                          ampc_tensor *mean, ampc_tensor *rstd, double eps) {
+    const char *k = "layer_norm";
+    int64_t rows = 0, cols = 0;
+    int rc;
+    if ((rc = ln_dims(x, mean, k, &rows, &cols)) < 0) return rc;
+    const ampc_tensor *ts[] = {x, weight, bias, y, mean, rstd};
+    const char *names[] = {"x", "weight", "bias", "y", "mean", "rstd"};
+    if ((rc = check_all(ts, names, (int64_t[]){x->numel, cols, cols, x->numel, rows, rows}, 6, k)) < 0) return rc;
+    const double *xp = ampc__data(x);
+    double *yp = ampc__data(y);
+    for (int64_t r = 0; r < rows; r++) {
+        const double *xr = xp + r * cols;
+        double s = 0, q = 0;
+        for (int64_t i = 0; i < cols; i++) s += xr[i];
+        double mu = s / (double)cols;
+        for (int64_t i = 0; i < cols; i++) q += (xr[i] - mu) * (xr[i] - mu);
+        double rs = 1 / sqrt(q / (double)cols + eps);
+        ((double *)ampc__data(mean))[r] = mu;
+        if (rstd) ((double *)ampc__data(rstd))[r] = rs;
+        for (int64_t i = 0; i < cols; i++) yp[r * cols + i] = (xr[i] - mu) * rs * at_or(weight, i, 1) + at_or(bias, i, 0);
+    }
+    return AMPC_OK;
+}
+
+static int ref_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                                   const ampc_tensor *mean, const ampc_tensor *rstd, ampc_tensor *gx, ampc_tensor *gw,
+                                   ampc_tensor *gb) {
+    const char *k = "layer_norm_backward";
+    int64_t rows = 0, cols = 0;
+    int rc;
+    if ((rc = ln_dims(x, mean, k, &rows, &cols)) < 0) return rc;
+    const ampc_tensor *ts[] = {x, gy, weight, mean, rstd, gx, gw, gb};
+    const char *names[] = {"x", "gy", "weight", "mean", "rstd", "gx", "gw", "gb"};
+    int64_t n = x->numel;
+    if ((rc = check_all(ts, names, (int64_t[]){n, n, cols, rows, rows, n, cols, cols}, 8, k)) < 0) return rc;
+    if (!rstd) return ampc__err(AMPC_ERR_INVALID, "%s: rstd missing", k);
+    const double *xp = ampc__data(x), *g = ampc__data(gy);
+    double *gwp = gw ? ampc__data(gw) : NULL, *gbp = gb ? ampc__data(gb) : NULL;
+    for (int64_t i = 0; i < cols; i++) {
+        if (gwp) gwp[i] = 0;
+        if (gbp) gbp[i] = 0;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const double *xr = xp + r * cols, *gr = g + r * cols;
+        double mu = at_or(mean, r, 0), rs = at_or(rstd, r, 1), a = 0, b = 0;   /* a = sum(gy w), b = sum(gy w xhat) */
+        for (int64_t i = 0; i < cols; i++) {
+            double xhat = (xr[i] - mu) * rs, gw_i = gr[i] * at_or(weight, i, 1);
+            a += gw_i;
+            b += gw_i * xhat;
+            if (gwp) gwp[i] += gr[i] * xhat;
+            if (gbp) gbp[i] += gr[i];
+        }
+        if (!gx) continue;
+        double *o = (double *)ampc__data(gx) + r * cols, n = (double)cols;
+        for (int64_t i = 0; i < cols; i++) {
+            double xhat = (xr[i] - mu) * rs;
+            o[i] = rs / n * (n * gr[i] * at_or(weight, i, 1) - a - xhat * b);
+        }
+    }
+    return AMPC_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+void ampc__ref_register_norm(ampc_backend *be) {
+    be->batch_norm = ref_batch_norm;
+    be->batch_norm_backward = ref_batch_norm_backward;
+    be->layer_norm = ref_layer_norm;
+    be->layer_norm_backward = ref_layer_norm_backward;
+}

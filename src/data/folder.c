@@ -1,0 +1,553 @@
+/*
+ * folder.c - the image-folder dataset (Caltech-256, torchvision's ImageFolder layout):
+ * root/<class>/.../<image>.{jpg,jpeg,png}, decoded on demand in get() and resized to one size.
+ *
+ * Scanning follows torchvision's ImageFolder rules: classes are the subfolders of root sorted
+ * by name (byte order, like Python's sorted), labels their positions; each class folder is
+ * walked recursively, its folders in sorted path order and the files of each sorted by name.
+ * Differences, deliberate: names starting with '.' (files and folders) are skipped; only .jpg,
+ * .jpeg and .png (any case) are candidates; walks stop 16 folders deep (symlink loops).
+ *
+ * Bad files: every candidate's header is checked at scan time (cheap: no pixels are decoded).
+ * One that is not a readable JPEG/PNG (a text file named x.jpg, a file cut inside its header,
+ * an image over 16384 pixels a side) is skipped with one line on stderr naming it, and counted
+ * (ampc_dataset_folder_skipped). A file that passes the header check but fails to decode later
+ * (cut in its pixel data) makes get() return AMPC_ERR_FORMAT naming it; the loader surfaces it.
+ * A class folder left without images is an error, as in torchvision.
+ *
+ * Index CSV (the usual preprocess step, and a cache of the scan): a header `image_path,target`
+ * and one row per image, paths relative to root ('/'-separated; absolute ones are taken as they
+ * are), RFC 4180 quoting. Given an index path that exists, open reads it instead of scanning
+ * (no header checks); otherwise it scans and writes it (to a temporary name, then renamed, so
+ * an interrupted write never leaves a partial index). Class names from an index are the first
+ * path component of the first row of each target.
+ */
+#include "data/data.h"
+#include "data/image.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define MAX_DEPTH 16
+#define MAX_CLASSES 1000000
+
+typedef struct {
+    char **paths;        /* (size) full paths: root/relative, or absolute ones from an index */
+    int64_t *targets;    /* (size) */
+    int64_t skipped;     /* candidates refused by the header check at scan time */
+} folder_impl;
+
+// ---------------------------------------------------------------------------------------------
+// Growing arrays of strings and labels
+
+typedef struct {
+    char **v;
+    int64_t *t;          /* a label per string, when used as an index */
+    int64_t n, cap;
+} list;
+
+static void list_free(list *l) {
+    for (int64_t i = 0; i < l->n; i++) free(l->v[i]);
+    free(l->v);
+    free(l->t);
+    *l = (list){0};
+}
+
+/* Appends s (taken over: freed on failure too) with label t. */
+static int list_push(list *l, char *s, int64_t t) {
+    if (!s) return ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+    if (l->n == l->cap) {
+        int64_t cap = l->cap ? 2 * l->cap : 64;
+        char **v = realloc(l->v, (size_t)cap * sizeof *v);
+        if (v) l->v = v;
+        int64_t *tt = v ? realloc(l->t, (size_t)cap * sizeof *tt) : NULL;
+        if (tt) l->t = tt;
+        if (!v || !tt) {
+            free(s);
+            return ampc__err(AMPC_ERR_OOM, "image folder: out of memory for %lld entries", (long long)cap);
+        }
+        l->cap = cap;
+    }
+    l->v[l->n] = s;
+    l->t[l->n++] = t;
+    return 0;
+}
+
+static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* Sorts the strings by bytes (Python's sorted()); labels are not kept in step. */
+static void list_sort(list *l) {
+    if (l->n > 1) qsort(l->v, (size_t)l->n, sizeof *l->v, cmp_str);
+}
+
+/* "a/b" from a and b (either may be empty); malloc'd, NULL when out of memory. */
+static char *join(const char *a, const char *b) {
+    if (!*a) return strdup(b);
+    if (!*b) return strdup(a);
+    size_t na = strlen(a), nb = strlen(b);
+    char *s = malloc(na + nb + 2);
+    if (!s) return NULL;
+    memcpy(s, a, na);
+    s[na] = '/';
+    memcpy(s + na + 1, b, nb + 1);
+    return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scanning
+
+static bool is_image_name(const char *name) {
+    const char *dot = strrchr(name, '.');
+    return dot && (!strcasecmp(dot, ".jpg") || !strcasecmp(dot, ".jpeg") || !strcasecmp(dot, ".png"));
+}
+
+/* The visible entries of dir, split into folders and files (names, each list sorted).
+   Symlinks are followed; a dangling one counts as a file (its check then fails). */
+static int list_dir(const char *dir, list *dirs, list *files) {
+    char eb[128];
+    DIR *d = opendir(dir);
+    if (!d) return ampc__err(AMPC_ERR_IO, "image folder: %s: %s", dir, strerror_r(errno, eb, sizeof eb));
+    struct dirent *e;
+    int rc = 0;
+    while (rc == 0 && (errno = 0, e = readdir(d))) {
+        if (e->d_name[0] == '.') continue;   /* hidden, and . and .. */
+        char *full = join(dir, e->d_name);
+        if (!full) {
+            rc = ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+            break;
+        }
+        struct stat st;
+        bool is_dir = stat(full, &st) == 0 && S_ISDIR(st.st_mode);
+        free(full);
+        rc = list_push(is_dir ? dirs : files, strdup(e->d_name), 0);
+    }
+    if (rc == 0 && errno) rc = ampc__err(AMPC_ERR_IO, "image folder: reading %s: %s", dir, strerror_r(errno, eb, sizeof eb));
+    closedir(d);
+    if (rc == 0) {
+        list_sort(dirs);
+        list_sort(files);
+    }
+    return rc;
+}
+
+/* Relative paths of the folders under root/rel (rel included), at most MAX_DEPTH deep. */
+static int collect_dirs(const char *root, const char *rel, int depth, list *out) {
+    int rc = list_push(out, strdup(rel), 0);
+    if (rc < 0 || depth >= MAX_DEPTH) return rc;
+    char *full = join(root, rel);
+    if (!full) return ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+    list dirs = {0}, files = {0};
+    rc = list_dir(full, &dirs, &files);
+    free(full);
+    for (int64_t i = 0; rc == 0 && i < dirs.n; i++) {
+        char *sub = join(rel, dirs.v[i]);
+        rc = sub ? collect_dirs(root, sub, depth + 1, out) : ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+        free(sub);
+    }
+    list_free(&dirs);
+    list_free(&files);
+    return rc;
+}
+
+/* Appends the images of class folder root/cls to idx (relative paths, label target). */
+static int scan_class(const char *root, const char *cls, int64_t target, list *idx, int64_t *skipped) {
+    list dirs = {0};
+    int rc = collect_dirs(root, cls, 1, &dirs);
+    /* torchvision walks sorted(os.walk(...)): folders in the byte order of their whole paths */
+    if (rc == 0) list_sort(&dirs);
+    int64_t found = 0;
+    for (int64_t i = 0; rc == 0 && i < dirs.n; i++) {
+        list sub = {0}, files = {0};
+        char *full = join(root, dirs.v[i]);
+        rc = full ? list_dir(full, &sub, &files) : ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+        for (int64_t k = 0; rc == 0 && k < files.n; k++) {
+            if (!is_image_name(files.v[k])) continue;
+            char *path = join(full, files.v[k]);
+            if (!path) {
+                rc = ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+                break;
+            }
+            int prc = ampc__image_probe_file(path, NULL, NULL);
+            free(path);
+            if (prc == AMPC_ERR_FORMAT || prc == AMPC_ERR_IO) {
+                /* the message without its "<status text>: " prefix starts with the path */
+                const char *why = ampc_last_error() + strlen(ampc_strerror(prc)) + 2;
+                fprintf(stderr, "ampc: image folder: skipping %s\n", why);
+                ampc_clear_error();
+                (*skipped)++;
+            } else if (prc < 0) {
+                rc = prc;
+            } else {
+                rc = list_push(idx, join(dirs.v[i], files.v[k]), target);
+                found++;
+            }
+        }
+        free(full);
+        list_free(&sub);
+        list_free(&files);
+    }
+    list_free(&dirs);
+    if (rc == 0 && found == 0)
+        rc = ampc__err(AMPC_ERR_FORMAT, "image folder %s: class folder '%s' has no readable .jpg/.jpeg/.png image", root,
+                       cls);
+    return rc;
+}
+
+static int scan(const char *root, list *classes, list *idx, int64_t *skipped) {
+    list files = {0};
+    int rc = list_dir(root, classes, &files);
+    list_free(&files);   /* files directly under root belong to no class */
+    if (rc == 0 && classes->n == 0)
+        rc = ampc__err(AMPC_ERR_FORMAT, "image folder %s: no class folders (expected root/<class>/<image>)", root);
+    for (int64_t c = 0; rc == 0 && c < classes->n; c++) rc = scan_class(root, classes->v[c], c, idx, skipped);
+    if (rc == 0 && *skipped > 0)
+        fprintf(stderr, "ampc: image folder %s: skipped %lld file(s) that are not readable JPEG/PNG images\n", root,
+                (long long)*skipped);
+    return rc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Index CSV
+
+static void csv_field(FILE *f, const char *s) {
+    if (!strpbrk(s, ",\"\r\n")) {
+        fputs(s, f);
+        return;
+    }
+    fputc('"', f);
+    for (; *s; s++) {
+        if (*s == '"') fputc('"', f);
+        fputc(*s, f);
+    }
+    fputc('"', f);
+}
+
+static int write_index(const char *csv, const list *idx) {
+    char eb[128];
+    size_t n = strlen(csv) + 32;
+    char *tmp = malloc(n);
+    if (!tmp) return ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+    snprintf(tmp, n, "%s.tmp.%ld", csv, (long)getpid());
+    FILE *f = fopen(tmp, "w");
+    if (!f) {
+        int rc = ampc__err(AMPC_ERR_IO, "image folder index %s: %s", tmp, strerror_r(errno, eb, sizeof eb));
+        free(tmp);
+        return rc;
+    }
+    fputs("image_path,target\n", f);
+    for (int64_t i = 0; i < idx->n; i++) {
+        csv_field(f, idx->v[i]);
+        fprintf(f, ",%lld\n", (long long)idx->t[i]);
+    }
+    bool bad = ferror(f) != 0;
+    int e = errno;
+    if (fclose(f) != 0 && !bad) {
+        bad = true;
+        e = errno;
+    }
+    int rc = 0;
+    if (bad) {
+        rc = ampc__err(AMPC_ERR_IO, "image folder index %s: write failed: %s", tmp, strerror_r(e, eb, sizeof eb));
+        remove(tmp);
+    } else if (rename(tmp, csv) != 0) {
+        rc = ampc__err(AMPC_ERR_IO, "image folder index: renaming %s to %s: %s", tmp, csv, strerror_r(errno, eb, sizeof eb));
+        remove(tmp);
+    }
+    free(tmp);
+    return rc;
+}
+
+typedef struct {
+    const char *p, *name;
+    size_t n, pos;
+    int64_t line;   /* of the next character */
+} csv_reader;
+
+typedef struct { char *s; size_t n, cap; } strbuf;
+
+static bool sb_put(strbuf *b, char c) {
+    if (b->n + 1 >= b->cap) {
+        size_t cap = b->cap ? 2 * b->cap : 64;
+        char *s = realloc(b->s, cap);
+        if (!s) return false;
+        b->s = s;
+        b->cap = cap;
+    }
+    b->s[b->n++] = c;
+    b->s[b->n] = 0;
+    return true;
+}
+
+/* One record: its first `max` fields into fields[] (malloc'd), *nf = how many it has, *line =
+   the line it starts on. 1: a record, 0: end of input, < 0: error naming the line. */
+static int csv_record(csv_reader *r, char **fields, int max, int *nf, int64_t *line) {
+    if (r->pos >= r->n) return 0;
+    const char *p = r->p;
+    *nf = 0;
+    *line = r->line;
+    for (;;) {
+        strbuf b = {0};
+        if (!sb_put(&b, 0)) return ampc__err(AMPC_ERR_OOM, "image folder index: out of memory");
+        b.n = 0;
+        bool ok = true;
+        if (r->pos < r->n && p[r->pos] == '"') {
+            r->pos++;
+            for (;;) {
+                if (r->pos >= r->n) {
+                    free(b.s);
+                    return ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: unterminated quoted field", r->name,
+                                     (long long)*line);
+                }
+                char ch = p[r->pos++];
+                if (ch == '"') {
+                    if (r->pos < r->n && p[r->pos] == '"') r->pos++;
+                    else break;
+                }
+                if (ch == '\n') r->line++;
+                ok = ok && sb_put(&b, ch);
+            }
+            if (r->pos < r->n && p[r->pos] != ',' && p[r->pos] != '\n' && p[r->pos] != '\r') {
+                free(b.s);
+                return ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: text after a closing quote", r->name,
+                                 (long long)*line);
+            }
+        } else {
+            for (; r->pos < r->n && p[r->pos] != ',' && p[r->pos] != '\n' && p[r->pos] != '\r'; r->pos++) {
+                if (p[r->pos] == '"') {
+                    free(b.s);
+                    return ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: quote inside an unquoted field "
+                                     "(quote the whole field)", r->name, (long long)*line);
+                }
+                ok = ok && sb_put(&b, p[r->pos]);
+            }
+        }
+        if (!ok) {
+            free(b.s);
+            return ampc__err(AMPC_ERR_OOM, "image folder index: out of memory");
+        }
+        if (*nf < max) fields[*nf] = b.s;
+        else free(b.s);
+        (*nf)++;
+        if (r->pos < r->n && p[r->pos] == ',') {
+            r->pos++;
+            continue;
+        }
+        if (r->pos < r->n && p[r->pos] == '\r') r->pos++;
+        if (r->pos < r->n && p[r->pos] == '\n') r->pos++;
+        r->line++;
+        return 1;
+    }
+}
+
+static void free_fields(char **f, int nf, int max) {
+    for (int i = 0; i < nf && i < max; i++) free(f[i]);
+}
+
+/* Reads the index into idx (paths as written, labels). */
+static int read_index(const char *csv, list *idx) {
+    char eb[128];
+    FILE *fp = fopen(csv, "rb");
+    if (!fp) return ampc__err(AMPC_ERR_IO, "image folder index %s: %s", csv, strerror_r(errno, eb, sizeof eb));
+    struct stat st;
+    if (fstat(fileno(fp), &st) != 0 || !S_ISREG(st.st_mode)) {
+        fclose(fp);
+        return ampc__err(AMPC_ERR_IO, "image folder index %s: not a regular file", csv);
+    }
+    size_t n = (size_t)st.st_size;
+    char *buf = malloc(n + 1);
+    size_t got = buf ? fread(buf, 1, n, fp) : 0;
+    int e = errno;
+    fclose(fp);
+    if (!buf) return ampc__err(AMPC_ERR_OOM, "image folder index %s: %zu bytes", csv, n);
+    if (got != n) {
+        free(buf);
+        return ampc__err(AMPC_ERR_IO, "image folder index %s: read failed: %s", csv, strerror_r(e, eb, sizeof eb));
+    }
+    csv_reader r = {.p = buf, .name = csv, .n = n, .line = 1};
+    if (n >= 3 && !memcmp(buf, "\xEF\xBB\xBF", 3)) r.pos = 3;   /* UTF-8 byte order mark */
+    char *f[2];
+    int nf, rc;
+    int64_t line;
+    rc = csv_record(&r, f, 2, &nf, &line);
+    if (rc == 0) rc = ampc__err(AMPC_ERR_FORMAT, "image folder index %s: empty file (expected a header image_path,target)", csv);
+    if (rc > 0) {
+        bool ok = nf == 2 && !strcmp(f[0], "image_path") && !strcmp(f[1], "target");
+        free_fields(f, nf, 2);
+        rc = ok ? 0 : ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: the header must be image_path,target", csv,
+                                (long long)line);
+    }
+    while (rc == 0 && (rc = csv_record(&r, f, 2, &nf, &line)) > 0) {
+        rc = 0;
+        if (nf == 1 && !f[0][0]) {   /* blank line */
+            free(f[0]);
+            continue;
+        }
+        char *end = NULL;
+        long long t = 0;
+        if (nf == 2) {
+            errno = 0;
+            t = strtoll(f[1], &end, 10);
+        }
+        if (nf != 2)
+            rc = ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: expected 2 fields (image_path,target), found %d",
+                           csv, (long long)line, nf);
+        else if (!f[0][0])
+            rc = ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: empty image_path", csv, (long long)line);
+        else if (!f[1][0] || *end || errno || t < 0 || t >= MAX_CLASSES)
+            rc = ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: target '%s' is not an integer in [0, %d)", csv,
+                           (long long)line, f[1], MAX_CLASSES);
+        else {
+            rc = list_push(idx, f[0], t);
+            f[0] = NULL;   /* taken over */
+        }
+        free_fields(f, nf, 2);
+    }
+    free(buf);
+    if (rc == 0 && idx->n == 0) rc = ampc__err(AMPC_ERR_FORMAT, "image folder index %s: no rows", csv);
+    return rc;
+}
+
+/* Class names of an index: the first path component of each target's first row (NULL if a
+   target has no rows or its path has no folder). */
+static int index_classes(const list *idx, list *classes) {
+    int64_t k = 0;
+    for (int64_t i = 0; i < idx->n; i++)
+        if (idx->t[i] + 1 > k) k = idx->t[i] + 1;
+    if (!(classes->v = calloc((size_t)k, sizeof *classes->v)))
+        return ampc__err(AMPC_ERR_OOM, "image folder: out of memory for %lld classes", (long long)k);
+    classes->n = classes->cap = k;
+    for (int64_t i = 0; i < idx->n; i++) {
+        const char *p = idx->v[i], *slash = strchr(p, '/');
+        int64_t t = idx->t[i];
+        if (classes->v[t] || !slash || p[0] == '/') continue;
+        if (!(classes->v[t] = strndup(p, (size_t)(slash - p))))
+            return ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+    }
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The dataset
+
+static int folder_get(ampc_dataset *ds, int64_t i, float *img, int64_t *label) {
+    folder_impl *f = ds->impl;
+    if (i < 0 || i >= ds->size)
+        return ampc__err(AMPC_ERR_INVALID, "image folder: index %lld out of range [0, %lld)", (long long)i,
+                         (long long)ds->size);
+    ampc_image im;
+    int rc = ampc__image_decode_file(f->paths[i], (int)ds->channels, &im);
+    if (rc < 0) return rc;
+    rc = ampc__image_resize_chw(&im, ds->height, ds->width, img);
+    ampc__image_free(&im);
+    if (rc < 0) return rc;
+    *label = f->targets[i];
+    return 0;
+}
+
+static void folder_free(ampc_dataset *ds) {
+    folder_impl *f = ds->impl;
+    if (!f) return;
+    for (int64_t i = 0; i < ds->size; i++) free(f->paths[i]);
+    free(f->paths);
+    free(f->targets);
+    free(f);
+    ds->impl = NULL;
+}
+
+static const ampc_dataset_vtable folder_vt = {"folder", folder_get, folder_free};
+
+static const folder_impl *as_folder(const ampc_dataset *ds, const char *fn) {
+    if (!ds || ds->vt != &folder_vt) return ampc__err_null(AMPC_ERR_INVALID, "%s: not an image-folder dataset", fn);
+    return ds->impl;
+}
+
+int64_t ampc_dataset_folder_skipped(const ampc_dataset *ds) {
+    const folder_impl *f = as_folder(ds, "ampc_dataset_folder_skipped");
+    return f ? f->skipped : AMPC_ERR_INVALID;
+}
+
+const char *ampc_dataset_folder_path(const ampc_dataset *ds, int64_t i) {
+    const folder_impl *f = as_folder(ds, "ampc_dataset_folder_path");
+    if (!f) return NULL;
+    if (i < 0 || i >= ds->size)
+        return ampc__err_null(AMPC_ERR_INVALID, "ampc_dataset_folder_path: index %lld out of range [0, %lld)",
+                              (long long)i, (long long)ds->size);
+    return f->paths[i];
+}
+
+ampc_dataset *ampc_dataset_folder_open(const char *root, const ampc_folder_options *o) {
+    char eb[128];
+    if (!root || !o) return ampc__err_null(AMPC_ERR_INVALID, "ampc_dataset_folder_open: NULL root or options");
+    int channels = o->channels ? o->channels : 3;
+    if (o->height <= 0 || o->width <= 0 || o->height > AMPC_IMAGE_MAX_DIM || o->width > AMPC_IMAGE_MAX_DIM)
+        return ampc__err_null(AMPC_ERR_INVALID, "image folder %s: height and width must be in [1, %d], not %lldx%lld",
+                              root, AMPC_IMAGE_MAX_DIM, (long long)o->height, (long long)o->width);
+    if (channels != 1 && channels != 3)
+        return ampc__err_null(AMPC_ERR_INVALID, "image folder %s: channels must be 1 or 3, not %d", root, channels);
+    struct stat st;
+    if (stat(root, &st) != 0)
+        return ampc__err_null(AMPC_ERR_IO, "image folder %s: %s", root, strerror_r(errno, eb, sizeof eb));
+    if (!S_ISDIR(st.st_mode)) return ampc__err_null(AMPC_ERR_IO, "image folder %s: not a directory", root);
+
+    list classes = {0}, idx = {0};
+    int64_t skipped = 0;
+    int rc;
+    bool have_index = false;
+    if (o->index_csv) {
+        if (stat(o->index_csv, &st) == 0) have_index = true;
+        else if (errno != ENOENT)
+            return ampc__err_null(AMPC_ERR_IO, "image folder index %s: %s", o->index_csv, strerror_r(errno, eb, sizeof eb));
+    }
+    if (have_index) {
+        rc = read_index(o->index_csv, &idx);
+        if (rc == 0) rc = index_classes(&idx, &classes);
+    } else {
+        rc = scan(root, &classes, &idx, &skipped);
+        if (rc == 0 && o->index_csv) rc = write_index(o->index_csv, &idx);
+    }
+
+    folder_impl *f = rc == 0 ? calloc(1, sizeof *f) : NULL;
+    ampc_dataset *ds = f ? ampc__dataset_alloc(&folder_vt) : NULL;
+    if (rc == 0 && (!f || !ds)) rc = ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+    if (rc == 0) {
+        f->paths = calloc((size_t)idx.n, sizeof *f->paths);
+        if (!f->paths) rc = ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+    }
+    for (int64_t i = 0; rc == 0 && i < idx.n; i++) {   /* full paths, so get() joins nothing */
+        f->paths[i] = idx.v[i][0] == '/' ? strdup(idx.v[i]) : join(root, idx.v[i]);
+        if (!f->paths[i]) rc = ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+    }
+    if (rc == 0 && have_index && access(f->paths[0], R_OK) != 0)   /* catches a wrong root early */
+        rc = ampc__err(AMPC_ERR_IO, "image folder index %s: first image %s: %s (is the root right?)", o->index_csv,
+                       f->paths[0], strerror_r(errno, eb, sizeof eb));
+    if (rc < 0) {
+        if (f && f->paths)
+            for (int64_t i = 0; i < idx.n; i++) free(f->paths[i]);
+        if (f) free(f->paths);
+        free(f);
+        free(ds);
+        list_free(&classes);
+        list_free(&idx);
+        return NULL;
+    }
+    f->targets = idx.t;   /* taken over */
+    f->skipped = skipped;
+    idx.t = NULL;
+    ds->impl = f;
+    ds->size = idx.n;
+    ds->num_classes = classes.n;
+    ds->channels = channels;
+    ds->height = o->height;
+    ds->width = o->width;
+    ds->class_names = classes.v;   /* taken over; freed by ampc_dataset_free */
+    classes.v = NULL;
+    classes.n = 0;
+    list_free(&classes);
+    list_free(&idx);
+    return ds;
+}

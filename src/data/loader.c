@@ -1,0 +1,355 @@
+/*
+ * loader.c - the data loader: shuffled batches of (images f32 (B, C, H, W), labels i64 (B)),
+ * made on the calling thread (num_workers = 0) or by background pthreads ahead of use.
+ *
+ * Determinism: the epoch's order is a Philox permutation of (seed, epoch) made in
+ * start_epoch, batch b is always positions [b*B, b*B + B) of it, and a sample's random
+ * transforms depend on (seed, epoch, sample index) only. So which worker makes which batch,
+ * and in what order they finish, cannot change a single bit of the output.
+ *
+ * Threads: `prefetch` slots, each a batch buffer malloc'd once (no allocation per batch).
+ * Batch b lives in slot b % prefetch. A worker claims the next batch number under the mutex
+ * once its slot is free, fills it without the lock (reading only the dataset, the permutation
+ * and its own scratch), then marks it ready; ampc_loader_next waits for batch `cur` in its
+ * slot, copies it into two new tensors made on the calling thread (scopes are thread-local),
+ * and frees the slot. start_epoch and free bump a generation counter that workers check
+ * between samples, so they drop stale work quickly; both wait until no fill is in flight
+ * before touching the permutation or the buffers.
+ */
+#include "data/data.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LOADER_MAX_WORKERS 64
+
+typedef enum { SLOT_FREE, SLOT_FILLING, SLOT_READY } slot_state;
+
+typedef struct {
+    float *images;      /* (batch_size, C, H, W) */
+    int64_t *labels;    /* (batch_size) */
+    int64_t batch;      /* batch number held (FILLING/READY) */
+    slot_state state;
+    int status;         /* < 0: the fill failed, msg says why */
+    char msg[512];
+} slot;
+
+typedef struct ampc_loader ampc_loader;
+
+typedef struct {
+    ampc_loader *ld;
+    float *raw;         /* one untransformed sample (C, H, W) */
+    float *s0, *s1;     /* transform scratch */
+} worker_buf;
+
+struct ampc_loader {
+    ampc_dataset *ds;            /* our reference */
+    ampc_loader_options o;
+    ampc_transforms *tf;         /* our copy, or NULL */
+    int64_t c, h, w;             /* dataset sample shape */
+    int64_t oc, oh, ow;          /* after transforms */
+    int64_t n, n_batches;
+    int64_t *perm;               /* (n) this epoch's order */
+    int64_t epoch;
+    bool started;
+    int64_t cur;                 /* next batch to hand out */
+    int failed;                  /* sticky error of this epoch */
+    char failed_msg[512];
+
+    int n_workers;
+    pthread_t *threads;
+    worker_buf *bufs;            /* n_bufs: one per worker (one for the synchronous path) */
+    int n_bufs;
+    int n_slots;
+    slot *slots;
+    pthread_mutex_t mu;
+    pthread_cond_t work, ready, idle;
+    int64_t next_claim;          /* next batch a worker may take */
+    int n_filling;
+    bool active, stop;
+    atomic_int gen;              /* bumped when in-flight fills become stale */
+};
+
+ampc_loader_options ampc_loader_defaults(void) {
+    return (ampc_loader_options){.batch_size = 64, .shuffle = true, .drop_last = false, .seed = 0,
+                                 .num_workers = 0, .prefetch = 0, .transforms = NULL};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Filling a batch (any thread)
+
+/* The message of the last error on this thread without its "<status text>: " prefix. */
+static const char *bare_message(int status) {
+    const char *m = ampc_last_error(), *p = ampc_strerror(status);
+    size_t k = strlen(p);
+    return strncmp(m, p, k) == 0 && m[k] == ':' && m[k + 1] == ' ' ? m + k + 2 : m;
+}
+
+static int64_t batch_rows(const ampc_loader *ld, int64_t b) {
+    int64_t left = ld->n - b * ld->o.batch_size;
+    return left < ld->o.batch_size ? left : ld->o.batch_size;
+}
+
+/* Fills batch b into images/labels. gen >= 0: give up (return 1) once the generation moves on. */
+static int fill_batch(ampc_loader *ld, worker_buf *wb, int64_t b, float *images, int64_t *labels, int gen) {
+    const int64_t rows = batch_rows(ld, b), per = ld->oc * ld->oh * ld->ow;
+    ampc_dataset *ds = ld->ds;
+    for (int64_t k = 0; k < rows; k++) {
+        if (gen >= 0 && atomic_load_explicit(&ld->gen, memory_order_relaxed) != gen) return 1;
+        int64_t idx = ld->perm[b * ld->o.batch_size + k];
+        float *dst = images + k * per;
+        int rc = ds->vt->get(ds, idx, ld->tf ? wb->raw : dst, &labels[k]);
+        if (rc >= 0 && ld->tf)
+            rc = ampc__transforms_run(ld->tf, ld->c, ld->h, ld->w, wb->raw, dst, wb->s0, wb->s1, ld->o.seed,
+                                      ld->epoch, idx);
+        if (rc >= 0 && (labels[k] < 0 || labels[k] >= ds->num_classes))
+            rc = ampc__err(AMPC_ERR_FORMAT, "label %lld not in [0, %lld)", (long long)labels[k],
+                           (long long)ds->num_classes);
+        if (rc < 0) {
+            char why[512];   /* copied: the message lives in the buffer ampc__err rewrites */
+            snprintf(why, sizeof why, "%s", bare_message(rc));
+            return ampc__err(rc, "loader: sample %lld (batch %lld of epoch %lld): %s", (long long)idx, (long long)b,
+                             (long long)ld->epoch, why);
+        }
+    }
+    return AMPC_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Workers
+
+static void *worker_main(void *arg) {
+    worker_buf *wb = arg;
+    ampc_loader *ld = wb->ld;
+    pthread_mutex_lock(&ld->mu);
+    for (;;) {
+        while (!ld->stop && !(ld->active && ld->next_claim < ld->n_batches &&
+                              ld->slots[ld->next_claim % ld->n_slots].state == SLOT_FREE))
+            pthread_cond_wait(&ld->work, &ld->mu);
+        if (ld->stop) break;
+        int64_t b = ld->next_claim++;
+        slot *s = &ld->slots[b % ld->n_slots];
+        s->state = SLOT_FILLING;
+        s->batch = b;
+        ld->n_filling++;
+        int gen = atomic_load(&ld->gen);
+        pthread_mutex_unlock(&ld->mu);
+
+        int rc = fill_batch(ld, wb, b, s->images, s->labels, gen);
+        char msg[512] = "";
+        if (rc < 0) snprintf(msg, sizeof msg, "%s", bare_message(rc));
+
+        pthread_mutex_lock(&ld->mu);
+        ld->n_filling--;
+        if (rc != 1 && gen == atomic_load(&ld->gen)) {
+            s->state = SLOT_READY;
+            s->status = rc < 0 ? rc : AMPC_OK;
+            memcpy(s->msg, msg, sizeof msg);
+            pthread_cond_broadcast(&ld->ready);
+        } else {
+            s->state = SLOT_FREE;   /* stale: start_epoch resets every slot anyway */
+        }
+        if (ld->n_filling == 0) pthread_cond_broadcast(&ld->idle);
+    }
+    pthread_mutex_unlock(&ld->mu);
+    return NULL;
+}
+
+/* Stops the current epoch's work: no new claims, and waits for fills in flight. Under mu. */
+static void quiesce_locked(ampc_loader *ld) {
+    ld->active = false;
+    atomic_fetch_add(&ld->gen, 1);
+    while (ld->n_filling > 0) pthread_cond_wait(&ld->idle, &ld->mu);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Life cycle
+
+void ampc_loader_free(ampc_loader *ld) {
+    if (!ld) return;
+    if (ld->threads) {
+        pthread_mutex_lock(&ld->mu);
+        ld->stop = true;
+        atomic_fetch_add(&ld->gen, 1);
+        pthread_cond_broadcast(&ld->work);
+        pthread_mutex_unlock(&ld->mu);
+        for (int i = 0; i < ld->n_workers; i++) pthread_join(ld->threads[i], NULL);
+        free(ld->threads);
+    }
+    if (ld->bufs) {
+        for (int i = 0; i < ld->n_bufs; i++) {
+            free(ld->bufs[i].raw);
+            free(ld->bufs[i].s0);
+            free(ld->bufs[i].s1);
+        }
+        free(ld->bufs);
+    }
+    for (int i = 0; ld->slots && i < ld->n_slots; i++) {
+        free(ld->slots[i].images);
+        free(ld->slots[i].labels);
+    }
+    free(ld->slots);
+    free(ld->perm);
+    ampc_transforms_free(ld->tf);
+    ampc_dataset_free(ld->ds);   /* our reference */
+    pthread_mutex_destroy(&ld->mu);
+    pthread_cond_destroy(&ld->work);
+    pthread_cond_destroy(&ld->ready);
+    pthread_cond_destroy(&ld->idle);
+    free(ld);
+}
+
+ampc_loader *ampc_loader_new(ampc_dataset *ds, const ampc_loader_options *opts) {
+    if (!ds) return ampc__err_null(AMPC_ERR_INVALID, "loader_new: NULL dataset");
+    ampc_loader_options o = opts ? *opts : ampc_loader_defaults();
+    if (o.batch_size < 1) return ampc__err_null(AMPC_ERR_INVALID, "loader_new: batch_size %lld < 1", (long long)o.batch_size);
+    if (o.num_workers < 0 || o.num_workers > LOADER_MAX_WORKERS)
+        return ampc__err_null(AMPC_ERR_INVALID, "loader_new: num_workers %d not in [0, %d]", o.num_workers,
+                              LOADER_MAX_WORKERS);
+    if (o.prefetch < 0) return ampc__err_null(AMPC_ERR_INVALID, "loader_new: prefetch %d < 0", o.prefetch);
+    int64_t oc, oh, ow;
+    if (ampc_transforms_output_shape(o.transforms, ds->channels, ds->height, ds->width, &oc, &oh, &ow) < 0) return NULL;
+
+    ampc_loader *ld = calloc(1, sizeof *ld);
+    if (!ld) return ampc__err_null(AMPC_ERR_OOM, "loader_new: out of memory");
+    pthread_mutex_init(&ld->mu, NULL);
+    pthread_cond_init(&ld->work, NULL);
+    pthread_cond_init(&ld->ready, NULL);
+    pthread_cond_init(&ld->idle, NULL);
+    atomic_init(&ld->gen, 0);
+    atomic_fetch_add(&ds->refs, 1);
+    ld->ds = ds;
+    ld->o = o;
+    ld->c = ds->channels;
+    ld->h = ds->height;
+    ld->w = ds->width;
+    ld->oc = oc;
+    ld->oh = oh;
+    ld->ow = ow;
+    ld->n = ds->size;
+    ld->n_batches = o.drop_last ? ld->n / o.batch_size : (ld->n + o.batch_size - 1) / o.batch_size;
+    ld->n_workers = o.num_workers;
+    ld->n_slots = o.num_workers == 0 ? 0 : o.prefetch > 0 ? o.prefetch : 2 * o.num_workers;
+
+    bool ok = (ld->perm = malloc((size_t)(ld->n > 0 ? ld->n : 1) * sizeof *ld->perm)) != NULL;
+    if (ok && o.transforms) ok = (ld->tf = ampc__transforms_clone(o.transforms)) != NULL;
+    int nb = ld->n_workers > 0 ? ld->n_workers : 1;
+    if (ok) ok = (ld->bufs = calloc((size_t)nb, sizeof *ld->bufs)) != NULL;
+    if (ok) ld->n_bufs = nb;
+    const size_t raw = (size_t)(ld->c * ld->h * ld->w), scratch = (size_t)ampc__transforms_scratch_floats(ld->tf, ld->c, ld->h, ld->w);
+    for (int i = 0; ok && i < nb; i++) {
+        ld->bufs[i].ld = ld;
+        if (!ld->tf) continue;
+        ok = (ld->bufs[i].raw = malloc(raw * sizeof(float))) && (ld->bufs[i].s0 = malloc(scratch * sizeof(float))) &&
+             (ld->bufs[i].s1 = malloc(scratch * sizeof(float)));
+    }
+    if (ok && ld->n_slots) ok = (ld->slots = calloc((size_t)ld->n_slots, sizeof *ld->slots)) != NULL;
+    const size_t per_batch = (size_t)(o.batch_size * oc * oh * ow);
+    for (int i = 0; ok && i < ld->n_slots; i++)
+        ok = (ld->slots[i].images = malloc(per_batch * sizeof(float))) &&
+             (ld->slots[i].labels = malloc((size_t)o.batch_size * sizeof(int64_t)));
+    if (ok && ld->n_workers) ok = (ld->threads = calloc((size_t)ld->n_workers, sizeof *ld->threads)) != NULL;
+    if (!ok) {
+        ampc_loader_free(ld);
+        return ampc__err_null(AMPC_ERR_OOM, "loader_new: out of memory for %d batch buffers of %zu floats", ld->n_slots,
+                              per_batch);
+    }
+    for (int i = 0; i < ld->n_workers; i++) {
+        if (pthread_create(&ld->threads[i], NULL, worker_main, &ld->bufs[i]) != 0) {
+            ld->n_workers = i;   /* join only those that started */
+            ampc_loader_free(ld);
+            return ampc__err_null(AMPC_ERR_STATE, "loader_new: cannot start worker thread %d", i);
+        }
+    }
+    return ld;
+}
+
+int ampc_loader_start_epoch(ampc_loader *ld, int64_t epoch) {
+    if (!ld) return ampc__err(AMPC_ERR_INVALID, "loader_start_epoch: NULL loader");
+    if (epoch < 0) return ampc__err(AMPC_ERR_INVALID, "loader_start_epoch: epoch %lld < 0", (long long)epoch);
+    if (ld->n_workers) {
+        pthread_mutex_lock(&ld->mu);
+        quiesce_locked(ld);
+    }
+    if (ld->o.shuffle)
+        ampc__data_permutation(ampc__data_key(ld->o.seed, AMPC__DOMAIN_SHUFFLE, epoch), ld->n, ld->perm);
+    else
+        for (int64_t i = 0; i < ld->n; i++) ld->perm[i] = i;
+    ld->epoch = epoch;
+    ld->started = true;
+    ld->cur = 0;
+    ld->failed = 0;
+    if (ld->n_workers) {
+        for (int i = 0; i < ld->n_slots; i++) ld->slots[i].state = SLOT_FREE;
+        ld->next_claim = 0;
+        ld->active = true;
+        pthread_cond_broadcast(&ld->work);
+        pthread_mutex_unlock(&ld->mu);
+    }
+    return AMPC_OK;
+}
+
+int64_t ampc_loader_num_batches(const ampc_loader *ld) { return ld ? ld->n_batches : 0; }
+
+void ampc_loader_sample_shape(const ampc_loader *ld, int64_t *c, int64_t *h, int64_t *w) {
+    if (c) *c = ld ? ld->oc : 0;
+    if (h) *h = ld ? ld->oh : 0;
+    if (w) *w = ld ? ld->ow : 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handing out batches (calling thread)
+
+int ampc_loader_next(ampc_loader *ld, ampc_tensor **images, ampc_tensor **labels) {
+    if (images) *images = NULL;
+    if (labels) *labels = NULL;
+    if (!ld || !images || !labels) return ampc__err(AMPC_ERR_INVALID, "loader_next: NULL argument");
+    if (!ld->started) {
+        int rc = ampc_loader_start_epoch(ld, 0);
+        if (rc < 0) return rc;
+    }
+    if (ld->failed) return ampc__err(ld->failed, "%s", ld->failed_msg);
+    if (ld->cur >= ld->n_batches) return 0;
+
+    const int64_t b = ld->cur, rows = batch_rows(ld, b);
+    const int64_t xs[4] = {rows, ld->oc, ld->oh, ld->ow}, ys[1] = {rows};
+    ampc_tensor *x = ampc__tensor_new(AMPC_F32, AMPC_DEVICE_CPU, 4, xs);
+    ampc_tensor *y = x ? ampc__tensor_new(AMPC_I64, AMPC_DEVICE_CPU, 1, ys) : NULL;
+    if (!y) {
+        ampc__release(x);
+        return ampc_last_status();
+    }
+    int rc;
+    if (ld->n_workers == 0) {
+        rc = fill_batch(ld, &ld->bufs[0], b, ampc__data(x), ampc__data(y), -1);
+        if (rc < 0) snprintf(ld->failed_msg, sizeof ld->failed_msg, "%s", bare_message(rc));
+    } else {
+        slot *s = &ld->slots[b % ld->n_slots];
+        pthread_mutex_lock(&ld->mu);
+        while (!(s->state == SLOT_READY && s->batch == b)) pthread_cond_wait(&ld->ready, &ld->mu);
+        pthread_mutex_unlock(&ld->mu);
+        /* READY slots are ours until we free them: copy without the lock. */
+        rc = s->status;
+        if (rc < 0) {
+            memcpy(ld->failed_msg, s->msg, sizeof s->msg);
+        } else {
+            memcpy(ampc__data(x), s->images, (size_t)(rows * ld->oc * ld->oh * ld->ow) * sizeof(float));
+            memcpy(ampc__data(y), s->labels, (size_t)rows * sizeof(int64_t));
+        }
+        pthread_mutex_lock(&ld->mu);
+        s->state = SLOT_FREE;
+        pthread_cond_broadcast(&ld->work);
+        pthread_mutex_unlock(&ld->mu);
+    }
+    if (rc < 0) {
+        ampc__release(x);
+        ampc__release(y);
+        ld->failed = rc;
+        return ampc__err(rc, "%s", ld->failed_msg);
+    }
+    ld->cur++;
+    *images = ampc__scope_adopt(x);
+    *labels = ampc__scope_adopt(y);
+    return 1;
+}

@@ -1,0 +1,187 @@
+/*
+ * metrics.c - the training log: a CSV file (RFC 4180) with one header line and one row of
+ * numbers per call, flushed per row so that a crash loses at most the row being written.
+ *
+ * Numbers are written in the shortest form that reads back to the same double (like Python's
+ * repr: 0.1, not 0.10000000000000001; 3, not 3.0000000000000000), so the file is both exact and
+ * readable; non-finite values are "nan", "inf", "-inf" (what pandas and numpy read).
+ * Append mode (a resumed run) checks the existing header against the columns and drops an
+ * incomplete last line (a row cut by a crash) before appending.
+ */
+#include "core/core.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+struct ampc_metrics {
+    FILE *f;
+    char *path;
+    int n;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Formatting
+
+/* The header line (without the newline), malloc'd: fields quoted when they hold a comma, a
+   quote, CR/LF or edge spaces, with quotes doubled (RFC 4180). */
+static char *header_line(const char *const *columns, int n) {
+    size_t cap = 1;
+    for (int i = 0; i < n; i++) cap += 2 * strlen(columns[i]) + 3;
+    char *buf = malloc(cap), *o = buf;
+    if (!buf) return NULL;
+    for (int i = 0; i < n; i++) {
+        const char *s = columns[i];
+        size_t len = strlen(s);
+        bool quote = strpbrk(s, ",\"\r\n") != NULL || s[0] == ' ' || s[len - 1] == ' ';
+        if (i) *o++ = ',';
+        if (quote) *o++ = '"';
+        for (const char *p = s; *p; p++) {
+            if (*p == '"') *o++ = '"';
+            *o++ = *p;
+        }
+        if (quote) *o++ = '"';
+    }
+    *o = '\0';
+    return buf;
+}
+
+/* Shortest "%.Ng" (N = 1..17) that parses back to x. */
+static void format_double(double x, char *out, size_t n) {
+    if (isnan(x)) {
+        snprintf(out, n, "nan");
+        return;
+    }
+    if (isinf(x)) {
+        snprintf(out, n, x > 0 ? "inf" : "-inf");
+        return;
+    }
+    for (int prec = 1; prec <= 17; prec++) {
+        snprintf(out, n, "%.*g", prec, x);
+        if (strtod(out, NULL) == x) return;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Append mode: check the header, drop a torn last line
+
+static int prepare_append(FILE *f, const char *path, const char *header) {
+    if (fseek(f, 0, SEEK_END) != 0) return ampc__err(AMPC_ERR_IO, "metrics '%s': can't seek: %s", path, strerror(errno));
+    long size = ftell(f);
+    if (size < 0) return ampc__err(AMPC_ERR_IO, "metrics '%s': can't tell the size: %s", path, strerror(errno));
+    if (size == 0) {
+        if (fprintf(f, "%s\n", header) < 0 || fflush(f) != 0)
+            return ampc__err(AMPC_ERR_IO, "metrics '%s': write failed: %s", path, strerror(errno));
+        return AMPC_OK;
+    }
+    /* the first line must be exactly our header */
+    size_t hl = strlen(header);
+    char *first = malloc(hl + 2);
+    if (!first) return ampc__err(AMPC_ERR_OOM, "metrics '%s': out of memory", path);
+    rewind(f);
+    size_t got = fread(first, 1, hl + 1, f);
+    bool same = got == hl + 1 && memcmp(first, header, hl) == 0 && first[hl] == '\n';
+    if (!same) {
+        /* show the file's first line in the message */
+        rewind(f);
+        char line[256] = "";
+        if (!fgets(line, sizeof line, f)) line[0] = '\0';
+        line[strcspn(line, "\r\n")] = '\0';
+        free(first);
+        return ampc__err(AMPC_ERR_FORMAT, "metrics '%s': the existing header \"%s\" is not \"%s\"; refusing to append", path, line,
+                         header);
+    }
+    free(first);
+    /* the last complete line ends with '\n'; cut anything after it (a row torn by a crash) */
+    long keep = size;
+    char c;
+    while (keep > 0) {
+        if (fseek(f, keep - 1, SEEK_SET) != 0 || fread(&c, 1, 1, f) != 1)
+            return ampc__err(AMPC_ERR_IO, "metrics '%s': read failed: %s", path, strerror(errno));
+        if (c == '\n') break;
+        keep--;
+    }
+    if (keep < size) {
+        fflush(f);
+        if (ftruncate(fileno(f), keep) != 0)
+            return ampc__err(AMPC_ERR_IO, "metrics '%s': can't drop the incomplete last line: %s", path, strerror(errno));
+    }
+    if (fseek(f, 0, SEEK_END) != 0) return ampc__err(AMPC_ERR_IO, "metrics '%s': can't seek: %s", path, strerror(errno));
+    return AMPC_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// API
+
+ampc_metrics *ampc_metrics_open(const char *csv_path, const char *const *columns, int n, bool append) {
+    ampc__ensure_init();
+    if (!csv_path || !columns || n < 1) return ampc__err_null(AMPC_ERR_INVALID, "metrics_open: need a path and at least one column");
+    for (int i = 0; i < n; i++)
+        if (!columns[i] || !columns[i][0]) return ampc__err_null(AMPC_ERR_INVALID, "metrics_open: column %d has no name", i);
+    char *header = header_line(columns, n);
+    ampc_metrics *m = calloc(1, sizeof *m);
+    char *path = strdup(csv_path);
+    if (!header || !m || !path) {
+        free(header);
+        free(m);
+        free(path);
+        return ampc__err_null(AMPC_ERR_OOM, "metrics_open: out of memory");
+    }
+    /* "a+" would force every write to the end but forbids the truncation of a torn line */
+    FILE *f = NULL;
+    if (append) {
+        f = fopen(csv_path, "r+");
+        if (!f && errno == ENOENT) f = fopen(csv_path, "w+");
+    } else {
+        f = fopen(csv_path, "w");
+    }
+    int rc = AMPC_OK;
+    if (!f) rc = ampc__err(AMPC_ERR_IO, "metrics '%s': can't open: %s", csv_path, strerror(errno));
+    else if (append) rc = prepare_append(f, csv_path, header);
+    else if (fprintf(f, "%s\n", header) < 0 || fflush(f) != 0)
+        rc = ampc__err(AMPC_ERR_IO, "metrics '%s': write failed: %s", csv_path, strerror(errno));
+    free(header);
+    if (rc < 0) {
+        if (f) fclose(f);
+        free(m);
+        free(path);
+        return NULL;
+    }
+    m->f = f;
+    m->path = path;
+    m->n = n;
+    return m;
+}
+
+int ampc_metrics_row(ampc_metrics *m, const double *values) {
+    if (!m || !values) return ampc__err(AMPC_ERR_INVALID, "metrics_row: NULL %s", m ? "values" : "log");
+    /* one buffered write per row: a row reaches the file whole or not at all (short of a crash) */
+    char *line = malloc((size_t)m->n * 32 + 2);
+    if (!line) return ampc__err(AMPC_ERR_OOM, "metrics '%s': out of memory", m->path);
+    size_t len = 0;
+    for (int i = 0; i < m->n; i++) {
+        if (i) line[len++] = ',';
+        format_double(values[i], line + len, 32);
+        len += strlen(line + len);
+    }
+    line[len++] = '\n';
+    int rc = AMPC_OK;
+    if (fwrite(line, 1, len, m->f) != len || fflush(m->f) != 0)
+        rc = ampc__err(AMPC_ERR_IO, "metrics '%s': write failed: %s", m->path, strerror(errno));
+    free(line);
+    return rc;
+}
+
+int ampc_metrics_num_columns(const ampc_metrics *m) { return m ? m->n : 0; }
+
+int ampc_metrics_close(ampc_metrics *m) {
+    if (!m) return AMPC_OK;
+    int rc = AMPC_OK;
+    if (fclose(m->f) != 0) rc = ampc__err(AMPC_ERR_IO, "metrics '%s': close failed: %s", m->path, strerror(errno));
+    free(m->path);
+    free(m);
+    return rc;
+}

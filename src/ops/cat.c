@@ -1,0 +1,107 @@
+/*
+ * cat.c - ampc_cat: concatenation along one dim, PyTorch's torch.cat.
+ *
+ * With every tensor viewed as (outer, size_along_dim * inner) rows, input i is a column block
+ * of the output: one backend copy_block per input, and the backward is the same blocks copied
+ * out of gy. Mixed float dtypes are promoted to the widest (f16 + bf16 -> f32) through
+ * recorded casts, so each input's gradient comes back in its own dtype; under autocast the
+ * PROMOTE policy has done that already. Nothing is saved for backward.
+ */
+#include "ops/ops.h"
+
+#include <stdio.h>
+
+/* outer: product of dims before d; inner: after d */
+static void split(int ndim, const int64_t *shape, int d, int64_t *outer, int64_t *inner) {
+    *outer = *inner = 1;
+    for (int i = 0; i < d; i++) *outer *= shape[i];
+    for (int i = d + 1; i < ndim; i++) *inner *= shape[i];
+}
+
+static int copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, ampc_tensor *dst, int64_t dst_off,
+                      int64_t dst_ld, int64_t rows, int64_t cols) {
+    const ampc_backend *be = ampc__backend(dst->device);
+    if (!be->copy_block) return ampc__err(AMPC_ERR_UNSUPPORTED, "copy_block on device %s", ampc_device_name(dst->device));
+    if (rows == 0 || cols == 0) return AMPC_OK;
+    return be->copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols);
+}
+
+/* i[0]: the dim */
+static int cat_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
+    int d = (int)n->i[0];
+    int64_t outer, inner, off = 0;
+    split(gy->ndim, gy->shape, d, &outer, &inner);
+    int64_t total = gy->shape[d] * inner;
+    for (int i = 0; i < n->n_inputs; i++) {
+        const ampc_meta *m = &n->in[i];
+        int64_t cols = m->shape[d] * inner;
+        if (n->next[i]) {
+            gx[i] = ampc__tensor_new(gy->dtype, gy->device, m->ndim, m->shape);
+            if (!gx[i] || copy_block(gy, off, total, gx[i], 0, cols, outer, cols) < 0) return ampc_last_status();
+        }
+        off += cols;
+    }
+    return AMPC_OK;
+}
+
+ampc_tensor *ampc_cat(ampc_tensor *const *xs, int n, int dim) {
+    if (!xs || n < 1) return ampc__err_null(AMPC_ERR_INVALID, "cat: expected a non-empty list of tensors, got %d", xs ? n : 0);
+    if (n > AMPC_NODE_MAX_INPUTS)
+        return ampc__err_null(AMPC_ERR_INVALID, "cat: %d tensors, at most %d in one call (cat in steps)", n, AMPC_NODE_MAX_INPUTS);
+    ampc_op_args a;
+    if (ampc__op_prepare(AMPC_OP_CAT, &a, n, xs, 0) < 0) return NULL;
+    ampc_tensor *c[AMPC_NODE_MAX_INPUTS] = {0}, *out = NULL;
+    ampc_node *node = NULL;
+    const ampc_tensor *x0 = a.in[0];
+    char s1[96], s2[96];
+    int d;
+    if (x0->ndim == 0) {
+        ampc__err(AMPC_ERR_SHAPE, "cat: zero-dimensional tensor (input 0) cannot be concatenated");
+        goto done;
+    }
+    if (ampc__norm_dim(dim, x0->ndim, &d) < 0) goto done;
+    ampc_dtype dt = x0->dtype;
+    int64_t shape[AMPC_MAX_DIMS];
+    for (int j = 0; j < x0->ndim; j++) shape[j] = x0->shape[j];
+    for (int i = 1; i < n; i++) {
+        const ampc_tensor *t = a.in[i];
+        bool same = t->ndim == x0->ndim;
+        for (int j = 0; same && j < t->ndim; j++) same = j == d || t->shape[j] == x0->shape[j];
+        if (!same) {
+            ampc__err(AMPC_ERR_SHAPE, "cat: sizes must match except in dimension %d: input 0 is %s, input %d is %s", d,
+                      ampc__shape_str(x0, s1, sizeof s1), i, ampc__shape_str(t, s2, sizeof s2));
+            goto done;
+        }
+        if (t->dtype != dt && (!ampc__dt(t->dtype)->is_float || !ampc__dt(dt)->is_float)) {
+            ampc__err(AMPC_ERR_DTYPE, "cat: input %d is %s, which does not mix with %s", i, ampc_dtype_name(t->dtype), ampc_dtype_name(dt));
+            goto done;
+        }
+        dt = ampc__promote(dt, t->dtype);
+        shape[d] += t->shape[d];
+    }
+    for (int i = 0; i < n; i++)
+        if (!(c[i] = ampc__cast_record(a.in[i], dt))) goto done;
+    if (!(out = ampc__tensor_new(dt, x0->device, x0->ndim, shape))) goto done;
+    int64_t outer, inner, off = 0;
+    split(x0->ndim, shape, d, &outer, &inner);
+    for (int i = 0; i < n; i++) {
+        int64_t cols = c[i]->shape[d] * inner;
+        if (copy_block(c[i], 0, cols, out, off, shape[d] * inner, outer, cols) < 0) {
+            ampc__release(out);
+            out = NULL;
+            goto done;
+        }
+        off += cols;
+    }
+    if (ampc__needs_grad(c, n)) {
+        if ((node = ampc__node_new("CatBackward", cat_backward, c, n))) {
+            node->i[0] = d;
+        } else {
+            ampc__release(out);
+            out = NULL;
+        }
+    }
+done:
+    for (int i = 0; i < n; i++) ampc__release(c[i]);
+    return ampc__op_finish(&a, out, node);
+}

@@ -1,0 +1,242 @@
+/*
+ * norm.c - the normalisation ops: ampc_batch_norm2d and ampc_layer_norm.
+ *
+ * batch norm follows PyTorch's mixed-precision rule: the activation keeps its dtype (16-bit
+ * under autocast, policy PASSTHROUGH) while weight, bias and the running statistics stay fp32
+ * (f64 on the REF device: its only float dtype), and the statistics are computed in fp32 or
+ * better. Training normalises with the batch statistics and updates the running ones in place
+ * (unbiased variance, r = (1 - momentum) r + momentum stat); the running statistics are
+ * buffers, never part of the graph. The node saves x, weight and the per-channel mean and
+ * 1/sqrt(var + eps) the forward used (in evaluation: copies of the running statistics taken
+ * at forward time, so a later training step cannot change this step's gradient).
+ *
+ * layer norm normalises over the last norm_ndim dims (autocast runs it in fp32, the table's
+ * FP32 policy); outside autocast x, weight and bias share one float dtype.
+ */
+#include "ops/ops.h"
+
+static ampc_tensor *fail_args(ampc_op_args *a) {
+    ampc__op_args_release(a);
+    return NULL;
+}
+
+/* Statistics dtype of a device: f32 where the device holds it (CPU), else f64 (REF). */
+static ampc_dtype stat_dtype(ampc_device dev) { return ampc__backend(dev)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64; }
+
+static int unsupported(const char *kernel, ampc_device dev) {
+    return ampc__err(AMPC_ERR_UNSUPPORTED, "%s on device %s", kernel, ampc_device_name(dev));
+}
+
+static void release_all(ampc_tensor **ts, int n) {
+    for (int i = 0; i < n; i++) {
+        ampc__release(ts[i]);
+        ts[i] = NULL;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Batch norm
+
+/* saved: x, weight (NULL if none), mean, invstd; i[0] = training */
+static int batch_norm_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
+    ampc_tensor *x = n->saved[0], *w = n->saved[1], *mean = n->saved[2], *invstd = n->saved[3];
+    const ampc_backend *be = ampc__backend(x->device);
+    if (!be->batch_norm_backward) return unsupported("batch_norm_backward", x->device);
+    ampc_tensor *gy = ampc__k_cast(gy_in, x->dtype);
+    if (!gy) return ampc_last_status();
+    ampc_tensor *out[3] = {NULL, NULL, NULL};
+    int rc = AMPC_OK;
+    if (n->next[0] && !(out[0] = ampc__tensor_like(x, x->dtype))) rc = ampc_last_status();
+    for (int i = 1; i < 3 && rc >= 0; i++)
+        if (n->next[i] && !(out[i] = ampc__tensor_new(n->in[i].dtype, x->device, n->in[i].ndim, n->in[i].shape)))
+            rc = ampc_last_status();
+    if (rc >= 0) rc = be->batch_norm_backward(x, gy, w, mean, invstd, n->i[0] != 0, out[0], out[1], out[2]);
+    ampc__release(gy);
+    if (rc < 0) {
+        release_all(out, 3);
+        return rc;
+    }
+    for (int i = 0; i < 3; i++) gx[i] = out[i];
+    return AMPC_OK;
+}
+
+/* weight, bias, running_mean or running_var: (C) in the statistics dtype, on x's device. */
+static int check_channel_param(const ampc_tensor *x, const ampc_tensor *p, const char *what, ampc_dtype sdt) {
+    char s1[96], s2[96];
+    if (!p) return AMPC_OK;
+    if (p->device != x->device)
+        return ampc__err(AMPC_ERR_INVALID, "batch_norm2d: %s is on device %s but input on %s", what, ampc_device_name(p->device),
+                         ampc_device_name(x->device));
+    if (p->dtype != sdt)
+        return ampc__err(AMPC_ERR_DTYPE, "batch_norm2d: %s is %s; weight, bias and running statistics must be %s on device %s "
+                         "(statistics stay in full precision whatever the input's dtype)",
+                         what, ampc_dtype_name(p->dtype), ampc_dtype_name(sdt), ampc_device_name(x->device));
+    if (p->ndim != 1 || p->shape[0] != x->shape[1])
+        return ampc__err(AMPC_ERR_SHAPE, "batch_norm2d: %s has shape %s, expected (%lld,) for input %s", what,
+                         ampc__shape_str(p, s1, sizeof s1), (long long)x->shape[1], ampc__shape_str(x, s2, sizeof s2));
+    return AMPC_OK;
+}
+
+ampc_tensor *ampc_batch_norm2d(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
+                               ampc_tensor *running_var, bool training, double momentum, double eps) {
+    ampc_op_args a;
+    if (ampc__op_prepare(AMPC_OP_BATCH_NORM, &a, 3, (ampc_tensor *[]){x, weight, bias}, 6u) < 0) return NULL;
+    ampc_tensor *X = a.in[0], *W = a.in[1], *B = a.in[2];
+    char s1[96];
+    if (ampc__check_float(X, "batch_norm2d", "input") < 0) return fail_args(&a);
+    if (X->ndim < 2 || X->ndim > 4) {
+        ampc__err(AMPC_ERR_SHAPE, "batch_norm2d: input must be (N, C, H, W) (or (N, C), (N, C, L)), got %s",
+                  ampc__shape_str(X, s1, sizeof s1));
+        return fail_args(&a);
+    }
+    ampc_dtype sdt = stat_dtype(X->device);
+    if (check_channel_param(X, W, "weight", sdt) < 0 || check_channel_param(X, B, "bias", sdt) < 0 ||
+        check_channel_param(X, running_mean, "running_mean", sdt) < 0 ||
+        check_channel_param(X, running_var, "running_var", sdt) < 0)
+        return fail_args(&a);
+    if (!running_mean != !running_var) {
+        ampc__err(AMPC_ERR_INVALID, "batch_norm2d: running_mean and running_var must be given together");
+        return fail_args(&a);
+    }
+    if (!training && !running_mean) {
+        ampc__err(AMPC_ERR_INVALID, "batch_norm2d: evaluation mode needs running_mean and running_var");
+        return fail_args(&a);
+    }
+    int64_t M = X->numel / (X->shape[1] ? X->shape[1] : 1);
+    if (training && (M <= 1 || X->shape[1] == 0)) {
+        ampc__err(AMPC_ERR_INVALID, "batch_norm2d: Expected more than 1 value per channel when training, got input size %s",
+                  ampc__shape_str(X, s1, sizeof s1));
+        return fail_args(&a);
+    }
+    if (!(eps >= 0) || !(momentum >= 0 && momentum <= 1)) {
+        ampc__err(AMPC_ERR_INVALID, "batch_norm2d: eps %g must be >= 0 and momentum %g in [0, 1]", eps, momentum);
+        return fail_args(&a);
+    }
+    const ampc_backend *be = ampc__backend(X->device);
+    if (!be->batch_norm) {
+        unsupported("batch_norm", X->device);
+        return fail_args(&a);
+    }
+    bool grad = ampc__needs_grad(a.in, 3);
+    int64_t C = X->shape[1];
+    ampc_tensor *y = ampc__tensor_like(X, X->dtype), *mean = NULL, *invstd = NULL;
+    ampc_node *node = NULL;
+    int rc = y ? AMPC_OK : ampc_last_status();
+    if (rc >= 0 && grad) {   /* the statistics only matter to the backward */
+        mean = ampc__tensor_new(sdt, X->device, 1, &C);
+        invstd = mean ? ampc__tensor_new(sdt, X->device, 1, &C) : NULL;
+        if (!invstd) rc = ampc_last_status();
+    }
+    if (rc >= 0) rc = be->batch_norm(X, W, B, running_mean, running_var, y, mean, invstd, training, momentum, eps);
+    if (rc >= 0 && grad) {
+        node = ampc__node_new("NativeBatchNormBackward", batch_norm_backward, a.in, 3);
+        if (node) {
+            ampc__node_save(node, 0, X);
+            if (W) ampc__node_save(node, 1, W);
+            ampc__node_save(node, 2, mean);
+            ampc__node_save(node, 3, invstd);
+            node->i[0] = training;
+        } else {
+            rc = ampc_last_status();
+        }
+    }
+    ampc__release(mean);
+    ampc__release(invstd);
+    if (rc < 0) {
+        ampc__release(y);
+        y = NULL;
+    }
+    return ampc__op_finish(&a, y, node);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layer norm
+
+/* saved: x, weight (NULL if none), mean, rstd */
+static int layer_norm_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
+    ampc_tensor *x = n->saved[0], *w = n->saved[1], *mean = n->saved[2], *rstd = n->saved[3];
+    const ampc_backend *be = ampc__backend(x->device);
+    if (!be->layer_norm_backward) return unsupported("layer_norm_backward", x->device);
+    ampc_tensor *gy = ampc__k_cast(gy_in, x->dtype);
+    if (!gy) return ampc_last_status();
+    ampc_tensor *out[3] = {NULL, NULL, NULL};
+    int rc = AMPC_OK;
+    if (n->next[0] && !(out[0] = ampc__tensor_like(x, x->dtype))) rc = ampc_last_status();
+    for (int i = 1; i < 3 && rc >= 0; i++)
+        if (n->next[i] && !(out[i] = ampc__tensor_new(n->in[i].dtype, x->device, n->in[i].ndim, n->in[i].shape)))
+            rc = ampc_last_status();
+    if (rc >= 0) rc = be->layer_norm_backward(x, gy, w, mean, rstd, out[0], out[1], out[2]);
+    ampc__release(gy);
+    if (rc < 0) {
+        release_all(out, 3);
+        return rc;
+    }
+    for (int i = 0; i < 3; i++) gx[i] = out[i];
+    return AMPC_OK;
+}
+
+/* weight or bias: the shape of x's last nd dims, x's dtype. */
+static int check_ln_param(const ampc_tensor *x, const ampc_tensor *p, int nd, const char *what) {
+    char s1[96], s2[96];
+    if (!p) return AMPC_OK;
+    if (ampc__check_float(p, "layer_norm", what) < 0) return ampc_last_status();
+    if (p->dtype != x->dtype)
+        return ampc__err(AMPC_ERR_DTYPE, "layer_norm: input is %s but %s is %s (cast one of them, or run under autocast)",
+                         ampc_dtype_name(x->dtype), what, ampc_dtype_name(p->dtype));
+    bool ok = p->ndim == nd;
+    for (int i = 0; ok && i < nd; i++) ok = p->shape[i] == x->shape[x->ndim - nd + i];
+    if (!ok)
+        return ampc__err(AMPC_ERR_SHAPE, "layer_norm: %s has shape %s, expected the last %d dims of input %s", what,
+                         ampc__shape_str(p, s1, sizeof s1), nd, ampc__shape_str(x, s2, sizeof s2));
+    return AMPC_OK;
+}
+
+ampc_tensor *ampc_layer_norm(ampc_tensor *x, int norm_ndim, ampc_tensor *weight, ampc_tensor *bias, double eps) {
+    ampc_op_args a;
+    if (ampc__op_prepare(AMPC_OP_LAYER_NORM, &a, 3, (ampc_tensor *[]){x, weight, bias}, 6u) < 0) return NULL;
+    ampc_tensor *X = a.in[0], *W = a.in[1], *B = a.in[2];
+    char s1[96];
+    if (ampc__check_float(X, "layer_norm", "input") < 0) return fail_args(&a);
+    if (norm_ndim < 1 || norm_ndim > X->ndim) {
+        ampc__err(AMPC_ERR_SHAPE, "layer_norm: cannot normalise over the last %d dims of input %s", norm_ndim,
+                  ampc__shape_str(X, s1, sizeof s1));
+        return fail_args(&a);
+    }
+    if (check_ln_param(X, W, norm_ndim, "weight") < 0 || check_ln_param(X, B, norm_ndim, "bias") < 0) return fail_args(&a);
+    if (!(eps >= 0)) {
+        ampc__err(AMPC_ERR_INVALID, "layer_norm: eps %g must be >= 0", eps);
+        return fail_args(&a);
+    }
+    const ampc_backend *be = ampc__backend(X->device);
+    if (!be->layer_norm) {
+        unsupported("layer_norm", X->device);
+        return fail_args(&a);
+    }
+    int64_t rows = 1;
+    for (int i = 0; i < X->ndim - norm_ndim; i++) rows *= X->shape[i];
+    ampc_dtype sdt = stat_dtype(X->device);
+    ampc_tensor *y = ampc__tensor_like(X, X->dtype), *mean = NULL, *rstd = NULL;
+    ampc_node *node = NULL;
+    int rc = AMPC_OK;
+    if (!y || !(mean = ampc__tensor_new(sdt, X->device, 1, &rows)) || !(rstd = ampc__tensor_new(sdt, X->device, 1, &rows)))
+        rc = ampc_last_status();
+    if (rc >= 0) rc = be->layer_norm(X, W, B, y, mean, rstd, eps);
+    if (rc >= 0 && ampc__needs_grad(a.in, 3)) {
+        node = ampc__node_new("NativeLayerNormBackward", layer_norm_backward, a.in, 3);
+        if (node) {
+            ampc__node_save(node, 0, X);
+            if (W) ampc__node_save(node, 1, W);
+            ampc__node_save(node, 2, mean);
+            ampc__node_save(node, 3, rstd);
+        } else {
+            rc = ampc_last_status();
+        }
+    }
+    ampc__release(mean);
+    ampc__release(rstd);
+    if (rc < 0) {
+        ampc__release(y);
+        y = NULL;
+    }
+    return ampc__op_finish(&a, y, node);
+}

@@ -1,0 +1,793 @@
+/*
+ * test_data.c - the data layer: IDX files (plain and gzip, and every kind of corruption),
+ * subsets and splits, transforms against independent double-precision references, and the
+ * loader (coverage, order, bit-identical output for any worker count, errors, early free);
+ * then Debian's Fashion-MNIST when it is installed.
+ */
+#include "testutil.h"
+
+#include <ftw.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include "data/data.h"
+
+// ---------------------------------------------------------------------------------------------
+// Temporary IDX files
+
+static char tmpdir[256];
+
+static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb, (void)flag, (void)ftw;
+    return remove(p);
+}
+
+static int setup(void **state) {
+    tu_group_setup(state);
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/ampc_test_data_XXXXXX");
+    return mkdtemp(tmpdir) ? 0 : -1;
+}
+
+static int teardown(void **state) {
+    nftw(tmpdir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+    return tu_group_teardown(state);
+}
+
+static const char *tpath(const char *name) {
+    static char buf[4][1024];
+    static int k;
+    k = (k + 1) % 4;
+    snprintf(buf[k], sizeof buf[k], "%s/%s", tmpdir, name);
+    return buf[k];
+}
+
+static void put_be32(unsigned char *p, uint32_t v) {
+    p[0] = (unsigned char)(v >> 24), p[1] = (unsigned char)(v >> 16), p[2] = (unsigned char)(v >> 8), p[3] = (unsigned char)v;
+}
+
+/* Writes an IDX file (header + payload), gzip'd or not, then drops the last `cut` bytes of the file. */
+static void write_idx(const char *path, bool gz, uint32_t magic, int ndim, const uint32_t *dims,
+                      const uint8_t *payload, size_t len, size_t cut) {
+    unsigned char h[16];
+    put_be32(h, magic);
+    for (int d = 0; d < ndim; d++) put_be32(h + 4 + 4 * d, dims[d]);
+    if (gz) {
+        gzFile f = gzopen(path, "wb");
+        assert_non_null(f);
+        assert_int_equal(gzwrite(f, h, 4 + 4 * (unsigned)ndim), 4 + 4 * ndim);
+        if (len) assert_int_equal(gzwrite(f, payload, (unsigned)len), (int)len);
+        assert_int_equal(gzclose(f), Z_OK);
+    } else {
+        FILE *f = fopen(path, "wb");
+        assert_non_null(f);
+        assert_int_equal(fwrite(h, 1, 4 + 4 * (size_t)ndim, f), 4 + 4 * (size_t)ndim);
+        if (len) assert_int_equal(fwrite(payload, 1, len, f), len);
+        fclose(f);
+    }
+    if (cut) {
+        FILE *f = fopen(path, "rb");
+        fseek(f, 0, SEEK_END);
+        long size = ftell(f);
+        fclose(f);
+        assert_true((long)cut < size);
+        assert_int_equal(truncate(path, size - (long)cut), 0);
+    }
+}
+
+enum { N_IMG = 7, ROWS = 3, COLS = 5 };
+static uint8_t g_pixels[N_IMG * ROWS * COLS], g_labels[N_IMG];
+
+static void make_payload(void) {
+    for (int i = 0; i < N_IMG * ROWS * COLS; i++) g_pixels[i] = (uint8_t)((i * 37 + 11) % 256);
+    g_pixels[0] = 0, g_pixels[1] = 255;
+    const uint8_t lab[N_IMG] = {3, 0, 5, 1, 5, 2, 4};
+    memcpy(g_labels, lab, sizeof lab);
+}
+
+static void write_images(const char *path, bool gz, uint32_t n, size_t cut) {
+    write_idx(path, gz, 0x803, 3, (uint32_t[]){n, ROWS, COLS}, g_pixels, sizeof g_pixels, cut);
+}
+static void write_labels(const char *path, bool gz, uint32_t n, size_t cut) {
+    write_idx(path, gz, 0x801, 1, (uint32_t[]){n}, g_labels, sizeof g_labels, cut);
+}
+
+static void check_payload(ampc_dataset *ds) {
+    assert_int_equal(ampc_dataset_size(ds), N_IMG);
+    assert_int_equal(ampc_dataset_num_classes(ds), 6);   /* max label 5 + 1 */
+    int64_t c, h, w;
+    ampc_dataset_sample_shape(ds, &c, &h, &w);
+    assert_int_equal(c, 1);
+    assert_int_equal(h, ROWS);
+    assert_int_equal(w, COLS);
+    for (int i = 0; i < N_IMG; i++) {
+        float img[ROWS * COLS];
+        int64_t label = -1;
+        ASSERT_OK(ampc_dataset_get(ds, i, img, &label));
+        assert_int_equal(label, g_labels[i]);
+        for (int k = 0; k < ROWS * COLS; k++) assert_true(img[k] == (float)g_pixels[i * ROWS * COLS + k] / 255.0f);
+    }
+    float img[ROWS * COLS];
+    int64_t label;
+    assert_int_equal(ampc_dataset_get(ds, N_IMG, img, &label), AMPC_ERR_INVALID);
+}
+
+static void test_idx_plain_and_gzip(void **state) {
+    (void)state;
+    make_payload();
+    write_images(tpath("img"), false, N_IMG, 0);
+    write_labels(tpath("lab"), false, N_IMG, 0);
+    write_images(tpath("img.gz"), true, N_IMG, 0);
+    write_labels(tpath("lab.gz"), true, N_IMG, 0);
+    write_images(tpath("img_gz_content.bin"), true, N_IMG, 0);   /* gzip told by content, not name */
+    const char *pairs[][2] = {{"img", "lab"}, {"img.gz", "lab.gz"}, {"img_gz_content.bin", "lab"}, {"img", "lab.gz"}};
+    for (size_t p = 0; p < sizeof pairs / sizeof pairs[0]; p++) {
+        ampc_dataset *ds = ampc_dataset_idx_open(tpath(pairs[p][0]), tpath(pairs[p][1]));
+        ASSERT_NOT_NULL_MSG(ds);
+        check_payload(ds);
+        assert_null(ampc_dataset_class_name(ds, 0));
+        ampc_dataset_free(ds);
+    }
+}
+
+/* Opening must fail with status and a message containing every one of the words. */
+static void expect_fail(const char *img, const char *lab, int status, const char *w1, const char *w2) {
+    ampc_clear_error();
+    ampc_dataset *ds = ampc_dataset_idx_open(tpath(img), tpath(lab));
+    if (ds) fail_msg("%s + %s opened, expected an error with '%s'", img, lab, w1);
+    const char *m = ampc_last_error();
+    if (ampc_last_status() != status || !strstr(m, w1) || (w2 && !strstr(m, w2)))
+        fail_msg("%s + %s: status %d, message '%s'; expected %d with '%s' and '%s'", img, lab, ampc_last_status(), m,
+                 status, w1, w2 ? w2 : "");
+}
+
+static void test_idx_corrupt(void **state) {
+    (void)state;
+    make_payload();
+    write_images(tpath("ok_img"), false, N_IMG, 0);
+    write_labels(tpath("ok_lab"), false, N_IMG, 0);
+    write_labels(tpath("ok_lab.gz"), true, N_IMG, 0);
+
+    expect_fail("missing_img", "ok_lab", AMPC_ERR_IO, "cannot open", "missing_img");
+    expect_fail("ok_img", "missing_lab", AMPC_ERR_IO, "cannot open", "missing_lab");
+    expect_fail("ok_lab", "ok_lab", AMPC_ERR_FORMAT, "wrong magic", "ok_lab");     /* labels as images */
+    expect_fail("ok_img", "ok_img", AMPC_ERR_FORMAT, "wrong magic", "ok_img");     /* images as labels */
+    write_idx(tpath("magic_img.gz"), true, 0x0803 | 0x10000, 3, (uint32_t[]){N_IMG, ROWS, COLS}, g_pixels,
+              sizeof g_pixels, 0);
+    expect_fail("magic_img.gz", "ok_lab", AMPC_ERR_FORMAT, "wrong magic", "magic_img.gz");
+
+    write_images(tpath("trunc_img"), false, N_IMG, 9);
+    expect_fail("trunc_img", "ok_lab", AMPC_ERR_FORMAT, "truncated", "trunc_img");
+    write_labels(tpath("trunc_lab"), false, N_IMG, 2);
+    expect_fail("ok_img", "trunc_lab", AMPC_ERR_FORMAT, "truncated", "trunc_lab");
+    write_images(tpath("trunc_img.gz"), true, N_IMG, 12);   /* cut into the deflate data/trailer */
+    expect_fail("trunc_img.gz", "ok_lab", AMPC_ERR_FORMAT, "truncated", "trunc_img.gz");
+    write_idx(tpath("short_hdr"), false, 0x803, 1, (uint32_t[]){N_IMG}, NULL, 0, 0);   /* 8-byte file */
+    expect_fail("short_hdr", "ok_lab", AMPC_ERR_FORMAT, "truncated", "header");
+    fclose(fopen(tpath("empty"), "wb"));
+    expect_fail("ok_img", "empty", AMPC_ERR_FORMAT, "truncated", "empty");
+
+    write_labels(tpath("lab6"), false, N_IMG - 1, 1);   /* a consistent file of 6 labels */
+    expect_fail("ok_img", "lab6", AMPC_ERR_FORMAT, "count mismatch", "lab6");
+
+    /* Headers claiming 10^9 images: rejected from the file size / at the first short read,
+       without allocating 15 GB (ASan would report an allocation that large). */
+    write_images(tpath("huge_img"), false, 1000000000u, 0);
+    expect_fail("huge_img", "ok_lab", AMPC_ERR_FORMAT, "truncated", "huge_img");
+    write_images(tpath("huge_img.gz"), true, 1000000000u, 0);
+    expect_fail("huge_img.gz", "ok_lab", AMPC_ERR_FORMAT, "truncated", "huge_img.gz");
+    write_labels(tpath("huge_lab.gz"), true, 1000000000u, 0);
+    expect_fail("ok_img", "huge_lab.gz", AMPC_ERR_FORMAT, "truncated", "huge_lab.gz");
+
+    write_idx(tpath("zero_rows"), false, 0x803, 3, (uint32_t[]){N_IMG, 0, COLS}, g_pixels, sizeof g_pixels, 0);
+    expect_fail("zero_rows", "ok_lab", AMPC_ERR_FORMAT, "absurd rows", "zero_rows");
+    write_idx(tpath("wide"), false, 0x803, 3, (uint32_t[]){1, 1, 4000000000u}, g_pixels, sizeof g_pixels, 0);
+    expect_fail("wide", "ok_lab", AMPC_ERR_FORMAT, "absurd columns", "wide");
+    write_idx(tpath("no_images"), false, 0x803, 3, (uint32_t[]){0, ROWS, COLS}, NULL, 0, 0);
+    expect_fail("no_images", "ok_lab", AMPC_ERR_FORMAT, "absurd count", "no_images");
+
+    write_idx(tpath("trailing"), false, 0x803, 3, (uint32_t[]){N_IMG - 1, ROWS, COLS}, g_pixels, sizeof g_pixels, 0);
+    expect_fail("trailing", "ok_lab", AMPC_ERR_FORMAT, "unexpected data after", "trailing");
+
+    /* Garbage that starts like gzip */
+    FILE *f = fopen(tpath("bad.gz"), "wb");
+    fwrite("\x1f\x8b\x08\x00garbagegarbagegarbage", 1, 25, f);
+    fclose(f);
+    ampc_clear_error();
+    assert_null(ampc_dataset_idx_open(tpath("bad.gz"), tpath("ok_lab")));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_FORMAT);
+    assert_non_null(strstr(ampc_last_error(), "bad.gz"));
+
+    /* A directory is not a file */
+    expect_fail("", "ok_lab", AMPC_ERR_IO, "not a regular file", NULL);
+}
+
+static void make_mnist_dir(const char *dir, bool gz, uint8_t bad_label) {
+    char p[256];
+    mkdir(tpath(dir), 0700);
+    snprintf(p, sizeof p, "%s/t10k-images-idx3-ubyte%s", dir, gz ? ".gz" : "");
+    write_images(tpath(p), gz, N_IMG, 0);
+    uint8_t keep = g_labels[3];
+    if (bad_label) g_labels[3] = bad_label;
+    snprintf(p, sizeof p, "%s/t10k-labels-idx1-ubyte%s", dir, gz ? ".gz" : "");
+    write_labels(tpath(p), gz, N_IMG, 0);
+    g_labels[3] = keep;
+}
+
+static void test_mnist_open(void **state) {
+    (void)state;
+    make_payload();
+    make_mnist_dir("digits", true, 0);
+    make_mnist_dir("My-Fashion-set", false, 0);
+    make_mnist_dir("badlabel", true, 12);
+
+    ampc_dataset *ds = ampc_dataset_mnist_open(tpath("digits"), false);
+    ASSERT_NOT_NULL_MSG(ds);
+    assert_int_equal(ampc_dataset_num_classes(ds), 10);
+    assert_null(ampc_dataset_class_name(ds, 0));
+    ampc_dataset_free(ds);
+
+    ds = ampc_dataset_mnist_open(tpath("My-Fashion-set/"), false);
+    ASSERT_NOT_NULL_MSG(ds);
+    assert_string_equal(ampc_dataset_class_name(ds, 0), "T-shirt/top");
+    assert_string_equal(ampc_dataset_class_name(ds, 9), "Ankle boot");
+    assert_null(ampc_dataset_class_name(ds, 10));
+    assert_null(ampc_dataset_class_name(ds, -1));
+    ampc_dataset_free(ds);
+
+    ds = ampc_dataset_fashion_mnist_open(tpath("digits"), false);   /* explicit: names */
+    ASSERT_NOT_NULL_MSG(ds);
+    assert_string_equal(ampc_dataset_class_name(ds, 1), "Trouser");
+    ampc_dataset_free(ds);
+
+    assert_null(ampc_dataset_mnist_open(tpath("digits"), true));   /* no train-* files */
+    assert_int_equal(ampc_last_status(), AMPC_ERR_IO);
+    assert_non_null(strstr(ampc_last_error(), "train-images-idx3-ubyte"));
+
+    assert_null(ampc_dataset_mnist_open(tpath("badlabel"), false));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_FORMAT);
+    assert_non_null(strstr(ampc_last_error(), "label 12"));
+    assert_non_null(strstr(ampc_last_error(), "out of range for 10 classes"));
+    assert_non_null(strstr(ampc_last_error(), "t10k-labels-idx1-ubyte.gz"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// A synthetic dataset: sample i's pixel 0 is i (to identify it), the rest a hash of (i, k).
+
+typedef struct {
+    int64_t fail_at;   /* -1: never */
+} synth_impl;
+
+static float synth_pixel(int64_t i, int64_t k) {
+    uint64_t x = (uint64_t)i * 0x9E3779B97F4A7C15ull ^ (uint64_t)k * 0xC2B2AE3D27D4EB4Full;
+    x ^= x >> 29;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 32;
+    return (float)(x >> 40) * 0x1p-24f;
+}
+
+static int synth_get(ampc_dataset *ds, int64_t i, float *img, int64_t *label) {
+    const synth_impl *s = ds->impl;
+    if (i == s->fail_at) return ampc__err(AMPC_ERR_IO, "synthetic read failure at %lld", (long long)i);
+    int64_t n = ds->channels * ds->height * ds->width;
+    for (int64_t k = 0; k < n; k++) img[k] = synth_pixel(i, k);
+    img[0] = (float)i;
+    *label = i % ds->num_classes;
+    return 0;
+}
+
+static void synth_free(ampc_dataset *ds) { free(ds->impl); }
+
+static const ampc_dataset_vtable synth_vt = {"synthetic", synth_get, synth_free};
+
+static ampc_dataset *synth_new(int64_t n, int64_t c, int64_t h, int64_t w, int64_t fail_at) {
+    ampc_dataset *ds = ampc__dataset_alloc(&synth_vt);
+    synth_impl *s = calloc(1, sizeof *s);
+    s->fail_at = fail_at;
+    ds->impl = s;
+    ds->size = n;
+    ds->num_classes = 10;
+    ds->channels = c, ds->height = h, ds->width = w;
+    return ds;
+}
+
+static int64_t sample_id(ampc_dataset *ds, int64_t i) {
+    int64_t c, h, w, label;
+    ampc_dataset_sample_shape(ds, &c, &h, &w);
+    float *img = malloc((size_t)(c * h * w) * sizeof *img);
+    ASSERT_OK(ampc_dataset_get(ds, i, img, &label));
+    int64_t id = (int64_t)img[0];
+    free(img);
+    return id;
+}
+
+static void test_subset_and_split(void **state) {
+    (void)state;
+    ampc_dataset *all = synth_new(103, 1, 2, 2, -1);
+    ampc_dataset *train, *val, *train2, *val2, *train3, *val3;
+    ASSERT_OK(ampc_dataset_split(all, 0.2, 7, &train, &val));
+    ASSERT_OK(ampc_dataset_split(all, 0.2, 7, &train2, &val2));
+    ASSERT_OK(ampc_dataset_split(all, 0.2, 8, &train3, &val3));
+    assert_int_equal(ampc_dataset_size(val), 21);   /* round(20.6) */
+    assert_int_equal(ampc_dataset_size(train), 82);
+    int seen[103] = {0};
+    bool differs = false;
+    for (int64_t i = 0; i < 21; i++) {
+        int64_t a = sample_id(val, i);
+        assert_int_equal(a, sample_id(val2, i));   /* same seed: same split */
+        differs |= a != sample_id(val3, i);
+        if (i) assert_true(a > sample_id(val, i - 1));   /* parent order */
+        seen[a]++;
+    }
+    for (int64_t i = 0; i < 82; i++) seen[sample_id(train, i)]++;
+    for (int i = 0; i < 103; i++) assert_int_equal(seen[i], 1);   /* disjoint and covering */
+    assert_true(differs);
+    /* Pinned: the split is a function of (seed, size) on every machine and must not drift. */
+    const int64_t expect_val0[3] = {1, 2, 5};
+    for (int i = 0; i < 3; i++) assert_int_equal(sample_id(val, i), expect_val0[i]);
+
+    ampc_dataset_free(all);   /* subsets keep their parent alive */
+    ampc_dataset *sub = ampc_dataset_subset(train, (int64_t[]){81, 0, 0}, 3);   /* subset of a subset */
+    ASSERT_NOT_NULL_MSG(sub);
+    assert_int_equal(sample_id(sub, 0), sample_id(train, 81));
+    assert_int_equal(sample_id(sub, 2), sample_id(train, 0));
+    assert_null(ampc_dataset_subset(train, (int64_t[]){82}, 1));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+    ampc_dataset *bad_t, *bad_v;
+    assert_int_equal(ampc_dataset_split(train, 1.5, 0, &bad_t, &bad_v), AMPC_ERR_INVALID);
+    assert_true(bad_t == NULL && bad_v == NULL);
+    ampc_dataset_free(val);
+    ampc_dataset_free(val2);
+    ampc_dataset_free(train2);
+    ampc_dataset_free(train3);
+    ampc_dataset_free(val3);
+    ampc_dataset_free(train);   /* sub still holds it */
+    assert_int_equal(ampc_dataset_size(sub), 3);
+    ampc_dataset_free(sub);
+
+    ampc_dataset *one = synth_new(10, 1, 1, 1, -1), *t, *v;
+    ASSERT_OK(ampc_dataset_split(one, 0.0, 1, &t, &v));
+    assert_int_equal(ampc_dataset_size(v), 0);
+    assert_int_equal(ampc_dataset_size(t), 10);
+    ampc_dataset_free(t);
+    ampc_dataset_free(v);
+    ampc_dataset_free(one);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Transforms against independent references
+
+/* Bilinear sample of a (h, w) plane at (y, x) in double, zero outside. */
+static double ref_sample_zero(const float *p, int64_t h, int64_t w, double y, double x) {
+    double fy = floor(y), fx = floor(x), acc = 0;
+    for (int dy = 0; dy < 2; dy++)
+        for (int dx = 0; dx < 2; dx++) {
+            int64_t yy = (int64_t)fy + dy, xx = (int64_t)fx + dx;
+            double wgt = (dy ? y - fy : 1 - (y - fy)) * (dx ? x - fx : 1 - (x - fx));
+            if (yy >= 0 && yy < h && xx >= 0 && xx < w) acc += wgt * p[yy * w + xx];
+        }
+    return acc;
+}
+
+static void test_transforms_exact(void **state) {
+    (void)state;
+    enum { C = 3, H = 6, W = 5 };
+    float in[C * H * W], out[C * H * W];
+    for (int k = 0; k < C * H * W; k++) in[k] = synth_pixel(5, k);
+
+    ampc_transforms *t = ampc_transforms_new();
+    ASSERT_OK(ampc_transforms_add_hflip(t, 1.0));
+    ASSERT_OK(ampc_transforms_apply(t, C, H, W, in, out, 1, 0, 3));
+    for (int c = 0; c < C; c++)
+        for (int y = 0; y < H; y++)
+            for (int x = 0; x < W; x++) assert_true(out[(c * H + y) * W + x] == in[(c * H + y) * W + (W - 1 - x)]);
+    ampc_transforms_free(t);
+
+    t = ampc_transforms_new();
+    ASSERT_OK(ampc_transforms_add_hflip(t, 0.0));
+    ASSERT_OK(ampc_transforms_apply(t, C, H, W, in, out, 1, 0, 3));
+    assert_memory_equal(in, out, sizeof in);
+    ampc_transforms_free(t);
+
+    const float mean[C] = {0.5f, 0.25f, -1.0f}, std[C] = {0.3f, 2.0f, 0.7f};
+    t = ampc_transforms_new();
+    ASSERT_OK(ampc_transforms_add_normalize(t, C, mean, std));
+    ASSERT_OK(ampc_transforms_apply(t, C, H, W, in, out, 1, 0, 3));
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < H * W; k++) assert_true(out[c * H * W + k] == (in[c * H * W + k] - mean[c]) / std[c]);
+    int64_t oc;
+    assert_int_equal(ampc_transforms_output_shape(t, 2, H, W, &oc, NULL, NULL), AMPC_ERR_SHAPE);
+    assert_int_equal(ampc_transforms_add_normalize(t, 1, (float[]){0}, (float[]){0}), AMPC_ERR_INVALID);
+    ampc_transforms_free(t);
+
+    /* Identity affine (no shift, scale 1, no rotation): bit-exact, whatever the draws */
+    t = ampc_transforms_new();
+    ASSERT_OK(ampc_transforms_add_affine(t, 0.0, 1.0, 1.0, 0.0));
+    for (int64_t idx = 0; idx < 20; idx++) {
+        ASSERT_OK(ampc_transforms_apply(t, C, H, W, in, out, 9, 2, idx));
+        assert_memory_equal(in, out, sizeof in);
+    }
+    ampc_transforms_free(t);
+
+    /* Resize to the same size is the identity; of a constant image, constant */
+    t = ampc_transforms_new();
+    ASSERT_OK(ampc_transforms_add_resize(t, H, W));
+    ASSERT_OK(ampc_transforms_apply(t, C, H, W, in, out, 1, 0, 0));
+    assert_memory_equal(in, out, sizeof in);
+    ampc_transforms_free(t);
+    float cst[C * H * W], big[C * 11 * 4];
+    for (int k = 0; k < C * H * W; k++) cst[k] = 0.1f * (float)(1 + k / (H * W));
+    t = ampc_transforms_new();
+    ASSERT_OK(ampc_transforms_add_resize(t, 11, 4));
+    int64_t oh, ow;
+    ASSERT_OK(ampc_transforms_output_shape(t, C, H, W, &oc, &oh, &ow));
+    assert_true(oc == C && oh == 11 && ow == 4);
+    ASSERT_OK(ampc_transforms_apply(t, C, H, W, cst, big, 1, 0, 0));
+    for (int k = 0; k < C * 11 * 4; k++) assert_true(big[k] == 0.1f * (float)(1 + k / 44));
+    ampc_transforms_free(t);
+}
+
+static void test_transforms_reference(void **state) {
+    (void)state;
+    enum { C = 2, H = 7, W = 9 };
+    float in[C * H * W];
+    for (int k = 0; k < C * H * W; k++) in[k] = synth_pixel(11, k);
+    /* Single-precision coordinates and lerps: a few roundings of values in [0, 1]. */
+    const double tol = 8 * tu_eps(AMPC_F32);
+
+    /* Resize (align_corners=False, clamped) against a double evaluation of the same formula */
+    const int sizes[][2] = {{14, 20}, {3, 4}, {7, 13}, {1, 1}};
+    for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
+        int oh = sizes[s][0], ow = sizes[s][1];
+        float *out = malloc((size_t)(C * oh * ow) * sizeof *out);
+        double *got = malloc((size_t)(C * oh * ow) * sizeof *got), *ref = malloc((size_t)(C * oh * ow) * sizeof *ref);
+        ampc_transforms *t = ampc_transforms_new();
+        ASSERT_OK(ampc_transforms_add_resize(t, oh, ow));
+        ASSERT_OK(ampc_transforms_apply(t, C, H, W, in, out, 1, 0, 0));
+        for (int c = 0; c < C; c++)
+            for (int y = 0; y < oh; y++)
+                for (int x = 0; x < ow; x++) {
+                    double sy = fmax(0.0, (y + 0.5) * H / oh - 0.5), sx = fmax(0.0, (x + 0.5) * W / ow - 0.5);
+                    /* clamp to the last row/column: sample the edge-extended image */
+                    double fy = floor(sy), fx = floor(sx), ly = sy - fy, lx = sx - fx;
+                    int64_t y0 = (int64_t)fy, x0 = (int64_t)fx, y1 = y0 + 1 < H ? y0 + 1 : H - 1, x1 = x0 + 1 < W ? x0 + 1 : W - 1;
+                    const float *p = in + c * H * W;
+                    double v = (1 - ly) * ((1 - lx) * p[y0 * W + x0] + lx * p[y0 * W + x1]) +
+                               ly * ((1 - lx) * p[y1 * W + x0] + lx * p[y1 * W + x1]);
+                    int k = (c * oh + y) * ow + x;
+                    ref[k] = v;
+                    got[k] = out[k];
+                }
+        tu_assert_close("resize", got, ref, (size_t)(C * oh * ow), tol, tol);
+        ampc_transforms_free(t);
+        free(out), free(got), free(ref);
+    }
+
+    /* Deterministic affine (scale range of one value, no shift/rotation) against a double
+       inverse map about the centre, bilinear with zero fill. */
+    const double scales[] = {2.0, 0.5, 1.3};
+    for (size_t s = 0; s < 3; s++) {
+        float out[C * H * W];
+        double got[C * H * W], ref[C * H * W];
+        ampc_transforms *t = ampc_transforms_new();
+        ASSERT_OK(ampc_transforms_add_affine(t, 0.0, scales[s], scales[s], 0.0));
+        ASSERT_OK(ampc_transforms_apply(t, C, H, W, in, out, 3, 1, 42));
+        const double cy = (H - 1) / 2.0, cx = (W - 1) / 2.0;
+        for (int c = 0; c < C; c++)
+            for (int y = 0; y < H; y++)
+                for (int x = 0; x < W; x++) {
+                    int k = (c * H + y) * W + x;
+                    ref[k] = ref_sample_zero(in + c * H * W, H, W, (y - cy) / scales[s] + cy, (x - cx) / scales[s] + cx);
+                    got[k] = out[k];
+                }
+        tu_assert_close("affine scale", got, ref, C * H * W, tol, tol);
+        ampc_transforms_free(t);
+    }
+
+    /* Random affine: reproducible per (seed, epoch, index), different across indices and epochs,
+       and a convex combination of input pixels and zero (values within [0, max]). */
+    ampc_transforms *t = ampc_transforms_new();
+    ASSERT_OK(ampc_transforms_add_affine(t, 0.2, 0.8, 1.2, 30.0));
+    ASSERT_OK(ampc_transforms_add_hflip(t, 0.5));
+    float a[C * H * W], b[C * H * W], d[C * H * W], e[C * H * W];
+    ASSERT_OK(ampc_transforms_apply(t, C, H, W, in, a, 5, 1, 17));
+    ASSERT_OK(ampc_transforms_apply(t, C, H, W, in, b, 5, 1, 17));
+    ASSERT_OK(ampc_transforms_apply(t, C, H, W, in, d, 5, 1, 18));
+    ASSERT_OK(ampc_transforms_apply(t, C, H, W, in, e, 5, 2, 17));
+    assert_memory_equal(a, b, sizeof a);
+    assert_memory_not_equal(a, d, sizeof a);
+    assert_memory_not_equal(a, e, sizeof a);
+    for (int k = 0; k < C * H * W; k++) assert_true(a[k] >= 0.0f && a[k] <= 1.0f);
+    ampc_transforms_free(t);
+
+    /* hflip(0.5): flips about half the samples (binomial, 400 draws: 5 sigma = 50) */
+    t = ampc_transforms_new();
+    ASSERT_OK(ampc_transforms_add_hflip(t, 0.5));
+    int flipped = 0;
+    for (int64_t idx = 0; idx < 400; idx++) {
+        ASSERT_OK(ampc_transforms_apply(t, C, H, W, in, a, 0, 0, idx));
+        flipped += memcmp(a, in, sizeof a) != 0;
+    }
+    assert_in_range(flipped, 150, 250);
+    ampc_transforms_free(t);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loader
+
+/* One epoch's images and labels, concatenated (caller frees); returns the batch count. */
+static int64_t run_epoch(ampc_loader *ld, int64_t epoch, float **imgs, int64_t **labs, int64_t *n_out,
+                         int64_t *last_rows) {
+    ASSERT_OK(ampc_loader_start_epoch(ld, epoch));
+    int64_t c, h, w, nb = 0, n = 0;
+    ampc_loader_sample_shape(ld, &c, &h, &w);
+    size_t cap = 64;
+    *imgs = malloc(cap * (size_t)(c * h * w) * sizeof(float));
+    *labs = malloc(cap * sizeof(int64_t));
+    ampc_tensor *x, *y;
+    int rc;
+    ampc_scope_begin();
+    while ((rc = ampc_loader_next(ld, &x, &y)) == 1) {
+        assert_int_equal(ampc_tensor_dtype(x), AMPC_F32);
+        assert_int_equal(ampc_tensor_dtype(y), AMPC_I64);
+        assert_int_equal(ampc_tensor_ndim(x), 4);
+        int64_t rows = ampc_tensor_dim(x, 0);
+        assert_true(ampc_tensor_dim(x, 1) == c && ampc_tensor_dim(x, 2) == h && ampc_tensor_dim(x, 3) == w);
+        assert_int_equal(ampc_tensor_dim(y, 0), rows);
+        while ((size_t)(n + rows) > cap) {
+            cap *= 2;
+            *imgs = realloc(*imgs, cap * (size_t)(c * h * w) * sizeof(float));
+            *labs = realloc(*labs, cap * sizeof(int64_t));
+        }
+        memcpy(*imgs + n * c * h * w, ampc_tensor_data(x), (size_t)(rows * c * h * w) * sizeof(float));
+        memcpy(*labs + n, ampc_tensor_data(y), (size_t)rows * sizeof(int64_t));
+        n += rows;
+        nb++;
+        *last_rows = rows;
+        ampc_scope_end();
+        ampc_scope_begin();
+    }
+    ampc_scope_end();
+    ASSERT_OK(rc);
+    assert_int_equal(ampc_loader_next(ld, &x, &y), 0);   /* stays at the end */
+    *n_out = n;
+    return nb;
+}
+
+static void test_loader_coverage(void **state) {
+    (void)state;
+    ampc_dataset *ds = synth_new(103, 1, 2, 3, -1);
+    for (int workers = 0; workers <= 2; workers++) {
+        ampc_loader_options o = ampc_loader_defaults();
+        o.batch_size = 10;
+        o.seed = 99;
+        o.num_workers = workers;
+        o.prefetch = workers == 1 ? 1 : 0;
+        ampc_loader *ld = ampc_loader_new(ds, &o);
+        ASSERT_NOT_NULL_MSG(ld);
+        assert_int_equal(ampc_loader_num_batches(ld), 11);
+        int64_t first[2][10];
+        for (int64_t epoch = 0; epoch < 2; epoch++) {
+            float *imgs;
+            int64_t *labs, n, last;
+            assert_int_equal(run_epoch(ld, epoch, &imgs, &labs, &n, &last), 11);
+            assert_int_equal(n, 103);
+            assert_int_equal(last, 3);   /* the partial last batch */
+            int seen[103] = {0};
+            for (int64_t k = 0; k < n; k++) {
+                int64_t id = (int64_t)imgs[k * 6];
+                assert_in_range(id, 0, 102);
+                seen[id]++;
+                assert_int_equal(labs[k], id % 10);
+                for (int p = 1; p < 6; p++) assert_true(imgs[k * 6 + p] == synth_pixel(id, p));
+            }
+            for (int i = 0; i < 103; i++) assert_int_equal(seen[i], 1);   /* each sample once */
+            for (int k = 0; k < 10; k++) first[epoch][k] = (int64_t)imgs[k * 6];
+            free(imgs), free(labs);
+        }
+        assert_memory_not_equal(first[0], first[1], sizeof first[0]);   /* order depends on epoch */
+        ampc_loader_free(ld);
+    }
+
+    /* drop_last, no shuffle: the identity order in full batches */
+    ampc_loader_options o = ampc_loader_defaults();
+    o.batch_size = 10;
+    o.shuffle = false;
+    o.drop_last = true;
+    o.num_workers = 2;
+    ampc_loader *ld = ampc_loader_new(ds, &o);
+    assert_int_equal(ampc_loader_num_batches(ld), 10);
+    float *imgs;
+    int64_t *labs, n, last;
+    assert_int_equal(run_epoch(ld, 3, &imgs, &labs, &n, &last), 10);
+    assert_int_equal(n, 100);
+    assert_int_equal(last, 10);
+    for (int64_t k = 0; k < n; k++) assert_true(imgs[k * 6] == (float)k);
+    free(imgs), free(labs);
+    ampc_loader_free(ld);
+
+    o.batch_size = 0;
+    assert_null(ampc_loader_new(ds, &o));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+    ampc_dataset_free(ds);
+}
+
+static void test_loader_workers_bit_exact(void **state) {
+    (void)state;
+    ampc_dataset *ds = synth_new(77, 3, 8, 6, -1);
+    ampc_transforms *t = ampc_transforms_new();
+    ASSERT_OK(ampc_transforms_add_affine(t, 0.1, 0.9, 1.1, 15.0));
+    ASSERT_OK(ampc_transforms_add_hflip(t, 0.5));
+    ASSERT_OK(ampc_transforms_add_resize(t, 10, 9));
+    ASSERT_OK(ampc_transforms_add_normalize(t, 3, (float[]){0.5f, 0.4f, 0.3f}, (float[]){0.2f, 0.25f, 0.3f}));
+    const int workers[] = {0, 2, 1, 2}, prefetch[] = {0, 0, 1, 5};
+    const size_t per = 3 * 10 * 9;
+    float *by_seed[2] = {NULL, NULL};
+    for (int seed = 0; seed < 2; seed++) {
+        float *ref_img = NULL;
+        int64_t *ref_lab = NULL;
+        for (size_t v = 0; v < 4; v++) {
+            ampc_loader_options o = ampc_loader_defaults();
+            o.batch_size = 8;
+            o.seed = 1000 + (uint64_t)seed;
+            o.num_workers = workers[v];
+            o.prefetch = prefetch[v];
+            o.transforms = t;
+            ampc_loader *ld = ampc_loader_new(ds, &o);
+            ASSERT_NOT_NULL_MSG(ld);
+            int64_t c, h, w;
+            ampc_loader_sample_shape(ld, &c, &h, &w);
+            assert_true(c == 3 && h == 10 && w == 9);
+            float *imgs;
+            int64_t *labs, n, last;
+            run_epoch(ld, 4, &imgs, &labs, &n, &last);
+            assert_int_equal(n, 77);
+            if (v == 0) {
+                ref_img = imgs, ref_lab = labs;
+            } else {
+                /* bit-identical for every worker count and prefetch depth */
+                assert_memory_equal(imgs, ref_img, 77 * per * sizeof(float));
+                assert_memory_equal(labs, ref_lab, 77 * sizeof(int64_t));
+                free(imgs), free(labs);
+            }
+            ampc_loader_free(ld);
+        }
+        by_seed[seed] = ref_img;
+        free(ref_lab);
+    }
+    /* a different seed: different order and augmentations */
+    assert_memory_not_equal(by_seed[0], by_seed[1], 77 * per * sizeof(float));
+    free(by_seed[0]), free(by_seed[1]);
+    ampc_transforms_free(t);   /* the loader kept its own copy */
+    ampc_dataset_free(ds);
+}
+
+static void test_loader_early_free_and_restart(void **state) {
+    (void)state;
+    ampc_dataset *ds = synth_new(3000, 3, 16, 16, -1);
+    ampc_transforms *t = ampc_transforms_new();
+    ASSERT_OK(ampc_transforms_add_affine(t, 0.1, 0.9, 1.1, 10.0));
+    ampc_loader_options o = ampc_loader_defaults();
+    o.batch_size = 32;
+    o.num_workers = 2;
+    o.prefetch = 4;
+    o.transforms = t;
+    for (int taken = 0; taken < 3; taken++) {
+        ampc_loader *ld = ampc_loader_new(ds, &o);
+        ASSERT_NOT_NULL_MSG(ld);
+        ampc_tensor *x, *y;
+        ampc_scope_begin();
+        for (int k = 0; k < taken; k++) assert_int_equal(ampc_loader_next(ld, &x, &y), 1);   /* epoch 0 implied */
+        ampc_scope_end();
+        ampc_loader_free(ld);   /* workers are mid-epoch: must stop and join */
+    }
+    ampc_transforms_free(t);
+
+    /* Restarting mid-epoch abandons the old one: the new epoch is complete and exact. */
+    o.transforms = NULL;
+    o.batch_size = 100;
+    ampc_loader *ld = ampc_loader_new(ds, &o);
+    ampc_dataset_free(ds);   /* the loader holds its own reference */
+    ampc_tensor *x, *y;
+    ampc_scope_begin();
+    ASSERT_OK(ampc_loader_start_epoch(ld, 0));
+    for (int k = 0; k < 5; k++) assert_int_equal(ampc_loader_next(ld, &x, &y), 1);
+    ampc_scope_end();
+    float *imgs;
+    int64_t *labs, n, last;
+    assert_int_equal(run_epoch(ld, 1, &imgs, &labs, &n, &last), 30);
+    int *seen = calloc(3000, sizeof *seen);
+    for (int64_t k = 0; k < n; k++) seen[(int64_t)imgs[k * 768]]++;
+    for (int i = 0; i < 3000; i++) assert_int_equal(seen[i], 1);
+    free(seen), free(imgs), free(labs);
+    ampc_loader_free(ld);
+}
+
+static void test_loader_errors(void **state) {
+    (void)state;
+    ampc_dataset *ds = synth_new(50, 1, 2, 2, 37);
+    for (int workers = 0; workers <= 2; workers += 2) {
+        ampc_loader_options o = ampc_loader_defaults();
+        o.batch_size = 4;
+        o.num_workers = workers;
+        o.seed = 5;
+        ampc_loader *ld = ampc_loader_new(ds, &o);
+        ASSERT_NOT_NULL_MSG(ld);
+        for (int64_t epoch = 0; epoch < 2; epoch++) {
+            ASSERT_OK(ampc_loader_start_epoch(ld, epoch));
+            ampc_tensor *x, *y;
+            int rc, good = 0;
+            bool seen_bad = false;
+            ampc_scope_begin();
+            while ((rc = ampc_loader_next(ld, &x, &y)) == 1) {
+                int64_t rows = ampc_tensor_dim(x, 0);
+                const float *p = ampc_tensor_data(x);
+                for (int64_t k = 0; k < rows; k++) seen_bad |= p[k * 4] == 37.0f;
+                good++;
+            }
+            ampc_scope_end();
+            assert_false(seen_bad);
+            assert_int_equal(rc, AMPC_ERR_IO);
+            assert_null(x);
+            const char *m = ampc_last_error();
+            if (!strstr(m, "synthetic read failure at 37") || !strstr(m, "sample 37"))
+                fail_msg("worker error message lost: '%s'", m);
+            assert_true(good < 13);
+            assert_int_equal(ampc_loader_next(ld, &x, &y), AMPC_ERR_IO);   /* sticky */
+        }
+        ampc_loader_free(ld);
+    }
+    ampc_dataset_free(ds);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Debian's Fashion-MNIST (dataset-fashion-mnist)
+
+static void test_fashion_mnist(void **state) {
+    (void)state;
+    const char *dir = ampc_fashion_mnist_dir();
+    if (!dir) {
+        print_message("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist): skipped\n");
+        skip();
+    }
+    ampc_dataset *train = ampc_dataset_mnist_open(dir, true);
+    ASSERT_NOT_NULL_MSG(train);
+    assert_int_equal(ampc_dataset_size(train), 60000);
+    assert_int_equal(ampc_dataset_num_classes(train), 10);
+    int64_t c, h, w, label;
+    ampc_dataset_sample_shape(train, &c, &h, &w);
+    assert_true(c == 1 && h == 28 && w == 28);
+    float img[784];
+    ASSERT_OK(ampc_dataset_get(train, 0, img, &label));
+    assert_int_equal(label, 9);
+    assert_string_equal(ampc_dataset_class_name(train, label), "Ankle boot");
+    float lo = 1, hi = 0;
+    for (int k = 0; k < 784; k++) lo = fminf(lo, img[k]), hi = fmaxf(hi, img[k]);
+    assert_true(lo == 0.0f && hi == 1.0f);
+    ampc_dataset_free(train);
+    ampc_dataset *test = ampc_dataset_fashion_mnist_open(NULL, false);
+    ASSERT_NOT_NULL_MSG(test);
+    assert_int_equal(ampc_dataset_size(test), 10000);
+    ampc_dataset_free(test);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_idx_plain_and_gzip),
+        cmocka_unit_test(test_idx_corrupt),
+        cmocka_unit_test(test_mnist_open),
+        cmocka_unit_test(test_subset_and_split),
+        cmocka_unit_test(test_transforms_exact),
+        cmocka_unit_test(test_transforms_reference),
+        cmocka_unit_test(test_loader_coverage),
+        cmocka_unit_test(test_loader_workers_bit_exact),
+        cmocka_unit_test(test_loader_early_free_and_restart),
+        cmocka_unit_test(test_loader_errors),
+        cmocka_unit_test(test_fashion_mnist),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}

@@ -1,0 +1,936 @@
+/*
+ * test_io.c - checkpoints (safetensors round trip, corruption, atomic replace), the metrics
+ * CSV and the PNG plots.
+ *
+ * A checkpoint is checked three ways: restored into a differently initialised copy it gives
+ * bit-identical state and the next training step gives bit-identical weights; an independent
+ * reader here (string search in the header, not the library's parser) finds every tensor with
+ * the right dtype, shape and bytes; and, when /usr/bin/python3 has torch, PyTorch loads the
+ * weights into the equivalent nn.Sequential (strict load_state_dict) and computes the same
+ * forward pass (tests/fixtures/check_safetensors.py).
+ */
+#include "testutil.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <ftw.h>
+#include <inttypes.h>
+#include <libgen.h>
+#include <math.h>
+#include <png.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "amp/amp.h"
+#include "nn/nn.h"
+#include "optim/optim.h"
+
+extern int ampc__checkpoint_fail_stage;   /* src/io/checkpoint.c test hook */
+
+static char tmpdir[64];
+
+static const char *tpath(const char *name) {
+    static char buf[8][256];
+    static int k;
+    char *p = buf[k++ % 8];
+    snprintf(p, 256, "%s/%s", tmpdir, name);
+    return p;
+}
+
+static int rm_entry(const char *p, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb, (void)flag, (void)ftw;
+    return remove(p);
+}
+
+static int setup(void **state) {
+    tu_group_setup(state);
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/ampc-test-io-XXXXXX");
+    return mkdtemp(tmpdir) ? 0 : -1;
+}
+
+static int teardown(void **state) {
+    if (getenv("AMPC_TEST_KEEP_FILES")) fprintf(stderr, "test_io: files kept in %s\n", tmpdir);
+    else nftw(tmpdir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    return tu_group_teardown(state);
+}
+
+static unsigned char *read_all(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long sz = ftell(f);
+    rewind(f);
+    unsigned char *b = malloc((size_t)sz + 1);
+    *n = fread(b, 1, (size_t)sz, f);
+    b[*n] = 0;
+    fclose(f);
+    return b;
+}
+
+static void write_all(const char *path, const void *p, size_t n) {
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(p, 1, n, f), n);
+    fclose(f);
+}
+
+static bool file_exists(const char *p) { return access(p, F_OK) == 0; }
+
+/* No "<anything>.tmp.<pid>" left in the directory. */
+static int count_temp_files(void) {
+    DIR *d = opendir(tmpdir);
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));) n += strstr(e->d_name, ".tmp.") != NULL;
+    closedir(d);
+    return n;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Models, training steps, state snapshots
+
+#define D_IN 4
+#define BATCH 6
+
+static ampc_module *mlp(uint64_t seed, int64_t out) {
+    ampc_manual_seed(seed);
+    ampc_module *m = ampc_sequential(4, ampc_linear_new(D_IN, 8, true), ampc_relu_new(), ampc_dropout_new(0.2),
+                                     ampc_linear_new(8, out, true));
+    ASSERT_NOT_NULL_MSG(m);
+    return m;
+}
+
+static ampc_scaler *scaler(void) {
+    ampc_scaler_options o = ampc_scaler_defaults();
+    o.init_scale = 0x1p19f;   /* overflows fp16 grads at first: skipped steps and backoffs */
+    o.growth_interval = 2;
+    o.hysteresis = 2;
+    ampc_scaler *s = ampc_scaler_new(&o);
+    ASSERT_NOT_NULL_MSG(s);
+    return s;
+}
+
+typedef enum { OPT_SGD, OPT_ADAM, OPT_ADAMW } opt_kind;
+
+static ampc_optimizer *optimizer(ampc_module *m, opt_kind k) {
+    ampc_optimizer *o;
+    if (k == OPT_SGD) {
+        o = ampc_sgd_new(m, &(ampc_sgd_options){.lr = 0.05, .momentum = 0.9, .nesterov = true, .weight_decay = 1e-4});
+    } else {
+        ampc_adam_options a = k == OPT_ADAM ? ampc_adam_defaults() : ampc_adamw_defaults();
+        a.lr = 0.01;
+        a.amsgrad = k == OPT_ADAM;
+        o = k == OPT_ADAM ? ampc_adam_new(m, &a) : ampc_adamw_new(m, &a);
+    }
+    ASSERT_NOT_NULL_MSG(o);
+    return o;
+}
+
+static ampc_tensor *data_tensor(uint64_t seed, int64_t rows, int64_t cols) {
+    double v[64];
+    tu_fill_uniform(v, (size_t)(rows * cols), seed, -1, 1);
+    ampc_tensor *t = ampc_tensor_from_f64(AMPC_F32, 2, (int64_t[]){rows, cols}, v);
+    ASSERT_NOT_NULL_MSG(t);
+    return t;
+}
+
+static void train_step(ampc_module *m, ampc_optimizer *opt, ampc_scaler *s, ampc_tensor *x, ampc_tensor *y) {
+    ampc_scope_begin();
+    ampc_autocast_enter(AMPC_F16, true);
+    ampc_tensor *out = ampc_module_forward(m, x);
+    ampc_tensor *loss = ampc_mse_loss(out, y, AMPC_REDUCTION_MEAN);
+    ampc_autocast_exit();
+    ASSERT_OK(ampc_backward(ampc_scaler_scale(s, loss)));
+    ASSERT_OK(ampc_scaler_step(s, opt));
+    ASSERT_OK(ampc_scaler_update(s));
+    ampc_optimizer_zero_grad(opt);
+    ampc_scope_end();
+}
+
+typedef struct {
+    unsigned char *b;
+    size_t n, cap;
+} blob;
+
+static void blob_add(blob *bl, const void *p, size_t n) {
+    if (bl->n + n > bl->cap) {
+        bl->cap = 2 * (bl->n + n) + 64;
+        bl->b = realloc(bl->b, bl->cap);
+    }
+    if (n) memcpy(bl->b + bl->n, p, n);
+    bl->n += n;
+}
+
+static void blob_tensor(blob *bl, const ampc_tensor *t) {
+    blob_add(bl, &t->dtype, sizeof t->dtype);
+    blob_add(bl, t->shape, sizeof(int64_t) * (size_t)t->ndim);
+    blob_add(bl, ampc_tensor_cdata(t), (size_t)t->numel * ampc_dtype_size(t->dtype));
+}
+
+/* Everything a checkpoint restores, as bytes: model tensors, optimizer state (presence, bytes,
+   steps, lr), scaler state, RNG state. */
+static blob snapshot(ampc_module *m, ampc_optimizer *opt, ampc_scaler *s) {
+    blob bl = {0};
+    ampc_tensor **sd;
+    int n = ampc_module_state_dict(m, &sd, NULL);
+    assert_true(n > 0);
+    for (int i = 0; i < n; i++) blob_tensor(&bl, sd[i]);
+    if (opt) {
+        for (int k = 0; k < 3; k++)
+            for (int i = 0; i < opt->n; i++) {
+                bool has = opt->state[k][i] != NULL;
+                blob_add(&bl, &has, sizeof has);
+                if (has) blob_tensor(&bl, opt->state[k][i]);
+            }
+        blob_add(&bl, opt->steps, sizeof(int64_t) * (size_t)opt->n);
+        double lr = ampc_optimizer_get_lr(opt);
+        blob_add(&bl, &lr, sizeof lr);
+    }
+    if (s) {
+        double v[AMPC_SCALER_STATE_COUNT];
+        assert_int_equal(ampc__scaler_export(s, v, AMPC_SCALER_STATE_COUNT), AMPC_SCALER_STATE_COUNT);
+        blob_add(&bl, v, sizeof v);
+    }
+    uint64_t rng[2];
+    ampc_rng_get_state(&rng[0], &rng[1]);
+    blob_add(&bl, rng, sizeof rng);
+    return bl;
+}
+
+static void assert_same(const char *what, blob a, blob b) {
+    if (a.n != b.n || memcmp(a.b, b.b, a.n) != 0) fail_msg("%s: state differs (%zu vs %zu bytes)", what, a.n, b.n);
+    free(a.b);
+    free(b.b);
+}
+
+// ---------------------------------------------------------------------------------------------
+// An independent reader: string search in the header, not the library's JSON parser
+
+static const char *st_name(ampc_dtype dt) {
+    switch (dt) {
+    case AMPC_F32: return "F32";
+    case AMPC_F16: return "F16";
+    case AMPC_BF16: return "BF16";
+    case AMPC_F64: return "F64";
+    default: return "I64";
+    }
+}
+
+typedef struct {
+    uint64_t b, e;
+} span;
+
+static int cmp_span(const void *a, const void *b) {
+    const span *x = a, *y = b;
+    return x->b < y->b ? -1 : x->b > y->b;
+}
+
+/* Finds tensor `name` in the header, checks dtype/shape/bytes against t; records its span. */
+static void check_entry(const unsigned char *file, const char *hdr, uint64_t hn, const char *name, const ampc_tensor *t,
+                        span *sp) {
+    char needle[300];
+    snprintf(needle, sizeof needle, "\"%s\":{\"dtype\":\"", name);
+    const char *p = strstr(hdr, needle);
+    if (!p) fail_msg("independent reader: tensor '%s' not in the header", name);
+    p += strlen(needle);
+    assert_true(strncmp(p, st_name(t->dtype), strlen(st_name(t->dtype))) == 0 && p[strlen(st_name(t->dtype))] == '"');
+    p = strstr(p, "\"shape\":[");
+    assert_non_null(p);
+    p += strlen("\"shape\":[");
+    int nd = 0;
+    while (*p != ']') {
+        char *end;
+        long long v = strtoll(p, &end, 10);
+        assert_true(nd < t->ndim);
+        assert_int_equal(v, t->shape[nd]);
+        nd++;
+        p = *end == ',' ? end + 1 : end;
+    }
+    assert_int_equal(nd, t->ndim);
+    unsigned long long b, e;
+    assert_int_equal(sscanf(p, "],\"data_offsets\":[%llu,%llu]}", &b, &e), 2);
+    size_t nbytes = (size_t)t->numel * ampc_dtype_size(t->dtype);
+    assert_int_equal(e - b, nbytes);
+    assert_memory_equal(file + 8 + hn + b, ampc_tensor_cdata(t), nbytes);
+    sp->b = b;
+    sp->e = e;
+}
+
+static void independent_read(const char *path, ampc_module *m, ampc_optimizer *opt) {
+    size_t size;
+    unsigned char *file = read_all(path, &size);
+    assert_non_null(file);
+    assert_true(size >= 8);
+    uint64_t hn = 0;
+    for (int i = 7; i >= 0; i--) hn = hn << 8 | file[i];
+    assert_true(hn % 8 == 0 && 8 + hn <= size);   /* data 8-byte aligned, as the reference writer */
+    char *hdr = strndup((const char *)file + 8, hn);
+    assert_int_equal(hdr[0], '{');
+    char *last = strrchr(hdr, '}');
+    for (char *q = last + 1; *q; q++) assert_int_equal(*q, ' ');   /* padding: spaces */
+    assert_non_null(strstr(hdr, "\"__metadata__\":{"));
+    assert_non_null(strstr(hdr, "\"format\":\"pt\""));
+
+    ampc_tensor **sd;
+    const char **names;
+    int n = ampc_module_state_dict(m, &sd, &names);
+    span sp[64];
+    int ns = 0;
+    for (int i = 0; i < n; i++) check_entry(file, hdr, hn, names[i], sd[i], &sp[ns++]);
+    static const char *const sgd[] = {"momentum_buffer"}, *const adam[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+    for (int i = 0; opt && i < opt->n; i++)
+        for (int k = 0; k < (opt->kind == AMPC_OPTIM_SGD ? 1 : 3); k++) {
+            if (!opt->state[k][i]) continue;
+            const char *pn = NULL;
+            for (int j = 0; j < n; j++)
+                if (sd[j] == opt->params[i]) pn = names[j];
+            char key[256];
+            snprintf(key, sizeof key, "optimizer.%s.%s", pn, opt->kind == AMPC_OPTIM_SGD ? sgd[k] : adam[k]);
+            check_entry(file, hdr, hn, key, opt->state[k][i], &sp[ns++]);
+        }
+    /* every tensor found, and together they tile the data buffer */
+    int entries = 0;
+    for (const char *q = hdr; (q = strstr(q, "\"data_offsets\"")); q++) entries++;
+    assert_int_equal(entries, ns);
+    qsort(sp, (size_t)ns, sizeof *sp, cmp_span);
+    uint64_t at = 0;
+    for (int i = 0; i < ns; i++) {
+        assert_int_equal(sp[i].b, at);
+        at = sp[i].e;
+    }
+    assert_int_equal(8 + hn + at, size);
+    free(hdr);
+    free(file);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Round trips
+
+static void roundtrip(opt_kind kind) {
+    ampc_scope_begin();
+    ampc_tensor *x = data_tensor(7, BATCH, D_IN), *y = data_tensor(8, BATCH, 3);
+    ampc_module *a = mlp(1, 3);
+    ampc_optimizer *oa = optimizer(a, kind);
+    ampc_scaler *sa = scaler();
+    for (int i = 0; i < 8; i++) train_step(a, oa, sa, x, y);
+    assert_true(ampc_scaler_steps_skipped(sa) > 0 && ampc_scaler_steps_applied(sa) > 0);
+    ampc_optimizer_set_lr(oa, ampc_optimizer_get_lr(oa) * 0.5);   /* a scheduled lr is restored too */
+
+    const char *path = tpath("roundtrip.safetensors");
+    const char *kv[] = {"epoch", "3", "note", "a \"quoted\" value, with \\ and caf\xc3\xa9\nand a newline", NULL};
+    ASSERT_OK(ampc_checkpoint_save(path, a, oa, sa, kv));
+    assert_int_equal(count_temp_files(), 0);
+    independent_read(path, a, oa);
+    blob saved = snapshot(a, oa, sa);
+
+    /* a different start: other weights, no optimizer state, fresh scaler, other RNG position */
+    ampc_module *b = mlp(2, 3);
+    ampc_optimizer *ob = optimizer(b, kind);
+    ampc_scaler *sb = scaler();
+    ampc_manual_seed(99);
+    char *meta = NULL;
+    ASSERT_OK(ampc_checkpoint_load(path, b, ob, sb, &meta));
+    assert_same("restored", saved, snapshot(b, ob, sb));
+    assert_float_equal(ampc_scaler_get_scale(sb), ampc_scaler_get_scale(sa), 0);
+    assert_int_equal(ampc_scaler_growth_tracker(sb), ampc_scaler_growth_tracker(sa));
+
+    char buf[128];
+    assert_int_equal(ampc_checkpoint_meta_get(meta, "epoch", buf, sizeof buf), 1);
+    assert_string_equal(buf, "3");
+    assert_int_equal(ampc_checkpoint_meta_get(meta, "note", buf, sizeof buf), (int)strlen(kv[3]));
+    assert_string_equal(buf, kv[3]);
+    assert_int_equal(ampc_checkpoint_meta_get(meta, "optimizer.type", buf, sizeof buf), kind == OPT_SGD ? 3 : kind == OPT_ADAM ? 4 : 5);
+    assert_int_equal(ampc_checkpoint_meta_get(meta, "note", buf, 5), (int)strlen(kv[3]));   /* truncated */
+    assert_string_equal(buf, "a \"q");
+    assert_int_equal(ampc_checkpoint_meta_get(meta, "missing", buf, sizeof buf), AMPC_ERR_INVALID);
+    assert_non_null(strstr(ampc_last_error(), "missing"));
+    free(meta);
+    char *meta2 = NULL;
+    ASSERT_OK(ampc_checkpoint_read_meta(path, &meta2));
+    assert_int_equal(ampc_checkpoint_meta_get(meta2, "epoch", buf, sizeof buf), 1);
+    free(meta2);
+
+    /* one more step from each, from the same RNG position: bit-identical */
+    uint64_t seed, off;
+    ampc_rng_get_state(&seed, &off);
+    train_step(b, ob, sb, x, y);
+    ampc_rng_set_state(seed, off);
+    train_step(a, oa, sa, x, y);
+    assert_same("after one more step", snapshot(a, oa, sa), snapshot(b, ob, sb));
+
+    ampc_optimizer_free(oa);
+    ampc_optimizer_free(ob);
+    ampc_scaler_free(sa);
+    ampc_scaler_free(sb);
+    ampc_module_free(a);
+    ampc_module_free(b);
+    ampc_scope_end();
+}
+
+static void test_roundtrip_sgd(void **state) {
+    (void)state;
+    roundtrip(OPT_SGD);
+}
+static void test_roundtrip_adam(void **state) {
+    (void)state;
+    roundtrip(OPT_ADAM);
+}
+static void test_roundtrip_adamw(void **state) {
+    (void)state;
+    roundtrip(OPT_ADAMW);
+}
+
+/* A conv net with BatchNorm: buffers (running stats, an I64 counter) round-trip too. */
+static void test_roundtrip_batchnorm(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    ampc_manual_seed(3);
+    ampc_conv2d_options co = {.padding = {1, 1}};
+    ampc_module *a = ampc_sequential(5, ampc_conv2d_new(1, 2, 3, &co, false), ampc_batchnorm2d_new(2), ampc_relu_new(),
+                                     ampc_flatten_new(), ampc_linear_new(2 * 4 * 4, 3, true));
+    ASSERT_NOT_NULL_MSG(a);
+    ampc_optimizer *oa = ampc_sgd_new(a, &(ampc_sgd_options){.lr = 0.1, .momentum = 0.5});
+    double xv[2 * 16];
+    tu_fill_uniform(xv, 32, 5, -1, 1);
+    ampc_tensor *x = ampc_tensor_from_f64(AMPC_F32, 4, (int64_t[]){2, 1, 4, 4}, xv), *y = data_tensor(6, 2, 3);
+    for (int i = 0; i < 2; i++) {
+        ampc_scope_begin();
+        ampc_tensor *loss = ampc_mse_loss(ampc_module_forward(a, x), y, AMPC_REDUCTION_MEAN);
+        ASSERT_OK(ampc_backward(loss));
+        ASSERT_OK(ampc_optimizer_step(oa));
+        ampc_optimizer_zero_grad(oa);
+        ampc_scope_end();
+    }
+    ampc_tensor *nbt = ampc__module_buffer(ampc_module_child(a, 1), "num_batches_tracked");
+    assert_int_equal(*(const int64_t *)ampc_tensor_cdata(nbt), 2);
+    const char *path = tpath("bn.safetensors");
+    ASSERT_OK(ampc_checkpoint_save(path, a, oa, NULL, NULL));
+    independent_read(path, a, oa);
+    size_t n;
+    unsigned char *file = read_all(path, &n);
+    assert_non_null(strstr((char *)file + 8, "\"1.num_batches_tracked\":{\"dtype\":\"I64\",\"shape\":[]"));
+    assert_non_null(strstr((char *)file + 8, "\"1.running_var\":{\"dtype\":\"F32\",\"shape\":[2]"));
+    free(file);
+
+    ampc_manual_seed(4);
+    ampc_module *b = ampc_sequential(5, ampc_conv2d_new(1, 2, 3, &co, false), ampc_batchnorm2d_new(2), ampc_relu_new(),
+                                     ampc_flatten_new(), ampc_linear_new(2 * 4 * 4, 3, true));
+    ampc_optimizer *ob = ampc_sgd_new(b, &(ampc_sgd_options){.lr = 0.1, .momentum = 0.5});
+    ASSERT_OK(ampc_checkpoint_load(path, b, ob, NULL, NULL));
+    assert_same("batchnorm model", snapshot(a, oa, NULL), snapshot(b, ob, NULL));
+    ampc_optimizer_free(oa);
+    ampc_optimizer_free(ob);
+    ampc_module_free(a);
+    ampc_module_free(b);
+    ampc_scope_end();
+}
+
+/* PyTorch reads the weights (strict load_state_dict) and computes the same forward pass. */
+static void test_pytorch_reads_checkpoint(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    ampc_module *m = mlp(11, 3);
+    ampc_optimizer *o = optimizer(m, OPT_ADAM);
+    ampc_scaler *s = scaler();
+    ampc_tensor *x = data_tensor(12, BATCH, D_IN), *y = data_tensor(13, BATCH, 3);
+    for (int i = 0; i < 4; i++) train_step(m, o, s, x, y);
+    const char *ck = tpath("torch.safetensors"), *xp = tpath("x.f32"), *yp = tpath("y.f32");
+    ASSERT_OK(ampc_checkpoint_save(ck, m, o, s, NULL));
+    write_all(xp, ampc_tensor_cdata(x), sizeof(float) * BATCH * D_IN);
+    char script[512], cmd[2048];
+    snprintf(script, sizeof script, "%s", __FILE__);
+    snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s/fixtures/check_safetensors.py %s %s %d %d %s", dirname(script), ck, xp, BATCH,
+             D_IN, yp);
+    int rc = system(cmd);
+    if (rc == -1 || !WIFEXITED(rc) || WEXITSTATUS(rc) == 77 || WEXITSTATUS(rc) == 127) {
+        /* optional: needs /usr/bin/python3 with torch (Debian python3-torch) */
+        ampc_optimizer_free(o);
+        ampc_scaler_free(s);
+        ampc_module_free(m);
+        ampc_scope_end();
+        skip();
+    }
+    if (WEXITSTATUS(rc) != 0) fail_msg("PyTorch cross-check failed (exit %d): %s", WEXITSTATUS(rc), cmd);
+    size_t n;
+    float *ref = (float *)read_all(yp, &n);
+    assert_int_equal(n, sizeof(float) * BATCH * 3);
+    ampc_module_train(m, false);
+    ampc_tensor *out = ampc_module_forward(m, x);
+    ASSERT_NOT_NULL_MSG(out);
+    double got[BATCH * 3], want[BATCH * 3];
+    ASSERT_OK(ampc_tensor_to_f64(out, got, BATCH * 3));
+    for (int i = 0; i < BATCH * 3; i++) want[i] = ref[i];
+    /* two fp32 evaluations with reductions of length <= 8 in possibly different orders */
+    double tol = 2 * 8 * tu_eps(AMPC_F32) * 4;
+    tu_assert_close("torch vs ampc forward", got, want, BATCH * 3, tol, tol);
+    free(ref);
+    ampc_optimizer_free(o);
+    ampc_scaler_free(s);
+    ampc_module_free(m);
+    ampc_scope_end();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad files: one clear error, nothing changed
+
+typedef struct {
+    ampc_module *m;
+    ampc_optimizer *o;
+    ampc_scaler *s;
+} victim;
+
+static victim victim_new(void) {
+    victim v = {mlp(21, 3), NULL, scaler()};
+    v.o = optimizer(v.m, OPT_SGD);
+    ampc_tensor *x = data_tensor(22, BATCH, D_IN), *y = data_tensor(23, BATCH, 3);
+    for (int i = 0; i < 3; i++) train_step(v.m, v.o, v.s, x, y);
+    return v;
+}
+
+static void victim_free(victim v) {
+    ampc_optimizer_free(v.o);
+    ampc_scaler_free(v.s);
+    ampc_module_free(v.m);
+}
+
+/* Loading path into v fails with status (0: any) and a message holding each of the strings. */
+static void expect_load_error(victim v, const char *path, int status, const char *s1, const char *s2, const char *s3) {
+    blob before = snapshot(v.m, v.o, v.s);
+    char *meta = (char *)"untouched";
+    int rc = ampc_checkpoint_load(path, v.m, v.o, v.s, &meta);
+    if (rc >= 0) fail_msg("loading %s succeeded", path);
+    if (status && rc != status) fail_msg("loading %s: status %d, expected %d: %s", path, rc, status, ampc_last_error());
+    assert_null(meta);
+    const char *msg = ampc_last_error();
+    const char *want[3] = {s1, s2, s3};
+    for (int i = 0; i < 3; i++)
+        if (want[i] && !strstr(msg, want[i])) fail_msg("error for %s lacks \"%s\": %s", path, want[i], msg);
+    assert_same("after a failed load", before, snapshot(v.m, v.o, v.s));
+}
+
+static void test_truncated_and_foreign_files(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    victim v = victim_new();
+    const char *good = tpath("good.safetensors"), *bad = tpath("bad.safetensors");
+    ampc_module *other = mlp(31, 3);
+    ASSERT_OK(ampc_checkpoint_save(good, other, NULL, NULL, NULL));
+    size_t n;
+    unsigned char *f = read_all(good, &n);
+    uint64_t hn = 0;
+    for (int i = 7; i >= 0; i--) hn = hn << 8 | f[i];
+    size_t cuts[] = {0, 3, 8, 8 + (size_t)hn / 2, 8 + (size_t)hn, 8 + (size_t)hn + 7, n - 1};
+    for (size_t k = 0; k < sizeof cuts / sizeof cuts[0]; k++) {
+        write_all(bad, f, cuts[k]);
+        const char *why = cuts[k] < 8 ? "too short" : cuts[k] < 8 + hn ? "exceeds the file size" : "truncated";
+        expect_load_error(v, bad, AMPC_ERR_FORMAT, why, NULL, NULL);
+    }
+    /* header size larger than the file, and implausibly large */
+    unsigned char *g = malloc(n);
+    memcpy(g, f, n);
+    uint64_t big = n;
+    for (int i = 0; i < 8; i++) g[i] = (unsigned char)(big >> (8 * i));
+    write_all(bad, g, n);
+    expect_load_error(v, bad, AMPC_ERR_FORMAT, "exceeds the file size", NULL, NULL);
+    /* foreign files: a PNG, a text file, a directory, nothing */
+    static const unsigned char png[] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n', 0, 0, 0, 13, 'I', 'H', 'D', 'R'};
+    write_all(bad, png, sizeof png);
+    expect_load_error(v, bad, AMPC_ERR_FORMAT, "not a safetensors file", NULL, NULL);
+    write_all(bad, "hello, world\n", 13);
+    expect_load_error(v, bad, AMPC_ERR_FORMAT, NULL, NULL, NULL);
+    expect_load_error(v, tmpdir, AMPC_ERR_IO, "not a regular file", NULL, NULL);
+    expect_load_error(v, tpath("nonexistent.safetensors"), AMPC_ERR_IO, "can't open", NULL, NULL);
+    /* a flipped byte in the header's JSON */
+    memcpy(g, f, n);
+    g[8 + 1] = '!';
+    write_all(bad, g, n);
+    expect_load_error(v, bad, AMPC_ERR_FORMAT, "malformed header", NULL, NULL);
+    free(g);
+    free(f);
+    ampc_module_free(other);
+    victim_free(v);
+    ampc_scope_end();
+}
+
+/* A file with this header text and data_bytes zero bytes of data. */
+static void write_crafted(const char *path, const char *json, uint64_t data_bytes) {
+    size_t jn = strlen(json), hn = (jn + 7) / 8 * 8;
+    size_t total = 8 + hn + (size_t)data_bytes;
+    unsigned char *b = calloc(1, total);
+    for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)hn >> (8 * i));
+    memcpy(b + 8, json, jn);
+    memset(b + 8 + jn, ' ', hn - jn);
+    write_all(path, b, total);
+    free(b);
+}
+
+/* The header of a valid file for the 4-8-3 MLP, with one entry changed by the arguments:
+   entry `which` gets dtype/shape text and a byte shift of its begin offset; skip drops it. */
+static uint64_t mlp_header(char *out, size_t cap, int which, const char *dtype, const char *shape, int64_t shift, bool skip,
+                           const char *extra) {
+    static const char *names[] = {"0.weight", "0.bias", "3.weight", "3.bias"};
+    static const char *shapes[] = {"[8,4]", "[8]", "[3,8]", "[3]"};
+    static const uint64_t bytes[] = {128, 32, 96, 12};
+    size_t k = (size_t)snprintf(out, cap, "{\"__metadata__\":{\"format\":\"pt\"}");
+    uint64_t at = 0;
+    for (int i = 0; i < 4; i++) {
+        if (i == which && skip) continue;
+        uint64_t nb = bytes[i];
+        if (i == which && dtype && strcmp(dtype, "F16") == 0) nb /= 2;
+        uint64_t b = at + (uint64_t)(i == which ? shift : 0);
+        k += (size_t)snprintf(out + k, cap - k, ",\"%s\":{\"dtype\":\"%s\",\"shape\":%s,\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}",
+                              names[i], i == which && dtype ? dtype : "F32", i == which && shape ? shape : shapes[i], b, b + nb);
+        at = b + nb;
+    }
+    if (extra) k += (size_t)snprintf(out + k, cap - k, ",%s", extra);
+    snprintf(out + k, cap - k, "}");
+    return at;
+}
+
+static void test_bad_headers(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    victim v = victim_new();
+    const char *bad = tpath("crafted.safetensors");
+    char h[2048];
+    /* the crafted header itself is valid: loading it (weights only) works */
+    {
+        ampc_module *m = mlp(41, 3);
+        write_crafted(bad, h, mlp_header(h, sizeof h, -1, NULL, NULL, 0, false, NULL));
+        ASSERT_OK(ampc_checkpoint_load(bad, m, NULL, NULL, NULL));
+        ampc_module_free(m);
+    }
+    static const char *garbage[] = {
+        "{\"0.weight\":",
+        "{]",
+        "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}",
+        "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}} x",
+        "{\"a\":{\"dtype\":\"F32\",\"shape\":[01],\"data_offsets\":[0,4]}}",
+        "{\"a\":{\"dtype\":\"F32\",\"shape\":[1.0],\"data_offsets\":[0,4]}}",
+        "{\"a\":{\"dtype\":\"F32\",\"shape\":[-1],\"data_offsets\":[0,4]}}",
+        "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4],\"extra\":1}}",
+        "{\"a\":{\"dtype\":\"F32\",\"shape\":[1]}}",
+        "{\"a\":{\"dtype\":\"F32\",\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+        "{\"a\xff\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+        "{\"a\\ud800\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+        "{\"__metadata__\":{\"k\":1}}",
+        "{\"__metadata__\":{\"k\":\"v\",\"k\":\"w\"}}",
+        "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}",
+    };
+    for (size_t i = 0; i < sizeof garbage / sizeof garbage[0]; i++) {
+        write_crafted(bad, garbage[i], 8);
+        expect_load_error(v, bad, AMPC_ERR_FORMAT, "malformed header", NULL, NULL);
+    }
+    write_crafted(bad, "[1,2]", 8);
+    expect_load_error(v, bad, AMPC_ERR_FORMAT, "does not start with '{'", NULL, NULL);
+    /* overlapping offsets, a gap, trailing bytes */
+    uint64_t end = mlp_header(h, sizeof h, 1, NULL, NULL, -4, false, NULL);
+    write_crafted(bad, h, end);
+    expect_load_error(v, bad, AMPC_ERR_FORMAT, "'0.weight' [0, 128)", "'0.bias' [124, 156)", "overlap");
+    end = mlp_header(h, sizeof h, 2, NULL, NULL, 8, false, NULL);
+    write_crafted(bad, h, end);
+    expect_load_error(v, bad, AMPC_ERR_FORMAT, "belong to no tensor", NULL, NULL);
+    end = mlp_header(h, sizeof h, -1, NULL, NULL, 0, false, NULL);
+    write_crafted(bad, h, end + 4);
+    expect_load_error(v, bad, AMPC_ERR_FORMAT, "trailing data", NULL, NULL);
+    /* offsets that don't match dtype and shape */
+    end = mlp_header(h, sizeof h, 0, NULL, "[8,3]", 0, false, NULL);
+    write_crafted(bad, h, end);
+    expect_load_error(v, bad, AMPC_ERR_FORMAT, "'0.weight'", "needs 96 bytes", NULL);
+    /* an unknown dtype string, and a known one that is not the model's */
+    end = mlp_header(h, sizeof h, 1, "F33", NULL, 0, false, NULL);
+    write_crafted(bad, h, end);
+    expect_load_error(v, bad, AMPC_ERR_FORMAT, "unknown dtype \"F33\"", NULL, NULL);
+    end = mlp_header(h, sizeof h, 1, "F16", NULL, 0, false, NULL);
+    write_crafted(bad, h, end);
+    expect_load_error(v, bad, AMPC_ERR_SHAPE, "'0.bias'", "F16", "F32");
+    /* a missing tensor, a wrong shape, an unexpected tensor */
+    end = mlp_header(h, sizeof h, 3, NULL, NULL, 0, true, NULL);
+    write_crafted(bad, h, end);
+    expect_load_error(v, bad, AMPC_ERR_SHAPE, "lacks the model tensor '3.bias'", "(3,)", NULL);
+    end = mlp_header(h, sizeof h, 2, NULL, "[4,6]", 0, false, NULL);
+    write_crafted(bad, h, end);
+    expect_load_error(v, bad, AMPC_ERR_SHAPE, "'3.weight'", "(4, 6)", "(3, 8)");
+    end = mlp_header(h, sizeof h, -1, NULL, NULL, 0, false, "\"9.weight\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[268,268]}");
+    write_crafted(bad, h, end);
+    expect_load_error(v, bad, AMPC_ERR_SHAPE, "'9.weight'", "the model lacks", NULL);
+    victim_free(v);
+    ampc_scope_end();
+}
+
+/* Real checkpoints of another model, optimizer or scaler setup. */
+static void test_mismatched_checkpoints(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    victim v = victim_new();
+    const char *p = tpath("other.safetensors");
+    /* a different head: 5 outputs */
+    ampc_module *m5 = mlp(51, 5);
+    ampc_optimizer *o5 = optimizer(m5, OPT_SGD);
+    ASSERT_OK(ampc_checkpoint_save(p, m5, o5, v.s, NULL));
+    expect_load_error(v, p, AMPC_ERR_SHAPE, "'3.weight'", "(5, 8)", "(3, 8)");
+    /* a deeper model: tensors the victim lacks; and the reverse */
+    ampc_module *deep = ampc_sequential(6, ampc_linear_new(D_IN, 8, true), ampc_relu_new(), ampc_dropout_new(0.2),
+                                        ampc_linear_new(8, 3, true), ampc_relu_new(), ampc_linear_new(3, 2, true));
+    ASSERT_OK(ampc_checkpoint_save(p, deep, NULL, NULL, NULL));
+    expect_load_error(v, p, AMPC_ERR_SHAPE, "'5.bias'", "the model lacks", NULL);
+    ASSERT_OK(ampc_checkpoint_save(p, v.m, v.o, v.s, NULL));
+    blob before = snapshot(deep, NULL, NULL);
+    assert_true(ampc_checkpoint_load(p, deep, NULL, NULL, NULL) < 0);
+    assert_non_null(strstr(ampc_last_error(), "lacks the model tensor '5.weight'"));
+    assert_same("deep model after a failed load", before, snapshot(deep, NULL, NULL));
+    /* same model, other optimizer kind; no optimizer state; no scaler state */
+    ampc_module *same = mlp(52, 3);
+    ampc_optimizer *adam = optimizer(same, OPT_ADAM);
+    ASSERT_OK(ampc_checkpoint_save(p, same, adam, v.s, NULL));
+    expect_load_error(v, p, AMPC_ERR_INVALID, "holds Adam state", "optimizer is SGD", NULL);
+    ASSERT_OK(ampc_checkpoint_save(p, same, NULL, v.s, NULL));
+    expect_load_error(v, p, AMPC_ERR_FORMAT, "no optimizer state", NULL, NULL);
+    ampc_optimizer *sgd = optimizer(same, OPT_SGD);
+    ASSERT_OK(ampc_checkpoint_save(p, same, sgd, NULL, NULL));
+    expect_load_error(v, p, AMPC_ERR_FORMAT, "no grad scaler state", NULL, NULL);
+    /* a negative scale in the metadata (same length, so the header stays valid) */
+    ASSERT_OK(ampc_checkpoint_save(p, same, sgd, v.s, NULL));
+    size_t n;
+    unsigned char *f = read_all(p, &n);
+    char *val = strstr((char *)f + 8, "\"scaler.scale\":\"");
+    assert_non_null(val);
+    val[strlen("\"scaler.scale\":\"")] = '-';
+    write_all(p, f, n);
+    free(f);
+    expect_load_error(v, p, AMPC_ERR_FORMAT, "scaler", "not a positive finite float", NULL);
+    /* ...but weights only (no optimizer, no scaler) from any of these works */
+    ASSERT_OK(ampc_checkpoint_load(p, v.m, NULL, NULL, NULL));
+    assert_same("weights only", snapshot(same, NULL, NULL), snapshot(v.m, NULL, NULL));
+    ampc_optimizer_free(o5);
+    ampc_optimizer_free(adam);
+    ampc_optimizer_free(sgd);
+    ampc_module_free(m5);
+    ampc_module_free(deep);
+    ampc_module_free(same);
+    victim_free(v);
+    ampc_scope_end();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Atomic replacement
+
+static void test_failed_save_keeps_previous(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    victim v = victim_new();
+    const char *p = tpath("atomic.safetensors");
+    ASSERT_OK(ampc_checkpoint_save(p, v.m, v.o, v.s, (const char *[]){"epoch", "1", NULL}));
+    size_t n0;
+    unsigned char *good = read_all(p, &n0);
+    ampc_module *other = mlp(61, 3);
+    ampc_optimizer *oo = optimizer(other, OPT_SGD);
+    /* a directory that doesn't exist: nothing is created */
+    char missing[300];
+    snprintf(missing, sizeof missing, "%s/no/such/dir/x.safetensors", tmpdir);
+    assert_int_equal(ampc_checkpoint_save(missing, other, oo, NULL, NULL), AMPC_ERR_IO);
+    assert_non_null(strstr(ampc_last_error(), "can't create"));
+    assert_false(file_exists(missing));
+    /* failures while writing, at fsync and at rename: the old file survives, no temp is left */
+    for (int stage = 1; stage <= 3; stage++) {
+        ampc__checkpoint_fail_stage = stage;
+        int rc = ampc_checkpoint_save(p, other, oo, NULL, (const char *[]){"epoch", "2", NULL});
+        ampc__checkpoint_fail_stage = 0;
+        assert_int_equal(rc, AMPC_ERR_IO);
+        assert_non_null(strstr(ampc_last_error(), "unchanged"));
+        size_t n1;
+        unsigned char *now = read_all(p, &n1);
+        assert_int_equal(n1, n0);
+        assert_memory_equal(now, good, n0);
+        free(now);
+        assert_int_equal(count_temp_files(), 0);
+    }
+    /* bad metadata is refused before any file is touched */
+    assert_int_equal(ampc_checkpoint_save(p, other, oo, NULL, (const char *[]){"scaler.scale", "1", NULL}), AMPC_ERR_INVALID);
+    assert_int_equal(ampc_checkpoint_save(p, other, oo, NULL, (const char *[]){"k", "v", "k", "w", NULL}), AMPC_ERR_INVALID);
+    assert_int_equal(ampc_checkpoint_save(p, other, oo, NULL, (const char *[]){"k", "\xc3(", NULL}), AMPC_ERR_INVALID);
+    size_t n1;
+    unsigned char *now = read_all(p, &n1);
+    assert_true(n1 == n0 && memcmp(now, good, n0) == 0);
+    free(now);
+    /* and a successful save replaces it */
+    ASSERT_OK(ampc_checkpoint_save(p, other, oo, NULL, (const char *[]){"epoch", "2", NULL}));
+    assert_int_equal(count_temp_files(), 0);
+    char *meta;
+    ASSERT_OK(ampc_checkpoint_read_meta(p, &meta));
+    char buf[8];
+    assert_int_equal(ampc_checkpoint_meta_get(meta, "epoch", buf, sizeof buf), 1);
+    assert_string_equal(buf, "2");
+    free(meta);
+    assert_int_equal(ampc_checkpoint_meta_get("{\"a\":\"b\"", "a", buf, sizeof buf), AMPC_ERR_FORMAT);
+    assert_int_equal(ampc_checkpoint_meta_get("{\"a\":\"b\"} x", "a", buf, sizeof buf), AMPC_ERR_FORMAT);
+    free(good);
+    ampc_optimizer_free(oo);
+    ampc_module_free(other);
+    victim_free(v);
+    ampc_scope_end();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Metrics
+
+static void assert_file_text(const char *path, const char *want) {
+    size_t n;
+    char *got = (char *)read_all(path, &n);
+    assert_non_null(got);
+    if (strcmp(got, want) != 0) fail_msg("%s holds\n%s\nexpected\n%s", path, got, want);
+    free(got);
+}
+
+static void test_metrics_csv(void **state) {
+    (void)state;
+    const char *p = tpath("metrics.csv");
+    const char *cols[] = {"epoch", "train_loss", "val acc", "a,\"b\""};
+    ampc_metrics *m = ampc_metrics_open(p, cols, 4, false);
+    ASSERT_NOT_NULL_MSG(m);
+    assert_int_equal(ampc_metrics_num_columns(m), 4);
+    ASSERT_OK(ampc_metrics_row(m, (double[]){1, 0.5, 0.1, NAN}));
+    /* flushed per row: readable before close */
+    assert_file_text(p, "epoch,train_loss,val acc,\"a,\"\"b\"\"\"\n1,0.5,0.1,nan\n");
+    ASSERT_OK(ampc_metrics_row(m, (double[]){2, 1.0 / 3.0, 1e-300, -INFINITY}));
+    ASSERT_OK(ampc_metrics_row(m, (double[]){3, 2.5e10, INFINITY, -0.0}));
+    ASSERT_OK(ampc_metrics_close(m));
+    const char *three = "epoch,train_loss,val acc,\"a,\"\"b\"\"\"\n1,0.5,0.1,nan\n2,0.3333333333333333,1e-300,-inf\n"
+                        "3,2.5e+10,inf,-0\n";
+    assert_file_text(p, three);
+    /* the numbers read back exactly */
+    assert_true(strtod("0.3333333333333333", NULL) == 1.0 / 3.0);
+
+    /* append (resume): same header kept, rows added */
+    m = ampc_metrics_open(p, cols, 4, true);
+    ASSERT_NOT_NULL_MSG(m);
+    ASSERT_OK(ampc_metrics_row(m, (double[]){4, 0.25, 0.75, 1}));
+    ASSERT_OK(ampc_metrics_close(m));
+    char want[512];
+    snprintf(want, sizeof want, "%s4,0.25,0.75,1\n", three);
+    assert_file_text(p, want);
+    /* a row torn by a crash is dropped */
+    FILE *f = fopen(p, "ab");
+    fputs("5,0.2", f);
+    fclose(f);
+    m = ampc_metrics_open(p, cols, 4, true);
+    ASSERT_NOT_NULL_MSG(m);
+    ASSERT_OK(ampc_metrics_row(m, (double[]){5, 0.125, 0.875, 2}));
+    ASSERT_OK(ampc_metrics_close(m));
+    snprintf(want, sizeof want, "%s4,0.25,0.75,1\n5,0.125,0.875,2\n", three);
+    assert_file_text(p, want);
+    /* a different header: refused, file untouched */
+    const char *other[] = {"epoch", "loss"};
+    assert_null(ampc_metrics_open(p, other, 2, true));
+    assert_non_null(strstr(ampc_last_error(), "existing header"));
+    assert_file_text(p, want);
+    /* append to a new file writes the header */
+    const char *q = tpath("fresh.csv");
+    m = ampc_metrics_open(q, other, 2, true);
+    ASSERT_NOT_NULL_MSG(m);
+    ASSERT_OK(ampc_metrics_row(m, (double[]){1, 2}));
+    ASSERT_OK(ampc_metrics_close(m));
+    assert_file_text(q, "epoch,loss\n1,2\n");
+    /* errors */
+    assert_null(ampc_metrics_open(tpath("no/dir.csv"), other, 2, false));
+    assert_null(ampc_metrics_open(q, (const char *[]){"a", ""}, 2, false));
+    assert_null(ampc_metrics_open(q, other, 0, false));
+    assert_file_text(q, "epoch,loss\n1,2\n");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plots
+
+/* Decodes the PNG with libpng; returns RGBA pixels (caller frees). */
+static unsigned char *decode_png(const char *path, unsigned *w, unsigned *h) {
+    size_t n;
+    unsigned char *f = read_all(path, &n);
+    assert_non_null(f);
+    static const unsigned char sig[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
+    assert_true(n > 8 && memcmp(f, sig, 8) == 0);
+    free(f);
+    png_image img;
+    memset(&img, 0, sizeof img);
+    img.version = PNG_IMAGE_VERSION;
+    if (!png_image_begin_read_from_file(&img, path)) fail_msg("libpng: %s", img.message);
+    img.format = PNG_FORMAT_RGBA;
+    unsigned char *px = malloc(PNG_IMAGE_SIZE(img));
+    if (!png_image_finish_read(&img, NULL, px, 0, NULL)) fail_msg("libpng: %s", img.message);
+    *w = img.width;
+    *h = img.height;
+    return px;
+}
+
+/* Pixels within 40 of an RGB colour. */
+static int count_color(const unsigned char *px, unsigned w, unsigned h, int r, int g, int b) {
+    int n = 0;
+    for (size_t i = 0; i < (size_t)w * h; i++) {
+        const unsigned char *p = px + 4 * i;
+        n += abs(p[0] - r) + abs(p[1] - g) + abs(p[2] - b) < 40;
+    }
+    return n;
+}
+
+static void test_plot_png(void **state) {
+    (void)state;
+    double x[12], loss[12], val[12], one_x = 5, one_y = 0.7;
+    for (int i = 0; i < 12; i++) {
+        x[i] = i + 1;
+        loss[i] = 2.0 * exp(-0.3 * i) + 0.1;
+        val[i] = 0.9;   /* constant */
+    }
+    loss[5] = NAN;   /* a gap */
+    val[11] = INFINITY;
+    ampc_plot_series s[3] = {{"train loss", x, loss, 12}, {"val loss #1 (const)", x, val, 12}, {"single", &one_x, &one_y, 1}};
+    const char *p = tpath("curves.png");
+    ASSERT_OK(ampc_plot_curves(p, "Training curves", "epoch", "loss", s, 3));
+    assert_int_equal(count_temp_files(), 0);
+    unsigned w, h;
+    unsigned char *px = decode_png(p, &w, &h);
+    assert_int_equal(w, 800);
+    assert_int_equal(h, 600);
+    assert_true(count_color(px, w, h, 255, 255, 255) > (int)(w * h / 2));   /* white background */
+    assert_true(count_color(px, w, h, 31, 119, 180) > 200);                   /* series 1 (blue) drawn */
+    assert_true(count_color(px, w, h, 255, 127, 14) > 200);                   /* series 2 (orange) */
+    assert_true(count_color(px, w, h, 44, 160, 44) > 20);                     /* the single point's marker */
+    free(px);
+
+    /* degenerate inputs still give a PNG */
+    ASSERT_OK(ampc_plot_curves(tpath("single.png"), "one point", "x", "y", &s[2], 1));
+    double nan2[2] = {NAN, INFINITY};
+    ampc_plot_series empty = {"nothing", nan2, nan2, 2};
+    ASSERT_OK(ampc_plot_curves(tpath("empty.png"), NULL, NULL, NULL, &empty, 1));
+    px = decode_png(tpath("empty.png"), &w, &h);
+    free(px);
+
+    /* errors: unwritable path, bad series */
+    char missing[300];
+    snprintf(missing, sizeof missing, "%s/no/such/dir/plot.png", tmpdir);
+    assert_int_equal(ampc_plot_curves(missing, "t", "x", "y", s, 3), AMPC_ERR_IO);
+    assert_false(file_exists(missing));
+    ampc_plot_series bad = {"bad", NULL, NULL, 3};
+    assert_int_equal(ampc_plot_curves(tpath("bad.png"), "t", "x", "y", &bad, 1), AMPC_ERR_INVALID);
+    assert_int_equal(ampc_plot_curves(tpath("bad.png"), "t", "x", "y", s, 0), AMPC_ERR_INVALID);
+    assert_false(file_exists(tpath("bad.png")));
+    assert_int_equal(count_temp_files(), 0);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_roundtrip_sgd),
+        cmocka_unit_test(test_roundtrip_adam),
+        cmocka_unit_test(test_roundtrip_adamw),
+        cmocka_unit_test(test_roundtrip_batchnorm),
+        cmocka_unit_test(test_pytorch_reads_checkpoint),
+        cmocka_unit_test(test_truncated_and_foreign_files),
+        cmocka_unit_test(test_bad_headers),
+        cmocka_unit_test(test_mismatched_checkpoints),
+        cmocka_unit_test(test_failed_save_keeps_previous),
+        cmocka_unit_test(test_metrics_csv),
+        cmocka_unit_test(test_plot_png),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
