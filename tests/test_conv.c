@@ -199,52 +199,44 @@ static void test_output_shapes(void **state) {
 // ---------------------------------------------------------------------------------------------
 // Errors
 
-static void expect_error(ampc_tensor *t, int status, const char *fragment) {
-    assert_null(t);
-    assert_int_equal(ampc_last_status(), status);
-    if (fragment && !strstr(ampc_last_error(), fragment))
-        fail_msg("error message \"%s\" does not mention \"%s\"", ampc_last_error(), fragment);
-    ampc_clear_error();
-}
-
 static void test_errors(void **state) {
     (void)state;
     ampc_scope_begin();
     ampc_tensor *x = ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){2, 4, 5, 5});
     ampc_tensor *w = ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){6, 4, 3, 3});
     ampc_clear_error();
-    expect_error(ampc_conv2d(ampc_tensor_zeros(AMPC_F32, 3, (int64_t[]){4, 5, 5}), w, NULL, NULL), AMPC_ERR_SHAPE,
+    tu_expect_error(ampc_conv2d(ampc_tensor_zeros(AMPC_F32, 3, (int64_t[]){4, 5, 5}), w, NULL, NULL), AMPC_ERR_SHAPE,
                  "input must be 4-D (N, C, H, W), got (4, 5, 5)");
-    expect_error(ampc_conv2d(x, ampc_tensor_zeros(AMPC_F32, 2, (int64_t[]){6, 36}), NULL, NULL), AMPC_ERR_SHAPE,
+    tu_expect_error(ampc_conv2d(x, ampc_tensor_zeros(AMPC_F32, 2, (int64_t[]){6, 36}), NULL, NULL), AMPC_ERR_SHAPE,
                  "weight must be 4-D");
-    expect_error(ampc_conv2d(x, ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){6, 3, 3, 3}), NULL, NULL), AMPC_ERR_SHAPE,
+    tu_expect_error(ampc_conv2d(x, ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){6, 3, 3, 3}), NULL, NULL), AMPC_ERR_SHAPE,
                  "weight (6, 3, 3, 3) expects 3 input channels per group but input (2, 4, 5, 5) has 4");
-    expect_error(ampc_conv2d(x, ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){6, 1, 3, 3}), NULL, &OPT(.groups = 3)),
+    tu_expect_error(ampc_conv2d(x, ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){6, 1, 3, 3}), NULL, &OPT(.groups = 3)),
                  AMPC_ERR_SHAPE, "4 channels, not divisible by groups 3");
-    expect_error(ampc_conv2d(x, ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){5, 2, 3, 3}), NULL, &OPT(.groups = 2)),
+    tu_expect_error(ampc_conv2d(x, ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){5, 2, 3, 3}), NULL, &OPT(.groups = 2)),
                  AMPC_ERR_SHAPE, "5 output channels, not divisible by groups 2");
-    expect_error(ampc_conv2d(x, w, ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){5}), NULL), AMPC_ERR_SHAPE,
+    tu_expect_error(ampc_conv2d(x, w, ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){5}), NULL), AMPC_ERR_SHAPE,
                  "bias (5,) does not match weight (6, 4, 3, 3)");
-    expect_error(ampc_conv2d(x, ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){6, 4, 7, 3}), NULL, NULL), AMPC_ERR_SHAPE,
+    tu_expect_error(ampc_conv2d(x, ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){6, 4, 7, 3}), NULL, NULL), AMPC_ERR_SHAPE,
                  "kernel (6, 4, 7, 3) (dilated extent 7) is larger than the padded input (2, 4, 5, 5)");
-    expect_error(ampc_conv2d(x, w, NULL, &OPT(.dilation = {1, 3})), AMPC_ERR_SHAPE, "dilated extent 7");
-    expect_error(ampc_conv2d(x, ampc_tensor_zeros(AMPC_BF16, 4, (int64_t[]){6, 4, 3, 3}), NULL, NULL), AMPC_ERR_DTYPE,
+    tu_expect_error(ampc_conv2d(x, w, NULL, &OPT(.dilation = {1, 3})), AMPC_ERR_SHAPE, "dilated extent 7");
+    tu_expect_error(ampc_conv2d(x, ampc_tensor_zeros(AMPC_BF16, 4, (int64_t[]){6, 4, 3, 3}), NULL, NULL), AMPC_ERR_DTYPE,
                  "input is f32 but weight is bf16");
-    expect_error(ampc_conv2d(x, w, ampc_tensor_zeros(AMPC_F16, 1, (int64_t[]){6}), NULL), AMPC_ERR_DTYPE, "bias is f16");
-    expect_error(ampc_conv2d(ampc_tensor_from_i64(4, (int64_t[]){1, 1, 1, 1}, (int64_t[]){1}), w, NULL, NULL), AMPC_ERR_DTYPE,
+    tu_expect_error(ampc_conv2d(x, w, ampc_tensor_zeros(AMPC_F16, 1, (int64_t[]){6}), NULL), AMPC_ERR_DTYPE, "bias is f16");
+    tu_expect_error(ampc_conv2d(ampc_tensor_from_i64(4, (int64_t[]){1, 1, 1, 1}, (int64_t[]){1}), w, NULL, NULL), AMPC_ERR_DTYPE,
                  "i64");
-    expect_error(ampc_conv2d(ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){2, 4, 0, 5}), w, NULL, &OPT(.padding = {2, 2})),
+    tu_expect_error(ampc_conv2d(ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){2, 4, 0, 5}), w, NULL, &OPT(.padding = {2, 2})),
                  AMPC_ERR_SHAPE, "input (2, 4, 0, 5) has an empty non-batch dimension");
-    expect_error(ampc_conv2d(x, w, NULL, &OPT(.stride = {-1, 1})), AMPC_ERR_INVALID, "negative stride");
-    expect_error(ampc_conv2d(x, w, NULL, &OPT(.groups = -2)), AMPC_ERR_INVALID, "negative groups");
+    tu_expect_error(ampc_conv2d(x, w, NULL, &OPT(.stride = {-1, 1})), AMPC_ERR_INVALID, "negative stride");
+    tu_expect_error(ampc_conv2d(x, w, NULL, &OPT(.groups = -2)), AMPC_ERR_INVALID, "negative groups");
     /* across devices */
     ampc_set_default_device(AMPC_DEVICE_REF);
     ampc_tensor *wr = ampc_tensor_zeros(AMPC_F64, 4, (int64_t[]){6, 4, 3, 3});
     ampc_set_default_device(AMPC_DEVICE_CPU);
-    expect_error(ampc_conv2d(x, wr, NULL, NULL), AMPC_ERR_INVALID, "devices");
+    tu_expect_error(ampc_conv2d(x, wr, NULL, NULL), AMPC_ERR_INVALID, "devices");
     /* a NULL input keeps the first error of a chain */
     ampc_tensor *bad = ampc_conv2d(x, ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){6, 3, 3, 3}), NULL, NULL);
-    expect_error(ampc_conv2d(bad, w, NULL, NULL), AMPC_ERR_SHAPE, "input channels per group");
+    tu_expect_error(ampc_conv2d(bad, w, NULL, NULL), AMPC_ERR_SHAPE, "input channels per group");
     /* under autocast mixed dtypes are fine: all become 16-bit */
     ampc_autocast_enter(AMPC_BF16, true);
     ampc_tensor *y = ampc_conv2d(x, ampc_tensor_zeros(AMPC_F16, 4, (int64_t[]){6, 4, 3, 3}), NULL, NULL);

@@ -28,14 +28,6 @@ static ampc_tensor *f64_tensor(ampc_dtype dt, int ndim, const int64_t *shape, co
 /* The float dtype a device computes in (f64 on REF). */
 static ampc_dtype dev_dtype(ampc_device dev, ampc_dtype cpu_dt) { return dev == AMPC_DEVICE_REF ? AMPC_F64 : cpu_dt; }
 
-static void expect_error(void *result, int status, const char *needle) {
-    assert_null(result);
-    assert_int_equal(ampc_last_status(), status);
-    if (needle && !strstr(ampc_last_error(), needle))
-        fail_msg("error message \"%s\" does not mention \"%s\"", ampc_last_error(), needle);
-    ampc_clear_error();
-}
-
 // ---------------------------------------------------------------------------------------------
 // Softmax / log-softmax through the op check
 
@@ -144,8 +136,8 @@ static void test_softmax_properties(void **state) {
     ampc_autocast_enter(AMPC_BF16, true);
     assert_int_equal(ampc_tensor_dtype(ampc_log_softmax(h, 1)), AMPC_F32);
     ampc_autocast_exit();
-    expect_error(ampc_softmax(h, 2), AMPC_ERR_INVALID, "dim 2");
-    expect_error(ampc_softmax(ampc_tensor_from_i64(1, (int64_t[]){2}, (int64_t[]){1, 2}), 0), AMPC_ERR_DTYPE, NULL);
+    tu_expect_error(ampc_softmax(h, 2), AMPC_ERR_INVALID, "dim 2");
+    tu_expect_error(ampc_softmax(ampc_tensor_from_i64(1, (int64_t[]){2}, (int64_t[]){1, 2}), 0), AMPC_ERR_DTYPE, NULL);
     ampc_scope_end();
 }
 
@@ -333,23 +325,23 @@ static void test_cross_entropy_errors(void **state) {
         ampc_scope_begin();
         ampc_tensor *x = f64_tensor(dev_dtype((ampc_device)dev, AMPC_F32), 2, (int64_t[]){GN, GC}, g_logits, true);
         ampc_tensor *bad = ampc_tensor_from_i64(1, (int64_t[]){GN}, (int64_t[]){0, 1, 4, 2, 3});
-        expect_error(ampc_cross_entropy(x, bad, NULL), AMPC_ERR_INVALID, "target 4 in row 2");
+        tu_expect_error(ampc_cross_entropy(x, bad, NULL), AMPC_ERR_INVALID, "target 4 in row 2");
         ampc_tensor *neg = ampc_tensor_from_i64(1, (int64_t[]){GN}, (int64_t[]){0, 1, 2, -1, 3});
-        expect_error(ampc_cross_entropy(x, neg, NULL), AMPC_ERR_INVALID, "target -1 in row 3");
+        tu_expect_error(ampc_cross_entropy(x, neg, NULL), AMPC_ERR_INVALID, "target -1 in row 3");
         /* ignore_index 4 makes the first one valid */
         ampc_cross_entropy_options o = ampc_cross_entropy_defaults();
         o.ignore_index = 4;
         assert_non_null(ampc_cross_entropy(x, bad, &o));
         ampc_tensor *short_t = ampc_tensor_from_i64(1, (int64_t[]){GN - 1}, g_targets);
-        expect_error(ampc_cross_entropy(x, short_t, NULL), AMPC_ERR_SHAPE, "(4,)");
+        tu_expect_error(ampc_cross_entropy(x, short_t, NULL), AMPC_ERR_SHAPE, "(4,)");
         ampc_tensor *x3 = ampc_reshape(x, 3, (int64_t[]){GN, 2, 2});
-        expect_error(ampc_cross_entropy(x3, ampc_tensor_from_i64(1, (int64_t[]){GN}, g_targets), NULL),
+        tu_expect_error(ampc_cross_entropy(x3, ampc_tensor_from_i64(1, (int64_t[]){GN}, g_targets), NULL),
                      AMPC_ERR_SHAPE, "(N, C)");
         ampc_tensor *ft = f64_tensor(ampc_tensor_dtype(x), 1, (int64_t[]){GN}, (double[]){0, 1, 2, 3, 0}, false);
-        expect_error(ampc_cross_entropy(x, ft, NULL), AMPC_ERR_DTYPE, "i64");
+        tu_expect_error(ampc_cross_entropy(x, ft, NULL), AMPC_ERR_DTYPE, "i64");
         o = ampc_cross_entropy_defaults();
         o.label_smoothing = 1.5;
-        expect_error(ampc_cross_entropy(x, ampc_tensor_from_i64(1, (int64_t[]){GN}, (int64_t[]){0, 0, 0, 0, 0}), &o),
+        tu_expect_error(ampc_cross_entropy(x, ampc_tensor_from_i64(1, (int64_t[]){GN}, (int64_t[]){0, 0, 0, 0, 0}), &o),
                      AMPC_ERR_INVALID, "label_smoothing");
         ampc_scope_end();
     }
@@ -360,7 +352,7 @@ static void test_cross_entropy_errors(void **state) {
     ampc_set_default_device(AMPC_DEVICE_REF);
     ampc_tensor *t = ampc_tensor_from_i64(1, (int64_t[]){GN}, g_targets);
     ampc_set_default_device(AMPC_DEVICE_CPU);
-    expect_error(ampc_cross_entropy(x, t, NULL), AMPC_ERR_INVALID, "devices");
+    tu_expect_error(ampc_cross_entropy(x, t, NULL), AMPC_ERR_INVALID, "devices");
     ampc_scope_end();
 }
 
@@ -417,8 +409,8 @@ static void test_mse_values_and_errors(void **state) {
     assert_true(ampc_tensor_item(m) == ampc_f16_to_f32(ampc_f32_to_f16(11.25f / 3)));
     assert_true(ampc_tensor_item(ampc_mse_loss(a, b, AMPC_REDUCTION_SUM)) == 11.25);
     ampc_tensor *c = f64_tensor(AMPC_F16, 1, (int64_t[]){4}, (double[]){0, 1, 2, 3}, false);
-    expect_error(ampc_mse_loss(a, c, AMPC_REDUCTION_MEAN), AMPC_ERR_SHAPE, "(4,)");
-    expect_error(ampc_mse_loss(a, b, (ampc_reduction)9), AMPC_ERR_INVALID, "reduction");
+    tu_expect_error(ampc_mse_loss(a, c, AMPC_REDUCTION_MEAN), AMPC_ERR_SHAPE, "(4,)");
+    tu_expect_error(ampc_mse_loss(a, b, (ampc_reduction)9), AMPC_ERR_INVALID, "reduction");
     ampc_autocast_enter(AMPC_F16, true);
     assert_int_equal(ampc_tensor_dtype(ampc_mse_loss(a, b, AMPC_REDUCTION_NONE)), AMPC_F32);
     ampc_autocast_exit();
@@ -546,9 +538,9 @@ static void test_dropout_modes_and_errors(void **state) {
     for (int i = 0; i < 5; i++) assert_true(z[i] == 0);
     assert_true(isnan(z[5]));
     free(z);
-    expect_error(ampc_dropout(x, -0.1, true), AMPC_ERR_INVALID, "between 0 and 1");
-    expect_error(ampc_dropout(x, 1.5, true), AMPC_ERR_INVALID, NULL);
-    expect_error(ampc_dropout(x, NAN, true), AMPC_ERR_INVALID, NULL);
+    tu_expect_error(ampc_dropout(x, -0.1, true), AMPC_ERR_INVALID, "between 0 and 1");
+    tu_expect_error(ampc_dropout(x, 1.5, true), AMPC_ERR_INVALID, NULL);
+    tu_expect_error(ampc_dropout(x, NAN, true), AMPC_ERR_INVALID, NULL);
     ampc_scope_end();
     /* the mask is freed after backward, and with a graph that never ran backward */
     size_t base = ampc_memory_stats().current[AMPC_MEM_ACTIVATIONS];

@@ -356,14 +356,6 @@ static void test_linear_autocast(void **state) {
 // ---------------------------------------------------------------------------------------------
 // Errors
 
-static void expect_error(ampc_tensor *t, int status, const char *fragment) {
-    assert_null(t);
-    assert_int_equal(ampc_last_status(), status);
-    if (fragment && !strstr(ampc_last_error(), fragment))
-        fail_msg("error message \"%s\" does not mention \"%s\"", ampc_last_error(), fragment);
-    ampc_clear_error();
-}
-
 static void test_errors(void **state) {
     (void)state;
     ampc_scope_begin();
@@ -371,21 +363,21 @@ static void test_errors(void **state) {
     ampc_tensor *w57 = ampc_tensor_zeros(AMPC_F32, 2, (int64_t[]){5, 7});
     ampc_tensor *w53 = ampc_tensor_zeros(AMPC_F32, 2, (int64_t[]){5, 3});
     ampc_clear_error();
-    expect_error(ampc_linear(x43, w57, NULL), AMPC_ERR_SHAPE, "input (4, 3) has 3 features but weight (5, 7) expects 7");
-    expect_error(ampc_linear(x43, w53, ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){4})), AMPC_ERR_SHAPE, "bias (4,)");
-    expect_error(ampc_linear(x43, ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){3}), NULL), AMPC_ERR_SHAPE, "2-D");
-    expect_error(ampc_linear(ampc_tensor_zeros(AMPC_F16, 2, (int64_t[]){4, 3}), w53, NULL), AMPC_ERR_DTYPE, "f16");
-    expect_error(ampc_linear(ampc_tensor_from_i64(2, (int64_t[]){4, 3}, (int64_t[12]){0}), w53, NULL), AMPC_ERR_DTYPE, "i64");
-    expect_error(ampc_matmul(x43, w57), AMPC_ERR_SHAPE, "(4, 3)");
-    expect_error(ampc_matmul(x43, ampc_tensor_zeros(AMPC_BF16, 2, (int64_t[]){3, 2})), AMPC_ERR_DTYPE, "bf16");
-    expect_error(ampc_matmul(ampc_tensor_zeros(AMPC_F32, 3, (int64_t[]){2, 4, 3}), ampc_tensor_zeros(AMPC_F32, 3, (int64_t[]){3, 3, 2})),
+    tu_expect_error(ampc_linear(x43, w57, NULL), AMPC_ERR_SHAPE, "input (4, 3) has 3 features but weight (5, 7) expects 7");
+    tu_expect_error(ampc_linear(x43, w53, ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){4})), AMPC_ERR_SHAPE, "bias (4,)");
+    tu_expect_error(ampc_linear(x43, ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){3}), NULL), AMPC_ERR_SHAPE, "2-D");
+    tu_expect_error(ampc_linear(ampc_tensor_zeros(AMPC_F16, 2, (int64_t[]){4, 3}), w53, NULL), AMPC_ERR_DTYPE, "f16");
+    tu_expect_error(ampc_linear(ampc_tensor_from_i64(2, (int64_t[]){4, 3}, (int64_t[12]){0}), w53, NULL), AMPC_ERR_DTYPE, "i64");
+    tu_expect_error(ampc_matmul(x43, w57), AMPC_ERR_SHAPE, "(4, 3)");
+    tu_expect_error(ampc_matmul(x43, ampc_tensor_zeros(AMPC_BF16, 2, (int64_t[]){3, 2})), AMPC_ERR_DTYPE, "bf16");
+    tu_expect_error(ampc_matmul(ampc_tensor_zeros(AMPC_F32, 3, (int64_t[]){2, 4, 3}), ampc_tensor_zeros(AMPC_F32, 3, (int64_t[]){3, 3, 2})),
                  AMPC_ERR_SHAPE, "batch dimensions");
-    expect_error(ampc_matmul(ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){2, 1, 4, 3}), ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){1, 5, 3, 2})),
+    tu_expect_error(ampc_matmul(ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){2, 1, 4, 3}), ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){1, 5, 3, 2})),
                  AMPC_ERR_UNSUPPORTED, "(2, 1, 4, 3)");
-    expect_error(ampc_matmul(ampc_tensor_full(AMPC_F32, 0, NULL, 1), x43), AMPC_ERR_SHAPE, "at least 1 dimension");
+    tu_expect_error(ampc_matmul(ampc_tensor_full(AMPC_F32, 0, NULL, 1), x43), AMPC_ERR_SHAPE, "at least 1 dimension");
     /* a NULL input keeps the first error of a chain */
     ampc_tensor *bad = ampc_linear(x43, w57, NULL);
-    expect_error(ampc_matmul(bad, x43), AMPC_ERR_SHAPE, "expects 7");
+    tu_expect_error(ampc_matmul(bad, x43), AMPC_ERR_SHAPE, "expects 7");
     ampc_scope_end();
 }
 

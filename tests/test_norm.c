@@ -476,14 +476,6 @@ static void test_thread_count_independent(void **state) {
 // ---------------------------------------------------------------------------------------------
 // Errors
 
-static void expect_error(ampc_tensor *t, int status, const char *fragment) {
-    assert_null(t);
-    assert_int_equal(ampc_last_status(), status);
-    if (fragment && !strstr(ampc_last_error(), fragment))
-        fail_msg("error message \"%s\" does not mention \"%s\"", ampc_last_error(), fragment);
-    ampc_clear_error();
-}
-
 static void test_errors(void **state) {
     (void)state;
     ampc_scope_begin();
@@ -492,23 +484,23 @@ static void test_errors(void **state) {
     ampc_tensor *w = ampc_tensor_full(AMPC_F32, 1, &C, 1.0), *rm = ampc_tensor_zeros(AMPC_F32, 1, &C);
     ampc_tensor *rv = ampc_tensor_full(AMPC_F32, 1, &C, 1.0);
     ampc_clear_error();
-    expect_error(ampc_batch_norm2d(x, ampc_tensor_full(AMPC_BF16, 1, &C, 1.0), NULL, NULL, NULL, true, 0.1, 1e-5), AMPC_ERR_DTYPE,
+    tu_expect_error(ampc_batch_norm2d(x, ampc_tensor_full(AMPC_BF16, 1, &C, 1.0), NULL, NULL, NULL, true, 0.1, 1e-5), AMPC_ERR_DTYPE,
                  "weight is bf16");
-    expect_error(ampc_batch_norm2d(x, NULL, NULL, ampc_tensor_zeros(AMPC_F16, 1, &C), rv, true, 0.1, 1e-5), AMPC_ERR_DTYPE,
+    tu_expect_error(ampc_batch_norm2d(x, NULL, NULL, ampc_tensor_zeros(AMPC_F16, 1, &C), rv, true, 0.1, 1e-5), AMPC_ERR_DTYPE,
                  "running_mean is f16");
-    expect_error(ampc_batch_norm2d(x, ampc_tensor_full(AMPC_F32, 1, (int64_t[]){4}, 1.0), NULL, NULL, NULL, true, 0.1, 1e-5),
+    tu_expect_error(ampc_batch_norm2d(x, ampc_tensor_full(AMPC_F32, 1, (int64_t[]){4}, 1.0), NULL, NULL, NULL, true, 0.1, 1e-5),
                  AMPC_ERR_SHAPE, "weight has shape (4,), expected (3,)");
-    expect_error(ampc_batch_norm2d(x, w, ampc_tensor_zeros(AMPC_F32, 2, (int64_t[]){1, 3}), NULL, NULL, true, 0.1, 1e-5),
+    tu_expect_error(ampc_batch_norm2d(x, w, ampc_tensor_zeros(AMPC_F32, 2, (int64_t[]){1, 3}), NULL, NULL, true, 0.1, 1e-5),
                  AMPC_ERR_SHAPE, "bias has shape (1, 3)");
-    expect_error(ampc_batch_norm2d(x, w, NULL, NULL, NULL, false, 0.1, 1e-5), AMPC_ERR_INVALID, "evaluation mode needs");
-    expect_error(ampc_batch_norm2d(x, w, NULL, rm, NULL, true, 0.1, 1e-5), AMPC_ERR_INVALID, "together");
-    expect_error(ampc_batch_norm2d(ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){1, C, 1, 1}), w, NULL, rm, rv, true, 0.1, 1e-5),
+    tu_expect_error(ampc_batch_norm2d(x, w, NULL, NULL, NULL, false, 0.1, 1e-5), AMPC_ERR_INVALID, "evaluation mode needs");
+    tu_expect_error(ampc_batch_norm2d(x, w, NULL, rm, NULL, true, 0.1, 1e-5), AMPC_ERR_INVALID, "together");
+    tu_expect_error(ampc_batch_norm2d(ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){1, C, 1, 1}), w, NULL, rm, rv, true, 0.1, 1e-5),
                  AMPC_ERR_INVALID, "Expected more than 1 value per channel when training");
-    expect_error(ampc_batch_norm2d(ampc_tensor_zeros(AMPC_F32, 2, (int64_t[]){1, C}), NULL, NULL, NULL, NULL, true, 0.1, 1e-5),
+    tu_expect_error(ampc_batch_norm2d(ampc_tensor_zeros(AMPC_F32, 2, (int64_t[]){1, C}), NULL, NULL, NULL, NULL, true, 0.1, 1e-5),
                  AMPC_ERR_INVALID, "got input size (1, 3)");
-    expect_error(ampc_batch_norm2d(ampc_tensor_zeros(AMPC_F32, 1, &C), NULL, NULL, NULL, NULL, true, 0.1, 1e-5), AMPC_ERR_SHAPE,
+    tu_expect_error(ampc_batch_norm2d(ampc_tensor_zeros(AMPC_F32, 1, &C), NULL, NULL, NULL, NULL, true, 0.1, 1e-5), AMPC_ERR_SHAPE,
                  "(N, C, H, W)");
-    expect_error(ampc_batch_norm2d(ampc_tensor_from_i64(2, (int64_t[]){2, 3}, (int64_t[6]){0}), NULL, NULL, NULL, NULL, true, 0.1,
+    tu_expect_error(ampc_batch_norm2d(ampc_tensor_from_i64(2, (int64_t[]){2, 3}, (int64_t[6]){0}), NULL, NULL, NULL, NULL, true, 0.1,
                                    1e-5),
                  AMPC_ERR_DTYPE, "i64");
     /* one value per channel is fine in evaluation */
@@ -518,19 +510,19 @@ static void test_errors(void **state) {
     ampc_tensor *xr = ampc_tensor_zeros(AMPC_F64, 4, (int64_t[]){2, C, 2, 2});
     ampc_set_default_device(AMPC_DEVICE_CPU);
     ASSERT_NOT_NULL_MSG(ampc_batch_norm2d(xr, NULL, NULL, NULL, NULL, true, 0.1, 1e-5));
-    expect_error(ampc_batch_norm2d(xr, w, NULL, NULL, NULL, true, 0.1, 1e-5), AMPC_ERR_INVALID, "devices");
-    expect_error(ampc_batch_norm2d(xr, NULL, NULL, rm, rv, true, 0.1, 1e-5), AMPC_ERR_INVALID,
+    tu_expect_error(ampc_batch_norm2d(xr, w, NULL, NULL, NULL, true, 0.1, 1e-5), AMPC_ERR_INVALID, "devices");
+    tu_expect_error(ampc_batch_norm2d(xr, NULL, NULL, rm, rv, true, 0.1, 1e-5), AMPC_ERR_INVALID,
                  "running_mean is on device cpu but input on ref");
 
     ampc_tensor *lx = ampc_tensor_zeros(AMPC_F32, 3, (int64_t[]){2, 3, 4});
-    expect_error(ampc_layer_norm(lx, 0, NULL, NULL, 1e-5), AMPC_ERR_SHAPE, "last 0 dims");
-    expect_error(ampc_layer_norm(lx, 4, NULL, NULL, 1e-5), AMPC_ERR_SHAPE, "last 4 dims");
-    expect_error(ampc_layer_norm(lx, 1, ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){3}), NULL, 1e-5), AMPC_ERR_SHAPE,
+    tu_expect_error(ampc_layer_norm(lx, 0, NULL, NULL, 1e-5), AMPC_ERR_SHAPE, "last 0 dims");
+    tu_expect_error(ampc_layer_norm(lx, 4, NULL, NULL, 1e-5), AMPC_ERR_SHAPE, "last 4 dims");
+    tu_expect_error(ampc_layer_norm(lx, 1, ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){3}), NULL, 1e-5), AMPC_ERR_SHAPE,
                  "weight has shape (3,)");
-    expect_error(ampc_layer_norm(lx, 2, NULL, ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){12}), 1e-5), AMPC_ERR_SHAPE,
+    tu_expect_error(ampc_layer_norm(lx, 2, NULL, ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){12}), 1e-5), AMPC_ERR_SHAPE,
                  "bias has shape (12,)");
-    expect_error(ampc_layer_norm(lx, 1, ampc_tensor_zeros(AMPC_BF16, 1, (int64_t[]){4}), NULL, 1e-5), AMPC_ERR_DTYPE, "bf16");
-    expect_error(ampc_layer_norm(ampc_tensor_from_i64(1, (int64_t[]){2}, (int64_t[2]){0}), 1, NULL, NULL, 1e-5), AMPC_ERR_DTYPE,
+    tu_expect_error(ampc_layer_norm(lx, 1, ampc_tensor_zeros(AMPC_BF16, 1, (int64_t[]){4}), NULL, 1e-5), AMPC_ERR_DTYPE, "bf16");
+    tu_expect_error(ampc_layer_norm(ampc_tensor_from_i64(1, (int64_t[]){2}, (int64_t[2]){0}), 1, NULL, NULL, 1e-5), AMPC_ERR_DTYPE,
                  "i64");
     ampc_scope_end();
 }

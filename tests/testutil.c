@@ -54,6 +54,14 @@ void tu_assert_close(const char *what, const double *got, const double *ref, siz
                  n, worst, got[worst], ref[worst], atol, rtol);
 }
 
+void tu_expect_error(const void *t, int status, const char *fragment) {
+    assert_null(t);
+    assert_int_equal(ampc_last_status(), status);
+    if (fragment && !strstr(ampc_last_error(), fragment))
+        fail_msg("error message \"%s\" does not mention \"%s\"", ampc_last_error(), fragment);
+    ampc_clear_error();
+}
+
 double *tu_values(const ampc_tensor *t) {
     size_t n = (size_t)ampc_tensor_numel(t);
     double *v = malloc((n ? n : 1) * sizeof *v);

@@ -32,6 +32,10 @@ double tu_eps(ampc_dtype dt);
 /* Asserts |got - ref| <= atol + rtol*|ref| elementwise (NaN must match NaN); names the worst. */
 void tu_assert_close(const char *what, const double *got, const double *ref, size_t n, double atol, double rtol);
 
+/* Asserts t (any pointer result) is NULL with the given status and a message containing fragment (if not NULL);
+   clears the error. */
+void tu_expect_error(const void *t, int status, const char *fragment);
+
 /* Tensor contents as a malloc'd f64 array (caller frees). */
 double *tu_values(const ampc_tensor *t);
 
