@@ -11,7 +11,11 @@ all:
 deps:
 	bash scripts/install-deps.sh
 
+# The default cnn on Fashion-MNIST for one epoch in fp32 and one under bf16 autocast, side by
+# side (time, samples/s, peak memory, test accuracy; outputs in runs/demo/{fp32,amp}), then the
+# examples.
 demo: deps all
+	./$(BUILD)/ampc-train --compare --epochs 1 --out runs/demo
 	./$(BUILD)/mlp_amp
 	./$(BUILD)/linear_walkthrough
 
@@ -26,3 +30,15 @@ asan: deps
 
 clean:
 	rm -rf build build-asan
+
+# Benchmarks (bench/RESULTS.md). BENCH_ARGS / PEER_ARGS pass options, e.g.
+#   make bench BENCH_ARGS="--workloads resnet18 --steps 20"
+#   make bench-peer PEER_ARGS="--workloads resnet50 --repeat 3"
+# bench-peer runs ampc-bench and PyTorch (Debian's python3-torch) config by config, one table.
+PEER_PYTHON ?= /usr/bin/python3
+.PHONY: bench bench-peer
+bench: all
+	./$(BUILD)/ampc-bench $(BENCH_ARGS)
+
+bench-peer: all
+	$(PEER_PYTHON) bench/pytorch_peer.py --compare --ampc-bench ./$(BUILD)/ampc-bench --openblas-dir $(BUILD)/peer-openblas $(PEER_ARGS)

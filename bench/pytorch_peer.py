@@ -1,0 +1,360 @@
+#!/usr/bin/python3
+"""pytorch_peer.py - the ampc-bench workloads in PyTorch, and the side-by-side comparison.
+
+Runs with Debian's PyTorch (python3-torch 1.13, /usr/bin/python3; the pyenv python3 on PATH
+cannot see it). Never needed by the build or the tests.
+
+    /usr/bin/python3 bench/pytorch_peer.py                      PyTorch only, JSON on stdout
+    /usr/bin/python3 bench/pytorch_peer.py --compare --ampc-bench build/ampc-bench
+                                                                ampc and PyTorch, one table
+    options: --workloads mlp,cnn,resnet18[,resnet50] --modes fp32,amp-bf16[,amp-fp16]
+             --steps N --warmup N --threads N --repeat R --json FILE
+
+The same workloads as ampc-bench (tools/ampc-bench.c), same shapes, same step: forward under
+torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp), F.cross_entropy, backward,
+SGD(lr 0.01, momentum 0.9).step(), zero_grad(set_to_none=True) (ampc's zero_grad sets
+gradients to none, as PyTorch 2 does by default). No GradScaler: bf16 runs without one (as
+in ampc-bench), and PyTorch 1.13's CPU autocast has no fp16 (amp-fp16 is ampc-only).
+
+  mlp       Flatten, Linear(784, 2048), ReLU, Linear(2048, 2048), ReLU, Linear(2048, 10); batch 256
+  cnn       PyTorch's examples/mnist Net returning logits (ampc's zoo "cnn"); batch 128, 1x28x28
+  resnet18  torchvision resnet18(num_classes=10) with conv1 = 3x3 stride 1 pad 1 (no bias) and
+            maxpool = Identity (ampc's small_input); batch 64, 3x32x32
+  resnet50  torchvision resnet50() (1000 classes); batch 16, 3x224x224
+
+BLAS: PyTorch runs fp32 Linear layers on the system BLAS, which on Debian 12 defaults to the
+netlib reference implementation (BLAS_INFO=generic; 1.5 s for the fp32 mlp step instead of
+~40 ms). --blas openblas (the default) runs each PyTorch process on Debian's OpenBLAS
+(libopenblas0-pthread) through LD_LIBRARY_PATH instead, without touching the system's
+alternatives: the system copy if installed, else one fetched with `apt-get download` and
+unpacked under --openblas-dir (build/peer-openblas). OpenBLAS 0.3.21 does not know Zen 5 and
+would pick its AVX2 kernels; OPENBLAS_CORETYPE=SkylakeX selects its AVX-512 ones (1.6x
+faster here). --blas system measures PyTorch as installed. Convolutions and every bf16
+matmul run on PyTorch's bundled oneDNN (2.6.3, the version ampc uses) either way.
+
+Each config runs in a fresh process (this script with --one), so that its resident-set growth
+is its own: VmHWM after the warm-up and timed steps minus VmRSS before the first step
+(/proc/self/clear_refs resets the high-water mark), i.e. activations, gradients, optimizer
+state and workspace, plus one-time costs such as JIT-compiled kernels. ampc-bench also runs
+one config per process in --compare mode, for the same reason.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+WORKLOADS = {
+    # name: (batch, input shape per sample, classes)
+    "mlp": (256, (784,), 10),
+    "cnn": (128, (1, 28, 28), 10),
+    "resnet18": (64, (3, 32, 32), 10),
+    "resnet50": (16, (3, 224, 224), 1000),
+}
+TORCH_MODES = ("fp32", "amp-bf16")
+ALL_MODES = ("fp32", "amp-bf16", "amp-fp16")
+
+
+# ---------------------------------------------------------------------------------------------
+# One config, in this process
+
+
+def build(name):
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    if name == "mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                             nn.Linear(2048, 10))
+    if name == "cnn":
+        class Net(nn.Module):   # examples/mnist, logits out (cross_entropy applies log_softmax)
+            def __init__(self):
+                super().__init__()
+                self.conv1 = nn.Conv2d(1, 32, 3, 1)
+                self.conv2 = nn.Conv2d(32, 64, 3, 1)
+                self.dropout1 = nn.Dropout(0.25)
+                self.dropout2 = nn.Dropout(0.5)
+                self.fc1 = nn.Linear(9216, 128)
+                self.fc2 = nn.Linear(128, 10)
+
+            def forward(self, x):
+                x = F.relu(self.conv1(x))
+                x = F.relu(self.conv2(x))
+                x = F.max_pool2d(x, 2)
+                x = self.dropout1(x)
+                x = x.flatten(1)
+                x = self.dropout2(F.relu(self.fc1(x)))
+                return self.fc2(x)
+
+        return Net()
+    import torchvision
+
+    if name == "resnet18":
+        m = torchvision.models.resnet18(num_classes=10)
+        m.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        m.maxpool = nn.Identity()
+        return m
+    return torchvision.models.resnet50()
+
+
+def proc_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return -1
+
+
+def reset_hwm():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def run_one(name, mode, steps, warmup, threads):
+    import gc
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    batch, shape, classes = WORKLOADS[name]
+    model = build(name).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(batch, *shape)
+    y = torch.randint(0, classes, (batch,))
+    amp = mode == "amp-bf16"
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    gc.collect()
+    rss0 = proc_kib("VmRSS")
+    hwm_ok = reset_hwm()
+    for _ in range(warmup):
+        step()
+    ms = []
+    loss = float("nan")
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = step()
+        ms.append((time.perf_counter() - t0) * 1e3)
+    hwm = proc_kib("VmHWM")
+    med = statistics.median(ms)
+    with open("/proc/self/maps") as f:   # which BLAS the process actually loaded
+        maps = f.read()
+    blas = "openblas" if "openblas" in maps else "mkl" if "libmkl" in maps else "netlib" if "libblas" in maps else "?"
+    return {
+        "workload": name, "mode": mode, "batch": batch, "threads": torch.get_num_threads(),
+        "ms_median": med, "ms_min": min(ms), "ms_max": max(ms), "samples_per_s": batch / (med * 1e-3),
+        "rss_growth_bytes": (hwm - rss0) * 1024 if hwm_ok and hwm >= 0 else -1,
+        "final_loss": loss, "ms_steps": ms, "torch": torch.__version__, "blas": blas,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Orchestration: one process per config
+
+
+OPENBLAS_SYSTEM = "/usr/lib/x86_64-linux-gnu/openblas-pthread"
+
+
+def openblas_lib_dir(args):
+    """Directory holding OpenBLAS's libblas.so.3: the system's, or a private unpacked copy."""
+    if os.path.exists(os.path.join(OPENBLAS_SYSTEM, "libblas.so.3")):
+        return OPENBLAS_SYSTEM
+    root = os.path.abspath(args.openblas_dir)
+    lib = os.path.join(root, "root" + OPENBLAS_SYSTEM)
+    if not os.path.exists(os.path.join(lib, "libblas.so.3")):
+        os.makedirs(root, exist_ok=True)
+        sys.stderr.write(f"pytorch_peer: fetching Debian's libopenblas0-pthread into {root}\n")
+        try:
+            subprocess.run(["apt-get", "download", "libopenblas0-pthread"], cwd=root, check=True,
+                           capture_output=True, text=True)
+            debs = sorted(f for f in os.listdir(root) if f.startswith("libopenblas0-pthread") and f.endswith(".deb"))
+            subprocess.run(["dpkg", "-x", os.path.join(root, debs[-1]), os.path.join(root, "root")], check=True)
+        except (OSError, IndexError, subprocess.CalledProcessError) as e:
+            raise SystemExit(f"pytorch_peer: cannot get OpenBLAS ({e}); install libopenblas0-pthread or use --blas system")
+    return lib
+
+
+def peer_env(args):
+    env = dict(os.environ)
+    if args.blas == "openblas":
+        if not hasattr(args, "_openblas"):
+            args._openblas = openblas_lib_dir(args)
+        env["LD_LIBRARY_PATH"] = args._openblas + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+        env["OPENBLAS_NUM_THREADS"] = str(args.threads)
+        with open("/proc/cpuinfo") as f:
+            if " avx512f" in f.read():
+                env.setdefault("OPENBLAS_CORETYPE", "SkylakeX")
+    return env
+
+
+def run_peer_config(args, name, mode):
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", name, mode, "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--threads", str(args.threads)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=peer_env(args))
+    if p.returncode != 0:
+        sys.stderr.write(p.stderr)
+        raise SystemExit(f"pytorch_peer: {name} {mode} failed")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def run_ampc_config(args, name, mode, peak=False):
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tf:
+        path = tf.name
+    try:
+        if peak:
+            cmd = [args.ampc_bench, "--peak", "--threads", str(args.threads), "--json", path]
+        else:
+            cmd = [args.ampc_bench, "--workloads", name, "--modes", mode, "--steps", str(args.steps), "--warmup",
+                   str(args.warmup), "--threads", str(args.threads), "--no-peak", "--json", path]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            sys.stderr.write(p.stdout + p.stderr)
+            raise SystemExit(f"pytorch_peer: ampc-bench {' '.join(cmd[1:])} failed")
+        with open(path) as f:
+            data = json.load(f)
+    finally:
+        os.unlink(path)
+    return data if peak else data["results"][0]
+
+
+def median_of(runs, key):
+    vals = [r[key] for r in runs if r.get(key, -1) is not None and r.get(key, -1) >= 0]
+    return statistics.median(vals) if vals else -1
+
+
+def compare(args):
+    peak = run_ampc_config(args, None, None, peak=True)["peak"]
+    rows = []
+    for name in args.workloads:
+        for mode in args.modes:
+            a_runs, t_runs = [], []
+            for _ in range(args.repeat):   # interleaved, so both see the same machine load
+                a_runs.append(run_ampc_config(args, name, mode))
+                if mode in TORCH_MODES:
+                    t_runs.append(run_peer_config(args, name, mode))
+            a = a_runs[0]
+            row = {"workload": name, "mode": mode, "batch": a["batch"], "gflop_per_step": a["gflop_per_step"],
+                   "ampc_ms": median_of(a_runs, "ms_median"),
+                   "ampc_alloc_peak_bytes": median_of([r["mem_peak_bytes"] for r in a_runs], "total"),
+                   "ampc_rss_growth_bytes": median_of(a_runs, "rss_growth_bytes"),
+                   "ampc_ms_runs": [r["ms_median"] for r in a_runs]}
+            if t_runs:
+                row.update({"torch_ms": median_of(t_runs, "ms_median"), "torch_blas": t_runs[0]["blas"],
+                            "torch_rss_growth_bytes": median_of(t_runs, "rss_growth_bytes"),
+                            "torch_ms_runs": [r["ms_median"] for r in t_runs]})
+            rows.append(row)
+            args.torch_version = t_runs[0]["torch"] if t_runs else getattr(args, "torch_version", "?")
+            sys.stderr.write(f"  {name:9s} {mode:9s} ampc {row['ampc_ms']:9.2f} ms"
+                             + (f"  torch {row['torch_ms']:9.2f} ms" if t_runs else "") + "\n")
+    print_table(args, peak, rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"peak": peak, "threads": args.threads, "steps": args.steps, "warmup": args.warmup,
+                       "repeat": args.repeat, "blas": args.blas, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+                       "rows": rows}, f, indent=1)
+
+
+def print_table(args, peak, rows):
+    def pct(gflop, ms, mode):
+        p = peak and (peak["bf16_gflops_peak"] if mode == "amp-bf16" else peak["fp32_gflops_peak"])
+        return f"{100 * gflop / (ms * 1e-3) / p:5.1f}%" if p and ms > 0 else "    -"
+
+    def mib(b):
+        return f"{b / 2**20:8.1f}" if b is not None and b >= 0 else "       -"
+
+    blas = next((r["torch_blas"] for r in rows if "torch_blas" in r), "?")
+    print(f"\nampc vs PyTorch {args.torch_version} (fp32 Linear on {blas} BLAS): {args.threads} threads, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, {args.steps} timed steps after "
+          f"{args.warmup} warm-up, median of {args.repeat} run(s) of each (one process per run)")
+    if peak:
+        print(f"peak on {peak['threads']} threads (per-core x threads): fp32 {peak['fp32_gflops_peak']:.0f} GFLOP/s, "
+              f"bf16 {peak['bf16_gflops_peak']:.0f} GFLOP/s (measured on all threads at once: "
+              f"{peak['fp32_gflops_all']:.0f}, {peak['bf16_gflops_all']:.0f})")
+    print(f"{'workload':9s} {'mode':9s} {'ampc ms':>9s} {'torch ms':>9s} {'ampc/torch':>10s} "
+          f"{'ampc %pk':>8s} {'torch %pk':>9s} {'ampc MiB':>8s} {'ampc RSS':>8s} {'torch RSS':>9s}")
+    for r in rows:
+        t = r.get("torch_ms")
+        print(f"{r['workload']:9s} {r['mode']:9s} {r['ampc_ms']:9.2f} "
+              + (f"{t:9.2f} {r['ampc_ms'] / t:10.2f} " if t else f"{'-':>9s} {'-':>10s} ")
+              + f"{pct(r['gflop_per_step'], r['ampc_ms'], r['mode']):>8s} "
+              + (f"{pct(r['gflop_per_step'], t, r['mode']):>9s} " if t else f"{'-':>9s} ")
+              + f"{mib(r['ampc_alloc_peak_bytes'])} {mib(r['ampc_rss_growth_bytes'])} "
+              + f" {mib(r.get('torch_rss_growth_bytes'))}")
+    print("ampc/torch: time ratio (< 1: ampc faster). ampc MiB: allocator peak (all kinds); RSS: resident-set\n"
+          "growth over the warm-up and timed steps of a fresh process (MiB). %pk: analytic FLOPs over the peak.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default="mlp,cnn,resnet18")
+    ap.add_argument("--resnet50", action="store_true", help="add resnet50")
+    ap.add_argument("--modes", default=None, help="default fp32,amp-bf16 (with --compare: also amp-fp16)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--repeat", type=int, default=1, help="runs per config; the median is reported")
+    ap.add_argument("--compare", action="store_true", help="run ampc-bench too and print one table")
+    ap.add_argument("--ampc-bench", default="build/ampc-bench")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--blas", choices=("openblas", "system"), default="openblas",
+                    help="BLAS for PyTorch's fp32 Linear (default openblas; system: as installed)")
+    ap.add_argument("--openblas-dir", default="build/peer-openblas", help="where to unpack OpenBLAS if not installed")
+    ap.add_argument("--one", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.one[0], args.one[1], args.steps, args.warmup, args.threads)))
+        return
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    if args.resnet50 and "resnet50" not in args.workloads:
+        args.workloads.append("resnet50")
+    args.modes = (args.modes or ",".join(ALL_MODES if args.compare else TORCH_MODES)).split(",")
+    for w in args.workloads:
+        if w not in WORKLOADS:
+            ap.error(f"unknown workload {w} (known: {', '.join(WORKLOADS)})")
+    for m in args.modes:
+        if m not in ALL_MODES or (m not in TORCH_MODES and not args.compare):
+            ap.error(f"unknown mode {m} (PyTorch: {', '.join(TORCH_MODES)}; with --compare also amp-fp16)")
+    if args.steps < 1 or args.warmup < 0 or args.repeat < 1 or args.threads < 1:
+        ap.error("--steps, --repeat and --threads must be >= 1, --warmup >= 0")
+    if args.compare:
+        compare(args)
+        return
+    results = []
+    for w in args.workloads:
+        for m in args.modes:
+            runs = [run_peer_config(args, w, m) for _ in range(args.repeat)]
+            r = runs[0] if len(runs) == 1 else dict(runs[0], ms_median=median_of(runs, "ms_median"),
+                                                    ms_runs=[x["ms_median"] for x in runs])
+            results.append(r)
+            sys.stderr.write(f"  {w:9s} {m:9s} {r['ms_median']:9.2f} ms/step\n")
+    out = {"tool": "pytorch_peer", "threads": args.threads, "steps": args.steps, "warmup": args.warmup,
+           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"), "results": results}
+    text = json.dumps(out, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+#!/usr/bin/env bash
+# e2e_train.sh - end to end test of ampc-train on a small slice of Fashion-MNIST and on a
+# generated image folder: the loss falls, the outputs are written (metrics.csv, PNG plots,
+# checkpoint), a checkpoint reloads bit-identically, 2 epochs straight == 1 epoch + resume +
+# 1 epoch (weights, optimizer and scaler state bit-identical, fp16 with a GradScaler), a batch
+# that runs out of memory under --max-memory in fp32 fits under AMP, and bad input gives one
+# "ampc-train: error:" line and a non-zero exit, never a crash.
+#
+#     bash tests/e2e_train.sh BUILD/ampc-train BUILD/make_image_folder
+#
+# Skipped (exit 0) only when the Fashion-MNIST files are missing (Debian's dataset-fashion-mnist,
+# installed by scripts/install-deps.sh). Runs in well under a minute: every run uses a few
+# hundred samples.
+set -u
+TRAIN=${1:?usage: e2e_train.sh AMPC_TRAIN MAKE_IMAGE_FOLDER}
+MKIMG=${2:?usage: e2e_train.sh AMPC_TRAIN MAKE_IMAGE_FOLDER}
+FM=${AMPC_FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}
+if [ ! -e "$FM/train-images-idx3-ubyte.gz" ] && [ ! -e "$FM/train-images-idx3-ubyte" ]; then
+    echo "SKIP: Fashion-MNIST not found in $FM (install dataset-fashion-mnist: scripts/install-deps.sh)"
+    exit 0
+fi
+W=$(mktemp -d "${TMPDIR:-/tmp}/e2e_train.XXXXXX")
+trap 'rm -rf "$W"' EXIT
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+
+FAILS=0
+ok() { echo "ok: $*"; }
+bad() { echo "FAIL: $*"; FAILS=$((FAILS + 1)); }
+T0=$SECONDS
+
+# Runs ampc-train NAME ARGS...: stdout/stderr to $W/NAME.out/.err; fails the test on a non-zero
+# exit or on sanitizer output.
+run() {
+    local name=$1
+    shift
+    local t0=$SECONDS
+    "$TRAIN" "$@" >"$W/$name.out" 2>"$W/$name.err"
+    local rc=$?
+    if [ $rc -ne 0 ] || grep -qE 'Sanitizer|runtime error' "$W/$name.err"; then
+        bad "$name: exit $rc: $*"
+        sed 's/^/    /' "$W/$name.err" | tail -20
+        return 1
+    fi
+    ok "$name ($((SECONDS - t0)) s)"
+}
+
+# expect_error NAME PATTERN ARGS...: a non-zero exit that is not a signal (< 128), exactly one
+# "ampc-train: error: " line on stderr matching PATTERN, no sanitizer report.
+expect_error() {
+    local name=$1 pattern=$2
+    shift 2
+    "$TRAIN" "$@" >"$W/$name.out" 2>"$W/$name.err"
+    local rc=$?
+    local n
+    n=$(grep -c '^ampc-train: error: ' "$W/$name.err")
+    if [ $rc -eq 0 ] || [ $rc -ge 128 ]; then
+        bad "$name: exit $rc (want 1..127): $*"
+    elif [ "$n" -ne 1 ]; then
+        bad "$name: $n error lines (want 1)"
+    elif ! grep '^ampc-train: error: ' "$W/$name.err" | grep -qiE -- "$pattern"; then
+        bad "$name: the error line does not match /$pattern/"
+    elif grep -qE 'Sanitizer|runtime error' "$W/$name.err"; then
+        bad "$name: sanitizer report"
+    else
+        ok "$name: $(grep '^ampc-train: error: ' "$W/$name.err")"
+        return 0
+    fi
+    sed 's/^/    /' "$W/$name.err" | tail -20
+    return 1
+}
+
+# csv_field FILE ROW COL: a value of metrics.csv (ROW 1 = the first epoch).
+csv_field() { awk -F, -v r="$2" -v c="$3" 'NR == r + 1 { print $c }' "$1"; }
+is_png() { [ "$(head -c 8 "$1" | od -An -tx1 | tr -d ' \n')" = "89504e470d0a1a0a" ]; }
+lt() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a < b) }'; }
+
+SMALL=(--limit-train 256 --limit-val 64 --batch-size 32 --progress lines)
+
+# ---------------------------------------------------------------------------------------------
+# Setup printout: parameter counts with thousands separators; --epochs 0 stops there
+if run setup --model resnet18 --epochs 0 --limit-train 64 --limit-val 64 --out "$W/none"; then
+    grep -qE '^[0-9]{1,3}(,[0-9]{3})+ total parameters\.$' "$W/setup.out" &&
+        grep -qE '^[0-9]{1,3}(,[0-9]{3})+ trainable parameters\.$' "$W/setup.out" &&
+        grep -q '64 training samples' "$W/setup.out" || bad "setup: parameter counts or dataset sizes not printed as expected"
+    [ ! -e "$W/none" ] || bad "setup: --epochs 0 wrote outputs"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Two epochs straight, fp16 autocast with a GradScaler (default data: Fashion-MNIST)
+if run straight "${SMALL[@]}" --amp-dtype fp16 --epochs 2 --out "$W/a"; then
+    m="$W/a/metrics.csv"
+    [ "$(head -1 "$m")" = "epoch,train_loss,train_acc,val_loss,val_acc,seconds,samples_per_s,scale,skipped_steps" ] ||
+        bad "metrics.csv header: $(head -1 "$m")"
+    [ "$(wc -l <"$m")" -eq 3 ] || bad "metrics.csv: $(wc -l <"$m") lines, want 3"
+    l1=$(csv_field "$m" 1 2)
+    l2=$(csv_field "$m" 2 2)
+    lt "$l2" "$l1" && ok "training loss falls: $l1 -> $l2" || bad "training loss does not fall: $l1 -> $l2"
+    v2=$(csv_field "$m" 2 4)
+    lt "$v2" 2.0 && ok "validation loss $v2 < 2.0 (chance: ln 10 = 2.30)" || bad "validation loss $v2"
+    [ "$(csv_field "$m" 2 8)" != "1" ] && ok "grad scaler on (scale $(csv_field "$m" 2 8))" || bad "fp16 run without a scaler"
+    for p in loss accuracy; do
+        is_png "$W/a/$p.png" && ok "$p.png is a PNG" || bad "$p.png is not a PNG"
+    done
+    [ -s "$W/a/checkpoint.safetensors" ] && ok "checkpoint written" || bad "no checkpoint"
+    ls "$W/a" | grep -q '\.tmp\.' && bad "temporary files left in the output folder"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint reloads bit-identically: resuming with --epochs equal to the finished count
+# trains nothing and writes the same tensors again
+if run reload --resume "$W/a/checkpoint.safetensors" --epochs 2 --out "$W/c"; then
+    grep -q 'nothing to train' "$W/reload.out" || bad "reload: trained although no epoch was left"
+    if "$TRAIN" --compare-checkpoints "$W/a/checkpoint.safetensors" "$W/c/checkpoint.safetensors" >"$W/cmp_c.out"; then
+        ok "reload: $(tail -1 "$W/cmp_c.out")"
+    else
+        bad "reload: tensors differ"
+        cat "$W/cmp_c.out"
+    fi
+    [ "$(wc -l <"$W/c/metrics.csv")" -eq 3 ] || bad "reload: metrics.csv not rebuilt from the checkpoint's history"
+    is_png "$W/c/loss.png" || bad "reload: loss.png not redrawn"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Resume: 1 epoch, then resume to 2 == 2 epochs straight, bit for bit
+if run first "${SMALL[@]}" --amp-dtype fp16 --epochs 1 --out "$W/b" && cp "$W/b/checkpoint.safetensors" "$W/b1.safetensors" &&
+    run resume --resume "$W/b/checkpoint.safetensors" --epochs 2 --num-workers 2 --progress lines; then
+    grep -q 'resumed from .* after epoch 1' "$W/resume.out" || bad "resume: no 'resumed' line"
+    if "$TRAIN" --compare-checkpoints "$W/a/checkpoint.safetensors" "$W/b/checkpoint.safetensors" >"$W/cmp_b.out"; then
+        ok "resume: 1 + 1 epochs == 2 epochs: $(tail -1 "$W/cmp_b.out")"
+    else
+        bad "resume: weights differ from the uninterrupted run"
+        cat "$W/cmp_b.out"
+    fi
+    # the same numbers in the log (all but the timing columns)
+    cut -d, -f1-5,8,9 "$W/a/metrics.csv" >"$W/a.cols"
+    cut -d, -f1-5,8,9 "$W/b/metrics.csv" >"$W/b.cols"
+    cmp -s "$W/a.cols" "$W/b.cols" && ok "resume: metrics.csv rows equal the uninterrupted run's" ||
+        bad "resume: metrics differ: $(diff "$W/a.cols" "$W/b.cols" | tr '\n' ' ')"
+    # and the comparison does see a difference where there is one
+    "$TRAIN" --compare-checkpoints "$W/a/checkpoint.safetensors" "$W/b1.safetensors" >"$W/cmp_b1.out"
+    [ $? -eq 1 ] && ok "compare-checkpoints tells epoch 1 from epoch 2" || bad "compare-checkpoints: epoch 1 == epoch 2?"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# An image folder (generated PNGs, plus a text file named .png and a README to skip), bf16
+"$MKIMG" "$W/img" 3 16 28 --junk || bad "make_image_folder failed"
+if run folder --data "$W/img" --epochs 3 --batch-size 8 --val-split 0.25 --progress lines --out "$W/f"; then
+    grep -q 'not_an_image.png' "$W/folder.err" && ok "folder: the non-image file is reported" ||
+        bad "folder: the non-image file is not reported"
+    grep -q '36 training samples, 12 validation samples' "$W/folder.out" || bad "folder: split sizes: $(grep '^data:' "$W/folder.out")"
+    l1=$(csv_field "$W/f/metrics.csv" 1 2)
+    l3=$(csv_field "$W/f/metrics.csv" 3 2)
+    lt "$l3" "$l1" && ok "folder: training loss falls: $l1 -> $l3" || bad "folder: training loss does not fall: $l1 -> $l3"
+    # resume on a folder: the split, the loader's workers and the random flips replay too
+    if run folder_first --data "$W/img" --epochs 2 --batch-size 8 --val-split 0.25 --progress off --out "$W/g" &&
+        run folder_resume --resume "$W/g/checkpoint.safetensors" --epochs 3 --num-workers 1; then
+        "$TRAIN" --compare-checkpoints "$W/f/checkpoint.safetensors" "$W/g/checkpoint.safetensors" >"$W/cmp_g.out" &&
+            ok "folder: 2 + 1 epochs == 3 epochs" || bad "folder: resumed weights differ: $(cat "$W/cmp_g.out")"
+    fi
+fi
+mkdir -p "$W/noimg/a" "$W/noimg/b"
+echo "text" >"$W/noimg/a/x.png"
+echo "text" >"$W/noimg/b/y.jpg"
+expect_error no_images 'no readable|image' --data "$W/noimg" --epochs 1 --out "$W/x"
+
+# ---------------------------------------------------------------------------------------------
+# --max-memory: batch 64 of the cnn needs ~53 MiB in fp32 and ~36 MiB under bf16 autocast
+MEM=(--batch-size 64 --limit-train 128 --limit-val 64 --epochs 1 --max-memory 44M --progress off)
+expect_error oom_fp32 'out of memory.*try a smaller --batch-size or --use-amp yes' "${MEM[@]}" --use-amp no --out "$W/m1"
+run oom_amp "${MEM[@]}" --use-amp yes --out "$W/m2"
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+expect_error missing_data 'no such file' --data "$W/does-not-exist" --epochs 1
+mkdir -p "$W/trunc"
+gzip -dc "$FM/train-images-idx3-ubyte.gz" 2>/dev/null | head -c 20000 >"$W/trunc/train-images-idx3-ubyte"
+cp "$FM/train-labels-idx1-ubyte"* "$W/trunc/"
+expect_error truncated_idx 'train-images' --data "$W/trunc" --epochs 1
+mkdir -p "$W/corrupt"
+head -c 4096 /dev/zero >"$W/corrupt/train-images-idx3-ubyte"
+cp "$FM/train-labels-idx1-ubyte"* "$W/corrupt/"
+expect_error corrupt_idx 'train-images' --data "$W/corrupt" --epochs 1
+expect_error unknown_flag "unknown option '--bogus'" --bogus 3
+expect_error bad_value 'batch-size' --batch-size 0
+expect_error bad_size 'max-memory' --max-memory 12Q
+expect_error bad_choice 'optimizer' --optimizer rmsprop
+if [ -s "$W/a/checkpoint.safetensors" ]; then
+    head -c 5000 "$W/a/checkpoint.safetensors" >"$W/truncated.safetensors"
+    expect_error truncated_checkpoint 'truncated|exceeds' --resume "$W/truncated.safetensors" --out "$W/x"
+    expect_error foreign_checkpoint 'safetensors' --resume "$W/a/loss.png" --out "$W/x"
+    expect_error other_model "--model mlp differs" --resume "$W/a/checkpoint.safetensors" --model mlp --out "$W/x"
+    expect_error epochs_done 'finished 2 epochs' --resume "$W/a/checkpoint.safetensors" --epochs 1 --out "$W/x"
+    # a valid safetensors file that ampc-train did not write
+    hdr='{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}  '   # 56 bytes
+    { printf '\x38\x00\x00\x00\x00\x00\x00\x00'; printf '%s' "$hdr"; printf '\x00\x00\x80\x3f'; } >"$W/other.safetensors"
+    expect_error other_program 'not a checkpoint of ampc-train' --resume "$W/other.safetensors" --out "$W/x"
+fi
+[ ! -e "$W/x" ] || bad "a failed run left an output folder"
+
+echo "e2e_train: $FAILS failure(s) in $((SECONDS - T0)) s"
+[ "$FAILS" -eq 0 ]

@@ -1,0 +1,607 @@
+/*
+ * ampc-bench.c - training-step throughput and memory of fixed workloads, fp32 against AMP.
+ *
+ *     ampc-bench                                  mlp, cnn, resnet18 in fp32, amp-bf16, amp-fp16
+ *     ampc-bench --workloads resnet18 --modes fp32,amp-bf16 --steps 20 --json out.json
+ *     ampc-bench --resnet50                       adds resnet50 (slow: ~seconds per step)
+ *     ampc-bench --peak                           only this machine's fp32/bf16 peak GFLOP/s
+ *     ampc-bench --profile                        also a per-kernel time breakdown per config
+ *
+ * A step is PyTorch's AMP recipe: forward under autocast, cross-entropy, scaled backward,
+ * scaler step (SGD, momentum 0.9) and update, zero_grad; the step's tensors live in one scope.
+ * fp32 runs with autocast and scaler disabled; amp-bf16 with the scaler disabled (as bf16 is
+ * used with PyTorch's CPU autocast: bf16 has fp32's range); amp-fp16 with the scaler enabled.
+ * Inputs and labels are random, made once per config from ampc_manual_seed(0), in fp32 (the
+ * autocast casts them). After `warmup` untimed steps, `steps` steps are timed one by one: the
+ * table shows the median (and min/max).
+ *
+ * Workloads (fixed: the PyTorch peer, bench/pytorch_peer.py, builds the same ones):
+ *   mlp       784 -> 2048 -> 2048 -> 10 (ReLU), batch 256, input (256, 784)
+ *   cnn       the zoo's "cnn" (PyTorch's MNIST example net, dropout active), batch 128, 1x28x28
+ *   resnet18  the zoo's resnet18, small_input (3x3 stem, no max pool), 10 classes, batch 64, 3x32x32
+ *   resnet50  the zoo's resnet50 (7x7 stem, max pool), 1000 classes, batch 16, 3x224x224
+ *
+ * FLOPs are counted analytically: the multiply-adds of the convolutions and linear layers
+ * (nothing for norms, activations, pooling, adds, the loss or the optimizer), 2 FLOPs per MAC
+ * for the forward pass and 3x that for a training step (backward = data + weight gradients,
+ * each as costly as the forward; the first layer's data gradient, which training skips, is
+ * counted too, as is usual). "% peak" divides the achieved rate by the machine's peak for the
+ * threads used: the measured one-thread peak times the thread count (the all-thread
+ * measurement, printed too, matches it on a quiet machine and drops under other load), of the
+ * fp32 FMA for fp32, of the bf16 dot product for amp-bf16, and of the fp32 FMA for amp-fp16
+ * (this CPU computes fp16 in f32).
+ *
+ * Memory: ampc's allocator peaks by kind over the timed steps (ampc_memory_reset_peak before
+ * them), and the process's resident-set growth over the warm-up and timed steps (VmHWM after
+ * them minus VmRSS before the first step; /proc/self/clear_refs resets the high-water mark).
+ * The RSS figure is exact only for the first config of a process (later ones may reuse heap
+ * pages an earlier one left to the C library), so it is reported for that one only;
+ * bench/pytorch_peer.py --compare runs one config per process.
+ */
+#include "ampc.h"
+#include "bench_common.h"
+
+#include <dnnl.h>
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+// ---------------------------------------------------------------------------------------------
+// Workloads and modes
+
+typedef struct {
+    const char *name;
+    int64_t batch;
+    int ndim;
+    int64_t shape[4];   /* input shape, batch first */
+    int64_t classes;
+    const char *about;
+} workload;
+
+static const workload WORKLOADS[] = {
+    {"mlp", 256, 2, {256, 784}, 10, "784-2048-2048-10 MLP, ReLU"},
+    {"cnn", 128, 4, {128, 1, 28, 28}, 10, "zoo cnn (MNIST example net)"},
+    {"resnet18", 64, 4, {64, 3, 32, 32}, 10, "zoo resnet18, small_input"},
+    {"resnet50", 16, 4, {16, 3, 224, 224}, 1000, "zoo resnet50, 224x224"},
+};
+enum { N_WORKLOADS = sizeof WORKLOADS / sizeof *WORKLOADS };
+
+typedef struct {
+    const char *name;
+    bool amp;
+    ampc_dtype dtype;
+    bool scaler;
+} mode;
+
+static const mode MODES[] = {
+    {"fp32", false, AMPC_BF16, false},
+    {"amp-bf16", true, AMPC_BF16, false},
+    {"amp-fp16", true, AMPC_F16, true},
+};
+enum { N_MODES = sizeof MODES / sizeof *MODES };
+
+static ampc_module *build(const workload *w) {
+    if (!strcmp(w->name, "mlp"))
+        return ampc_sequential(6, ampc_flatten_new(), ampc_linear_new(784, 2048, true), ampc_relu_new(),
+                               ampc_linear_new(2048, 2048, true), ampc_relu_new(), ampc_linear_new(2048, 10, true));
+    ampc_model_options o = {.num_classes = w->classes, .in_channels = w->shape[1]};
+    o.small_input = !strcmp(w->name, "resnet18");
+    return ampc_model_new(w->name, &o);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Analytic FLOP count: multiply-adds of convolutions and linear layers per sample
+
+static int64_t conv_macs(int64_t cin, int64_t cout, int64_t k, int64_t out_hw) { return cin * cout * k * k * out_hw * out_hw; }
+static int64_t out_size(int64_t in, int64_t k, int64_t stride, int64_t pad) { return (in + 2 * pad - k) / stride + 1; }
+
+/* torchvision's ResNet (v1.5) on hw x hw inputs; small_input: 3x3 stride-1 stem, no max pool. */
+static int64_t resnet_macs(bool bottleneck, const int layers[4], int64_t hw, bool small_input, int64_t classes) {
+    int64_t macs, inplanes = 64;
+    if (small_input) {
+        macs = conv_macs(3, 64, 3, hw);
+    } else {
+        hw = out_size(hw, 7, 2, 3);
+        macs = conv_macs(3, 64, 7, hw);
+        hw = out_size(hw, 3, 2, 1);   /* max pool */
+    }
+    const int expansion = bottleneck ? 4 : 1;
+    for (int s = 0; s < 4; s++) {
+        const int64_t planes = 64 << s;
+        for (int b = 0; b < layers[s]; b++) {
+            const int stride = (s > 0 && b == 0) ? 2 : 1;
+            const int64_t ohw = out_size(hw, 3, stride, 1);   /* = the 1x1 stride-s size too */
+            if (bottleneck) {
+                macs += conv_macs(inplanes, planes, 1, hw) + conv_macs(planes, planes, 3, ohw) +
+                        conv_macs(planes, planes * 4, 1, ohw);
+            } else {
+                macs += conv_macs(inplanes, planes, 3, ohw) + conv_macs(planes, planes, 3, ohw);
+            }
+            if (stride != 1 || inplanes != planes * expansion) macs += conv_macs(inplanes, planes * expansion, 1, ohw);
+            inplanes = planes * expansion;
+            hw = ohw;
+        }
+    }
+    return macs + inplanes * classes;   /* fc; the average pool is not counted */
+}
+
+static int64_t forward_macs_per_sample(const workload *w) {
+    static const int r18[4] = {2, 2, 2, 2}, r50[4] = {3, 4, 6, 3};
+    if (!strcmp(w->name, "mlp")) return 784 * 2048 + 2048 * 2048 + 2048 * 10;
+    if (!strcmp(w->name, "cnn"))   /* conv 1->32 3x3 (26x26), conv 32->64 3x3 (24x24), fc 9216->128, fc 128->10 */
+        return conv_macs(1, 32, 3, 26) + conv_macs(32, 64, 3, 24) + 9216 * 128 + 128 * 10;
+    if (!strcmp(w->name, "resnet18")) return resnet_macs(false, r18, w->shape[2], true, w->classes);
+    return resnet_macs(true, r50, w->shape[2], false, w->classes);
+}
+
+static double step_flops(const workload *w) { return 3.0 * 2.0 * (double)forward_macs_per_sample(w) * (double)w->batch; }
+
+// ---------------------------------------------------------------------------------------------
+// Process memory (Linux /proc)
+
+static long proc_status_kib(const char *field) {
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return -1;
+    char line[256];
+    long v = -1;
+    size_t n = strlen(field);
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, field, n) && line[n] == ':') {
+            v = strtol(line + n + 1, NULL, 10);
+            break;
+        }
+    fclose(f);
+    return v;
+}
+
+/* Resets VmHWM to the current RSS (Linux >= 4.0); false if not possible. */
+static bool reset_hwm(void) {
+    FILE *f = fopen("/proc/self/clear_refs", "w");
+    if (!f) return false;
+    bool ok = fputs("5", f) >= 0;
+    return fclose(f) == 0 && ok;
+}
+
+static void loadavg(char *buf, size_t n) {
+    FILE *f = fopen("/proc/loadavg", "r");
+    buf[0] = 0;
+    if (f) {
+        if (!fgets(buf, (int)n, f)) buf[0] = 0;
+        fclose(f);
+    }
+    char *sp = buf;   /* keep the three averages */
+    for (int i = 0; i < 3 && sp; i++) sp = strchr(sp + 1, ' ');
+    if (sp) *sp = 0;
+    if (!buf[0]) snprintf(buf, n, "?");
+}
+
+// ---------------------------------------------------------------------------------------------
+// One config: workload x mode
+
+typedef struct {
+    const workload *w;
+    const mode *m;
+    bool ok;
+    char error[256];
+    int steps;
+    double *ms;   /* steps timings */
+    double median_ms, min_ms, max_ms;
+    double samples_s, gflops, pct_peak;   /* pct_peak < 0: no peak */
+    ampc_memory_stats_t mem;              /* peaks over the timed steps */
+    double mallocs_per_step;              /* new system blocks during timed steps */
+    long rss_growth_kib;                  /* -1: unknown */
+    double final_loss;
+    int64_t skipped;                      /* timed steps the scaler skipped (inf/NaN grads) */
+    float scale;
+} result;
+
+typedef struct {
+    int steps, warmup;
+    bool profile;
+    bench_peak peak;
+    bool have_peak;
+} settings;
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* One training step; returns the loss value (NaN on error, with r->error set). */
+static double train_step(ampc_module *net, ampc_optimizer *opt, ampc_scaler *scaler, const mode *m, ampc_tensor *x,
+                         ampc_tensor *y, result *r) {
+    double loss_value = NAN;
+    ampc_scope_begin();
+    ampc_autocast_enter(m->dtype, m->amp);
+    ampc_tensor *out = ampc_module_forward(net, x);
+    ampc_tensor *loss = ampc_cross_entropy(out, y, NULL);
+    ampc_autocast_exit();
+    const char *what = "forward";
+    if (loss) {
+        what = "backward";
+        if (ampc_backward(ampc_scaler_scale(scaler, loss)) >= 0) {
+            what = "scaler step";
+            if (ampc_scaler_step(scaler, opt) >= 0) {
+                what = "scaler update";
+                if (ampc_scaler_update(scaler) >= 0) {
+                    ampc_optimizer_zero_grad(opt);
+                    loss_value = ampc_tensor_item(loss);
+                    what = NULL;
+                }
+            }
+        }
+    }
+    if (what) snprintf(r->error, sizeof r->error, "%s failed: %s", what, ampc_last_error());
+    ampc_scope_end();
+    return what ? NAN : loss_value;
+}
+
+static void run_config(const workload *w, const mode *m, const settings *s, result *r) {
+    memset(r, 0, sizeof *r);
+    r->w = w;
+    r->m = m;
+    r->steps = s->steps;
+    r->rss_growth_kib = -1;
+    r->pct_peak = -1;
+    r->ms = calloc((size_t)s->steps, sizeof *r->ms);
+    if (!r->ms) {
+        snprintf(r->error, sizeof r->error, "out of memory");
+        return;
+    }
+
+    ampc_manual_seed(0);
+    ampc_module *net = build(w);
+    ampc_optimizer *opt = net ? ampc_sgd_new(net, &(ampc_sgd_options){.lr = 0.01, .momentum = 0.9}) : NULL;
+    ampc_scaler_options so = ampc_scaler_defaults();
+    so.enabled = m->scaler;
+    ampc_scaler *scaler = opt ? ampc_scaler_new(&so) : NULL;
+    /* fixed random data: inputs N(0, 1), labels uniform in [0, classes) */
+    ampc_tensor *x = scaler ? ampc_tensor_own(ampc_tensor_randn(AMPC_F32, w->ndim, w->shape, 0, 1)) : NULL;
+    ampc_tensor *u = x ? ampc_tensor_own(ampc_tensor_rand(AMPC_F32, 1, &w->batch, 0, (double)w->classes)) : NULL;
+    ampc_tensor *y = NULL;
+    if (u) {
+        float uf[1024];
+        int64_t labels[1024];
+        if (w->batch <= 1024 && ampc_tensor_to_f32(u, uf, 1024) >= 0) {
+            for (int64_t i = 0; i < w->batch; i++) {
+                int64_t l = (int64_t)floorf(uf[i]);
+                labels[i] = l < w->classes ? l : w->classes - 1;
+            }
+            y = ampc_tensor_own(ampc_tensor_from_i64(1, &w->batch, labels));
+        }
+    }
+    if (!y) {
+        snprintf(r->error, sizeof r->error, "setting up: %s", ampc_last_error());
+        goto done;
+    }
+
+    long rss0 = proc_status_kib("VmRSS");
+    bool hwm = rss0 >= 0 && reset_hwm();
+    for (int i = 0; i < s->warmup; i++)
+        if (isnan(train_step(net, opt, scaler, m, x, y, r)) && r->error[0]) goto done;
+    ampc_memory_reset_peak();
+    ampc_memory_stats_t st0 = ampc_memory_stats();
+    const int64_t skipped0 = ampc_scaler_steps_skipped(scaler);
+    for (int i = 0; i < s->steps; i++) {
+        double t0 = bench_now();
+        r->final_loss = train_step(net, opt, scaler, m, x, y, r);
+        r->ms[i] = (bench_now() - t0) * 1e3;
+        if (r->error[0]) goto done;
+    }
+    r->mem = ampc_memory_stats();
+    r->mallocs_per_step = (double)(r->mem.n_malloc - st0.n_malloc) / s->steps;
+    long hwm1 = proc_status_kib("VmHWM");
+    if (hwm && hwm1 >= 0) r->rss_growth_kib = hwm1 - rss0;
+
+    double *sorted = malloc((size_t)s->steps * sizeof *sorted);
+    if (!sorted) goto done;
+    memcpy(sorted, r->ms, (size_t)s->steps * sizeof *sorted);
+    qsort(sorted, (size_t)s->steps, sizeof *sorted, cmp_double);
+    int n = s->steps;
+    r->median_ms = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+    r->min_ms = sorted[0];
+    r->max_ms = sorted[n - 1];
+    free(sorted);
+    r->samples_s = (double)w->batch / (r->median_ms * 1e-3);
+    r->gflops = step_flops(w) / (r->median_ms * 1e-3) * 1e-9;
+    /* per-core peak x threads: on a quiet machine the all-thread measurement gives the same
+       (488 vs 2 x 243 GFLOP/s here), on a busy one it shows what others leave, not the machine */
+    double peak = s->peak.threads * (m->amp && m->dtype == AMPC_BF16 ? s->peak.bf16_1t : s->peak.fp32_1t);
+    if (s->have_peak && peak > 0) r->pct_peak = 100 * r->gflops / peak;
+    r->skipped = ampc_scaler_steps_skipped(scaler) - skipped0;
+    r->scale = ampc_scaler_get_scale(scaler);
+    r->ok = true;
+
+    if (s->profile) {
+        /* separate steps, so the timers never touch the figures above */
+        bench_profile_install();
+        bench_profile_reset();
+        double t0 = bench_now();
+        for (int i = 0; i < s->steps; i++)
+            if (isnan(train_step(net, opt, scaler, m, x, y, r)) && r->error[0]) break;
+        double t = bench_now() - t0;
+        bench_profile_uninstall();
+        printf("\nprofile: %s %s, %d steps (%.1f GFLOP counted by the kernels vs %.1f analytic per step)\n", w->name,
+               m->name, s->steps, bench_profile_flops() / s->steps * 1e-9, step_flops(w) * 1e-9);
+        bench_profile_print(stdout, s->steps, t);
+        r->error[0] = 0;
+    }
+
+done:
+    if (!r->ok) fprintf(stderr, "ampc-bench: %s %s: %s\n", w->name, m->name, r->error);
+    ampc_tensor_free(x);
+    ampc_tensor_free(u);
+    ampc_tensor_free(y);
+    ampc_scaler_free(scaler);
+    ampc_optimizer_free(opt);
+    ampc_module_free(net);
+    ampc_memory_empty_cache();   /* the next config starts from an empty cache */
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output
+
+static double mib(size_t b) { return (double)b / (1024.0 * 1024.0); }
+
+/* The fp32 result of the same workload, if it ran. */
+static const result *fp32_of(const result *rs, int n, const result *r) {
+    for (int i = 0; i < n; i++)
+        if (rs[i].ok && rs[i].w == r->w && !rs[i].m->amp) return &rs[i];
+    return NULL;
+}
+
+static void print_tables(const result *rs, int n) {
+    printf("\nms per training step (median of the timed steps, min, max); GFLOP per step counted analytically;\n"
+           "%%peak against the machine's peak for the mode; speedup = fp32 time / this mode's time\n");
+    printf("%-9s %-9s %5s %8s %9s %9s %9s %10s %8s %7s %8s\n", "workload", "mode", "batch", "GFLOP", "ms/step",
+           "min", "max", "samples/s", "GFLOP/s", "%peak", "speedup");
+    for (int i = 0; i < n; i++) {
+        const result *r = &rs[i];
+        if (!r->ok) {
+            printf("%-9s %-9s failed: %s\n", r->w->name, r->m->name, r->error);
+            continue;
+        }
+        const result *base = fp32_of(rs, n, r);
+        printf("%-9s %-9s %5lld %8.1f %9.2f %9.2f %9.2f %10.1f %8.1f", r->w->name, r->m->name, (long long)r->w->batch,
+               step_flops(r->w) * 1e-9, r->median_ms, r->min_ms, r->max_ms, r->samples_s, r->gflops);
+        if (r->pct_peak >= 0) printf(" %6.1f%%", r->pct_peak);
+        else printf(" %7s", "-");
+        if (base && r->m->amp) printf(" %7.2fx", base->median_ms / r->median_ms);
+        else printf(" %8s", "-");
+        if (r->skipped) printf("  (%lld of %d timed steps skipped by the scaler)", (long long)r->skipped, r->steps);
+        printf("\n");
+    }
+    printf("\npeak memory over the timed steps, MiB: the allocator's peak in use by kind and in all (each kind's own\n"
+           "peak: they need not coincide), reserved = in use + cached blocks after the steps, RSS = the process's\n"
+           "resident-set growth (first config only); ratios to fp32; new system blocks per timed step\n");
+    printf("%-9s %-9s %8s %8s %8s %8s %8s %8s %8s %8s %9s %9s %8s\n", "workload", "mode", "params", "grads", "optim",
+           "activ", "wkspace", "total", "reserved", "RSS", "total/32", "activ/32", "malloc/s");
+    for (int i = 0; i < n; i++) {
+        const result *r = &rs[i];
+        if (!r->ok) continue;
+        const result *base = fp32_of(rs, n, r);
+        const size_t *pk = r->mem.peak;
+        printf("%-9s %-9s %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f", r->w->name, r->m->name, mib(pk[AMPC_MEM_PARAMETERS]),
+               mib(pk[AMPC_MEM_GRADIENTS]), mib(pk[AMPC_MEM_OPTIMIZER]), mib(pk[AMPC_MEM_ACTIVATIONS]),
+               mib(pk[AMPC_MEM_WORKSPACE]), mib(r->mem.peak_total), mib(r->mem.current_total + r->mem.cached));
+        if (r->rss_growth_kib >= 0) printf(" %8.1f", (double)r->rss_growth_kib / 1024.0);
+        else printf(" %8s", "-");
+        if (base && r->m->amp)
+            printf(" %9.2f %9.2f", (double)r->mem.peak_total / (double)base->mem.peak_total,
+                   (double)pk[AMPC_MEM_ACTIVATIONS] / (double)base->mem.peak[AMPC_MEM_ACTIVATIONS]);
+        else printf(" %9s %9s", "-", "-");
+        printf(" %8.1f\n", r->mallocs_per_step);
+    }
+}
+
+static void json_peak(FILE *f, const bench_peak *p, bool have) {
+    if (!have) {
+        fprintf(f, "null");
+        return;
+    }
+    fprintf(f,
+            "{\"threads\": %d, \"fp32_gflops_1t\": %.2f, \"fp32_gflops_all\": %.2f, \"bf16_gflops_1t\": %.2f, "
+            "\"bf16_gflops_all\": %.2f, \"fp32_gflops_peak\": %.2f, \"bf16_gflops_peak\": %.2f, \"message\": \"%s\"}",
+            p->threads, p->fp32_1t, p->fp32_all, p->bf16_1t, p->bf16_all, p->threads * p->fp32_1t,
+            p->threads * p->bf16_1t, p->message);
+}
+
+static int write_json(const char *path, const result *rs, int n, const settings *s, const char *wait_policy,
+                      const char *load0, const char *load1) {
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        fprintf(stderr, "ampc-bench: cannot write %s\n", path);
+        return -1;
+    }
+    const dnnl_version_t *dv = dnnl_version();
+    const char *omp_nt = getenv("OMP_NUM_THREADS");
+    fprintf(f, "{\n  \"tool\": \"ampc-bench\",\n");
+    fprintf(f, "  \"machine\": {\"cpu_features\": \"%s\", \"threads\": %d, \"omp_wait_policy\": \"%s\", "
+               "\"omp_num_threads_env\": \"%s\", \"onednn\": \"%d.%d.%d\", \"loadavg_start\": \"%s\", "
+               "\"loadavg_end\": \"%s\"},\n",
+            ampc_cpu_features(), ampc_get_num_threads(), wait_policy, omp_nt ? omp_nt : "unset", dv->major, dv->minor,
+            dv->patch, load0, load1);
+    fprintf(f, "  \"settings\": {\"steps\": %d, \"warmup\": %d, \"optimizer\": \"sgd lr 0.01 momentum 0.9\"},\n",
+            s->steps, s->warmup);
+    fprintf(f, "  \"peak\": ");
+    json_peak(f, &s->peak, s->have_peak);
+    fprintf(f, ",\n  \"results\": [");
+    for (int i = 0; i < n; i++) {
+        const result *r = &rs[i];
+        fprintf(f, "%s\n    {\"workload\": \"%s\", \"mode\": \"%s\", \"batch\": %lld, \"ok\": %s", i ? "," : "", r->w->name,
+                r->m->name, (long long)r->w->batch, r->ok ? "true" : "false");
+        if (!r->ok) {
+            fprintf(f, ", \"error\": \"");
+            for (const char *c = r->error; *c; c++) fputs(*c == '"' || *c == '\\' ? "'" : (char[2]){*c, 0}, f);
+            fprintf(f, "\"}");
+            continue;
+        }
+        fprintf(f, ", \"gflop_per_step\": %.4f, \"ms_median\": %.4f, \"ms_min\": %.4f, \"ms_max\": %.4f",
+                step_flops(r->w) * 1e-9, r->median_ms, r->min_ms, r->max_ms);
+        fprintf(f, ", \"samples_per_s\": %.2f, \"gflops\": %.2f", r->samples_s, r->gflops);
+        if (r->pct_peak >= 0) fprintf(f, ", \"pct_peak\": %.2f", r->pct_peak);
+        fprintf(f, ", \"mem_peak_bytes\": {");
+        for (int k = 0; k < AMPC_MEM_KIND_COUNT; k++)
+            fprintf(f, "%s\"%s\": %zu", k ? ", " : "", ampc_mem_kind_name((ampc_mem_kind)k), r->mem.peak[k]);
+        fprintf(f, ", \"total\": %zu}", r->mem.peak_total);
+        fprintf(f, ", \"reserved_bytes\": %zu", r->mem.current_total + r->mem.cached);
+        fprintf(f, ", \"rss_growth_bytes\": %lld", r->rss_growth_kib >= 0 ? (long long)r->rss_growth_kib * 1024 : -1LL);
+        fprintf(f, ", \"mallocs_per_step\": %.2f, \"final_loss\": %.6g, \"scaler_scale\": %g, \"steps_skipped\": %lld",
+                r->mallocs_per_step, r->final_loss, (double)r->scale, (long long)r->skipped);
+        fprintf(f, ", \"ms_steps\": [");
+        for (int k = 0; k < r->steps; k++) fprintf(f, "%s%.4f", k ? ", " : "", r->ms[k]);
+        fprintf(f, "]}");
+    }
+    fprintf(f, "\n  ]\n}\n");
+    return fclose(f) == 0 ? 0 : -1;
+}
+
+static void print_peak(const bench_peak *p) {
+    if (p->message[0]) printf("peak: %s\n", p->message);
+    if (p->have_fp32)
+        printf("peak fp32 (vfmadd231ps): %8.1f GFLOP/s on 1 thread, %8.1f measured on %d threads (%%peak uses %.1f)\n",
+               p->fp32_1t, p->fp32_all, p->threads, p->threads * p->fp32_1t);
+    if (p->have_bf16)
+        printf("peak bf16 (vdpbf16ps):   %8.1f GFLOP/s on 1 thread, %8.1f measured on %d threads (%%peak uses %.1f)\n",
+               p->bf16_1t, p->bf16_all, p->threads, p->threads * p->bf16_1t);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Command line
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: ampc-bench [options]\n"
+            "  --workloads a,b   of mlp, cnn, resnet18, resnet50 (default mlp,cnn,resnet18)\n"
+            "  --resnet50        add resnet50 to the workloads (slow)\n"
+            "  --modes a,b       of fp32, amp-bf16, amp-fp16 (default all three)\n"
+            "  --steps N         timed steps per config (default 10); the median is reported\n"
+            "  --warmup N        untimed steps first (default 3)\n"
+            "  --threads N       OpenMP threads (default: OMP_NUM_THREADS or all cores)\n"
+            "  --peak            measure only the machine's fp32/bf16 peak GFLOP/s and exit\n"
+            "  --no-peak         skip the peak measurement (no %%peak column)\n"
+            "  --profile         after each config, time each kernel over extra steps\n"
+            "  --json FILE       write the results as JSON (default: none)\n"
+            "  --help            this text\n");
+}
+
+/* Parses a comma list against names[]; sets on[i]. Returns -1 on an unknown name. */
+static int parse_list(const char *arg, const char *const *names, int n, bool *on) {
+    memset(on, 0, (size_t)n * sizeof *on);
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", arg);
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        int k = 0;
+        while (k < n && strcmp(names[k], tok)) k++;
+        if (k == n) {
+            fprintf(stderr, "ampc-bench: unknown name '%s' (known:", tok);
+            for (int i = 0; i < n; i++) fprintf(stderr, " %s", names[i]);
+            fprintf(stderr, ")\n");
+            return -1;
+        }
+        on[k] = true;
+    }
+    return 0;
+}
+
+static int parse_int(const char *flag, const char *v, int lo, int *out) {
+    char *end;
+    long x = strtol(v, &end, 10);
+    if (*end || x < lo || x > 1000000) {
+        fprintf(stderr, "ampc-bench: %s takes an integer >= %d, not '%s'\n", flag, lo, v);
+        return -1;
+    }
+    *out = (int)x;
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    bool wl_on[N_WORKLOADS] = {true, true, true, false}, mode_on[N_MODES] = {true, true, true};
+    const char *wl_names[N_WORKLOADS], *mode_names[N_MODES];
+    for (int i = 0; i < N_WORKLOADS; i++) wl_names[i] = WORKLOADS[i].name;
+    for (int i = 0; i < N_MODES; i++) mode_names[i] = MODES[i].name;
+    settings s = {.steps = 10, .warmup = 3};
+    int threads = 0;
+    bool peak_only = false, no_peak = false;
+    const char *json = NULL;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        bool takes = !strcmp(a, "--workloads") || !strcmp(a, "--modes") || !strcmp(a, "--steps") ||
+                     !strcmp(a, "--warmup") || !strcmp(a, "--threads") || !strcmp(a, "--json");
+        if (takes && !v) {
+            fprintf(stderr, "ampc-bench: %s needs a value\n", a);
+            return 2;
+        }
+        int rc = 0;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            return 0;
+        } else if (!strcmp(a, "--workloads")) rc = parse_list(v, wl_names, N_WORKLOADS, wl_on);
+        else if (!strcmp(a, "--resnet50")) wl_on[3] = true;
+        else if (!strcmp(a, "--modes")) rc = parse_list(v, mode_names, N_MODES, mode_on);
+        else if (!strcmp(a, "--steps")) rc = parse_int(a, v, 1, &s.steps);
+        else if (!strcmp(a, "--warmup")) rc = parse_int(a, v, 0, &s.warmup);
+        else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 1, &threads);
+        else if (!strcmp(a, "--json")) json = v;
+        else if (!strcmp(a, "--peak")) peak_only = true;
+        else if (!strcmp(a, "--no-peak")) no_peak = true;
+        else if (!strcmp(a, "--profile")) s.profile = true;
+        else {
+            fprintf(stderr, "ampc-bench: unknown option '%s'\n", a);
+            usage(stderr);
+            return 2;
+        }
+        if (rc < 0) return 2;
+        if (takes) i++;
+    }
+
+    if (threads > 0) ampc_set_num_threads(threads);
+    if (ampc_init() < 0) {
+        fprintf(stderr, "ampc-bench: init failed: %s\n", ampc_last_error());
+        return 1;
+    }
+    const char *wp = getenv("OMP_WAIT_POLICY");
+    const char *wait_policy = wp ? wp : "unset";
+    char load0[64], load1[64];
+    loadavg(load0, sizeof load0);
+    printf("ampc-bench: %d threads, OMP_WAIT_POLICY=%s, cpu: %s, oneDNN %d.%d.%d, load average %s\n",
+           ampc_get_num_threads(), wait_policy, ampc_cpu_features(), dnnl_version()->major, dnnl_version()->minor,
+           dnnl_version()->patch, load0);
+
+    if (!no_peak || peak_only) {
+        bench_peak_measure(&s.peak, ampc_get_num_threads(), peak_only ? 0.2 : 0.1);
+        s.have_peak = s.peak.have_fp32;
+        print_peak(&s.peak);
+    }
+    if (peak_only) {
+        loadavg(load1, sizeof load1);
+        return json && write_json(json, NULL, 0, &s, wait_policy, load0, load1) < 0 ? 1 : 0;
+    }
+    printf("steps: %d timed after %d warm-up; SGD lr 0.01 momentum 0.9; cross-entropy; fp16 with GradScaler\n",
+           s.steps, s.warmup);
+
+    result rs[N_WORKLOADS * N_MODES];
+    int n = 0, failed = 0;
+    for (int wi = 0; wi < N_WORKLOADS; wi++)
+        for (int mi = 0; mi < N_MODES; mi++) {
+            if (!wl_on[wi] || !mode_on[mi]) continue;
+            fflush(stdout);
+            run_config(&WORKLOADS[wi], &MODES[mi], &s, &rs[n]);
+            if (n > 0) rs[n].rss_growth_kib = -1;   /* exact only for a process's first config */
+            failed += !rs[n].ok;
+            if (rs[n].ok && !s.profile)
+                fprintf(stderr, "  %-9s %-9s %9.2f ms/step\n", rs[n].w->name, rs[n].m->name, rs[n].median_ms);
+            n++;
+        }
+    print_tables(rs, n);
+    loadavg(load1, sizeof load1);
+    printf("load average at the end: %s\n", load1);
+    int rc = failed ? 1 : 0;
+    if (json && write_json(json, rs, n, &s, wait_policy, load0, load1) < 0) rc = 1;
+    for (int i = 0; i < n; i++) free(rs[i].ms);
+    ampc_shutdown();
+    return rc;
+}
