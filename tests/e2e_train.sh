@@ -158,6 +158,15 @@ if run folder --data "$W/img" --epochs 3 --batch-size 8 --val-split 0.25 --progr
             ok "folder: 2 + 1 epochs == 3 epochs" || bad "folder: resumed weights differ: $(cat "$W/cmp_g.out")"
     fi
 fi
+# --index-csv: the first run scans and writes the index (image_path,target), the second reads it
+if run index_write --data "$W/img" --index-csv "$W/img.csv" --epochs 0 --out "$W/i1" &&
+    run index_read --data "$W/img" --index-csv "$W/img.csv" --epochs 0 --out "$W/i2"; then
+    head -1 "$W/img.csv" | grep -qx 'image_path,target' && [ "$(wc -l <"$W/img.csv")" -eq 49 ] &&
+        ok "folder: the CSV index is written (header + 48 rows)" || bad "folder: CSV index: $(head -2 "$W/img.csv")"
+    a=$(grep 'training samples' "$W/index_write.out") b=$(grep 'training samples' "$W/index_read.out")
+    [ -n "$a" ] && [ "$a" = "$b" ] && ok "folder: the run from the index sees the same images ($a)" ||
+        bad "folder: the run from the index differs: '$a' vs '$b'"
+fi
 mkdir -p "$W/noimg/a" "$W/noimg/b"
 echo "text" >"$W/noimg/a/x.png"
 echo "text" >"$W/noimg/b/y.jpg"

@@ -152,7 +152,7 @@ enum {
 
 typedef enum {
     OPT_MODEL, OPT_DATA, OPT_BATCH_SIZE, OPT_USE_AMP, OPT_AMP_DTYPE, OPT_GRAD_SCALER, OPT_EPOCHS, OPT_LR,
-    OPT_OPTIMIZER, OPT_MOMENTUM, OPT_WEIGHT_DECAY, OPT_SEED, OPT_VAL_SPLIT, OPT_IMAGE_SIZE, OPT_LIMIT_TRAIN,
+    OPT_OPTIMIZER, OPT_MOMENTUM, OPT_WEIGHT_DECAY, OPT_SEED, OPT_VAL_SPLIT, OPT_IMAGE_SIZE, OPT_INDEX_CSV, OPT_LIMIT_TRAIN,
     OPT_LIMIT_VAL, OPT_THREADS, OPT_NUM_WORKERS, OPT_MAX_MEMORY, OPT_OUT, OPT_RESUME, OPT_PROGRESS,
     OPT_COUNT
 } opt_id;
@@ -200,6 +200,9 @@ static const opt_def OPTS[OPT_COUNT] = {
     [OPT_IMAGE_SIZE] = {"image-size", V_INT, "auto", NULL, 8, 4096, false, O_SAVE | O_RUN | O_AUTO, "N",
                         "images are resized to N x N (auto: 28 for IDX data and for mlp/cnn, 64 for ResNets on "
                         "folders; ResNets use the small-input stem for N <= 64)"},
+    [OPT_INDEX_CSV] = {"index-csv", V_TEXT, "", NULL, 0, 0, false, O_SAVE | O_RESTORE, "FILE",
+                       "image folders: CSV index (image_path,target) read instead of scanning; written after "
+                       "the scan when FILE does not exist (the usual preprocess step)"},
     [OPT_LIMIT_TRAIN] = {"limit-train", V_INT, "0", NULL, 0, BIG, false, O_SAVE | O_RUN, "N",
                          "use only the first N training samples (0: all)"},
     [OPT_LIMIT_VAL] = {"limit-val", V_INT, "0", NULL, 0, BIG, false, O_SAVE | O_RUN, "N",
@@ -329,7 +332,7 @@ static int canonical(int i, const char *text, char *out, size_t n, char *err, si
         return 0;
     }
     case V_TEXT:
-        if (i != OPT_DATA && !*text) return snprintf(err, errn, "--%s needs a value", o->name), -1;
+        if (i != OPT_DATA && i != OPT_INDEX_CSV && !*text) return snprintf(err, errn, "--%s needs a value", o->name), -1;
         snprintf(out, n, "%s", text);
         return 0;
     }
@@ -561,7 +564,8 @@ static int data_open(settings *s, data *d) {
                 return fail_lib("transforms");
         }
     } else {
-        ampc_folder_options fo = {.height = size, .width = size, .channels = 3};
+        ampc_folder_options fo = {.height = size, .width = size, .channels = 3,
+                                  .index_csv = *sval(s, OPT_INDEX_CSV) ? sval(s, OPT_INDEX_CSV) : NULL};
         all = ampc_dataset_folder_open(dir, &fo);
         if (!all) return fail_lib("--data");
         int64_t skipped = ampc_dataset_folder_skipped(all);
