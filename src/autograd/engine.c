@@ -58,18 +58,13 @@ void ampc__node_release(ampc_node *n) {
     }
 }
 
-static int accumulate_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
-    (void)gx;
-    return ampc__accumulate_grad(n->leaf, gy);
-}
-
 static ampc_node *grad_acc_for(ampc_tensor *leaf) {
     if (leaf->grad_acc) return ampc__node_retain(leaf->grad_acc);
     ampc_node *a = ampc__pool_get(&node_pool);
     if (!a) return NULL;
     atomic_init(&a->refcount, 1);
     a->name = "AccumulateGrad";
-    a->backward = accumulate_backward;
+    a->backward = NULL;   /* the engine accumulates into a->leaf itself (run_node) */
     a->leaf = ampc__retain(leaf);
     leaf->grad_acc = a;
     return a;
@@ -231,6 +226,9 @@ static int run_node(ampc_node *n) {
     ampc_tensor *gy = n->grad;
     n->grad = NULL;
     if (!gy) return AMPC_OK;   /* no gradient flowed here (e.g. unused output) */
+    /* a leaf takes the engine's reference: a gradient nobody else holds becomes .grad without
+       a copy */
+    if (n->leaf) return accumulate_into(&n->leaf->grad, gy, AMPC_MEM_GRADIENTS);
     if (n->released && !n->leaf) {
         ampc__release(gy);
         return ampc__err(AMPC_ERR_STATE, "backward through %s a second time: its saved tensors were already freed", n->name);
