@@ -172,6 +172,11 @@ typedef struct ampc_backend {
 
 const ampc_backend *ampc__backend(ampc_device dev);
 
+/* For backends with host memory: cross_entropy's shapes and targets (i64 (N), each in [0, C) or
+   equal to ignore_index); *count receives the number of targets not ignored. */
+int ampc__host_ce_targets(const ampc_tensor *logits, const ampc_tensor *targets, const ampc_cross_entropy_options *o,
+                          int64_t *count);
+
 /* Each backend file fills its table (called once from ampc_init). */
 void ampc__cpu_backend_init(ampc_backend *be);
 void ampc__ref_backend_init(ampc_backend *be);

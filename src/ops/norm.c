@@ -27,11 +27,23 @@ static int unsupported(const char *kernel, ampc_device dev) {
     return ampc__err(AMPC_ERR_UNSUPPORTED, "%s on device %s", kernel, ampc_device_name(dev));
 }
 
-static void release_all(ampc_tensor **ts, int n) {
-    for (int i = 0; i < n; i++) {
-        ampc__release(ts[i]);
-        ts[i] = NULL;
+/* The gradients a norm node (inputs x, weight, bias) must produce: gx like x, gw/gb with their
+   input's metadata; NULL where no gradient is needed. */
+static int alloc_grads(const ampc_node *n, const ampc_tensor *x, ampc_tensor *out[3]) {
+    if (n->next[0] && !(out[0] = ampc__tensor_like(x, x->dtype))) return ampc_last_status();
+    for (int i = 1; i < 3; i++)
+        if (n->next[i] && !(out[i] = ampc__tensor_new(n->in[i].dtype, x->device, n->in[i].ndim, n->in[i].shape)))
+            return ampc_last_status();
+    return AMPC_OK;
+}
+
+/* Gives the gradients to the engine, or releases them all when rc is an error. */
+static int hand_over(int rc, ampc_tensor *out[3], ampc_tensor **gx) {
+    for (int i = 0; i < 3; i++) {
+        if (rc < 0) ampc__release(out[i]);
+        else gx[i] = out[i];
     }
+    return rc < 0 ? rc : AMPC_OK;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -45,19 +57,10 @@ static int batch_norm_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **g
     ampc_tensor *gy = ampc__k_cast(gy_in, x->dtype);
     if (!gy) return ampc_last_status();
     ampc_tensor *out[3] = {NULL, NULL, NULL};
-    int rc = AMPC_OK;
-    if (n->next[0] && !(out[0] = ampc__tensor_like(x, x->dtype))) rc = ampc_last_status();
-    for (int i = 1; i < 3 && rc >= 0; i++)
-        if (n->next[i] && !(out[i] = ampc__tensor_new(n->in[i].dtype, x->device, n->in[i].ndim, n->in[i].shape)))
-            rc = ampc_last_status();
+    int rc = alloc_grads(n, x, out);
     if (rc >= 0) rc = be->batch_norm_backward(x, gy, w, mean, invstd, n->i[0] != 0, out[0], out[1], out[2]);
     ampc__release(gy);
-    if (rc < 0) {
-        release_all(out, 3);
-        return rc;
-    }
-    for (int i = 0; i < 3; i++) gx[i] = out[i];
-    return AMPC_OK;
+    return hand_over(rc, out, gx);
 }
 
 /* weight, bias, running_mean or running_var: (C) in the statistics dtype, on x's device. */
@@ -160,19 +163,10 @@ static int layer_norm_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **g
     ampc_tensor *gy = ampc__k_cast(gy_in, x->dtype);
     if (!gy) return ampc_last_status();
     ampc_tensor *out[3] = {NULL, NULL, NULL};
-    int rc = AMPC_OK;
-    if (n->next[0] && !(out[0] = ampc__tensor_like(x, x->dtype))) rc = ampc_last_status();
-    for (int i = 1; i < 3 && rc >= 0; i++)
-        if (n->next[i] && !(out[i] = ampc__tensor_new(n->in[i].dtype, x->device, n->in[i].ndim, n->in[i].shape)))
-            rc = ampc_last_status();
+    int rc = alloc_grads(n, x, out);
     if (rc >= 0) rc = be->layer_norm_backward(x, gy, w, mean, rstd, out[0], out[1], out[2]);
     ampc__release(gy);
-    if (rc < 0) {
-        release_all(out, 3);
-        return rc;
-    }
-    for (int i = 0; i < 3; i++) gx[i] = out[i];
-    return AMPC_OK;
+    return hand_over(rc, out, gx);
 }
 
 /* weight or bias: the shape of x's last nd dims, x's dtype. */

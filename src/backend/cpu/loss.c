@@ -364,23 +364,8 @@ static int cpu_softmax_backward(const ampc_tensor *y, const ampc_tensor *gy, amp
 /* Shapes and targets: every target in [0, C) or equal to ignore_index; counts the others. */
 static int ce_check(const ampc_tensor *logits, const ampc_tensor *targets, const ampc_cross_entropy_options *o,
                     int64_t *count) {
-    int rc;
-    if ((rc = check_float(logits, "cross_entropy", "logits")) < 0) return rc;
-    if (targets->dtype != AMPC_I64)
-        return ampc__err(AMPC_ERR_DTYPE, "cross_entropy: targets are %s, not i64", ampc_dtype_name(targets->dtype));
-    if (logits->ndim != 2 || targets->ndim != 1 || targets->shape[0] != logits->shape[0])
-        return ampc__err(AMPC_ERR_SHAPE, "cross_entropy: logits must be (N, C) and targets (N)");
-    int64_t N = logits->shape[0], C = logits->shape[1], k = 0;
-    const int64_t *tg = ampc__data(targets);
-    for (int64_t i = 0; i < N; i++) {
-        if (tg[i] == o->ignore_index) continue;
-        if (tg[i] < 0 || tg[i] >= C)
-            return ampc__err(AMPC_ERR_INVALID, "cross_entropy: target %lld in row %lld is out of range [0, %lld)",
-                             (long long)tg[i], (long long)i, (long long)C);
-        k++;
-    }
-    *count = k;
-    return AMPC_OK;
+    int rc = check_float(logits, "cross_entropy", "logits");
+    return rc < 0 ? rc : ampc__host_ce_targets(logits, targets, o, count);
 }
 
 /* Loss of one row: (1 - eps) * nll + eps * mean_c(-logp_c), with logp = (x - m) - log(s). */

@@ -69,22 +69,7 @@ static int ref_softmax_backward(const ampc_tensor *y, const ampc_tensor *gy, amp
 static int ce_check(const ampc_tensor *logits, const ampc_tensor *targets, const ampc_cross_entropy_options *o,
                     int64_t *count) {
     int rc = check_f64(logits, "cross_entropy", "logits");
-    if (rc < 0) return rc;
-    if (targets->dtype != AMPC_I64)
-        return ampc__err(AMPC_ERR_DTYPE, "cross_entropy: targets are %s, not i64", ampc_dtype_name(targets->dtype));
-    if (logits->ndim != 2 || targets->ndim != 1 || targets->shape[0] != logits->shape[0])
-        return ampc__err(AMPC_ERR_SHAPE, "cross_entropy: logits must be (N, C) and targets (N)");
-    int64_t N = logits->shape[0], C = logits->shape[1], k = 0;
-    const int64_t *tg = ampc__data(targets);
-    for (int64_t i = 0; i < N; i++) {
-        if (tg[i] == o->ignore_index) continue;
-        if (tg[i] < 0 || tg[i] >= C)
-            return ampc__err(AMPC_ERR_INVALID, "cross_entropy: target %lld in row %lld is out of range [0, %lld)",
-                             (long long)tg[i], (long long)i, (long long)C);
-        k++;
-    }
-    *count = k;
-    return AMPC_OK;
+    return rc < 0 ? rc : ampc__host_ce_targets(logits, targets, o, count);
 }
 
 /* log(sum_c exp(x_c)), max-subtracted */
