@@ -131,8 +131,9 @@ typedef enum {
     AMPC_MEM_PARAMETERS = 0,
     AMPC_MEM_GRADIENTS,
     AMPC_MEM_OPTIMIZER,
-    AMPC_MEM_ACTIVATIONS,   /* op outputs, saved tensors, inputs, weight casts */
+    AMPC_MEM_ACTIVATIONS,   /* op outputs, saved tensors, inputs, activation gradients */
     AMPC_MEM_WORKSPACE,     /* kernel scratch */
+    AMPC_MEM_CASTS,         /* autocast's 16-bit copies of fp32 weights (the cast cache) */
     AMPC_MEM_KIND_COUNT
 } ampc_mem_kind;
 

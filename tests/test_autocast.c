@@ -306,6 +306,71 @@ static void test_fp32_grads_and_16bit_saved(void **state) {
     }
 }
 
+/* Under autocast the weight and bias gradients of a linear layer are written in fp32 straight
+   from the kernels' f32 accumulators: no rounding to 16 bits (PyTorch rounds them to the
+   autocast dtype, then widens). Inputs 1 + k/128 are exact in f16 and bf16; every product and
+   partial sum of 64 rows needs at most 22 significant bits, so the f32 results are exact in
+   any summation order while their 16-bit roundings are not. The cast cache and the gradients
+   are counted under their own memory kinds. */
+static void test_weight_grads_unrounded(void **state) {
+    (void)state;
+    enum { N = 64, IN = 5, OUT = 3 };
+    for (int k = 0; k < 2; k++) {
+        const ampc_dtype ac = ac_dtypes[k];
+        ampc_scope_begin();
+        float xv[N * IN], wv[OUT * IN], gv[N * OUT];
+        uint64_t s = 99 + (uint64_t)k;
+        for (int i = 0; i < N * IN; i++) xv[i] = 1.0f + (float)(int)tu_uniform(&s, 0, 128) / 128.0f;
+        for (int i = 0; i < OUT * IN; i++) wv[i] = 1.0f + (float)(int)tu_uniform(&s, 0, 128) / 128.0f;
+        for (int i = 0; i < N * OUT; i++) gv[i] = 1.0f + (float)(int)tu_uniform(&s, 0, 128) / 128.0f;
+        ampc_tensor *x = ampc_tensor_from_f32(AMPC_F32, 2, (int64_t[]){N, IN}, xv);
+        ampc_tensor *w = ampc_tensor_from_f32(AMPC_F32, 2, (int64_t[]){OUT, IN}, wv);
+        ampc_tensor *b = ampc_tensor_from_f32(AMPC_F32, 1, (int64_t[]){OUT}, wv);
+        ampc_tensor *g = ampc_tensor_from_f32(ac, 2, (int64_t[]){N, OUT}, gv);
+        ASSERT_NOT_NULL_MSG(g);
+        ASSERT_OK(ampc_tensor_set_requires_grad(w, true));
+        ASSERT_OK(ampc_tensor_set_requires_grad(b, true));
+        size_t casts0 = ampc_memory_stats().current[AMPC_MEM_CASTS];
+        ampc_autocast_enter(ac, true);
+        ampc_tensor *y = ampc_linear(x, w, b);
+        ASSERT_NOT_NULL_MSG(y);
+        /* the 16-bit copies of w and b are the cast cache's memory */
+        assert_true(ampc_memory_stats().current[AMPC_MEM_CASTS] - casts0 >= (size_t)(OUT * IN + OUT) * 2);
+        ampc_autocast_exit();
+        ASSERT_OK(ampc_backward_with_grad(y, g));
+        ampc_tensor *gw = ampc_tensor_grad(w), *gb = ampc_tensor_grad(b);
+        ASSERT_NOT_NULL_MSG(gw);
+        ASSERT_NOT_NULL_MSG(gb);
+        assert_int_equal(ampc_tensor_dtype(gw), AMPC_F32);
+        double rw[OUT * IN], rb[OUT];
+        for (int o = 0; o < OUT; o++) {
+            rb[o] = 0;
+            for (int n = 0; n < N; n++) rb[o] += gv[n * OUT + o];
+            for (int i = 0; i < IN; i++) {
+                rw[o * IN + i] = 0;
+                for (int n = 0; n < N; n++) rw[o * IN + i] += (double)gv[n * OUT + o] * xv[n * IN + i];
+            }
+        }
+        double *gwv = tu_values(gw), *gbv = tu_values(gb);
+        tu_assert_close("dw (exact in f32)", gwv, rw, OUT * IN, 0, 0);
+        tu_assert_close("db (exact in f32)", gbv, rb, OUT, 0, 0);
+        /* the reference is not representable in 16 bits: a rounded gradient would fail above */
+        bool rounded_differs = false;
+        for (int i = 0; i < OUT * IN; i++) {
+            ampc_tensor *r = ampc_tensor_from_f32(ac, 1, (int64_t[]){1}, (float[]){(float)rw[i]});
+            double *rv = tu_values(r);
+            rounded_differs |= rv[0] != rw[i];
+            free(rv);
+        }
+        assert_true(rounded_differs);
+        free(gwv);
+        free(gbv);
+        ampc_scope_end();
+        /* nothing of the region is left in the cast kind once its graph and scope are gone */
+        assert_int_equal(ampc_memory_stats().current[AMPC_MEM_CASTS], casts0);
+    }
+}
+
 /* Two forward/backward passes in one region reuse the cached weight cast and both reach the
    parameter (PyTorch accumulates: the gradient doubles). */
 static void test_backward_twice_in_one_region(void **state) {
@@ -347,6 +412,7 @@ int main(void) {
         cmocka_unit_test(test_linear_equals_explicit_casts),
         cmocka_unit_test(test_cache),
         cmocka_unit_test(test_fp32_grads_and_16bit_saved),
+        cmocka_unit_test(test_weight_grads_unrounded),
         cmocka_unit_test(test_backward_twice_in_one_region),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);

@@ -190,6 +190,7 @@ typedef struct {
     double median_ms, min_ms, max_ms;
     double samples_s, gflops, pct_peak;   /* pct_peak < 0: no peak */
     ampc_memory_stats_t mem;              /* peaks over the timed steps */
+    size_t act_resident;                  /* activation bytes in use before a step: the input batch */
     double mallocs_per_step;              /* new system blocks during timed steps */
     long rss_growth_kib;                  /* -1: unknown */
     double final_loss;
@@ -238,6 +239,12 @@ static double train_step(ampc_module *net, ampc_optimizer *opt, ampc_scaler *sca
     return what ? NAN : loss_value;
 }
 
+/* Peak activation bytes above what was resident when the timed steps began (the input batch). */
+static size_t step_activations(const result *r) {
+    size_t pk = r->mem.peak[AMPC_MEM_ACTIVATIONS];
+    return pk > r->act_resident ? pk - r->act_resident : 0;
+}
+
 static void run_config(const workload *w, const mode *m, const settings *s, result *r) {
     memset(r, 0, sizeof *r);
     r->w = w;
@@ -283,6 +290,7 @@ static void run_config(const workload *w, const mode *m, const settings *s, resu
         if (isnan(train_step(net, opt, scaler, m, x, y, r)) && r->error[0]) goto done;
     ampc_memory_reset_peak();
     ampc_memory_stats_t st0 = ampc_memory_stats();
+    r->act_resident = st0.current[AMPC_MEM_ACTIVATIONS];
     const int64_t skipped0 = ampc_scaler_steps_skipped(scaler);
     for (int i = 0; i < s->steps; i++) {
         double t0 = bench_now();
@@ -378,23 +386,26 @@ static void print_tables(const result *rs, int n) {
         printf("\n");
     }
     printf("\npeak memory over the timed steps, MiB: the allocator's peak in use by kind and in all (each kind's own\n"
-           "peak: they need not coincide), reserved = in use + cached blocks after the steps, RSS = the process's\n"
-           "resident-set growth (first config only); ratios to fp32; new system blocks per timed step\n");
-    printf("%-9s %-9s %8s %8s %8s %8s %8s %8s %8s %8s %9s %9s %8s\n", "workload", "mode", "params", "grads", "optim",
-           "activ", "wkspace", "total", "reserved", "RSS", "total/32", "activ/32", "malloc/s");
+           "peak: they need not coincide); casts = autocast's 16-bit weight copies; activ = activations the step\n"
+           "creates (peak minus the input batch resident before it); reserved = in use + cached blocks after the\n"
+           "steps, RSS = the process's resident-set growth (first config only); ratios to fp32; new system blocks\n"
+           "per timed step\n");
+    printf("%-9s %-9s %8s %8s %8s %8s %8s %8s %8s %8s %8s %9s %9s %8s\n", "workload", "mode", "params", "grads", "optim",
+           "casts", "activ", "wkspace", "total", "reserved", "RSS", "total/32", "activ/32", "malloc/s");
     for (int i = 0; i < n; i++) {
         const result *r = &rs[i];
         if (!r->ok) continue;
         const result *base = fp32_of(rs, n, r);
         const size_t *pk = r->mem.peak;
-        printf("%-9s %-9s %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f", r->w->name, r->m->name, mib(pk[AMPC_MEM_PARAMETERS]),
-               mib(pk[AMPC_MEM_GRADIENTS]), mib(pk[AMPC_MEM_OPTIMIZER]), mib(pk[AMPC_MEM_ACTIVATIONS]),
+        printf("%-9s %-9s %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f", r->w->name, r->m->name,
+               mib(pk[AMPC_MEM_PARAMETERS]), mib(pk[AMPC_MEM_GRADIENTS]), mib(pk[AMPC_MEM_OPTIMIZER]),
+               mib(pk[AMPC_MEM_CASTS]), mib(step_activations(r)),
                mib(pk[AMPC_MEM_WORKSPACE]), mib(r->mem.peak_total), mib(r->mem.current_total + r->mem.cached));
         if (r->rss_growth_kib >= 0) printf(" %8.1f", (double)r->rss_growth_kib / 1024.0);
         else printf(" %8s", "-");
         if (base && r->m->amp)
             printf(" %9.2f %9.2f", (double)r->mem.peak_total / (double)base->mem.peak_total,
-                   (double)pk[AMPC_MEM_ACTIVATIONS] / (double)base->mem.peak[AMPC_MEM_ACTIVATIONS]);
+                   (double)step_activations(r) / (double)step_activations(base));
         else printf(" %9s %9s", "-", "-");
         printf(" %8.1f\n", r->mallocs_per_step);
     }
@@ -450,6 +461,7 @@ static int write_json(const char *path, const result *rs, int n, const settings 
         for (int k = 0; k < AMPC_MEM_KIND_COUNT; k++)
             fprintf(f, "%s\"%s\": %zu", k ? ", " : "", ampc_mem_kind_name((ampc_mem_kind)k), r->mem.peak[k]);
         fprintf(f, ", \"total\": %zu}", r->mem.peak_total);
+        fprintf(f, ", \"activations_step_bytes\": %zu", step_activations(r));
         fprintf(f, ", \"reserved_bytes\": %zu", r->mem.current_total + r->mem.cached);
         fprintf(f, ", \"rss_growth_bytes\": %lld", r->rss_growth_kib >= 0 ? (long long)r->rss_growth_kib * 1024 : -1LL);
         fprintf(f, ", \"mallocs_per_step\": %.2f, \"final_loss\": %.6g, \"scaler_scale\": %g, \"steps_skipped\": %lld",

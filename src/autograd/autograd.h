@@ -40,6 +40,10 @@ struct ampc_node {
     size_t extra_bytes;
     ampc_tensor *leaf;                /* AccumulateGrad: the leaf (owning) */
     bool released;                    /* backward ran: saved tensors are gone */
+    /* A narrowing cast (fp32 master weight -> 16-bit copy): its gradient is kept in the input's
+       wider dtype, so producers may write it unrounded (ampc__grad_dtype) and the cast's
+       backward passes it on without a copy. */
+    bool pass_wide;
     /* backward bookkeeping */
     int deps;
     ampc_tensor *grad;                /* gradient of this node's output, accumulated */
@@ -58,6 +62,18 @@ void ampc__node_save(ampc_node *n, int slot, ampc_tensor *t);
 void ampc__node_attach(ampc_node *n, ampc_tensor *out);
 void ampc__node_release(ampc_node *n);
 ampc_node *ampc__node_retain(ampc_node *n);
+
+/* The dtype in which a backward function should produce input i's gradient: the input's dtype,
+   or the wider source dtype when the input is a narrowing cast's output (pass_wide): an
+   autocast layer then writes its weight gradient in fp32 straight from the f32 accumulator. */
+ampc_dtype ampc__grad_dtype(const ampc_node *n, int i);
+/* The memory kind for input i's gradient: GRADIENTS when it becomes a leaf's .grad (directly
+   or through a pass_wide cast), else ACTIVATIONS. */
+ampc_mem_kind ampc__grad_kind(const ampc_node *n, int i);
+
+/* True when only the engine holds g and its storage (a backward function may then write its
+   result over g in place). */
+bool ampc__grad_exclusive(const ampc_tensor *g);
 
 /* Gradient accumulation into a leaf's .grad (fp32 for fp32 leaves), used by AccumulateGrad. */
 int ampc__accumulate_grad(ampc_tensor *leaf, ampc_tensor *g);

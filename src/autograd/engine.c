@@ -113,6 +113,17 @@ void ampc__node_attach(ampc_node *n, ampc_tensor *out) {
 // ---------------------------------------------------------------------------------------------
 // Gradient accumulation
 
+ampc_dtype ampc__grad_dtype(const ampc_node *n, int i) {
+    const ampc_node *m = n->next[i];
+    return m && m->pass_wide ? m->in[0].dtype : n->in[i].dtype;
+}
+
+ampc_mem_kind ampc__grad_kind(const ampc_node *n, int i) {
+    const ampc_node *m = n->next[i];
+    if (m && m->pass_wide) m = m->next[0];
+    return m && m->leaf ? AMPC_MEM_GRADIENTS : AMPC_MEM_ACTIVATIONS;
+}
+
 /* Only the engine holds g (and its storage): it may be reused or modified in place. */
 static bool exclusive(const ampc_tensor *g) {
     return atomic_load(&g->refcount) == 1 && atomic_load(&g->storage->refcount) == 1;
@@ -167,6 +178,8 @@ static int accumulate_into(ampc_tensor **acc, ampc_tensor *g, ampc_mem_kind kind
 int ampc__accumulate_grad(ampc_tensor *leaf, ampc_tensor *g) {
     return accumulate_into(&leaf->grad, ampc__retain(g), AMPC_MEM_GRADIENTS);
 }
+
+bool ampc__grad_exclusive(const ampc_tensor *g) { return exclusive(g); }
 
 // ---------------------------------------------------------------------------------------------
 // Backward
@@ -252,9 +265,12 @@ static int run_node(ampc_node *n) {
             ampc__release(g);
             continue;
         }
-        /* the gradient of an input has the input's dtype (PyTorch casts it the same way) */
-        if (g->dtype != n->in[i].dtype) {
-            ampc_tensor *c = ampc__k_cast(g, n->in[i].dtype);
+        /* the gradient of an input has the input's dtype (PyTorch casts it the same way), or
+           the wider dtype a pass_wide cast keeps (every gradient it receives is widened, so
+           its sum is taken in that dtype) */
+        ampc_dtype gdt = ampc__grad_dtype(n, i);
+        if (g->dtype != gdt) {
+            ampc_tensor *c = ampc__k_cast(g, gdt);
             ampc__release(g);
             if (!c) { rc = ampc_last_status(); continue; }
             g = c;
@@ -266,7 +282,7 @@ static int run_node(ampc_node *n) {
             ampc__release(g);
             continue;
         }
-        rc = accumulate_into(&m->grad, g, AMPC_MEM_ACTIVATIONS);
+        rc = accumulate_into(&m->grad, g, ampc__grad_kind(n, i));   /* a leaf's: counted as gradients */
     }
     if (rc < 0) return rc;
     for (int i = 0; i < n->n_inputs; i++) {

@@ -88,13 +88,14 @@ typedef struct ampc_backend {
     int (*fill)(ampc_tensor *t, double value);
     /* y = f(x); x and y may be the same tensor */
     int (*unary)(ampc_unary_op op, const ampc_tensor *x, ampc_tensor *y, double alpha);
-    /* gx = gy * f'(x); y = f(x) is given too (sigmoid/tanh/exp use it) */
+    /* gx = gy * f'(x); y = f(x) is given too (sigmoid/tanh/exp use it); gx may be gy */
     int (*unary_backward)(ampc_unary_op op, const ampc_tensor *x, const ampc_tensor *y,
                           const ampc_tensor *gy, ampc_tensor *gx, double alpha);
     /* out = a op b with numpy broadcasting; out has the broadcast shape; same dtype */
     int (*binary)(ampc_binary_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out);
     /* out = alpha * (x summed down to out's shape): out's shape right-aligned against x's,
-       each out dim 1 or equal; f32 accumulation (f64 on REF). */
+       each out dim 1 or equal; f32 accumulation (f64 on REF). out has x's dtype, or f32 when
+       x is 16-bit (a bias gradient straight into the fp32 master's dtype: no rounding). */
     int (*sum_to)(const ampc_tensor *x, ampc_tensor *out, double alpha);
     /* out = alpha * x broadcast up to out's shape (the inverse of sum_to) */
     int (*expand)(const ampc_tensor *x, ampc_tensor *out, double alpha);
@@ -102,7 +103,9 @@ typedef struct ampc_backend {
     int (*softmax)(const ampc_tensor *x, ampc_tensor *y, ampc_axis_desc ax, bool log);
     int (*softmax_backward)(const ampc_tensor *y, const ampc_tensor *gy, ampc_tensor *gx,
                             ampc_axis_desc ax, bool log);
-    /* c = a @ b (+ bias); a, b, bias, c share one dtype; accumulation in f32, one rounding */
+    /* c = a @ b (+ bias); a, b, bias, c share one dtype; accumulation in f32, one rounding.
+       c (with no bias) may be f32 when a and b are 16-bit: the f32 accumulator unrounded (the
+       weight gradient of an autocast layer, written in its fp32 master's dtype). */
     int (*gemm)(const ampc_gemm_desc *d, const ampc_tensor *a, const ampc_tensor *b,
                 const ampc_tensor *bias, ampc_tensor *c);
     /* logits (N, C) float, targets (N) i64. out: (N) per-sample losses (reduction NONE) or a
@@ -130,7 +133,8 @@ typedef struct ampc_backend {
                      ampc_tensor *exp_avg_sq, ampc_tensor *max_exp_avg_sq,
                      const ampc_adam_hparams *h);
     /* Convolution: y = conv(x, w) + b (b NULL or (O)); gx from gy and w; gw (and gb if not
-       NULL) from x and gy. x, w, y, gx, gw share a dtype; b/gb have it too. */
+       NULL) from x and gy. x, w, y, gx, gw share a dtype; b/gb have it too. Exception: gw and
+       gb may be f32 when x and gy are 16-bit (the autocast weight gradient, unrounded). */
     int (*conv2d)(const ampc_conv_desc *d, const ampc_tensor *x, const ampc_tensor *w,
                   const ampc_tensor *b, ampc_tensor *y);
     int (*conv2d_backward_data)(const ampc_conv_desc *d, const ampc_tensor *gy, const ampc_tensor *w,

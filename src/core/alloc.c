@@ -220,7 +220,7 @@ ampc_memory_stats_t ampc_memory_stats(void) {
 
 const char *ampc_mem_kind_name(ampc_mem_kind k) {
     static const char *names[AMPC_MEM_KIND_COUNT] = {"parameters", "gradients", "optimizer",
-                                                     "activations", "workspace"};
+                                                     "activations", "workspace", "casts"};
     return (unsigned)k < AMPC_MEM_KIND_COUNT ? names[k] : "?";
 }
 

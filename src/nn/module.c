@@ -357,9 +357,16 @@ int ampc_module_state_dict(ampc_module *m, ampc_tensor ***tensors, const char **
 // ---------------------------------------------------------------------------------------------
 // Sequential
 
+/* Each intermediate is dropped as soon as the next child has consumed it (what the graph saved
+   stays alive through the graph): the forward's peak holds the saved tensors plus one layer's
+   input and output, not every intermediate of the sequence. */
 static ampc_tensor *sequential_forward(ampc_module *m, ampc_tensor *x) {
     ampc_tensor *h = x;
-    for (int i = 0; i < m->children.n && h; i++) h = ampc_module_forward(m->children.items[i], h);
+    for (int i = 0; i < m->children.n && h; i++) {
+        ampc_tensor *next = ampc_module_forward(m->children.items[i], h);
+        if (h != x && next != h) ampc_tensor_free(h);
+        h = next;
+    }
     return h;
 }
 

@@ -114,6 +114,11 @@ ampc_tensor *ampc__k_unary_backward(ampc_unary_op op, ampc_tensor *x, ampc_tenso
     return finish_kernel(gx, BACKEND_CALL(gy, unary_backward, op, x, y, gy, gx, alpha));
 }
 
+ampc_tensor *ampc__k_unary_backward_over(ampc_unary_op op, ampc_tensor *x, ampc_tensor *y, ampc_tensor *gy, double alpha) {
+    int rc = BACKEND_CALL(gy, unary_backward, op, x, y, gy, gy, alpha);
+    return rc < 0 ? NULL : ampc__retain(gy);
+}
+
 ampc_tensor *ampc__k_binary(ampc_binary_op op, ampc_tensor *a, ampc_tensor *b) {
     int nd;
     int64_t shape[AMPC_MAX_DIMS];
@@ -125,7 +130,11 @@ ampc_tensor *ampc__k_binary(ampc_binary_op op, ampc_tensor *a, ampc_tensor *b) {
 }
 
 ampc_tensor *ampc__k_sum_to(ampc_tensor *x, int ndim, const int64_t *shape, double alpha) {
-    ampc_tensor *out = ampc__tensor_new(x->dtype, x->device, ndim, shape);
+    return ampc__k_sum_to_out(x, x->dtype, ndim, shape, alpha);
+}
+
+ampc_tensor *ampc__k_sum_to_out(ampc_tensor *x, ampc_dtype out_dt, int ndim, const int64_t *shape, double alpha) {
+    ampc_tensor *out = ampc__tensor_new(out_dt, x->device, ndim, shape);
     if (!out) return NULL;
     return finish_kernel(out, BACKEND_CALL(x, sum_to, x, out, alpha));
 }
@@ -138,13 +147,25 @@ ampc_tensor *ampc__k_expand(ampc_tensor *x, int ndim, const int64_t *shape, doub
 
 ampc_tensor *ampc__k_gemm(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b, ampc_tensor *bias, int ndim,
                           const int64_t *out_shape) {
-    ampc_tensor *c = ampc__tensor_new(a->dtype, a->device, ndim, out_shape);
+    return ampc__k_gemm_out(d, a, b, bias, a->dtype, ndim, out_shape);
+}
+
+ampc_tensor *ampc__k_gemm_out(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b, ampc_tensor *bias,
+                              ampc_dtype out_dt, int ndim, const int64_t *out_shape) {
+    ampc_tensor *c = ampc__tensor_new(out_dt, a->device, ndim, out_shape);
     if (!c) return NULL;
     return finish_kernel(c, BACKEND_CALL(a, gemm, d, a, b, bias, c));
 }
 
+ampc_dtype ampc__wgrad_dtype(const ampc_node *n, int i, ampc_dtype compute) {
+    bool narrow = compute == AMPC_BF16 || compute == AMPC_F16;
+    return narrow && ampc__grad_dtype(n, i) == AMPC_F32 ? AMPC_F32 : compute;
+}
+
 // ---------------------------------------------------------------------------------------------
-// Cast: differentiable; its backward casts the gradient back (fp32 for master weights).
+// Cast: differentiable; its backward casts the gradient back (fp32 for master weights). A
+// narrowing cast keeps its gradient in the wider dtype (pass_wide): weight gradients arrive
+// unrounded in fp32 and pass through without a copy.
 
 static int cast_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
     gx[0] = ampc__k_cast(gy, n->in[0].dtype);
@@ -163,6 +184,7 @@ ampc_tensor *ampc__cast_record(ampc_tensor *x, ampc_dtype dt) {
             ampc__release(y);
             return NULL;
         }
+        node->pass_wide = ampc__dt(x->dtype)->size > ampc__dt(dt)->size;
         ampc__node_attach(node, y);
     }
     return y;

@@ -102,7 +102,11 @@ static int unary_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
     double alpha = n->f[0];
     if (op == AMPC_UNARY_ADD_SCALAR) gx[0] = ampc__retain(gy);
     else if (op == AMPC_UNARY_SCALE) gx[0] = ampc__k_unary(AMPC_UNARY_SCALE, gy, alpha);
-    else gx[0] = ampc__k_unary_backward(op, n->saved[0], n->saved[1], gy, alpha);
+    else if (ampc__grad_exclusive(gy) && gy->dtype == n->in[0].dtype) {
+        /* nobody else sees gy: gx overwrites it (one activation-sized buffer less at the
+           backward's peak) */
+        gx[0] = ampc__k_unary_backward_over(op, n->saved[0], n->saved[1], gy, alpha);
+    } else gx[0] = ampc__k_unary_backward(op, n->saved[0], n->saved[1], gy, alpha);
     return gx[0] ? AMPC_OK : ampc_last_status();
 }
 

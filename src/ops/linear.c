@@ -64,13 +64,18 @@ static int linear_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
         gx[0] = ampc__k_gemm(&d, gy, n->saved[1], NULL, n->in[0].ndim, n->in[0].shape);
         if (!gx[0]) rc = ampc_last_status();
     }
+    /* dw and db: straight into fp32 under autocast, allocated as the gradients they become */
     if (rc >= 0 && n->next[1]) {   /* dw (out, in) = gy^T (out, M) @ x (M, in) */
         ampc_gemm_desc d = {.batch = 1, .M = out, .N = in, .K = M, .ta = true};
-        gx[1] = ampc__k_gemm(&d, gy, n->saved[0], NULL, 2, (int64_t[]){out, in});
+        ampc_mem_kind prev = ampc__mem_kind_push(ampc__grad_kind(n, 1));
+        gx[1] = ampc__k_gemm_out(&d, gy, n->saved[0], NULL, ampc__wgrad_dtype(n, 1, gy->dtype), 2, (int64_t[]){out, in});
+        ampc__mem_kind_pop(prev);
         if (!gx[1]) rc = ampc_last_status();
     }
     if (rc >= 0 && n->next[2]) {   /* db (out) = gy summed over rows */
-        gx[2] = ampc__k_sum_to(gy, 1, (int64_t[]){out}, 1.0);
+        ampc_mem_kind prev = ampc__mem_kind_push(ampc__grad_kind(n, 2));
+        gx[2] = ampc__k_sum_to_out(gy, ampc__wgrad_dtype(n, 2, gy->dtype), 1, (int64_t[]){out}, 1.0);
+        ampc__mem_kind_pop(prev);
         if (!gx[2]) rc = ampc_last_status();
     }
     ampc__release(gy);
@@ -217,7 +222,10 @@ static int matmul_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
         ampc_gemm_desc d;
         if (p.mode == MM_FOLD) d = (ampc_gemm_desc){.batch = 1, .M = K, .N = N, .K = p.a_batch * M, .ta = true};
         else d = (ampc_gemm_desc){p.batch, K, N, M, true, false, p.mode == MM_SAME ? M * K : 0, M * N, K * N};
-        gx[1] = ampc__k_gemm(&d, n->saved[0], gy, NULL, n->in[1].ndim, n->in[1].shape);
+        ampc_mem_kind prev = ampc__mem_kind_push(ampc__grad_kind(n, 1));
+        gx[1] = ampc__k_gemm_out(&d, n->saved[0], gy, NULL, ampc__wgrad_dtype(n, 1, gy->dtype), n->in[1].ndim,
+                                 n->in[1].shape);
+        ampc__mem_kind_pop(prev);
         if (!gx[1]) rc = ampc_last_status();
     }
     ampc__release(gy);

@@ -44,12 +44,25 @@ ampc_tensor *ampc__k_cast(ampc_tensor *x, ampc_dtype dt);   /* same dtype: new r
 ampc_tensor *ampc__k_unary(ampc_unary_op op, ampc_tensor *x, double alpha);
 ampc_tensor *ampc__k_unary_backward(ampc_unary_op op, ampc_tensor *x, ampc_tensor *y,
                                     ampc_tensor *gy, double alpha);
+/* The same written over gy (which the caller must hold exclusively); returns a new ref to gy */
+ampc_tensor *ampc__k_unary_backward_over(ampc_unary_op op, ampc_tensor *x, ampc_tensor *y, ampc_tensor *gy,
+                                         double alpha);
 ampc_tensor *ampc__k_binary(ampc_binary_op op, ampc_tensor *a, ampc_tensor *b);
-/* x summed down to shape (broadcast-compatible), times alpha, in dtype dt */
+/* x summed down to shape (broadcast-compatible), times alpha, in x's dtype; _out: in dtype
+   out_dt (x's, or f32 for 16-bit x: see backend.h) */
 ampc_tensor *ampc__k_sum_to(ampc_tensor *x, int ndim, const int64_t *shape, double alpha);
+ampc_tensor *ampc__k_sum_to_out(ampc_tensor *x, ampc_dtype out_dt, int ndim, const int64_t *shape, double alpha);
 ampc_tensor *ampc__k_expand(ampc_tensor *x, int ndim, const int64_t *shape, double alpha);
 ampc_tensor *ampc__k_gemm(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b,
                           ampc_tensor *bias, int ndim, const int64_t *out_shape);
+/* The gemm into an out_dt result (a's dtype, or f32 for 16-bit a and no bias) */
+ampc_tensor *ampc__k_gemm_out(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b, ampc_tensor *bias,
+                              ampc_dtype out_dt, int ndim, const int64_t *out_shape);
+
+/* The dtype for the gradient of input i of node n computed from `compute`-dtype operands: f32
+   when the engine keeps it in f32 (ampc__grad_dtype) and compute is 16-bit (the kernels write
+   their f32 accumulators unrounded), else compute (the engine casts it). */
+ampc_dtype ampc__wgrad_dtype(const ampc_node *n, int i, ampc_dtype compute);
 
 /* numpy broadcast of two shapes into out (ndim_out receives the rank); error if incompatible */
 int ampc__broadcast_shapes(const ampc_tensor *a, const ampc_tensor *b, int *ndim_out, int64_t *out);

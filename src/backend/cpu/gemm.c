@@ -8,6 +8,9 @@
  * brgemm kernels). oneDNN 2.6 has no f16 matmul on CPU, so f16 operands are widened to f32
  * workspace copies, multiplied in f32 and the result rounded once to f16 - what tensor cores
  * do (f16 inputs, f32 accumulation, one rounding).
+ * A 16-bit product may also be written to an f32 C without rounding (bf16: oneDNN's bf16
+ * kernels with an f32 destination): autocast's weight gradients go straight into the fp32
+ * master's dtype instead of being rounded to 16 bits and widened again by the cast's backward.
  *
  * Primitives live in the shared oneDNN cache (dnnl_cache.h) keyed by shape, layout, dtype and
  * thread count, so a steady-state call does no malloc.
@@ -25,7 +28,7 @@
 /* Everything that makes two calls need different primitives. Zero-initialised with memset
    before filling, so it can be compared bytewise. */
 typedef struct {
-    dnnl_data_type_t dt;
+    dnnl_data_type_t dt, dst_dt;
     int64_t batch, M, N, K;
     int64_t stride_a, stride_b, stride_c;   /* 0: broadcast operand (batch dim 1) */
     int32_t ta, tb, has_bias, nthr;         /* nthr: oneDNN sizes blocking and scratchpad by it */
@@ -55,7 +58,7 @@ static int build_matmul(ampc_dnnl_entry *e, const void *key) {
     dnnl_memory_desc_t a, b, c, bias;
     AMPC_DNNL_TRY(operand_md(&a, k->dt, k->batch, k->stride_a, k->M, k->K, k->ta), "src descriptor");
     AMPC_DNNL_TRY(operand_md(&b, k->dt, k->batch, k->stride_b, k->K, k->N, k->tb), "weights descriptor");
-    AMPC_DNNL_TRY(operand_md(&c, k->dt, k->batch, k->stride_c, k->M, k->N, false), "dst descriptor");
+    AMPC_DNNL_TRY(operand_md(&c, k->dst_dt, k->batch, k->stride_c, k->M, k->N, false), "dst descriptor");
     if (k->has_bias) {   /* (1, N) or (1, 1, N): one row added to every output row */
         dnnl_dims_t dims = {1, 1, k->N}, strides = {k->N, k->N, 1};
         int nd = batched ? 3 : 2;
@@ -102,8 +105,11 @@ static int check_desc(const ampc_gemm_desc *d, const ampc_tensor *a, const ampc_
                       const ampc_tensor *c) {
     if (d->batch < 0 || d->M < 0 || d->N < 0 || d->K < 0 || d->stride_a < 0 || d->stride_b < 0 || d->stride_c < 0)
         return ampc__err(AMPC_ERR_INVALID, "gemm: negative size or stride");
-    if (a->dtype != b->dtype || a->dtype != c->dtype || (bias && bias->dtype != a->dtype))
-        return ampc__err(AMPC_ERR_DTYPE, "gemm: operands of different dtypes");
+    bool wide_out = c->dtype == AMPC_F32 && (a->dtype == AMPC_BF16 || a->dtype == AMPC_F16) && !bias;
+    if (a->dtype != b->dtype || (a->dtype != c->dtype && !wide_out) || (bias && bias->dtype != a->dtype))
+        return ampc__err(AMPC_ERR_DTYPE, "gemm: operands of dtypes %s, %s -> %s%s are not supported (one dtype, or "
+                         "16-bit operands into an f32 output without bias)", ampc_dtype_name(a->dtype),
+                         ampc_dtype_name(b->dtype), ampc_dtype_name(c->dtype), bias ? " with bias" : "");
     if (d->batch == 0 || d->M == 0 || d->N == 0) return AMPC_OK;
     if (d->batch > 1 && d->stride_c == 0) return ampc__err(AMPC_ERR_INVALID, "gemm: output batch stride 0");
     if ((d->K && ((size_t)a->numel < extent(d->batch, d->stride_a, d->M, d->K) ||
@@ -117,10 +123,11 @@ static int check_desc(const ampc_gemm_desc *d, const ampc_tensor *a, const ampc_
 // ---------------------------------------------------------------------------------------------
 // Kernel
 
-static gemm_key make_key(const ampc_gemm_desc *d, ampc_dtype dt, bool has_bias) {
+static gemm_key make_key(const ampc_gemm_desc *d, ampc_dtype dt, ampc_dtype dst_dt, bool has_bias) {
     gemm_key k;
     memset(&k, 0, sizeof k);
     k.dt = ampc__dnnl_dt(dt);
+    k.dst_dt = ampc__dnnl_dt(dst_dt);
     k.batch = d->batch;
     k.M = d->M;
     k.N = d->N;
@@ -136,8 +143,9 @@ static gemm_key make_key(const ampc_gemm_desc *d, ampc_dtype dt, bool has_bias) 
 }
 
 /* Runs the cached primitive of d on raw pointers (lock held). */
-static int run_primitive(const ampc_gemm_desc *d, ampc_dtype dt, const void *a, const void *b, const void *bias, void *c) {
-    gemm_key k = make_key(d, dt, bias != NULL);
+static int run_primitive(const ampc_gemm_desc *d, ampc_dtype dt, ampc_dtype dst_dt, const void *a, const void *b,
+                         const void *bias, void *c) {
+    gemm_key k = make_key(d, dt, dst_dt, bias != NULL);
     ampc_dnnl_entry *e = ampc__dnnl_get(AMPC_DNNL_MATMUL, &k, sizeof k, build_matmul);
     if (!e) return ampc_last_status();
     void *handles[4] = {(void *)a, (void *)b, c, (void *)bias};
@@ -157,15 +165,18 @@ static int fill_bias(const ampc_gemm_desc *d, const ampc_tensor *bias, ampc_tens
     return AMPC_OK;
 }
 
-/* Widens f16 operands to f32 workspace, runs the f32 primitive, rounds the result once. */
+/* Widens f16 operands to f32 workspace, runs the f32 primitive, rounds the result once (an f32
+   c gets the result unrounded, with no workspace for it). */
 static int gemm_f16(const ampc_gemm_desc *d, const ampc_tensor *a, const ampc_tensor *b, const ampc_tensor *bias,
                     ampc_tensor *c) {
+    bool wide_out = c->dtype == AMPC_F32;
     size_t na = extent(d->batch, d->stride_a, d->M, d->K), nb = extent(d->batch, d->stride_b, d->K, d->N);
-    size_t nc = extent(d->batch, d->stride_c, d->M, d->N), nbias = bias ? (size_t)d->N : 0;
+    size_t nc = wide_out ? 0 : extent(d->batch, d->stride_c, d->M, d->N), nbias = bias ? (size_t)d->N : 0;
     size_t bytes = (na + nb + nc + nbias) * sizeof(float), block = 0;
     float *ws = ampc__alloc(AMPC_DEVICE_CPU, bytes, AMPC_MEM_WORKSPACE, &block);
     if (!ws) return ampc_last_status();
-    float *a32 = ws, *b32 = a32 + na, *c32 = b32 + nb, *bias32 = bias ? c32 + nc : NULL;
+    float *a32 = ws, *b32 = a32 + na, *c32 = wide_out ? (float *)ampc__data(c) : b32 + nb;
+    float *bias32 = bias ? b32 + nb + nc : NULL;
     /* Single-threaded on purpose: the vectorized conversions run near memory speed (4M values
        in ~0.4 ms, <5% of the gemm they feed), and extra OpenMP regions measured slower on
        these 2 shared cores than the conversion they would split. */
@@ -173,8 +184,8 @@ static int gemm_f16(const ampc_gemm_desc *d, const ampc_tensor *a, const ampc_te
     h->to_f32(ampc__data(a), a32, na);
     h->to_f32(ampc__data(b), b32, nb);
     if (bias) h->to_f32(ampc__data(bias), bias32, nbias);
-    int rc = run_primitive(d, AMPC_F32, a32, b32, bias32, c32);
-    if (rc >= 0) h->from_f32(c32, ampc__data(c), nc);
+    int rc = run_primitive(d, AMPC_F32, AMPC_F32, a32, b32, bias32, c32);
+    if (rc >= 0 && !wide_out) h->from_f32(c32, ampc__data(c), nc);
     ampc__free(AMPC_DEVICE_CPU, ws, block, AMPC_MEM_WORKSPACE);
     return rc;
 }
@@ -196,8 +207,8 @@ static int cpu_gemm(const ampc_gemm_desc *desc, const ampc_tensor *a, const ampc
         d.stride_c = 0;
     }
     ampc__dnnl_lock();
-    if (c->dtype == AMPC_F16) rc = gemm_f16(&d, a, b, bias, c);
-    else rc = run_primitive(&d, c->dtype, ampc__data(a), ampc__data(b), bias ? ampc__data(bias) : NULL, ampc__data(c));
+    if (a->dtype == AMPC_F16) rc = gemm_f16(&d, a, b, bias, c);
+    else rc = run_primitive(&d, a->dtype, c->dtype, ampc__data(a), ampc__data(b), bias ? ampc__data(bias) : NULL, ampc__data(c));
     ampc__dnnl_unlock();
     size_t mat = (size_t)(d.M * d.N) * ampc__dt(c->dtype)->size;
     for (int64_t i = 1; i < copies && rc >= 0; i++)
@@ -210,7 +221,7 @@ static int cpu_gemm(const ampc_gemm_desc *desc, const ampc_tensor *a, const ampc
 
 int ampc__cpu_gemm_impl(const ampc_gemm_desc *desc, ampc_dtype dt, bool has_bias, char *buf, size_t n) {
     ampc_gemm_desc d = normalize(desc);
-    gemm_key k = make_key(&d, dt == AMPC_F16 ? AMPC_F32 : dt, has_bias);
+    gemm_key k = make_key(&d, dt == AMPC_F16 ? AMPC_F32 : dt, dt == AMPC_F16 ? AMPC_F32 : dt, has_bias);
     ampc__dnnl_lock();
     ampc_dnnl_entry *e = ampc__dnnl_get(AMPC_DNNL_MATMUL, &k, sizeof k, build_matmul);
     snprintf(buf, n, "%s", e ? ampc__dnnl_impl(e) : "?");
