@@ -10,7 +10,8 @@
 #
 # Skipped (exit 0) only when the Fashion-MNIST files are missing (Debian's dataset-fashion-mnist,
 # installed by scripts/install-deps.sh). Runs in well under a minute: every run uses a few
-# hundred samples.
+# hundred samples. Timings (seconds, ms/step, the data wait) are checked for presence and format
+# only, never against a threshold: the machine may be loaded.
 set -u
 TRAIN=${1:?usage: e2e_train.sh AMPC_TRAIN MAKE_IMAGE_FOLDER}
 MKIMG=${2:?usage: e2e_train.sh AMPC_TRAIN MAKE_IMAGE_FOLDER}
@@ -89,9 +90,17 @@ fi
 # Two epochs straight, fp16 autocast with a GradScaler (default data: Fashion-MNIST)
 if run straight "${SMALL[@]}" --amp-dtype fp16 --epochs 2 --out "$W/a"; then
     m="$W/a/metrics.csv"
-    [ "$(head -1 "$m")" = "epoch,train_loss,train_acc,val_loss,val_acc,seconds,samples_per_s,scale,skipped_steps" ] ||
+    [ "$(head -1 "$m")" = "epoch,train_loss,train_acc,val_loss,val_acc,seconds,samples_per_s,scale,skipped_steps,data_wait" ] ||
         bad "metrics.csv header: $(head -1 "$m")"
     [ "$(wc -l <"$m")" -eq 3 ] || bad "metrics.csv: $(wc -l <"$m") lines, want 3"
+    # the data wait: a fraction per epoch in the CSV, a percentage in each epoch's line and the summary
+    awk -F, 'NR > 1 && !($10 ~ /^[0-9.e+-]+$/ && $10 >= 0 && $10 <= 1) { bad = 1 } END { exit bad }' "$m" &&
+        ok "metrics.csv: data_wait is a fraction ($(csv_field "$m" 1 10), $(csv_field "$m" 2 10))" ||
+        bad "metrics.csv: data_wait not a fraction: $(cut -d, -f10 "$m" | tr '\n' ' ')"
+    n=$(grep -cE '^epoch [0-9]+/2: .*\(train [0-9.]+ s, [0-9,]+ samples/s, [0-9]+\.[0-9] ms/step, data wait [0-9]+\.[0-9]%\)' "$W/straight.out")
+    [ "$n" -eq 2 ] && ok "epoch lines show ms/step and the data wait" ||
+        bad "epoch lines: $n of 2 show ms/step and the data wait: $(grep '^epoch [0-9]*/2:' "$W/straight.out" | head -1)"
+    grep -qE '^summary: .*, data wait [0-9]+\.[0-9]%$' "$W/straight.out" || bad "summary line without the data wait"
     l1=$(csv_field "$m" 1 2)
     l2=$(csv_field "$m" 2 2)
     lt "$l2" "$l1" && ok "training loss falls: $l1 -> $l2" || bad "training loss does not fall: $l1 -> $l2"
@@ -116,7 +125,8 @@ if run reload --resume "$W/a/checkpoint.safetensors" --epochs 2 --out "$W/c"; th
         bad "reload: tensors differ"
         cat "$W/cmp_c.out"
     fi
-    [ "$(wc -l <"$W/c/metrics.csv")" -eq 3 ] || bad "reload: metrics.csv not rebuilt from the checkpoint's history"
+    cmp -s "$W/a/metrics.csv" "$W/c/metrics.csv" && ok "reload: metrics.csv rebuilt from the checkpoint's history" ||
+        bad "reload: metrics.csv not rebuilt from the checkpoint's history: $(diff "$W/a/metrics.csv" "$W/c/metrics.csv" | tr '\n' ' ')"
     is_png "$W/c/loss.png" || bad "reload: loss.png not redrawn"
 fi
 
@@ -139,6 +149,14 @@ if run first "${SMALL[@]}" --amp-dtype fp16 --epochs 1 --out "$W/b" && cp "$W/b/
     # and the comparison does see a difference where there is one
     "$TRAIN" --compare-checkpoints "$W/a/checkpoint.safetensors" "$W/b1.safetensors" >"$W/cmp_b1.out"
     [ $? -eq 1 ] && ok "compare-checkpoints tells epoch 1 from epoch 2" || bad "compare-checkpoints: epoch 1 == epoch 2?"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# --compare: fp32 then AMP side by side, with a data wait row
+if run compare --limit-train 64 --limit-val 32 --batch-size 32 --progress off --epochs 1 --compare --out "$W/cmp"; then
+    grep -qE '^data wait \(training\) +[0-9]+\.[0-9]% +[0-9]+\.[0-9]%$' "$W/compare.out" && ok "compare: data wait row" ||
+        bad "compare: no data wait row: $(grep -i 'data wait' "$W/compare.out")"
+    [ -s "$W/cmp/fp32/metrics.csv" ] && [ -s "$W/cmp/amp/metrics.csv" ] || bad "compare: metrics.csv missing"
 fi
 
 # ---------------------------------------------------------------------------------------------

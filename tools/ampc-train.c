@@ -382,11 +382,16 @@ static void print_help(void) {
     printf("\nDefaults: the cnn, Adam lr 0.001, batch 64 (PyTorch's MNIST example's batch), 5 epochs, bf16 autocast:\n"
            "about 91-92%% test accuracy on Fashion-MNIST. Data is normalised (Fashion-MNIST's or MNIST's mean/std;\n"
            "ImageNet's for image folders, whose training images are also mirrored at random).\n"
+           "\nEach epoch prints one line: losses and accuracies, the epoch's and the training loop's wall time,\n"
+           "the training throughput, the mean time per step and the data wait, the share of the training loop's\n"
+           "time spent getting batches from the data loader (decoding them with --num-workers 0, waiting for the\n"
+           "workers otherwise).\n"
            "\nOutputs in --out: metrics.csv (per epoch: epoch, train_loss, train_acc, val_loss, val_acc, seconds,\n"
-           "samples_per_s, scale, skipped_steps; accuracies are fractions, seconds the epoch's wall time,\n"
-           "samples_per_s the training throughput, scale and skipped_steps the grad scaler's scale at the end\n"
-           "of the epoch and the steps it skipped in it), loss.png, accuracy.png, checkpoint.safetensors\n"
-           "(replaced after every epoch). Flags take '--flag value' or '--flag=value'.\n"
+           "samples_per_s, scale, skipped_steps, data_wait; accuracies are fractions, seconds the epoch's wall\n"
+           "time, samples_per_s the training throughput, scale and skipped_steps the grad scaler's scale at the\n"
+           "end of the epoch and the steps it skipped in it, data_wait the data wait as a fraction; nan for\n"
+           "epochs resumed from a checkpoint that did not record it), loss.png, accuracy.png,\n"
+           "checkpoint.safetensors (replaced after every epoch). Flags take '--flag value' or '--flag=value'.\n"
            "Errors print one line \"" PROG ": error: ...\" on stderr; exit status 1 (2: bad command line).\n");
 }
 
@@ -434,9 +439,12 @@ static int parse_args(int argc, char **argv, settings *s, const char **cmp_a, co
 // ---------------------------------------------------------------------------------------------
 // Metrics history: one row per finished epoch, kept in the checkpoint to redraw the plots
 
-enum { COL_EPOCH, COL_TRAIN_LOSS, COL_TRAIN_ACC, COL_VAL_LOSS, COL_VAL_ACC, COL_SECONDS, COL_SPS, COL_SCALE, COL_SKIPPED, N_COLS };
-static const char *const COLS[N_COLS] = {"epoch",   "train_loss", "train_acc",     "val_loss",     "val_acc",
-                                         "seconds", "samples_per_s", "scale", "skipped_steps"};
+/* New columns go at the end (scripts read columns by position); one that checkpoints of an
+   older ampc-train lack reads back as NaN on --resume (see resume_state). */
+enum { COL_EPOCH, COL_TRAIN_LOSS, COL_TRAIN_ACC, COL_VAL_LOSS, COL_VAL_ACC, COL_SECONDS, COL_SPS, COL_SCALE, COL_SKIPPED,
+       COL_DATA_WAIT, N_COLS };
+static const char *const COLS[N_COLS] = {"epoch",   "train_loss",    "train_acc", "val_loss",      "val_acc",
+                                         "seconds", "samples_per_s", "scale",     "skipped_steps", "data_wait"};
 
 typedef struct {
     double (*rows)[N_COLS];
@@ -607,6 +615,7 @@ static int data_open(settings *s, data *d) {
 
 typedef struct {
     double seconds, train_seconds, samples_per_s, peak_total, peak[AMPC_MEM_KIND_COUNT];
+    double data_seconds;   /* of train_seconds, the time spent waiting for the training loader */
     double train_loss, train_acc, val_loss, val_acc, scale;
     int64_t skipped, epochs_run, samples;
     bool ok;
@@ -818,6 +827,10 @@ static int resume_state(run *r) {
     for (int c = 0; c < N_COLS && rc == 0; c++) {
         char *text;
         snprintf(key, sizeof key, META_PREFIX "history.%s", COLS[c]);
+        if (c == COL_DATA_WAIT && ampc_checkpoint_meta_get(meta, key, NULL, 0) == AMPC_ERR_INVALID) {   /* older checkpoint: not measured */
+            for (int64_t e = 0; e < r->epoch0; e++) cols[e][c] = NAN;
+            continue;
+        }
         if ((rc = meta_get(meta, path, key, &text)) < 0) break;
         int64_t n = 0;
         for (char *p = text; *p && rc == 0;) {
@@ -842,7 +855,8 @@ static int resume_state(run *r) {
 
 typedef struct {
     double loss, acc, seconds;
-    int64_t samples;
+    double data_seconds;   /* of seconds, the time spent in ampc_loader_next (waiting for a batch) */
+    int64_t samples, steps;
 } pass_stats;
 
 /* Number of rows of logits (B, C) whose argmax (the first maximum) equals the label. */
@@ -880,7 +894,9 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st) {
     for (;;) {
         ampc_scope_begin();   /* the step's tensors are released at its end */
         ampc_tensor *x, *y;
+        double tw = progress_now();
         int more = ampc_loader_next(ld, &x, &y);
+        st->data_seconds += progress_now() - tw;   /* the loader's cost as the step sees it: decode or wait */
         if (more <= 0) {
             if (more < 0) rc = fail_lib("data loader");
             break;
@@ -923,6 +939,7 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st) {
     }
     progress_end(&p);
     st->seconds = progress_now() - t0;
+    st->steps = done;
     st->loss = st->samples ? loss_sum / (double)st->samples : NAN;
     st->acc = st->samples ? (double)correct / (double)st->samples : NAN;
     return 0;
@@ -1130,10 +1147,13 @@ static int train_run(settings *s, run_result *res) {
                               [COL_SECONDS] = secs,
                               [COL_SPS] = tr.seconds > 0 ? (double)tr.samples / tr.seconds : 0,
                               [COL_SCALE] = ampc_scaler_get_scale(r.scaler),
-                              [COL_SKIPPED] = (double)(ampc_scaler_steps_skipped(r.scaler) - skipped0)};
+                              [COL_SKIPPED] = (double)(ampc_scaler_steps_skipped(r.scaler) - skipped0),
+                              [COL_DATA_WAIT] = tr.seconds > 0 ? tr.data_seconds / tr.seconds : 0};
         char c1[32];
-        printf("epoch %" PRId64 "/%" PRId64 ": train loss %.4f acc %.2f%% | val loss %.4f acc %.2f%% | %.1f s (train %.1f s, %s samples/s)",
-               e + 1, n_epochs, tr.loss, 100 * tr.acc, va.loss, 100 * va.acc, secs, tr.seconds, fmt_count((int64_t)row[COL_SPS], c1, sizeof c1));
+        printf("epoch %" PRId64 "/%" PRId64 ": train loss %.4f acc %.2f%% | val loss %.4f acc %.2f%% | %.1f s (train %.1f s, %s samples/s, "
+               "%.1f ms/step, data wait %.1f%%)",
+               e + 1, n_epochs, tr.loss, 100 * tr.acc, va.loss, 100 * va.acc, secs, tr.seconds, fmt_count((int64_t)row[COL_SPS], c1, sizeof c1),
+               tr.steps ? 1e3 * tr.seconds / (double)tr.steps : 0.0, 100 * row[COL_DATA_WAIT]);
         if (ampc_scaler_is_enabled(r.scaler)) printf(" | scale %g, %.0f skipped", row[COL_SCALE], row[COL_SKIPPED]);
         printf("\n");
         fflush(stdout);
@@ -1146,6 +1166,7 @@ static int train_run(settings *s, run_result *res) {
         res->epochs_run++;
         res->samples += tr.samples;
         res->train_seconds += tr.seconds;
+        res->data_seconds += tr.data_seconds;
     }
     if (r.epoch0 >= n_epochs) {   /* nothing left to train: rewrite the outputs from the checkpoint */
         printf("nothing to train: the checkpoint has finished %" PRId64 " of %" PRId64 " epochs\n", r.epoch0, n_epochs);
@@ -1167,9 +1188,10 @@ static int train_run(settings *s, run_result *res) {
     }
 
     char t[32], c1[32];
-    printf("summary: %" PRId64 " epoch(s) in %s (%.1f s/epoch), %s training samples/s\n", res->epochs_run,
+    printf("summary: %" PRId64 " epoch(s) in %s (%.1f s/epoch), %s training samples/s, data wait %.1f%%\n", res->epochs_run,
            progress_format_time(res->seconds, t, sizeof t), res->epochs_run ? res->seconds / (double)res->epochs_run : 0.0,
-           fmt_count((int64_t)res->samples_per_s, c1, sizeof c1));
+           fmt_count((int64_t)res->samples_per_s, c1, sizeof c1),
+           res->train_seconds > 0 ? 100 * res->data_seconds / res->train_seconds : 0.0);
     print_memory(&ms, "  ");
     if (ampc_scaler_is_enabled(r.scaler))
         printf("  grad scaler: %" PRId64 " skipped steps of %" PRId64 ", final scale %g\n", ampc_scaler_steps_skipped(r.scaler),
@@ -1216,6 +1238,9 @@ static int compare_runs(const settings *base) {
     printf("%-26s %16.1f %16.1f\n", "time (s)", rr[0].seconds, rr[1].seconds);
     printf("%-26s %16s %16s\n", "training samples/s", fmt_count((int64_t)rr[0].samples_per_s, a, sizeof a),
            fmt_count((int64_t)rr[1].samples_per_s, b, sizeof b));
+    double dw[2];
+    for (int k = 0; k < 2; k++) dw[k] = rr[k].train_seconds > 0 ? 100 * rr[k].data_seconds / rr[k].train_seconds : 0;
+    printf("%-26s %15.1f%% %15.1f%%\n", "data wait (training)", dw[0], dw[1]);
     printf("%-26s %16s %16s\n", "peak memory", fmt_bytes(rr[0].peak_total, a, sizeof a), fmt_bytes(rr[1].peak_total, b, sizeof b));
     printf("%-26s %16s %16s\n", "  of it activations", fmt_bytes(rr[0].peak[AMPC_MEM_ACTIVATIONS], a, sizeof a),
            fmt_bytes(rr[1].peak[AMPC_MEM_ACTIVATIONS], b, sizeof b));
