@@ -80,6 +80,90 @@ static void test_allocator_caches_and_counts_peak(void **state) {
     assert_int_equal(s1.current_total, s0.current_total);
 }
 
+/* Large blocks are carved from segments: memory freed by one size serves requests of other
+   sizes (split), neighbours merge back, and emptying the cache returns whole segments. */
+static void test_allocator_large_blocks_reuse(void **state) {
+    (void)state;
+    const ampc_device dev = AMPC_DEVICE_CPU;
+    const size_t MiB = (size_t)1 << 20;
+    ampc_memory_empty_cache();
+    ampc_memory_stats_t s0 = ampc_memory_stats();
+    size_t b6 = 0, b3a = 0, b3b = 0, b2 = 0;
+    void *p6 = ampc__alloc(dev, 6 * MiB, AMPC_MEM_WORKSPACE, &b6);
+    ASSERT_NOT_NULL_MSG(p6);
+    assert_int_equal(b6, ampc__mem_block_size(6 * MiB));
+    ampc__free(dev, p6, b6, AMPC_MEM_WORKSPACE);
+    uint64_t m1 = ampc_memory_stats().n_malloc;
+    /* two 3 MiB blocks and a 2 MiB one fit in the freed segment: no new system memory */
+    void *p3a = ampc__alloc(dev, 3 * MiB, AMPC_MEM_WORKSPACE, &b3a);
+    void *p3b = ampc__alloc(dev, 3 * MiB, AMPC_MEM_WORKSPACE, &b3b);
+    void *p2 = ampc__alloc(dev, 2 * MiB, AMPC_MEM_WORKSPACE, &b2);
+    ASSERT_NOT_NULL_MSG(p3a);
+    ASSERT_NOT_NULL_MSG(p3b);
+    ASSERT_NOT_NULL_MSG(p2);
+    assert_int_equal(ampc_memory_stats().n_malloc, m1);
+    /* disjoint */
+    char *lo[3] = {p3a, p3b, p2};
+    size_t len[3] = {3 * MiB, 3 * MiB, 2 * MiB};
+    for (int i = 0; i < 3; i++)
+        for (int j = 0; j < 3; j++)
+            if (i != j) assert_true(lo[i] + len[i] <= lo[j] || lo[j] + len[j] <= lo[i]);
+    memset(p3a, 1, 3 * MiB);
+    memset(p3b, 2, 3 * MiB);
+    memset(p2, 3, 2 * MiB);
+    ampc__free(dev, p3a, b3a, AMPC_MEM_WORKSPACE);
+    ampc__free(dev, p3b, b3b, AMPC_MEM_WORKSPACE);
+    /* the two neighbours merged: a 6 MiB request fits again without a new segment */
+    void *p6b = ampc__alloc(dev, 6 * MiB, AMPC_MEM_WORKSPACE, &b6);
+    ASSERT_NOT_NULL_MSG(p6b);
+    assert_int_equal(ampc_memory_stats().n_malloc, m1);
+    ampc__free(dev, p6b, b6, AMPC_MEM_WORKSPACE);
+    ampc__free(dev, p2, b2, AMPC_MEM_WORKSPACE);
+    ampc_memory_stats_t s1 = ampc_memory_stats();
+    assert_int_equal(s1.current_total, s0.current_total);
+    assert_true(s1.cached > 0);
+    ampc_memory_empty_cache();
+    assert_int_equal(ampc_memory_stats().cached, 0);
+}
+
+/* Random sizes from 64 B to 24 MiB, allocated and freed in random order: every live block
+   keeps its own fill pattern (no two blocks overlap), and the counts return to where they
+   started. */
+static void test_allocator_random_stress(void **state) {
+    (void)state;
+    enum { SLOTS = 24, OPS = 600 };
+    const ampc_device dev = AMPC_DEVICE_CPU;
+    void *p[SLOTS] = {0};
+    size_t bytes[SLOTS] = {0}, req[SLOTS] = {0};
+    uint64_t rs = 12345;
+    ampc_memory_stats_t s0 = ampc_memory_stats();
+    for (int op = 0; op < OPS; op++) {
+        int i = (int)tu_uniform(&rs, 0, SLOTS);
+        if (p[i]) {
+            const unsigned char *c = p[i];
+            /* first, last and a middle byte carry the slot's pattern */
+            assert_int_equal(c[0], (unsigned char)(i + 1));
+            assert_int_equal(c[req[i] - 1], (unsigned char)(i + 1));
+            assert_int_equal(c[req[i] / 2], (unsigned char)(i + 1));
+            ampc__free(dev, p[i], bytes[i], AMPC_MEM_WORKSPACE);
+            p[i] = NULL;
+        } else {
+            double e = tu_uniform(&rs, 6, 24.6);   /* log2 of the size */
+            req[i] = (size_t)exp2(e);
+            p[i] = ampc__alloc(dev, req[i], AMPC_MEM_WORKSPACE, &bytes[i]);
+            ASSERT_NOT_NULL_MSG(p[i]);
+            assert_true(bytes[i] >= req[i]);
+            assert_int_equal((uintptr_t)p[i] % 64, 0);
+            memset(p[i], i + 1, req[i]);
+        }
+    }
+    for (int i = 0; i < SLOTS; i++)
+        if (p[i]) ampc__free(dev, p[i], bytes[i], AMPC_MEM_WORKSPACE);
+    assert_int_equal(ampc_memory_stats().current_total, s0.current_total);
+    ampc_memory_empty_cache();
+    assert_int_equal(ampc_memory_stats().cached, 0);
+}
+
 static void test_memory_limit(void **state) {
     (void)state;
     size_t in_use = ampc_memory_stats().current_total;
@@ -157,6 +241,8 @@ int main(void) {
         cmocka_unit_test(test_scope_releases),
         cmocka_unit_test(test_own_and_free),
         cmocka_unit_test(test_allocator_caches_and_counts_peak),
+        cmocka_unit_test(test_allocator_large_blocks_reuse),
+        cmocka_unit_test(test_allocator_random_stress),
         cmocka_unit_test(test_memory_limit),
         cmocka_unit_test(test_bad_shapes_and_views),
         cmocka_unit_test(test_rng_reproducible),

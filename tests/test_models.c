@@ -29,15 +29,8 @@
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-/* Allocator size class (src/core/alloc.c): 64-byte granularity up to 4 KiB, then 16 classes
-   per power of two. */
-static size_t size_class(size_t n) {
-    if (n == 0) n = 1;
-    if (n <= 4096) return (n + 63) & ~(size_t)63;
-    size_t p = (size_t)1 << (63 - __builtin_clzll((unsigned long long)n));
-    size_t step = p / 16;
-    return (n + step - 1) / step * step;
-}
+/* The allocator's block size for a request (src/core/alloc.c). */
+static size_t size_class(size_t n) { return ampc__mem_block_size(n); }
 
 static const char *torch_dtype(ampc_dtype dt) {
     switch (dt) {

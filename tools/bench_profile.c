@@ -126,7 +126,8 @@ static int w_softmax_backward(const ampc_tensor *y, const ampc_tensor *gy, ampc_
 static int w_gemm(const ampc_gemm_desc *d, const ampc_tensor *a, const ampc_tensor *b, const ampc_tensor *bias,
                   ampc_tensor *c) {
     double fl = 2.0 * (double)d->batch * (double)d->M * (double)d->N * (double)d->K;
-    TIMED("gemm", -1, c->dtype, d, NULL, bias != NULL, fl, saved.gemm(d, a, b, bias, c));
+    /* keyed by the operands' dtype; sub 1: a 16-bit product into an f32 output */
+    TIMED("gemm", c->dtype != a->dtype, a->dtype, d, NULL, bias != NULL, fl, saved.gemm(d, a, b, bias, c));
 }
 static int w_cross_entropy(const ampc_tensor *l, const ampc_tensor *t, const ampc_cross_entropy_options *o,
                            ampc_tensor *out, double *w) {
@@ -247,6 +248,7 @@ static void entry_name(const entry *e, char *buf, size_t n) {
     else if (!strcmp(e->kernel, "conv2d") && e->sub >= 0 && e->sub < 3) sub = pass_names[e->sub];
     else if (!strncmp(e->kernel, "pool2d", 6) && e->sub >= 0 && e->sub < 4) sub = pool_names[e->sub];
     else if (!strncmp(e->kernel, "softmax", 7) && e->sub == 1) sub = "log";
+    else if (!strcmp(e->kernel, "gemm") && e->sub == 1) sub = "f32 out";
     if (sub) snprintf(buf, n, "%s(%s)", e->kernel, sub);
     else snprintf(buf, n, "%s", e->kernel);
 }

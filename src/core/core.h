@@ -62,6 +62,8 @@ typedef struct ampc_storage {
 /* Raw blocks (64-byte aligned) counted under kind; NULL + AMPC_ERR_OOM past the limit. */
 void *ampc__alloc(ampc_device dev, size_t nbytes, ampc_mem_kind kind, size_t *block_bytes);
 void ampc__free(ampc_device dev, void *p, size_t block_bytes, ampc_mem_kind kind);
+/* The bytes a request of nbytes occupies (what the stats count for it). */
+size_t ampc__mem_block_size(size_t nbytes);
 /* Moves an allocation's bytes from one kind's count to another's. */
 void ampc__mem_retag(size_t block_bytes, ampc_mem_kind from, ampc_mem_kind to);
 
