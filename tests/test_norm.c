@@ -4,8 +4,8 @@
  * sizes, per column for small ones), and independent f64 computations written here: running
  * statistics over several training steps (unbiased variance, PyTorch's momentum rule),
  * evaluation with the running statistics, bf16 activations with f32 statistics, variance
- * accuracy under a large common offset, autocast dtypes, errors, and the no-malloc steady
- * state.
+ * accuracy under a large common offset, autocast dtypes, mixed storage dtypes (the staged
+ * path) against the register path, errors, and the no-malloc steady state.
  */
 #include "testutil.h"
 
@@ -14,6 +14,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "backend/backend.h"
 
 static const ampc_dtype cpu_dtypes[] = {AMPC_F32, AMPC_F16, AMPC_BF16};
 
@@ -474,6 +476,66 @@ static void test_thread_count_independent(void **state) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Mixed storage dtypes (x bf16, y/gy/gx f32) take the staged path (chunks through f32
+// buffers); on the same values they agree with the all-f32 register path. Both evaluate the
+// same f32 formulas from coefficients rounded to f32 from f64 statistics that agree to ~2^-50,
+// so they differ by at most one f32 rounding of each coefficient and of each operation.
+
+static void test_mixed_storage(void **state) {
+    (void)state;
+    const ampc_backend *be = ampc__backend(AMPC_DEVICE_CPU);
+    const int64_t shapes[][4] = {{4, 3, 40, 40}, {64, 12, 1, 1}};   /* channel walk (runs > a chunk); column walk */
+    const double u = 0x1p-24;
+    for (int si = 0; si < 2; si++) {
+        ampc_scope_begin();
+        const int64_t *sh = shapes[si], C = sh[1], S = sh[2] * sh[3], N = sh[0];
+        const double M = (double)(N * S);
+        ampc_tensor *x16 = ampc_tensor_rand(AMPC_BF16, 4, sh, -1, 3), *x32 = ampc_cast(x16, AMPC_F32);
+        ampc_tensor *g = ampc_tensor_rand(AMPC_F32, 4, sh, -1, 1);
+        ampc_tensor *w = ampc_tensor_rand(AMPC_F32, 1, &C, 0.5, 1.5), *b = ampc_tensor_rand(AMPC_F32, 1, &C, -1, 1);
+        ampc_tensor *y[2], *gx[2], *sm[2], *sv[2], *gw[2], *gb[2];
+        for (int p = 0; p < 2; p++) {   /* p 0: all f32 (register path); 1: x bf16 (staged) */
+            ampc_tensor *x = p ? x16 : x32;
+            y[p] = ampc_tensor_empty(AMPC_F32, 4, sh), gx[p] = ampc_tensor_empty(AMPC_F32, 4, sh);
+            sm[p] = ampc_tensor_empty(AMPC_F32, 1, &C), sv[p] = ampc_tensor_empty(AMPC_F32, 1, &C);
+            gw[p] = ampc_tensor_empty(AMPC_F32, 1, &C), gb[p] = ampc_tensor_empty(AMPC_F32, 1, &C);
+            ASSERT_OK(be->batch_norm(x, w, b, NULL, NULL, y[p], sm[p], sv[p], true, 0.1, 1e-5));
+            ASSERT_OK(be->batch_norm_backward(x, g, w, sm[p], sv[p], true, gx[p], gw[p], gb[p]));
+        }
+        double *xv = tu_values(x32), *gv = tu_values(g), *wv = tu_values(w), *bv = tu_values(b);
+        double *ya = tu_values(y[0]), *yb = tu_values(y[1]), *gxa = tu_values(gx[0]), *gxb = tu_values(gx[1]);
+        double *m = tu_values(sm[0]), *is = tu_values(sv[0]), *gwa = tu_values(gw[0]), *gwb = tu_values(gw[1]);
+        double *gba = tu_values(gb[0]), *gbb = tu_values(gb[1]);
+        for (int64_t c = 0; c < C; c++) {
+            double a = wv[c] * is[c], k = a, sgx = gwa[c] / is[c], sg = gba[c];
+            double a2 = -k * is[c] * is[c] * sgx / M, b2 = -k * sg / M, ey = 0, eg = 0;
+            for (int64_t r = 0; r < N; r++)   /* largest terms of the channel's formulas */
+                for (int64_t i = 0; i < S; i++) {
+                    int64_t j = (r * C + c) * S + i;
+                    double xm = fabs(xv[j] - m[c]);
+                    ey = fmax(ey, xm * fabs(a) + fabs(a * m[c]) + fabs(bv[c]) + fabs(ya[j]));
+                    eg = fmax(eg, fabs(k * gv[j]) + fabs(a2) * (xm + fabs(m[c])) + fabs(b2) + fabs(gxa[j]));
+                }
+            for (int64_t r = 0; r < N; r++)
+                for (int64_t i = 0; i < S; i++) {
+                    int64_t j = (r * C + c) * S + i;
+                    if (fabs(ya[j] - yb[j]) > 6 * u * ey) fail_msg("shape %d y[%lld]: %.9g vs %.9g", si, (long long)j, ya[j], yb[j]);
+                    if (fabs(gxa[j] - gxb[j]) > 6 * u * eg)
+                        fail_msg("shape %d gx[%lld]: %.9g vs %.9g", si, (long long)j, gxa[j], gxb[j]);
+                }
+            /* f32 roundings of f64 sums of M terms, |g (x - m)| <= 4 and |g| <= 1, in two orders
+               (which differ by at most M 2^-52 times the sum of the terms) */
+            double tw = 2 * u * fabs(gwa[c]) + M * M * 4 * 0x1p-52 * is[c], tb = 2 * u * fabs(gba[c]) + M * M * 0x1p-52;
+            if (fabs(gwa[c] - gwb[c]) > tw || fabs(gba[c] - gbb[c]) > tb)
+                fail_msg("shape %d channel %lld: gw %.9g vs %.9g, gb %.9g vs %.9g", si, (long long)c, gwa[c], gwb[c], gba[c], gbb[c]);
+        }
+        free(xv), free(gv), free(wv), free(bv), free(ya), free(yb), free(gxa), free(gxb), free(m), free(is);
+        free(gwa), free(gwb), free(gba), free(gbb);
+        ampc_scope_end();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Errors
 
 static void test_errors(void **state) {
@@ -575,6 +637,7 @@ int main(void) {
         cmocka_unit_test(test_large_offset),
         cmocka_unit_test(test_autocast),
         cmocka_unit_test(test_thread_count_independent),
+        cmocka_unit_test(test_mixed_storage),
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_steady_state_no_malloc),
     };

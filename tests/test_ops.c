@@ -2,15 +2,18 @@
  * test_ops.c - elementwise ops, broadcasting binary ops, sum and mean: every op through the
  * op-check table (finite differences on REF in f64, then CPU f32/f16/bf16 forward and
  * backward against REF), plus errors, type promotion, large threaded tensors, in-place
- * aliasing and what each op saves for backward.
+ * aliasing, what each op saves for backward, the bits of the bf16 register path (widen,
+ * compute in f32, round once, for every bf16 input) and sum_to of 16-bit x into f32.
  */
 #include "testutil.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "backend/backend.h"
+#include "backend/cpu/cpu.h"
 #include "ops/ops.h"
 
 // ---------------------------------------------------------------------------------------------
@@ -101,6 +104,11 @@ static const tu_op_case binary_cases[] = {
     BIN3("(7,)+(300,7)", (7), (300, 7), 300),
     BIN3("(3,1100)+(1100,)", (3, 1100), (1100), 3), /* bias rows longer than a chunk */
     BIN3("(30,50)+(30,50)", (30, 50), (30, 50), 1),
+    /* broadcast rows of >= 64 values (the register path): one value per row, or a row vector */
+    BIN3("(2,3,8,8)+(3,1,1)", (2, 3, 8, 8), (3, 1, 1), 128),   /* per channel */
+    BIN3("(3,1,1)+(2,3,8,8)", (3, 1, 1), (2, 3, 8, 8), 128),
+    BIN3("(5,70)+(5,1)", (5, 70), (5, 1), 70),
+    BIN3("(4,96)+(96,)", (4, 96), (96), 4),
 };
 
 static const tu_op_case reduce_cases[] = {
@@ -500,6 +508,204 @@ static void test_saved_tensors(void **state) {
     ampc_scope_end();
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// The bf16 register path: the loops convert bf16 in registers (cpu.h); the result must be the
+// bits of "widen exactly, compute in f32, round once with ampc_f32_to_bf16", for every input
+
+static bool bf16_is_nan(uint16_t h) { return (h & 0x7fff) > 0x7f80; }
+
+/* got[i] == round(want[i]) bit for bit; a NaN only needs to be a NaN (which input's payload an
+   operation keeps is the compiler's choice of operand order) */
+static void expect_bf16(const char *what, const uint16_t *got, const float *want, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        uint16_t w = ampc_f32_to_bf16(want[i]);
+        if (bf16_is_nan(w) ? !bf16_is_nan(got[i]) : got[i] != w)
+            fail_msg("%s [%zu]: %04x, expected %04x (%a)", what, i, got[i], w, (double)want[i]);
+    }
+}
+
+/* f32 -> bf16 inside the loops at the dispatched vector width: every high half (sign,
+   exponent, top mantissa bits: every kept value, odd and even) with the low halves that decide
+   the rounding (zero, just below / at / above the tie, all ones: carries into the exponent and
+   into inf, NaNs with only low bits set) and a few others, against ampc_f32_to_bf16. (All 2^32
+   patterns were checked once this way: 11 s, too slow for every run.) */
+static const uint32_t lows[] = {0x0000, 0x0001, 0x0002, 0x3fff, 0x7ffe, 0x7fff, 0x8000, 0x8001,
+                                0x8002, 0xbfff, 0xc000, 0xfffe, 0xffff, 0x1234, 0x9abc, 0x5555};
+enum { NLOWS = sizeof lows / sizeof *lows };
+
+AMPC_CPU_VEC static void narrow_all_highs(uint32_t low, uint16_t *out) {
+#pragma omp simd
+    for (uint32_t h = 0; h < 65536; h++) {
+        union { uint32_t u; float f; } v = {.u = h << 16 | low};
+        out[h] = ampc__cpu_f32_bf16(v.f);
+    }
+}
+
+static void test_bf16_rounding_in_registers(void **state) {
+    (void)state;
+    uint16_t *out = malloc(65536 * sizeof *out);
+    for (int k = 0; k < NLOWS; k++) {
+        narrow_all_highs(lows[k], out);
+        for (uint32_t h = 0; h < 65536; h++) {
+            union { uint32_t u; float f; } v = {.u = h << 16 | lows[k]};
+            if (out[h] != ampc_f32_to_bf16(v.f)) fail_msg("f32 %08x -> %04x, scalar %04x", v.u, out[h], ampc_f32_to_bf16(v.f));
+            if (ampc__cpu_bf16_f32((uint16_t)h) != ampc_bf16_to_f32((uint16_t)h) && !bf16_is_nan((uint16_t)h))
+                fail_msg("bf16 %04x widened differently", h);
+        }
+    }
+    free(out);
+}
+
+static void test_bf16_register_path_bits(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    const ampc_backend *be = ampc__backend(AMPC_DEVICE_CPU);
+    const int64_t n = 65536 + 37;   /* every pattern, then a ragged tail of BLK-sized blocks */
+    ampc_tensor *x = ampc_tensor_empty(AMPC_BF16, 1, &n), *y = ampc_tensor_empty(AMPC_BF16, 1, &n);
+    ampc_tensor *o = ampc_tensor_empty(AMPC_BF16, 1, &n);
+    uint16_t *xv = ampc_tensor_data(x), *yv = ampc_tensor_data(y), *ov = ampc_tensor_data(o);
+    float *want = malloc((size_t)n * sizeof *want);
+    for (int64_t i = 0; i < n; i++) xv[i] = (uint16_t)i, yv[i] = (uint16_t)((uint32_t)i * 40503u + 7u);
+#define XF(i) ampc_bf16_to_f32(xv[i])
+#define YF(i) ampc_bf16_to_f32(yv[i])
+    /* unary: relu; scales that round (1/3), land on ties and subnormals (0.5) or overflow (3);
+       shifts that round and absorb */
+    const struct { ampc_unary_op op; double a; } un[] = {{AMPC_UNARY_RELU, 0},       {AMPC_UNARY_SCALE, 1.0 / 3},
+                                                       {AMPC_UNARY_SCALE, 0.5},    {AMPC_UNARY_SCALE, 3},
+                                                       {AMPC_UNARY_ADD_SCALAR, 0.1}, {AMPC_UNARY_ADD_SCALAR, -1e-39}};
+    char what[64];
+    for (size_t k = 0; k < sizeof un / sizeof *un; k++) {
+        float a = (float)un[k].a;
+        ASSERT_OK(be->unary(un[k].op, x, o, un[k].a));
+        for (int64_t i = 0; i < n; i++) {
+            float v = XF(i);
+            want[i] = un[k].op == AMPC_UNARY_RELU ? (v < 0.0f ? 0.0f : v) : un[k].op == AMPC_UNARY_SCALE ? a * v : v + a;
+        }
+        snprintf(what, sizeof what, "unary %d (%g)", (int)un[k].op, un[k].a);
+        expect_bf16(what, ov, want, (size_t)n);
+    }
+    /* relu's derivative from its output (y > 0: gy, else 0) */
+    ASSERT_OK(be->unary_backward(AMPC_UNARY_RELU, NULL, x, y, o, 0));
+    for (int64_t i = 0; i < n; i++) want[i] = XF(i) > 0.0f ? YF(i) : 0.0f;
+    expect_bf16("relu backward", ov, want, (size_t)n);
+    /* binary, same shape: products of two 8-bit significands hit every rounding case */
+    for (int op = 0; op < AMPC_BINARY_COUNT; op++) {
+        ASSERT_OK(be->binary((ampc_binary_op)op, x, y, o));
+        for (int64_t i = 0; i < n; i++)
+            want[i] = op == AMPC_BINARY_ADD ? XF(i) + YF(i) : op == AMPC_BINARY_SUB ? XF(i) - YF(i) : XF(i) * YF(i);
+        snprintf(what, sizeof what, "binary %d", op);
+        expect_bf16(what, ov, want, (size_t)n);
+    }
+    /* broadcast rows: x's first 65536 patterns as (256, 256), with y's first 256 as a row
+       vector (256,) and as a column (256, 1) */
+    const int64_t sq[] = {256, 256}, row[] = {256}, col[] = {256, 1};
+    ampc_tensor *xs = ampc_tensor_empty(AMPC_BF16, 2, sq), *os = ampc_tensor_empty(AMPC_BF16, 2, sq);
+    ampc_tensor *yr = ampc_tensor_empty(AMPC_BF16, 1, row), *yc = ampc_tensor_empty(AMPC_BF16, 2, col);
+    uint16_t *osv = ampc_tensor_data(os);
+    memcpy(ampc_tensor_data(xs), xv, 65536 * sizeof *xv);
+    memcpy(ampc_tensor_data(yr), yv, 256 * sizeof *yv);
+    memcpy(ampc_tensor_data(yc), yv, 256 * sizeof *yv);
+    for (int op = 0; op < AMPC_BINARY_COUNT; op++)
+        for (int form = 0; form < 3; form++) {
+            if (form < 2) ASSERT_OK(be->binary((ampc_binary_op)op, xs, form ? yc : yr, os));
+            else ASSERT_OK(be->binary((ampc_binary_op)op, yc, xs, os));   /* the broadcast one first */
+            for (int64_t i = 0; i < 65536; i++) {
+                float a = XF(i), b = form == 0 ? YF(i % 256) : YF(i / 256);
+                if (form == 2) a = b, b = XF(i);
+                want[i] = op == AMPC_BINARY_ADD ? a + b : op == AMPC_BINARY_SUB ? a - b : a * b;
+            }
+            snprintf(what, sizeof what, "broadcast binary %d form %d", op, form);
+            expect_bf16(what, osv, want, 65536);
+        }
+    /* expand of a row vector, times alpha */
+    ASSERT_OK(be->expand(yr, os, 1.0 / 3));
+    for (int64_t i = 0; i < 65536; i++) want[i] = (float)(1.0 / 3) * YF(i % 256);
+    expect_bf16("expand", osv, want, 65536);
+#undef XF
+#undef YF
+    free(want);
+    ampc_scope_end();
+}
+
+// ---------------------------------------------------------------------------------------------
+// sum_to of a 16-bit x into an f32 out (a bias gradient straight into its fp32 master): the f32
+// accumulator unrounded, the same bits as summing the widened values on the f32 path, and
+// within the recursive-summation bound of the f64 sum
+
+static void test_sum_to_f32_out(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    const ampc_backend *be = ampc__backend(AMPC_DEVICE_CPU);
+    const struct {
+        int nd, od;
+        int64_t xs[4], os[4];
+    } cases[] = {
+        {2, 1, {256, 2048}, {2048}},          /* bias of a linear layer: sum over rows */
+        {4, 3, {8, 16, 9, 9}, {16, 1, 1}},    /* bias of a convolution: over N, H, W */
+        {2, 2, {3, 70000}, {3, 1}},           /* long rows: blocked */
+        {3, 2, {4, 5, 3}, {5, 1}},            /* two separate summed groups */
+        {2, 2, {7, 5}, {7, 5}},               /* nothing summed */
+    };
+    const ampc_dtype dts[] = {AMPC_BF16, AMPC_F16};
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++)
+        for (int d = 0; d < 2; d++) {
+            int64_t n = 1, m = 1;
+            for (int i = 0; i < cases[c].nd; i++) n *= cases[c].xs[i];
+            for (int i = 0; i < cases[c].od; i++) m *= cases[c].os[i];
+            ampc_tensor *x = ampc_tensor_rand(dts[d], cases[c].nd, cases[c].xs, -1, 1);
+            ampc_tensor *x32 = ampc_cast(x, AMPC_F32);   /* the same values, exactly */
+            ampc_tensor *out = ampc_tensor_empty(AMPC_F32, cases[c].od, cases[c].os);
+            ampc_tensor *out32 = ampc_tensor_empty(AMPC_F32, cases[c].od, cases[c].os);
+            ASSERT_OK(be->sum_to(x, out, 1.0));
+            ASSERT_OK(be->sum_to(x32, out32, 1.0));
+            const float *r = ampc_tensor_data(out), *r32 = ampc_tensor_data(out32);
+            if (memcmp(r, r32, (size_t)m * sizeof *r))
+                fail_msg("case %zu %s: f32 out differs from the f32 path", c, ampc_dtype_name(dts[d]));
+            /* against f64 sums: any order of k additions is within (k - 1) u sum|x| */
+            double *xv = tu_values(x), *exact = calloc((size_t)m, sizeof *exact), *abs_sum = calloc((size_t)m, sizeof *abs_sum);
+            int64_t k = n / m;
+            size_t unrounded = 0;
+            for (int64_t i = 0; i < n; i++) {   /* slot: element i's out index under the broadcast */
+                int64_t idx[4], rest = i, slot = 0;
+                for (int dd = cases[c].nd - 1; dd >= 0; dd--) idx[dd] = rest % cases[c].xs[dd], rest /= cases[c].xs[dd];
+                for (int dd = 0; dd < cases[c].nd; dd++) {
+                    int od = dd - (cases[c].nd - cases[c].od);
+                    if (od >= 0) slot = slot * cases[c].os[od] + (cases[c].os[od] == 1 ? 0 : idx[dd]);
+                }
+                exact[slot] += xv[i];
+                abs_sum[slot] += fabs(xv[i]);
+            }
+            for (int64_t j = 0; j < m; j++) {
+                double tol = (double)(k - 1) * 0x1p-24 * abs_sum[j];
+                if (fabs((double)r[j] - exact[j]) > tol)
+                    fail_msg("case %zu %s [%lld]: %.9g vs %.9g (tol %.3g)", c, ampc_dtype_name(dts[d]), (long long)j,
+                             (double)r[j], exact[j], tol);
+                uint32_t bits;
+                memcpy(&bits, &r[j], 4);
+                unrounded += (bits & 0xffff) != 0;
+            }
+            /* sums of more than one value are not rounded to 16 bits (a few may happen to fit) */
+            if (k > 1 && unrounded < (size_t)m / 2)
+                fail_msg("case %zu %s: %zu of %lld sums look rounded to 16 bits", c, ampc_dtype_name(dts[d]),
+                         (size_t)m - unrounded, (long long)m);
+            free(xv), free(exact), free(abs_sum);
+        }
+    /* thread-count independent on every path */
+    int threads = ampc_get_num_threads();
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        ampc_tensor *x = ampc_tensor_rand(AMPC_BF16, cases[c].nd, cases[c].xs, -1, 1);
+        ampc_tensor *o1 = ampc_tensor_empty(AMPC_F32, cases[c].od, cases[c].os), *o2 = ampc_tensor_empty(AMPC_F32, cases[c].od, cases[c].os);
+        ampc_set_num_threads(1);
+        ASSERT_OK(be->sum_to(x, o1, 0.5));
+        ampc_set_num_threads(2);
+        ASSERT_OK(be->sum_to(x, o2, 0.5));
+        assert_memory_equal(ampc_tensor_data(o1), ampc_tensor_data(o2), (size_t)ampc_tensor_numel(o1) * sizeof(float));
+    }
+    ampc_set_num_threads(threads);
+    ampc_scope_end();
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_unary_ops),
@@ -513,6 +719,9 @@ int main(void) {
         cmocka_unit_test(test_big_add_and_sum),
         cmocka_unit_test(test_in_place),
         cmocka_unit_test(test_saved_tensors),
+        cmocka_unit_test(test_bf16_rounding_in_registers),
+        cmocka_unit_test(test_bf16_register_path_bits),
+        cmocka_unit_test(test_sum_to_f32_out),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
 }

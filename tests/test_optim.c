@@ -1,7 +1,9 @@
 /*
  * test_optim.c - SGD, Adam and AdamW against an fp64 re-implementation of PyTorch 1.13's
  * update rules written here (independent of the kernels), on the CPU device (fp32) and the
- * REF device (f64); skipping of params without grad; optimizer state memory; errors.
+ * REF device (f64); skipping of params without grad; optimizer state memory; errors; and the
+ * CPU kernels bit for bit against the same updates replayed here in fp32 on a large parameter
+ * (threads, blocks, a ragged tail).
  *
  * Tolerances: the oracle carries, per element, a first-order bound on the difference between
  * the device's arithmetic and exact arithmetic: every rounded op adds u*|result| (u the
@@ -17,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/backend.h"
 #include "core/core.h"
 #include "optim/optim.h"
 
@@ -422,11 +425,119 @@ static void test_holds_params(void **state) {
     ampc_optimizer_free(o);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// The fused kernels, bit for bit: PyTorch's single-tensor updates do one fp32 rounding per
+// tensor op, in the order of the rules above; the kernels promise exactly those ops per
+// element. Replayed here in scalar fp32 (ISO C: no contraction into FMAs) on 70001 elements
+// (several blocks and both threads, a ragged tail), over every option combination.
+
+#define BIG_N 70001
+
+static void fill_f32(float *v, size_t n, uint64_t seed, double lo, double hi) {
+    uint64_t s = seed;
+    for (size_t i = 0; i < n; i++) v[i] = (float)tu_uniform(&s, lo, hi);
+}
+
+static void expect_same_floats(const char *what, const float *got, const float *want, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(&got[i], &want[i], sizeof(float)))
+            fail_msg("%s [%zu]: %a, fp32 replay %a", what, i, (double)got[i], (double)want[i]);
+}
+
+static void test_sgd_kernel_matches_fp32_replay(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    const ampc_backend *be = ampc__backend(AMPC_DEVICE_CPU);
+    const int64_t n = BIG_N;
+    float *p0 = malloc(n * sizeof(float)), *g = malloc(n * sizeof(float)), *b0 = malloc(n * sizeof(float));
+    float *p = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float));
+    fill_f32(p0, n, 1, -1, 1);
+    fill_f32(g, n, 2, -1, 1);
+    fill_f32(b0, n, 3, -0.5, 0.5);
+    for (int k = 0; k < 32; k++) {
+        bool wd = k & 1, mom = k & 2, first = k & 4, nest = k & 8, damp = k & 16;
+        if (!mom && (first || nest || damp)) continue;   /* those only change momentum */
+        ampc_sgd_hparams h = {.lr = 0.1, .momentum = mom ? 0.9 : 0, .dampening = damp ? 0.3 : 0,
+                              .weight_decay = wd ? 0.01 : 0, .nesterov = nest};
+        ampc_tensor *pt = ampc_tensor_empty(AMPC_F32, 1, &n), *gt = ampc_tensor_empty(AMPC_F32, 1, &n);
+        ampc_tensor *bt = ampc_tensor_empty(AMPC_F32, 1, &n);
+        memcpy(ampc_tensor_data(pt), p0, n * sizeof(float));
+        memcpy(ampc_tensor_data(gt), g, n * sizeof(float));
+        memcpy(ampc_tensor_data(bt), b0, n * sizeof(float));
+        ASSERT_OK(be->sgd_step(pt, gt, mom ? bt : NULL, first, &h));
+        const float fwd = (float)h.weight_decay, fm = (float)h.momentum, keep = (float)(1.0 - h.dampening);
+        const float neg_lr = (float)-h.lr;
+        for (int64_t i = 0; i < n; i++) {
+            float d = g[i];
+            if (wd) d = d + fwd * p0[i];
+            b[i] = b0[i];
+            if (mom) {
+                b[i] = first ? d : fm * b0[i] + keep * d;
+                d = nest ? d + fm * b[i] : b[i];
+            }
+            p[i] = p0[i] + neg_lr * d;
+        }
+        char what[64];
+        snprintf(what, sizeof what, "SGD options %d param", k);
+        expect_same_floats(what, ampc_tensor_data(pt), p, n);
+        snprintf(what, sizeof what, "SGD options %d momentum buffer", k);
+        expect_same_floats(what, ampc_tensor_data(bt), b, n);
+    }
+    free(p0), free(g), free(b0), free(p), free(b);
+    ampc_scope_end();
+}
+
+static void test_adam_kernel_matches_fp32_replay(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    const ampc_backend *be = ampc__backend(AMPC_DEVICE_CPU);
+    const int64_t n = BIG_N;
+    float *in[5], *out[5];   /* p, g, m, v, vmax */
+    for (int t = 0; t < 5; t++) {
+        in[t] = malloc(n * sizeof(float)), out[t] = malloc(n * sizeof(float));
+        fill_f32(in[t], n, 10 + (uint64_t)t, t >= 3 ? 0 : -1, t >= 3 ? 1e-2 : 1);   /* v, vmax >= 0 */
+    }
+    for (int k = 0; k < 8; k++) {
+        ampc_adam_hparams h = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = k & 1 ? 0.01 : 0,
+                               .amsgrad = k & 2, .decoupled = k & 4, .step = 3};
+        ampc_tensor *ts[5];
+        for (int t = 0; t < 5; t++) {
+            ts[t] = ampc_tensor_empty(AMPC_F32, 1, &n);
+            memcpy(ampc_tensor_data(ts[t]), in[t], n * sizeof(float));
+        }
+        ASSERT_OK(be->adam_step(ts[0], ts[1], ts[2], ts[3], h.amsgrad ? ts[4] : NULL, &h));
+        /* the per-tensor scalars as the kernel's contract states: in double, rounded once */
+        double bc1 = 1.0 - pow(h.beta1, 3.0), bc2 = 1.0 - pow(h.beta2, 3.0);
+        const float decay = h.decoupled ? (float)(1.0 - h.lr * h.weight_decay) : 1.0f;
+        const float l2 = h.decoupled ? 0.0f : (float)h.weight_decay, b1 = (float)h.beta1, omb1 = (float)(1.0 - h.beta1);
+        const float b2 = (float)h.beta2, omb2 = (float)(1.0 - h.beta2), eps = (float)h.eps, bc2s = (float)sqrt(bc2);
+        const float neg_ss = (float)(-h.lr / bc1);
+        for (int64_t i = 0; i < n; i++) {
+            float pi = in[0][i] * decay, gi = in[1][i] + l2 * pi;
+            float mi = b1 * in[2][i] + omb1 * gi, vi = b2 * in[3][i] + omb2 * gi * gi;
+            out[2][i] = mi, out[3][i] = vi, out[4][i] = in[4][i];
+            if (h.amsgrad) vi = out[4][i] = in[4][i] > vi ? in[4][i] : vi;
+            out[0][i] = pi + neg_ss * mi / (sqrtf(vi) / bc2s + eps);
+        }
+        const char *names[] = {"param", "", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+        for (int t = 0; t < 5; t++) {
+            if (t == 1) continue;
+            char what[64];
+            snprintf(what, sizeof what, "Adam options %d %s", k, names[t]);
+            expect_same_floats(what, ampc_tensor_data(ts[t]), out[t], n);
+        }
+    }
+    for (int t = 0; t < 5; t++) free(in[t]), free(out[t]);
+    ampc_scope_end();
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sgd_variants),         cmocka_unit_test(test_adam_variants),
         cmocka_unit_test(test_skips_params_without_grad), cmocka_unit_test(test_state_memory),
         cmocka_unit_test(test_errors),               cmocka_unit_test(test_holds_params),
+        cmocka_unit_test(test_sgd_kernel_matches_fp32_replay), cmocka_unit_test(test_adam_kernel_matches_fp32_replay),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
 }

@@ -5,7 +5,8 @@
  * PyTorch's GradScaler.update (the _amp_update_scale_ kernel) written here from its Python/C++
  * sources, over hundreds of steps with injected inf/NaN gradients; min/max clamps and
  * hysteresis against hand-derived sequences. Unscale is checked bit-exactly (float product by
- * the float reciprocal computed in double), clipping against an fp64 computation, the fp16
+ * the float reciprocal computed in double; 16-bit gradients over every finite pattern),
+ * clipping against an fp64 computation, the fp16
  * underflow problem end to end (linear + mse_loss under fp16 autocast).
  */
 #include "testutil.h"
@@ -418,6 +419,60 @@ static void test_unscale_kernel_vs_ref(void **state) {
         if (dt != AMPC_F32) assert_true(fc == 1.0f);
     }
     free(x);
+    ampc_scope_end();
+}
+
+/* 16-bit gradients (the kernel reads bf16 in place, f16 through f32 chunks): every bf16/f16
+   pattern scaled bit for bit as "widen, multiply in f32, round once"; a non-finite value found
+   wherever it sits (first element, block edges, the ragged tail), with and without scaling. */
+static void test_unscale_16bit_grads(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    const ampc_backend *be = ampc__backend(AMPC_DEVICE_CPU);
+    const int64_t n = 65536 + 8192 + 5;
+    const ampc_dtype dts[] = {AMPC_BF16, AMPC_F16};
+    for (int d = 0; d < 2; d++) {
+        bool bf = dts[d] == AMPC_BF16;
+        uint16_t nan_bits = 0x7fc0, inf_bits = bf ? 0x7f80 : 0x7c00;
+        ampc_tensor *g = ampc_tensor_empty(dts[d], 1, &n);
+        uint16_t *gv = ampc_tensor_data(g);
+        /* finite patterns only (the non-finite ones are checked below): every finite one */
+        int64_t nf = 0;
+        for (uint32_t h = 0; h < 65536 && nf < n; h++) {
+            bool finite = bf ? (h & 0x7f80) != 0x7f80 : (h & 0x7c00) != 0x7c00;
+            if (finite) gv[nf++] = (uint16_t)h;
+        }
+        for (int64_t i = nf; i < n; i++) gv[i] = gv[i % nf];
+        uint16_t *orig = malloc((size_t)n * sizeof *orig);
+        memcpy(orig, gv, (size_t)n * sizeof *orig);
+        const float invs[] = {1.0f / 3.0f, 0.5f, 1.0f / 65536.0f};
+        for (int k = 0; k < 3; k++) {
+            memcpy(gv, orig, (size_t)n * sizeof *orig);
+            float found = 0;
+            ASSERT_OK(be->unscale_check(&g, 1, invs[k], &found));
+            assert_true(found == 0.0f);
+            for (int64_t i = 0; i < n; i++) {
+                float w = (bf ? ampc_bf16_to_f32(orig[i]) : ampc_f16_to_f32(orig[i])) * invs[k];
+                uint16_t want = bf ? ampc_f32_to_bf16(w) : ampc_f32_to_f16(w);
+                if (gv[i] != want)
+                    fail_msg("%s x %a [%lld]: %04x -> %04x, expected %04x", ampc_dtype_name(dts[d]), (double)invs[k],
+                             (long long)i, orig[i], gv[i], want);
+            }
+        }
+        const int64_t where[] = {0, 8191, 8192, 65535, 65536 + 8191, n - 1};
+        for (int w = 0; w < 6; w++)
+            for (int bad = 0; bad < 2; bad++)
+                for (int scale_one = 0; scale_one < 2; scale_one++) {
+                    memcpy(gv, orig, (size_t)n * sizeof *orig);
+                    gv[where[w]] = (uint16_t)((bad ? inf_bits : nan_bits) | (w & 1 ? 0x8000 : 0));
+                    float found = 0;
+                    ASSERT_OK(be->unscale_check(&g, 1, scale_one ? 1.0f : 0.25f, &found));
+                    if (found != 1.0f)
+                        fail_msg("%s: %s at [%lld] not found", ampc_dtype_name(dts[d]), bad ? "inf" : "NaN",
+                                 (long long)where[w]);
+                }
+        free(orig);
+    }
     ampc_scope_end();
 }
 
@@ -892,6 +947,7 @@ int main(void) {
         cmocka_unit_test(test_unscale_values),
         cmocka_unit_test(test_unscale_finds_nonfinite),
         cmocka_unit_test(test_unscale_kernel_vs_ref),
+        cmocka_unit_test(test_unscale_16bit_grads),
         cmocka_unit_test(test_ref_device),
         cmocka_unit_test(test_unscale_allocates_nothing),
         cmocka_unit_test(test_errors),

@@ -5,7 +5,8 @@
  *                  and multiplies by inv_scale in place (skipped when inv_scale == 1);
  *   sum_squares:   sum of x^2 in double, blockwise so the result does not depend on the
  *                  number of threads.
- * f32 is the fast path (master gradients); f16/bf16 go through f32 staging chunks.
+ * f32 and bf16 are read in place (bf16 converted in registers; AVX-512/AVX2 clones, cpu.h);
+ * f16 goes through f32 staging chunks.
  */
 #include "backend/cpu/cpu.h"
 
@@ -20,51 +21,50 @@
 /* Non-finite test as a float compare (NaN fails every compare), so the loop vectorizes. */
 static inline int nonfinite(float v) { return !(fabsf(v) <= FLT_MAX); }
 
-static int check_block_f32(const float *restrict x, int64_t n) {
+/* Flags non-finite values of n elements of f32 or bf16 storage and, when mul, scales them in
+   place (one rounding for bf16). */
+AMPC_CPU_INLINE int unscale_body(void *x, size_t n, float inv_scale, bool mul, bool bf) {
     int bad = 0;
+    if (!mul) {
 #pragma omp simd reduction(| : bad)
-    for (int64_t i = 0; i < n; i++) bad |= nonfinite(x[i]);
-    return bad;
-}
-
-static int unscale_block_f32(float *restrict x, int64_t n, float inv_scale) {
-    int bad = 0;
+        for (size_t i = 0; i < n; i++) bad |= nonfinite(ampc__cpu_ld(x, i, bf));
+        return bad;
+    }
 #pragma omp simd reduction(| : bad)
-    for (int64_t i = 0; i < n; i++) {
-        float v = x[i];
+    for (size_t i = 0; i < n; i++) {
+        float v = ampc__cpu_ld(x, i, bf);
         bad |= nonfinite(v);
-        x[i] = v * inv_scale;
+        ampc__cpu_st(x, i, v * inv_scale, bf);
     }
     return bad;
 }
-
-static int unscale_f32(float *x, int64_t n, float inv_scale) {
-    bool mul = inv_scale != 1.0f;
-    int bad = 0;
-#pragma omp parallel for num_threads(ampc__threads_for(n)) reduction(| : bad) schedule(static)
-    for (int64_t b = 0; b < n; b += AMP_BLOCK) {
-        int64_t m = n - b < AMP_BLOCK ? n - b : AMP_BLOCK;
-        bad |= mul ? unscale_block_f32(x + b, m, inv_scale) : check_block_f32(x + b, m);
-    }
-    return bad;
+AMPC_CPU_VEC static int unscale_f32(void *x, size_t n, float inv_scale, bool mul) {
+    return unscale_body(x, n, inv_scale, mul, false);
+}
+AMPC_CPU_VEC static int unscale_bf16(void *x, size_t n, float inv_scale, bool mul) {
+    return unscale_body(x, n, inv_scale, mul, true);
 }
 
-/* f16/bf16: load a chunk to f32, check, scale, store back (one rounding). */
-static int unscale_16(ampc_tensor *t, float inv_scale) {
+/* One gradient: blocks of AMP_BLOCK elements over the threads; f16 staged through f32 chunks
+   (load, check, scale, store). */
+static int unscale_tensor(ampc_tensor *t, float inv_scale) {
     bool mul = inv_scale != 1.0f;
     int64_t n = t->numel;
     int bad = 0;
+    if (ampc__cpu_direct(t->dtype)) {
+        int (*f)(void *, size_t, float, bool) = t->dtype == AMPC_BF16 ? unscale_bf16 : unscale_f32;
+#pragma omp parallel for num_threads(ampc__threads_for(n)) reduction(| : bad) schedule(static)
+        for (int64_t b = 0; b < n; b += AMP_BLOCK)
+            bad |= f(ampc__cpu_at(t, (size_t)b), (size_t)(n - b < AMP_BLOCK ? n - b : AMP_BLOCK), inv_scale, mul);
+        return bad;
+    }
 #pragma omp parallel for num_threads(ampc__threads_for(n)) reduction(| : bad) schedule(static)
     for (int64_t b = 0; b < n; b += AMPC_CPU_CHUNK) {
         float buf[AMPC_CPU_CHUNK];
         size_t m = (size_t)(n - b < AMPC_CPU_CHUNK ? n - b : AMPC_CPU_CHUNK);
-        const float *v = ampc__cpu_load(t, (size_t)b, m, buf);
-        if (!mul) {
-            bad |= check_block_f32(v, (int64_t)m);
-            continue;
-        }
-        bad |= unscale_block_f32(buf, (int64_t)m, inv_scale);
-        ampc__cpu_store(t, (size_t)b, m, buf);
+        ampc__cpu_load(t, (size_t)b, m, buf);   /* t is 16-bit here: always into buf */
+        bad |= unscale_f32(buf, m, inv_scale, mul);
+        if (mul) ampc__cpu_store(t, (size_t)b, m, buf);
     }
     return bad;
 }
@@ -80,7 +80,7 @@ static int cpu_unscale_check(ampc_tensor **grads, int n, float inv_scale, float 
     for (int k = 0; k < n; k++) {
         ampc_tensor *g = grads[k];
         if (!g || g->numel == 0) continue;
-        bad |= g->dtype == AMPC_F32 ? unscale_f32(ampc__data(g), g->numel, inv_scale) : unscale_16(g, inv_scale);
+        bad |= unscale_tensor(g, inv_scale);
     }
     if (bad) *found_inf = 1.0f;   /* never cleared here: the caller zeroes it once per optimizer */
     return AMPC_OK;
@@ -89,9 +89,9 @@ static int cpu_unscale_check(ampc_tensor **grads, int n, float inv_scale, float 
 // ---------------------------------------------------------------------------------------------
 // sum_squares
 
-/* Eight independent double lanes (vectorizable without reassociation flags); a square of a
-   float is exact in double, so only the additions round. */
-static double sumsq_block_f32(const float *restrict x, int64_t n) {
+/* Eight independent double lanes (vectorizable without reassociation flags, the same sums at
+   every vector width); a square of a float is exact in double, so only the additions round. */
+AMPC_CPU_VEC static double sumsq_block_f32(const float *restrict x, int64_t n) {
     double acc[8] = {0};
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)

@@ -1,6 +1,10 @@
 /*
- * cpu.h - shared helpers of the CPU kernels: chunked load-to-f32 / store-from-f32 so every
- * kernel computes in f32 whatever the storage dtype ("load, convert, compute, store").
+ * cpu.h - shared helpers of the CPU kernels. Every kernel computes in f32 whatever the storage
+ * dtype ("load, convert, compute, store"), in one of two ways:
+ *   - in registers: loops read f32 or bf16 storage in place through ampc__cpu_ld/ampc__cpu_st
+ *     (bf16 <-> f32 is integer shifts and adds), compiled with AMPC_CPU_VEC for AVX-512/AVX2;
+ *   - staged: chunks of AMPC_CPU_CHUNK values converted into f32 stack buffers
+ *     (ampc__cpu_load/_out/_store), for f16 (F16C conversions) and mixed dtypes.
  */
 #ifndef AMPC_CPU_H
 #define AMPC_CPU_H
@@ -8,6 +12,53 @@
 #include "backend/backend.h"
 
 #define AMPC_CPU_CHUNK 1024   /* elements per f32 staging buffer (4 KiB, on the stack) */
+
+/* AVX-512 and AVX2 clones of a loop, picked at load time: the build has no -march, and the
+   binary still runs on any x86-64. */
+#if defined(__x86_64__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define AMPC_CPU_VEC __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#endif
+#endif
+#ifndef AMPC_CPU_VEC
+#define AMPC_CPU_VEC
+#endif
+
+/* For loop bodies written once over a `bool bf16` that the callers pass as a constant: each
+   caller (one per storage type) gets its own branch-free copy. */
+#define AMPC_CPU_INLINE static inline __attribute__((always_inline))
+
+/* bf16 -> f32: the 16 bits on top of an f32, exact (as ampc_bf16_to_f32). */
+AMPC_CPU_INLINE float ampc__cpu_bf16_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+/* f32 -> bf16 with the bits of ampc_f32_to_bf16 (round to nearest even, subnormals kept, NaN
+   quieted, never rounded into inf), written as a select so loops using it vectorize.
+   (VCVTNEPS2BF16 would flush subnormals to zero.) */
+AMPC_CPU_INLINE uint16_t ampc__cpu_f32_bf16(float f) {
+    union { float f; uint32_t u; } v = {.f = f};
+    uint32_t x = v.u, r = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16, nan = (x >> 16) | 0x40u;
+    return (uint16_t)((x & 0x7fffffffu) > 0x7f800000u ? nan : r);
+}
+
+/* Element i of f32 (bf16 false) or bf16 storage, as f32; and the store of an f32 result. */
+AMPC_CPU_INLINE float ampc__cpu_ld(const void *p, size_t i, bool bf16) {
+    return bf16 ? ampc__cpu_bf16_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+AMPC_CPU_INLINE void ampc__cpu_st(void *p, size_t i, float v, bool bf16) {
+    if (bf16) ((uint16_t *)p)[i] = ampc__cpu_f32_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+/* Storage the register path reads in place: f32 and bf16 (f16 takes the staged path). */
+static inline bool ampc__cpu_direct(ampc_dtype dt) { return dt == AMPC_F32 || dt == AMPC_BF16; }
+
+/* Address of element i of t. */
+static inline void *ampc__cpu_at(const ampc_tensor *t, size_t i) {
+    return (char *)ampc__data(t) + i * ampc__dt(t->dtype)->size;
+}
 
 /* n elements of t starting at element i, as f32 into buf (no copy for f32: returns a pointer
    into t's storage). */

@@ -26,8 +26,15 @@ static int cpu_copy(const ampc_tensor *src, ampc_tensor *dst) {
     for (size_t base = 0; base < n; base += AMPC_CPU_CHUNK) {
         float buf[AMPC_CPU_CHUNK];
         size_t m = n - base < AMPC_CPU_CHUNK ? n - base : AMPC_CPU_CHUNK;
-        ts->to_f32(s + base * ts->size, buf, m);
-        td->from_f32(buf, d + base * td->size, m);
+        /* an f32 side is converted from/into directly (one pass instead of two) */
+        if (src->dtype == AMPC_F32) {
+            td->from_f32((const float *)s + base, d + base * td->size, m);
+        } else if (dst->dtype == AMPC_F32) {
+            ts->to_f32(s + base * ts->size, (float *)d + base, m);
+        } else {
+            ts->to_f32(s + base * ts->size, buf, m);
+            td->from_f32(buf, d + base * td->size, m);
+        }
     }
     return AMPC_OK;
 }

@@ -2,12 +2,17 @@
  * elementwise.c - CPU kernels: unary ops and their derivatives, broadcasting binary ops,
  * sum_to (broadcast-reduce) and expand.
  *
- * Storage is f32/f16/bf16, compute is f32: each kernel loads a chunk of AMPC_CPU_CHUNK
- * elements as f32 (no copy for f32), computes with a flat loop the compiler vectorizes, and
- * stores once (one rounding). Chunks are split over OpenMP threads. Broadcast operands are
- * gathered chunk by chunk into f32 buffers, so the compute loops never see strides.
- * Reductions accumulate in f32 over blocks whose sizes depend only on the shape, so results
- * do not depend on the number of threads.
+ * Storage is f32/f16/bf16, compute is f32, one rounding on store. Two paths (cpu.h):
+ *   - in registers, when the tensors of a call are all f32 or all bf16: relu (and its
+ *     derivative), scale, add_scalar, add/sub/mul, expand and sum_to read and write the
+ *     storage in place, bf16 converted in the loop; threads take blocks of BLK elements, or
+ *     whole rows of a broadcast;
+ *   - staged, for f16, mixed dtypes, the transcendental ops and short broadcast rows: chunks
+ *     of AMPC_CPU_CHUNK elements loaded as f32 (no copy for f32), computed, stored. Broadcast
+ *     operands are gathered chunk by chunk into f32 buffers, so those loops never see strides.
+ * Reductions accumulate in f32, in LANES accumulators over chunks and blocks whose sizes depend
+ * only on the shape, so results depend neither on the number of threads nor on the vector
+ * width of the clone that runs.
  */
 #include "backend/cpu/cpu.h"
 
@@ -17,6 +22,10 @@
 #define CHUNK AMPC_CPU_CHUNK
 /* elements per reduction block: partial sums of this many values are combined at the end */
 #define RBLK 65536
+#define BLK 8192     /* elements per call of a register-path loop (threads take whole blocks) */
+#define ROW_MIN 64   /* broadcast rows at least this long take the register path */
+#define LANES 32     /* independent accumulators of a sum (two AVX-512 registers) */
+#define MCOLS 4096   /* columns of a sum over rows per work unit (16 KiB of accumulators) */
 
 static inline size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
 
@@ -43,15 +52,56 @@ static float load_one(const ampc_tensor *t, int64_t off) {
 // ---------------------------------------------------------------------------------------------
 // Unary: y = f(x), and gx = gy * f'(x)
 
-static const float inv_sqrt2 = 0.70710678118654752440f, inv_sqrt2pi = 0.39894228040143267794f;
+/* ops with a register path (memory-bound); the others call libm per element */
+static bool simple_unary(ampc_unary_op op) {
+    return op == AMPC_UNARY_RELU || op == AMPC_UNARY_SCALE || op == AMPC_UNARY_ADD_SCALAR;
+}
 
-/* x and y may be the same array: every iteration reads x[i] before writing y[i] */
-static void unary_chunk(ampc_unary_op op, const float *x, float *y, size_t n, float a) {
+/* relu, scale and add_scalar over f32 or bf16 storage; x and y may be the same array (every
+   iteration reads x[i] before writing y[i]) */
+AMPC_CPU_INLINE void simple_body(ampc_unary_op op, const void *x, void *y, size_t n, float a, bool bf) {
     switch (op) {
     case AMPC_UNARY_RELU:   /* NaN stays NaN, like torch.relu */
 #pragma omp simd
-        for (size_t i = 0; i < n; i++) y[i] = x[i] < 0.0f ? 0.0f : x[i];
+        for (size_t i = 0; i < n; i++) {
+            float v = ampc__cpu_ld(x, i, bf);
+            ampc__cpu_st(y, i, v < 0.0f ? 0.0f : v, bf);
+        }
         break;
+    case AMPC_UNARY_SCALE:
+#pragma omp simd
+        for (size_t i = 0; i < n; i++) ampc__cpu_st(y, i, a * ampc__cpu_ld(x, i, bf), bf);
+        break;
+    default:   /* ADD_SCALAR */
+#pragma omp simd
+        for (size_t i = 0; i < n; i++) ampc__cpu_st(y, i, ampc__cpu_ld(x, i, bf) + a, bf);
+        break;
+    }
+}
+AMPC_CPU_VEC static void simple_f32(ampc_unary_op op, const void *x, void *y, size_t n, float a) {
+    simple_body(op, x, y, n, a, false);
+}
+AMPC_CPU_VEC static void simple_bf16(ampc_unary_op op, const void *x, void *y, size_t n, float a) {
+    simple_body(op, x, y, n, a, true);
+}
+
+/* relu's derivative, threshold_backward: gx = gy where v > 0, else 0 (v: x or y; y > 0
+   exactly when x > 0); gx may be gy's array */
+AMPC_CPU_INLINE void relu_bwd_body(const void *v, const void *gy, void *gx, size_t n, bool bf) {
+#pragma omp simd
+    for (size_t i = 0; i < n; i++) {
+        float g = ampc__cpu_ld(gy, i, bf);   /* loaded unconditionally, so the select vectorizes */
+        ampc__cpu_st(gx, i, ampc__cpu_ld(v, i, bf) > 0.0f ? g : 0.0f, bf);
+    }
+}
+AMPC_CPU_VEC static void relu_bwd_f32(const void *v, const void *gy, void *gx, size_t n) { relu_bwd_body(v, gy, gx, n, false); }
+AMPC_CPU_VEC static void relu_bwd_bf16(const void *v, const void *gy, void *gx, size_t n) { relu_bwd_body(v, gy, gx, n, true); }
+
+static const float inv_sqrt2 = 0.70710678118654752440f, inv_sqrt2pi = 0.39894228040143267794f;
+
+/* The other ops on f32 chunks; x and y may be the same array */
+static void unary_chunk(ampc_unary_op op, const float *x, float *y, size_t n, float a) {
+    switch (op) {
     case AMPC_UNARY_GELU:
 #pragma omp simd
         for (size_t i = 0; i < n; i++) y[i] = 0.5f * x[i] * (1.0f + erff(x[i] * inv_sqrt2));
@@ -71,15 +121,8 @@ static void unary_chunk(ampc_unary_op op, const float *x, float *y, size_t n, fl
     case AMPC_UNARY_POW:
         for (size_t i = 0; i < n; i++) y[i] = powf(x[i], a);
         break;
-    case AMPC_UNARY_SCALE:
-#pragma omp simd
-        for (size_t i = 0; i < n; i++) y[i] = a * x[i];
-        break;
-    case AMPC_UNARY_ADD_SCALAR:
-#pragma omp simd
-        for (size_t i = 0; i < n; i++) y[i] = x[i] + a;
-        break;
     default:
+        simple_f32(op, x, y, n, a);
         break;
     }
 }
@@ -91,6 +134,15 @@ static int cpu_unary(ampc_unary_op op, const ampc_tensor *x, ampc_tensor *y, dou
         return ampc__err(AMPC_ERR_SHAPE, "cpu unary: %lld inputs, %lld outputs", (long long)x->numel, (long long)y->numel);
     size_t n = (size_t)x->numel;
     float a = (float)alpha;
+    if (simple_unary(op) && ampc__cpu_direct(x->dtype) && x->dtype == y->dtype) {
+        bool bf = x->dtype == AMPC_BF16;
+#pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
+        for (size_t base = 0; base < n; base += BLK) {
+            size_t m = min_sz(BLK, n - base);
+            (bf ? simple_bf16 : simple_f32)(op, ampc__cpu_at(x, base), ampc__cpu_at(y, base), m, a);
+        }
+        return AMPC_OK;
+    }
 #pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
     for (size_t base = 0; base < n; base += CHUNK) {
         float bx[CHUNK], by[CHUNK];
@@ -103,19 +155,14 @@ static int cpu_unary(ampc_unary_op op, const ampc_tensor *x, ampc_tensor *y, dou
     return AMPC_OK;
 }
 
-/* x or y is NULL when the derivative does not read it; gx may be the same array as gy */
+/* The derivatives on f32 chunks: x or y is NULL when the derivative does not read it; gx may
+   be the same array as gy */
 static void unary_backward_chunk(ampc_unary_op op, const float *x, const float *y, const float *gy, float *gx, size_t n,
                                  float a) {
     switch (op) {
-    case AMPC_UNARY_RELU: {   /* threshold_backward: 0 where x <= 0; y > 0 exactly when x > 0 */
-        const float *v = x ? x : y;
-#pragma omp simd
-        for (size_t i = 0; i < n; i++) {
-            float g = gy[i];   /* loaded unconditionally, so the select vectorizes */
-            gx[i] = v[i] > 0.0f ? g : 0.0f;
-        }
+    case AMPC_UNARY_RELU:
+        relu_bwd_f32(x ? x : y, gy, gx, n);
         break;
-    }
     case AMPC_UNARY_GELU:   /* Phi(x) + x phi(x) */
 #pragma omp simd
         for (size_t i = 0; i < n; i++)
@@ -168,6 +215,16 @@ static int cpu_unary_backward(ampc_unary_op op, const ampc_tensor *x, const ampc
     }
     size_t n = (size_t)gx->numel;
     float a = (float)alpha;
+    const ampc_tensor *v = x ? x : y;
+    if (op == AMPC_UNARY_RELU && ampc__cpu_direct(gx->dtype) && v->dtype == gx->dtype && gy->dtype == gx->dtype) {
+        bool bf = gx->dtype == AMPC_BF16;
+#pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
+        for (size_t base = 0; base < n; base += BLK) {
+            size_t m = min_sz(BLK, n - base);
+            (bf ? relu_bwd_bf16 : relu_bwd_f32)(ampc__cpu_at(v, base), ampc__cpu_at(gy, base), ampc__cpu_at(gx, base), m);
+        }
+        return AMPC_OK;
+    }
 #pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
     for (size_t base = 0; base < n; base += CHUNK) {
         float bx[CHUNK], by[CHUNK], bg[CHUNK], bo[CHUNK];
@@ -289,36 +346,92 @@ static void gather(const ampc_tensor *t, const bplan *p, int k, int64_t s, size_
 }
 
 // ---------------------------------------------------------------------------------------------
-// Binary: out = a op b. Both operands are streams of f32 values or scalars (NULL pointer).
+// Binary: out = a op b. Both operands are streams of values or scalars (NULL pointer).
 
-#define SIMD_LOOP(expr)                                                                            \
+#define BIN_LOOP(expr)                                                                             \
     do {                                                                                           \
-        _Pragma("omp simd") for (size_t i = 0; i < n; i++) o[i] = (expr);                         \
+        _Pragma("omp simd") for (size_t i = 0; i < n; i++) ampc__cpu_st(o, i, (expr), bf);        \
     } while (0)
+#define LX ampc__cpu_ld(x, i, bf)
+#define LY ampc__cpu_ld(y, i, bf)
 
-/* o may be the same array as x or y */
-static void binary_chunk(ampc_binary_op op, const float *x, float xs, const float *y, float ys, float *o, size_t n) {
+/* o = x op y over f32 or bf16 storage (the staged path passes f32 chunks); o may be the same
+   array as x or y */
+AMPC_CPU_INLINE void binary_body(ampc_binary_op op, const void *x, float xs, const void *y, float ys, void *o, size_t n,
+                                 bool bf) {
     if (!x && !y) {   /* both scalars (single elements, or expand of one value) */
         float v = op == AMPC_BINARY_ADD ? xs + ys : op == AMPC_BINARY_SUB ? xs - ys : xs * ys;
-        SIMD_LOOP(v);
+        BIN_LOOP(v);
         return;
     }
     switch (op) {
     case AMPC_BINARY_ADD:
-        if (!x) SIMD_LOOP(xs + y[i]);
-        else if (!y) SIMD_LOOP(x[i] + ys);
-        else SIMD_LOOP(x[i] + y[i]);
+        if (!x) BIN_LOOP(xs + LY);
+        else if (!y) BIN_LOOP(LX + ys);
+        else BIN_LOOP(LX + LY);
         break;
     case AMPC_BINARY_SUB:
-        if (!x) SIMD_LOOP(xs - y[i]);
-        else if (!y) SIMD_LOOP(x[i] - ys);
-        else SIMD_LOOP(x[i] - y[i]);
+        if (!x) BIN_LOOP(xs - LY);
+        else if (!y) BIN_LOOP(LX - ys);
+        else BIN_LOOP(LX - LY);
         break;
     default:
-        if (!x) SIMD_LOOP(xs * y[i]);
-        else if (!y) SIMD_LOOP(x[i] * ys);
-        else SIMD_LOOP(x[i] * y[i]);
+        if (!x) BIN_LOOP(xs * LY);
+        else if (!y) BIN_LOOP(LX * ys);
+        else BIN_LOOP(LX * LY);
         break;
+    }
+}
+AMPC_CPU_VEC static void binary_f32(ampc_binary_op op, const void *x, float xs, const void *y, float ys, void *o, size_t n) {
+    binary_body(op, x, xs, y, ys, o, n, false);
+}
+AMPC_CPU_VEC static void binary_bf16(ampc_binary_op op, const void *x, float xs, const void *y, float ys, void *o, size_t n) {
+    binary_body(op, x, xs, y, ys, o, n, true);
+}
+#undef BIN_LOOP
+#undef LX
+#undef LY
+
+/* Element offset of operand k at the start of row r of the plan (rows: its last dim). */
+static int64_t row_offset(const bplan *p, int k, int64_t r) {
+    int64_t off = 0;
+    for (int d = p->nd - 2; d >= 0; d--) {
+        off += (r % p->shape[d]) * p->st[k][d];
+        r /= p->shape[d];
+    }
+    return off;
+}
+
+/* Register path of broadcast_run (all tensors f32, or all bf16). Operands dense or scalar
+   everywhere: blocks of the flat index space. Otherwise the plan's rows (last dim, >= ROW_MIN
+   long): in every row each operand is either contiguous or one value. */
+static void binary_direct(ampc_binary_op op, const ampc_tensor *const *t, const walk_kind *w, const float *sc,
+                          const bplan *p, ampc_tensor *out) {
+    size_t n = (size_t)out->numel;
+    bool bf = out->dtype == AMPC_BF16;
+    void (*kern)(ampc_binary_op, const void *, float, const void *, float, void *, size_t) = bf ? binary_bf16 : binary_f32;
+    if ((w[0] == WALK_DENSE || w[0] == WALK_SCALAR) && (w[1] == WALK_DENSE || w[1] == WALK_SCALAR)) {
+#pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
+        for (size_t base = 0; base < n; base += BLK) {
+            const void *src[2] = {NULL, NULL};
+            for (int k = 0; k < 2; k++)
+                if (w[k] == WALK_DENSE) src[k] = ampc__cpu_at(t[k], base);
+            kern(op, src[0], sc[0], src[1], sc[1], ampc__cpu_at(out, base), min_sz(BLK, n - base));
+        }
+        return;
+    }
+    int64_t L = p->shape[p->nd - 1], rows = (int64_t)n / L;
+#pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const void *src[2] = {NULL, NULL};
+        float s[2] = {sc[0], sc[1]};
+        for (int k = 0; k < 2; k++) {
+            if (w[k] == WALK_SCALAR) continue;
+            int64_t off = row_offset(p, k, r);
+            if (p->st[k][p->nd - 1]) src[k] = ampc__cpu_at(t[k], (size_t)off);
+            else s[k] = load_one(t[k], off);
+        }
+        kern(op, src[0], s[0], src[1], s[1], ampc__cpu_at(out, (size_t)(r * L)), (size_t)L);
     }
 }
 
@@ -336,13 +449,22 @@ static int broadcast_run(ampc_binary_op op, const ampc_tensor *t0, const ampc_te
 
     walk_kind w[2] = {WALK_SCALAR, WALK_SCALAR};
     float sc[2] = {0, c1};
+    bool direct = ampc__cpu_direct(out->dtype), flat = true;
+    for (int k = 0; k < nops; k++) {
+        w[k] = walk_of(&p, k);
+        if (w[k] == WALK_SCALAR) sc[k] = load_one(t[k], 0);
+        direct = direct && t[k]->dtype == out->dtype;
+        flat = flat && (w[k] == WALK_DENSE || w[k] == WALK_SCALAR);
+    }
+    if (direct && (flat || p.shape[p.nd - 1] >= ROW_MIN)) {
+        binary_direct(op, t, w, sc, &p, out);
+        return AMPC_OK;
+    }
     /* tiled operands: the row repeated to fill T = L * floor(CHUNK / L) values, so chunks of T
        start at row starts and every chunk reads the same buffer */
     float tile[2][CHUNK];
     size_t cs = CHUNK;
     for (int k = 0; k < nops; k++) {
-        w[k] = walk_of(&p, k);
-        if (w[k] == WALK_SCALAR) sc[k] = load_one(t[k], 0);
         if (w[k] == WALK_TILE) {
             size_t L = (size_t)p.shape[1];
             cs = L * (CHUNK / L);
@@ -364,7 +486,7 @@ static int broadcast_run(ampc_binary_op op, const ampc_tensor *t0, const ampc_te
             }
         }
         float *o = ampc__cpu_out(out, base, bo);
-        binary_chunk(op, src[0], sc[0], src[1], sc[1], o, m);
+        binary_f32(op, src[0], sc[0], src[1], sc[1], o, m);
         ampc__cpu_store(out, base, m, o);
     }
     return AMPC_OK;
@@ -387,11 +509,55 @@ static int cpu_expand(const ampc_tensor *x, ampc_tensor *out, double alpha) {
 // strides (0 along summed dims); after merging, the summed and kept dims alternate, and the
 // common patterns are one summed axis viewed as (outer, dim, inner).
 
-static float sum_f32(const float *x, size_t n) {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (size_t i = 0; i < n; i++) s += x[i];
-    return s;
+/* Sum of n values with LANES accumulators combined pairwise: the same association at every
+   vector width, and a value passes through at most n / LANES + log2(LANES) + 1 additions.
+   ahead (or NULL): n values of the same storage prefetched alongside, the next run of a
+   strided walk (the hardware prefetcher starts over at every run). */
+AMPC_CPU_INLINE float sum_body(const void *x, size_t n, const void *ahead, bool bf) {
+    float acc[LANES] = {0}, tail = 0.0f;
+    size_t i = 0, es = bf ? 2 : 4;
+    for (; i + LANES <= n; i += LANES) {
+        if (ahead) {
+            __builtin_prefetch((const char *)ahead + i * es);
+            __builtin_prefetch((const char *)ahead + i * es + 64);
+        }
+#pragma omp simd
+        for (int j = 0; j < LANES; j++) acc[j] += ampc__cpu_ld(x, i + j, bf);
+    }
+    for (; i < n; i++) tail += ampc__cpu_ld(x, i, bf);
+    for (int h = LANES / 2; h > 0; h /= 2)
+        for (int j = 0; j < h; j++) acc[j] += acc[j + h];
+    return acc[0] + tail;
+}
+AMPC_CPU_VEC static float sum_f32(const void *x, size_t n, const void *ahead) { return sum_body(x, n, ahead, false); }
+AMPC_CPU_VEC static float sum_bf16(const void *x, size_t n, const void *ahead) { return sum_body(x, n, ahead, true); }
+
+/* acc[i] += x[i] */
+AMPC_CPU_INLINE void acc_body(float *restrict acc, const void *restrict x, size_t n, bool bf) {
+#pragma omp simd
+    for (size_t i = 0; i < n; i++) acc[i] += ampc__cpu_ld(x, i, bf);
+}
+AMPC_CPU_VEC static void acc_f32(float *restrict acc, const void *restrict x, size_t n) { acc_body(acc, x, n, false); }
+AMPC_CPU_VEC static void acc_bf16(float *restrict acc, const void *restrict x, size_t n) { acc_body(acc, x, n, true); }
+
+/* Sum of x's elements [i, i+m), m <= CHUNK: read in place (f32, bf16) or through buf (f16);
+   for the in-place reads, elements [pf, pf+m) are prefetched alongside (pf == i: none). */
+static float seg_sum(const ampc_tensor *x, size_t i, size_t m, size_t pf, float *buf) {
+    const void *ahead = pf != i && ampc__cpu_direct(x->dtype) ? ampc__cpu_at(x, pf) : NULL;
+    if (x->dtype == AMPC_BF16) return sum_bf16(ampc__cpu_at(x, i), m, ahead);
+    return sum_f32(ampc__cpu_load(x, i, m, buf), m, ahead);
+}
+
+/* acc[j] += x[i + j] for j < m (any length), read as seg_sum reads; buf holds CHUNK values. */
+static void seg_acc(float *acc, const ampc_tensor *x, size_t i, size_t m, float *buf) {
+    if (x->dtype == AMPC_BF16) {
+        acc_bf16(acc, ampc__cpu_at(x, i), m);
+        return;
+    }
+    for (size_t j = 0; j < m; j += CHUNK) {
+        size_t k = min_sz(CHUNK, m - j);
+        acc_f32(acc + j, ampc__cpu_load(x, i + j, k, buf), k);
+    }
 }
 
 /* Stores the f32 results res (out's numel) into out, unless res is out's own storage. */
@@ -399,17 +565,19 @@ static void store_results(ampc_tensor *out, const float *res) {
     if (out->dtype != AMPC_F32) ampc__dt(out->dtype)->from_f32(res, ampc__data(out), (size_t)out->numel);
 }
 
-/* x as (outer, dim) rows, each summed: res[o] = alpha * sum_d x[o, d]. Short rows go several
-   per chunk; long rows split into RBLK blocks whose partial sums are added in order. */
+/* x as (outer, dim) rows, each summed: res[o] = alpha * sum_d x[o, d], in chunks of CHUNK
+   values whose sums are added in order. Long rows split into RBLK blocks, summed in parallel,
+   whose partial sums are added in order at the end. */
 static int reduce_rows(const ampc_tensor *x, int64_t outer, int64_t dim, float alpha, float *res) {
-    if (dim <= CHUNK) {
-        size_t rows_per = (size_t)(CHUNK / dim), n_units = ((size_t)outer + rows_per - 1) / rows_per;
+    if (dim <= RBLK) {
 #pragma omp parallel for num_threads(ampc__threads_for(outer * dim)) schedule(static)
-        for (size_t u = 0; u < n_units; u++) {
-            float buf[CHUNK];
-            size_t r0 = u * rows_per, nr = min_sz(rows_per, (size_t)outer - r0);
-            const float *v = ampc__cpu_load(x, r0 * (size_t)dim, nr * (size_t)dim, buf);
-            for (size_t r = 0; r < nr; r++) res[r0 + r] = alpha * sum_f32(v + r * (size_t)dim, (size_t)dim);
+        for (int64_t o = 0; o < outer; o++) {
+            float buf[CHUNK], acc = 0.0f;
+            for (int64_t c = 0; c < dim; c += CHUNK) {
+                size_t i = (size_t)(o * dim + c);
+                acc += seg_sum(x, i, min_sz(CHUNK, (size_t)(dim - c)), i, buf);
+            }
+            res[o] = alpha * acc;
         }
         return AMPC_OK;
     }
@@ -423,21 +591,26 @@ static int reduce_rows(const ampc_tensor *x, int64_t outer, int64_t dim, float a
         int64_t o = u / nblk, s = (u % nblk) * RBLK, e = s + RBLK < dim ? s + RBLK : dim;
         float acc = 0.0f;
         for (int64_t c = s; c < e; c += CHUNK) {
-            size_t m = min_sz(CHUNK, (size_t)(e - c));
-            acc += sum_f32(ampc__cpu_load(x, (size_t)(o * dim + c), m, buf), m);
+            size_t i = (size_t)(o * dim + c);
+            acc += seg_sum(x, i, min_sz(CHUNK, (size_t)(e - c)), i, buf);
         }
         part[u] = acc;
     }
-    for (int64_t o = 0; o < outer; o++) res[o] = alpha * sum_f32(part + o * nblk, (size_t)nblk);
+    for (int64_t o = 0; o < outer; o++) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nblk; b++) acc += part[o * nblk + b];
+        res[o] = alpha * acc;
+    }
     ampc__free(AMPC_DEVICE_CPU, part, block, AMPC_MEM_WORKSPACE);
     return AMPC_OK;
 }
 
 /* x as (outer, dim, inner), inner > 1: res[o, i] = alpha * sum_d x[o, d, i], vectorized over
-   i. Work units are (o, column chunk, block of rows); blocks of long dims write partial sums
-   that are added in order afterwards. */
+   i (the bias gradient of (N, C) is outer 1, dim N, inner C). Work units are (o, column
+   block of up to MCOLS, block of rows): whole rows of a bias gradient, so a unit reads
+   contiguous memory. Blocks of long dims write partial sums added in order afterwards. */
 static int reduce_middle(const ampc_tensor *x, int64_t outer, int64_t dim, int64_t inner, float alpha, float *res) {
-    int64_t cw = inner < CHUNK ? inner : CHUNK, ncol = (inner + CHUNK - 1) / CHUNK;
+    int64_t cw = inner < MCOLS ? inner : MCOLS, ncol = (inner + MCOLS - 1) / MCOLS;
     int64_t rows_blk = RBLK / cw > 0 ? RBLK / cw : 1, nblk = (dim + rows_blk - 1) / rows_blk;
     int64_t n_units = outer * ncol * nblk;
     size_t block = 0;
@@ -446,40 +619,49 @@ static int reduce_middle(const ampc_tensor *x, int64_t outer, int64_t dim, int64
         part = ampc__alloc(AMPC_DEVICE_CPU, (size_t)(outer * nblk * inner) * sizeof(float), AMPC_MEM_WORKSPACE, &block);
         if (!part) return ampc_last_status();
     }
-    /* whole rows fit in a chunk: load several consecutive rows (contiguous) at once */
-    int64_t rows_per_load = ncol == 1 ? CHUNK / inner : 1;
 #pragma omp parallel for num_threads(ampc__threads_for(outer * dim * inner)) schedule(static)
     for (int64_t u = 0; u < n_units; u++) {
-        float acc[CHUNK], buf[CHUNK];
+        float acc[MCOLS], buf[CHUNK];
         int64_t o = u / (ncol * nblk), c = (u / nblk) % ncol, b = u % nblk;
-        int64_t c0 = c * CHUNK, m = inner - c0 < CHUNK ? inner - c0 : CHUNK;
+        int64_t c0 = c * MCOLS, m = inner - c0 < MCOLS ? inner - c0 : MCOLS;
         int64_t d0 = b * rows_blk, d1 = d0 + rows_blk < dim ? d0 + rows_blk : dim;
         for (int64_t i = 0; i < m; i++) acc[i] = 0.0f;
-        for (int64_t d = d0; d < d1; d += rows_per_load) {
-            int64_t nr = d1 - d < rows_per_load ? d1 - d : rows_per_load;
-            size_t start = (size_t)((o * dim + d) * inner + c0);
-            const float *v = ampc__cpu_load(x, start, (size_t)(nr == 1 ? m : nr * inner), buf);
-            for (int64_t r = 0; r < nr; r++) {
-                const float *row = v + r * inner;
-#pragma omp simd
-                for (int64_t i = 0; i < m; i++) acc[i] += row[i];
-            }
-        }
+        for (int64_t d = d0; d < d1; d++) seg_acc(acc, x, (size_t)((o * dim + d) * inner + c0), (size_t)m, buf);
         float *dst = part ? part + (o * nblk + b) * inner + c0 : res + o * inner + c0;
         float scale = part ? 1.0f : alpha;
         for (int64_t i = 0; i < m; i++) dst[i] = scale * acc[i];
     }
-    if (part) {
+    if (part) {   /* the blocks' partial sums in block order, MCOLS columns at a time */
+        int64_t n_cols = outer * ncol;
 #pragma omp parallel for num_threads(ampc__threads_for(outer * inner * nblk)) schedule(static)
-        for (int64_t k = 0; k < outer * inner; k++) {
-            int64_t o = k / inner, i = k % inner;
-            float s = 0.0f;
-            for (int64_t b = 0; b < nblk; b++) s += part[(o * nblk + b) * inner + i];
-            res[k] = alpha * s;
+        for (int64_t u = 0; u < n_cols; u++) {
+            int64_t o = u / ncol, c0 = (u % ncol) * MCOLS, m = inner - c0 < MCOLS ? inner - c0 : MCOLS;
+            float acc[MCOLS];
+            memcpy(acc, part + o * nblk * inner + c0, (size_t)m * sizeof(float));
+            for (int64_t b = 1; b < nblk; b++) acc_f32(acc, part + (o * nblk + b) * inner + c0, (size_t)m);
+            for (int64_t i = 0; i < m; i++) res[o * inner + c0 + i] = alpha * acc[i];
         }
         ampc__free(AMPC_DEVICE_CPU, part, block, AMPC_MEM_WORKSPACE);
     }
     return AMPC_OK;
+}
+
+/* x as (outer, C, inner), summed over outer and inner: res[c] = alpha * sum x[:, c, :] (the
+   bias gradient of an NCHW convolution). One thread per channel adds the chunk sums of its
+   runs in order, prefetching the run some 4 KiB ahead while it reads one. */
+static void reduce_channels(const ampc_tensor *x, int64_t outer, int64_t C, int64_t inner, float alpha, float *res) {
+    int nt = ampc__threads_for(x->numel);
+    int64_t run_bytes = inner * (int64_t)ampc__dt(x->dtype)->size, k = run_bytes >= 4096 ? 1 : 4096 / run_bytes;
+#pragma omp parallel for num_threads(C < nt ? (int)C : nt) schedule(static)
+    for (int64_t ch = 0; ch < C; ch++) {
+        float buf[CHUNK], acc = 0.0f;
+        for (int64_t o = 0; o < outer; o++) {
+            size_t run = (size_t)((o * C + ch) * inner), ahead = (size_t)(((o + k < outer ? o + k : o) * C + ch) * inner);
+            for (int64_t c = 0; c < inner; c += CHUNK)
+                acc += seg_sum(x, run + (size_t)c, min_sz(CHUNK, (size_t)(inner - c)), ahead + (size_t)c, buf);
+        }
+        res[ch] = alpha * acc;
+    }
 }
 
 /* Two or more separate summed groups (e.g. (4, 5, 3) -> (5, 1)): one thread adds every
@@ -517,7 +699,8 @@ static int cpu_sum_to(const ampc_tensor *x, ampc_tensor *out, double alpha) {
     if (x->numel == out->numel) return cpu_unary(AMPC_UNARY_SCALE, x, out, alpha);   /* nothing summed */
     float a = (float)alpha;
     plan_collapse(&p, 1);
-    /* f32 results go straight into an f32 out, else into scratch converted at the end */
+    /* f32 results go straight into an f32 out (also for a 16-bit x: a bias gradient in fp32,
+       unrounded), else into scratch converted at the end */
     size_t block = 0, n_out = (size_t)out->numel;
     float *res = out->dtype == AMPC_F32 ? ampc__data(out)
                                         : ampc__alloc(AMPC_DEVICE_CPU, n_out * sizeof(float), AMPC_MEM_WORKSPACE, &block);
@@ -537,6 +720,8 @@ static int cpu_sum_to(const ampc_tensor *x, ampc_tensor *out, double alpha) {
         for (int i = 0; i < g; i++) outer *= p.shape[i];
         for (int i = g + 1; i < p.nd; i++) inner *= p.shape[i];
         rc = inner == 1 ? reduce_rows(x, outer, p.shape[g], a, res) : reduce_middle(x, outer, p.shape[g], inner, a, res);
+    } else if (p.nd == 3 && p.st[0][0] == 0 && p.st[0][2] == 0) {   /* (N, C, S) -> (C) */
+        reduce_channels(x, p.shape[0], p.shape[1], p.shape[2], a, res);
     } else {
         reduce_general(x, &p, a, res, n_out);
     }

@@ -4,12 +4,16 @@
  * where each tensor op rounds to fp32 once; we do the same ops in the same order per element).
  *
  * Per-tensor scalars (bias corrections, step size) are computed once in double and rounded to
- * fp32, as PyTorch computes them in Python floats. Loops are split by the options so each inner
- * loop is branch-free and vectorizable; OpenMP splits big tensors over threads.
+ * fp32, as PyTorch computes them in Python floats. Each update is one pass over its streams
+ * (memory-bound: SGD with momentum moves 5 floats per element), compiled per combination of
+ * options so the loop is branch-free (always_inline with constant flags), with AVX-512/AVX2
+ * clones (cpu.h); OpenMP splits big tensors over threads in blocks of BLK elements.
  */
 #include "backend/cpu/cpu.h"
 
 #include <math.h>
+
+#define BLK 16384   /* elements per call of an update loop (threads take whole blocks) */
 
 static int check_f32(const ampc_tensor *t, const char *what) {
     if (t->dtype != AMPC_F32)
@@ -25,51 +29,55 @@ static int check_f32(const ampc_tensor *t, const char *what) {
 //   d_p = d_p + m * buf (nesterov) | buf     (if m != 0)
 //   p  -= lr * d_p
 
+typedef struct {
+    float wd, m, keep, neg_lr;   /* weight decay, momentum, 1 - dampening, -lr */
+} sgd_consts;
+
+/* The SGD update of n elements, one pass; has_wd, has_m, first and nesterov are constants in
+   every caller, so each gets a branch-free loop. */
+AMPC_CPU_INLINE void sgd_body(float *restrict p, const float *restrict g, float *restrict buf, size_t n, sgd_consts c,
+                              bool has_wd, bool has_m, bool first, bool nesterov) {
+#pragma omp simd
+    for (size_t i = 0; i < n; i++) {
+        float pi = p[i], d = g[i];
+        if (has_wd) d = d + c.wd * pi;
+        if (has_m) {
+            float b = first ? d : c.m * buf[i] + c.keep * d;
+            buf[i] = b;
+            d = nesterov ? d + c.m * b : b;
+        }
+        p[i] = pi + c.neg_lr * d;
+    }
+}
+
+/* One clone set per option combination: bits 0 wd, 1 momentum, 2 first step, 3 nesterov
+   (the last two only with momentum). */
+#define SGD_FN(k)                                                                                  \
+    AMPC_CPU_VEC static void sgd_##k(float *p, const float *g, float *buf, size_t n, sgd_consts c) { \
+        sgd_body(p, g, buf, n, c, (k) & 1, (k) & 2, (k) & 4, (k) & 8);                              \
+    }
+SGD_FN(0) SGD_FN(1) SGD_FN(2) SGD_FN(3) SGD_FN(6) SGD_FN(7) SGD_FN(10) SGD_FN(11) SGD_FN(14) SGD_FN(15)
+#undef SGD_FN
+
+typedef void (*sgd_fn)(float *, const float *, float *, size_t, sgd_consts);
+static const sgd_fn sgd_fns[16] = {[0] = sgd_0,   [1] = sgd_1,   [2] = sgd_2,   [3] = sgd_3,   [6] = sgd_6,
+                                   [7] = sgd_7,   [10] = sgd_10, [11] = sgd_11, [14] = sgd_14, [15] = sgd_15};
+
 static int cpu_sgd_step(ampc_tensor *param, const ampc_tensor *grad, ampc_tensor *momentum_buf, bool first,
                         const ampc_sgd_hparams *h) {
     if (check_f32(param, "parameter") < 0 || check_f32(grad, "grad") < 0) return ampc_last_status();
     if (h->momentum != 0 && (!momentum_buf || check_f32(momentum_buf, "momentum buffer") < 0))
         return momentum_buf ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "SGD with momentum needs a buffer");
-    int64_t n = param->numel;
-    float *p = ampc__data(param);
+    size_t n = (size_t)param->numel;
+    float *p = ampc__data(param), *buf = h->momentum != 0 ? ampc__data(momentum_buf) : NULL;
     const float *g = (const float *)ampc__data(grad);
-    float *buf = momentum_buf ? ampc__data(momentum_buf) : NULL;
-    const float wd = (float)h->weight_decay, m = (float)h->momentum, keep = (float)(1.0 - h->dampening);
-    const float neg_lr = (float)-h->lr;
-    const bool has_wd = h->weight_decay != 0, has_m = h->momentum != 0, nesterov = h->nesterov;
-    int nt = ampc__threads_for(n);
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t base = 0; base < n; base += AMPC_CPU_CHUNK) {
-        const int64_t len = n - base < AMPC_CPU_CHUNK ? n - base : AMPC_CPU_CHUNK;
-        float *pc = p + base, *bc = buf ? buf + base : NULL, d[AMPC_CPU_CHUNK];
-        const float *gc = g + base;
-        /* `omp simd`: -O2's cheap cost model would leave these loops scalar */
-        if (has_wd) {
-#pragma omp simd
-            for (int64_t i = 0; i < len; i++) d[i] = gc[i] + wd * pc[i];
-        } else {
-#pragma omp simd
-            for (int64_t i = 0; i < len; i++) d[i] = gc[i];
-        }
-        if (has_m) {
-            if (first) {
-#pragma omp simd
-                for (int64_t i = 0; i < len; i++) bc[i] = d[i];
-            } else {
-#pragma omp simd
-                for (int64_t i = 0; i < len; i++) bc[i] = m * bc[i] + keep * d[i];
-            }
-            if (nesterov) {
-#pragma omp simd
-                for (int64_t i = 0; i < len; i++) d[i] = d[i] + m * bc[i];
-            } else {
-#pragma omp simd
-                for (int64_t i = 0; i < len; i++) d[i] = bc[i];
-            }
-        }
-#pragma omp simd
-        for (int64_t i = 0; i < len; i++) pc[i] = pc[i] + neg_lr * d[i];
-    }
+    sgd_consts c = {(float)h->weight_decay, (float)h->momentum, (float)(1.0 - h->dampening), (float)-h->lr};
+    bool has_m = h->momentum != 0;
+    int k = (h->weight_decay != 0) | has_m << 1 | (has_m && first) << 2 | (has_m && h->nesterov) << 3;
+    sgd_fn f = sgd_fns[k];
+#pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
+    for (size_t base = 0; base < n; base += BLK)
+        f(p + base, g + base, buf ? buf + base : NULL, n - base < BLK ? n - base : BLK, c);
     return AMPC_OK;
 }
 
@@ -88,11 +96,11 @@ typedef struct {
     float b1, omb1, b2, omb2, eps, bc2_sqrt, neg_step_size;
 } adam_consts;
 
-static inline __attribute__((always_inline)) void adam_range(float *p, const float *g, float *m, float *v, float *vmax,
-                                                             int64_t base, int64_t end, const adam_consts *c,
-                                                             bool amsgrad) {
+/* The Adam update of n elements, one pass (vmax only with amsgrad, a constant in each caller) */
+AMPC_CPU_INLINE void adam_body(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
+                               float *restrict vmax, size_t n, const adam_consts *c, bool amsgrad) {
 #pragma omp simd
-    for (int64_t i = base; i < end; i++) {
+    for (size_t i = 0; i < n; i++) {
         float pi = p[i] * c->decay;
         float gi = g[i] + c->l2 * pi;
         float mi = c->b1 * m[i] + c->omb1 * gi;
@@ -107,6 +115,14 @@ static inline __attribute__((always_inline)) void adam_range(float *p, const flo
         float denom = sqrtf(vi) / c->bc2_sqrt + c->eps;
         p[i] = pi + c->neg_step_size * mi / denom;   /* addcdiv: (value * t1) / t2 */
     }
+}
+AMPC_CPU_VEC static void adam_plain(float *p, const float *g, float *m, float *v, float *vmax, size_t n,
+                                    const adam_consts *c) {
+    adam_body(p, g, m, v, vmax, n, c, false);
+}
+AMPC_CPU_VEC static void adam_amsgrad(float *p, const float *g, float *m, float *v, float *vmax, size_t n,
+                                      const adam_consts *c) {
+    adam_body(p, g, m, v, vmax, n, c, true);
 }
 
 static int cpu_adam_step(ampc_tensor *param, const ampc_tensor *grad, ampc_tensor *exp_avg, ampc_tensor *exp_avg_sq,
@@ -125,18 +141,15 @@ static int cpu_adam_step(ampc_tensor *param, const ampc_tensor *grad, ampc_tenso
         .b2 = (float)h->beta2, .omb2 = (float)(1.0 - h->beta2),
         .eps = (float)h->eps, .bc2_sqrt = (float)sqrt(bc2), .neg_step_size = (float)(-h->lr / bc1),
     };
-    int64_t n = param->numel;
+    size_t n = (size_t)param->numel;
     float *p = ampc__data(param), *m = ampc__data(exp_avg), *v = ampc__data(exp_avg_sq);
     float *vmax = h->amsgrad ? ampc__data(max_exp_avg_sq) : NULL;
     const float *g = (const float *)ampc__data(grad);
-    const bool amsgrad = h->amsgrad;
-    int nt = ampc__threads_for(n);
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t base = 0; base < n; base += AMPC_CPU_CHUNK) {
-        int64_t end = n - base < AMPC_CPU_CHUNK ? n : base + AMPC_CPU_CHUNK;
-        if (amsgrad) adam_range(p, g, m, v, vmax, base, end, &c, true);
-        else adam_range(p, g, m, v, NULL, base, end, &c, false);
-    }
+    void (*f)(float *, const float *, float *, float *, float *, size_t, const adam_consts *) =
+        h->amsgrad ? adam_amsgrad : adam_plain;
+#pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
+    for (size_t base = 0; base < n; base += BLK)
+        f(p + base, g + base, m + base, v + base, vmax ? vmax + base : NULL, n - base < BLK ? n - base : BLK, &c);
     return AMPC_OK;
 }
 
