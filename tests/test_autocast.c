@@ -371,6 +371,58 @@ static void test_weight_grads_unrounded(void **state) {
     }
 }
 
+/* The same for a convolution: weight and bias gradients exact in f32 (32 products of 8-bit
+   significands per entry), so a rounding to 16 bits anywhere on the way would show. */
+static void test_conv_weight_grads_unrounded(void **state) {
+    (void)state;
+    enum { N = 2, C = 3, H = 6, O = 4, K = 3, OH = H - K + 1 };
+    for (int k = 0; k < 2; k++) {
+        const ampc_dtype ac = ac_dtypes[k];
+        ampc_scope_begin();
+        static float xv[N * C * H * H], wv[O * C * K * K], bv[O], gv[N * O * OH * OH];
+        uint64_t s = 7 + (uint64_t)k;
+        float *arrays[4] = {xv, wv, bv, gv};
+        int sizes[4] = {N * C * H * H, O * C * K * K, O, N * O * OH * OH};
+        for (int a = 0; a < 4; a++)
+            for (int i = 0; i < sizes[a]; i++) arrays[a][i] = 1.0f + (float)(int)tu_uniform(&s, 0, 128) / 128.0f;
+        ampc_tensor *x = ampc_tensor_from_f32(AMPC_F32, 4, (int64_t[]){N, C, H, H}, xv);
+        ampc_tensor *w = ampc_tensor_from_f32(AMPC_F32, 4, (int64_t[]){O, C, K, K}, wv);
+        ampc_tensor *b = ampc_tensor_from_f32(AMPC_F32, 1, (int64_t[]){O}, bv);
+        ampc_tensor *g = ampc_tensor_from_f32(ac, 4, (int64_t[]){N, O, OH, OH}, gv);
+        ASSERT_NOT_NULL_MSG(g);
+        ASSERT_OK(ampc_tensor_set_requires_grad(w, true));
+        ASSERT_OK(ampc_tensor_set_requires_grad(b, true));
+        ampc_autocast_enter(ac, true);
+        ampc_tensor *y = ampc_conv2d(x, w, b, NULL);
+        ampc_autocast_exit();
+        ASSERT_NOT_NULL_MSG(y);
+        assert_int_equal(ampc_tensor_dtype(y), ac);
+        ASSERT_OK(ampc_backward_with_grad(y, g));
+        double rw[O * C * K * K] = {0}, rb[O] = {0};
+        for (int n = 0; n < N; n++)
+            for (int o = 0; o < O; o++)
+                for (int i = 0; i < OH; i++)
+                    for (int j = 0; j < OH; j++) {
+                        double gij = gv[((n * O + o) * OH + i) * OH + j];
+                        rb[o] += gij;
+                        for (int c = 0; c < C; c++)
+                            for (int kh = 0; kh < K; kh++)
+                                for (int kw = 0; kw < K; kw++)
+                                    rw[((o * C + c) * K + kh) * K + kw] += gij * xv[((n * C + c) * H + i + kh) * H + j + kw];
+                    }
+        ampc_tensor *gw = ampc_tensor_grad(w), *gb = ampc_tensor_grad(b);
+        ASSERT_NOT_NULL_MSG(gw);
+        ASSERT_NOT_NULL_MSG(gb);
+        assert_int_equal(ampc_tensor_dtype(gw), AMPC_F32);
+        double *gwv = tu_values(gw), *gbv = tu_values(gb);
+        tu_assert_close("conv dw (exact in f32)", gwv, rw, O * C * K * K, 0, 0);
+        tu_assert_close("conv db (exact in f32)", gbv, rb, O, 0, 0);
+        free(gwv);
+        free(gbv);
+        ampc_scope_end();
+    }
+}
+
 /* Two forward/backward passes in one region reuse the cached weight cast and both reach the
    parameter (PyTorch accumulates: the gradient doubles). */
 static void test_backward_twice_in_one_region(void **state) {
@@ -413,6 +465,7 @@ int main(void) {
         cmocka_unit_test(test_cache),
         cmocka_unit_test(test_fp32_grads_and_16bit_saved),
         cmocka_unit_test(test_weight_grads_unrounded),
+        cmocka_unit_test(test_conv_weight_grads_unrounded),
         cmocka_unit_test(test_backward_twice_in_one_region),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);

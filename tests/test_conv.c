@@ -1,7 +1,8 @@
 /*
  * test_conv.c - conv2d: gradients by finite differences on REF and every CPU dtype against REF
  * (padding, stride, dilation, groups, depthwise, non-square kernels, with and without bias),
- * output sizes against PyTorch's formula, errors, autocast, the steady state of the primitive
+ * output sizes against PyTorch's formula, errors, autocast, f32 weight gradients of 16-bit
+ * inputs (unrounded, on one thread and split over the batch), the steady state of the primitive
  * and reorder caches (no new system allocations), a ResNet-sized layer, and which oneDNN
  * kernels run.
  */
@@ -314,6 +315,117 @@ static void test_autocast(void **state) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// f32 weight gradients of 16-bit inputs (the backend contract's exception): conv2d_backward_weights
+// with bf16/f16 x and gy and f32 gw/gb writes the f32 sums unrounded. Inputs are exact in every
+// dtype and their products exact in f32 (8+8 or 11+11 significant bits), so the only error is
+// the f32 accumulation: |got - ref| <= gamma(k) * sum|x*gy| with k = N*OH*OW terms, any order.
+// The same call with a 16-bit gw must give that f32 result rounded once. Run on 1 thread and on
+// 3 (bf16 weight gradients are then split over threads: by output channels or by images).
+
+/* The (k-1)-addition bound of any summation order, unit roundoff 2^-24. */
+static double gamma_f32(double k) { return k * 0x1p-24 / (1 - k * 0x1p-24); }
+
+/* x, gy on the device in dt from the values X, GY; gw/gb (gb when bias) in gdt. */
+static void run_bwd_weights(ampc_device dev, const ampc_conv_desc *d, ampc_dtype dt, ampc_dtype gdt, const double *X,
+                            const double *GY, bool bias, double **gw_out, double **gb_out) {
+    ampc_set_default_device(dev);
+    ampc_scope_begin();
+    ampc_tensor *x = ampc_tensor_from_f64(dt, 4, (int64_t[]){d->N, d->C, d->H, d->W}, X);
+    ampc_tensor *gy = ampc_tensor_from_f64(dt, 4, (int64_t[]){d->N, d->O, d->OH, d->OW}, GY);
+    ampc_tensor *gw = ampc_tensor_full(gdt, 4, (int64_t[]){d->O, d->C / d->groups, d->KH, d->KW}, NAN);
+    ampc_tensor *gb = bias ? ampc_tensor_full(gdt, 1, (int64_t[]){d->O}, NAN) : NULL;
+    ASSERT_NOT_NULL_MSG(x && gy && gw && (gb || !bias));
+    ASSERT_OK(ampc__backend(dev)->conv2d_backward_weights(d, x, gy, gw, gb));
+    *gw_out = tu_values(gw);
+    *gb_out = bias ? tu_values(gb) : NULL;
+    ampc_scope_end();
+    ampc_set_default_device(AMPC_DEVICE_CPU);
+}
+
+static void test_f32_weight_grad(void **state) {
+    (void)state;
+    /* N, C, H, W, O, kh, kw, stride, padding, groups: 1x1 small and with a longer map, 1x1 stride
+       2, 3x3 stride 2, 3x3 with more weights than inputs (bf16: split over output channels, 24
+       of them in a block of 16 and a partial one), 3x3 with fewer (split over the batch, 4
+       images in 3 slices), grouped, depthwise */
+    const int64_t shapes[][10] = {
+        {2, 16, 8, 8, 24, 1, 1, 1, 0, 1}, {2, 64, 28, 28, 32, 1, 1, 1, 0, 1}, {2, 16, 9, 9, 24, 1, 1, 2, 0, 1},
+        {2, 16, 9, 9, 32, 3, 3, 2, 1, 1}, {5, 16, 6, 6, 24, 3, 3, 1, 1, 1},   {4, 16, 10, 10, 16, 3, 3, 1, 1, 1},
+        {2, 8, 7, 6, 12, 3, 3, 1, 1, 2},  {2, 16, 8, 8, 16, 3, 3, 1, 1, 16},
+    };
+    const int threads[] = {1, 3};
+    int nthr = ampc_get_num_threads();
+    const ampc_dtype lows[] = {AMPC_BF16, AMPC_F16};
+    char what[160];
+    for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++) {
+        const int64_t *c = shapes[si];
+        ampc_conv_desc d = {.N = c[0], .C = c[1], .H = c[2], .W = c[3], .O = c[4], .KH = c[5], .KW = c[6],
+                            .stride = {(int)c[7], (int)c[7]}, .padding = {(int)c[8], (int)c[8]}, .dilation = {1, 1},
+                            .groups = (int)c[9]};
+        d.OH = (d.H + 2 * d.padding[0] - d.KH) / d.stride[0] + 1;
+        d.OW = (d.W + 2 * d.padding[1] - d.KW) / d.stride[1] + 1;
+        size_t nx = (size_t)(d.N * d.C * d.H * d.W), ny = (size_t)(d.N * d.O * d.OH * d.OW);
+        size_t nw = (size_t)(d.O * (d.C / d.groups) * d.KH * d.KW), no = (size_t)d.O;
+        double *X = malloc(nx * sizeof *X), *GY = malloc(ny * sizeof *GY);
+        double *AX = malloc(nx * sizeof *AX), *AGY = malloc(ny * sizeof *AGY);
+        double gam = gamma_f32((double)(d.N * d.OH * d.OW));
+        for (int l = 0; l < 2; l++) {
+            ampc_dtype lo = lows[l];
+            /* values exact in lo; |x|, |gy| give the bound's sum|x*gy| */
+            tu_fill_uniform(X, nx, 200 + si, -1, 1);
+            tu_fill_uniform(GY, ny, 300 + si, -1, 1);
+            for (size_t i = 0; i < nx; i++) {
+                X[i] = lo == AMPC_BF16 ? ampc_bf16_to_f32(ampc_f32_to_bf16((float)X[i])) : ampc_f16_to_f32(ampc_f32_to_f16((float)X[i]));
+                AX[i] = fabs(X[i]);
+            }
+            for (size_t i = 0; i < ny; i++) {
+                GY[i] = lo == AMPC_BF16 ? ampc_bf16_to_f32(ampc_f32_to_bf16((float)GY[i])) : ampc_f16_to_f32(ampc_f32_to_f16((float)GY[i]));
+                AGY[i] = fabs(GY[i]);
+            }
+            for (int v = 0; v < 4; v++) {   /* without and with bias, 1 and 3 threads */
+                bool bias = v & 1;
+                int nt = threads[v >> 1];
+                double *ref_w, *ref_b, *abs_w, *abs_b, *got_w, *got_b, *low_w, *low_b;
+                run_bwd_weights(AMPC_DEVICE_REF, &d, AMPC_F64, AMPC_F64, X, GY, bias, &ref_w, &ref_b);
+                run_bwd_weights(AMPC_DEVICE_REF, &d, AMPC_F64, AMPC_F64, AX, AGY, bias, &abs_w, &abs_b);   /* sum|x*gy| */
+                ampc_set_num_threads(nt);
+                run_bwd_weights(AMPC_DEVICE_CPU, &d, lo, AMPC_F32, X, GY, bias, &got_w, &got_b);
+                run_bwd_weights(AMPC_DEVICE_CPU, &d, lo, lo, X, GY, bias, &low_w, &low_b);
+                ampc_set_num_threads(nthr);
+                snprintf(what, sizeof what, "f32 weight gradient, %s shape %zu%s, %d threads", ampc_dtype_name(lo), si,
+                         bias ? " (bias)" : "", nt);
+                for (size_t i = 0; i < nw + (bias ? no : 0); i++) {
+                    bool w = i < nw;
+                    size_t j = w ? i : i - nw;
+                    double got = w ? got_w[j] : got_b[j], ref = w ? ref_w[j] : ref_b[j], bound = gam * (w ? abs_w[j] : abs_b[j]);
+                    double low = w ? low_w[j] : low_b[j];
+                    double rounded = lo == AMPC_BF16 ? ampc_bf16_to_f32(ampc_f32_to_bf16((float)got)) : ampc_f16_to_f32(ampc_f32_to_f16((float)got));
+                    if (!(fabs(got - ref) <= bound))
+                        fail_msg("%s: %s [%zu] got %.9g ref %.9g, error %.3g > bound %.3g", what, w ? "gw" : "gb", j, got, ref,
+                                 fabs(got - ref), bound);
+                    if (low != rounded)
+                        fail_msg("%s: %s [%zu] in %s is %.9g, the f32 result %.9g rounds to %.9g", what, w ? "gw" : "gb", j,
+                                 ampc_dtype_name(lo), low, got, rounded);
+                }
+                free(ref_w), free(ref_b), free(abs_w), free(abs_b), free(got_w), free(got_b), free(low_w), free(low_b);
+            }
+        }
+        free(X), free(GY), free(AX), free(AGY);
+    }
+    /* a 16-bit gb beside an f32 gw is refused */
+    ampc_scope_begin();
+    const ampc_conv_desc d = {.N = 1, .C = 2, .H = 3, .W = 3, .O = 2, .KH = 1, .KW = 1, .OH = 3, .OW = 3,
+                              .stride = {1, 1}, .padding = {0, 0}, .dilation = {1, 1}, .groups = 1};
+    ampc_tensor *x = ampc_tensor_zeros(AMPC_BF16, 4, (int64_t[]){1, 2, 3, 3});
+    ampc_tensor *gy = ampc_tensor_zeros(AMPC_BF16, 4, (int64_t[]){1, 2, 3, 3});
+    ampc_tensor *gw = ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){2, 2, 1, 1});
+    ampc_tensor *gb = ampc_tensor_zeros(AMPC_BF16, 1, (int64_t[]){2});
+    assert_int_equal(ampc__backend(AMPC_DEVICE_CPU)->conv2d_backward_weights(&d, x, gy, gw, gb), AMPC_ERR_DTYPE);
+    ampc_clear_error();
+    ampc_scope_end();
+}
+
+// ---------------------------------------------------------------------------------------------
 // Empty batch: PyTorch allows N = 0; weight and bias gradients are zero
 
 static void test_empty_batch(void **state) {
@@ -428,6 +540,10 @@ static void test_impl_names(void **state) {
          .stride = {1, 1}, .padding = {0, 0}, .dilation = {1, 1}, .groups = 1},
         {.N = 8, .C = 32, .H = 16, .W = 16, .O = 32, .KH = 3, .KW = 3, .OH = 16, .OW = 16,
          .stride = {1, 1}, .padding = {1, 1}, .dilation = {1, 1}, .groups = 32},
+        {.N = 16, .C = 2048, .H = 7, .W = 7, .O = 512, .KH = 1, .KW = 1, .OH = 7, .OW = 7,
+         .stride = {1, 1}, .padding = {0, 0}, .dilation = {1, 1}, .groups = 1},
+        {.N = 16, .C = 1024, .H = 14, .W = 14, .O = 2048, .KH = 1, .KW = 1, .OH = 7, .OW = 7,
+         .stride = {2, 2}, .padding = {0, 0}, .dilation = {1, 1}, .groups = 1},
     };
     static const char *passes[3] = {"forward", "backward data", "backward weights"};
     bool has_bf16 = strstr(ampc_cpu_features(), "avx512_bf16") != NULL;
@@ -442,9 +558,11 @@ static void test_impl_names(void **state) {
                               (long long)l->KW, l->stride[0], l->groups, (long long)l->C, (long long)l->O, passes[p % 3],
                               p >= 3 ? " (bias)" : "", name);
                 assert_null(strstr(name, "ref"));
-                /* ungrouped 1x1 stride 1 (and any 1x1's data gradient) runs as a gemm on NCHW (the
-                   bf16 gemm is AVX512_BF16 too) */
-                bool gemm = l->KH == 1 && l->KW == 1 && l->groups == 1 && (l->stride[0] == 1 || p % 3 == 1);
+                /* ungrouped 1x1 runs as a gemm on NCHW (the bf16 gemm is AVX512_BF16 too) but on
+                   small maps and, forward and f32 weight gradients, strided */
+                bool big = l->OH * l->OW >= 100, s1 = l->stride[0] == 1;
+                bool gemm = l->KH == 1 && l->KW == 1 && l->groups == 1 && big &&
+                            (p % 3 == 1 || s1 || (p % 3 == 2 && dt == AMPC_BF16));
                 if (gemm) assert_non_null(strstr(name, "gemm:jit"));
                 else if (dt == AMPC_BF16 && has_bf16) assert_non_null(strstr(name, "avx512_core_bf16"));
             }
@@ -458,6 +576,7 @@ int main(void) {
         cmocka_unit_test(test_output_shapes),
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_autocast),
+        cmocka_unit_test(test_f32_weight_grad),
         cmocka_unit_test(test_empty_batch),
         cmocka_unit_test(test_kernel_empty_input),
         cmocka_unit_test(test_steady_state_no_malloc),

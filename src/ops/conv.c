@@ -129,13 +129,21 @@ static int conv2d_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
         else rc = be->conv2d_backward_data(&d, gy, n->saved[1], gx[0]);
     }
     if (rc >= 0 && n->next[1]) {   /* gw (and gb in the same pass) from x and gy */
-        gx[1] = ampc__tensor_new(dt, gy->device, 4, n->in[1].shape);
-        if (n->next[2] && gx[1]) gx[2] = ampc__tensor_new(dt, gy->device, 1, n->in[2].shape);
+        /* under autocast straight into fp32 (both or neither: one kernel call writes them),
+           allocated as the gradients they become */
+        ampc_dtype gdt = ampc__wgrad_dtype(n, 1, dt);
+        if (n->next[2] && ampc__wgrad_dtype(n, 2, dt) != gdt) gdt = dt;
+        ampc_mem_kind prev = ampc__mem_kind_push(ampc__grad_kind(n, 1));
+        gx[1] = ampc__tensor_new(gdt, gy->device, 4, n->in[1].shape);
+        if (n->next[2] && gx[1]) gx[2] = ampc__tensor_new(gdt, gy->device, 1, n->in[2].shape);
+        ampc__mem_kind_pop(prev);
         if (!gx[1] || (n->next[2] && !gx[2])) rc = ampc_last_status();
         else if (!be->conv2d_backward_weights) rc = ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d_backward_weights on device %s", be->name);
         else rc = be->conv2d_backward_weights(&d, n->saved[0], gy, gx[1], gx[2]);
     } else if (rc >= 0 && n->next[2]) {   /* gb alone: gy summed over (N, OH, OW) */
-        ampc_tensor *s = ampc__k_sum_to(gy, 3, (int64_t[]){d.O, 1, 1}, 1.0);
+        ampc_mem_kind prev = ampc__mem_kind_push(ampc__grad_kind(n, 2));
+        ampc_tensor *s = ampc__k_sum_to_out(gy, ampc__wgrad_dtype(n, 2, dt), 3, (int64_t[]){d.O, 1, 1}, 1.0);
+        ampc__mem_kind_pop(prev);
         gx[2] = s ? ampc__tensor_view(s, 1, (int64_t[]){d.O}) : NULL;
         ampc__release(s);
         if (!gx[2]) rc = ampc_last_status();

@@ -6,12 +6,14 @@
  * want blocked layouts, so each pass describes its operands with format_tag_any, lets oneDNN
  * choose (nChw16c activations, OIhw16i16o-like weights), and reorders from/to NCHW around the
  * primitive in workspace buffers. Reorders are cached primitives like the convolutions; they
- * also convert dtypes where the primitive wants another one (bf16 weight gradients are
- * computed in f32 - faster, see below - and rounded once by the reorder back to OIHW bf16).
- * Ungrouped 1x1 stride-1 unpadded convolutions are plain gemms over NCHW: they run on plain
- * descriptors with no reorder (the reorders cost more there than the blocked kernels save);
- * with stride 2 only their backward data pass does (f32: 1.5-1.7 ms plain vs 2.6-3.2 blocked
- * with its reorders; the forward and weight passes are faster blocked: 2.3 vs 3.3-3.7 ms).
+ * also convert dtypes where the primitive wants another one: weight and bias gradients are
+ * computed in f32 for bf16 too (see bf16* below) and rounded once by the reorder back to OIHW
+ * bf16 - or not at all when the caller gives f32 gw/gb for 16-bit x and gy (autocast: the
+ * gradients of the f32 master weights); f16 runs in f32 and then needs no narrowing either.
+ * Ungrouped unpadded 1x1 convolutions are gemms over NCHW and mostly run on plain descriptors,
+ * no reorder (plain_1x1, second table). bf16 weight gradients on the blocked path are split
+ * over threads by conv.c itself (third table): oneDNN's own threading of that kernel spins and
+ * collapses when the machine is loaded.
  *
  * Measured on this machine (AMD Zen 5, AVX512_BF16, 2 threads, oneDNN 2.6.3, one run, min of 8;
  * runs on this shared machine vary by ~10%), N=64, ms for forward + backward data + backward
@@ -47,10 +49,59 @@
  * format any gives jit:avx512_core (f32) and jit_bf16:avx512_core_bf16 (bf16), jit_1x1 /
  * jit_bf16_1x1 for 1x1, jit_dw:avx512_core[_bf16] for depthwise; NHWC gets
  * brgconv:avx512_core[_bf16] forward but the same jit kernels backward, plus costlier reorders.
- * Hence (b), except (a) for ungrouped 1x1 stride 1 (and for 1x1 backward data). bf16 is 2x (3x3) to 1.6x (depthwise) faster
+ * Hence (b), except (a) for most 1x1 (below). bf16 is 2x (3x3) to 1.6x (depthwise) faster
  * than f32. Through ampc_conv2d, one forward + backward (x and w requiring grad) of the 3x3 s1
- * layer takes 43 ms in f32, 22.6 ms in bf16 and 47.7 ms in f16. f16: oneDNN 2.6 has no f16 convolution on this CPU, so f16 operands are widened to
- * f32 workspace copies, convolved in f32 and the results rounded once to f16 (as gemm.c does).
+ * layer takes 43 ms in f32, 22.6 ms in bf16 and 47.7 ms in f16. f16: oneDNN 2.6 has no f16
+ * convolution on this CPU, so f16 operands are widened to f32 workspace copies, convolved in
+ * f32 and the results rounded once to f16 (as gemm.c does).
+ *
+ * 1x1 at ResNet sizes (ResNet-50 batch 16, ResNet-18 batch 64), ms per pass with reorders, min
+ * over 3 runs of min of 6-15 calls (shared machine, +-15%); bf16 weight gradients into f32,
+ * blocked ones not split. Plain wins from 10x10 maps up (the gemm has OH*OW columns per image,
+ * the reorders cost as much as the blocked kernel saves); the blocked kernels win on 7x7 and,
+ * strided, forward (plain needs an im2col copy first) and f32 weights:
+ *
+ *   layer (N C->O, map in)    dtype  (a) plain fwd/bwd_d/bwd_w  (b) blocked fwd/bwd_d/bwd_w  chosen
+ *   s1 16 64->256 56x56       f32     4.7   3.7   6.8           8.6  10.0   9.5             a a a
+ *                             bf16    5.6   3.3   4.0           5.1   5.2   7.8             a a a
+ *   s1 16 256->64 56x56       f32     4.7   3.8  10.0          10.6   8.8  11.6             a a a
+ *                             bf16    5.4   6.4   6.8           9.7   6.0  16.9             a a a
+ *   s1 16 512->128 28x28      f32     7.3   7.2  11.7           9.9  10.1  12.6             a a a
+ *                             bf16    2.6   2.9   4.3           3.4   3.6   5.0             a a a
+ *   s1 16 1024->256 14x14     f32     8.5   9.8  11.3           9.8   8.7  11.1             a a a
+ *                             bf16    4.8   5.4   4.8           5.0   4.9   7.3             a a a
+ *   s1 16 2048->512 7x7       f32     5.9   8.0   7.8           5.1   5.4   6.7             b b b
+ *                             bf16    3.4   4.8   3.2           2.6   2.8   5.2             b b b*
+ *   s1 16 512->2048 7x7       f32     5.7   6.0   7.0           5.2   5.4   5.3             b b b
+ *                             bf16    3.4   4.2   4.0           2.7   2.9   3.9             b b b
+ *   s2 16 256->512 56x56      f32    18.0  10.7  16.0          15.6  16.2  16.1             b a b
+ *                             bf16   17.7  14.8  12.5          14.7  16.0  21.8             b a a
+ *   s2 16 1024->2048 14x14    f32    16.3  33.3  25.5          19.7  16.8  18.7             b b b
+ *                             bf16    8.2  11.5   9.0           7.6   7.2  15.4             b b b*
+ *   s2 64 64->128 32x32       f32     3.8   1.6   4.2           3.0   3.4   3.2             b a b
+ *                             bf16    2.6   1.8   2.9           2.1   2.6   3.0             b a a
+ *   s2 64 256->512 8x8        f32     1.9   1.9   2.1           1.8   1.8   1.8             b b b
+ *                             bf16    1.6   2.3   1.3           1.1   1.1   1.5             b b b*
+ *
+ * b*: the gemm is faster, but oneDNN's gemm weight gradient takes 48-96 MiB of scratchpad on
+ * 7x7 maps (ResNet-50 bf16: workspace peak 96 instead of 41 MiB) for 1-4 ms per layer. In
+ * ResNet-50 these choices are worth 2% (fp32, 1366 -> 1339 ms per step) to noise (amp-bf16).
+ *
+ * bf16 weight gradients, oneDNN's 2-thread primitive (unsplit) vs one 1-thread primitive per
+ * thread (split, by output channels where weights outnumber inputs, else by images), ms with
+ * reorders, min of 10; idle machine (load 0.7), then loaded by other processes (load 2-3):
+ *
+ *   layer                      split     idle: unsplit  split    loaded: unsplit    split
+ *   3x3 s1 64 512->512 4x4     channels         9.0     8.5              17-730     15
+ *   3x3 s2 64 256->512 8x8     channels         5.9     6.0              11-500     12-15
+ *   3x3 s1 16 512->512 7x7     channels         6.0     6.1              10-131     15-29
+ *   3x3 s1 64 64->64 32x32     images           7.9     7.9
+ *   3x3 s2 16 128->128 56x56   images           7.3     7.5
+ *   3x3 s1 16 256->256 14x14   images           4.6     4.8
+ *
+ * (the loaded split figures are from splitting by images only). ResNet-18 amp-bf16 per step:
+ * 345-434 ms unsplit vs 331-360 split idle; 1072-3718 vs 796-808 ms loaded; with 3 threads on
+ * the 2 cores, 3017 vs 441 ms.
  */
 #include "backend/backend.h"
 #include "backend/cpu/cpu.h"
@@ -67,6 +118,8 @@
 typedef struct {
     dnnl_data_type_t dt;   /* src/weights/dst: f32 or bf16 (f16 runs as f32) */
     int32_t has_bias, blocked, nthr;
+    int32_t grad_f32;      /* backward weights of bf16: the user's gw/gb are f32 (not rounded) */
+    int32_t slot;          /* split backward weights: 1.. the one-thread primitive of a slice, -1 its reorders */
     int64_t N, C, H, W, O, KH, KW, OH, OW;
     int64_t stride[2], dil[2], pad_l[2], pad_r[2], groups;   /* oneDNN's: dilation d-1 */
 } conv_key;
@@ -128,9 +181,10 @@ static dnnl_status_t role_md(dnnl_memory_desc_t *md, const conv_key *k, arg_role
     }
 }
 
-/* The user's side of an argument: plain layout in the kernel's dtype. */
+/* The user's side of an argument: plain layout in the kernel's dtype (f32 weight and bias
+   gradients when the caller gave f32 ones). */
 static dnnl_status_t user_md(dnnl_memory_desc_t *md, const conv_key *k, const arg_spec *a) {
-    return role_md(md, k, a->role, k->dt, false);
+    return role_md(md, k, a->role, a->f32 && k->grad_f32 ? dnnl_f32 : k->dt, false);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -258,6 +312,19 @@ static ampc_dnnl_build_fn family_builder(int family) {
 
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
+/* The cached reorder from -> to for argument arg of pass family of k. Lock held. */
+static ampc_dnnl_entry *reorder_entry(const conv_key *k, int family, int arg, const dnnl_memory_desc_t *from,
+                                      const dnnl_memory_desc_t *to) {
+    reorder_key rk;
+    memset(&rk, 0, sizeof rk);
+    rk.conv = *k;
+    rk.family = family;
+    rk.arg = arg;
+    reorder_from = from;
+    reorder_to = to;
+    return ampc__dnnl_get(AMPC_DNNL_REORDER, &rk, sizeof rk, build_reorder);
+}
+
 /* Runs pass `family` of k on the user's plain buffers (one per argument, in arg_spec order):
    inputs reordered into workspace where the primitive wants another layout or dtype, outputs
    reordered back. Lock held. */
@@ -281,14 +348,8 @@ static int conv_run(int family, const conv_key *k, void *const *user) {
     /* reorders (entries touched after e; e stays the most recent but them, so not evicted) */
     for (int i = 0; i < n; i++) {
         if (dnnl_memory_desc_equal(&pmd[i], &umd[i])) continue;
-        reorder_key rk;
-        memset(&rk, 0, sizeof rk);
-        rk.conv = *k;
-        rk.family = family;
-        rk.arg = args[i].arg;
-        reorder_from = args[i].output ? &pmd[i] : &umd[i];
-        reorder_to = args[i].output ? &umd[i] : &pmd[i];
-        reo[i] = ampc__dnnl_get(AMPC_DNNL_REORDER, &rk, sizeof rk, build_reorder);
+        reo[i] = args[i].output ? reorder_entry(k, family, args[i].arg, &pmd[i], &umd[i])
+                                : reorder_entry(k, family, args[i].arg, &umd[i], &pmd[i]);
         if (!reo[i]) return ampc_last_status();
     }
     char *ws = NULL;
@@ -311,20 +372,275 @@ fail:
 }
 
 // ---------------------------------------------------------------------------------------------
+// bf16 weight gradients split over threads
+//
+// oneDNN 2.6's jit_bf16 backward-weights kernel synchronises its threads with spin barriers
+// (a shared transposition of the source, the reduction of per-thread gradients): when the OS
+// deschedules one thread the others spin, so on a loaded machine the pass runs 10-100x slower
+// (resnet18 amp-bf16 at 4-25 GFLOP/s, steps of 2-3 s instead of 0.5). Instead each thread runs
+// a one-thread primitive (no barrier inside) on a slice of the work:
+// - of the output channels (16-channel blocks) when the weights outnumber the input values:
+//   each slice writes its rows of the gradient, no reduction;
+// - else of the batch, each slice into an f32 partial gradient, summed in a fixed order.
+// On an idle machine both run as fast as oneDNN's own threading (see the top comment).
+
+#define MAX_SLICES AMPC_DNNL_MAX_STREAMS
+
+/* First unit of slice s of S over n units (the first n % S slices get one more). */
+static int64_t slice_start(int64_t n, int S, int s) { return s * (n / S) + (s < n % S ? s : n % S); }
+
+typedef struct {
+    bool by_oc;
+    int S;
+} split_plan;
+
+/* First image (or output channel) of slice s. */
+static int64_t plan_start(const conv_key *k, const split_plan *p, int s) {
+    if (!p->by_oc) return slice_start(k->N, p->S, s);
+    int64_t o = 16 * slice_start((k->O + 15) / 16, p->S, s);
+    return o < k->O ? o : k->O;
+}
+
+/* The one-thread primitives of the slices (keys with slot 1..S). Lock held. */
+static int slice_entries(const conv_key *k, const split_plan *p, ampc_dnnl_entry **e) {
+    int nthr = omp_get_max_threads(), s = 0;
+    omp_set_num_threads(1);   /* oneDNN sizes a primitive's threading at creation */
+    for (; s < p->S; s++) {
+        conv_key ks = *k;
+        int64_t size = plan_start(k, p, s + 1) - plan_start(k, p, s);
+        if (p->by_oc) ks.O = size;
+        else ks.N = size;
+        ks.nthr = 1;
+        ks.slot = s + 1;
+        if (!(e[s] = ampc__dnnl_get(AMPC_DNNL_CONV_BWD_WEIGHTS, &ks, sizeof ks, build_bwd_weights))) break;
+    }
+    omp_set_num_threads(nthr);
+    return s < p->S ? ampc_last_status() : AMPC_OK;
+}
+
+/* Runs slice s's entry with handles h[s] and scratchpad scratch[s] on the threads of a
+   parallel region, each slice on its own stream. */
+static int run_slices(ampc_dnnl_entry **e, int S, void *const (*h)[4], char *const *scratch) {
+    dnnl_status_t st[MAX_SLICES];
+    int rc = ampc__dnnl_reserve_streams(S);
+    if (rc < 0) return rc;
+#pragma omp parallel num_threads(S)
+    for (int s = omp_get_thread_num(); s < S; s += omp_get_num_threads()) st[s] = ampc__dnnl_exec(e[s], h[s], scratch[s], s);
+    for (int s = 0; s < S; s++)
+        if (st[s] != dnnl_success)
+            return ampc__err(AMPC_ERR_BACKEND, "oneDNN convolution backward weights slice: %s", dnnl_status2str(st[s]));
+    return AMPC_OK;
+}
+
+/* md (a slice's src or diff_dst) widened to batch N, if the batch is its outermost, unblocked
+   dimension: then image i starts i * strides[0] elements in. */
+static bool widen_batch(dnnl_memory_desc_t *full, const dnnl_memory_desc_t *md, int64_t N) {
+    const dnnl_blocking_desc_t *b = &md->format_desc.blocking;
+    if (md->format_kind != dnnl_blocked || md->offset0 != 0 || md->extra.flags != 0) return false;
+    for (int i = 0; i < b->inner_nblks; i++)
+        if (b->inner_idxs[i] == 0) return false;
+    if ((size_t)(b->strides[0] * md->padded_dims[0]) * dnnl_data_type_size(md->data_type) != dnnl_memory_desc_get_size(md))
+        return false;
+    *full = *md;
+    full->dims[0] = full->padded_dims[0] = N;
+    return true;
+}
+
+static const dnnl_memory_desc_t *arg_md(const ampc_dnnl_entry *e, int i) {
+    const dnnl_memory_desc_t *md = NULL;
+    return dnnl_memory_get_memory_desc(e->mem[i], &md) == dnnl_success ? md : NULL;
+}
+
+/* Split over the batch (see above); 1 when a layout does not have the batch outermost. */
+static int split_batch(const conv_key *k, const split_plan *p, ampc_dnnl_entry **e, void *const *user) {
+    int S = p->S, n, rc = AMPC_OK;
+    const arg_spec *args = family_args(AMPC_DNNL_CONV_BWD_WEIGHTS, &n, k);
+    /* slice descriptors (src, diff_dst, diff_weights, diff_bias): the same in every slice
+       but the batch; full: the whole batch's src and diff_dst */
+    dnnl_memory_desc_t pmd[4], umd[4], full[2], w;
+    for (int s = 0; s < S; s++)
+        for (int i = 0; i < n; i++) {
+            const dnnl_memory_desc_t *md = arg_md(e[s], i);
+            if (!md) return ampc__err(AMPC_ERR_BACKEND, "oneDNN convolution: no descriptor for argument %d", i);
+            if (s == 0 && i < 2 && !widen_batch(&full[i], md, k->N)) return 1;
+            if (s == 0) pmd[i] = *md;
+            if (i < 2 ? !widen_batch(&w, md, k->N) || !dnnl_memory_desc_equal(&w, &full[i]) : !dnnl_memory_desc_equal(md, &pmd[i]))
+                return 1;
+        }
+    for (int i = 0; i < n; i++) AMPC_DNNL_TRY(user_md(&umd[i], k, &args[i]), "user descriptor");
+
+    /* workspace: the whole src and diff_dst where reordered, S partial gradients (slot 0's
+       in the user's buffer when it has the layout), S scratchpads */
+    conv_key kr = *k;
+    kr.slot = -1;
+    ampc_dnnl_entry *reo[4] = {0};
+    size_t off[4] = {0}, total = 0, block = 0, bytes[4];
+    for (int i = 0; i < n; i++) {
+        const dnnl_memory_desc_t *md = i < 2 ? &full[i] : &pmd[i];
+        bytes[i] = dnnl_memory_desc_get_size(md);
+        bool same = dnnl_memory_desc_equal(md, &umd[i]);
+        if (!same) reo[i] = args[i].output ? reorder_entry(&kr, AMPC_DNNL_CONV_BWD_WEIGHTS, args[i].arg, md, &umd[i])
+                                           : reorder_entry(&kr, AMPC_DNNL_CONV_BWD_WEIGHTS, args[i].arg, &umd[i], md);
+        if (!same && !reo[i]) return ampc_last_status();
+        off[i] = total;
+        total += i < 2 ? (same ? 0 : align64(bytes[i])) : (size_t)S * align64(bytes[i]);
+    }
+    char *scratch[MAX_SLICES], *out[4][MAX_SLICES], *in[2];
+    size_t part = total;
+    for (int s = 0; s < S; s++) total += align64(e[s]->scratch_bytes);
+    char *ws = ampc__alloc(AMPC_DEVICE_CPU, total, AMPC_MEM_WORKSPACE, &block);
+    if (!ws) return ampc_last_status();
+    for (int s = 0; s < S; part += align64(e[s]->scratch_bytes), s++) scratch[s] = ws + part;
+    for (int i = 2; i < n; i++)
+        for (int s = 0; s < S; s++) out[i][s] = s == 0 && !reo[i] ? user[i] : ws + off[i] + (size_t)s * align64(bytes[i]);
+    for (int i = 0; i < 2 && rc >= 0; i++) {
+        in[i] = reo[i] ? ws + off[i] : user[i];
+        if (reo[i]) rc = ampc__dnnl_run(reo[i], (void *[]){user[i], in[i]});
+    }
+    void *h[MAX_SLICES][4];
+    for (int s = 0; s < S; s++) {
+        size_t i0 = (size_t)plan_start(k, p, s);
+        h[s][0] = in[0] + i0 * (bytes[0] / (size_t)k->N);
+        h[s][1] = in[1] + i0 * (bytes[1] / (size_t)k->N);
+        h[s][2] = out[2][s];
+        h[s][3] = n > 3 ? out[3][s] : NULL;
+    }
+    if (rc >= 0) rc = run_slices(e, S, (void *const(*)[4])h, scratch);
+    /* sum the partials into slot 0's (f32: the weights' and bias' layouts hold floats) */
+    for (int i = 2; i < n && rc >= 0; i++) {
+        size_t m = bytes[i] / sizeof(float);
+        float *const *q = (float *const *)out[i];
+#pragma omp parallel for schedule(static) if (m > 32768)
+        for (size_t j = 0; j < m; j++) {
+            float v = q[0][j];
+            for (int s = 1; s < S; s++) v += q[s][j];
+            q[0][j] = v;
+        }
+        if (reo[i]) rc = ampc__dnnl_run(reo[i], (void *[]){out[i][0], user[i]});
+    }
+    ampc__free(AMPC_DEVICE_CPU, ws, block, AMPC_MEM_WORKSPACE);
+    return rc;
+fail:
+    return rc;
+}
+
+/* Split over the output channels (see above): every slice reads the whole src and its own
+   channels of diff_dst (reordered from a view of the user's), and writes its rows of the
+   user's gradients. 1 when the slices disagree on the src layout. */
+static int split_oc(const conv_key *k, const split_plan *p, ampc_dnnl_entry **e, void *const *user) {
+    int S = p->S, n, rc = AMPC_OK;
+    const arg_spec *args = family_args(AMPC_DNNL_CONV_BWD_WEIGHTS, &n, k);
+    dnnl_memory_desc_t umd[4];
+    for (int i = 0; i < n; i++) AMPC_DNNL_TRY(user_md(&umd[i], k, &args[i]), "user descriptor");
+    /* per slice and argument: the reorder between the slice's layout and the view of the
+       user's buffer (diff_dst (N, os, OH, OW), weights (os, C, KH, KW), bias (os) at o0), or
+       none where they agree (an f32 bias: written in place); the src once, by slice 0 */
+    ampc_dnnl_entry *reo[MAX_SLICES][4] = {{0}};
+    size_t off[MAX_SLICES][4] = {{0}}, view_off[MAX_SLICES][4] = {{0}}, total = 0, block = 0;
+    for (int s = 0; s < S; s++) {
+        int64_t o0 = plan_start(k, p, s), os = plan_start(k, p, s + 1) - o0;
+        conv_key kr = *k;
+        kr.slot = -2 - s;
+        const dnnl_memory_desc_t *src = arg_md(e[s], 0), *src0 = arg_md(e[0], 0);
+        if (!src || !src0 || !dnnl_memory_desc_equal(src, src0)) return 1;
+        for (int i = s == 0 ? 0 : 1; i < n; i++) {
+            const dnnl_memory_desc_t *md = arg_md(e[s], i);
+            if (!md) return ampc__err(AMPC_ERR_BACKEND, "oneDNN convolution: no descriptor for argument %d", i);
+            dnnl_memory_desc_t view = umd[i], at0;
+            if (i > 0) {
+                dnnl_dims_t dims = {0}, offs = {0};
+                for (int d = 0; d < umd[i].ndims; d++) dims[d] = umd[i].dims[d];
+                dims[i == 1] = os, offs[i == 1] = o0;   /* channels: dim 1 of diff_dst, dim 0 of the others */
+                AMPC_DNNL_TRY(dnnl_memory_desc_init_submemory(&view, &umd[i], dims, offs), "memory_desc_init_submemory");
+            }
+            view_off[s][i] = (size_t)view.offset0 * dnnl_data_type_size(view.data_type);
+            at0 = view;
+            at0.offset0 = 0;
+            if (dnnl_memory_desc_equal(md, &at0)) continue;
+            reo[s][i] = args[i].output ? reorder_entry(&kr, AMPC_DNNL_CONV_BWD_WEIGHTS, args[i].arg, md, &view)
+                                       : reorder_entry(&kr, AMPC_DNNL_CONV_BWD_WEIGHTS, args[i].arg, &view, md);
+            if (!reo[s][i]) return ampc_last_status();
+            off[s][i] = total;
+            total += align64(dnnl_memory_desc_get_size(md));
+        }
+    }
+    size_t part = total;
+    for (int s = 0; s < S; s++) total += align64(e[s]->scratch_bytes);
+    char *ws = ampc__alloc(AMPC_DEVICE_CPU, total ? total : 64, AMPC_MEM_WORKSPACE, &block);
+    if (!ws) return ampc_last_status();
+    char *scratch[MAX_SLICES];
+    void *h[MAX_SLICES][4];
+    for (int s = 0; s < S; part += align64(e[s]->scratch_bytes), s++) {
+        scratch[s] = ws + part;
+        for (int i = 0; i < n; i++) {
+            int r = i == 0 ? 0 : s;   /* the src: slice 0's buffer for all */
+            h[s][i] = reo[r][i] ? ws + off[r][i] : (char *)user[i] + view_off[r][i];
+        }
+    }
+    /* the src once, each slice's channels of diff_dst in; gradients out (reorders take the
+       view's offset from its descriptor, so they get the user's base pointer) */
+    for (int s = 0; s < S && rc >= 0; s++)
+        for (int i = s == 0 ? 0 : 1; i < 2 && rc >= 0; i++)
+            if (reo[s][i]) rc = ampc__dnnl_run(reo[s][i], (void *[]){user[i], h[s][i]});
+    if (rc >= 0) rc = run_slices(e, S, (void *const(*)[4])h, scratch);
+    for (int s = 0; s < S && rc >= 0; s++)
+        for (int i = 2; i < n && rc >= 0; i++)
+            if (reo[s][i]) rc = ampc__dnnl_run(reo[s][i], (void *[]){h[s][i], user[i]});
+    ampc__free(AMPC_DEVICE_CPU, ws, block, AMPC_MEM_WORKSPACE);
+    return rc;
+fail:
+    return rc;
+}
+
+/* The backward weights pass of k (blocked bf16) split over threads, on the user's plain
+   buffers like conv_run; 1 when it does not apply (fewer than 2 threads or units of work, a
+   layout the split cannot slice). Lock held. */
+static int conv_run_split(const conv_key *k, void *const *user) {
+    split_plan p = {.by_oc = k->groups == 1 && k->O * k->C * k->KH * k->KW > k->N * k->C * k->H * k->W};
+    int64_t units = p.by_oc ? (k->O + 15) / 16 : k->N, S = k->nthr < units ? k->nthr : units;
+    p.S = (int)(S < MAX_SLICES ? S : MAX_SLICES);
+    if (p.S < 2) return 1;
+    ampc_dnnl_entry *e[MAX_SLICES];
+    int rc = slice_entries(k, &p, e);
+    if (rc < 0) return rc;
+    return p.by_oc ? split_oc(k, &p, e, user) : split_batch(k, &p, e, user);
+}
+
+/* Runs pass family of k on the user's plain buffers (conv_run, or split for bf16 weights). */
+static int conv_exec(int family, const conv_key *k, void *const *user) {
+    if (family == AMPC_DNNL_CONV_BWD_WEIGHTS && k->dt == dnnl_bf16 && k->blocked) {
+        int rc = conv_run_split(k, user);
+        if (rc != 1) return rc;
+    }
+    return conv_run(family, k, user);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Kernels
 
 static int64_t conv_out(int64_t in, int64_t k, int s, int p, int d) { return (in + 2 * p - (int64_t)d * (k - 1) - 1) / s + 1; }
 
-static conv_key make_key(int family, const ampc_conv_desc *d, ampc_dtype dt, bool has_bias) {
+/* Whether pass `family` runs on plain NCHW (see the 1x1 table at the top): ungrouped unpadded
+   1x1 convolutions are gemms over NCHW, faster than the blocked kernels with their reorders
+   on maps of 10x10 and more; strided, the gemm needs an im2col copy first, which only the data
+   gradient (a scatter) and the bf16 weight gradient still win. On small maps (7x7: 49-column
+   gemms per image) the blocked kernels win, and oneDNN's gemm weight gradient would take
+   48-96 MiB of scratchpad there. */
+static bool plain_1x1(int family, const ampc_conv_desc *d, ampc_dtype dt) {
+    if (d->KH != 1 || d->KW != 1 || d->groups != 1 || d->padding[0] || d->padding[1]) return false;
+    bool unit_stride = d->stride[0] == 1 && d->stride[1] == 1;
+    if (d->OH * d->OW < 100) return false;
+    return family == AMPC_DNNL_CONV_BWD_DATA || unit_stride || (family == AMPC_DNNL_CONV_BWD_WEIGHTS && dt == AMPC_BF16);
+}
+
+/* grad_dt: the dtype of gw/gb for the backward weights pass (dt elsewhere). */
+static conv_key make_key(int family, const ampc_conv_desc *d, ampc_dtype dt, ampc_dtype grad_dt, bool has_bias) {
     conv_key k;
     memset(&k, 0, sizeof k);
     k.dt = dt == AMPC_BF16 ? dnnl_bf16 : dnnl_f32;
+    k.grad_f32 = dt == AMPC_BF16 && grad_dt == AMPC_F32;   /* f16 runs in f32 anyway */
     k.has_bias = has_bias;
-    /* ungrouped unpadded 1x1 convolutions are gemms over NCHW: no reorders (see the table);
-       strided ones too for the data gradient (a gemm and a strided scatter) */
-    bool gemm = d->KH == 1 && d->KW == 1 && d->groups == 1 && d->padding[0] == 0 && d->padding[1] == 0;
-    bool unit_stride = d->stride[0] == 1 && d->stride[1] == 1;
-    k.blocked = !(gemm && (unit_stride || family == AMPC_DNNL_CONV_BWD_DATA));
+    k.blocked = !plain_1x1(family, d, dt);
     k.nthr = omp_get_max_threads();
     k.N = d->N, k.C = d->C, k.H = d->H, k.W = d->W, k.O = d->O, k.KH = d->KH, k.KW = d->KW, k.OH = d->OH, k.OW = d->OW;
     k.groups = d->groups;
@@ -342,12 +658,14 @@ static conv_key make_key(int family, const ampc_conv_desc *d, ampc_dtype dt, boo
     return k;
 }
 
+/* grads: w and b are the weight and bias gradients, which may be f32 for 16-bit x and y (then
+   both are). */
 static int check(const ampc_conv_desc *d, const char *what, const ampc_tensor *x, const ampc_tensor *w, const ampc_tensor *y,
-                 const ampc_tensor *b) {
-    ampc_dtype dt = x->dtype;
+                 const ampc_tensor *b, bool grads) {
+    ampc_dtype dt = x->dtype, wdt = grads && w->dtype == AMPC_F32 ? AMPC_F32 : dt;
     if (dt != AMPC_F32 && dt != AMPC_F16 && dt != AMPC_BF16)
         return ampc__err(AMPC_ERR_DTYPE, "%s on %s tensors", what, ampc_dtype_name(dt));
-    if (w->dtype != dt || y->dtype != dt || (b && b->dtype != dt))
+    if (w->dtype != wdt || y->dtype != dt || (b && b->dtype != wdt))
         return ampc__err(AMPC_ERR_DTYPE, "%s: operands of different dtypes", what);
     if (d->N < 0 || d->C < 0 || d->H < 0 || d->W < 0 || d->O < 0 || d->KH < 1 || d->KW < 1 || d->groups < 1 ||
         d->C % d->groups || d->O % d->groups)
@@ -365,8 +683,8 @@ static int check(const ampc_conv_desc *d, const char *what, const ampc_tensor *x
     return AMPC_OK;
 }
 
-/* f16 operands as f32 workspace: n values of each tensor converted in (inputs) or allocated
-   (outputs), one block. */
+/* f16 operands as f32 workspace: n values of each f16 tensor converted in (inputs) or
+   allocated (outputs), one block; f32 tensors (f32 weight gradients) are used in place. */
 typedef struct {
     float *p[4];
     void *block;
@@ -377,13 +695,17 @@ static int widen(f32_copies *c, const ampc_tensor *const *t, const bool *is_inpu
     size_t total = 0, off[4];
     for (int i = 0; i < n; i++) {
         off[i] = total;
-        total += t[i] ? align64((size_t)t[i]->numel * sizeof(float)) : 0;
+        total += t[i] && t[i]->dtype == AMPC_F16 ? align64((size_t)t[i]->numel * sizeof(float)) : 0;
     }
     memset(c, 0, sizeof *c);
     c->block = ampc__alloc(AMPC_DEVICE_CPU, total ? total : 64, AMPC_MEM_WORKSPACE, &c->bytes);
     if (!c->block) return ampc_last_status();
     for (int i = 0; i < n; i++) {
         if (!t[i]) continue;
+        if (t[i]->dtype == AMPC_F32) {
+            c->p[i] = ampc__data(t[i]);
+            continue;
+        }
         c->p[i] = (float *)((char *)c->block + off[i]);
         if (is_input[i]) ampc__dt(AMPC_F16)->to_f32(ampc__data(t[i]), c->p[i], (size_t)t[i]->numel);
     }
@@ -392,7 +714,8 @@ static int widen(f32_copies *c, const ampc_tensor *const *t, const bool *is_inpu
 
 static void narrow(f32_copies *c, ampc_tensor *const *t, const bool *is_output, int n, int rc) {
     for (int i = 0; i < n && rc >= 0; i++)
-        if (t[i] && is_output[i]) ampc__dt(AMPC_F16)->from_f32(c->p[i], ampc__data(t[i]), (size_t)t[i]->numel);
+        if (t[i] && is_output[i] && t[i]->dtype == AMPC_F16)
+            ampc__dt(AMPC_F16)->from_f32(c->p[i], ampc__data(t[i]), (size_t)t[i]->numel);
     ampc__free(AMPC_DEVICE_CPU, c->block, c->bytes, AMPC_MEM_WORKSPACE);
 }
 
@@ -400,14 +723,15 @@ static void narrow(f32_copies *c, ampc_tensor *const *t, const bool *is_output, 
    through f32 copies for f16. */
 static int run_tensors(int family, const ampc_conv_desc *d, ampc_tensor *const *t, int n, bool has_bias) {
     int nargs;
-    conv_key k = make_key(family, d, t[0]->dtype, has_bias);
+    ampc_dtype grad_dt = family == AMPC_DNNL_CONV_BWD_WEIGHTS ? t[2]->dtype : t[0]->dtype;
+    conv_key k = make_key(family, d, t[0]->dtype, grad_dt, has_bias);
     const arg_spec *args = family_args(family, &nargs, &k);
     void *user[4];
     int rc;
     if (t[0]->dtype != AMPC_F16) {
         for (int i = 0; i < n; i++) user[i] = t[i] ? ampc__data(t[i]) : NULL;
         ampc__dnnl_lock();
-        rc = conv_run(family, &k, user);
+        rc = conv_exec(family, &k, user);
         ampc__dnnl_unlock();
         return rc;
     }
@@ -417,7 +741,7 @@ static int run_tensors(int family, const ampc_conv_desc *d, ampc_tensor *const *
     if ((rc = widen(&c, (const ampc_tensor *const *)t, in, n)) < 0) return rc;
     for (int i = 0; i < n; i++) user[i] = c.p[i];
     ampc__dnnl_lock();
-    rc = conv_run(family, &k, user);
+    rc = conv_exec(family, &k, user);
     ampc__dnnl_unlock();
     narrow(&c, t, out, n, rc);
     return rc;
@@ -448,7 +772,7 @@ static int bias_grad(const ampc_conv_desc *d, const ampc_tensor *gy, ampc_tensor
 
 static int cpu_conv2d(const ampc_conv_desc *d, const ampc_tensor *x, const ampc_tensor *w, const ampc_tensor *b,
                       ampc_tensor *y) {
-    int rc = check(d, "conv2d", x, w, y, b);
+    int rc = check(d, "conv2d", x, w, y, b, false);
     if (rc < 0 || y->numel == 0) return rc;
     if (x->numel == 0) {   /* C == 0: y = bias broadcast over (N, OH, OW) */
         size_t sz = ampc__dt(y->dtype)->size, plane = (size_t)(d->OH * d->OW);
@@ -464,7 +788,7 @@ static int cpu_conv2d(const ampc_conv_desc *d, const ampc_tensor *x, const ampc_
 }
 
 static int cpu_conv2d_backward_data(const ampc_conv_desc *d, const ampc_tensor *gy, const ampc_tensor *w, ampc_tensor *gx) {
-    int rc = check(d, "conv2d_backward_data", gx, w, gy, NULL);
+    int rc = check(d, "conv2d_backward_data", gx, w, gy, NULL, false);
     if (rc < 0 || gx->numel == 0) return rc;
     if (gy->numel == 0) return fill_zero(gx);   /* O == 0 */
     return run_tensors(AMPC_DNNL_CONV_BWD_DATA, d, (ampc_tensor *[]){(ampc_tensor *)gy, (ampc_tensor *)w, gx}, 3, false);
@@ -473,7 +797,7 @@ static int cpu_conv2d_backward_data(const ampc_conv_desc *d, const ampc_tensor *
 static int cpu_conv2d_backward_weights(const ampc_conv_desc *d, const ampc_tensor *x, const ampc_tensor *gy, ampc_tensor *gw,
                                        ampc_tensor *gb) {
     if (!gw) return ampc__err(AMPC_ERR_INVALID, "conv2d_backward_weights: no weight gradient tensor");
-    int rc = check(d, "conv2d_backward_weights", x, gw, gy, gb);
+    int rc = check(d, "conv2d_backward_weights", x, gw, gy, gb, true);
     if (rc < 0) return rc;
     if (gy->numel == 0 || x->numel == 0) {   /* N == 0, O == 0, or an empty input: empty sums */
         if (gb && gy->numel) bias_grad(d, gy, gb);
@@ -490,7 +814,7 @@ static int cpu_conv2d_backward_weights(const ampc_conv_desc *d, const ampc_tenso
 int ampc__cpu_conv_impl(const ampc_conv_desc *d, ampc_dtype dt, int pass, bool has_bias, char *buf, size_t n) {
     static const int families[3] = {AMPC_DNNL_CONV_FWD, AMPC_DNNL_CONV_BWD_DATA, AMPC_DNNL_CONV_BWD_WEIGHTS};
     if (pass < 0 || pass > 2) return ampc__err(AMPC_ERR_INVALID, "conv pass %d", pass);
-    conv_key k = make_key(families[pass], d, dt, has_bias && pass != 1);
+    conv_key k = make_key(families[pass], d, dt, dt, has_bias && pass != 1);
     ampc__dnnl_lock();
     ampc_dnnl_entry *e = ampc__dnnl_get(families[pass], &k, sizeof k, family_builder(families[pass]));
     snprintf(buf, n, "%s", e ? ampc__dnnl_impl(e) : "?");

@@ -12,6 +12,7 @@ static struct {
     pthread_mutex_t lock;
     dnnl_engine_t engine;
     dnnl_stream_t stream;
+    dnnl_stream_t streams[AMPC_DNNL_MAX_STREAMS];   /* ampc__dnnl_exec's; [0] is stream */
     dnnl_primitive_attr_t attr;
     ampc_dnnl_entry cache[CACHE_SIZE];
     uint64_t clock;
@@ -108,6 +109,34 @@ ampc_dnnl_entry *ampc__dnnl_get(ampc_dnnl_family family, const void *key, size_t
     return victim;
 }
 
+int ampc__dnnl_reserve_streams(int n) {
+    int rc = ensure_engine();
+    if (rc < 0) return rc;
+    if (n > AMPC_DNNL_MAX_STREAMS) return ampc__err(AMPC_ERR_BACKEND, "oneDNN: %d streams (at most %d)", n, AMPC_DNNL_MAX_STREAMS);
+    D.streams[0] = D.stream;
+    for (int i = 1; i < n; i++)
+        if (!D.streams[i]) AMPC_DNNL_TRY(dnnl_stream_create(&D.streams[i], D.engine, dnnl_stream_default_flags), "stream_create");
+    return AMPC_OK;
+fail:
+    return rc;
+}
+
+dnnl_status_t ampc__dnnl_exec(ampc_dnnl_entry *e, void *const *handles, void *scratch, int slot) {
+    dnnl_exec_arg_t args[AMPC_DNNL_MAX_ARGS + 1];
+    dnnl_status_t st = dnnl_success;
+    for (int i = 0; i < e->n_args && st == dnnl_success; i++) {
+        st = dnnl_memory_set_data_handle(e->mem[i], handles[i]);
+        args[i] = (dnnl_exec_arg_t){e->arg[i], e->mem[i]};
+    }
+    int n = e->n_args;
+    if (st == dnnl_success && e->scratch_bytes) {
+        st = dnnl_memory_set_data_handle(e->scratch, scratch);
+        args[n++] = (dnnl_exec_arg_t){DNNL_ARG_SCRATCHPAD, e->scratch};
+    }
+    if (st == dnnl_success) st = dnnl_primitive_execute(e->prim, D.streams[slot], n, args);
+    return st == dnnl_success ? dnnl_stream_wait(D.streams[slot]) : st;
+}
+
 int ampc__dnnl_run(ampc_dnnl_entry *e, void *const *handles) {
     int rc = AMPC_OK;
     dnnl_exec_arg_t args[AMPC_DNNL_MAX_ARGS + 1];
@@ -142,6 +171,9 @@ void ampc__dnnl_shutdown(void) {
     for (int i = 0; i < CACHE_SIZE; i++)
         if (D.cache[i].used) entry_destroy(&D.cache[i]);
     if (D.attr) dnnl_primitive_attr_destroy(D.attr);
+    for (int i = 1; i < AMPC_DNNL_MAX_STREAMS; i++)
+        if (D.streams[i]) dnnl_stream_destroy(D.streams[i]);
+    memset(D.streams, 0, sizeof D.streams);
     if (D.stream) dnnl_stream_destroy(D.stream);
     if (D.engine) dnnl_engine_destroy(D.engine);
     D.attr = NULL;

@@ -7,6 +7,8 @@
  * runs it with data handles. Memory objects are created once without data; scratchpads are
  * user-managed and come from the caching allocator, so a steady-state call does no malloc.
  * Callers hold ampc__dnnl_lock() around get and run (the stream and the entries are shared).
+ * ampc__dnnl_exec runs entries from the threads of a parallel region (each its own entry,
+ * stream and scratchpad), for kernels that split work over threads themselves (conv.c).
  */
 #ifndef AMPC_DNNL_CACHE_H
 #define AMPC_DNNL_CACHE_H
@@ -18,6 +20,7 @@
 
 #define AMPC_DNNL_KEY_BYTES 192
 #define AMPC_DNNL_MAX_ARGS 8
+#define AMPC_DNNL_MAX_STREAMS 64
 
 /* One kernel family per primitive kind the cache holds, so keys of two families never meet. */
 typedef enum {
@@ -62,6 +65,12 @@ const dnnl_memory_desc_t *ampc__dnnl_query_md(const ampc_dnnl_entry *e, dnnl_que
 /* Executes the entry with one data handle per declared argument (in declaration order) and
    a scratchpad from the allocator; waits for completion. Lock held. */
 int ampc__dnnl_run(ampc_dnnl_entry *e, void *const *handles);
+/* Makes streams 0..n-1 available to ampc__dnnl_exec (n <= AMPC_DNNL_MAX_STREAMS; lock held). */
+int ampc__dnnl_reserve_streams(int n);
+/* Executes the entry on stream `slot` with the caller's scratchpad (e->scratch_bytes bytes) and
+   waits. For use from the threads of a parallel region, each on its own entry and slot: takes
+   no lock, allocates nothing and records no error (returns oneDNN's status). */
+dnnl_status_t ampc__dnnl_exec(ampc_dnnl_entry *e, void *const *handles, void *scratch, int slot);
 /* oneDNN implementation name of the entry ("brg:avx512_core_bf16"). */
 const char *ampc__dnnl_impl(const ampc_dnnl_entry *e);
 void ampc__dnnl_shutdown(void);
