@@ -937,6 +937,69 @@ static void test_sum_squares_kernel(void **state) {
     ampc_scope_end();
 }
 
+/* From READY, step() fuses the unscale into the optimizer: a read-only inf check, then update
+   kernels that multiply each gradient by inv_scale as they read it. The parameters and
+   optimizer state come out bit-identical to an explicit unscale() followed by step(), for SGD
+   (momentum, weight decay, nesterov) and Adam/AdamW (amsgrad), over several steps; the fused
+   path leaves the grads scaled (PyTorch's fused optimizers do the same), the unfused one
+   unscaled. */
+static void test_fused_unscale_step(void **state) {
+    (void)state;
+    enum { N = 1000, STEPS = 3 };
+    static float init[N], grads[STEPS][N];
+    uint64_t rs = 4242;
+    for (int i = 0; i < N; i++) init[i] = (float)tu_uniform(&rs, -1, 1);
+    for (int k = 0; k < STEPS; k++)
+        for (int i = 0; i < N; i++) grads[k][i] = (float)tu_uniform(&rs, -3, 3) * 1024.0f;   /* scaled grads */
+    for (int kind = 0; kind < 4; kind++) {
+        ampc_tensor *p[2];
+        ampc_optimizer *opt[2];
+        ampc_scaler *sc[2];
+        ampc_scaler_options so = ampc_scaler_defaults();
+        so.init_scale = 1024.0f * 3.0f;   /* inv_scale not a power of two: a real rounding */
+        for (int v = 0; v < 2; v++) {
+            p[v] = ampc_tensor_own(ampc_tensor_from_f32(AMPC_F32, 1, (int64_t[]){N}, init));
+            ASSERT_OK(ampc_tensor_set_requires_grad(p[v], true));
+            if (kind < 2) {
+                ampc_sgd_options o = ampc_sgd_defaults();
+                o.lr = 0.01;
+                o.momentum = 0.9;
+                o.weight_decay = 1e-3;
+                o.nesterov = kind == 1;
+                opt[v] = ampc_sgd_new_params(&p[v], 1, &o);
+            } else {
+                ampc_adam_options o = ampc_adam_defaults();
+                o.weight_decay = 1e-2;
+                o.amsgrad = kind == 3;
+                opt[v] = kind == 2 ? ampc_adam_new_params(&p[v], 1, &o) : ampc_adamw_new_params(&p[v], 1, &o);
+            }
+            ASSERT_NOT_NULL_MSG(opt[v]);
+            sc[v] = ampc_scaler_new(&so);
+        }
+        for (int k = 0; k < STEPS; k++) {
+            for (int v = 0; v < 2; v++) set_grad(p[v], grads[k]);
+            ASSERT_OK(ampc_scaler_unscale(sc[0], opt[0]));   /* unfused */
+            assert_int_equal(ampc_scaler_step(sc[0], opt[0]), 1);
+            assert_int_equal(ampc_scaler_step(sc[1], opt[1]), 1);   /* fused */
+            ASSERT_OK(ampc_scaler_update(sc[0]));
+            ASSERT_OK(ampc_scaler_update(sc[1]));
+            const float *a = ampc_tensor_cdata(p[0]), *b = ampc_tensor_cdata(p[1]);
+            const float *ga = ampc_tensor_cdata(ampc_tensor_grad(p[0])), *gb = ampc_tensor_cdata(ampc_tensor_grad(p[1]));
+            for (int i = 0; i < N; i++) {
+                if (!same_bits(a[i], b[i]))
+                    fail_msg("kind %d step %d: param[%d] fused %.9g vs unscale+step %.9g", kind, k, i, b[i], a[i]);
+                assert_true(same_bits(gb[i], grads[k][i]));   /* fused: grads left scaled */
+                assert_true(same_bits(ga[i], (float)(grads[k][i] * (float)(1.0 / (double)so.init_scale))));
+            }
+        }
+        for (int v = 0; v < 2; v++) {
+            ampc_scaler_free(sc[v]);
+            ampc_optimizer_free(opt[v]);
+            ampc_tensor_free(p[v]);
+        }
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults),
@@ -958,6 +1021,7 @@ int main(void) {
         cmocka_unit_test(test_fp16_underflow_rescued_by_scaling),
         cmocka_unit_test(test_clip_grad_norm),
         cmocka_unit_test(test_sum_squares_kernel),
+        cmocka_unit_test(test_fused_unscale_step),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
 }

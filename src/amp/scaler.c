@@ -11,8 +11,13 @@
  *                  inf/NaN, checked before scaling). An fp16 grad is an error (PyTorch's
  *                  allow_fp16=False) and nothing is modified. An optimizer without grads
  *                  records no inf check (then step() fails, as in PyTorch).
- *   step(opt)      not twice before update(); unscales if READY; skips the optimizer step if
- *                  this optimizer's found_inf is set. Returns 1 applied, 0 skipped.
+ *   step(opt)      not twice before update(); skips the optimizer step if this optimizer's
+ *                  found_inf is set. Returns 1 applied, 0 skipped. From READY the unscale is
+ *                  fused into the step (PyTorch's path for optimizers that support AMP scaling,
+ *                  e.g. fused Adam): a read-only inf check, then update kernels that multiply
+ *                  each gradient by inv_scale as they read it - one write pass over every
+ *                  gradient less, the same update bits - and the grads stay scaled. After an
+ *                  explicit unscale(opt) (e.g. for clipping) the step reads the unscaled grads.
  *   update()       needs at least one inf check since the last update; found_inf is the sum
  *                  over every optimizer unscaled since then. Then every optimizer is READY.
  *
@@ -172,7 +177,8 @@ ampc_tensor *ampc_scaler_scale(ampc_scaler *s, ampc_tensor *loss) {
 // ---------------------------------------------------------------------------------------------
 // unscale
 
-static int unscale_grads(ampc_scaler *s, ampc_optimizer *opt, opt_state *st) {
+/* The non-finite check over opt's grads, and (unless check_only) their unscale in place. */
+static int unscale_grads(ampc_scaler *s, ampc_optimizer *opt, opt_state *st, bool check_only) {
     /* validate everything first: an error leaves every gradient untouched, as in PyTorch */
     int n_grads = 0;
     for (int i = 0; i < opt->n; i++) {
@@ -205,7 +211,7 @@ static int unscale_grads(ampc_scaler *s, ampc_optimizer *opt, opt_state *st) {
         if (!be->unscale_check)
             return ampc__err(AMPC_ERR_UNSUPPORTED, "unscale_check on device %s", ampc_device_name((ampc_device)d));
         float dev_found_inf = 0.0f;
-        int rc = be->unscale_check(s->grads, n, inv_scale, &dev_found_inf);
+        int rc = be->unscale_check(s->grads, n, check_only ? 1.0f : inv_scale, &dev_found_inf);
         if (rc < 0) return rc;
         found_inf += dev_found_inf;
         recorded = true;
@@ -213,7 +219,7 @@ static int unscale_grads(ampc_scaler *s, ampc_optimizer *opt, opt_state *st) {
     st->found_inf = found_inf;
     st->recorded = recorded;
     st->last_found_inf = found_inf != 0.0f;
-    st->stage = STAGE_UNSCALED;
+    if (!check_only) st->stage = STAGE_UNSCALED;
     return AMPC_OK;
 }
 
@@ -226,7 +232,7 @@ int ampc_scaler_unscale(ampc_scaler *s, ampc_optimizer *opt) {
         return ampc__err(AMPC_ERR_STATE, "scaler: unscale() has already been called on this optimizer since the last update()");
     if (st->stage == STAGE_STEPPED)
         return ampc__err(AMPC_ERR_STATE, "scaler: unscale() is being called after step() (call update() first)");
-    return unscale_grads(s, opt, st);
+    return unscale_grads(s, opt, st, false);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -244,8 +250,9 @@ int ampc_scaler_step(ampc_scaler *s, ampc_optimizer *opt) {
     if (!st) return ampc_last_status();
     if (st->stage == STAGE_STEPPED)
         return ampc__err(AMPC_ERR_STATE, "scaler: step() has already been called since the last update()");
-    if (st->stage == STAGE_READY) {
-        int rc = unscale_grads(s, opt, st);
+    const bool fused = st->stage == STAGE_READY;
+    if (fused) {
+        int rc = unscale_grads(s, opt, st, true);
         if (rc < 0) return rc;
     }
     if (!st->recorded)
@@ -256,8 +263,8 @@ int ampc_scaler_step(ampc_scaler *s, ampc_optimizer *opt) {
         s->skipped++;
         return 0;
     }
-    int rc = ampc_optimizer_step(opt);
-    if (rc < 0) return rc;   /* stays UNSCALED, as when PyTorch's optimizer.step() raises */
+    int rc = ampc__optimizer_step_scaled(opt, fused ? (float)(1.0 / (double)s->scale) : 0.0f);
+    if (rc < 0) return rc;   /* the stage stays, as when PyTorch's optimizer.step() raises */
     st->stage = STAGE_STEPPED;
     s->applied++;
     return 1;

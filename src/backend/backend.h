@@ -42,15 +42,19 @@ typedef struct {
     int64_t outer, dim, inner;   /* x viewed as (outer, dim, inner); reduce along dim */
 } ampc_axis_desc;
 
+/* grad_scale (both optimizers): the gradient is first multiplied by it in f32, as a separate
+   unscale pass would (the GradScaler's 1/scale fused into the step); 0 means none. */
 typedef struct {
     double lr, momentum, dampening, weight_decay;
     bool nesterov;
+    float grad_scale;
 } ampc_sgd_hparams;
 
 typedef struct {
     double lr, beta1, beta2, eps, weight_decay;
     bool amsgrad, decoupled;   /* decoupled: AdamW */
     int64_t step;              /* 1 at the first step */
+    float grad_scale;
 } ampc_adam_hparams;
 
 /* 2-D convolution of x (N, C, H, W) with w (O, C/groups, KH, KW) into y (N, O, OH, OW), NCHW

@@ -22,4 +22,9 @@ struct ampc_optimizer {
     ampc_adam_options adam;
 };
 
+/* ampc_optimizer_step with every gradient multiplied by grad_scale inside the update kernels
+   (the GradScaler's unscale fused into the step; the grads themselves are left as they are).
+   0: no scaling. */
+int ampc__optimizer_step_scaled(ampc_optimizer *opt, float grad_scale);
+
 #endif /* AMPC_OPTIM_H */

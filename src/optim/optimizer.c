@@ -177,7 +177,7 @@ static ampc_tensor *state_get(ampc_optimizer *opt, int s, int i) {
     return t;
 }
 
-static int step_one(ampc_optimizer *opt, int i) {
+static int step_one(ampc_optimizer *opt, int i, float grad_scale) {
     ampc_tensor *p = opt->params[i], *g = p->grad;
     const ampc_backend *be = ampc__backend(p->device);
     int rc = check_param(p, opt->kind, i);
@@ -191,7 +191,7 @@ static int step_one(ampc_optimizer *opt, int i) {
     if (opt->kind == AMPC_OPTIM_SGD) {
         if (!be->sgd_step) return ampc__err(AMPC_ERR_UNSUPPORTED, "sgd_step on device %s", ampc_device_name(p->device));
         const ampc_sgd_options *o = &opt->sgd;
-        ampc_sgd_hparams h = {o->lr, o->momentum, o->dampening, o->weight_decay, o->nesterov};
+        ampc_sgd_hparams h = {o->lr, o->momentum, o->dampening, o->weight_decay, o->nesterov, grad_scale};
         ampc_tensor *buf = NULL;
         bool first = false;
         if (o->momentum != 0) {   /* PyTorch keeps no buffer without momentum */
@@ -208,21 +208,23 @@ static int step_one(ampc_optimizer *opt, int i) {
     ampc_tensor *vmax = v && o->amsgrad ? state_get(opt, 2, i) : NULL;
     if (!m || !v || (o->amsgrad && !vmax)) return ampc_last_status();
     ampc_adam_hparams h = {o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->amsgrad,
-                           opt->kind == AMPC_OPTIM_ADAMW, opt->steps[i] + 1};
+                           opt->kind == AMPC_OPTIM_ADAMW, opt->steps[i] + 1, grad_scale};
     rc = be->adam_step(p, g, m, v, vmax, &h);
     if (rc >= 0) opt->steps[i]++;
     return rc;
 }
 
-int ampc_optimizer_step(ampc_optimizer *opt) {
+int ampc__optimizer_step_scaled(ampc_optimizer *opt, float grad_scale) {
     if (!opt) return ampc__err(AMPC_ERR_INVALID, "step of a NULL optimizer");
     for (int i = 0; i < opt->n; i++) {
         if (!opt->params[i]->grad) continue;
-        int rc = step_one(opt, i);
+        int rc = step_one(opt, i, grad_scale);
         if (rc < 0) return rc;
     }
     return AMPC_OK;
 }
+
+int ampc_optimizer_step(ampc_optimizer *opt) { return ampc__optimizer_step_scaled(opt, 0.0f); }
 
 void ampc_optimizer_zero_grad(ampc_optimizer *opt) {
     if (!opt) return;

@@ -31,15 +31,19 @@ static int check_f32(const ampc_tensor *t, const char *what) {
 
 typedef struct {
     float wd, m, keep, neg_lr;   /* weight decay, momentum, 1 - dampening, -lr */
+    float gs;                    /* the fused GradScaler unscale (bit 4 of the variant): g * gs is
+                                    rounded on its own (-std=c17: no FMA contraction), the same
+                                    bits as a separate unscale pass */
 } sgd_consts;
+
 
 /* The SGD update of n elements, one pass; has_wd, has_m, first and nesterov are constants in
    every caller, so each gets a branch-free loop. */
 AMPC_CPU_INLINE void sgd_body(float *restrict p, const float *restrict g, float *restrict buf, size_t n, sgd_consts c,
-                              bool has_wd, bool has_m, bool first, bool nesterov) {
+                              bool has_wd, bool has_m, bool first, bool nesterov, bool scaled) {
 #pragma omp simd
     for (size_t i = 0; i < n; i++) {
-        float pi = p[i], d = g[i];
+        float pi = p[i], d = scaled ? g[i] * c.gs : g[i];
         if (has_wd) d = d + c.wd * pi;
         if (has_m) {
             float b = first ? d : c.m * buf[i] + c.keep * d;
@@ -51,17 +55,20 @@ AMPC_CPU_INLINE void sgd_body(float *restrict p, const float *restrict g, float 
 }
 
 /* One clone set per option combination: bits 0 wd, 1 momentum, 2 first step, 3 nesterov
-   (the last two only with momentum). */
+   (the last two only with momentum), 4 scaled gradient (the fused GradScaler unscale). */
 #define SGD_FN(k)                                                                                  \
     AMPC_CPU_VEC static void sgd_##k(float *p, const float *g, float *buf, size_t n, sgd_consts c) { \
-        sgd_body(p, g, buf, n, c, (k) & 1, (k) & 2, (k) & 4, (k) & 8);                              \
+        sgd_body(p, g, buf, n, c, (k) & 1, (k) & 2, (k) & 4, (k) & 8, (k) & 16);                    \
     }
 SGD_FN(0) SGD_FN(1) SGD_FN(2) SGD_FN(3) SGD_FN(6) SGD_FN(7) SGD_FN(10) SGD_FN(11) SGD_FN(14) SGD_FN(15)
+SGD_FN(16) SGD_FN(17) SGD_FN(18) SGD_FN(19) SGD_FN(22) SGD_FN(23) SGD_FN(26) SGD_FN(27) SGD_FN(30) SGD_FN(31)
 #undef SGD_FN
 
 typedef void (*sgd_fn)(float *, const float *, float *, size_t, sgd_consts);
-static const sgd_fn sgd_fns[16] = {[0] = sgd_0,   [1] = sgd_1,   [2] = sgd_2,   [3] = sgd_3,   [6] = sgd_6,
-                                   [7] = sgd_7,   [10] = sgd_10, [11] = sgd_11, [14] = sgd_14, [15] = sgd_15};
+static const sgd_fn sgd_fns[32] = {[0] = sgd_0,   [1] = sgd_1,   [2] = sgd_2,   [3] = sgd_3,   [6] = sgd_6,
+                                   [7] = sgd_7,   [10] = sgd_10, [11] = sgd_11, [14] = sgd_14, [15] = sgd_15,
+                                   [16] = sgd_16, [17] = sgd_17, [18] = sgd_18, [19] = sgd_19, [22] = sgd_22,
+                                   [23] = sgd_23, [26] = sgd_26, [27] = sgd_27, [30] = sgd_30, [31] = sgd_31};
 
 static int cpu_sgd_step(ampc_tensor *param, const ampc_tensor *grad, ampc_tensor *momentum_buf, bool first,
                         const ampc_sgd_hparams *h) {
@@ -71,9 +78,11 @@ static int cpu_sgd_step(ampc_tensor *param, const ampc_tensor *grad, ampc_tensor
     size_t n = (size_t)param->numel;
     float *p = ampc__data(param), *buf = h->momentum != 0 ? ampc__data(momentum_buf) : NULL;
     const float *g = (const float *)ampc__data(grad);
-    sgd_consts c = {(float)h->weight_decay, (float)h->momentum, (float)(1.0 - h->dampening), (float)-h->lr};
+    sgd_consts c = {(float)h->weight_decay, (float)h->momentum, (float)(1.0 - h->dampening), (float)-h->lr,
+                    h->grad_scale};
     bool has_m = h->momentum != 0;
-    int k = (h->weight_decay != 0) | has_m << 1 | (has_m && first) << 2 | (has_m && h->nesterov) << 3;
+    int k = (h->weight_decay != 0) | has_m << 1 | (has_m && first) << 2 | (has_m && h->nesterov) << 3 |
+            (h->grad_scale != 0) << 4;
     sgd_fn f = sgd_fns[k];
 #pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
     for (size_t base = 0; base < n; base += BLK)
@@ -94,15 +103,16 @@ typedef struct {
     float decay;       /* 1 - lr * wd for AdamW, else 1 (exact identity) */
     float l2;          /* wd for Adam, else 0 */
     float b1, omb1, b2, omb2, eps, bc2_sqrt, neg_step_size;
+    float gs;          /* the fused GradScaler unscale, when `scaled` */
 } adam_consts;
 
 /* The Adam update of n elements, one pass (vmax only with amsgrad, a constant in each caller) */
 AMPC_CPU_INLINE void adam_body(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
-                               float *restrict vmax, size_t n, const adam_consts *c, bool amsgrad) {
+                               float *restrict vmax, size_t n, const adam_consts *c, bool amsgrad, bool scaled) {
 #pragma omp simd
     for (size_t i = 0; i < n; i++) {
         float pi = p[i] * c->decay;
-        float gi = g[i] + c->l2 * pi;
+        float gi = (scaled ? g[i] * c->gs : g[i]) + c->l2 * pi;
         float mi = c->b1 * m[i] + c->omb1 * gi;
         float vi = c->b2 * v[i] + c->omb2 * gi * gi;
         m[i] = mi;
@@ -116,14 +126,14 @@ AMPC_CPU_INLINE void adam_body(float *restrict p, const float *restrict g, float
         p[i] = pi + c->neg_step_size * mi / denom;   /* addcdiv: (value * t1) / t2 */
     }
 }
-AMPC_CPU_VEC static void adam_plain(float *p, const float *g, float *m, float *v, float *vmax, size_t n,
-                                    const adam_consts *c) {
-    adam_body(p, g, m, v, vmax, n, c, false);
-}
-AMPC_CPU_VEC static void adam_amsgrad(float *p, const float *g, float *m, float *v, float *vmax, size_t n,
-                                      const adam_consts *c) {
-    adam_body(p, g, m, v, vmax, n, c, true);
-}
+#define ADAM_FN(name, ams, scaled)                                                                \
+    AMPC_CPU_VEC static void name(float *p, const float *g, float *m, float *v, float *vmax, size_t n, \
+                                  const adam_consts *c) {                                          \
+        adam_body(p, g, m, v, vmax, n, c, ams, scaled);                                            \
+    }
+ADAM_FN(adam_plain, false, false) ADAM_FN(adam_amsgrad, true, false)
+ADAM_FN(adam_plain_scaled, false, true) ADAM_FN(adam_amsgrad_scaled, true, true)
+#undef ADAM_FN
 
 static int cpu_adam_step(ampc_tensor *param, const ampc_tensor *grad, ampc_tensor *exp_avg, ampc_tensor *exp_avg_sq,
                          ampc_tensor *max_exp_avg_sq, const ampc_adam_hparams *h) {
@@ -140,13 +150,14 @@ static int cpu_adam_step(ampc_tensor *param, const ampc_tensor *grad, ampc_tenso
         .b1 = (float)h->beta1, .omb1 = (float)(1.0 - h->beta1),
         .b2 = (float)h->beta2, .omb2 = (float)(1.0 - h->beta2),
         .eps = (float)h->eps, .bc2_sqrt = (float)sqrt(bc2), .neg_step_size = (float)(-h->lr / bc1),
+        .gs = h->grad_scale,
     };
     size_t n = (size_t)param->numel;
     float *p = ampc__data(param), *m = ampc__data(exp_avg), *v = ampc__data(exp_avg_sq);
     float *vmax = h->amsgrad ? ampc__data(max_exp_avg_sq) : NULL;
     const float *g = (const float *)ampc__data(grad);
     void (*f)(float *, const float *, float *, float *, float *, size_t, const adam_consts *) =
-        h->amsgrad ? adam_amsgrad : adam_plain;
+        h->grad_scale != 0 ? (h->amsgrad ? adam_amsgrad_scaled : adam_plain_scaled) : (h->amsgrad ? adam_amsgrad : adam_plain);
 #pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
     for (size_t base = 0; base < n; base += BLK)
         f(p + base, g + base, m + base, v + base, vmax ? vmax + base : NULL, n - base < BLK ? n - base : BLK, &c);

@@ -20,7 +20,7 @@ static int ref_sgd_step(ampc_tensor *param, const ampc_tensor *grad, ampc_tensor
     double *p = ampc__data(param), *buf = momentum_buf ? ampc__data(momentum_buf) : NULL;
     const double *g = ampc__data(grad);
     for (int64_t i = 0; i < param->numel; i++) {
-        double d = g[i];
+        double d = h->grad_scale != 0 ? g[i] * (double)h->grad_scale : g[i];
         if (h->weight_decay != 0) d += h->weight_decay * p[i];
         if (h->momentum != 0) {
             buf[i] = first ? d : h->momentum * buf[i] + (1.0 - h->dampening) * d;
@@ -45,7 +45,7 @@ static int ref_adam_step(ampc_tensor *param, const ampc_tensor *grad, ampc_tenso
     double *vmax = h->amsgrad ? ampc__data(max_exp_avg_sq) : NULL;
     const double *g = ampc__data(grad);
     for (int64_t i = 0; i < param->numel; i++) {
-        double gi = g[i];
+        double gi = h->grad_scale != 0 ? g[i] * (double)h->grad_scale : g[i];
         if (h->decoupled) p[i] *= 1.0 - h->lr * h->weight_decay;
         else if (h->weight_decay != 0) gi += h->weight_decay * p[i];
         m[i] = h->beta1 * m[i] + (1.0 - h->beta1) * gi;
