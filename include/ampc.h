@@ -450,7 +450,10 @@ ampc_scaler *ampc_scaler_new(const ampc_scaler_options *opts);   /* NULL: defaul
 /* loss * scale, in fp32 (pass-through when disabled). */
 ampc_tensor *ampc_scaler_scale(ampc_scaler *s, ampc_tensor *loss);
 int ampc_scaler_unscale(ampc_scaler *s, ampc_optimizer *opt);   /* once per step; <0 error */
-int ampc_scaler_step(ampc_scaler *s, ampc_optimizer *opt);      /* 1 applied, 0 skipped, <0 error */
+/* 1 applied, 0 skipped (an inf/NaN gradient), <0 error. Without a prior unscale, the unscale
+   is fused into the optimizer's update (as PyTorch's fused optimizers): the grads are left
+   scaled; after ampc_scaler_unscale they are the unscaled ones. */
+int ampc_scaler_step(ampc_scaler *s, ampc_optimizer *opt);
 int ampc_scaler_update(ampc_scaler *s);                         /* <0: no step recorded */
 void ampc_scaler_set_scale(ampc_scaler *s, float new_scale);
 float ampc_scaler_get_scale(const ampc_scaler *s);     /* 1.0 when disabled */

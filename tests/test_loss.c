@@ -4,8 +4,9 @@
  * Every op goes through the shared op check (finite differences on REF in f64, then CPU in
  * f32/f16/bf16 against REF). Independently of the REF kernels: cross-entropy against the
  * textbook formula in long double (label smoothing, ignore_index), softmax of [0, x] against
- * the closed form over a sweep of x, dropout's mask statistics and exact scaling, and the
- * error paths.
+ * the closed form over a sweep of x, dropout's mask statistics and exact scaling, the CPU
+ * dropout kernels bit for bit against a Philox4x32-10 written here from the paper (checked on
+ * Random123's known answers), over every f16/bf16 bit pattern, and the error paths.
  */
 #include "testutil.h"
 
@@ -14,6 +15,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "backend/backend.h"
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -517,6 +520,153 @@ static void test_dropout_mask(void **state) {
     ampc_manual_seed(1234);
 }
 
+// ---------------------------------------------------------------------------------------------
+// CPU dropout kernels, bit for bit against an independent reference: the mask from a
+// Philox4x32-10 written from Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"
+// (SC'11), and y = round(x * f32(keep ? 1/(1-p) : 0)) in f32, rounded once by dtype.c's scalars.
+
+/* Philox4x32-10 of a 4-word counter under a 2-word key, as Random123's philox4x32_R(10, ...). */
+static void kat_philox(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]) {
+    uint32_t c0 = ctr[0], c1 = ctr[1], c2 = ctr[2], c3 = ctr[3], k0 = key[0], k1 = key[1];
+    for (int r = 0; r < 10; r++) {
+        if (r) {   /* Weyl key schedule between rounds */
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        uint64_t p0 = (uint64_t)0xD2511F53u * c0, p1 = (uint64_t)0xCD9E8D57u * c2;
+        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0, n1 = (uint32_t)p1;
+        uint32_t n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1, n3 = (uint32_t)p0;
+        c0 = n0, c1 = n1, c2 = n2, c3 = n3;
+    }
+    out[0] = c0, out[1] = c1, out[2] = c2, out[3] = c3;
+}
+
+static void test_dropout_reference_philox(void **state) {
+    (void)state;
+    /* Random123's kat_vectors for philox4x32 10: counter, key, expected output */
+    static const uint32_t kat[3][10] = {
+        {0, 0, 0, 0, 0, 0, 0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u},
+        {~0u, ~0u, ~0u, ~0u, ~0u, ~0u, 0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu},
+        {0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u, 0xa4093822u, 0x299f31d0u, 0xd16cfe09u, 0x94fdccebu,
+         0x5001e420u, 0x24126ea1u},
+    };
+    for (int k = 0; k < 3; k++) {
+        uint32_t out[4];
+        kat_philox(kat[k], kat[k] + 4, out);
+        for (int l = 0; l < 4; l++)
+            if (out[l] != kat[k][6 + l]) fail_msg("known answer %d word %d: %08x, not %08x", k, l, out[l], kat[k][6 + l]);
+    }
+}
+
+/* Whether dropout with rng state st keeps element i: draw i is word i % 4 of block
+   st.offset + i / 4 (counter {lo, hi, 0, 0}, key {seed lo, seed hi}), kept iff its uniform
+   (r >> 8) * 2^-24 is not below p. */
+static bool ref_keep(ampc_rng_state st, uint64_t i, double p) {
+    uint64_t blk = st.offset + i / 4;
+    uint32_t ctr[4] = {(uint32_t)blk, (uint32_t)(blk >> 32), 0, 0}, key[2] = {(uint32_t)st.seed, (uint32_t)(st.seed >> 32)};
+    uint32_t out[4];
+    kat_philox(ctr, key, out);
+    return !((double)(out[i % 4] >> 8) * 0x1p-24 < p);
+}
+
+/* Element i of f32/f16/bf16 storage as f32, and f32 -> storage bits (one rounding). */
+static float ref_load(ampc_dtype dt, const void *p, size_t i) {
+    if (dt == AMPC_F32) return ((const float *)p)[i];
+    uint16_t h = ((const uint16_t *)p)[i];
+    return dt == AMPC_F16 ? ampc_f16_to_f32(h) : ampc_bf16_to_f32(h);
+}
+static uint32_t ref_bits(ampc_dtype dt, float v) {
+    if (dt == AMPC_F16) return ampc_f32_to_f16(v);
+    if (dt == AMPC_BF16) return ampc_f32_to_bf16(v);
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    return b;
+}
+static uint32_t raw_bits(ampc_dtype dt, const void *p, size_t i) {
+    if (dt != AMPC_F32) return ((const uint16_t *)p)[i];
+    uint32_t b;
+    memcpy(&b, (const char *)p + 4 * i, 4);
+    return b;
+}
+
+/* The CPU kernels on n elements given as raw bits of dt (xb for the forward, gb for the
+   backward), with 1 and 2 threads: mask, y and gx bit for bit against the reference. */
+static void check_dropout_bits(ampc_dtype dt, const void *xb, const void *gb, size_t n, double p, ampc_rng_state st) {
+    const ampc_backend *be = ampc__backend(AMPC_DEVICE_CPU);
+    int64_t len = (int64_t)n;
+    size_t es = dt == AMPC_F32 ? 4 : 2;
+    ampc_scope_begin();
+    ampc_tensor *x = ampc_tensor_empty(dt, 1, &len), *y = ampc_tensor_empty(dt, 1, &len);
+    ampc_tensor *gy = ampc_tensor_empty(dt, 1, &len), *gx = ampc_tensor_empty(dt, 1, &len);
+    memcpy(ampc_tensor_data(x), xb, n * es);
+    memcpy(ampc_tensor_data(gy), gb, n * es);
+    uint8_t *mask = malloc(n), *want = malloc(n);
+    for (size_t i = 0; i < n; i++) want[i] = ref_keep(st, i, p);
+    float scale = (float)(p < 1 ? 1 / (1 - p) : 0);
+    int threads0 = ampc_get_num_threads();
+    for (int threads = 1; threads <= 2; threads++) {
+        ampc_set_num_threads(threads);
+        memset(mask, 0xAA, n);   /* a byte the kernel leaves unwritten fails */
+        ASSERT_OK(be->dropout(x, y, mask, p, st));
+        ASSERT_OK(be->dropout_backward(gy, mask, p, gx));
+        for (size_t i = 0; i < n; i++) {
+            float s = want[i] ? scale : 0.0f;
+            uint32_t wy = ref_bits(dt, ref_load(dt, xb, i) * s), wg = ref_bits(dt, ref_load(dt, gb, i) * s);
+            uint32_t yb = raw_bits(dt, ampc_tensor_cdata(y), i), gxb = raw_bits(dt, ampc_tensor_cdata(gx), i);
+            if (mask[i] != want[i] || yb != wy || gxb != wg)
+                fail_msg("dropout %s p %g, %d threads, element %zu of %zu: mask %d (want %d), x %#x -> y %#x (want %#x), "
+                         "gy %#x -> gx %#x (want %#x)", ampc_dtype_name(dt), p, threads, i, n, mask[i], want[i],
+                         raw_bits(dt, xb, i), yb, wy, raw_bits(dt, gb, i), gxb, wg);
+        }
+    }
+    ampc_set_num_threads(threads0);
+    free(mask);
+    free(want);
+    ampc_scope_end();
+}
+
+/* p: 2^-24 keeps all but a draw of 0 (scale f32(1/(1-2^-24)) = 1 + 2^-23 rounds), 0.1 an
+   inexact scale, 0.5 doubles (overflow to inf), 1 drops all (x * 0: NaN for inf). */
+static const double bit_ps[] = {0x1p-24, 0.1, 0.5, 0.75, 1.0};
+
+static void test_dropout_bits_16bit_exhaustive(void **state) {
+    (void)state;
+    /* every f16/bf16 pattern as x, and again in another order as gy; an offset whose blocks
+       cross 2^32 (counter word 1) and a seed with both key words set */
+    enum { N = 65536 };
+    uint16_t *xb = malloc(N * sizeof *xb), *gb = malloc(N * sizeof *gb);
+    for (uint32_t i = 0; i < N; i++) {
+        xb[i] = (uint16_t)i;
+        gb[i] = (uint16_t)(i * 40503u);   /* odd multiplier: a permutation */
+    }
+    const ampc_dtype dts[] = {AMPC_BF16, AMPC_F16};
+    for (int d = 0; d < 2; d++)
+        for (size_t k = 0; k < sizeof bit_ps / sizeof *bit_ps; k++)
+            check_dropout_bits(dts[d], xb, gb, N, bit_ps[k], (ampc_rng_state){0x0123456789abcdefull + k, 0xffffffffull - 1000});
+    free(xb);
+    free(gb);
+}
+
+static void test_dropout_bits_f32(void **state) {
+    (void)state;
+    /* specials, then random bit patterns (every exponent); an odd length ends in a partial block */
+    const size_t n = 100003;
+    static const uint32_t special[] = {0, 0x80000000u, 0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00001u, 0x7f800001u,
+                                       0x00000001u, 0x807fffffu, 0x00800000u, 0x7f7fffffu, 0xff7fffffu, 0x3f800000u};
+    const size_t ns = sizeof special / sizeof *special;
+    uint32_t *xb = malloc(n * 4), *gb = malloc(n * 4);
+    uint64_t s = 0x9E3779B97F4A7C15ull;
+    for (size_t i = 0; i < n; i++) {
+        s ^= s << 13, s ^= s >> 7, s ^= s << 17;   /* xorshift64 */
+        xb[i] = i < ns ? special[i] : (uint32_t)s;
+        gb[i] = i < ns ? special[ns - 1 - i] : (uint32_t)(s >> 32);
+    }
+    for (size_t k = 0; k < sizeof bit_ps / sizeof *bit_ps; k++)
+        check_dropout_bits(AMPC_F32, xb, gb, n, bit_ps[k], (ampc_rng_state){77 + k, 12345});
+    free(xb);
+    free(gb);
+}
+
 static void test_dropout_modes_and_errors(void **state) {
     (void)state;
     ampc_scope_begin();
@@ -570,6 +720,9 @@ int main(void) {
         cmocka_unit_test(test_mse_values_and_errors),
         cmocka_unit_test(test_dropout_op_check),
         cmocka_unit_test(test_dropout_mask),
+        cmocka_unit_test(test_dropout_reference_philox),
+        cmocka_unit_test(test_dropout_bits_16bit_exhaustive),
+        cmocka_unit_test(test_dropout_bits_f32),
         cmocka_unit_test(test_dropout_modes_and_errors),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
