@@ -29,9 +29,6 @@
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-/* The allocator's block size for a request (src/core/alloc.c). */
-static size_t size_class(size_t n) { return ampc__mem_block_size(n); }
-
 static const char *torch_dtype(ampc_dtype dt) {
     switch (dt) {
     case AMPC_F32: return "float32";
@@ -130,7 +127,8 @@ static size_t state_bytes(ampc_module *m) {
     ampc_tensor **t;
     int n = ampc_module_state_dict(m, &t, NULL);
     size_t bytes = 0;
-    for (int i = 0; i < n; i++) bytes += size_class((size_t)ampc_tensor_numel(t[i]) * ampc_dtype_size(ampc_tensor_dtype(t[i])));
+    for (int i = 0; i < n; i++)
+        bytes += ampc__mem_block_size((size_t)ampc_tensor_numel(t[i]) * ampc_dtype_size(ampc_tensor_dtype(t[i])));
     return bytes;
 }
 
@@ -438,7 +436,8 @@ static void test_find_replace(void **state) {
     int n = ampc_module_state_dict(m, &t, &names);
     int np = ampc_module_parameters(m, NULL, NULL);
     ASSERT_OK(ampc_module_replace(m, "fc", ampc_linear_new(512, 10, true)));
-    size_t freed = size_class(1000 * 512 * 4) + size_class(1000 * 4), added = size_class(10 * 512 * 4) + size_class(10 * 4);
+    size_t freed = ampc__mem_block_size(1000 * 512 * 4) + ampc__mem_block_size(1000 * 4);
+    size_t added = ampc__mem_block_size(10 * 512 * 4) + ampc__mem_block_size(10 * 4);
     assert_int_equal(ampc_memory_stats().current[AMPC_MEM_PARAMETERS], mem0 - freed + added);
     const char **names2;
     assert_int_equal(ampc_module_state_dict(m, &t, &names2), n);   /* the flat lists were rebuilt */

@@ -164,9 +164,9 @@ static ampc_tensor *cached_cast(ampc_tensor *x, ampc_dtype dt) {
         if (h ? !h->released : !ampc__needs_grad(&x, 1)) return ampc__retain(cache[slot].value);
     }
     /* cached copies live until the region ends, like weights: their own memory kind */
-    ampc_mem_kind prev = can_cache ? ampc__mem_kind_push(AMPC_MEM_CASTS) : AMPC_MEM_ACTIVATIONS;
+    ampc_mem_kind prev = ampc__mem_kind_push(can_cache ? AMPC_MEM_CASTS : ampc__current_mem_kind());
     ampc_tensor *y = ampc__cast_record(x, dt);
-    if (can_cache) ampc__mem_kind_pop(prev);
+    ampc__mem_kind_pop(prev);
     if (!y || !can_cache) return y;
     if (slot >= 0) {
         ampc__release(cache[slot].value);

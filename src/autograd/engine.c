@@ -125,14 +125,14 @@ ampc_mem_kind ampc__grad_kind(const ampc_node *n, int i) {
 }
 
 /* Only the engine holds g (and its storage): it may be reused or modified in place. */
-static bool exclusive(const ampc_tensor *g) {
+bool ampc__grad_exclusive(const ampc_tensor *g) {
     return atomic_load(&g->refcount) == 1 && atomic_load(&g->storage->refcount) == 1;
 }
 
 /* *acc += g; takes the caller's reference to g. */
 static int accumulate_into(ampc_tensor **acc, ampc_tensor *g, ampc_mem_kind kind) {
     if (!*acc) {
-        if (exclusive(g)) {
+        if (ampc__grad_exclusive(g)) {
             ampc__storage_set_kind(g->storage, kind);
             *acc = g;
             return AMPC_OK;
@@ -157,7 +157,7 @@ static int accumulate_into(ampc_tensor **acc, ampc_tensor *g, ampc_mem_kind kind
                          ampc_dtype_name(g->dtype), ampc__shape_str(a, s2, sizeof s2), ampc_dtype_name(a->dtype));
     }
     int rc;
-    if (exclusive(a)) {
+    if (ampc__grad_exclusive(a)) {
         rc = ampc__backend(a->device)->binary(AMPC_BINARY_ADD, a, g, a);
     } else {   /* someone else sees a: add out of place */
         ampc_mem_kind prev = ampc__mem_kind_push(kind);
@@ -178,8 +178,6 @@ static int accumulate_into(ampc_tensor **acc, ampc_tensor *g, ampc_mem_kind kind
 int ampc__accumulate_grad(ampc_tensor *leaf, ampc_tensor *g) {
     return accumulate_into(&leaf->grad, ampc__retain(g), AMPC_MEM_GRADIENTS);
 }
-
-bool ampc__grad_exclusive(const ampc_tensor *g) { return exclusive(g); }
 
 // ---------------------------------------------------------------------------------------------
 // Backward

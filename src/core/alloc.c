@@ -65,17 +65,15 @@ static size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 
 /* Size class: 64-byte granularity up to 4 KiB, then 16 classes per power of two (<= 6% waste);
    large requests: 4 KiB granularity (plus the red zone in sanitizer builds). */
-static size_t round_size(size_t n);
-size_t ampc__mem_block_size(size_t nbytes) { return round_size(nbytes); }
-
 static size_t round_size(size_t n) {
     if (n == 0) n = 1;
     if (n <= 4096) return (n + 63) & ~(size_t)63;
     if (n >= LARGE_MIN) return round_up(n, LARGE_ALIGN) + REDZONE;
     size_t p = (size_t)1 << (63 - __builtin_clzll((unsigned long long)n));   /* p <= n < 2p */
-    size_t step = p / 16;
-    return (n + step - 1) / step * step;
+    return round_up(n, p / 16);
 }
+
+size_t ampc__mem_block_size(size_t nbytes) { return round_size(nbytes); }
 
 static bucket *find_bucket(ampc_device dev, size_t size, bool create) {
     size_t h = (size * 0x9E3779B97F4A7C15ull) >> 54;   /* 10 bits */

@@ -129,11 +129,7 @@ ampc_tensor *ampc__k_binary(ampc_binary_op op, ampc_tensor *a, ampc_tensor *b) {
     return finish_kernel(out, BACKEND_CALL(a, binary, op, a, b, out));
 }
 
-ampc_tensor *ampc__k_sum_to(ampc_tensor *x, int ndim, const int64_t *shape, double alpha) {
-    return ampc__k_sum_to_out(x, x->dtype, ndim, shape, alpha);
-}
-
-ampc_tensor *ampc__k_sum_to_out(ampc_tensor *x, ampc_dtype out_dt, int ndim, const int64_t *shape, double alpha) {
+static ampc_tensor *sum_to_in(ampc_tensor *x, ampc_dtype out_dt, int ndim, const int64_t *shape, double alpha) {
     ampc_tensor *out = ampc__tensor_new(out_dt, x->device, ndim, shape);
     if (!out) return NULL;
     return finish_kernel(out, BACKEND_CALL(x, sum_to, x, out, alpha));
@@ -145,21 +141,40 @@ ampc_tensor *ampc__k_expand(ampc_tensor *x, int ndim, const int64_t *shape, doub
     return finish_kernel(out, BACKEND_CALL(x, expand, x, out, alpha));
 }
 
-ampc_tensor *ampc__k_gemm(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b, ampc_tensor *bias, int ndim,
-                          const int64_t *out_shape) {
-    return ampc__k_gemm_out(d, a, b, bias, a->dtype, ndim, out_shape);
+ampc_tensor *ampc__k_sum_to(ampc_tensor *x, int ndim, const int64_t *shape, double alpha) {
+    return sum_to_in(x, x->dtype, ndim, shape, alpha);
 }
 
-ampc_tensor *ampc__k_gemm_out(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b, ampc_tensor *bias,
-                              ampc_dtype out_dt, int ndim, const int64_t *out_shape) {
+static ampc_tensor *gemm_in(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b, ampc_tensor *bias,
+                            ampc_dtype out_dt, int ndim, const int64_t *out_shape) {
     ampc_tensor *c = ampc__tensor_new(out_dt, a->device, ndim, out_shape);
     if (!c) return NULL;
     return finish_kernel(c, BACKEND_CALL(a, gemm, d, a, b, bias, c));
 }
 
+ampc_tensor *ampc__k_gemm(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b, ampc_tensor *bias, int ndim,
+                          const int64_t *out_shape) {
+    return gemm_in(d, a, b, bias, a->dtype, ndim, out_shape);
+}
+
 ampc_dtype ampc__wgrad_dtype(const ampc_node *n, int i, ampc_dtype compute) {
     bool narrow = compute == AMPC_BF16 || compute == AMPC_F16;
     return narrow && ampc__grad_dtype(n, i) == AMPC_F32 ? AMPC_F32 : compute;
+}
+
+ampc_tensor *ampc__k_wgrad_gemm(const ampc_node *n, int i, const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b,
+                                int ndim, const int64_t *out_shape) {
+    ampc_mem_kind prev = ampc__mem_kind_push(ampc__grad_kind(n, i));
+    ampc_tensor *c = gemm_in(d, a, b, NULL, ampc__wgrad_dtype(n, i, a->dtype), ndim, out_shape);
+    ampc__mem_kind_pop(prev);
+    return c;
+}
+
+ampc_tensor *ampc__k_wgrad_sum_to(const ampc_node *n, int i, ampc_tensor *x, int ndim, const int64_t *shape) {
+    ampc_mem_kind prev = ampc__mem_kind_push(ampc__grad_kind(n, i));
+    ampc_tensor *s = sum_to_in(x, ampc__wgrad_dtype(n, i, x->dtype), ndim, shape, 1.0);
+    ampc__mem_kind_pop(prev);
+    return s;
 }
 
 // ---------------------------------------------------------------------------------------------

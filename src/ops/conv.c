@@ -141,9 +141,7 @@ static int conv2d_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
         else if (!be->conv2d_backward_weights) rc = ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d_backward_weights on device %s", be->name);
         else rc = be->conv2d_backward_weights(&d, n->saved[0], gy, gx[1], gx[2]);
     } else if (rc >= 0 && n->next[2]) {   /* gb alone: gy summed over (N, OH, OW) */
-        ampc_mem_kind prev = ampc__mem_kind_push(ampc__grad_kind(n, 2));
-        ampc_tensor *s = ampc__k_sum_to_out(gy, ampc__wgrad_dtype(n, 2, dt), 3, (int64_t[]){d.O, 1, 1}, 1.0);
-        ampc__mem_kind_pop(prev);
+        ampc_tensor *s = ampc__k_wgrad_sum_to(n, 2, gy, 3, (int64_t[]){d.O, 1, 1});
         gx[2] = s ? ampc__tensor_view(s, 1, (int64_t[]){d.O}) : NULL;
         ampc__release(s);
         if (!gx[2]) rc = ampc_last_status();

@@ -67,15 +67,11 @@ static int linear_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
     /* dw and db: straight into fp32 under autocast, allocated as the gradients they become */
     if (rc >= 0 && n->next[1]) {   /* dw (out, in) = gy^T (out, M) @ x (M, in) */
         ampc_gemm_desc d = {.batch = 1, .M = out, .N = in, .K = M, .ta = true};
-        ampc_mem_kind prev = ampc__mem_kind_push(ampc__grad_kind(n, 1));
-        gx[1] = ampc__k_gemm_out(&d, gy, n->saved[0], NULL, ampc__wgrad_dtype(n, 1, gy->dtype), 2, (int64_t[]){out, in});
-        ampc__mem_kind_pop(prev);
+        gx[1] = ampc__k_wgrad_gemm(n, 1, &d, gy, n->saved[0], 2, (int64_t[]){out, in});
         if (!gx[1]) rc = ampc_last_status();
     }
     if (rc >= 0 && n->next[2]) {   /* db (out) = gy summed over rows */
-        ampc_mem_kind prev = ampc__mem_kind_push(ampc__grad_kind(n, 2));
-        gx[2] = ampc__k_sum_to_out(gy, ampc__wgrad_dtype(n, 2, gy->dtype), 1, (int64_t[]){out}, 1.0);
-        ampc__mem_kind_pop(prev);
+        gx[2] = ampc__k_wgrad_sum_to(n, 2, gy, 1, (int64_t[]){out});
         if (!gx[2]) rc = ampc_last_status();
     }
     ampc__release(gy);
@@ -222,10 +218,7 @@ static int matmul_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
         ampc_gemm_desc d;
         if (p.mode == MM_FOLD) d = (ampc_gemm_desc){.batch = 1, .M = K, .N = N, .K = p.a_batch * M, .ta = true};
         else d = (ampc_gemm_desc){p.batch, K, N, M, true, false, p.mode == MM_SAME ? M * K : 0, M * N, K * N};
-        ampc_mem_kind prev = ampc__mem_kind_push(ampc__grad_kind(n, 1));
-        gx[1] = ampc__k_gemm_out(&d, n->saved[0], gy, NULL, ampc__wgrad_dtype(n, 1, gy->dtype), n->in[1].ndim,
-                                 n->in[1].shape);
-        ampc__mem_kind_pop(prev);
+        gx[1] = ampc__k_wgrad_gemm(n, 1, &d, n->saved[0], gy, n->in[1].ndim, n->in[1].shape);
         if (!gx[1]) rc = ampc_last_status();
     }
     ampc__release(gy);

@@ -48,16 +48,17 @@ ampc_tensor *ampc__k_unary_backward(ampc_unary_op op, ampc_tensor *x, ampc_tenso
 ampc_tensor *ampc__k_unary_backward_over(ampc_unary_op op, ampc_tensor *x, ampc_tensor *y, ampc_tensor *gy,
                                          double alpha);
 ampc_tensor *ampc__k_binary(ampc_binary_op op, ampc_tensor *a, ampc_tensor *b);
-/* x summed down to shape (broadcast-compatible), times alpha, in x's dtype; _out: in dtype
-   out_dt (x's, or f32 for 16-bit x: see backend.h) */
+/* x summed down to shape (broadcast-compatible), times alpha, in x's dtype */
 ampc_tensor *ampc__k_sum_to(ampc_tensor *x, int ndim, const int64_t *shape, double alpha);
-ampc_tensor *ampc__k_sum_to_out(ampc_tensor *x, ampc_dtype out_dt, int ndim, const int64_t *shape, double alpha);
 ampc_tensor *ampc__k_expand(ampc_tensor *x, int ndim, const int64_t *shape, double alpha);
 ampc_tensor *ampc__k_gemm(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b,
                           ampc_tensor *bias, int ndim, const int64_t *out_shape);
-/* The gemm into an out_dt result (a's dtype, or f32 for 16-bit a and no bias) */
-ampc_tensor *ampc__k_gemm_out(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b, ampc_tensor *bias,
-                              ampc_dtype out_dt, int ndim, const int64_t *out_shape);
+/* The same two kernels producing the gradient of input i of node n (a weight or a bias): in
+   ampc__wgrad_dtype (f32 straight from the accumulator under autocast) and allocated as the
+   memory kind it ends as (ampc__grad_kind). */
+ampc_tensor *ampc__k_wgrad_gemm(const ampc_node *n, int i, const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b,
+                                int ndim, const int64_t *out_shape);
+ampc_tensor *ampc__k_wgrad_sum_to(const ampc_node *n, int i, ampc_tensor *x, int ndim, const int64_t *shape);
 
 /* The dtype for the gradient of input i of node n computed from `compute`-dtype operands: f32
    when the engine keeps it in f32 (ampc__grad_dtype) and compute is 16-bit (the kernels write

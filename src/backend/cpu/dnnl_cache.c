@@ -121,7 +121,8 @@ fail:
     return rc;
 }
 
-dnnl_status_t ampc__dnnl_exec(ampc_dnnl_entry *e, void *const *handles, void *scratch, int slot) {
+/* Binds the handles (and the scratchpad, when the entry has one), executes on stream and waits. */
+static dnnl_status_t exec_on(ampc_dnnl_entry *e, void *const *handles, void *scratch, dnnl_stream_t stream) {
     dnnl_exec_arg_t args[AMPC_DNNL_MAX_ARGS + 1];
     dnnl_status_t st = dnnl_success;
     for (int i = 0; i < e->n_args && st == dnnl_success; i++) {
@@ -133,31 +134,22 @@ dnnl_status_t ampc__dnnl_exec(ampc_dnnl_entry *e, void *const *handles, void *sc
         st = dnnl_memory_set_data_handle(e->scratch, scratch);
         args[n++] = (dnnl_exec_arg_t){DNNL_ARG_SCRATCHPAD, e->scratch};
     }
-    if (st == dnnl_success) st = dnnl_primitive_execute(e->prim, D.streams[slot], n, args);
-    return st == dnnl_success ? dnnl_stream_wait(D.streams[slot]) : st;
+    if (st == dnnl_success) st = dnnl_primitive_execute(e->prim, stream, n, args);
+    return st == dnnl_success ? dnnl_stream_wait(stream) : st;
+}
+
+dnnl_status_t ampc__dnnl_exec(ampc_dnnl_entry *e, void *const *handles, void *scratch, int slot) {
+    return exec_on(e, handles, scratch, D.streams[slot]);
 }
 
 int ampc__dnnl_run(ampc_dnnl_entry *e, void *const *handles) {
-    int rc = AMPC_OK;
-    dnnl_exec_arg_t args[AMPC_DNNL_MAX_ARGS + 1];
     void *scratch = NULL;
     size_t block = 0;
-    for (int i = 0; i < e->n_args; i++) {
-        AMPC_DNNL_TRY(dnnl_memory_set_data_handle(e->mem[i], handles[i]), "set_data_handle");
-        args[i] = (dnnl_exec_arg_t){e->arg[i], e->mem[i]};
-    }
-    int n = e->n_args;
-    if (e->scratch_bytes) {
-        scratch = ampc__alloc(AMPC_DEVICE_CPU, e->scratch_bytes, AMPC_MEM_WORKSPACE, &block);
-        if (!scratch) return ampc_last_status();
-        AMPC_DNNL_TRY(dnnl_memory_set_data_handle(e->scratch, scratch), "set_data_handle");
-        args[n++] = (dnnl_exec_arg_t){DNNL_ARG_SCRATCHPAD, e->scratch};
-    }
-    AMPC_DNNL_TRY(dnnl_primitive_execute(e->prim, D.stream, n, args), "execute");
-    AMPC_DNNL_TRY(dnnl_stream_wait(D.stream), "stream_wait");
-fail:
+    if (e->scratch_bytes && !(scratch = ampc__alloc(AMPC_DEVICE_CPU, e->scratch_bytes, AMPC_MEM_WORKSPACE, &block)))
+        return ampc_last_status();
+    dnnl_status_t st = exec_on(e, handles, scratch, D.stream);
     ampc__free(AMPC_DEVICE_CPU, scratch, block, AMPC_MEM_WORKSPACE);
-    return rc;
+    return st == dnnl_success ? AMPC_OK : ampc__err(AMPC_ERR_BACKEND, "oneDNN execute: %s", dnnl_status2str(st));
 }
 
 const char *ampc__dnnl_impl(const ampc_dnnl_entry *e) {
