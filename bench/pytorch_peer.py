@@ -9,6 +9,8 @@ cannot see it). Never needed by the build or the tests.
                                                                 ampc and PyTorch, one table
     options: --workloads mlp,cnn,resnet18[,resnet50] --modes fp32,amp-bf16[,amp-fp16]
              --steps N --warmup N --threads N --repeat R --json FILE
+             --channels-last yes|no (PyTorch's conv nets; default no, PyTorch's default)
+             --ampc-channels-last yes|no (ampc-bench's --channels-last; default yes, its default)
 
 The same workloads as ampc-bench (tools/ampc-bench.c), same shapes, same step: forward under
 torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp), F.cross_entropy, backward,
@@ -117,7 +119,7 @@ def reset_hwm():
         return False
 
 
-def run_one(name, mode, steps, warmup, threads):
+def run_one(name, mode, steps, warmup, threads, channels_last=False):
     import gc
     import torch
     import torch.nn.functional as F
@@ -129,6 +131,9 @@ def run_one(name, mode, steps, warmup, threads):
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(batch, *shape)
     y = torch.randint(0, classes, (batch,))
+    if channels_last and name != "mlp":   # PyTorch's recipe: model and input both channels_last
+        model = model.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
     amp = mode == "amp-bf16"
 
     def step():
@@ -205,7 +210,7 @@ def peer_env(args):
 
 def run_peer_config(args, name, mode):
     cmd = [sys.executable, os.path.abspath(__file__), "--one", name, mode, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--threads", str(args.threads)]
+           "--warmup", str(args.warmup), "--threads", str(args.threads), "--channels-last", args.channels_last]
     p = subprocess.run(cmd, capture_output=True, text=True, env=peer_env(args))
     if p.returncode != 0:
         sys.stderr.write(p.stderr)
@@ -221,7 +226,8 @@ def run_ampc_config(args, name, mode, peak=False):
             cmd = [args.ampc_bench, "--peak", "--threads", str(args.threads), "--json", path]
         else:
             cmd = [args.ampc_bench, "--workloads", name, "--modes", mode, "--steps", str(args.steps), "--warmup",
-                   str(args.warmup), "--threads", str(args.threads), "--no-peak", "--json", path]
+                   str(args.warmup), "--threads", str(args.threads), "--no-peak", "--json", path,
+                   "--channels-last", args.ampc_channels_last]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
             sys.stderr.write(p.stdout + p.stderr)
@@ -286,6 +292,8 @@ def print_table(args, peak, rows):
     print(f"\nampc vs PyTorch {args.torch_version} (fp32 Linear on {blas} BLAS): {args.threads} threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, {args.steps} timed steps after "
           f"{args.warmup} warm-up, median of {args.repeat} run(s) of each (one process per run)")
+    fmt = {"yes": "channels-last", "no": "contiguous (NCHW)"}
+    print(f"conv nets: ampc {fmt[args.ampc_channels_last]}, PyTorch {fmt[args.channels_last]}")
     if peak:
         print(f"peak on {peak['threads']} threads (per-core x threads): fp32 {peak['fp32_gflops_peak']:.0f} GFLOP/s, "
               f"bf16 {peak['bf16_gflops_peak']:.0f} GFLOP/s (measured on all threads at once: "
@@ -323,10 +331,15 @@ def main():
     ap.add_argument("--blas", choices=("openblas", "system"), default="openblas",
                     help="BLAS for PyTorch's fp32 Linear (default openblas; system: as installed)")
     ap.add_argument("--openblas-dir", default="build/peer-openblas", help="where to unpack OpenBLAS if not installed")
+    ap.add_argument("--channels-last", choices=("yes", "no"), default="no",
+                    help="PyTorch's conv nets and inputs in torch.channels_last (default no: PyTorch's default)")
+    ap.add_argument("--ampc-channels-last", choices=("yes", "no"), default="yes",
+                    help="ampc-bench --channels-last (default yes: ampc-bench's default)")
     ap.add_argument("--one", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one[0], args.one[1], args.steps, args.warmup, args.threads)))
+        print(json.dumps(run_one(args.one[0], args.one[1], args.steps, args.warmup, args.threads,
+                                 args.channels_last == "yes")))
         return
     args.workloads = [w for w in args.workloads.split(",") if w]
     if args.resnet50 and "resnet50" not in args.workloads:

@@ -154,10 +154,16 @@ void ampc_memory_set_limit(size_t bytes);
 void ampc_memory_empty_cache(void);   /* returns cached blocks to the system */
 
 // ---------------------------------------------------------------------------------------------
-// Tensors (contiguous, row-major, up to AMPC_MAX_DIMS dimensions)
+// Tensors (contiguous, row-major, up to AMPC_MAX_DIMS dimensions; 4-D ones may be channels-last)
 
 #define AMPC_MAX_DIMS 8
 typedef struct ampc_tensor ampc_tensor;
+
+/* How a tensor's elements lie in storage (PyTorch's torch.contiguous_format and
+   torch.channels_last). The shape is the same either way: a channels-last (N, C, H, W) tensor
+   stores element (n, c, h, w) at ((n * H + h) * W + w) * C + c, the layout oneDNN's
+   convolutions run in without reordering. Only 4-D tensors can be channels-last. */
+typedef enum { AMPC_CONTIGUOUS_FORMAT = 0, AMPC_CHANNELS_LAST = 1 } ampc_memory_format;
 
 /* New tensors belong to the current scope. Shape values must be >= 0. */
 ampc_tensor *ampc_tensor_empty(ampc_dtype dt, int ndim, const int64_t *shape);
@@ -181,6 +187,7 @@ int ampc_tensor_ndim(const ampc_tensor *t);
 int64_t ampc_tensor_dim(const ampc_tensor *t, int i);   /* negative i counts from the end */
 const int64_t *ampc_tensor_shape(const ampc_tensor *t);
 int64_t ampc_tensor_numel(const ampc_tensor *t);
+ampc_memory_format ampc_tensor_memory_format(const ampc_tensor *t);
 void *ampc_tensor_data(ampc_tensor *t);                 /* raw storage, in the tensor's dtype */
 const void *ampc_tensor_cdata(const ampc_tensor *t);
 /* Copy out converting to f32/f64 (n must be >= numel). */
@@ -225,6 +232,13 @@ bool ampc_grad_enabled(void);
 // autocast (see ampc_op_policy). Outputs belong to the current scope.
 
 typedef enum { AMPC_REDUCTION_MEAN = 0, AMPC_REDUCTION_SUM, AMPC_REDUCTION_NONE } ampc_reduction;
+
+/* The same values in memory format fmt (a copy; x itself when it already has it), recorded
+   for autograd: the gradient comes back in x's format. Conv nets run fastest channels-last:
+   convert the input batch once and conv2d, batch norm, pooling and elementwise ops keep the
+   format; ops without channels-last kernels (reshape, linear, losses, ...) convert their
+   input back to contiguous themselves, so any op takes either format. */
+ampc_tensor *ampc_to_memory_format(ampc_tensor *x, ampc_memory_format fmt);
 
 ampc_tensor *ampc_add(ampc_tensor *a, ampc_tensor *b);   /* broadcasting, numpy rules */
 ampc_tensor *ampc_sub(ampc_tensor *a, ampc_tensor *b);
@@ -378,6 +392,10 @@ typedef struct {
     int64_t num_classes;   /* 0: 10 for mlp/cnn, 1000 for resnets */
     int64_t in_channels;   /* 0: 1 for mlp/cnn, 3 for resnets */
     bool small_input;
+    /* CHANNELS_LAST: cnn and the ResNets convert their input to channels-last once and run
+       their convolutions, norms and pooling in it (faster on CPU: no layout reorders); the
+       values computed are the same up to summation order. Default: contiguous, as PyTorch. */
+    ampc_memory_format memory_format;
 } ampc_model_options;
 ampc_module *ampc_model_new(const char *name, const ampc_model_options *opts);
 /* Child by dotted path ("fc", "layer1.0.conv1"; "" is m itself, as get_submodule), or NULL

@@ -82,11 +82,14 @@ static const mode MODES[] = {
 };
 enum { N_MODES = sizeof MODES / sizeof *MODES };
 
+static bool g_channels_last = true;   /* --channels-last yes|no */
+
 static ampc_module *build(const workload *w) {
     if (!strcmp(w->name, "mlp"))
         return ampc_sequential(6, ampc_flatten_new(), ampc_linear_new(784, 2048, true), ampc_relu_new(),
                                ampc_linear_new(2048, 2048, true), ampc_relu_new(), ampc_linear_new(2048, 10, true));
-    ampc_model_options o = {.num_classes = w->classes, .in_channels = w->shape[1]};
+    ampc_model_options o = {.num_classes = w->classes, .in_channels = w->shape[1],
+                            .memory_format = g_channels_last ? AMPC_CHANNELS_LAST : AMPC_CONTIGUOUS_FORMAT};
     o.small_input = !strcmp(w->name, "resnet18");
     return ampc_model_new(w->name, &o);
 }
@@ -500,6 +503,7 @@ static void usage(FILE *f) {
             "  --no-peak         skip the peak measurement (no %%peak column)\n"
             "  --profile         after each config, time each kernel over extra steps\n"
             "  --json FILE       write the results as JSON (default: none)\n"
+            "  --channels-last yes|no  cnn/ResNet activations channels-last (default yes)\n"
             "  --help            this text\n");
 }
 
@@ -546,7 +550,8 @@ int main(int argc, char **argv) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         bool takes = !strcmp(a, "--workloads") || !strcmp(a, "--modes") || !strcmp(a, "--steps") ||
-                     !strcmp(a, "--warmup") || !strcmp(a, "--threads") || !strcmp(a, "--json");
+                     !strcmp(a, "--warmup") || !strcmp(a, "--threads") || !strcmp(a, "--json") ||
+                     !strcmp(a, "--channels-last");
         if (takes && !v) {
             fprintf(stderr, "ampc-bench: %s needs a value\n", a);
             return 2;
@@ -562,6 +567,13 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--warmup")) rc = parse_int(a, v, 0, &s.warmup);
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 1, &threads);
         else if (!strcmp(a, "--json")) json = v;
+        else if (!strcmp(a, "--channels-last")) {
+            if (strcmp(v, "yes") && strcmp(v, "no")) {
+                fprintf(stderr, "ampc-bench: --channels-last takes yes or no, not '%s'\n", v);
+                rc = -1;
+            }
+            g_channels_last = !strcmp(v, "yes");
+        }
         else if (!strcmp(a, "--peak")) peak_only = true;
         else if (!strcmp(a, "--no-peak")) no_peak = true;
         else if (!strcmp(a, "--profile")) s.profile = true;
@@ -583,9 +595,9 @@ int main(int argc, char **argv) {
     const char *wait_policy = wp ? wp : "unset";
     char load0[64], load1[64];
     loadavg(load0, sizeof load0);
-    printf("ampc-bench: %d threads, OMP_WAIT_POLICY=%s, cpu: %s, oneDNN %d.%d.%d, load average %s\n",
+    printf("ampc-bench: %d threads, OMP_WAIT_POLICY=%s, cpu: %s, oneDNN %d.%d.%d, conv nets %s, load average %s\n",
            ampc_get_num_threads(), wait_policy, ampc_cpu_features(), dnnl_version()->major, dnnl_version()->minor,
-           dnnl_version()->patch, load0);
+           dnnl_version()->patch, g_channels_last ? "channels-last" : "contiguous (NCHW)", load0);
 
     if (!no_peak || peak_only) {
         bench_peak_measure(&s.peak, ampc_get_num_threads(), peak_only ? 0.2 : 0.1);

@@ -24,6 +24,7 @@ typedef struct {
     int ndim;
     int64_t shape[AMPC_MAX_DIMS];
     ampc_dtype dtype;
+    ampc_memory_format format;   /* the engine hands the input's gradient over in this format */
 } ampc_meta;
 
 struct ampc_node {

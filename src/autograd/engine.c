@@ -90,6 +90,7 @@ ampc_node *ampc__node_new(const char *name, ampc_backward_fn fn, ampc_tensor *co
         node->in[i].ndim = t->ndim;
         memcpy(node->in[i].shape, t->shape, sizeof t->shape);
         node->in[i].dtype = t->dtype;
+        node->in[i].format = t->format;
         if (!t->requires_grad) continue;
         node->next[i] = t->grad_fn ? ampc__node_retain(t->grad_fn) : grad_acc_for(t);
         if (!node->next[i]) {
@@ -267,8 +268,10 @@ static int run_node(ampc_node *n) {
            the wider dtype a pass_wide cast keeps (every gradient it receives is widened, so
            its sum is taken in that dtype) */
         ampc_dtype gdt = ampc__grad_dtype(n, i);
-        if (g->dtype != gdt) {
-            ampc_tensor *c = ampc__k_cast(g, gdt);
+        /* and the input's memory format: each backward receives its output's gradient in the
+           output's format, whatever format the consumer's kernels produced */
+        if (g->dtype != gdt || g->format != n->in[i].format) {
+            ampc_tensor *c = ampc__k_convert(g, gdt, n->in[i].format);
             ampc__release(g);
             if (!c) { rc = ampc_last_status(); continue; }
             g = c;
@@ -300,7 +303,7 @@ int ampc_backward_with_grad(ampc_tensor *out, ampc_tensor *grad) {
         return ampc__err(AMPC_ERR_SHAPE, "gradient of shape %s for an output of shape %s",
                          ampc__shape_str(grad, s1, sizeof s1), ampc__shape_str(out, s2, sizeof s2));
     }
-    ampc_tensor *g = grad->dtype == out->dtype ? ampc__retain(grad) : ampc__k_cast(grad, out->dtype);
+    ampc_tensor *g = ampc__k_convert(grad, out->dtype, out->format);
     if (!g) return ampc_last_status();
     if (!out->grad_fn) {   /* a leaf: its gradient is the given one */
         int rc = ampc__accumulate_grad(out, g);

@@ -3,7 +3,8 @@
  *
  * Ops (src/ops) check shapes and dtypes, then call ampc__backend(dev)->kernel(...). Nothing
  * above src/backend/ knows which table runs. A NULL entry means "not supported here": the op
- * reports AMPC_ERR_UNSUPPORTED. All tensors given to kernels are contiguous; kernels never
+ * reports AMPC_ERR_UNSUPPORTED. All tensors given to kernels are dense, row-major unless a 4-D
+ * one is channels-last (format) where the kernel says it takes that; kernels never
  * allocate tensors, only scratch through ampc__alloc(..., AMPC_MEM_WORKSPACE, ...).
  *
  * CPU (src/backend/cpu): f32/f16/bf16 storage, f32 compute, oneDNN for matmul.
@@ -62,6 +63,7 @@ typedef struct {
 typedef struct {
     int64_t N, C, H, W, O, KH, KW, OH, OW;
     int stride[2], padding[2], dilation[2], groups;
+    bool channels_last;   /* x, y, gx, gy stored N, H, W, C (w stays OIHW) */
 } ampc_conv_desc;
 
 /* 2-D pooling of x (N, C, H, W) into y (N, C, OH, OW). Window o covers rows
@@ -78,16 +80,21 @@ typedef struct {
     ampc_pool_kind kind;
     int64_t N, C, H, W, OH, OW;
     int kernel[2], stride[2], pad_begin[2], pad_end[2];
+    bool channels_last;   /* x, y, gx, gy stored N, H, W, C */
 } ampc_pool_desc;
 
 typedef struct ampc_backend {
     const char *name;
     bool host_memory;          /* storage readable by the CPU (true for CPU and REF) */
     bool dtypes[AMPC_DTYPE_COUNT];   /* storage dtypes this device holds */
+    /* conv2d, pooling and batch_norm (4-D) take channels-last tensors (ampc_tensor.format);
+       elsewhere, and on backends without it, the ops convert them to contiguous first */
+    bool channels_last;
     void *(*raw_alloc)(size_t nbytes);   /* 64-byte aligned */
     void (*raw_free)(void *p);
 
-    /* dst = src converted (same numel; any dtypes the device holds) */
+    /* dst = src converted (same numel; any dtypes the device holds); when src and dst are
+       4-D of one shape in different memory formats, the elements are permuted too */
     int (*copy)(const ampc_tensor *src, ampc_tensor *dst);
     int (*fill)(ampc_tensor *t, double value);
     /* y = f(x); x and y may be the same tensor */
@@ -151,7 +158,7 @@ typedef struct ampc_backend {
     size_t (*pool2d_workspace_size)(const ampc_pool_desc *d, ampc_dtype dt);
     int (*pool2d)(const ampc_pool_desc *d, const ampc_tensor *x, ampc_tensor *y, void *ws);
     int (*pool2d_backward)(const ampc_pool_desc *d, const ampc_tensor *gy, ampc_tensor *gx, const void *ws);
-    /* Batch norm of x (N, C, spatial...) per channel. Training: batch statistics into
+    /* Batch norm of x (N, C, spatial...) per channel (x, y, gx, gy channels-last when x is). Training: batch statistics into
        save_mean/save_invstd (C, f32; f64 on REF) and running stats updated with momentum
        (unbiased variance); else running stats used (and copied into save_mean and
        1/sqrt(var+eps) into save_invstd). weight/bias (C) f32 or NULL; save_* may be NULL. */

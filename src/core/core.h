@@ -96,6 +96,7 @@ struct ampc_tensor {
     int ndim;
     int64_t shape[AMPC_MAX_DIMS];
     int64_t numel;
+    ampc_memory_format format;   /* CHANNELS_LAST only for 4-D tensors */
     atomic_int refcount;
     bool requires_grad;
     ampc_node *grad_fn;       /* owning ref; NULL for leaves */
@@ -114,7 +115,11 @@ static inline size_t ampc__nbytes(const ampc_tensor *t) { return (size_t)t->nume
 ampc_tensor *ampc__tensor_new(ampc_dtype dt, ampc_device dev, int ndim, const int64_t *shape);
 /* New header sharing t's storage with another shape of the same numel (a view). */
 ampc_tensor *ampc__tensor_view(ampc_tensor *t, int ndim, const int64_t *shape);
+/* New tensor with t's shape, device and memory format, in dtype dt. */
 ampc_tensor *ampc__tensor_like(const ampc_tensor *t, ampc_dtype dt);
+/* New tensor like ampc__tensor_new, in memory format fmt (CHANNELS_LAST needs 4 dims). */
+ampc_tensor *ampc__tensor_new_fmt(ampc_dtype dt, ampc_device dev, int ndim, const int64_t *shape, ampc_memory_format fmt);
+static inline bool ampc__is_cl(const ampc_tensor *t) { return t->format == AMPC_CHANNELS_LAST; }
 ampc_tensor *ampc__retain(ampc_tensor *t);   /* returns t */
 void ampc__release(ampc_tensor *t);          /* NULL: no-op */
 /* Gives the caller's reference to the current scope; returns t (NULL passes through). */

@@ -156,13 +156,25 @@ ampc_tensor *ampc__tensor_new(ampc_dtype dt, ampc_device dev, int ndim, const in
     return t;
 }
 
+ampc_tensor *ampc__tensor_new_fmt(ampc_dtype dt, ampc_device dev, int ndim, const int64_t *shape, ampc_memory_format fmt) {
+    if (fmt != AMPC_CONTIGUOUS_FORMAT && (fmt != AMPC_CHANNELS_LAST || ndim != 4))
+        return ampc__err_null(AMPC_ERR_INVALID, "memory format %d for a %d-D tensor (channels-last needs 4-D)", (int)fmt, ndim);
+    ampc_tensor *t = ampc__tensor_new(dt, dev, ndim, shape);
+    if (t) t->format = fmt;
+    return t;
+}
+
 ampc_tensor *ampc__tensor_like(const ampc_tensor *t, ampc_dtype dt) {
-    return ampc__tensor_new(dt, t->device, t->ndim, t->shape);
+    return ampc__tensor_new_fmt(dt, t->device, t->ndim, t->shape, t->format);
 }
 
 ampc_tensor *ampc__tensor_view(ampc_tensor *t, int ndim, const int64_t *shape) {
+    bool same = ndim == t->ndim && !memcmp(shape, t->shape, sizeof(int64_t) * (size_t)ndim);
+    /* another shape over channels-last storage would read it in the wrong order */
+    if (ampc__is_cl(t) && !same) return ampc__err_null(AMPC_ERR_INVALID, "reshaping view of a channels-last tensor (convert it first)");
     ampc_tensor *v = header_new(t->dtype, t->device, ndim, shape);
     if (!v) return NULL;
+    v->format = t->format;
     if (v->numel != t->numel) {
         ampc__pool_put(&tensor_pool, v);
         return ampc__err_null(AMPC_ERR_SHAPE, "view of %lld elements from %lld", (long long)v->numel, (long long)t->numel);
@@ -307,6 +319,13 @@ int ampc__copy(const ampc_tensor *src, ampc_tensor *dst) {
     if (src->device == dst->device) return ampc__backend(src->device)->copy(src, dst);
     if (!ampc__backend(src->device)->host_memory || !ampc__backend(dst->device)->host_memory)
         return ampc__err(AMPC_ERR_UNSUPPORTED, "copy between %s and %s", ampc_device_name(src->device), ampc_device_name(dst->device));
+    if (src->format != dst->format) {   /* across in src's format, then permuted on dst's device */
+        ampc_tensor *tmp = ampc__tensor_new_fmt(dst->dtype, dst->device, src->ndim, src->shape, src->format);
+        int rc = tmp ? ampc__copy(src, tmp) : ampc_last_status();
+        if (rc >= 0) rc = ampc__copy(tmp, dst);
+        ampc__release(tmp);
+        return rc;
+    }
     double buf[CHUNK];
     const ampc_dtype_traits *ts = ampc__dt(src->dtype), *td = ampc__dt(dst->dtype);
     const char *s = ampc__data(src);
@@ -321,7 +340,7 @@ int ampc__copy(const ampc_tensor *src, ampc_tensor *dst) {
 
 ampc_tensor *ampc_tensor_to(const ampc_tensor *t, ampc_device dev, ampc_dtype dt) {
     if (!t) return NULL;
-    ampc_tensor *o = ampc__tensor_new(dt, dev, t->ndim, t->shape);
+    ampc_tensor *o = ampc__tensor_new_fmt(dt, dev, t->ndim, t->shape, t->format);   /* keeps the format, as PyTorch's .to */
     if (!o) return NULL;
     if (ampc__copy(t, o) < 0) {
         ampc__release(o);
@@ -330,10 +349,26 @@ ampc_tensor *ampc_tensor_to(const ampc_tensor *t, ampc_device dev, ampc_dtype dt
     return ampc__scope_adopt(o);
 }
 
+/* A contiguous copy of a channels-last t (same dtype and device), or a new reference to t. */
+static ampc_tensor *logical(const ampc_tensor *t) {
+    ampc_tensor *c = ampc__tensor_new(t->dtype, t->device, t->ndim, t->shape);
+    if (c && ampc__copy(t, c) < 0) {
+        ampc__release(c);
+        return NULL;
+    }
+    return c;
+}
+
 int ampc_tensor_to_f32(const ampc_tensor *t, float *dst, size_t n) {
     if (!t || !dst) return ampc__err(AMPC_ERR_INVALID, "NULL tensor or buffer");
     if (n < (size_t)t->numel) return ampc__err(AMPC_ERR_INVALID, "buffer of %zu for %lld elements", n, (long long)t->numel);
     if (!ampc__backend(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not readable here");
+    if (ampc__is_cl(t)) {   /* values in the shape's (logical) order */
+        ampc_tensor *c = logical(t);
+        int rc = c ? ampc_tensor_to_f32(c, dst, n) : ampc_last_status();
+        ampc__release(c);
+        return rc;
+    }
     ampc__dt(t->dtype)->to_f32(ampc__data(t), dst, (size_t)t->numel);
     return AMPC_OK;
 }
@@ -342,6 +377,12 @@ int ampc_tensor_to_f64(const ampc_tensor *t, double *dst, size_t n) {
     if (!t || !dst) return ampc__err(AMPC_ERR_INVALID, "NULL tensor or buffer");
     if (n < (size_t)t->numel) return ampc__err(AMPC_ERR_INVALID, "buffer of %zu for %lld elements", n, (long long)t->numel);
     if (!ampc__backend(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not readable here");
+    if (ampc__is_cl(t)) {
+        ampc_tensor *c = logical(t);
+        int rc = c ? ampc_tensor_to_f64(c, dst, n) : ampc_last_status();
+        ampc__release(c);
+        return rc;
+    }
     ampc__dt(t->dtype)->to_f64(ampc__data(t), dst, (size_t)t->numel);
     return AMPC_OK;
 }
@@ -350,6 +391,13 @@ int ampc_tensor_copy_from_f32(ampc_tensor *t, const float *src, size_t n) {
     if (!t || !src) return ampc__err(AMPC_ERR_INVALID, "NULL tensor or buffer");
     if (n < (size_t)t->numel) return ampc__err(AMPC_ERR_INVALID, "buffer of %zu for %lld elements", n, (long long)t->numel);
     if (!ampc__backend(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not writable here");
+    if (ampc__is_cl(t)) {   /* src in logical order, permuted into place */
+        ampc_tensor *c = ampc__tensor_new(t->dtype, t->device, t->ndim, t->shape);
+        int rc = c ? ampc_tensor_copy_from_f32(c, src, n) : ampc_last_status();
+        if (rc >= 0) rc = ampc__copy(c, t);
+        ampc__release(c);
+        return rc;
+    }
     ampc__dt(t->dtype)->from_f32(src, ampc__data(t), (size_t)t->numel);
     return AMPC_OK;
 }
@@ -374,6 +422,7 @@ int64_t ampc_tensor_dim(const ampc_tensor *t, int i) {
 }
 const int64_t *ampc_tensor_shape(const ampc_tensor *t) { return t->shape; }
 int64_t ampc_tensor_numel(const ampc_tensor *t) { return t->numel; }
+ampc_memory_format ampc_tensor_memory_format(const ampc_tensor *t) { return t ? t->format : AMPC_CONTIGUOUS_FORMAT; }
 void *ampc_tensor_data(ampc_tensor *t) { return t ? ampc__data(t) : NULL; }
 const void *ampc_tensor_cdata(const ampc_tensor *t) { return t ? ampc__data(t) : NULL; }
 

@@ -61,8 +61,13 @@ static const ampc_module_vtable identity_vtable = {"Identity", identity_forward,
 // dropout2, fc1, fc2 (state_dict: conv1.*, conv2.*, fc1.*, fc2.*). Its forward ends with
 // log_softmax; here the logits are returned, as the training program uses cross_entropy.
 
+/* The model's input in its memory format (i[0]: ampc_model_options.memory_format). */
+static ampc_tensor *model_input(ampc_module *m, ampc_tensor *x) {
+    return m->i[0] == AMPC_CHANNELS_LAST && x && x->ndim == 4 ? ampc_to_memory_format(x, AMPC_CHANNELS_LAST) : x;
+}
+
 static ampc_tensor *net_forward(ampc_module *m, ampc_tensor *x) {
-    ampc_tensor *h = ampc_relu(fwd(m, "conv1", x));
+    ampc_tensor *h = ampc_relu(fwd(m, "conv1", model_input(m, x)));
     h = ampc_relu(fwd(m, "conv2", h));
     h = ampc_max_pool2d(h, &(ampc_pool2d_options){.kernel = {2, 2}});
     h = fwd(m, "dropout1", h);
@@ -166,7 +171,7 @@ static ampc_module *make_layer(bool bottleneck, int64_t *inplanes, int64_t plane
 }
 
 static ampc_tensor *resnet_forward(ampc_module *m, ampc_tensor *x) {
-    ampc_tensor *h = fwd(m, "relu", fwd(m, "bn1", fwd(m, "conv1", x)));
+    ampc_tensor *h = fwd(m, "relu", fwd(m, "bn1", fwd(m, "conv1", model_input(m, x))));
     h = fwd(m, "maxpool", h);
     h = fwd(m, "layer4", fwd(m, "layer3", fwd(m, "layer2", fwd(m, "layer1", h))));
     h = ampc_flatten(fwd(m, "avgpool", h), 1, -1);
@@ -210,9 +215,13 @@ ampc_module *ampc_model_new(const char *name, const ampc_model_options *opts) {
                               (long long)o.num_classes, (long long)o.in_channels);
     if (!o.num_classes) o.num_classes = resnet ? 1000 : 10;
     if (!o.in_channels) o.in_channels = resnet ? 3 : 1;
-    if (!strcmp(name, "mlp")) return mlp_new(o.in_channels, o.num_classes);
-    if (!strcmp(name, "cnn")) return cnn_new(o.in_channels, o.num_classes);
+    if (o.memory_format != AMPC_CONTIGUOUS_FORMAT && o.memory_format != AMPC_CHANNELS_LAST)
+        return ampc__err_null(AMPC_ERR_INVALID, "%s: unknown memory format %d", name, (int)o.memory_format);
+    if (!strcmp(name, "mlp")) return mlp_new(o.in_channels, o.num_classes);   /* no 4-D activations */
     static const int r18[4] = {2, 2, 2, 2}, r50[4] = {3, 4, 6, 3};
     bool bottleneck = !strcmp(name, "resnet50");
-    return resnet_new(bottleneck, bottleneck ? r50 : r18, o.in_channels, o.num_classes, o.small_input);
+    ampc_module *m = !strcmp(name, "cnn") ? cnn_new(o.in_channels, o.num_classes)
+                                          : resnet_new(bottleneck, bottleneck ? r50 : r18, o.in_channels, o.num_classes, o.small_input);
+    if (m) m->i[0] = o.memory_format;
+    return m;
 }

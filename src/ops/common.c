@@ -8,6 +8,43 @@
 // ---------------------------------------------------------------------------------------------
 // Front door
 
+/* The inputs each op takes in channels-last format (bit i: input i), where the backend has
+   channels-last kernels: elementwise ops (same shapes, one format: their kernels walk storage
+   in order), conv2d's input, pooling and batch norm. Every other op, input and backend gets a
+   channels-last tensor converted to contiguous first (a recorded conversion: gradients come
+   back in the caller's format), so no kernel ever reads a layout it was not written for. */
+static const unsigned cl_ok[AMPC_OP_COUNT] = {
+    [AMPC_OP_CAST] = 1, [AMPC_OP_ADD] = 3, [AMPC_OP_SUB] = 3, [AMPC_OP_MUL] = 3, [AMPC_OP_ADD_SCALAR] = 1,
+    [AMPC_OP_MUL_SCALAR] = 1, [AMPC_OP_RELU] = 1, [AMPC_OP_GELU] = 1, [AMPC_OP_TANH] = 1, [AMPC_OP_SIGMOID] = 1,
+    [AMPC_OP_EXP] = 1, [AMPC_OP_LOG] = 1, [AMPC_OP_POW] = 1, [AMPC_OP_DROPOUT] = 1, [AMPC_OP_CONV2D] = 1,
+    [AMPC_OP_MAX_POOL2D] = 1, [AMPC_OP_AVG_POOL2D] = 1, [AMPC_OP_ADAPTIVE_AVG_POOL2D] = 1, [AMPC_OP_BATCH_NORM] = 1,
+};
+
+static int channels_last_inputs(ampc_op op, ampc_op_args *a) {
+    unsigned ok = 0, cl = 0;
+    for (int i = 0; i < a->n; i++)
+        if (a->in[i] && ampc__is_cl(a->in[i])) cl |= 1u << i;
+    if (!cl) return AMPC_OK;
+    const ampc_tensor *first = NULL;
+    if (ampc__backend(a->in[0] ? a->in[0]->device : AMPC_DEVICE_CPU)->channels_last) {
+        ok = cl_ok[op];
+        /* the elementwise ones: every input of one shape and format, or none stays */
+        for (int i = 0; i < a->n && ok > 1; i++) {
+            if (!a->in[i]) continue;
+            if (!first) first = a->in[i];
+            else if (!ampc__same_shape(first, a->in[i]) || first->format != a->in[i]->format) ok = 0;
+        }
+    }
+    for (int i = 0; i < a->n; i++) {
+        if (!(cl & ~ok & (1u << i))) continue;
+        ampc_tensor *c = ampc__format_record(a->in[i], AMPC_CONTIGUOUS_FORMAT);
+        if (!c) return ampc_last_status();
+        ampc__release(a->in[i]);
+        a->in[i] = c;
+    }
+    return AMPC_OK;
+}
+
 int ampc__op_prepare(ampc_op op, ampc_op_args *a, int n, ampc_tensor *const *inputs, unsigned optional_mask) {
     memset(a, 0, sizeof *a);
     a->op = op;
@@ -27,6 +64,7 @@ int ampc__op_prepare(ampc_op op, ampc_op_args *a, int n, ampc_tensor *const *inp
     }
     for (int i = 0; i < n; i++) a->in[i] = ampc__retain(inputs[i]);
     int rc = ampc__autocast_apply(op, a->in, n);
+    if (rc >= 0) rc = channels_last_inputs(op, a);
     if (rc < 0) ampc__op_args_release(a);
     return rc;
 }
@@ -95,12 +133,27 @@ static ampc_tensor *finish_kernel(ampc_tensor *out, int rc) {
     return out;
 }
 
-ampc_tensor *ampc__k_cast(ampc_tensor *x, ampc_dtype dt) {
-    if (x->dtype == dt) return ampc__retain(x);
-    ampc_tensor *y = ampc__tensor_like(x, dt);
+ampc_tensor *ampc__k_convert(ampc_tensor *x, ampc_dtype dt, ampc_memory_format fmt) {
+    if (x->dtype == dt && x->format == fmt) return ampc__retain(x);
+    /* (n, c, h, w) and (n, h, w, c) order alike when one of the two is a single element */
+    if (x->dtype == dt && x->ndim == 4 && (x->shape[1] == 1 || x->shape[2] * x->shape[3] == 1)) {
+        ampc_tensor *v = ampc__tensor_new_fmt(dt, x->device, 0, NULL, AMPC_CONTIGUOUS_FORMAT);
+        if (!v) return NULL;
+        ampc__storage_release(v->storage);   /* the header takes x's storage instead */
+        v->storage = x->storage;
+        ampc__storage_retain(x->storage);
+        v->ndim = 4;
+        memcpy(v->shape, x->shape, sizeof v->shape);
+        v->numel = x->numel;
+        v->format = fmt;
+        return v;
+    }
+    ampc_tensor *y = ampc__tensor_new_fmt(dt, x->device, x->ndim, x->shape, fmt);
     if (!y) return NULL;
     return finish_kernel(y, BACKEND_CALL(x, copy, x, y));
 }
+
+ampc_tensor *ampc__k_cast(ampc_tensor *x, ampc_dtype dt) { return ampc__k_convert(x, dt, x->format); }
 
 ampc_tensor *ampc__k_unary(ampc_unary_op op, ampc_tensor *x, double alpha) {
     ampc_tensor *y = ampc__tensor_like(x, x->dtype);
@@ -124,21 +177,38 @@ ampc_tensor *ampc__k_binary(ampc_binary_op op, ampc_tensor *a, ampc_tensor *b) {
     int64_t shape[AMPC_MAX_DIMS];
     if (ampc__broadcast_shapes(a, b, &nd, shape) < 0) return NULL;
     if (a->dtype != b->dtype) return ampc__err_null(AMPC_ERR_DTYPE, "binary kernel on %s and %s", ampc_dtype_name(a->dtype), ampc_dtype_name(b->dtype));
-    ampc_tensor *out = ampc__tensor_new(a->dtype, a->device, nd, shape);
+    /* channels-last only elementwise over one shape and format (the kernel walks storage) */
+    bool cl = ampc__is_cl(a) || ampc__is_cl(b);
+    if (cl && (a->format != b->format || !ampc__same_shape(a, b)))
+        return ampc__err_null(AMPC_ERR_INVALID, "binary kernel on channels-last tensors of different shapes or formats");
+    ampc_tensor *out = ampc__tensor_new_fmt(a->dtype, a->device, nd, shape, a->format);
     if (!out) return NULL;
     return finish_kernel(out, BACKEND_CALL(a, binary, op, a, b, out));
 }
 
-static ampc_tensor *sum_to_in(ampc_tensor *x, ampc_dtype out_dt, int ndim, const int64_t *shape, double alpha) {
-    ampc_tensor *out = ampc__tensor_new(out_dt, x->device, ndim, shape);
-    if (!out) return NULL;
-    return finish_kernel(out, BACKEND_CALL(x, sum_to, x, out, alpha));
+/* A channels-last x changing shape is read in contiguous order (sum_to/expand index by shape);
+   one keeping its shape keeps its format. */
+static ampc_tensor *shape_walk(ampc_tensor *x, int ndim, const int64_t *shape, ampc_memory_format *out_fmt) {
+    bool same = ndim == x->ndim && !memcmp(shape, x->shape, sizeof(int64_t) * (size_t)ndim);
+    *out_fmt = same ? x->format : AMPC_CONTIGUOUS_FORMAT;
+    return same ? ampc__retain(x) : ampc__k_convert(x, x->dtype, AMPC_CONTIGUOUS_FORMAT);
 }
 
-ampc_tensor *ampc__k_expand(ampc_tensor *x, int ndim, const int64_t *shape, double alpha) {
-    ampc_tensor *out = ampc__tensor_new(x->dtype, x->device, ndim, shape);
-    if (!out) return NULL;
-    return finish_kernel(out, BACKEND_CALL(x, expand, x, out, alpha));
+static ampc_tensor *sum_to_in(ampc_tensor *x_, ampc_dtype out_dt, int ndim, const int64_t *shape, double alpha) {
+    ampc_memory_format fmt;
+    ampc_tensor *x = shape_walk(x_, ndim, shape, &fmt);
+    ampc_tensor *out = x ? ampc__tensor_new_fmt(out_dt, x->device, ndim, shape, fmt) : NULL;
+    if (out) out = finish_kernel(out, BACKEND_CALL(x, sum_to, x, out, alpha));
+    ampc__release(x);
+    return out;
+}
+ampc_tensor *ampc__k_expand(ampc_tensor *x_, int ndim, const int64_t *shape, double alpha) {
+    ampc_memory_format fmt;
+    ampc_tensor *x = shape_walk(x_, ndim, shape, &fmt);
+    ampc_tensor *out = x ? ampc__tensor_new_fmt(x->dtype, x->device, ndim, shape, fmt) : NULL;
+    if (out) out = finish_kernel(out, BACKEND_CALL(x, expand, x, out, alpha));
+    ampc__release(x);
+    return out;
 }
 
 ampc_tensor *ampc__k_sum_to(ampc_tensor *x, int ndim, const int64_t *shape, double alpha) {
@@ -147,6 +217,8 @@ ampc_tensor *ampc__k_sum_to(ampc_tensor *x, int ndim, const int64_t *shape, doub
 
 static ampc_tensor *gemm_in(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b, ampc_tensor *bias,
                             ampc_dtype out_dt, int ndim, const int64_t *out_shape) {
+    if (ampc__is_cl(a) || ampc__is_cl(b) || (bias && ampc__is_cl(bias)))
+        return ampc__err_null(AMPC_ERR_INVALID, "gemm on a channels-last tensor (the op must convert it)");
     ampc_tensor *c = ampc__tensor_new(out_dt, a->device, ndim, out_shape);
     if (!c) return NULL;
     return finish_kernel(c, BACKEND_CALL(a, gemm, d, a, b, bias, c));
@@ -203,6 +275,43 @@ ampc_tensor *ampc__cast_record(ampc_tensor *x, ampc_dtype dt) {
         ampc__node_attach(node, y);
     }
     return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory format: the conversion's gradient is gy as it comes; the engine converts it to the
+// input's format (ampc_meta.format), as it does for every node.
+
+static int format_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
+    (void)n;
+    gx[0] = ampc__retain(gy);
+    return AMPC_OK;
+}
+
+ampc_tensor *ampc__format_record(ampc_tensor *x, ampc_memory_format fmt) {
+    if (x->format == fmt) return ampc__retain(x);
+    ampc_tensor *y = ampc__k_convert(x, x->dtype, fmt);
+    if (!y) return NULL;
+    if (ampc__needs_grad(&x, 1)) {
+        ampc_node *node = ampc__node_new("ToMemoryFormatBackward", format_backward, &x, 1);
+        if (!node) {
+            ampc__release(y);
+            return NULL;
+        }
+        ampc__node_attach(node, y);
+    }
+    return y;
+}
+
+ampc_tensor *ampc_to_memory_format(ampc_tensor *x, ampc_memory_format fmt) {
+    if (!x) return ampc_last_status() ? NULL : ampc__err_null(AMPC_ERR_INVALID, "to_memory_format of NULL");
+    if (fmt != AMPC_CONTIGUOUS_FORMAT && fmt != AMPC_CHANNELS_LAST)
+        return ampc__err_null(AMPC_ERR_INVALID, "to_memory_format: unknown memory format %d", (int)fmt);
+    if (fmt == AMPC_CHANNELS_LAST && x->ndim != 4) {
+        char buf[96];
+        return ampc__err_null(AMPC_ERR_SHAPE, "to_memory_format: channels-last needs a 4-D (N, C, H, W) tensor, got %s",
+                              ampc__shape_str(x, buf, sizeof buf));
+    }
+    return ampc__scope_adopt(ampc__format_record(x, fmt));
 }
 
 // ---------------------------------------------------------------------------------------------

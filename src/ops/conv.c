@@ -3,7 +3,8 @@
  * PyTorch's F.conv2d (symmetric zero padding, stride, dilation, groups).
  *
  * The op checks shapes and builds an ampc_conv_desc; the backend runs it (the CPU backend in
- * whatever layout oneDNN is fastest, reordering inside). Under autocast (policy LOWER) x, w and
+ * whatever layout oneDNN is fastest, reordering inside). A channels-last input (on a backend
+ * that takes it) gives a channels-last output and gradient, with no reorder of activations. Under autocast (policy LOWER) x, w and
  * b arrive as 16-bit casts, and those casts are what the node saves for backward: half the
  * activation memory of fp32. Backward computes only the gradients some input needs: gx from gy
  * and w, gw (with gb in the same pass) from x and gy, and gb alone as a sum of gy when w needs
@@ -117,13 +118,14 @@ static int conv2d_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
     unpack(n->i[1], o.padding);
     unpack(n->i[2], o.dilation);
     ampc_conv_desc d = make_desc(n->in[0].shape, n->in[1].shape, &o);
+    d.channels_last = n->in[0].format == AMPC_CHANNELS_LAST;   /* gy arrives in it too */
     ampc_dtype dt = n->in[1].dtype;
     const ampc_backend *be = ampc__backend(gy_in->device);
     ampc_tensor *gy = ampc__k_cast(gy_in, dt);
     if (!gy) return ampc_last_status();
     int rc = AMPC_OK;
     if (n->next[0]) {   /* gx (N, C, H, W) from gy and w */
-        gx[0] = ampc__tensor_new(dt, gy->device, 4, n->in[0].shape);
+        gx[0] = ampc__tensor_new_fmt(dt, gy->device, 4, n->in[0].shape, n->in[0].format);
         if (!gx[0]) rc = ampc_last_status();
         else if (!be->conv2d_backward_data) rc = ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d_backward_data on device %s", be->name);
         else rc = be->conv2d_backward_data(&d, gy, n->saved[1], gx[0]);
@@ -165,12 +167,13 @@ ampc_tensor *ampc_conv2d(ampc_tensor *x, ampc_tensor *w, ampc_tensor *b, const a
     ampc_tensor *X = a.in[0], *W = a.in[1], *B = a.in[2];
     if (normalize_options(opts, &o) < 0 || check_dtypes(a.in) < 0 || check_shapes(X, W, B, &o) < 0) return fail_args(&a);
     ampc_conv_desc d = make_desc(X->shape, W->shape, &o);
+    d.channels_last = ampc__is_cl(X);   /* the output keeps the input's memory format */
     const ampc_backend *be = ampc__backend(X->device);
     if (!be->conv2d) {
         ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d on device %s", be->name);
         return fail_args(&a);
     }
-    ampc_tensor *y = ampc__tensor_new(X->dtype, X->device, 4, (int64_t[]){d.N, d.O, d.OH, d.OW});
+    ampc_tensor *y = ampc__tensor_new_fmt(X->dtype, X->device, 4, (int64_t[]){d.N, d.O, d.OH, d.OW}, X->format);
     if (y && be->conv2d(&d, X, W, B, y) < 0) {
         ampc__release(y);
         y = NULL;

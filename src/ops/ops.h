@@ -39,8 +39,15 @@ ampc_tensor *ampc__cast_record(ampc_tensor *x, ampc_dtype dt);
    back) when x requires grad; owned result. */
 ampc_tensor *ampc__alias_record(ampc_tensor *x, int ndim, const int64_t *shape, const char *name);
 
+/* Records a differentiable change of memory format (the engine converts the gradient back);
+   owned result; same format: a new reference to x. */
+ampc_tensor *ampc__format_record(ampc_tensor *x, ampc_memory_format fmt);
+
 /* Kernel wrappers: new owned tensor or NULL with the error set. */
 ampc_tensor *ampc__k_cast(ampc_tensor *x, ampc_dtype dt);   /* same dtype: new ref to x */
+/* x in dtype dt and memory format fmt, in one pass (a new ref to x when both agree; a view
+   relabelled when the two formats order the elements alike: H * W == 1 or C == 1). */
+ampc_tensor *ampc__k_convert(ampc_tensor *x, ampc_dtype dt, ampc_memory_format fmt);
 ampc_tensor *ampc__k_unary(ampc_unary_op op, ampc_tensor *x, double alpha);
 ampc_tensor *ampc__k_unary_backward(ampc_unary_op op, ampc_tensor *x, ampc_tensor *y,
                                     ampc_tensor *gy, double alpha);

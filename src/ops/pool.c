@@ -75,8 +75,9 @@ static int pool_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
     ampc_tensor *gy = ampc__k_cast(gy_in, m->dtype);
     if (!gy) return ampc_last_status();
     ampc_pool_desc d = make_desc(&pp, m->shape, gy->shape[2], gy->shape[3]);
+    d.channels_last = m->format == AMPC_CHANNELS_LAST;   /* gy arrives in it too */
     int rc = AMPC_OK;
-    gx[0] = ampc__tensor_new(m->dtype, gy->device, m->ndim, m->shape);
+    gx[0] = ampc__tensor_new_fmt(m->dtype, gy->device, m->ndim, m->shape, m->format);
     if (!gx[0]) rc = ampc_last_status();
     else if (gx[0]->numel) rc = ampc__backend(gy->device)->pool2d_backward(&d, gy, gx[0], n->extra);
     ampc__release(gy);
@@ -93,7 +94,8 @@ static ampc_tensor *pool_run(ampc_op_args *a, const pool_params *pp, int64_t oh,
         goto fail;
     }
     ampc_pool_desc d = make_desc(pp, x->shape, oh, ow);
-    y = ampc__tensor_new(x->dtype, x->device, 4, (int64_t[]){x->shape[0], x->shape[1], oh, ow});
+    d.channels_last = ampc__is_cl(x);   /* the output keeps the input's memory format */
+    y = ampc__tensor_new_fmt(x->dtype, x->device, 4, (int64_t[]){x->shape[0], x->shape[1], oh, ow}, x->format);
     if (!y) goto fail;
     void *ws = NULL;
     if (ampc__needs_grad(&x, 1)) {

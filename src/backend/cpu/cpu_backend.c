@@ -11,8 +11,48 @@
 static void *cpu_alloc(size_t n) { return aligned_alloc(64, (n + 63) & ~(size_t)63); }
 static void cpu_free(void *p) { free(p); }
 
+/* Copy between memory formats: each image is a (C, S) matrix in one format and an (S, C) one
+   in the other (S = H * W), transposed in tiles of TILE x TILE, float dtypes converted through
+   f32 (vectorized row conversions), integers moved as bytes. */
+#define TILE 64
+static int permuting_copy(const ampc_tensor *src, ampc_tensor *dst) {
+    if (src->ndim != 4 || !ampc__same_shape(src, dst))
+        return ampc__err(AMPC_ERR_SHAPE, "copy between memory formats needs two 4-D tensors of one shape");
+    const ampc_dtype_traits *ts = ampc__dt(src->dtype), *td = ampc__dt(dst->dtype);
+    if (ts->is_float != td->is_float || (!ts->is_float && src->dtype != dst->dtype))
+        return ampc__err(AMPC_ERR_DTYPE, "copy between memory formats from %s to %s", ts->name, td->name);
+    int64_t N = src->shape[0], C = src->shape[1], S = src->shape[2] * src->shape[3];
+    /* rows/cols of the source matrix of each image: (C, S) when src is contiguous */
+    bool from_cl = ampc__is_cl(src);
+    int64_t R = from_cl ? S : C, K = from_cl ? C : S;
+    int64_t rt = (R + TILE - 1) / TILE, kt = (K + TILE - 1) / TILE, tiles = N * rt * kt;
+    const char *s = ampc__data(src);
+    char *d = ampc__data(dst);
+    size_t es = ts->size, ed = td->size;
+    int nt = ampc__threads_for(src->numel);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t n = t / (rt * kt), r0 = t / kt % rt * TILE, k0 = t % kt * TILE;
+        int64_t rb = R - r0 < TILE ? R - r0 : TILE, kb = K - k0 < TILE ? K - k0 : TILE;
+        const char *sp = s + (size_t)(n * R * K) * es;
+        char *dp = d + (size_t)(n * R * K) * ed;
+        if (!ts->is_float) {
+            for (int64_t r = r0; r < r0 + rb; r++)
+                for (int64_t k = k0; k < k0 + kb; k++) memcpy(dp + (size_t)(k * R + r) * ed, sp + (size_t)(r * K + k) * es, es);
+            continue;
+        }
+        float in[TILE][TILE], out[TILE][TILE];
+        for (int64_t r = 0; r < rb; r++) ts->to_f32(sp + (size_t)((r0 + r) * K + k0) * es, in[r], (size_t)kb);
+        for (int64_t k = 0; k < kb; k++)
+            for (int64_t r = 0; r < rb; r++) out[k][r] = in[r][k];
+        for (int64_t k = 0; k < kb; k++) td->from_f32(out[k], dp + (size_t)((k0 + k) * R + r0) * ed, (size_t)rb);
+    }
+    return AMPC_OK;
+}
+
 /* Converting copy: through f32 chunks for float dtypes, memcpy when dtypes agree. */
 static int cpu_copy(const ampc_tensor *src, ampc_tensor *dst) {
+    if (src->format != dst->format && src->numel) return permuting_copy(src, dst);
     size_t n = (size_t)src->numel;
     const ampc_dtype_traits *ts = ampc__dt(src->dtype), *td = ampc__dt(dst->dtype);
     const char *s = ampc__data(src);
@@ -62,6 +102,7 @@ void ampc__cpu_backend_init(ampc_backend *be) {
     memset(be, 0, sizeof *be);
     be->name = "cpu";
     be->host_memory = true;
+    be->channels_last = true;   /* conv (conv.c), pooling (pool.c) and batch norm (norm.c) take NHWC */
     be->dtypes[AMPC_F32] = be->dtypes[AMPC_F16] = be->dtypes[AMPC_BF16] = be->dtypes[AMPC_I64] = true;
     be->raw_alloc = cpu_alloc;
     be->raw_free = cpu_free;

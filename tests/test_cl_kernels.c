@@ -1,0 +1,460 @@
+/*
+ * test_cl_kernels.c - the CPU batch-norm and pooling kernels on channels-last (NHWC) tensors,
+ * called through the backend table: every result against the same kernel on contiguous (NCHW)
+ * tensors holding the same values and against the REF backend in f64, for f32/bf16/f16, odd
+ * sizes (C not a multiple of 16, fewer rows than row blocks, rows longer than a staging chunk),
+ * plus the centred variance under a large offset and thread-count independence.
+ * The NHWC permutation is written here, independently of the library's copy kernels.
+ */
+#include "testutil.h"
+
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+
+static const ampc_dtype cpu_dtypes[] = {AMPC_F32, AMPC_BF16, AMPC_F16};
+static const double U32 = 0x1p-24;   /* f32 unit roundoff: the kernels compute in f32 */
+
+// ---------------------------------------------------------------------------------------------
+// Tensors from logical (n, c, h, w) values, stored contiguous or channels-last
+
+/* Storage index of logical element i of an (N, C, H, W) tensor. */
+static int64_t store_at(const int64_t *sh, bool cl, int64_t i) {
+    if (!cl) return i;
+    int64_t C = sh[1], HW = sh[2] * sh[3], n = i / (C * HW), c = i / HW % C, hw = i % HW;
+    return (n * HW + hw) * C + c;
+}
+
+static double round_to(double v, ampc_dtype dt) {
+    float f = (float)v;
+    if (dt == AMPC_F16) return ampc_f16_to_f32(ampc_f32_to_f16(f));
+    if (dt == AMPC_BF16) return ampc_bf16_to_f32(ampc_f32_to_bf16(f));
+    return dt == AMPC_F64 ? v : f;
+}
+
+/* A tensor of dtype dt on dev (in the current scope) holding v (logical order, numel values,
+   exact in dt) in the given layout; v NULL: zeros. */
+static ampc_tensor *mk(ampc_device dev, ampc_dtype dt, int nd, const int64_t *sh, bool cl, const double *v) {
+    ampc_tensor *t = ampc__scope_adopt(ampc__tensor_new_fmt(dt, dev, nd, sh, cl ? AMPC_CHANNELS_LAST : AMPC_CONTIGUOUS_FORMAT));
+    ASSERT_NOT_NULL_MSG(t);
+    size_t n = (size_t)ampc_tensor_numel(t);
+    if (dt == AMPC_F64) {
+        double *p = ampc__data(t);
+        for (size_t i = 0; i < n; i++) p[store_at(sh, cl, (int64_t)i)] = v ? v[i] : 0;
+        return t;
+    }
+    float *f = malloc((n ? n : 1) * sizeof *f);
+    for (size_t i = 0; i < n; i++) f[store_at(sh, cl, (int64_t)i)] = v ? (float)v[i] : 0;
+    ampc__dt(dt)->from_f32(f, ampc__data(t), n);
+    free(f);
+    return t;
+}
+
+/* Values of t in logical order (malloc'd), read from its storage by hand. */
+static double *vals(const ampc_tensor *t) {
+    size_t n = (size_t)ampc_tensor_numel(t);
+    double *v = malloc((n ? n : 1) * sizeof *v);
+    bool cl = ampc_tensor_memory_format(t) == AMPC_CHANNELS_LAST;
+    const int64_t *sh = ampc_tensor_shape(t);
+    if (ampc_tensor_dtype(t) == AMPC_F64) {
+        const double *p = ampc__data(t);
+        for (size_t i = 0; i < n; i++) v[i] = p[store_at(sh, cl, (int64_t)i)];
+        return v;
+    }
+    float *f = malloc((n ? n : 1) * sizeof *f);
+    ampc__dt(ampc_tensor_dtype(t))->to_f32(ampc__data(t), f, n);
+    for (size_t i = 0; i < n; i++) v[i] = f[store_at(sh, cl, (int64_t)i)];
+    free(f);
+    return v;
+}
+
+static double max_abs(const double *v, size_t n) {
+    double m = 0;
+    for (size_t i = 0; i < n; i++) m = fmax(m, fabs(v[i]));
+    return m;
+}
+
+/* n values uniform in [lo, hi), rounded to dt */
+static double *rand_vals(size_t n, uint64_t seed, double lo, double hi, ampc_dtype dt) {
+    double *v = malloc((n ? n : 1) * sizeof *v);
+    tu_fill_uniform(v, n, seed, lo, hi);
+    for (size_t i = 0; i < n; i++) v[i] = round_to(v[i], dt);
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Batch norm
+
+typedef struct {
+    bool training, weight, bias;
+} bn_cfg;
+
+/* Outputs of one batch norm forward + backward on one device/layout: y, gx (numel), then
+   save_mean, save_invstd, running mean, running var, gw, gb (C each), all logical order. */
+typedef struct {
+    double *y, *gx, *stat[6];
+} bn_out;
+
+static void bn_out_free(bn_out *o) {
+    free(o->y), free(o->gx);
+    for (int i = 0; i < 6; i++) free(o->stat[i]);
+}
+
+static bn_out run_bn(ampc_device dev, ampc_dtype dt, const int64_t *sh, bool cl, const bn_cfg *cfg, const double *x,
+                     const double *gy, const double *w, const double *b) {
+    const ampc_backend *be = ampc__backend(dev);
+    ampc_dtype sdt = dev == AMPC_DEVICE_REF ? AMPC_F64 : AMPC_F32;
+    int64_t C = sh[1];
+    double *rm0 = malloc((size_t)C * sizeof *rm0), *rv0 = malloc((size_t)C * sizeof *rv0);
+    for (int64_t c = 0; c < C; c++) rm0[c] = 0.1 * (double)(c % 7) - 0.2, rv0[c] = 0.5 + 0.25 * (double)(c % 5);
+    ampc_scope_begin();
+    ampc_tensor *xt = mk(dev, dt, 4, sh, cl, x), *gyt = mk(dev, dt, 4, sh, cl, gy);
+    ampc_tensor *y = mk(dev, dt, 4, sh, cl, NULL), *gx = mk(dev, dt, 4, sh, cl, NULL);
+    ampc_tensor *wt = cfg->weight ? mk(dev, sdt, 1, &C, false, w) : NULL, *bt = cfg->bias ? mk(dev, sdt, 1, &C, false, b) : NULL;
+    ampc_tensor *rm = mk(dev, sdt, 1, &C, false, rm0), *rv = mk(dev, sdt, 1, &C, false, rv0);
+    ampc_tensor *sm = mk(dev, sdt, 1, &C, false, NULL), *si = mk(dev, sdt, 1, &C, false, NULL);
+    ampc_tensor *gw = mk(dev, sdt, 1, &C, false, NULL), *gb = mk(dev, sdt, 1, &C, false, NULL);
+    ASSERT_OK(be->batch_norm(xt, wt, bt, rm, rv, y, sm, si, cfg->training, 0.1, 1e-5));
+    ASSERT_OK(be->batch_norm_backward(xt, gyt, wt, sm, si, cfg->training, gx, gw, gb));
+    bn_out o = {vals(y), vals(gx), {vals(sm), vals(si), vals(rm), vals(rv), vals(gw), vals(gb)}};
+    ampc_scope_end();
+    free(rm0), free(rv0);
+    return o;
+}
+
+static const char *stat_names[] = {"save_mean", "save_invstd", "running_mean", "running_var", "gw", "gb"};
+
+/* got against ref (both bn_out) with tolerances derived from the formulas. x, gy: the inputs. */
+static void check_bn(const char *what, const bn_out *got, const bn_out *ref, ampc_dtype dt, const int64_t *sh,
+                     const bn_cfg *cfg, const double *x, const double *gy, const double *w, const double *b) {
+    int64_t N = sh[0], C = sh[1], HW = sh[2] * sh[3], n = N * C * HW;
+    double M = (double)(N * HW), e = tu_eps(dt);
+    char msg[192];
+    /* statistics: f64 sums rounded to f32 (invstd: a sqrt and a division more); the running
+       ones start from buffers rounded to f32 (REF's are exact), a relative 2^-24 of the largest */
+    for (int s = 0; s < 4; s++) {
+        snprintf(msg, sizeof msg, "%s %s", what, stat_names[s]);
+        tu_assert_close(msg, got->stat[s], ref->stat[s], (size_t)C, 4 * U32 * max_abs(ref->stat[s], (size_t)C), 4 * U32);
+    }
+    /* y = (x - m) a + b in f32 with coefficients rounded to f32, one rounding to dt: each term
+       bounded by |y| + 2 |b| */
+    double ty = 16 * U32 * (max_abs(ref->y, (size_t)n) + 2 * (b && cfg->bias ? max_abs(b, (size_t)C) : 0));
+    snprintf(msg, sizeof msg, "%s y", what);
+    tu_assert_close(msg, got->y, ref->y, (size_t)n, ty, 2 * e);
+    /* gx = k gy + a (x - m) + c: f32 terms each bounded by T (from the reference's statistics
+       and sums), one rounding to dt */
+    double T = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t c = i / HW % C;
+        /* |x - m| + |m|: the backward's mean is the saved f32 one (off by 2^-24 |m|) */
+        double is = ref->stat[1][c], wc = cfg->weight ? w[c] : 1, k = wc * is;
+        double xm = fabs(x[i] - ref->stat[0][c]) + fabs(ref->stat[0][c]);
+        double a = cfg->training ? k * is * fabs(ref->stat[4][c]) / M : 0, c0 = cfg->training ? k * fabs(ref->stat[5][c]) / M : 0;
+        T = fmax(T, fabs(k * gy[i]) + a * xm + c0);
+    }
+    snprintf(msg, sizeof msg, "%s gx", what);
+    tu_assert_close(msg, got->gx, ref->gx, (size_t)n, 32 * U32 * T, 2 * e);
+    /* gw = sum(gy (x - m)) invstd with the mean in f32: off by (m32 - m) sum(gy) invstd;
+       gb = sum(gy): f64 sums of exact products, one f32 rounding */
+    for (int64_t c = 0; c < C; c++) {
+        double sa = 0, sx = 0, is = ref->stat[1][c], m = ref->stat[0][c];
+        for (int64_t r = 0; r < N; r++)
+            for (int64_t i = 0; i < HW; i++) {
+                int64_t j = (r * C + c) * HW + i;
+                sa += fabs(gy[j]), sx += fabs(gy[j] * (x[j] - m));
+            }
+        double tw = 4 * U32 * fabs(ref->stat[4][c]) + (U32 * fabs(m) * sa + M * 0x1p-50 * sx) * is * 2;
+        double tb = 4 * U32 * fabs(ref->stat[5][c]) + M * 0x1p-50 * sa;
+        if (fabs(got->stat[4][c] - ref->stat[4][c]) > tw || fabs(got->stat[5][c] - ref->stat[5][c]) > tb)
+            fail_msg("%s channel %lld: gw %.9g vs %.9g (tol %.3g), gb %.9g vs %.9g (tol %.3g)", what, (long long)c,
+                     got->stat[4][c], ref->stat[4][c], tw, got->stat[5][c], ref->stat[5][c], tb);
+    }
+}
+
+static void bn_case(ampc_dtype dt, const int64_t *sh, const bn_cfg *cfg, uint64_t seed) {
+    int64_t C = sh[1], n = sh[0] * C * sh[2] * sh[3];
+    double *x = rand_vals((size_t)n, seed, -1, 3, dt), *gy = rand_vals((size_t)n, seed + 1, -1, 1, dt);
+    double *w = rand_vals((size_t)C, seed + 2, 0.5, 1.5, AMPC_F32), *b = rand_vals((size_t)C, seed + 3, -1, 1, AMPC_F32);
+    bn_out cl = run_bn(AMPC_DEVICE_CPU, dt, sh, true, cfg, x, gy, w, b);
+    bn_out nchw = run_bn(AMPC_DEVICE_CPU, dt, sh, false, cfg, x, gy, w, b);
+    bn_out ref = run_bn(AMPC_DEVICE_REF, AMPC_F64, sh, false, cfg, x, gy, w, b);
+    char what[160];
+    snprintf(what, sizeof what, "bn %s (%lld,%lld,%lld,%lld) train %d w %d b %d", ampc_dtype_name(dt), (long long)sh[0],
+             (long long)sh[1], (long long)sh[2], (long long)sh[3], cfg->training, cfg->weight, cfg->bias);
+    char w1[192], w2[192];
+    snprintf(w1, sizeof w1, "%s: cl vs ref", what);
+    snprintf(w2, sizeof w2, "%s: cl vs nchw", what);
+    check_bn(w1, &cl, &ref, dt, sh, cfg, x, gy, w, b);
+    check_bn(w2, &cl, &nchw, dt, sh, cfg, x, gy, w, b);
+    bn_out_free(&cl), bn_out_free(&nchw), bn_out_free(&ref);
+    free(x), free(gy), free(w), free(b);
+}
+
+static void test_batch_norm_cl(void **state) {
+    (void)state;
+    const int64_t shapes[][4] = {
+        {2, 3, 5, 7},     /* M 70: C far below a vector */
+        {3, 19, 4, 5},    /* C 19 */
+        {1, 37, 3, 3},    /* M 9: fewer rows than row blocks */
+        {4, 40, 9, 11},   /* several tiles per block */
+        {2, 5, 1, 1},     /* M 2 */
+        {3, 33, 30, 30},  /* 2700 rows (threads when the machine has them) */
+    };
+    const bn_cfg cfgs[] = {{true, true, true}, {true, false, false}, {true, true, false}, {false, true, true}, {false, false, false}};
+    for (size_t d = 0; d < sizeof cpu_dtypes / sizeof *cpu_dtypes; d++)
+        for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++)
+            for (size_t c = 0; c < sizeof cfgs / sizeof *cfgs; c++) bn_case(cpu_dtypes[d], shapes[s], &cfgs[c], 10 * s + c);
+}
+
+/* Rows longer than a staging chunk (C > 1024 values: f16 stages parts of a row) */
+static void test_batch_norm_cl_long_rows(void **state) {
+    (void)state;
+    const int64_t sh[] = {2, 1100, 2, 3};
+    const bn_cfg train = {true, true, true}, eval = {false, true, true};
+    for (size_t d = 0; d < sizeof cpu_dtypes / sizeof *cpu_dtypes; d++) {
+        ampc_dtype dt = cpu_dtypes[d];
+        int64_t C = sh[1], n = sh[0] * C * sh[2] * sh[3];
+        double *x = rand_vals((size_t)n, 5, -1, 3, dt), *gy = rand_vals((size_t)n, 6, -1, 1, dt);
+        double *w = rand_vals((size_t)C, 7, 0.5, 1.5, AMPC_F32), *b = rand_vals((size_t)C, 8, -1, 1, AMPC_F32);
+        for (int k = 0; k < 2; k++) {
+            const bn_cfg *cfg = k ? &eval : &train;
+            bn_out cl = run_bn(AMPC_DEVICE_CPU, dt, sh, true, cfg, x, gy, w, b);
+            bn_out nchw = run_bn(AMPC_DEVICE_CPU, dt, sh, false, cfg, x, gy, w, b);
+            bn_out ref = run_bn(AMPC_DEVICE_REF, AMPC_F64, sh, false, cfg, x, gy, w, b);
+            char what[96];
+            snprintf(what, sizeof what, "bn long rows %s train %d: cl vs nchw", ampc_dtype_name(dt), cfg->training);
+            check_bn(what, &cl, &nchw, dt, sh, cfg, x, gy, w, b);
+            snprintf(what, sizeof what, "bn long rows %s train %d: cl vs ref", ampc_dtype_name(dt), cfg->training);
+            check_bn(what, &cl, &ref, dt, sh, cfg, x, gy, w, b);
+            bn_out_free(&cl), bn_out_free(&nchw), bn_out_free(&ref);
+        }
+        free(x), free(gy), free(w), free(b);
+    }
+}
+
+/* x = 1000 + noise per channel: the variance (~1e-5) survives (centred sums at every merge of
+   tiles and blocks); many tiles and all row blocks in use. */
+static void test_batch_norm_cl_offset(void **state) {
+    (void)state;
+    const int64_t sh[] = {8, 5, 40, 40}, C = 5, HW = 1600, N = 8, n = 8 * 5 * 1600;
+    const ampc_backend *be = ampc__backend(AMPC_DEVICE_CPU);
+    double *x = malloc((size_t)n * sizeof *x), want_m[5], want_v[5], want_vb[5];
+    tu_fill_uniform(x, (size_t)n, 11, -0.01, 0.01);
+    for (int64_t i = 0; i < n; i++) x[i] = round_to(1000 + x[i] * (1 + (double)(i / HW % C)), AMPC_F32);
+    for (int64_t c = 0; c < C; c++) {
+        double s = 0, q = 0;
+        for (int64_t r = 0; r < N; r++)
+            for (int64_t i = 0; i < HW; i++) s += x[(r * C + c) * HW + i];
+        want_m[c] = s / (double)(N * HW);
+        for (int64_t r = 0; r < N; r++)
+            for (int64_t i = 0; i < HW; i++) q += (x[(r * C + c) * HW + i] - want_m[c]) * (x[(r * C + c) * HW + i] - want_m[c]);
+        want_v[c] = q / (double)(N * HW - 1);
+        want_vb[c] = q / (double)(N * HW);
+    }
+    ampc_scope_begin();
+    ampc_tensor *xt = mk(AMPC_DEVICE_CPU, AMPC_F32, 4, sh, true, x), *y = mk(AMPC_DEVICE_CPU, AMPC_F32, 4, sh, true, NULL);
+    ampc_tensor *rm = mk(AMPC_DEVICE_CPU, AMPC_F32, 1, &C, false, NULL), *rv = mk(AMPC_DEVICE_CPU, AMPC_F32, 1, &C, false, NULL);
+    /* momentum 1: the buffers receive the batch mean and unbiased variance */
+    ASSERT_OK(be->batch_norm(xt, NULL, NULL, rm, rv, y, NULL, NULL, true, 1.0, 0.0));
+    double *gm = vals(rm), *gv = vals(rv), *gy = vals(y), *want = malloc((size_t)n * sizeof *want);
+    for (int64_t i = 0; i < n; i++) want[i] = (x[i] - want_m[i / HW % C]) / sqrt(want_vb[i / HW % C]);
+    tu_assert_close("cl offset running_mean", gm, want_m, (size_t)C, 0, 8 * U32);
+    tu_assert_close("cl offset running_var", gv, want_v, (size_t)C, 0, 8 * U32);
+    /* x - m exact, the mean's f32 rounding compensated in the shift; |y| <= ~1.8 */
+    tu_assert_close("cl offset y", gy, want, (size_t)n, 16 * U32 * 1.8, 16 * U32);
+    free(x), free(gm), free(gv), free(gy), free(want);
+    ampc_scope_end();
+}
+
+/* Same bits with 1 and 2 threads: row blocks and tiles depend only on the shape. */
+static void test_batch_norm_cl_threads(void **state) {
+    (void)state;
+    const int64_t sh[] = {4, 24, 33, 31};
+    const bn_cfg cfg = {true, true, true};
+    int saved = omp_get_max_threads();
+    for (size_t d = 0; d < sizeof cpu_dtypes / sizeof *cpu_dtypes; d++) {
+        ampc_dtype dt = cpu_dtypes[d];
+        int64_t C = sh[1], n = sh[0] * C * sh[2] * sh[3];
+        double *x = rand_vals((size_t)n, 21, -1, 3, dt), *gy = rand_vals((size_t)n, 22, -1, 1, dt);
+        double *w = rand_vals((size_t)C, 23, 0.5, 1.5, AMPC_F32), *b = rand_vals((size_t)C, 24, -1, 1, AMPC_F32);
+        omp_set_num_threads(1);
+        bn_out a = run_bn(AMPC_DEVICE_CPU, dt, sh, true, &cfg, x, gy, w, b);
+        omp_set_num_threads(2);
+        bn_out o = run_bn(AMPC_DEVICE_CPU, dt, sh, true, &cfg, x, gy, w, b);
+        if (memcmp(a.y, o.y, (size_t)n * sizeof *a.y) || memcmp(a.gx, o.gx, (size_t)n * sizeof *a.gx))
+            fail_msg("%s: y or gx differ between 1 and 2 threads", ampc_dtype_name(dt));
+        for (int s = 0; s < 6; s++)
+            if (memcmp(a.stat[s], o.stat[s], (size_t)C * sizeof(double)))
+                fail_msg("%s: %s differs between 1 and 2 threads", ampc_dtype_name(dt), stat_names[s]);
+        bn_out_free(&a), bn_out_free(&o);
+        free(x), free(gy), free(w), free(b);
+    }
+    omp_set_num_threads(saved);
+}
+
+/* Mixed layouts are refused. */
+static void test_batch_norm_cl_mixed_formats(void **state) {
+    (void)state;
+    const int64_t sh[] = {2, 3, 4, 4}, C = 3;
+    const ampc_backend *be = ampc__backend(AMPC_DEVICE_CPU);
+    ampc_scope_begin();
+    ampc_tensor *x = mk(AMPC_DEVICE_CPU, AMPC_F32, 4, sh, true, NULL), *y = mk(AMPC_DEVICE_CPU, AMPC_F32, 4, sh, false, NULL);
+    ampc_tensor *sm = mk(AMPC_DEVICE_CPU, AMPC_F32, 1, &C, false, NULL), *si = mk(AMPC_DEVICE_CPU, AMPC_F32, 1, &C, false, NULL);
+    assert_int_equal(be->batch_norm(x, NULL, NULL, NULL, NULL, y, sm, si, true, 0.1, 1e-5), AMPC_ERR_INVALID);
+    ampc_clear_error();
+    assert_int_equal(be->batch_norm_backward(x, y, NULL, sm, si, true, x, NULL, NULL), AMPC_ERR_INVALID);
+    ampc_clear_error();
+    ampc_scope_end();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pooling
+
+typedef struct {
+    const char *name;
+    ampc_pool_kind kind;
+    int k[2], s[2], p[2];
+    bool ceil_mode;
+    int64_t OH, OW;   /* adaptive output size */
+} pool_cfg;
+
+/* PyTorch's output size (pooling_output_shape); *pad_end: the padding after the last row. */
+static int64_t out_size(int64_t H, int k, int s, int p, bool ceil_mode, int *pad_end) {
+    int64_t num = H + 2 * p - k, o = (ceil_mode ? (num + s - 1) / s : num / s) + 1;
+    if (ceil_mode && (o - 1) * s >= H + p) o--;
+    *pad_end = (int)((o - 1) * s + k - H - p);
+    if (*pad_end < p) *pad_end = p;   /* floor mode may leave part of the padding unused */
+    return o;
+}
+
+static ampc_pool_desc pool_desc(const pool_cfg *c, const int64_t *sh, bool cl) {
+    ampc_pool_desc d = {.kind = c->kind, .N = sh[0], .C = sh[1], .H = sh[2], .W = sh[3], .channels_last = cl};
+    if (c->kind == AMPC_POOL_ADAPTIVE_AVG) {
+        d.OH = c->OH, d.OW = c->OW;
+        return d;
+    }
+    for (int a = 0; a < 2; a++) {
+        d.kernel[a] = c->k[a], d.stride[a] = c->s[a], d.pad_begin[a] = c->p[a];
+        int64_t o = out_size(a ? sh[3] : sh[2], c->k[a], c->s[a], c->p[a], c->ceil_mode, &d.pad_end[a]);
+        if (a) d.OW = o;
+        else d.OH = o;
+    }
+    return d;
+}
+
+/* y (forward) and gx (backward of gy) of one pooling on one device/layout, logical order. */
+static void run_pool(ampc_device dev, ampc_dtype dt, const pool_cfg *c, const int64_t *sh, bool cl, const double *x,
+                     const double *gy, double **y_out, double **gx_out) {
+    const ampc_backend *be = ampc__backend(dev);
+    ampc_pool_desc d = pool_desc(c, sh, cl);
+    int64_t osh[4] = {sh[0], sh[1], d.OH, d.OW};
+    ampc_scope_begin();
+    ampc_tensor *xt = mk(dev, dt, 4, sh, cl, x), *y = mk(dev, dt, 4, osh, cl, NULL);
+    ampc_tensor *gyt = mk(dev, dt, 4, osh, cl, gy), *gx = mk(dev, dt, 4, sh, cl, NULL);
+    size_t wsz = be->pool2d_workspace_size(&d, dt);
+    void *ws = wsz ? aligned_alloc(64, (wsz + 63) / 64 * 64) : NULL;
+    ASSERT_OK(be->pool2d(&d, xt, y, ws));
+    ASSERT_OK(be->pool2d_backward(&d, gyt, gx, ws));
+    *y_out = vals(y);
+    *gx_out = vals(gx);
+    free(ws);
+    ampc_scope_end();
+}
+
+/* Values distinct within a plane of up to 251 elements and exact in every dtype (integers up to
+   251, scaled by 1/64), so that max pooling has no ties. */
+static double *pool_input(const int64_t *sh) {
+    int64_t n = sh[0] * sh[1] * sh[2] * sh[3], HW = sh[2] * sh[3];
+    double *v = malloc((size_t)n * sizeof *v);
+    assert_true(HW <= 251);
+    for (int64_t i = 0; i < n; i++) v[i] = (double)(((i % HW) * 37 + (i / HW) * 11) % 251 - 125) / 64;
+    return v;
+}
+
+static void pool_case(ampc_dtype dt, const pool_cfg *c, const int64_t *sh) {
+    ampc_pool_desc d = pool_desc(c, sh, false);
+    int64_t n = sh[0] * sh[1] * sh[2] * sh[3], no = sh[0] * sh[1] * d.OH * d.OW;
+    double *x = pool_input(sh), *gy = rand_vals((size_t)no, 99, -1, 1, dt);
+    double *ycl, *gcl, *y0, *g0, *yr, *gr;
+    run_pool(AMPC_DEVICE_CPU, dt, c, sh, true, x, gy, &ycl, &gcl);
+    run_pool(AMPC_DEVICE_CPU, dt, c, sh, false, x, gy, &y0, &g0);
+    run_pool(AMPC_DEVICE_REF, AMPC_F64, c, sh, false, x, gy, &yr, &gr);
+    char what[160];
+    snprintf(what, sizeof what, "pool %s %s (%lld,%lld,%lld,%lld)", c->name, ampc_dtype_name(dt), (long long)sh[0],
+             (long long)sh[1], (long long)sh[2], (long long)sh[3]);
+    /* k: values summed into an output (window area) or into an input gradient (overlapping
+       windows); f32 sums of k terms bounded by max|x| or max|gy|, one rounding to dt */
+    double k = c->kind == AMPC_POOL_ADAPTIVE_AVG ? (double)((sh[2] / d.OH + 2) * (sh[3] / d.OW + 2)) : c->k[0] * c->k[1];
+    double kb = c->kind == AMPC_POOL_ADAPTIVE_AVG ? 4 : (double)((c->k[0] + c->s[0] - 1) / c->s[0] * ((c->k[1] + c->s[1] - 1) / c->s[1]));
+    double e = tu_eps(dt), ty = 2 * k * U32 * max_abs(x, (size_t)n), tg = 2 * kb * U32 * max_abs(gy, (size_t)no);
+    char msg[200];
+    snprintf(msg, sizeof msg, "%s y cl vs ref", what);
+    tu_assert_close(msg, ycl, yr, (size_t)no, ty, 2 * e);
+    snprintf(msg, sizeof msg, "%s gx cl vs ref", what);
+    tu_assert_close(msg, gcl, gr, (size_t)n, tg, 2 * e);
+    snprintf(msg, sizeof msg, "%s y cl vs nchw", what);
+    tu_assert_close(msg, ycl, y0, (size_t)no, ty, 2 * e);
+    snprintf(msg, sizeof msg, "%s gx cl vs nchw", what);
+    tu_assert_close(msg, gcl, g0, (size_t)n, tg, 2 * e);
+    if (c->kind == AMPC_POOL_MAX)   /* the same maxima, the same routing: exact */
+        for (int64_t i = 0; i < no; i++)
+            if (ycl[i] != y0[i] || ycl[i] != yr[i]) fail_msg("%s: max y[%lld] %g, nchw %g, ref %g", what, (long long)i, ycl[i], y0[i], yr[i]);
+    free(x), free(gy), free(ycl), free(gcl), free(y0), free(g0), free(yr), free(gr);
+}
+
+static void test_pool_cl(void **state) {
+    (void)state;
+    const pool_cfg cfgs[] = {
+        {"max_2x2", AMPC_POOL_MAX, {2, 2}, {2, 2}, {0, 0}, false, 0, 0},
+        {"max_3x3_s2_p1", AMPC_POOL_MAX, {3, 3}, {2, 2}, {1, 1}, false, 0, 0},
+        {"max_3x3_s2_ceil", AMPC_POOL_MAX, {3, 3}, {2, 2}, {0, 0}, true, 0, 0},
+        {"max_3x2_rect", AMPC_POOL_MAX, {3, 2}, {1, 2}, {1, 0}, false, 0, 0},
+        {"avg_incl_3x3_s2_p1", AMPC_POOL_AVG_INCLUDE_PAD, {3, 3}, {2, 2}, {1, 1}, false, 0, 0},
+        {"avg_excl_3x3_s2_p1", AMPC_POOL_AVG_EXCLUDE_PAD, {3, 3}, {2, 2}, {1, 1}, false, 0, 0},
+        {"avg_incl_ceil", AMPC_POOL_AVG_INCLUDE_PAD, {3, 3}, {2, 2}, {1, 1}, true, 0, 0},   /* rescaled edge */
+        {"avg_excl_ceil", AMPC_POOL_AVG_EXCLUDE_PAD, {3, 3}, {2, 2}, {1, 1}, true, 0, 0},
+        {"avg_2x2_ceil", AMPC_POOL_AVG_INCLUDE_PAD, {2, 2}, {2, 2}, {0, 0}, true, 0, 0},
+        {"adaptive_3x2", AMPC_POOL_ADAPTIVE_AVG, {0, 0}, {0, 0}, {0, 0}, false, 3, 2},   /* overlapping windows */
+        {"adaptive_4x5", AMPC_POOL_ADAPTIVE_AVG, {0, 0}, {0, 0}, {0, 0}, false, 4, 5},
+        {"adaptive_1x1", AMPC_POOL_ADAPTIVE_AVG, {0, 0}, {0, 0}, {0, 0}, false, 1, 1},
+    };
+    const int64_t shapes[][4] = {{2, 3, 7, 9}, {3, 19, 8, 8}, {1, 37, 5, 7}, {2, 40, 11, 13}};
+    for (size_t d = 0; d < sizeof cpu_dtypes / sizeof *cpu_dtypes; d++)
+        for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++)
+            for (size_t c = 0; c < sizeof cfgs / sizeof *cfgs; c++) pool_case(cpu_dtypes[d], &cfgs[c], shapes[s]);
+    /* the global pool of the ResNets: an average over the whole map (kernel = stride = H) */
+    const int64_t g[] = {4, 24, 7, 7};
+    const pool_cfg global = {"global_avg_7x7", AMPC_POOL_AVG_INCLUDE_PAD, {7, 7}, {7, 7}, {0, 0}, false, 0, 0};
+    for (size_t d = 0; d < sizeof cpu_dtypes / sizeof *cpu_dtypes; d++) pool_case(cpu_dtypes[d], &global, g);
+}
+
+/* A layout that does not match the descriptor is refused. */
+static void test_pool_cl_mismatch(void **state) {
+    (void)state;
+    const int64_t sh[] = {1, 2, 4, 4}, osh[] = {1, 2, 2, 2};
+    const ampc_backend *be = ampc__backend(AMPC_DEVICE_CPU);
+    const pool_cfg c = {"max", AMPC_POOL_MAX, {2, 2}, {2, 2}, {0, 0}, false, 0, 0};
+    ampc_pool_desc d = pool_desc(&c, sh, false);
+    ampc_scope_begin();
+    ampc_tensor *x = mk(AMPC_DEVICE_CPU, AMPC_F32, 4, sh, true, NULL), *y = mk(AMPC_DEVICE_CPU, AMPC_F32, 4, osh, true, NULL);
+    assert_int_equal(be->pool2d(&d, x, y, NULL), AMPC_ERR_INVALID);
+    ampc_clear_error();
+    ampc_scope_end();
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_batch_norm_cl),
+        cmocka_unit_test(test_batch_norm_cl_long_rows),
+        cmocka_unit_test(test_batch_norm_cl_offset),
+        cmocka_unit_test(test_batch_norm_cl_threads),
+        cmocka_unit_test(test_batch_norm_cl_mixed_formats),
+        cmocka_unit_test(test_pool_cl),
+        cmocka_unit_test(test_pool_cl_mismatch),
+    };
+    return cmocka_run_group_tests_name("cl_kernels", tests, tu_group_setup, tu_group_teardown);
+}
