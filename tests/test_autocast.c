@@ -306,6 +306,56 @@ static void test_fp32_grads_and_16bit_saved(void **state) {
     }
 }
 
+/* An input batch that needs no gradient is saved uncast when the caller holds its storage (a
+   view of it reaches the op, as through a model's flatten): the graph then holds no 16-bit
+   copy of it (activation memory drops by exactly that copy), and the weight gradients, from the
+   recast in backward, are bit-identical to those from a saved copy. A tensor nobody else
+   holds is saved as its cast, as before. Linear and conv2d alike. */
+static void test_input_batch_saved_uncast(void **state) {
+    (void)state;
+    for (int op = 0; op < 2; op++) {
+        const int64_t xs_lin[2] = {64, 48}, xs_conv[4] = {4, 3, 12, 12};
+        const int64_t *xs = op ? xs_conv : xs_lin;
+        int nd = op ? 4 : 2;
+        ampc_tensor *grads[2];
+        int64_t activ[2];
+        for (int shared = 0; shared < 2; shared++) {
+            ampc_scope_begin();
+            ampc_manual_seed(5);
+            ampc_tensor *batch = ampc_tensor_rand(AMPC_F32, nd, xs, -1, 1);
+            ampc_tensor *w = op ? ampc_tensor_rand(AMPC_F32, 4, (int64_t[]){8, 3, 3, 3}, -1, 1)
+                                : ampc_tensor_rand(AMPC_F32, 2, (int64_t[]){16, 48}, -1, 1);
+            ampc_tensor_set_requires_grad(w, true);
+            /* shared: a view of the batch (the batch holds the storage too); else the batch alone */
+            ampc_tensor *x = shared ? ampc_tensor_detach(batch) : batch;
+            ampc_autocast_enter(AMPC_BF16, true);
+            ampc_tensor *w16 = ampc_cast(w, AMPC_BF16);   /* cached: not counted as an activation below */
+            (void)w16;
+            int64_t before = (int64_t)ampc_memory_stats().current[AMPC_MEM_ACTIVATIONS];
+            ampc_tensor *y = op ? ampc_conv2d(x, w, NULL, NULL) : ampc_linear(x, w, NULL);
+            ampc_tensor *loss = ampc_sum(ampc_mul(y, y), AMPC_ALL_DIMS, false);
+            ampc_autocast_exit();
+            ASSERT_NOT_NULL_MSG(loss);
+            activ[shared] = (int64_t)ampc_memory_stats().current[AMPC_MEM_ACTIVATIONS] - before;
+            const ampc_node *n = y->grad_fn;
+            assert_int_equal(n->saved[0]->dtype, shared ? AMPC_F32 : AMPC_BF16);
+            ASSERT_OK(ampc_backward(loss));
+            grads[shared] = ampc_tensor_to(ampc_tensor_grad(w), AMPC_DEVICE_CPU, AMPC_F32);
+            ampc_tensor_own(grads[shared]);
+            ampc_scope_end();
+        }
+        int64_t numel = 1;
+        for (int i = 0; i < nd; i++) numel *= xs[i];
+        assert_int_equal(activ[0] - activ[1], (int64_t)ampc__mem_block_size((size_t)numel * 2));
+        double *g0 = tu_values(grads[0]), *g1 = tu_values(grads[1]);
+        tu_assert_close(op ? "conv dw" : "linear dw", g1, g0, (size_t)ampc_tensor_numel(grads[0]), 0, 0);
+        free(g0);
+        free(g1);
+        ampc_tensor_free(grads[0]);
+        ampc_tensor_free(grads[1]);
+    }
+}
+
 /* Under autocast the weight and bias gradients of a linear layer are written in fp32 straight
    from the kernels' f32 accumulators: no rounding to 16 bits (PyTorch rounds them to the
    autocast dtype, then widens). Inputs 1 + k/128 are exact in f16 and bf16; every product and
@@ -467,6 +517,7 @@ int main(void) {
         cmocka_unit_test(test_weight_grads_unrounded),
         cmocka_unit_test(test_conv_weight_grads_unrounded),
         cmocka_unit_test(test_backward_twice_in_one_region),
+        cmocka_unit_test(test_input_batch_saved_uncast),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
 }

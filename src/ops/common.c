@@ -62,11 +62,18 @@ int ampc__op_prepare(ampc_op op, ampc_op_args *a, int n, ampc_tensor *const *inp
                              ampc_device_name(first->device), ampc_device_name(t->device));
         if (!first) first = t;
     }
-    for (int i = 0; i < n; i++) a->in[i] = ampc__retain(inputs[i]);
+    for (int i = 0; i < n; i++) a->in[i] = ampc__retain(a->src[i] = inputs[i]);
     int rc = ampc__autocast_apply(op, a->in, n);
     if (rc >= 0) rc = channels_last_inputs(op, a);
     if (rc < 0) ampc__op_args_release(a);
     return rc;
+}
+
+ampc_tensor *ampc__input_to_save(const ampc_op_args *a, int i) {
+    const ampc_tensor *s = a->src[i], *t = a->in[i];
+    bool recast = s && t && s != t && s->dtype != t->dtype && s->format == t->format && s->numel == t->numel &&
+                  !s->requires_grad && !s->grad_fn && atomic_load(&s->storage->refcount) > 1;
+    return recast ? a->src[i] : a->in[i];
 }
 
 void ampc__op_args_release(ampc_op_args *a) {

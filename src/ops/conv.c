@@ -6,7 +6,8 @@
  * whatever layout oneDNN is fastest, reordering inside). A channels-last input (on a backend
  * that takes it) gives a channels-last output and gradient, with no reorder of activations. Under autocast (policy LOWER) x, w and
  * b arrive as 16-bit casts, and those casts are what the node saves for backward: half the
- * activation memory of fp32. Backward computes only the gradients some input needs: gx from gy
+ * activation memory of fp32 (the input batch itself is saved uncast and recast in backward:
+ * ampc__input_to_save). Backward computes only the gradients some input needs: gx from gy
  * and w, gw (with gb in the same pass) from x and gy, and gb alone as a sum of gy when w needs
  * no gradient.
  */
@@ -141,7 +142,11 @@ static int conv2d_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
         ampc__mem_kind_pop(prev);
         if (!gx[1] || (n->next[2] && !gx[2])) rc = ampc_last_status();
         else if (!be->conv2d_backward_weights) rc = ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d_backward_weights on device %s", be->name);
-        else rc = be->conv2d_backward_weights(&d, n->saved[0], gy, gx[1], gx[2]);
+        else {
+            ampc_tensor *x = ampc__k_cast(n->saved[0], n->in[0].dtype);   /* saved uncast: ampc__input_to_save */
+            rc = x ? be->conv2d_backward_weights(&d, x, gy, gx[1], gx[2]) : ampc_last_status();
+            ampc__release(x);
+        }
     } else if (rc >= 0 && n->next[2]) {   /* gb alone: gy summed over (N, OH, OW) */
         ampc_tensor *s = ampc__k_wgrad_sum_to(n, 2, gy, 3, (int64_t[]){d.O, 1, 1});
         gx[2] = s ? ampc__tensor_view(s, 1, (int64_t[]){d.O}) : NULL;
@@ -185,7 +190,7 @@ ampc_tensor *ampc_conv2d(ampc_tensor *x, ampc_tensor *w, ampc_tensor *b, const a
             ampc__release(y);
             return fail_args(&a);
         }
-        if (node->next[1]) ampc__node_save(node, 0, X);
+        if (node->next[1]) ampc__node_save(node, 0, ampc__input_to_save(&a, 0));
         if (node->next[0]) ampc__node_save(node, 1, W);
         node->i[0] = pack(o.stride);
         node->i[1] = pack(o.padding);

@@ -7,7 +7,8 @@
  * given as flags (no transposed copies); gradients of a broadcast operand are the sum over
  * the batch, which a folded gemm computes by itself (its K runs over the whole batch).
  * Under autocast (policy LOWER, applied by ampc__op_prepare) the inputs arrive as 16-bit casts,
- * and those casts are what the node saves: half the activation memory of fp32.
+ * and those casts are what the node saves: half the activation memory of fp32 - except linear's
+ * input batch, saved uncast and recast in backward (ampc__input_to_save).
  */
 #include "ops/ops.h"
 
@@ -67,7 +68,9 @@ static int linear_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
     /* dw and db: straight into fp32 under autocast, allocated as the gradients they become */
     if (rc >= 0 && n->next[1]) {   /* dw (out, in) = gy^T (out, M) @ x (M, in) */
         ampc_gemm_desc d = {.batch = 1, .M = out, .N = in, .K = M, .ta = true};
-        gx[1] = ampc__k_wgrad_gemm(n, 1, &d, gy, n->saved[0], 2, (int64_t[]){out, in});
+        ampc_tensor *x = ampc__k_cast(n->saved[0], n->in[0].dtype);   /* saved uncast: ampc__input_to_save */
+        gx[1] = x ? ampc__k_wgrad_gemm(n, 1, &d, gy, x, 2, (int64_t[]){out, in}) : NULL;
+        ampc__release(x);
         if (!gx[1]) rc = ampc_last_status();
     }
     if (rc >= 0 && n->next[2]) {   /* db (out) = gy summed over rows */
@@ -114,7 +117,7 @@ ampc_tensor *ampc_linear(ampc_tensor *x, ampc_tensor *w, ampc_tensor *b) {
             ampc__release(y);
             return fail_args(&a);
         }
-        if (node->next[1]) ampc__node_save(node, 0, X);
+        if (node->next[1]) ampc__node_save(node, 0, ampc__input_to_save(&a, 0));
         if (node->next[0]) ampc__node_save(node, 1, W);
         node->i[0] = M;
     }

@@ -20,12 +20,20 @@ typedef struct {
     ampc_op op;
     int n;
     ampc_tensor *in[AMPC_NODE_MAX_INPUTS];   /* owned references (after autocast casts) */
+    ampc_tensor *src[AMPC_NODE_MAX_INPUTS];  /* borrowed: the caller's inputs, before them */
 } ampc_op_args;
 
 /* Checks the n inputs (NULL -> keeps the earlier error and fails, unless bit i of
    optional_mask allows input i to be NULL), same device, then applies the op's autocast
    policy. On failure nothing is held. */
 int ampc__op_prepare(ampc_op op, ampc_op_args *a, int n, ampc_tensor *const *inputs, unsigned optional_mask);
+/* The tensor a node should save of input i: a->in[i], or - when autocast cast a caller's
+   tensor that needs no gradient and whose storage another tensor holds too (the input batch,
+   or a view of it, which the caller keeps through backward anyway) - that uncast original, so
+   the graph keeps no 16-bit copy of it alive; the backward recasts it (ampc__k_cast to the
+   input's recorded dtype, n->in[i].dtype), a cheap pass next to the matmul that reads it. */
+ampc_tensor *ampc__input_to_save(const ampc_op_args *a, int i);
+
 /* Attaches node (may be NULL) to out, releases the inputs, adopts out into the scope.
    out NULL: releases node and inputs, returns NULL. */
 ampc_tensor *ampc__op_finish(ampc_op_args *a, ampc_tensor *out, ampc_node *node);
