@@ -141,6 +141,69 @@ static void test_elementwise_keep_the_format(void **state) {
     assert_int_equal(ampc_tensor_memory_format(ampc_flatten(ac, 0, 1)), AMPC_CONTIGUOUS_FORMAT);
 }
 
+/* Every other kind of op on a channels-last input: the contiguous op's values and gradients
+   (each op either has a channels-last kernel or converts its input first). */
+static void test_other_ops_match_contiguous(void **state) {
+    (void)state;
+    const int64_t s6[4] = {2, 6, 5, 4};
+    for (int k = 0; k < 9; k++) {
+        ampc_tensor *out[2], *grad[2];
+        for (int cl = 0; cl < 2; cl++) {
+            ampc_scope_begin();
+            ampc_tensor *x = data4(s6, 20), *y = data4(s6, 21);
+            ampc_tensor_set_requires_grad(x, true);
+            ampc_tensor *h = cl ? ampc_to_memory_format(x, AMPC_CHANNELS_LAST) : x;
+            ampc_tensor *w4 = ampc_tensor_full(AMPC_F32, 2, (int64_t[]){3, 4}, 0.25);
+            ampc_tensor *r = NULL;
+            switch (k) {
+            case 0: r = ampc_linear(h, w4, NULL); break;                                /* over the last dim */
+            case 1: r = ampc_layer_norm(h, 2, NULL, NULL, 1e-5); break;
+            case 2: r = ampc_cat((ampc_tensor *[]){h, h}, 2, 1); break;
+            case 3: r = ampc_mse_loss(h, y, AMPC_REDUCTION_SUM); break;
+            case 4: r = ampc_max_pool2d(h, &(ampc_pool2d_options){.kernel = {3, 2}, .stride = {2, 1}, .ceil_mode = true}); break;
+            case 5: r = ampc_avg_pool2d(h, &(ampc_pool2d_options){.kernel = {2, 2}, .padding = {1, 1}}); break;
+            case 6: r = ampc_adaptive_avg_pool2d(h, 3, 2); break;
+            case 7: r = ampc_log_softmax(h, 1); break;
+            case 8: r = ampc_matmul(h, ampc_tensor_full(AMPC_F32, 2, (int64_t[]){4, 2}, 0.5)); break;
+            }
+            ASSERT_NOT_NULL_MSG(r);
+            ampc_tensor *loss = ampc_sum(ampc_mul(r, r), AMPC_ALL_DIMS, false);
+            ASSERT_OK(ampc_backward(loss));
+            out[cl] = ampc_tensor_own(ampc_tensor_to(r, AMPC_DEVICE_CPU, AMPC_F32));
+            grad[cl] = ampc_tensor_own(ampc_tensor_to(ampc_tensor_grad(x), AMPC_DEVICE_CPU, AMPC_F32));
+            ampc_scope_end();
+        }
+        expect_same("op output", out[1], out[0], 1e-6);
+        expect_same("op gradient", grad[1], grad[0], 1e-5);
+        for (int cl = 0; cl < 2; cl++) {
+            ampc_tensor_free(out[cl]);
+            ampc_tensor_free(grad[cl]);
+        }
+    }
+}
+
+/* Dropout keeps the format; the mask applies alike to the output and the gradient. */
+static void test_dropout_channels_last(void **state) {
+    (void)state;
+    ampc_tensor *x = data4(SHAPE, 30);
+    ampc_tensor_set_requires_grad(x, true);
+    ampc_tensor *h = ampc_to_memory_format(x, AMPC_CHANNELS_LAST);
+    ampc_tensor *y = ampc_dropout(h, 0.5, true);
+    ASSERT_NOT_NULL_MSG(y);
+    assert_int_equal(ampc_tensor_memory_format(y), cl_kernels() ? AMPC_CHANNELS_LAST : AMPC_CONTIGUOUS_FORMAT);
+    ASSERT_OK(ampc_backward(ampc_sum(y, AMPC_ALL_DIMS, false)));
+    double *yv = tu_values(y), *xv = tu_values(x), *gv = tu_values(ampc_tensor_grad(x));
+    int kept = 0;
+    for (int64_t i = 0; i < ampc_tensor_numel(x); i++) {
+        bool on = yv[i] != 0;
+        kept += on;
+        if (on && (fabs(yv[i] - 2 * xv[i]) > 1e-6 * fabs(xv[i]) || gv[i] != 2)) fail_msg("element %lld kept wrongly", (long long)i);
+        if (!on && gv[i] != 0) fail_msg("element %lld dropped but has gradient %g", (long long)i, gv[i]);
+    }
+    assert_true(kept > 0 && kept < ampc_tensor_numel(x));
+    free(yv), free(xv), free(gv);
+}
+
 /* A graph mixing formats: gradients reach each leaf in the leaf's format with the values of the
    all-contiguous graph. */
 static void test_gradients_come_back_in_the_callers_format(void **state) {
@@ -293,6 +356,8 @@ int main(void) {
         cmocka_unit_test(test_conversion_errors),
         cmocka_unit_test(test_elementwise_keep_the_format),
         cmocka_unit_test(test_gradients_come_back_in_the_callers_format),
+        cmocka_unit_test(test_other_ops_match_contiguous),
+        cmocka_unit_test(test_dropout_channels_last),
         cmocka_unit_test(test_models_fp32_match),
         cmocka_unit_test(test_models_bf16_match),
         cmocka_unit_test(test_ref_device_converts),
