@@ -3,14 +3,18 @@
  * through the backend table: forward (+bias), backward data and backward weights (+bias) of
  * NHWC tensors against the same kernels on contiguous (NCHW) tensors and against the REF
  * backend in f64, for f32, bf16, f16 and 16-bit x/gy with f32 gw/gb (autocast), on 1 and 3
- * threads (bf16 weight gradients are split over threads); the empty-input fallbacks, format
- * errors, the steady state (no new allocations) and which oneDNN kernels run.
+ * threads (bf16 weight gradients are split over threads); the im2col + matmul path forced on
+ * every ungrouped case (all three passes, cols capped so that the batch is split in chunks,
+ * and uncapped); the empty-input fallbacks, format errors, the steady state (no new
+ * allocations) and which oneDNN kernels run.
  *
  * Tolerance (derived, as in test_conv.c): inputs are exact in the dtype, every kernel sums its
  * K terms in f32 in some order and rounds once to the output dtype, so
- *   |got - exact| <= gamma(K) * S + eps * (|exact| + gamma(K) * S),   gamma(K) = K u / (1 - K u)
- * with u = 2^-24, S the sum of the terms' magnitudes (the same pass run on REF with |inputs|)
- * and eps the output dtype's unit roundoff; two kernels summing in different orders differ by
+ *   |got - exact| <= gamma(K) * S + eps * (|exact| + gamma(K) * S) + eta,   gamma(K) = K u / (1 - K u)
+ * with u = 2^-24, S the sum of the terms' magnitudes (the same pass run on REF with |inputs|),
+ * eps the output dtype's unit roundoff and eta half its smallest subnormal (rounding a result
+ * below the normal range is exact only to that: f16 2^-25, bf16 2^-134, f32 2^-150; f16 weight
+ * gradients of a few cancelling terms reach it); two kernels summing in different orders differ by
  * at most twice that. K: C/groups*KH*KW (+1 with bias) forward, O/groups*KH*KW backward data,
  * N*OH*OW backward weights and bias.
  */
@@ -24,6 +28,8 @@
 #include "backend/backend.h"
 #include "backend/cpu/cpu.h"
 #include "core/core.h"
+
+/* conv.c's im2col override and cols cap (not in a header: for benchmarks and tests only) */
 
 // ---------------------------------------------------------------------------------------------
 // Configurations
@@ -150,7 +156,8 @@ static void run_ref(const cl_case *c, const conv_io *in, bool abs, conv_io *out)
     const ampc_backend *be = ampc__backend(AMPC_DEVICE_REF);
     int64_t xs[4] = {d.N, d.C, d.H, d.W}, ys[4] = {d.N, d.O, d.OH, d.OW}, ws[4] = {d.O, d.C / d.groups, d.KH, d.KW};
     size_t nx = (size_t)(d.N * d.C * d.H * d.W), ny = (size_t)(d.N * d.O * d.OH * d.OW), nw = (size_t)(ws[0] * ws[1] * d.KH * d.KW);
-    double *ax = malloc(nx * sizeof *ax), *agy = malloc(ny * sizeof *agy), *aw = malloc(nw * sizeof *aw), ab[64];
+    double *ax = malloc(nx * sizeof *ax), *agy = malloc(ny * sizeof *agy), *aw = malloc(nw * sizeof *aw);
+    double *ab = malloc((size_t)d.O * sizeof *ab + 1);
     for (size_t i = 0; i < nx; i++) ax[i] = abs ? fabs(in->x[i]) : in->x[i];
     for (size_t i = 0; i < ny; i++) agy[i] = abs ? fabs(in->gy[i]) : in->gy[i];
     for (size_t i = 0; i < nw; i++) aw[i] = abs ? fabs(in->w[i]) : in->w[i];
@@ -169,18 +176,21 @@ static void run_ref(const cl_case *c, const conv_io *in, bool abs, conv_io *out)
     out->gb = c->bias ? tu_values(gb) : NULL;
     ampc_scope_end();
     ampc_set_default_device(AMPC_DEVICE_CPU);
-    free(ax), free(agy), free(aw);
+    free(ax), free(agy), free(aw), free(ab);
 }
 
 static double gamma_f32(double k) { return k * 0x1p-24 / (1 - k * 0x1p-24); }
 
-/* |got - want| <= scale * bound(K, S, eps) elementwise, bound as in the top comment (want:
+/* Half the smallest subnormal of dt (the absolute part of rounding to it). */
+static double half_subnormal(ampc_dtype dt) { return dt == AMPC_F16 ? 0x1p-25 : dt == AMPC_BF16 ? 0x1p-134 : 0x1p-150; }
+
+/* |got - want| <= scale * bound(K, S, eps, eta) elementwise, bound as in the top comment (want:
    the exact values, or another kernel's with scale 2). */
 static void check_close(const char *what, const double *got, const double *want, const double *exact, const double *S,
-                        size_t n, double K, double eps, double scale) {
+                        size_t n, double K, double eps, double eta, double scale) {
     double g = gamma_f32(K);
     for (size_t i = 0; i < n; i++) {
-        double bound = scale * (g * S[i] + eps * (fabs(exact[i]) + g * S[i]));
+        double bound = scale * (g * S[i] + eps * (fabs(exact[i]) + g * S[i]) + eta);
         if (!(fabs(got[i] - want[i]) <= bound))
             fail_msg("%s [%zu]: got %.9g want %.9g (exact %.9g), error %.3g > bound %.3g", what, i, got[i], want[i], exact[i],
                      fabs(got[i] - want[i]), bound);
@@ -190,13 +200,13 @@ static void check_close(const char *what, const double *got, const double *want,
 // ---------------------------------------------------------------------------------------------
 // Channels-last against contiguous and REF
 
-static void test_cl_cases(void **state) {
-    (void)state;
+/* Every case of cs against contiguous and REF; im2col: the im2col override (-1: by rule). */
+static void check_cases(const cl_case *cs, size_t ncases, int im2col) {
     const int threads[] = {1, 3};
     int nthr = ampc_get_num_threads();
     char what[256];
-    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
-        const cl_case *c = &cases[ci];
+    for (size_t ci = 0; ci < ncases; ci++) {
+        const cl_case *c = &cs[ci];
         ampc_conv_desc d = make_desc(c, false);
         size_t nx = (size_t)(d.N * d.C * d.H * d.W), ny = (size_t)(d.N * d.O * d.OH * d.OW);
         size_t nw = (size_t)(d.O * (d.C / d.groups) * d.KH * d.KW), no = (size_t)d.O;
@@ -221,28 +231,30 @@ static void test_cl_cases(void **state) {
                 conv_io nchw = in, nhwc = in;
                 ampc_set_num_threads(threads[ti]);
                 run_cpu(c, false, dt, gdt, &nchw);
+                ampc__cpu_conv_im2col = im2col;
                 run_cpu(c, true, dt, gdt, &nhwc);
+                ampc__cpu_conv_im2col = -1;
                 ampc_set_num_threads(nthr);
-                double e = tu_eps(dt), ew = tu_eps(gdt);
+                double e = tu_eps(dt), ew = tu_eps(gdt), h = half_subnormal(dt), hw = half_subnormal(gdt);
                 const struct {
                     const char *name;
                     const double *cl, *plain, *exact, *S;
                     size_t n;
-                    double K, eps;
+                    double K, eps, eta;
                 } outs[] = {
-                    {"y", nhwc.y, nchw.y, ref.y, mag.y, ny, Kf, e},
-                    {"gx", nhwc.gx, nchw.gx, ref.gx, mag.gx, nx, Kd, e},
-                    {"gw", nhwc.gw, nchw.gw, ref.gw, mag.gw, nw, Kw, ew},
-                    {"gb", nhwc.gb, nchw.gb, ref.gb, mag.gb, c->bias ? no : 0, Kw, ew},
+                    {"y", nhwc.y, nchw.y, ref.y, mag.y, ny, Kf, e, h},
+                    {"gx", nhwc.gx, nchw.gx, ref.gx, mag.gx, nx, Kd, e, h},
+                    {"gw", nhwc.gw, nchw.gw, ref.gw, mag.gw, nw, Kw, ew, hw},
+                    {"gb", nhwc.gb, nchw.gb, ref.gb, mag.gb, c->bias ? no : 0, Kw, ew, hw},
                 };
                 for (int o = 0; o < 4; o++) {
                     if (!outs[o].n) continue;
-                    snprintf(what, sizeof what, "%s, %s (gw %s), %d threads: %s channels-last vs contiguous", c->name,
-                             ampc_dtype_name(dt), ampc_dtype_name(gdt), threads[ti], outs[o].name);
-                    check_close(what, outs[o].cl, outs[o].plain, outs[o].exact, outs[o].S, outs[o].n, outs[o].K, outs[o].eps, 2);
-                    snprintf(what, sizeof what, "%s, %s (gw %s), %d threads: %s channels-last vs REF", c->name,
-                             ampc_dtype_name(dt), ampc_dtype_name(gdt), threads[ti], outs[o].name);
-                    check_close(what, outs[o].cl, outs[o].exact, outs[o].exact, outs[o].S, outs[o].n, outs[o].K, outs[o].eps, 1);
+                    snprintf(what, sizeof what, "%s%s, %s (gw %s), %d threads: %s channels-last vs contiguous", c->name,
+                             im2col > 0 ? " (im2col)" : "", ampc_dtype_name(dt), ampc_dtype_name(gdt), threads[ti], outs[o].name);
+                    check_close(what, outs[o].cl, outs[o].plain, outs[o].exact, outs[o].S, outs[o].n, outs[o].K, outs[o].eps, outs[o].eta, 2);
+                    snprintf(what, sizeof what, "%s%s, %s (gw %s), %d threads: %s channels-last vs REF", c->name,
+                             im2col > 0 ? " (im2col)" : "", ampc_dtype_name(dt), ampc_dtype_name(gdt), threads[ti], outs[o].name);
+                    check_close(what, outs[o].cl, outs[o].exact, outs[o].exact, outs[o].S, outs[o].n, outs[o].K, outs[o].eps, outs[o].eta, 1);
                 }
                 io_free(&nchw), io_free(&nhwc);
             }
@@ -250,6 +262,64 @@ static void test_cl_cases(void **state) {
             free(in.x), free(in.gy), free(in.w), free(in.b);
         }
     }
+}
+
+static void test_cl_cases(void **state) {
+    (void)state;
+    check_cases(cases, sizeof cases / sizeof *cases, -1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// im2col + matmul (conv.c's i2c_run), forced on every ungrouped case and on the shapes around
+// the rule's thresholds, with cols capped at one image's then at a few images' rows (chunks
+// of the batch, a smaller last one, accumulating weight gradients) and uncapped
+
+static void test_cl_im2col(void **state) {
+    (void)state;
+    static const cl_case extra[] = {
+        {"3x3 s2 pad 1, 5 images", 5, 24, 8, 8, 40, 3, 3, 2, 1, 1, 1, true},
+        {"5x5 pad 2 (bias)", 3, 8, 7, 9, 12, 5, 5, 1, 2, 1, 1, true},
+        {"3x3 unpadded", 3, 16, 6, 6, 8, 3, 3, 1, 0, 1, 1, false},
+        {"3x3 s2 dilation 2 pad 2", 2, 8, 11, 9, 8, 3, 3, 2, 2, 2, 1, false},
+        {"1x1 s2 (bias)", 3, 24, 9, 8, 16, 1, 1, 2, 0, 1, 1, true},
+        {"1-channel 3x3 (cnn conv1)", 4, 1, 10, 10, 16, 3, 3, 1, 0, 1, 1, true},
+    };
+    const size_t caps[] = {1, 8 << 10, (size_t)1 << 30};
+    size_t cap0 = ampc__cpu_conv_im2col_cap;
+    for (size_t i = 0; i < sizeof caps / sizeof *caps; i++) {
+        ampc__cpu_conv_im2col_cap = caps[i];
+        for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++)
+            if (cases[ci].groups == 1) check_cases(&cases[ci], 1, 1);
+        check_cases(extra, sizeof extra / sizeof *extra, 1);
+    }
+    ampc__cpu_conv_im2col_cap = cap0;
+}
+
+/* The rule (cl_im2col) on both sides of its thresholds: im2col for bf16 and f32, bf16 only,
+   neither (255 output channels; a 15x15 output map; a stride-1 256-channel input). */
+static void test_cl_im2col_rule(void **state) {
+    (void)state;
+    static const cl_case rule_cases[] = {
+        {"rule: 3x3 s2 256->256 4x4 (both, bias)", 2, 256, 4, 4, 256, 3, 3, 2, 1, 1, 1, true},
+        {"rule: 3x3 s1 512->256 3x3 (bf16)", 1, 512, 3, 3, 256, 3, 3, 1, 1, 1, 1, false},
+        {"rule: 3x3 s2 128->256 4x4 (bf16)", 2, 128, 4, 4, 256, 3, 3, 2, 1, 1, 1, false},
+        {"rule: 1x1 s2 256->256 4x4 (bf16)", 2, 256, 4, 4, 256, 1, 1, 2, 0, 1, 1, false},
+        {"rule: 3x3 s2 256->255 4x4 (neither)", 1, 256, 4, 4, 255, 3, 3, 2, 1, 1, 1, false},
+        {"rule: 1x1 s2 256->256 29x29 (neither)", 1, 256, 29, 29, 256, 1, 1, 2, 0, 1, 1, false},
+        {"rule: 3x3 s1 256->256 3x3 (neither)", 1, 256, 3, 3, 256, 3, 3, 1, 1, 1, 1, false},
+    };
+    const int chosen[] = {3, 2, 2, 2, 0, 0, 0};   /* backward weights on im2col: bit 0 f32, bit 1 bf16 */
+    for (size_t ci = 0; ci < sizeof rule_cases / sizeof *rule_cases; ci++) {
+        ampc_conv_desc d = make_desc(&rule_cases[ci], true);
+        for (int di = 0; di < 2; di++)
+            for (int pass = 0; pass < 3; pass++) {
+                char name[128];
+                ASSERT_OK(ampc__cpu_conv_impl(&d, di ? AMPC_BF16 : AMPC_F32, pass, rule_cases[ci].bias, name, sizeof name));
+                bool want = pass == 2 && (chosen[ci] >> di & 1), got = strncmp(name, "im2col+", 7) == 0;
+                if (got != want) fail_msg("%s, %s, pass %d: %s", rule_cases[ci].name, di ? "bf16" : "f32", pass, name);
+            }
+    }
+    check_cases(rule_cases, sizeof rule_cases / sizeof *rule_cases, -1);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -311,15 +381,20 @@ static void test_cl_format_errors(void **state) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Steady state: the third identical round of the three passes makes no system allocation
+// Steady state: the third identical round of the three passes makes no system allocation, on
+// the paths the rule picks and on im2col + matmul in chunks (forced, cols capped at 8 KiB)
 
 static void test_cl_steady_state(void **state) {
     (void)state;
     const ampc_dtype dts[] = {AMPC_F32, AMPC_BF16, AMPC_F16};
     const ampc_backend *be = ampc__backend(AMPC_DEVICE_CPU);
+    size_t cap0 = ampc__cpu_conv_im2col_cap;
+    for (int forced = 0; forced < 2; forced++)
     for (size_t di = 0; di < 3; di++)
         for (int k = 1; k <= 3; k += 2) {
             ampc_dtype dt = dts[di];
+            ampc__cpu_conv_im2col = forced ? 1 : -1;
+            ampc__cpu_conv_im2col_cap = forced ? 8 << 10 : cap0;
             cl_case c = {"steady", 4, 16, 10, 10, 24, k, k, 1, k / 2, 1, 1, false};
             ampc_conv_desc d = make_desc(&c, true);
             int64_t xs[4] = {4, 16, 10, 10}, ys[4] = {4, 24, 10, 10}, ws[4] = {24, 16, k, k};
@@ -336,10 +411,12 @@ static void test_cl_steady_state(void **state) {
             }
             uint64_t after = ampc_memory_stats().n_malloc;
             if (after != before)
-                fail_msg("%s %dx%d: round 3 made %llu new system allocations", ampc_dtype_name(dt), k, k,
-                         (unsigned long long)(after - before));
+                fail_msg("%s %dx%d%s: round 3 made %llu new system allocations", ampc_dtype_name(dt), k, k,
+                         forced ? " (im2col)" : "", (unsigned long long)(after - before));
             ampc_scope_end();
         }
+    ampc__cpu_conv_im2col = -1;
+    ampc__cpu_conv_im2col_cap = cap0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -379,6 +456,8 @@ static void test_cl_impl_names(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cl_cases),
+        cmocka_unit_test(test_cl_im2col),
+        cmocka_unit_test(test_cl_im2col_rule),
         cmocka_unit_test(test_cl_empty_input),
         cmocka_unit_test(test_cl_format_errors),
         cmocka_unit_test(test_cl_steady_state),

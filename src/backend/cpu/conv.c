@@ -116,7 +116,9 @@
  *   kernels on maps of 24x24 and more reorder the activations after all (faster kernels);
  * - bf16 weight gradients are split over threads as above: by images (the batch is outermost
  *   in NHWC), by output channels where the weights outnumber the inputs (each slice's channels
- *   of gy copied out: 4x4 512->512 15.8 vs 18.4 ms by images).
+ *   of gy copied out: 4x4 512->512 15.8 vs 18.4 ms by images);
+ * - weight gradients with many output channels on small maps are im2col + one matmul instead
+ *   (cl_im2col; the third NHWC table below).
  * Measured with a standalone program calling the backend table (f32; bf16 = bf16 x, w, gy with
  * f32 gw as under autocast), interleaved, min of 7 in each of two runs; the machine was shared
  * (load 1-2), figures vary by 10-20% between runs. ms per pass, (a) the NCHW path with its
@@ -186,7 +188,73 @@
  * ResNet-50 f32 424 -> 375, bf16 259 -> 210; cnn f32 55 -> 50, bf16 32 -> 23. Still slower per
  * layer: f32 1x1 64->256 at 56x56 (15.7 vs 18.9 ms: the gemm's backward data 5.9 vs 4.0, and
  * oneDNN's NHWC 1x1 kernels are slower still), and within the noise (<8%) f32 1x1 512->128 28,
- * f32 1x1 s2 1024->2048 14 and bf16 3x3 s2 256->512 8.
+ * f32 1x1 s2 1024->2048 14 and bf16 3x3 s2 256->512 8. *
+ * Channels-last im2col + matmul (i2c_run; cl_im2col): cols (N*OH*OW, KH*KW*C) is a copy of
+ * runs of C values, and each pass one oneDNN matmul (brgemm) with a transposed operand where
+ * needed. Only backward weights adopts it, with many output channels on output maps of at
+ * most 14x14: oneDNN's direct backward-weights kernels run at 50-60% of peak there (strided
+ * worst: 3x3 s2 256->512 8x8 bf16 at ~30%), while the matmul reaches ~800 GFLOP/s bf16 and
+ * building cols is cheap (O flops per byte of cols). Forward and backward data lose on every
+ * layer below (the direct kernels run at 85-95% of peak; cols, or gx_cols in f32 and the col2im
+ * gather, cost more than the matmul could save), so they are implemented but never chosen.
+ * Same standalone program, N as above, ms per pass, min of 5 interleaved (a: the NHWC path
+ * above, b: im2col forced), then backward weights again, min of 8 interleaved, a vs the rule's
+ * choice; shared machine (load 1-2), 10-20% between runs:
+ *
+ *   layer                          (a) NHWC path       (b) im2col          bwd_w a / rule
+ *                                  fwd bwd_d bwd_w     fwd bwd_d bwd_w
+ *   r18 3x3 64->64 32        f32    11.2  12.8  13.4    17.2  29.4  17.1    13.1  13.7
+ *   r18 3x3 64->64 32        bf16    5.3   5.4   7.0    10.3  23.7  13.1     8.4   8.3
+ *   r18 3x3s2 64->128 32     f32     6.4   6.7   7.8     7.2  10.3   7.4     9.0   8.8
+ *   r18 3x3s2 64->128 32     bf16    3.5   3.2   5.2     4.8  10.6   5.4     5.0   5.2
+ *   r18 1x1s2 64->128 32     f32     1.2   1.6   1.1     1.0   2.2   1.5     1.5   1.5
+ *   r18 1x1s2 64->128 32     bf16    0.5   0.6   0.6     0.5   2.6   0.9     0.6   0.6
+ *   r18 3x3 128->128 16      f32     9.9  10.4  11.5    14.5  19.0  15.1    12.8  13.0
+ *   r18 3x3 128->128 16      bf16    4.8   5.0   6.3     7.0  12.2   7.6     7.1   7.1
+ *   r18 3x3s2 128->256 16    f32     5.4   5.8   6.9     6.4   7.4   6.6     8.3   8.3
+ *   r18 3x3s2 128->256 16    bf16    3.0   3.5   4.8     3.3   5.1   3.7     6.1   4.2  im2col
+ *   r18 1x1s2 128->256 16    f32     0.7   1.0   0.8     0.7   1.3   0.9     0.8   0.9
+ *   r18 1x1s2 128->256 16    bf16    0.4   0.4   0.5     0.5   1.3   0.5     0.5   0.5
+ *   r18 3x3 256->256 8       f32     9.4  10.4  10.7    12.5  15.5  14.9    11.9  11.6
+ *   r18 3x3 256->256 8       bf16    5.1   5.6   6.8     6.3   8.6   7.5     7.6   7.5
+ *   r18 3x3s2 256->512 8     f32     5.3   6.6   8.6     6.1   6.4   6.2    10.2   7.1  im2col
+ *   r18 3x3s2 256->512 8     bf16    2.6   4.1   7.1     3.0   4.0   3.3     8.9   4.1  im2col
+ *   r18 1x1s2 256->512 8     f32     0.7   0.7   0.7     0.7   1.1   0.8     0.8   0.8
+ *   r18 1x1s2 256->512 8     bf16    0.4   0.4   0.6     0.4   0.8   0.5     0.7   0.5  im2col
+ *   r18 3x3 512->512 4       f32    10.5   9.6  12.5    12.3  12.8  12.5    15.1  15.0
+ *   r18 3x3 512->512 4       bf16    5.1   5.7  10.8     7.2   8.0   8.5    10.0   7.8  im2col
+ *   r18 stem 3->64 32        f32     1.1     -   2.4     2.4     -   3.5     0.9   0.9
+ *   r18 stem 3->64 32        bf16    0.5     -   0.9     1.4     -   2.7     0.7   0.7
+ *   r50 3x3 64->64 56        f32     8.1   9.2  10.4    13.9  22.2  14.0    10.4  10.1
+ *   r50 3x3 64->64 56        bf16    4.1   4.2   5.4     8.9  22.7  10.8     5.1   5.2
+ *   r50 3x3s2 128->128 56    f32     8.9   9.1  12.9    11.6  15.2  12.2    11.8  12.2
+ *   r50 3x3s2 128->128 56    bf16    4.9   4.6   6.7     6.2  11.5   6.9     7.8   7.8
+ *   r50 3x3 128->128 28      f32     7.9   8.5   9.3    11.6  14.5  11.5    10.5  10.3
+ *   r50 3x3 128->128 28      bf16    3.9   4.1   4.9     5.8  10.3   7.2     5.5   5.4
+ *   r50 3x3s2 256->256 28    f32     8.4   9.0  14.1    10.6  11.8  11.0    17.3  12.3  im2col
+ *   r50 3x3s2 256->256 28    bf16    4.7   5.5   8.1     5.3   9.5   6.6     7.5   6.1  im2col
+ *   r50 3x3 256->256 14      f32     7.5   8.2   8.3     9.8  10.9  10.5    10.1   9.7
+ *   r50 3x3 256->256 14      bf16    4.1   4.3   4.9     4.9   7.1   6.0     5.6   5.6
+ *   r50 3x3s2 512->512 14    f32    11.4  10.0  16.5    10.5  11.3  10.7    21.6  11.5  im2col
+ *   r50 3x3s2 512->512 14    bf16    4.8   6.6  13.4     5.3   7.0   6.5    10.4   5.9  im2col
+ *   r50 3x3 512->512 7       f32     8.7   8.8   9.5    10.0  10.1  10.1    12.9  13.4
+ *   r50 3x3 512->512 7       bf16    3.8   4.9   6.1     4.8   5.7   5.3     8.0   6.9  im2col
+ *   r50 1x1s2 256->512 56    f32     8.1   9.4   9.8     8.7  11.7   9.6     9.4  16.9
+ *   r50 1x1s2 256->512 56    bf16    7.2   7.7   9.8     7.7  16.1  10.2     5.4   5.5
+ *   r50 1x1s2 512->1024 28   f32    14.5  14.9  16.5    14.8  17.5  17.3     8.9   9.0
+ *   r50 1x1s2 512->1024 28   bf16    3.7   3.9   6.1     3.9   6.4   4.4     6.2   4.4  im2col
+ *   r50 1x1s2 1024->2048 14  f32     8.7   9.2  10.8     7.9   9.3   8.5    11.9   9.4  im2col
+ *   r50 1x1s2 1024->2048 14  bf16    3.9   4.4  16.4     4.4   6.3   5.2    19.0   5.5  im2col
+ *   cnn 1->32 28             f32     0.7     -   0.9     2.8     -   3.7     0.6   0.6
+ *   cnn 1->32 28             bf16    0.2     -   0.3     1.4     -   1.9     0.3   0.3
+ *   cnn 32->64 26            f32     7.6   8.6   9.8    14.4  30.7  13.6    10.7  11.2
+ *   cnn 32->64 26            bf16    3.6   4.5   5.3     6.1  24.0   9.7     5.5   5.8
+ *
+ * cols is capped at 32 MiB (ampc__cpu_conv_im2col_cap): larger batches are split into equal
+ * chunks of images whose matmuls accumulate into the f32 dW. No chosen layer above needs a
+ * split (the largest, 3x3 s2 256->256 28x28 f32, takes 28.9 MB); splitting costs a smaller
+ * reduction per matmul and one more pass over dW per chunk: 3x3 512->512 4x4 bf16 (9.4 MB of
+ * cols) takes 7.7 ms whole, 9.6 ms in 3 chunks (4 MiB cap), 13.5 ms in 10 (1 MiB).
  */
 #include "backend/backend.h"
 #include "backend/cpu/cpu.h"
@@ -209,6 +277,8 @@ typedef struct {
     int32_t gemm;          /* channels-last 1x1: a matmul primitive instead (see gemm_pd) */
     int32_t no_brg;        /* channels-last forward: skip oneDNN's brgconv implementations */
     int32_t cl_reorder;    /* channels-last, but the activations reordered to oneDNN's choice */
+    int32_t im2col;        /* channels-last: im2col + a matmul primitive (see i2c_pd); N = images per chunk */
+    int32_t accum;         /* im2col backward weights: the matmul adds to its dst (later chunks) */
     int64_t N, C, H, W, O, KH, KW, OH, OW;
     int64_t stride[2], dil[2], pad_l[2], pad_r[2], groups;   /* oneDNN's: dilation d-1 */
 } conv_key;
@@ -486,7 +556,10 @@ static int build_gemm_fwd(ampc_dnnl_entry *e, const void *key) { return gemm_pd(
 static int build_gemm_bwd_data(ampc_dnnl_entry *e, const void *key) { return gemm_pd(e, key, AMPC_DNNL_CONV_BWD_DATA); }
 static int build_gemm_bwd_weights(ampc_dnnl_entry *e, const void *key) { return gemm_pd(e, key, AMPC_DNNL_CONV_BWD_WEIGHTS); }
 
+static ampc_dnnl_build_fn i2c_builder(int family);
+
 static ampc_dnnl_build_fn family_builder(int family, const conv_key *k) {
+    if (k->im2col) return i2c_builder(family);
     if (k->gemm)
         return family == AMPC_DNNL_CONV_FWD ? build_gemm_fwd : family == AMPC_DNNL_CONV_BWD_DATA ? build_gemm_bwd_data
                                                                                                 : build_gemm_bwd_weights;
@@ -562,6 +635,219 @@ static int conv_run(int family, const conv_key *k, void *const *user) {
     ampc__free(AMPC_DEVICE_CPU, ws, block, AMPC_MEM_WORKSPACE);
     return rc;
 fail:
+    return rc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Channels-last convolutions as im2col + one matmul
+//
+// In NHWC each output pixel's receptive field is KH*KW runs of C contiguous input values, so
+// the columns matrix cols (R = N*OH*OW rows, K = KH*KW*C) is a copy of runs (zeros for the
+// padding), and with the weights as W (O, K) in OHWI order every pass is one matmul:
+//   forward          y       (R, O) = cols (R, K) @ W^T (K, O)   (+ bias), into y in place
+//   backward data    gx_cols (R, K) = gy   (R, O) @ W   (O, K),  then col2im sums into gx
+//   backward weights dW      (O, K) = gy^T (O, R) @ cols (R, K)  (gy^T is a stride, no copy)
+// W is the OIHW weights reordered to OHWI, dW is reordered back to OIHW (f32 accumulation,
+// rounded once for 16-bit gradients), the bias gradient is the column sums of gy. cols (and
+// gx_cols, f32) are bounded by a cap: the batch is split into equal chunks of images, whose
+// backward-weights matmuls accumulate into dW (a sum post-op). Only cl_im2col's shapes run it.
+
+/* The cap on cols' bytes (32 MiB; what splitting costs: the top comment). Tests lower it to
+   split small batches; not thread-safe, not part of the API. */
+size_t ampc__cpu_conv_im2col_cap = (size_t)32 << 20;
+
+/* The element size of cols: the operands' dtype, f32 for gx_cols (the matmul's output). */
+static size_t i2c_cols_esz(int family, const conv_key *k) {
+    return family == AMPC_DNNL_CONV_BWD_DATA || k->dt == dnnl_f32 ? 4 : 2;
+}
+
+/* Images per chunk: the fewest equal chunks whose cols fit the cap (at least one image). */
+static int64_t i2c_chunk(int family, const conv_key *k) {
+    size_t per = (size_t)(k->OH * k->OW * k->KH * k->KW * k->C) * i2c_cols_esz(family, k);
+    int64_t fit = per ? (int64_t)(ampc__cpu_conv_im2col_cap / per) : k->N, nb = fit < 1 ? 1 : fit > k->N ? k->N : fit;
+    int64_t chunks = (k->N + nb - 1) / nb;
+    return (k->N + chunks - 1) / chunks;
+}
+
+/* The matmul of pass family for a chunk of k->N images (see above); arguments in run order:
+   forward cols, W^T, y[, bias]; backward data gy, W, gx_cols; backward weights gy^T, cols, dW. */
+static int i2c_pd(ampc_dnnl_entry *e, const conv_key *k, int family) {
+    int rc = AMPC_OK;
+    int64_t R = k->N * k->OH * k->OW, K = k->KH * k->KW * k->C;
+    bool bias = family == AMPC_DNNL_CONV_FWD && k->has_bias;
+    dnnl_memory_desc_t a, b, c, bmd;
+    dnnl_primitive_attr_t attr = NULL;
+    dnnl_post_ops_t po = NULL;
+    switch (family) {
+    case AMPC_DNNL_CONV_FWD:
+        AMPC_DNNL_TRY(mat_md(&a, k->dt, R, K, false), "cols descriptor");
+        AMPC_DNNL_TRY(mat_md(&b, k->dt, K, k->O, true), "w descriptor");
+        AMPC_DNNL_TRY(mat_md(&c, k->dt, R, k->O, false), "y descriptor");
+        AMPC_DNNL_TRY(mat_md(&bmd, k->dt, 1, k->O, false), "bias descriptor");
+        break;
+    case AMPC_DNNL_CONV_BWD_DATA:
+        AMPC_DNNL_TRY(mat_md(&a, k->dt, R, k->O, false), "gy descriptor");
+        AMPC_DNNL_TRY(mat_md(&b, k->dt, k->O, K, false), "w descriptor");
+        AMPC_DNNL_TRY(mat_md(&c, dnnl_f32, R, K, false), "gx cols descriptor");
+        break;
+    default:
+        AMPC_DNNL_TRY(mat_md(&a, k->dt, k->O, R, true), "gy descriptor");
+        AMPC_DNNL_TRY(mat_md(&b, k->dt, R, K, false), "cols descriptor");
+        AMPC_DNNL_TRY(mat_md(&c, dnnl_f32, k->O, K, false), "dw descriptor");
+    }
+    AMPC_DNNL_TRY(dnnl_primitive_attr_create(&attr), "attr_create");
+    AMPC_DNNL_TRY(dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user), "set_scratchpad_mode");
+    if (k->accum) {
+        AMPC_DNNL_TRY(dnnl_post_ops_create(&po), "post_ops_create");
+        AMPC_DNNL_TRY(dnnl_post_ops_append_sum(po, 1.0f), "post_ops_append_sum");
+        AMPC_DNNL_TRY(dnnl_primitive_attr_set_post_ops(attr, po), "set_post_ops");
+    }
+    dnnl_matmul_desc_t op;
+    AMPC_DNNL_TRY(dnnl_matmul_desc_init(&op, &a, &b, bias ? &bmd : NULL, &c), "matmul_desc_init");
+    AMPC_DNNL_TRY(dnnl_primitive_desc_create(&e->pd, &op, attr, ampc__dnnl_engine(), NULL),
+                  "convolution as im2col matmul primitive_desc_create");
+    if ((rc = ampc__dnnl_add_arg(e, DNNL_ARG_SRC, &a)) < 0 || (rc = ampc__dnnl_add_arg(e, DNNL_ARG_WEIGHTS, &b)) < 0 ||
+        (rc = ampc__dnnl_add_arg(e, DNNL_ARG_DST, &c)) < 0)
+        goto fail;
+    if (bias) rc = ampc__dnnl_add_arg(e, DNNL_ARG_BIAS, &bmd);
+fail:
+    if (po) dnnl_post_ops_destroy(po);
+    if (attr) dnnl_primitive_attr_destroy(attr);
+    return rc;
+}
+
+static int build_i2c_fwd(ampc_dnnl_entry *e, const void *key) { return i2c_pd(e, key, AMPC_DNNL_CONV_FWD); }
+static int build_i2c_bwd_data(ampc_dnnl_entry *e, const void *key) { return i2c_pd(e, key, AMPC_DNNL_CONV_BWD_DATA); }
+static int build_i2c_bwd_weights(ampc_dnnl_entry *e, const void *key) { return i2c_pd(e, key, AMPC_DNNL_CONV_BWD_WEIGHTS); }
+
+static ampc_dnnl_build_fn i2c_builder(int family) {
+    return family == AMPC_DNNL_CONV_FWD ? build_i2c_fwd : family == AMPC_DNNL_CONV_BWD_DATA ? build_i2c_bwd_data
+                                                                                          : build_i2c_bwd_weights;
+}
+
+/* Input row (h) or column of tap t of output index o, or -1 in the padding. */
+static int64_t i2c_in(int64_t o, int64_t t, const conv_key *k, int i, int64_t size) {
+    int64_t v = o * k->stride[i] - k->pad_l[i] + t * (k->dil[i] + 1);
+    return v >= 0 && v < size ? v : -1;
+}
+
+/* cols (nb*OH*OW, KH*KW*C) of images [0, nb) of x (NHWC, esz-byte elements). */
+static void im2col(const conv_key *k, int64_t nb, const char *x, char *cols, size_t esz) {
+    int64_t R = nb * k->OH * k->OW;
+    size_t run = (size_t)k->C * esz;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < R; r++) {
+        int64_t n = r / (k->OH * k->OW), oh = r / k->OW % k->OH, ow = r % k->OW;
+        char *dst = cols + (size_t)r * (size_t)(k->KH * k->KW) * run;
+        for (int64_t kh = 0; kh < k->KH; kh++) {
+            int64_t ih = i2c_in(oh, kh, k, 0, k->H);
+            for (int64_t kw = 0; kw < k->KW; kw++, dst += run) {
+                int64_t iw = ih < 0 ? -1 : i2c_in(ow, kw, k, 1, k->W);
+                if (iw < 0) memset(dst, 0, run);
+                else memcpy(dst, x + (size_t)((n * k->H + ih) * k->W + iw) * run, run);
+            }
+        }
+    }
+}
+
+/* gx (images [0, nb), NHWC, f32 or bf16) = the sums of gx_cols (f32) over the taps that read
+   each input pixel; each pixel gathers its taps, so threads never write the same value. */
+static void col2im(const conv_key *k, int64_t nb, const float *gcols, void *gx, bool bf16) {
+    int64_t P = nb * k->H * k->W, C = k->C, K = k->KH * k->KW * C;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        int64_t n = p / (k->H * k->W), ih = p / k->W % k->H, iw = p % k->W;
+        for (int64_t c0 = 0; c0 < C; c0 += 256) {
+            int64_t m = C - c0 < 256 ? C - c0 : 256;
+            float acc[256] = {0};
+            for (int64_t kh = 0; kh < k->KH; kh++) {
+                int64_t th = ih + k->pad_l[0] - kh * (k->dil[0] + 1), oh = th / k->stride[0];
+                if (th < 0 || th % k->stride[0] || oh >= k->OH) continue;
+                for (int64_t kw = 0; kw < k->KW; kw++) {
+                    int64_t tw = iw + k->pad_l[1] - kw * (k->dil[1] + 1), ow = tw / k->stride[1];
+                    if (tw < 0 || tw % k->stride[1] || ow >= k->OW) continue;
+                    const float *src = gcols + ((n * k->OH + oh) * k->OW + ow) * K + (kh * k->KW + kw) * C + c0;
+                    for (int64_t c = 0; c < m; c++) acc[c] += src[c];
+                }
+            }
+            for (int64_t c = 0; c < m; c++) ampc__cpu_st(gx, (size_t)(p * C + c0 + c), acc[c], bf16);
+        }
+    }
+}
+
+/* gb[o] (f32, or rounded to bf16) = the sum of column o of gy (R, O). */
+static void i2c_bias_grad(const conv_key *k, const void *gy, void *gb, bool gb_bf16) {
+    int64_t R = k->N * k->OH * k->OW, O = k->O;
+    bool bf16 = k->dt == dnnl_bf16;
+#pragma omp parallel for schedule(static)
+    for (int64_t o0 = 0; o0 < O; o0 += 64) {
+        int64_t m = O - o0 < 64 ? O - o0 : 64;
+        float acc[64] = {0};
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t o = 0; o < m; o++) acc[o] += ampc__cpu_ld(gy, (size_t)(r * O + o0 + o), bf16);
+        for (int64_t o = 0; o < m; o++) ampc__cpu_st(gb, (size_t)(o0 + o), acc[o], gb_bf16);
+    }
+}
+
+/* The reorder of the weights (or their gradient) between the user's OIHW in dt and OHWI in
+   ohwi_dt; to_ohwi gives its direction. Lock held. */
+static ampc_dnnl_entry *i2c_wei_reorder(const conv_key *k, int family, bool to_ohwi, dnnl_data_type_t dt,
+                                        dnnl_data_type_t ohwi_dt) {
+    dnnl_memory_desc_t oihw, ohwi;
+    dnnl_dims_t dims = {k->O, k->C, k->KH, k->KW};
+    if (dnnl_memory_desc_init_by_tag(&oihw, 4, dims, dt, dnnl_oihw) != dnnl_success ||
+        dnnl_memory_desc_init_by_tag(&ohwi, 4, dims, ohwi_dt, dnnl_ohwi) != dnnl_success)
+        return ampc__err_null(AMPC_ERR_BACKEND, "oneDNN: weight descriptors");
+    conv_key kr = *k;
+    kr.N = 0;   /* one reorder for every chunk size */
+    return to_ohwi ? reorder_entry(&kr, family, DNNL_ARG_WEIGHTS, &oihw, &ohwi)
+                   : reorder_entry(&kr, family, DNNL_ARG_DIFF_WEIGHTS, &ohwi, &oihw);
+}
+
+/* Runs pass family of k (ungrouped, channels-last, f32 or bf16) as im2col + matmul on the
+   user's buffers (arg_spec order). Lock held. */
+static int i2c_run(int family, const conv_key *k, void *const *user) {
+    int rc = AMPC_OK;
+    size_t esz = k->dt == dnnl_bf16 ? 2 : 4, cesz = i2c_cols_esz(family, k);
+    int64_t K = k->KH * k->KW * k->C, nb = i2c_chunk(family, k), xpix = k->H * k->W, ypix = k->OH * k->OW;
+    bool bwd_w = family == AMPC_DNNL_CONV_BWD_WEIGHTS, gf32 = k->dt == dnnl_f32 || k->grad_f32;
+    ampc_dnnl_entry *wr = i2c_wei_reorder(k, family, !bwd_w, bwd_w ? (gf32 ? dnnl_f32 : dnnl_bf16) : k->dt,
+                                          bwd_w ? dnnl_f32 : k->dt);
+    if (!wr) return ampc_last_status();
+    /* workspace: W (OHWI, dt) or dW (f32), then one chunk's cols */
+    size_t wbytes = align64((size_t)(k->O * K) * (bwd_w ? 4 : esz)), block = 0;
+    char *ws = ampc__alloc(AMPC_DEVICE_CPU, wbytes + (size_t)(nb * ypix * K) * cesz, AMPC_MEM_WORKSPACE, &block);
+    if (!ws) return ampc_last_status();
+    char *wbuf = ws, *cols = ws + wbytes;
+    if (!bwd_w) rc = ampc__dnnl_run(wr, (void *[]){user[1], wbuf});
+    for (int64_t n0 = 0; n0 < k->N && rc >= 0; n0 += nb) {
+        /* the chunk's matmul: its own key (a smaller last chunk; later ones accumulate into dW) */
+        conv_key kc = *k;
+        kc.N = k->N - n0 < nb ? k->N - n0 : nb;
+        kc.accum = bwd_w && n0 > 0;
+        ampc_dnnl_entry *e = ampc__dnnl_get(family, &kc, sizeof kc, i2c_builder(family));
+        if (!e) {
+            rc = ampc_last_status();
+            break;
+        }
+        /* offsets of image n0 in x (or gx) and y (or gy), NHWC */
+        size_t xoff = (size_t)(n0 * xpix * k->C) * esz, yoff = (size_t)(n0 * ypix * k->O) * esz;
+        if (family == AMPC_DNNL_CONV_FWD) {
+            im2col(k, kc.N, (const char *)user[0] + xoff, cols, esz);
+            rc = ampc__dnnl_run(e, (void *[]){cols, wbuf, (char *)user[2] + yoff, k->has_bias ? user[3] : NULL});
+        } else if (family == AMPC_DNNL_CONV_BWD_DATA) {
+            rc = ampc__dnnl_run(e, (void *[]){(char *)user[0] + yoff, wbuf, cols});
+            if (rc >= 0) col2im(k, kc.N, (const float *)cols, (char *)user[2] + xoff, esz == 2);
+        } else {
+            im2col(k, kc.N, (const char *)user[0] + xoff, cols, esz);
+            rc = ampc__dnnl_run(e, (void *[]){(char *)user[1] + yoff, cols, wbuf});
+        }
+    }
+    if (bwd_w && rc >= 0) {
+        rc = ampc__dnnl_run(wr, (void *[]){wbuf, user[2]});
+        if (rc >= 0 && k->has_bias) i2c_bias_grad(k, user[1], user[3], !gf32);
+    }
+    ampc__free(AMPC_DEVICE_CPU, ws, block, AMPC_MEM_WORKSPACE);
     return rc;
 }
 
@@ -803,6 +1089,7 @@ static int conv_run_split(const conv_key *k, void *const *user) {
 /* Runs pass family of k on the user's plain buffers (conv_run, or split for bf16 weights). */
 static int conv_exec(int family, const conv_key *k, void *const *user) {
     if (k->gemm) return gemm_run(family, k, user);
+    if (k->im2col) return i2c_run(family, k, user);
     if (family == AMPC_DNNL_CONV_BWD_WEIGHTS && k->dt == dnnl_bf16 && k->blocked) {
         int rc = conv_run_split(k, user);
         if (rc != 1) return rc;
@@ -868,6 +1155,28 @@ static bool cl_reorder(int family, const ampc_conv_desc *d, bool bf16) {
     return false;
 }
 
+/* im2col + matmul for pass family (see i2c_run)? -1: by cl_im2col, 0: never, 1: wherever it
+   applies (ungrouped, channels-last, not a 1x1 gemm). For benchmarks and tests (declared in
+   cpu.h); not thread-safe, not part of the API. */
+int ampc__cpu_conv_im2col = -1;
+
+/* Backward weights as im2col + matmul (i2c_run) where oneDNN's direct kernels are weak: many
+   output channels on small output maps (at most 14x14), strided (3x3 s2 256->512 8x8 bf16:
+   7.1 vs 3.3 ms) or with many input channels (3x3 512->512 4x4 bf16: 10.8 vs 8.5 ms); in f32
+   only strided with at least 256 input channels and K = KH*KW*C >= 1024 (the others within
+   10% or slower). Forward and backward data lose everywhere (oneDNN's direct kernels run near
+   peak; building cols, and col2im, cost more than they could save). See the im2col table at
+   the top. */
+static bool cl_im2col(int family, const ampc_conv_desc *d, bool bf16) {
+    if (d->groups != 1 || is_1x1_s1(d)) return false;
+    if (ampc__cpu_conv_im2col >= 0) return ampc__cpu_conv_im2col;
+    if (family != AMPC_DNNL_CONV_BWD_WEIGHTS || d->O < 256 || d->OH * d->OW > 14 * 14) return false;
+    bool strided = d->stride[0] > 1 || d->stride[1] > 1;
+    int64_t K = d->KH * d->KW * d->C;
+    if (bf16) return K >= 256 && (strided || d->C >= 512);
+    return strided && d->C >= 256 && K >= 1024;
+}
+
 /* grad_dt: the dtype of gw/gb for the backward weights pass (dt elsewhere). */
 static conv_key make_key(int family, const ampc_conv_desc *d, ampc_dtype dt, ampc_dtype grad_dt, bool has_bias) {
     conv_key k;
@@ -879,9 +1188,10 @@ static conv_key make_key(int family, const ampc_conv_desc *d, ampc_dtype dt, amp
         bool bf16 = dt == AMPC_BF16;
         k.cl = 1;
         k.gemm = cl_gemm(family, d, bf16, has_bias);
-        k.blocked = !k.gemm;   /* weights: oneDNN's layout */
-        k.no_brg = !k.gemm && family == AMPC_DNNL_CONV_FWD && cl_no_brg(d, bf16);
-        k.cl_reorder = !k.gemm && cl_reorder(family, d, bf16);
+        k.im2col = !k.gemm && cl_im2col(family, d, bf16);
+        k.blocked = !k.gemm && !k.im2col;   /* weights: oneDNN's layout */
+        k.no_brg = k.blocked && family == AMPC_DNNL_CONV_FWD && cl_no_brg(d, bf16);
+        k.cl_reorder = k.blocked && cl_reorder(family, d, bf16);
     } else {
         k.blocked = !plain_1x1(family, d, dt);
     }
@@ -1067,9 +1377,10 @@ int ampc__cpu_conv_impl(const ampc_conv_desc *d, ampc_dtype dt, int pass, bool h
     static const int families[3] = {AMPC_DNNL_CONV_FWD, AMPC_DNNL_CONV_BWD_DATA, AMPC_DNNL_CONV_BWD_WEIGHTS};
     if (pass < 0 || pass > 2) return ampc__err(AMPC_ERR_INVALID, "conv pass %d", pass);
     conv_key k = make_key(families[pass], d, dt, dt, has_bias && pass != 1);
+    if (k.im2col) k.N = i2c_chunk(families[pass], &k);   /* the matmul of a chunk */
     ampc__dnnl_lock();
     ampc_dnnl_entry *e = ampc__dnnl_get(families[pass], &k, sizeof k, family_builder(families[pass], &k));
-    snprintf(buf, n, "%s", e ? ampc__dnnl_impl(e) : "?");
+    snprintf(buf, n, "%s%s", k.im2col ? "im2col+" : "", e ? ampc__dnnl_impl(e) : "?");
     ampc__dnnl_unlock();
     return e ? AMPC_OK : ampc_last_status();
 }

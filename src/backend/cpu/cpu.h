@@ -85,4 +85,9 @@ int ampc__cpu_gemm_impl(const ampc_gemm_desc *d, ampc_dtype dt, bool has_bias, c
 /* Same for a convolution pass (0 forward, 1 backward data, 2 backward weights; conv.c). */
 int ampc__cpu_conv_impl(const ampc_conv_desc *d, ampc_dtype dt, int pass, bool has_bias, char *buf, size_t n);
 
+/* conv.c's switches for tests and benchmarks: the NHWC im2col + matmul path for convolution
+   passes (-1: its measured rule, 0: never, 1: always) and the cap on its columns buffer. */
+extern int ampc__cpu_conv_im2col;
+extern size_t ampc__cpu_conv_im2col_cap;
+
 #endif /* AMPC_CPU_H */

@@ -18,7 +18,7 @@
 #include <dnnl.h>
 #include <dnnl_debug.h>
 
-#define AMPC_DNNL_KEY_BYTES 192
+#define AMPC_DNNL_KEY_BYTES 256
 #define AMPC_DNNL_MAX_ARGS 8
 #define AMPC_DNNL_MAX_STREAMS 64
 
