@@ -441,8 +441,9 @@ static int write_json(const char *path, const result *rs, int n, const settings 
                "\"loadavg_end\": \"%s\"},\n",
             ampc_cpu_features(), ampc_get_num_threads(), wait_policy, omp_nt ? omp_nt : "unset", dv->major, dv->minor,
             dv->patch, load0, load1);
-    fprintf(f, "  \"settings\": {\"steps\": %d, \"warmup\": %d, \"optimizer\": \"sgd lr 0.01 momentum 0.9\"},\n",
-            s->steps, s->warmup);
+    fprintf(f, "  \"settings\": {\"steps\": %d, \"warmup\": %d, \"optimizer\": \"sgd lr 0.01 momentum 0.9\", "
+               "\"conv_memory_format\": \"%s\"},\n",
+            s->steps, s->warmup, g_channels_last ? "channels_last" : "contiguous");
     fprintf(f, "  \"peak\": ");
     json_peak(f, &s->peak, s->have_peak);
     fprintf(f, ",\n  \"results\": [");
