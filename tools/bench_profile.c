@@ -175,6 +175,15 @@ static int w_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, co
     TIMED("batch_norm_backward", -1, x->dtype, NULL, NULL, false, 0,
           saved.batch_norm_backward(x, gy, w, sm, si, tr, gx, gw, gb));
 }
+static int w_batch_norm_relu(const ampc_tensor *x, const ampc_tensor *w, const ampc_tensor *b, ampc_tensor *rm,
+                             ampc_tensor *rv, ampc_tensor *y, ampc_tensor *st, bool tr, double mom, double eps) {
+    TIMED("batch_norm_relu", -1, x->dtype, NULL, NULL, false, 0, saved.batch_norm_relu(x, w, b, rm, rv, y, st, tr, mom, eps));
+}
+static int w_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *w,
+                                      const ampc_tensor *st, bool tr, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
+    TIMED("batch_norm_relu_backward", -1, x->dtype, NULL, NULL, false, 0,
+          saved.batch_norm_relu_backward(x, gy, w, st, tr, gx, gw, gb));
+}
 
 // ---------------------------------------------------------------------------------------------
 // Install / uninstall
@@ -213,6 +222,8 @@ void bench_profile_install(void) {
     WRAP(pool2d_backward, w_pool2d_backward);
     WRAP(batch_norm, w_batch_norm);
     WRAP(batch_norm_backward, w_batch_norm_backward);
+    WRAP(batch_norm_relu, w_batch_norm_relu);
+    WRAP(batch_norm_relu_backward, w_batch_norm_relu_backward);
 #undef WRAP
     installed = true;
 }

@@ -83,6 +83,9 @@ typedef struct {
     bool channels_last;   /* x, y, gx, gy stored N, H, W, C */
 } ampc_pool_desc;
 
+/* rows of batch_norm_relu's statistics tensor (C columns each) */
+#define AMPC_BN_RELU_STAT_ROWS 5
+
 typedef struct ampc_backend {
     const char *name;
     bool host_memory;          /* storage readable by the CPU (true for CPU and REF) */
@@ -171,6 +174,21 @@ typedef struct ampc_backend {
     int (*batch_norm_backward)(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                const ampc_tensor *save_mean, const ampc_tensor *save_invstd,
                                bool training, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb);
+    /* Batch norm followed by ReLU in one pass: y = relu(batch_norm(x)), bit for bit the
+       composite (the normalised value rounded once to y's dtype, then relu with NaN kept), and
+       its backward, which masks gy where that output was not positive (relu's backward: gy
+       where y > 0, else 0) by recomputing the pre-activation from x and stats in registers.
+       Arguments as batch_norm / batch_norm_backward, y and gx in x's dtype, except that the
+       statistics are one tensor stats (AMPC_BN_RELU_STAT_ROWS, C) in the statistics dtype (or
+       NULL when no backward follows): row 0 the mean, row 1 1/sqrt(var+eps) (the save_mean /
+       save_invstd of batch_norm), rows 2.. whatever the backend needs to recompute the
+       forward's pre-activation exactly (CPU: the f32 mean, scale and shift it applied). */
+    int (*batch_norm_relu)(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
+                           ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y,
+                           ampc_tensor *stats, bool training, double momentum, double eps);
+    int (*batch_norm_relu_backward)(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                                    const ampc_tensor *stats, bool training, ampc_tensor *gx,
+                                    ampc_tensor *gw, ampc_tensor *gb);
     /* Layer norm of x viewed as (rows, cols); mean/rstd (rows) f32 (f64 on REF); weight/bias
        (cols) in any float dtype or NULL. Backward: gx, gw, gb each may be NULL. */
     int (*layer_norm)(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,

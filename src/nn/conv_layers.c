@@ -4,6 +4,7 @@
  * initialisation. Each is a vtable and a forward that calls the public ops.
  */
 #include "nn/nn.h"
+#include "ops/ops.h"
 #include "backend/backend.h"
 
 #include <math.h>
@@ -108,14 +109,16 @@ ampc_module *ampc_conv2d_new(int64_t in_channels, int64_t out_channels, int kern
 // BatchNorm2d: weight/bias (C), buffers running_mean/running_var (C) and num_batches_tracked
 // (an int64 scalar); f[0] = momentum, f[1] = eps, i[0] = C.
 
-static ampc_tensor *batchnorm2d_forward(ampc_module *m, ampc_tensor *x) {
+ampc_tensor *ampc__batchnorm2d_forward(ampc_module *m, ampc_tensor *x, bool relu) {
     char buf[96];
     if (ampc_tensor_ndim(x) != 4)
         return ampc__err_null(AMPC_ERR_SHAPE, "BatchNorm2d(%lld): expected 4D input (got %s)", (long long)m->i[0],
                               shape_of(x, buf, sizeof buf));
-    ampc_tensor *y = ampc_batch_norm2d(x, ampc__module_param(m, "weight"), ampc__module_param(m, "bias"),
-                                       ampc__module_buffer(m, "running_mean"), ampc__module_buffer(m, "running_var"),
-                                       m->training, m->f[0], m->f[1]);
+    ampc_tensor *(*op)(ampc_tensor *, ampc_tensor *, ampc_tensor *, ampc_tensor *, ampc_tensor *, bool, double, double) =
+        relu ? ampc__batch_norm2d_relu : ampc_batch_norm2d;
+    ampc_tensor *y = op(x, ampc__module_param(m, "weight"), ampc__module_param(m, "bias"),
+                        ampc__module_buffer(m, "running_mean"), ampc__module_buffer(m, "running_var"), m->training,
+                        m->f[0], m->f[1]);
     if (y && m->training) {
         /* PyTorch counts training forwards whatever the grad mode. The counter is read back
            from the buffer (not kept in the module) so a loaded checkpoint continues from its
@@ -128,6 +131,8 @@ static ampc_tensor *batchnorm2d_forward(ampc_module *m, ampc_tensor *x) {
     }
     return y;
 }
+
+static ampc_tensor *batchnorm2d_forward(ampc_module *m, ampc_tensor *x) { return ampc__batchnorm2d_forward(m, x, false); }
 
 static const ampc_module_vtable batchnorm2d_vtable = {"BatchNorm2d", batchnorm2d_forward, NULL};
 

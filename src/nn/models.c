@@ -7,8 +7,14 @@
  * Composite modules (Net, BasicBlock, Bottleneck, ResNet) find their children by name at each
  * forward, like PyTorch's attribute lookups, so ampc_module_replace(net, "fc", ...) or
  * replacing "layer1.0.relu" takes effect.
+ *
+ * relu(bn(x)) (the ResNet stem, and bn1/bn2 of the blocks) runs as one fused op,
+ * ampc__batch_norm2d_relu, when the two children are still the library's BatchNorm2d and ReLU
+ * (checked at each forward by type name): the same bits as the two modules, without the ReLU's
+ * own passes over the activation (forward and backward).
  */
 #include "nn/nn.h"
+#include "ops/ops.h"
 
 #include <math.h>
 #include <string.h>
@@ -47,6 +53,18 @@ static ampc_tensor *fwd(ampc_module *m, const char *name, ampc_tensor *x) {
     ampc_module *c = ampc__module_get_child(m, name);
     if (!c) return ampc__err_null(AMPC_ERR_STATE, "%s has no submodule '%s'", m->vt->type, name);
     return ampc_module_forward(c, x);
+}
+
+bool ampc__fuse_bn_relu = true;
+
+/* relu(bn(x)) through the children bn_name and "relu": BatchNorm2d's own forward with the ReLU
+   fused when they are the standard BatchNorm2d and ReLU (by type name, at each forward); else
+   (either replaced, or the switch off) the two modules' forwards. */
+static ampc_tensor *bn_relu(ampc_module *m, const char *bn_name, ampc_tensor *x) {
+    ampc_module *bn = ampc__module_get_child(m, bn_name), *relu = ampc__module_get_child(m, "relu");
+    if (!x || !ampc__fuse_bn_relu || !bn || !relu || strcmp(bn->vt->type, "BatchNorm2d") || strcmp(relu->vt->type, "ReLU"))
+        return fwd(m, "relu", fwd(m, bn_name, x));   /* the modules' own errors, too */
+    return ampc__batchnorm2d_forward(bn, x, true);
 }
 
 /* Identity: stands where the CIFAR adaptation removes ResNet's max pooling. */
@@ -112,7 +130,7 @@ static ampc_module *resnet_conv(int64_t in, int64_t out, int k, int stride, int 
 
 /* out = relu(bn2(conv2(relu(bn1(conv1(x))))) + identity), identity = downsample(x) if any */
 static ampc_tensor *basic_block_forward(ampc_module *m, ampc_tensor *x) {
-    ampc_tensor *h = fwd(m, "relu", fwd(m, "bn1", fwd(m, "conv1", x)));
+    ampc_tensor *h = bn_relu(m, "bn1", fwd(m, "conv1", x));
     h = fwd(m, "bn2", fwd(m, "conv2", h));
     ampc_tensor *identity = ampc__module_get_child(m, "downsample") ? fwd(m, "downsample", x) : x;
     return fwd(m, "relu", ampc_add(h, identity));
@@ -120,8 +138,8 @@ static ampc_tensor *basic_block_forward(ampc_module *m, ampc_tensor *x) {
 
 /* 1x1 reduce, 3x3 (with the stride: v1.5), 1x1 expand by 4, then the residual add */
 static ampc_tensor *bottleneck_forward(ampc_module *m, ampc_tensor *x) {
-    ampc_tensor *h = fwd(m, "relu", fwd(m, "bn1", fwd(m, "conv1", x)));
-    h = fwd(m, "relu", fwd(m, "bn2", fwd(m, "conv2", h)));
+    ampc_tensor *h = bn_relu(m, "bn1", fwd(m, "conv1", x));
+    h = bn_relu(m, "bn2", fwd(m, "conv2", h));
     h = fwd(m, "bn3", fwd(m, "conv3", h));
     ampc_tensor *identity = ampc__module_get_child(m, "downsample") ? fwd(m, "downsample", x) : x;
     return fwd(m, "relu", ampc_add(h, identity));
@@ -171,7 +189,7 @@ static ampc_module *make_layer(bool bottleneck, int64_t *inplanes, int64_t plane
 }
 
 static ampc_tensor *resnet_forward(ampc_module *m, ampc_tensor *x) {
-    ampc_tensor *h = fwd(m, "relu", fwd(m, "bn1", fwd(m, "conv1", model_input(m, x))));
+    ampc_tensor *h = bn_relu(m, "bn1", fwd(m, "conv1", model_input(m, x)));
     h = fwd(m, "maxpool", h);
     h = fwd(m, "layer4", fwd(m, "layer3", fwd(m, "layer2", fwd(m, "layer1", h))));
     h = ampc_flatten(fwd(m, "avgpool", h), 1, -1);

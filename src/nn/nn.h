@@ -96,4 +96,11 @@ ampc_module *ampc__module_get_child(const ampc_module *m, const char *name);
 ampc_module *ampc__conv2d_make(int64_t in_channels, int64_t out_channels, int kernel_size,
                                const ampc_conv2d_options *opts, bool bias, double weight_std);
 
+/* models.c: relu(bn(x)) in the zoo's ResNets as one fused op (default true); tests turn it off
+   to compare with the two modules. */
+extern bool ampc__fuse_bn_relu;
+/* BatchNorm2d m's forward (its parameters, buffers, momentum, eps, num_batches_tracked), with
+   the ReLU fused into the op when relu (models.c's relu(bn(x))). */
+ampc_tensor *ampc__batchnorm2d_forward(ampc_module *m, ampc_tensor *x, bool relu);
+
 #endif /* AMPC_NN_H */

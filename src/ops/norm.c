@@ -10,6 +10,12 @@
  * 1/sqrt(var + eps) the forward used (in evaluation: copies of the running statistics taken
  * at forward time, so a later training step cannot change this step's gradient).
  *
+ * ampc__batch_norm2d_relu is ampc_relu(ampc_batch_norm2d(...)) in one op (one node,
+ * "NativeBatchNormReluBackward"), bit for bit: the backend's batch_norm_relu kernels write
+ * relu(y) and mask the incoming gradient where that output was not positive, recomputing the
+ * pre-activation from x and per-channel coefficients saved with the statistics, so no ReLU pass
+ * over the activation runs in either direction and no pre-activation tensor is allocated.
+ *
  * layer norm normalises over the last norm_ndim dims (autocast runs it in fp32, the table's
  * FP32 policy); outside autocast x, weight and bias share one float dtype.
  */
@@ -49,16 +55,20 @@ static int hand_over(int rc, ampc_tensor *out[3], ampc_tensor **gx) {
 // ---------------------------------------------------------------------------------------------
 // Batch norm
 
-/* saved: x, weight (NULL if none), mean, invstd; i[0] = training */
+/* saved: x, weight (NULL if none), then mean, invstd, or with the fused ReLU (i[1]) the
+   statistics tensor of batch_norm_relu; i[0] = training */
 static int batch_norm_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
     ampc_tensor *x = n->saved[0], *w = n->saved[1], *mean = n->saved[2], *invstd = n->saved[3];
+    bool relu = n->i[1] != 0;
     const ampc_backend *be = ampc__backend(x->device);
-    if (!be->batch_norm_backward) return unsupported("batch_norm_backward", x->device);
+    if (relu ? !be->batch_norm_relu_backward : !be->batch_norm_backward)
+        return unsupported(relu ? "batch_norm_relu_backward" : "batch_norm_backward", x->device);
     ampc_tensor *gy = ampc__k_cast(gy_in, x->dtype);
     if (!gy) return ampc_last_status();
     ampc_tensor *out[3] = {NULL, NULL, NULL};
     int rc = alloc_grads(n, x, out);
-    if (rc >= 0) rc = be->batch_norm_backward(x, gy, w, mean, invstd, n->i[0] != 0, out[0], out[1], out[2]);
+    if (rc >= 0 && relu) rc = be->batch_norm_relu_backward(x, gy, w, mean, n->i[0] != 0, out[0], out[1], out[2]);
+    else if (rc >= 0) rc = be->batch_norm_backward(x, gy, w, mean, invstd, n->i[0] != 0, out[0], out[1], out[2]);
     ampc__release(gy);
     return hand_over(rc, out, gx);
 }
@@ -80,8 +90,9 @@ static int check_channel_param(const ampc_tensor *x, const ampc_tensor *p, const
     return AMPC_OK;
 }
 
-ampc_tensor *ampc_batch_norm2d(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
-                               ampc_tensor *running_var, bool training, double momentum, double eps) {
+/* ampc_batch_norm2d, followed by ReLU in the same kernels when relu */
+static ampc_tensor *batch_norm_op(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
+                                  ampc_tensor *running_var, bool training, double momentum, double eps, bool relu) {
     ampc_op_args a;
     if (ampc__op_prepare(AMPC_OP_BATCH_NORM, &a, 3, (ampc_tensor *[]){x, weight, bias}, 6u) < 0) return NULL;
     ampc_tensor *X = a.in[0], *W = a.in[1], *B = a.in[2];
@@ -116,29 +127,33 @@ ampc_tensor *ampc_batch_norm2d(ampc_tensor *x, ampc_tensor *weight, ampc_tensor 
         return fail_args(&a);
     }
     const ampc_backend *be = ampc__backend(X->device);
-    if (!be->batch_norm) {
-        unsupported("batch_norm", X->device);
+    if (relu ? !be->batch_norm_relu : !be->batch_norm) {
+        unsupported(relu ? "batch_norm_relu" : "batch_norm", X->device);
         return fail_args(&a);
     }
     bool grad = ampc__needs_grad(a.in, 3);
-    int64_t C = X->shape[1];
+    int64_t C = X->shape[1], stat_shape[2] = {AMPC_BN_RELU_STAT_ROWS, C};
     ampc_tensor *y = ampc__tensor_like(X, X->dtype), *mean = NULL, *invstd = NULL;
     ampc_node *node = NULL;
     int rc = y ? AMPC_OK : ampc_last_status();
-    if (rc >= 0 && grad) {   /* the statistics only matter to the backward */
+    if (rc >= 0 && grad && relu) {   /* one tensor: mean, invstd and the mask's coefficients */
+        if (!(mean = ampc__tensor_new(sdt, X->device, 2, stat_shape))) rc = ampc_last_status();
+    } else if (rc >= 0 && grad) {   /* the statistics only matter to the backward */
         mean = ampc__tensor_new(sdt, X->device, 1, &C);
         invstd = mean ? ampc__tensor_new(sdt, X->device, 1, &C) : NULL;
         if (!invstd) rc = ampc_last_status();
     }
-    if (rc >= 0) rc = be->batch_norm(X, W, B, running_mean, running_var, y, mean, invstd, training, momentum, eps);
+    if (rc >= 0 && relu) rc = be->batch_norm_relu(X, W, B, running_mean, running_var, y, mean, training, momentum, eps);
+    else if (rc >= 0) rc = be->batch_norm(X, W, B, running_mean, running_var, y, mean, invstd, training, momentum, eps);
     if (rc >= 0 && grad) {
-        node = ampc__node_new("NativeBatchNormBackward", batch_norm_backward, a.in, 3);
+        node = ampc__node_new(relu ? "NativeBatchNormReluBackward" : "NativeBatchNormBackward", batch_norm_backward, a.in, 3);
         if (node) {
             ampc__node_save(node, 0, X);
             if (W) ampc__node_save(node, 1, W);
             ampc__node_save(node, 2, mean);
-            ampc__node_save(node, 3, invstd);
+            if (invstd) ampc__node_save(node, 3, invstd);
             node->i[0] = training;
+            node->i[1] = relu;
         } else {
             rc = ampc_last_status();
         }
@@ -150,6 +165,16 @@ ampc_tensor *ampc_batch_norm2d(ampc_tensor *x, ampc_tensor *weight, ampc_tensor 
         y = NULL;
     }
     return ampc__op_finish(&a, y, node);
+}
+
+ampc_tensor *ampc_batch_norm2d(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
+                               ampc_tensor *running_var, bool training, double momentum, double eps) {
+    return batch_norm_op(x, weight, bias, running_mean, running_var, training, momentum, eps, false);
+}
+
+ampc_tensor *ampc__batch_norm2d_relu(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
+                                     ampc_tensor *running_var, bool training, double momentum, double eps) {
+    return batch_norm_op(x, weight, bias, running_mean, running_var, training, momentum, eps, true);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -87,6 +87,11 @@ int ampc__norm_dim(int dim, int ndim, int *out);
 /* Float-dtype check for an op's input. */
 int ampc__check_float(const ampc_tensor *t, const char *op, const char *what);
 
+/* ampc_relu(ampc_batch_norm2d(...)) as one op, bit for bit the same output, gradients and
+   running statistics (src/ops/norm.c); for the model code, not public API. */
+ampc_tensor *ampc__batch_norm2d_relu(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
+                                     ampc_tensor *running_var, bool training, double momentum, double eps);
+
 // ---------------------------------------------------------------------------------------------
 // Autocast hooks (src/amp/autocast.c)
 

@@ -65,6 +65,15 @@ static inline size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
 // Vector loops over f32 or bf16 storage (f64 accumulation). The batch-norm loops walk `runs`
 // runs of `len` values `stride` elements apart: a channel's N runs of S values in one call.
 
+/* The forward's coefficients of a fused ReLU's pre-activation v = (x - m) * a + b: one
+   channel's, or per column (arrays indexed like the loop's columns). */
+typedef struct {
+    float m, a, b;
+} bn_rc1;
+typedef struct {
+    const float *m, *a, *b;
+} bn_rcv;
+
 AMPC_CPU_INLINE const void *elt(const void *p, int64_t i, bool bf) { return (const char *)p + i * (bf ? 2 : 4); }
 
 /* The DL lanes added pairwise: a fixed association whatever the vector width. */
@@ -72,6 +81,34 @@ AMPC_CPU_INLINE double lanes_total(double *acc, bool bf) {
     for (int h = DL(bf) / 2; h > 0; h /= 2)
         for (int j = 0; j < h; j++) acc[j] += acc[j + h];
     return acc[0];
+}
+
+/* ReLU fused into the normalisation (RELU constant per clone): the forward stores relu of the
+   value rounded to storage, so a tiny negative that rounds to -0 stays -0 and NaN stays NaN,
+   as ampc_relu on the stored output; the backward keeps gy where that stored output was > 0
+   (relu's backward reads its output y), recomputing it from x with the forward's f32
+   coefficients (same operations, so the same value). */
+AMPC_CPU_INLINE void st_out(void *p, size_t i, float v, bool bf, bool relu) {
+    if (!relu) ampc__cpu_st(p, i, v, bf);
+    else if (bf) {
+        uint16_t h = ampc__cpu_f32_bf16(v);
+        ((uint16_t *)p)[i] = ampc__cpu_bf16_f32(h) < 0.0f ? 0 : h;
+    } else ((float *)p)[i] = v < 0.0f ? 0.0f : v;
+}
+AMPC_CPU_INLINE float relu_mask(float g, float xv, float m, float a, float b, bool bf, bool relu) {
+    if (!relu) return g;
+    float v = (xv - m) * a + b;
+    /* the stored bf16 value is > 0 exactly when v > 2^-134: below, v rounds to +0 (2^-134 itself
+       ties to the even 0); no rounding in the loop needed */
+    const float zero = bf ? 0x1p-134f : 0.0f;
+    /* a bitwise select, not a branch: the loops around stay vectorized (gcc turned the
+       ternary into an unpredictable branch in scalar code: 25x slower) and a masked NaN or inf
+       in gy still gives exactly 0, as relu's backward does */
+    uint32_t gb;
+    memcpy(&gb, &g, sizeof gb);
+    gb &= 0u - (uint32_t)(v > zero);
+    memcpy(&g, &gb, sizeof g);
+    return g;
 }
 
 /* The run some 4 KiB ahead of run r (the last one at the end): the first passes over a channel
@@ -121,7 +158,7 @@ AMPC_CPU_INLINE double sq_dev_body(const void *x, int64_t runs, int64_t stride, 
 
 /* *sg += sum(g), *sgx += sum(g * (x - m)) */
 AMPC_CPU_INLINE void grad_sums_body(const void *g, const void *x, int64_t runs, int64_t stride, int64_t len, double m,
-                                    double *sg, double *sgx, bool bf) {
+                                    double *sg, double *sgx, bn_rc1 rc, bool bf, bool relu) {
     double a[DL_MAX] = {0}, b[DL_MAX] = {0}, ta = 0, tb = 0;
     for (int64_t r = 0; r < runs; r++) {
         const void *pg = elt(g, r * stride, bf), *px = elt(x, r * stride, bf);
@@ -132,15 +169,17 @@ AMPC_CPU_INLINE void grad_sums_body(const void *g, const void *x, int64_t runs, 
             __builtin_prefetch(elt(ax, i, bf));
 #pragma omp simd
             for (int j = 0; j < DL(bf); j++) {
-                double gv = (double)ampc__cpu_ld(pg, (size_t)(i + j), bf);
+                float xv = ampc__cpu_ld(px, (size_t)(i + j), bf);
+                double gv = (double)relu_mask(ampc__cpu_ld(pg, (size_t)(i + j), bf), xv, rc.m, rc.a, rc.b, bf, relu);
                 a[j] += gv;
-                b[j] += gv * ((double)ampc__cpu_ld(px, (size_t)(i + j), bf) - m);
+                b[j] += gv * ((double)xv - m);
             }
         }
         for (; i < len; i++) {
-            double gv = (double)ampc__cpu_ld(pg, (size_t)i, bf);
+            float xv = ampc__cpu_ld(px, (size_t)i, bf);
+            double gv = (double)relu_mask(ampc__cpu_ld(pg, (size_t)i, bf), xv, rc.m, rc.a, rc.b, bf, relu);
             ta += gv;
-            tb += gv * ((double)ampc__cpu_ld(px, (size_t)i, bf) - m);
+            tb += gv * ((double)xv - m);
         }
     }
     *sg += lanes_total(a, bf) + ta;
@@ -150,24 +189,25 @@ AMPC_CPU_INLINE void grad_sums_body(const void *g, const void *x, int64_t runs, 
 /* y = (x - m) * a + b. x - m is exact for x near m (Sterbenz), so a large common offset
    (x = 1000 + noise) does not cost precision as a * x + (b - a * m) would. */
 AMPC_CPU_INLINE void affine_body(const void *x, void *y, int64_t runs, int64_t stride, int64_t len, float m, float a,
-                                 float b, bool bf) {
+                                 float b, bool bf, bool relu) {
     for (int64_t r = 0; r < runs; r++) {
         const void *px = elt(x, r * stride, bf);
         void *py = (void *)elt(y, r * stride, bf);
 #pragma omp simd
-        for (int64_t i = 0; i < len; i++) ampc__cpu_st(py, (size_t)i, (ampc__cpu_ld(px, (size_t)i, bf) - m) * a + b, bf);
+        for (int64_t i = 0; i < len; i++) st_out(py, (size_t)i, (ampc__cpu_ld(px, (size_t)i, bf) - m) * a + b, bf, relu);
     }
 }
 
 /* o = k * g + a * (x - m) + b (o may be g's or x's array) */
 AMPC_CPU_INLINE void affine2_body(const void *g, const void *x, void *o, int64_t runs, int64_t stride, int64_t len,
-                                  float k, float m, float a, float b, bool bf) {
+                                  float k, float m, float a, float b, bn_rc1 rc, bool bf, bool relu) {
     for (int64_t r = 0; r < runs; r++) {
         const void *pg = elt(g, r * stride, bf), *px = elt(x, r * stride, bf);
         void *po = (void *)elt(o, r * stride, bf);
 #pragma omp simd
         for (int64_t i = 0; i < len; i++) {
-            float gv = ampc__cpu_ld(pg, (size_t)i, bf), xv = ampc__cpu_ld(px, (size_t)i, bf);
+            float xv = ampc__cpu_ld(px, (size_t)i, bf);
+            float gv = relu_mask(ampc__cpu_ld(pg, (size_t)i, bf), xv, rc.m, rc.a, rc.b, bf, relu);
             ampc__cpu_st(po, (size_t)i, k * gv + a * (xv - m) + b, bf);
         }
     }
@@ -195,107 +235,122 @@ AMPC_CPU_INLINE void col_sq_dev_body(double *acc, const void *x, const double *m
 }
 
 AMPC_CPU_INLINE void col_grad_body(double *sg, double *sgx, const void *g, const void *x, const float *m, size_t rows,
-                                   size_t n, bool bf) {
+                                   size_t n, bn_rcv rc, bool bf, bool relu) {
     for (size_t r = 0; r < rows; r++) {
         const void *pg = elt(g, (int64_t)(r * n), bf), *px = elt(x, (int64_t)(r * n), bf);
 #pragma omp simd
         for (size_t j = 0; j < n; j++) {
-            double gv = (double)ampc__cpu_ld(pg, j, bf);
+            float xv = ampc__cpu_ld(px, j, bf);
+            double gv = (double)relu_mask(ampc__cpu_ld(pg, j, bf), xv, relu ? rc.m[j] : 0, relu ? rc.a[j] : 0,
+                                          relu ? rc.b[j] : 0, bf, relu);
             sg[j] += gv;
-            sgx[j] += gv * ((double)ampc__cpu_ld(px, j, bf) - m[j]);
+            sgx[j] += gv * ((double)xv - m[j]);
         }
     }
 }
 
 AMPC_CPU_INLINE void col_affine_body(const void *x, void *y, size_t rows, size_t n, const float *m, const float *a,
-                                     const float *b, bool bf) {
+                                     const float *b, bool bf, bool relu) {
     for (size_t r = 0; r < rows; r++) {
         const void *px = elt(x, (int64_t)(r * n), bf);
         void *py = (void *)elt(y, (int64_t)(r * n), bf);
 #pragma omp simd
-        for (size_t j = 0; j < n; j++) ampc__cpu_st(py, j, (ampc__cpu_ld(px, j, bf) - m[j]) * a[j] + b[j], bf);
+        for (size_t j = 0; j < n; j++) st_out(py, j, (ampc__cpu_ld(px, j, bf) - m[j]) * a[j] + b[j], bf, relu);
     }
 }
 
 AMPC_CPU_INLINE void col_affine2_body(const void *g, const void *x, void *o, size_t rows, size_t n, const float *k,
-                                      const float *m, const float *a, const float *b, bool bf) {
+                                      const float *m, const float *a, const float *b, bn_rcv rc, bool bf, bool relu) {
     for (size_t r = 0; r < rows; r++) {
         const void *pg = elt(g, (int64_t)(r * n), bf), *px = elt(x, (int64_t)(r * n), bf);
         void *po = (void *)elt(o, (int64_t)(r * n), bf);
 #pragma omp simd
         for (size_t j = 0; j < n; j++) {
-            float gv = ampc__cpu_ld(pg, j, bf), xv = ampc__cpu_ld(px, j, bf);
+            float xv = ampc__cpu_ld(px, j, bf);
+            float gv = relu_mask(ampc__cpu_ld(pg, j, bf), xv, relu ? rc.m[j] : 0, relu ? rc.a[j] : 0, relu ? rc.b[j] : 0,
+                                 bf, relu);
             ampc__cpu_st(po, j, k[j] * gv + a[j] * (xv - m[j]) + b[j], bf);
         }
     }
 }
 
-/* Each loop compiled for f32 and for bf16 storage (AVX-512/AVX2 clones of each), collected in
-   one table per storage type. */
+/* Each loop compiled for f32 and for bf16 storage, without and with the fused ReLU (AVX-512/AVX2
+   clones of each), collected in one table per variant. */
 typedef struct {
     double (*sum)(const void *x, int64_t runs, int64_t stride, int64_t len);
     double (*sq_dev)(const void *x, int64_t runs, int64_t stride, int64_t len, double m);
     void (*grad_sums)(const void *g, const void *x, int64_t runs, int64_t stride, int64_t len, double m, double *sg,
-                      double *sgx);
+                      double *sgx, bn_rc1 rc);
     void (*affine)(const void *x, void *y, int64_t runs, int64_t stride, int64_t len, float m, float a, float b);
     void (*affine2)(const void *g, const void *x, void *o, int64_t runs, int64_t stride, int64_t len, float k, float m,
-                    float a, float b);
+                    float a, float b, bn_rc1 rc);
     void (*col_add)(double *acc, const void *x, size_t rows, size_t n);
     void (*col_sq_dev)(double *acc, const void *x, const double *m, size_t rows, size_t n);
-    void (*col_grad)(double *sg, double *sgx, const void *g, const void *x, const float *m, size_t rows, size_t n);
+    void (*col_grad)(double *sg, double *sgx, const void *g, const void *x, const float *m, size_t rows, size_t n,
+                     bn_rcv rc);
     void (*col_affine)(const void *x, void *y, size_t rows, size_t n, const float *m, const float *a, const float *b);
     void (*col_affine2)(const void *g, const void *x, void *o, size_t rows, size_t n, const float *k, const float *m,
-                        const float *a, const float *b);
+                        const float *a, const float *b, bn_rcv rc);
 } vec_fns;
 
-#define VEC_FNS(T, BF)                                                                             \
+/* the statistics loops, which a fused ReLU does not change */
+#define VEC_STAT_FNS(T, BF)                                                                        \
     AMPC_CPU_VEC static double sum_##T(const void *x, int64_t runs, int64_t stride, int64_t len) {  \
         return sum_body(x, runs, stride, len, BF);                                                 \
     }                                                                                              \
     AMPC_CPU_VEC static double sq_dev_##T(const void *x, int64_t runs, int64_t stride, int64_t len, double m) { \
         return sq_dev_body(x, runs, stride, len, m, BF);                                           \
     }                                                                                              \
-    AMPC_CPU_VEC static void grad_sums_##T(const void *g, const void *x, int64_t runs, int64_t stride, int64_t len, \
-                                           double m, double *sg, double *sgx) {                    \
-        grad_sums_body(g, x, runs, stride, len, m, sg, sgx, BF);                                   \
-    }                                                                                              \
-    AMPC_CPU_VEC static void affine_##T(const void *x, void *y, int64_t runs, int64_t stride, int64_t len, float m, \
-                                        float a, float b) {                                        \
-        affine_body(x, y, runs, stride, len, m, a, b, BF);                                         \
-    }                                                                                              \
-    AMPC_CPU_VEC static void affine2_##T(const void *g, const void *x, void *o, int64_t runs, int64_t stride,       \
-                                         int64_t len, float k, float m, float a, float b) {       \
-        affine2_body(g, x, o, runs, stride, len, k, m, a, b, BF);                                  \
-    }                                                                                              \
     AMPC_CPU_VEC static void col_add_##T(double *acc, const void *x, size_t rows, size_t n) {    \
         col_add_body(acc, x, rows, n, BF);                                                         \
     }                                                                                              \
     AMPC_CPU_VEC static void col_sq_dev_##T(double *acc, const void *x, const double *m, size_t rows, size_t n) { \
         col_sq_dev_body(acc, x, m, rows, n, BF);                                                   \
+    }
+
+#define VEC_FNS(T, S, BF, RELU)                                                                    \
+    AMPC_CPU_VEC static void grad_sums_##T(const void *g, const void *x, int64_t runs, int64_t stride, int64_t len, \
+                                           double m, double *sg, double *sgx, bn_rc1 rc) {         \
+        grad_sums_body(g, x, runs, stride, len, m, sg, sgx, rc, BF, RELU);                         \
+    }                                                                                              \
+    AMPC_CPU_VEC static void affine_##T(const void *x, void *y, int64_t runs, int64_t stride, int64_t len, float m, \
+                                        float a, float b) {                                        \
+        affine_body(x, y, runs, stride, len, m, a, b, BF, RELU);                                   \
+    }                                                                                              \
+    AMPC_CPU_VEC static void affine2_##T(const void *g, const void *x, void *o, int64_t runs, int64_t stride,       \
+                                         int64_t len, float k, float m, float a, float b, bn_rc1 rc) { \
+        affine2_body(g, x, o, runs, stride, len, k, m, a, b, rc, BF, RELU);                        \
     }                                                                                              \
     AMPC_CPU_VEC static void col_grad_##T(double *sg, double *sgx, const void *g, const void *x, const float *m,    \
-                                          size_t rows, size_t n) {                                 \
-        col_grad_body(sg, sgx, g, x, m, rows, n, BF);                                              \
+                                          size_t rows, size_t n, bn_rcv rc) {                      \
+        col_grad_body(sg, sgx, g, x, m, rows, n, rc, BF, RELU);                                    \
     }                                                                                              \
     AMPC_CPU_VEC static void col_affine_##T(const void *x, void *y, size_t rows, size_t n, const float *m,          \
                                             const float *a, const float *b) {                      \
-        col_affine_body(x, y, rows, n, m, a, b, BF);                                               \
+        col_affine_body(x, y, rows, n, m, a, b, BF, RELU);                                         \
     }                                                                                              \
     AMPC_CPU_VEC static void col_affine2_##T(const void *g, const void *x, void *o, size_t rows, size_t n,          \
-                                             const float *k, const float *m, const float *a, const float *b) { \
-        col_affine2_body(g, x, o, rows, n, k, m, a, b, BF);                                        \
+                                             const float *k, const float *m, const float *a, const float *b,       \
+                                             bn_rcv rc) {                                          \
+        col_affine2_body(g, x, o, rows, n, k, m, a, b, rc, BF, RELU);                              \
     }                                                                                              \
-    static const vec_fns fns_##T = {sum_##T,     sq_dev_##T,     grad_sums_##T, affine_##T,     affine2_##T,       \
-                                    col_add_##T, col_sq_dev_##T, col_grad_##T,  col_affine_##T, col_affine2_##T};
+    static const vec_fns fns_##T = {sum_##S,     sq_dev_##S,     grad_sums_##T, affine_##T,     affine2_##T,       \
+                                    col_add_##S, col_sq_dev_##S, col_grad_##T,  col_affine_##T, col_affine2_##T};
 
-VEC_FNS(f32, false)
-VEC_FNS(bf16, true)
+VEC_STAT_FNS(f32, false)
+VEC_STAT_FNS(bf16, true)
+VEC_FNS(f32, f32, false, false)
+VEC_FNS(bf16, bf16, true, false)
+VEC_FNS(f32_relu, f32, false, true)
+VEC_FNS(bf16_relu, bf16, true, true)
 
-/* The loops that read these tensors in place (all f32, or all bf16; NULLs ignored), or NULL:
-   then the caller stages chunks into f32 buffers and runs fns_f32 on them. */
-static const vec_fns *direct_fns(const ampc_tensor *a, const ampc_tensor *b, const ampc_tensor *c) {
+/* The loops that read these tensors in place (all f32, or all bf16; NULLs ignored), with the
+   fused ReLU or not, or NULL: then the caller stages chunks into f32 buffers and runs fns_f32
+   on them (the ReLU applied around it: relu_staged, masked_gy). */
+static const vec_fns *direct_fns(const ampc_tensor *a, const ampc_tensor *b, const ampc_tensor *c, bool relu) {
     ampc_dtype dt = a->dtype;
     if (!ampc__cpu_direct(dt) || (b && b->dtype != dt) || (c && c->dtype != dt)) return NULL;
+    if (relu) return dt == AMPC_BF16 ? &fns_bf16_relu : &fns_f32_relu;
     return dt == AMPC_BF16 ? &fns_bf16 : &fns_f32;
 }
 
@@ -346,7 +401,41 @@ typedef struct {
     float *rm, *rv, *save_mean, *save_invstd;
     double momentum, eps;
     bool training;
+    bool relu;              /* the fused ReLU */
+    float *save_coef;       /* forward with relu: (3, C) the m, scale, shift applied, or NULL */
+    const float *rc;        /* backward with relu: those (3, C) coefficients */
 } bn_ctx;
+
+/* The fused ReLU on the staged path: relu of the n values just stored into t from element i
+   (rounded to t's dtype first, as ampc_relu would see them; buf: CHUNK floats). */
+static void relu_staged(ampc_tensor *t, size_t i, size_t n, float *buf) {
+    const float *v = ampc__cpu_load(t, i, n, buf);
+    size_t es = ampc__dt(t->dtype)->size;
+    char *p = ampc__cpu_at(t, i);
+    for (size_t j = 0; j < n; j++)
+        if (v[j] < 0.0f) memset(p + j * es, 0, es);   /* +0 is all zero bits in every float dtype */
+}
+
+/* The staged backward's gy: rows x len values of gy from element i as f32 in bg, zeroed where
+   the fused forward's output was not positive: v = (x - m) * a + b recomputed from xv (the
+   same values as x's elements), rounded to x's dtype (y's). The coefficients per column
+   (cs = 1) or one channel's (cs = 0). n = rows * len <= CHUNK. */
+static const float *masked_gy(const ampc_tensor *gy, const ampc_tensor *x, const float *xv, size_t i, size_t rows,
+                              size_t len, bn_rcv rc, size_t cs, float *bg) {
+    size_t n = rows * len;
+    float v[CHUNK];
+    uint16_t h[CHUNK];
+    if (gy->dtype == AMPC_F32) memcpy(bg, (const float *)ampc__data(gy) + i, n * sizeof *bg);
+    else ampc__cpu_load(gy, i, n, bg);
+    for (size_t r = 0; r < rows; r++)
+        for (size_t j = 0; j < len; j++) v[r * len + j] = (xv[r * len + j] - rc.m[j * cs]) * rc.a[j * cs] + rc.b[j * cs];
+    if (x->dtype != AMPC_F32) {   /* the rounding to y's dtype */
+        ampc__dt(x->dtype)->from_f32(v, h, n);
+        ampc__dt(x->dtype)->to_f32(h, v, n);
+    }
+    for (size_t j = 0; j < n; j++) bg[j] = v[j] > 0.0f ? bg[j] : 0.0f;
+    return bg;
+}
 
 static int bn_dims(const ampc_tensor *x, const char *k, bn_ctx *c) {
     if (x->ndim < 2) return ampc__err(AMPC_ERR_SHAPE, "cpu %s: x needs at least 2 dimensions (N, C, ...)", k);
@@ -382,6 +471,7 @@ static bn_coef bn_finish_channel(const bn_ctx *c, int64_t ch, double mean, doubl
     /* the mean as a float plus a remainder folded into the shift */
     bn_coef r = {.m = (float)mean, .scale = (float)(invstd * w)};
     r.shift = (float)(b - (mean - (double)r.m) * invstd * w);
+    if (c->save_coef) c->save_coef[ch] = r.m, c->save_coef[c->C + ch] = r.scale, c->save_coef[2 * c->C + ch] = r.shift;
     return r;
 }
 
@@ -411,7 +501,7 @@ static void bn_grad_coefs(int64_t M, bool training, double w, double invstd, dou
 
 static void bn_fwd_channels(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *y) {
     int nt = threads_for_items(c->C, x->numel);
-    const vec_fns *d = direct_fns(x, y, NULL), *f = &fns_f32;
+    const vec_fns *d = direct_fns(x, y, NULL, c->relu), *f = &fns_f32;
     const int64_t N = c->N, S = c->S, CS = c->C * c->S;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t ch = 0; ch < c->C; ch++) {
@@ -436,6 +526,7 @@ static void bn_fwd_channels(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *
             float *out = ampc__cpu_out(y, i, by);
             f->affine(ampc__cpu_load(x, i, len, bx), out, 1, 0, (int64_t)len, k.m, k.scale, k.shift);
             ampc__cpu_store(y, i, len, out);
+            if (c->relu) relu_staged(y, i, len, by);
         }
     }
 }
@@ -444,19 +535,23 @@ static void bn_bwd_channels(const bn_ctx *c, const ampc_tensor *x, const ampc_te
                             const float *invstd, ampc_tensor *gx, float *gw, float *gb) {
     int nt = threads_for_items(c->C, x->numel);
     bool sums = gw || gb || (gx && c->training);
-    const vec_fns *d = direct_fns(x, gy, gx), *f = &fns_f32;
-    const int64_t N = c->N, S = c->S, CS = c->C * c->S;
+    const vec_fns *d = direct_fns(x, gy, gx, c->rc != NULL), *f = &fns_f32;
+    const int64_t N = c->N, S = c->S, C = c->C, CS = C * S;
 #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t ch = 0; ch < c->C; ch++) {
+    for (int64_t ch = 0; ch < C; ch++) {
         float bx[CHUNK], bg[CHUNK], k, a, b;
         double sg = 0, sgx = 0, m = mean[ch], is = invstd[ch];
         size_t first = (size_t)(ch * S);
+        bn_rc1 r1 = {0};
+        if (c->rc) r1 = (bn_rc1){c->rc[ch], c->rc[C + ch], c->rc[2 * C + ch]};
+        const bn_rcv rv = {&r1.m, &r1.a, &r1.b};
         if (sums) {
-            if (d) d->grad_sums(ampc__cpu_at(gy, first), ampc__cpu_at(x, first), N, CS, S, m, &sg, &sgx);
+            if (d) d->grad_sums(ampc__cpu_at(gy, first), ampc__cpu_at(x, first), N, CS, S, m, &sg, &sgx, r1);
             else
                 FOR_CHANNEL_CHUNKS(c, ch, i, len) {
-                    f->grad_sums(ampc__cpu_load(gy, i, len, bg), ampc__cpu_load(x, i, len, bx), 1, 0, (int64_t)len, m, &sg,
-                                 &sgx);
+                    const float *xp = ampc__cpu_load(x, i, len, bx);
+                    const float *gp = c->rc ? masked_gy(gy, x, xp, i, 1, len, rv, 0, bg) : ampc__cpu_load(gy, i, len, bg);
+                    f->grad_sums(gp, xp, 1, 0, (int64_t)len, m, &sg, &sgx, r1);
                 }
         }
         if (gw) gw[ch] = (float)(sgx * is);
@@ -464,13 +559,15 @@ static void bn_bwd_channels(const bn_ctx *c, const ampc_tensor *x, const ampc_te
         if (!gx) continue;
         bn_grad_coefs(c->M, c->training, c->w ? c->w[ch] : 1, is, sg, sgx, &k, &a, &b);
         if (d) {
-            d->affine2(ampc__cpu_at(gy, first), ampc__cpu_at(x, first), ampc__cpu_at(gx, first), N, CS, S, k, mean[ch], a, b);
+            d->affine2(ampc__cpu_at(gy, first), ampc__cpu_at(x, first), ampc__cpu_at(gx, first), N, CS, S, k, mean[ch], a, b,
+                       r1);
             continue;
         }
         FOR_CHANNEL_CHUNKS(c, ch, i, len) {
-            const float *gp = ampc__cpu_load(gy, i, len, bg), *xp = ampc__cpu_load(x, i, len, bx);
+            const float *xp = ampc__cpu_load(x, i, len, bx);
+            const float *gp = c->rc ? masked_gy(gy, x, xp, i, 1, len, rv, 0, bg) : ampc__cpu_load(gy, i, len, bg);
             float *out = ampc__cpu_out(gx, i, bg);   /* may overwrite bg: affine2 reads g[i] first */
-            f->affine2(gp, xp, out, 1, 0, (int64_t)len, k, mean[ch], a, b);
+            f->affine2(gp, xp, out, 1, 0, (int64_t)len, k, mean[ch], a, b, r1);
             ampc__cpu_store(gx, i, len, out);
         }
     }
@@ -500,7 +597,7 @@ static const void *src_of(const ampc_tensor *t, size_t i, size_t len, float *buf
 /* part (nb, CS): per-block column sums of x (m NULL) or of (x - m[col])^2. */
 static void col_sums(const ampc_tensor *x, int64_t N, int64_t CS, int64_t nb, const double *m, double *part) {
     int nt = threads_for_items(nb, x->numel);
-    const vec_fns *d = direct_fns(x, NULL, NULL), *f = d ? d : &fns_f32;
+    const vec_fns *d = direct_fns(x, NULL, NULL, false), *f = d ? d : &fns_f32;
     size_t chunk = d ? (size_t)CS : CHUNK;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t bi = 0; bi < nb; bi++) {
@@ -530,11 +627,12 @@ static void col_reduce(const double *part, int64_t nb, int64_t C, int64_t S, dou
 }
 
 /* y = (x - Mc[col]) * A[col] + B[col], or gx = K[col] * gy + A[col] * (x - Mc[col]) + B[col]
-   when g is given. */
+   when g is given; with the fused ReLU (relu): y's relu, or gy masked by the forward's
+   coefficients rc (per column). */
 static void col_apply(const ampc_tensor *g, const ampc_tensor *x, ampc_tensor *out, int64_t N, int64_t CS, const float *K,
-                      const float *Mc, const float *A, const float *B) {
+                      const float *Mc, const float *A, const float *B, bool relu, bn_rcv rc) {
     int nt = threads_for_items(N, x->numel);
-    const vec_fns *d = direct_fns(x, g, out), *f = d ? d : &fns_f32;
+    const vec_fns *d = direct_fns(x, g, out, relu), *f = d ? d : &fns_f32;
     size_t chunk = d ? (size_t)CS : CHUNK;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t n = 0; n < N; n++) {
@@ -542,9 +640,13 @@ static void col_apply(const ampc_tensor *g, const ampc_tensor *x, ampc_tensor *o
         FOR_ROW_CHUNKS(CS, chunk, n, j, i, len) {
             const void *xp = src_of(x, i, len, bx, d);
             void *op = d ? ampc__cpu_at(out, i) : ampc__cpu_out(out, i, bo);
-            if (g) f->col_affine2(src_of(g, i, len, bg, d), xp, op, 1, len, K + j, Mc + j, A + j, B + j);
-            else f->col_affine(xp, op, 1, len, Mc + j, A + j, B + j);
+            bn_rcv rj = relu && g ? (bn_rcv){rc.m + j, rc.a + j, rc.b + j} : rc;
+            if (g) {
+                const void *gp = !d && relu ? masked_gy(g, x, xp, i, 1, len, rj, 1, bg) : src_of(g, i, len, bg, d);
+                f->col_affine2(gp, xp, op, 1, len, K + j, Mc + j, A + j, B + j, rj);
+            } else f->col_affine(xp, op, 1, len, Mc + j, A + j, B + j);
             if (!d) ampc__cpu_store(out, i, len, op);
+            if (!d && relu && !g) relu_staged(out, i, len, bo);
         }
     }
 }
@@ -569,7 +671,7 @@ static int bn_fwd_columns(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *y)
         bn_coef f = bn_finish_channel(c, ch, c->training ? mexp[ch * S] : 0, c->training ? stat[ch] : 0);
         for (int64_t i = 0; i < S; i++) Mc[ch * S + i] = f.m, A[ch * S + i] = f.scale, B[ch * S + i] = f.shift;
     }
-    col_apply(NULL, x, y, c->N, CS, NULL, Mc, A, B);
+    col_apply(NULL, x, y, c->N, CS, NULL, Mc, A, B, c->relu, (bn_rcv){0});
     ws_put(&w);
     return AMPC_OK;
 }
@@ -579,16 +681,20 @@ static int bn_bwd_columns(const bn_ctx *c, const ampc_tensor *x, const ampc_tens
     int64_t C = c->C, S = c->S, CS = C * S, nb = c->N < ROW_BLOCKS ? (c->N > 0 ? c->N : 1) : ROW_BLOCKS;
     bool sums = gw || gb || (gx && c->training);
     ws_block w = {0};
-    /* part_g, part_gx (nb, CS) | sg, sgx (C) doubles, then Mc, K, A, B (CS) floats */
-    size_t nd = (size_t)(2 * nb * CS + 2 * C);
-    double *pg = ws_get(&w, nd * sizeof(double) + 4 * (size_t)CS * sizeof(float));
+    /* part_g, part_gx (nb, CS) | sg, sgx (C) doubles, then Mc, K, A, B (CS) floats, and with
+       the fused ReLU its coefficients RM, RA, RB (CS) */
+    size_t nd = (size_t)(2 * nb * CS + 2 * C), nf = c->rc ? 7 : 4;
+    double *pg = ws_get(&w, nd * sizeof(double) + nf * (size_t)CS * sizeof(float));
     if (!pg) return ampc_last_status();
     double *pgx = pg + nb * CS, *sg = pgx + nb * CS, *sgx = sg + C;
-    float *Mc = (float *)(sgx + C), *K = Mc + CS, *A = K + CS, *B = A + CS;
+    float *Mc = (float *)(sgx + C), *K = Mc + CS, *A = K + CS, *B = A + CS, *R = B + CS;
     for (int64_t j = 0; j < CS; j++) Mc[j] = mean[j / S];
+    for (int64_t j = 0; c->rc && j < CS; j++)
+        R[j] = c->rc[j / S], R[CS + j] = c->rc[C + j / S], R[2 * CS + j] = c->rc[2 * C + j / S];
+    const bn_rcv rc = c->rc ? (bn_rcv){R, R + CS, R + 2 * CS} : (bn_rcv){0};
     if (sums) {
         int nt = threads_for_items(nb, x->numel);
-        const vec_fns *d = direct_fns(x, gy, NULL), *f = d ? d : &fns_f32;
+        const vec_fns *d = direct_fns(x, gy, NULL, c->rc != NULL), *f = d ? d : &fns_f32;
         size_t chunk = d ? (size_t)CS : CHUNK;
 #pragma omp parallel for num_threads(nt) schedule(static)
         for (int64_t bi = 0; bi < nb; bi++) {
@@ -600,7 +706,10 @@ static int bn_bwd_columns(const bn_ctx *c, const ampc_tensor *x, const ampc_tens
             memset(agx, 0, (size_t)CS * sizeof *agx);
             for (int64_t n = r0; n < r1; n++) {
                 FOR_ROW_CHUNKS(CS, chunk, n, j, i, len) {
-                    f->col_grad(ag + j, agx + j, src_of(gy, i, len, bg, d), src_of(x, i, len, bx, d), Mc + j, 1, len);
+                    const void *xp = src_of(x, i, len, bx, d);
+                    bn_rcv rj = c->rc ? (bn_rcv){rc.m + j, rc.a + j, rc.b + j} : rc;
+                    const void *gp = !d && c->rc ? masked_gy(gy, x, xp, i, 1, len, rj, 1, bg) : src_of(gy, i, len, bg, d);
+                    f->col_grad(ag + j, agx + j, gp, xp, Mc + j, 1, len, rj);
                 }
             }
         }
@@ -616,7 +725,7 @@ static int bn_bwd_columns(const bn_ctx *c, const ampc_tensor *x, const ampc_tens
                       &b);
         for (int64_t i = 0; i < S; i++) K[ch * S + i] = k, A[ch * S + i] = a, B[ch * S + i] = b;
     }
-    if (gx) col_apply(gy, x, gx, c->N, CS, K, Mc, A, B);
+    if (gx) col_apply(gy, x, gx, c->N, CS, K, Mc, A, B, c->rc != NULL, rc);
     ws_put(&w);
     return AMPC_OK;
 }
@@ -704,7 +813,7 @@ static void thread_blocks(int64_t nb, int64_t *b0, int64_t *b1) {
 
 static int bn_fwd_cl(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *y) {
     const int64_t M = c->M, C = c->C, nb = M < ROW_BLOCKS ? (M > 0 ? M : 1) : ROW_BLOCKS, R = cl_tile_rows(x, C);
-    const vec_fns *d = direct_fns(x, y, NULL), *f = d ? d : &fns_f32;
+    const vec_fns *d = direct_fns(x, y, NULL, c->relu), *f = d ? d : &fns_f32;
     int nt = threads_for_items(nb, x->numel);
     ws_block w = {0};
     /* per block mean, m2 (nb, 2, C) | per thread s, q (nt, 2, C) doubles, then Mc, A, B (C) floats */
@@ -760,6 +869,7 @@ static int bn_fwd_cl(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *y) {
                 void *op = d ? ampc__cpu_at(y, i) : ampc__cpu_out(y, i, by);
                 f->col_affine(src_of(x, i, CL_N(p), bx, d), op, (size_t)p.rows, (size_t)p.len, Mc + p.col, A + p.col, B + p.col);
                 if (!d) ampc__cpu_store(y, i, CL_N(p), op);
+                if (!d && c->relu) relu_staged(y, i, CL_N(p), by);
             }
         }
     }
@@ -767,11 +877,17 @@ static int bn_fwd_cl(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *y) {
     return AMPC_OK;
 }
 
+/* The fused ReLU's coefficients from channel col on (none without it). */
+static bn_rcv cl_rc(const bn_ctx *c, int64_t col) {
+    if (!c->rc) return (bn_rcv){0};
+    return (bn_rcv){c->rc + col, c->rc + c->C + col, c->rc + 2 * c->C + col};
+}
+
 static int bn_bwd_cl(const bn_ctx *c, const ampc_tensor *x, const ampc_tensor *gy, const float *mean, const float *invstd,
                      ampc_tensor *gx, float *gw, float *gb) {
     const int64_t M = c->M, C = c->C, nb = M < ROW_BLOCKS ? (M > 0 ? M : 1) : ROW_BLOCKS;
     bool sums = gw || gb || (gx && c->training);
-    const vec_fns *d = direct_fns(x, gy, gx), *f = d ? d : &fns_f32;
+    const vec_fns *d = direct_fns(x, gy, gx, c->rc != NULL), *f = d ? d : &fns_f32;
     int nt = threads_for_items(nb, x->numel);
     ws_block w = {0};
     /* per block sg, sgx (nb, 2, C) doubles, then Mc, K, A, B (C) floats */
@@ -790,9 +906,12 @@ static int bn_bwd_cl(const bn_ctx *c, const ampc_tensor *x, const ampc_tensor *g
             row_block(M, nb, bi, &r0, &r1);
             memset(ag, 0, 2 * (size_t)C * sizeof *ag);
             FOR_CL_PIECES(p, r0, r1, C, d) {
-                size_t i = CL_AT(p, C);
-                f->col_grad(ag + p.col, agx + p.col, src_of(gy, i, CL_N(p), bg, d), src_of(x, i, CL_N(p), bx, d), Mc + p.col,
-                            (size_t)p.rows, (size_t)p.len);
+                size_t i = CL_AT(p, C), n = CL_N(p);
+                const void *xp = src_of(x, i, n, bx, d);
+                bn_rcv rj = cl_rc(c, p.col);
+                const void *gp = !d && c->rc ? masked_gy(gy, x, xp, i, (size_t)p.rows, (size_t)p.len, rj, 1, bg)
+                                             : src_of(gy, i, n, bg, d);
+                f->col_grad(ag + p.col, agx + p.col, gp, xp, Mc + p.col, (size_t)p.rows, (size_t)p.len, rj);
             }
         }
 #pragma omp barrier
@@ -816,8 +935,11 @@ static int bn_bwd_cl(const bn_ctx *c, const ampc_tensor *x, const ampc_tensor *g
             FOR_CL_PIECES(p, t0, t1, C, d) {
                 size_t i = CL_AT(p, C), n = CL_N(p);
                 void *op = d ? ampc__cpu_at(gx, i) : ampc__cpu_out(gx, i, bo);
-                f->col_affine2(src_of(gy, i, n, bg, d), src_of(x, i, n, bx, d), op, (size_t)p.rows, (size_t)p.len, K + p.col,
-                               Mc + p.col, A + p.col, B + p.col);
+                const void *xp = src_of(x, i, n, bx, d);
+                bn_rcv rj = cl_rc(c, p.col);
+                const void *gp = !d && c->rc ? masked_gy(gy, x, xp, i, (size_t)p.rows, (size_t)p.len, rj, 1, bg)
+                                             : src_of(gy, i, n, bg, d);
+                f->col_affine2(gp, xp, op, (size_t)p.rows, (size_t)p.len, K + p.col, Mc + p.col, A + p.col, B + p.col, rj);
                 if (!d) ampc__cpu_store(gx, i, n, op);
             }
         }
@@ -829,36 +951,82 @@ static int bn_bwd_cl(const bn_ctx *c, const ampc_tensor *x, const ampc_tensor *g
 // ---------------------------------------------------------------------------------------------
 // Batch norm kernels
 
+/* The forward after the statistics outputs were checked and set in c (with c->relu). */
+static int bn_forward(const char *k, bn_ctx *c, const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
+                      ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y) {
+    int64_t C = c->C;
+    int rc;
+    if ((rc = check(x, x->numel, false, k, "x")) < 0 || (rc = check(y, x->numel, false, k, "y")) < 0 ||
+        (rc = check(weight, C, true, k, "weight")) < 0 || (rc = check(bias, C, true, k, "bias")) < 0 ||
+        (rc = check(running_mean, C, true, k, "running_mean")) < 0 ||
+        (rc = check(running_var, C, true, k, "running_var")) < 0)
+        return rc;
+    if (!c->training && (!running_mean || !running_var))
+        return ampc__err(AMPC_ERR_INVALID, "cpu %s: evaluation needs running_mean and running_var", k);
+    if (c->training && c->M < 1) return ampc__err(AMPC_ERR_INVALID, "cpu %s: no values per channel", k);
+    c->w = f32_or_null(weight);
+    c->b = f32_or_null(bias);
+    c->rm = running_mean ? ampc__data(running_mean) : NULL;
+    c->rv = running_var ? ampc__data(running_var) : NULL;
+    if (ampc__is_cl(x) != ampc__is_cl(y)) return ampc__err(AMPC_ERR_INVALID, "cpu %s: x and y in different memory formats", k);
+    if (ampc__is_cl(x)) return bn_fwd_cl(c, x, y);
+    if (c->S >= BN_COLS_BELOW) {
+        bn_fwd_channels(c, x, y);
+        return AMPC_OK;
+    }
+    return bn_fwd_columns(c, x, y);
+}
+
 static int cpu_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                           ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *save_mean,
                           ampc_tensor *save_invstd, bool training, double momentum, double eps) {
     const char *k = "batch_norm";
     bn_ctx c = {.training = training, .momentum = momentum, .eps = eps};
     int rc;
-    if ((rc = bn_dims(x, k, &c)) < 0) return rc;
-    int64_t C = c.C;
-    if ((rc = check(x, x->numel, false, k, "x")) < 0 || (rc = check(y, x->numel, false, k, "y")) < 0 ||
-        (rc = check(weight, C, true, k, "weight")) < 0 || (rc = check(bias, C, true, k, "bias")) < 0 ||
-        (rc = check(running_mean, C, true, k, "running_mean")) < 0 ||
-        (rc = check(running_var, C, true, k, "running_var")) < 0 || (rc = check(save_mean, C, true, k, "save_mean")) < 0 ||
-        (rc = check(save_invstd, C, true, k, "save_invstd")) < 0)
+    if ((rc = bn_dims(x, k, &c)) < 0 || (rc = check(save_mean, c.C, true, k, "save_mean")) < 0 ||
+        (rc = check(save_invstd, c.C, true, k, "save_invstd")) < 0)
         return rc;
-    if (!training && (!running_mean || !running_var))
-        return ampc__err(AMPC_ERR_INVALID, "cpu %s: evaluation needs running_mean and running_var", k);
-    if (training && c.M < 1) return ampc__err(AMPC_ERR_INVALID, "cpu %s: no values per channel", k);
-    c.w = f32_or_null(weight);
-    c.b = f32_or_null(bias);
-    c.rm = running_mean ? ampc__data(running_mean) : NULL;
-    c.rv = running_var ? ampc__data(running_var) : NULL;
     c.save_mean = save_mean ? ampc__data(save_mean) : NULL;
     c.save_invstd = save_invstd ? ampc__data(save_invstd) : NULL;
-    if (ampc__is_cl(x) != ampc__is_cl(y)) return ampc__err(AMPC_ERR_INVALID, "cpu %s: x and y in different memory formats", k);
-    if (ampc__is_cl(x)) return bn_fwd_cl(&c, x, y);
-    if (c.S >= BN_COLS_BELOW) {
-        bn_fwd_channels(&c, x, y);
+    return bn_forward(k, &c, x, weight, bias, running_mean, running_var, y);
+}
+
+/* stats rows: mean, invstd, then the m, scale, shift the normalisation applied (bn_finish_channel) */
+static int cpu_batch_norm_relu(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
+                               ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *stats,
+                               bool training, double momentum, double eps) {
+    const char *k = "batch_norm_relu";
+    bn_ctx c = {.training = training, .momentum = momentum, .eps = eps, .relu = true};
+    int rc;
+    if ((rc = bn_dims(x, k, &c)) < 0 || (rc = check(stats, AMPC_BN_RELU_STAT_ROWS * c.C, true, k, "stats")) < 0) return rc;
+    if (stats) {
+        float *s = ampc__data(stats);
+        c.save_mean = s;
+        c.save_invstd = s + c.C;
+        c.save_coef = s + 2 * c.C;
+    }
+    return bn_forward(k, &c, x, weight, bias, running_mean, running_var, y);
+}
+
+/* The backward after the statistics were checked and set (c->rc with the fused ReLU). */
+static int bn_backward(const char *k, bn_ctx *c, const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                       const float *mean, const float *invstd, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
+    int64_t C = c->C, n = x->numel;
+    int rc;
+    if ((rc = check(x, n, false, k, "x")) < 0 || (rc = check(gy, n, false, k, "gy")) < 0 ||
+        (rc = check(gx, n, false, k, "gx")) < 0 || (rc = check(weight, C, true, k, "weight")) < 0 ||
+        (rc = check(gw, C, true, k, "gw")) < 0 || (rc = check(gb, C, true, k, "gb")) < 0)
+        return rc;
+    c->w = f32_or_null(weight);
+    float *gwp = gw ? ampc__data(gw) : NULL, *gbp = gb ? ampc__data(gb) : NULL;
+    if (ampc__is_cl(x) != ampc__is_cl(gy) || (gx && ampc__is_cl(x) != ampc__is_cl(gx)))
+        return ampc__err(AMPC_ERR_INVALID, "cpu %s: x, gy and gx in different memory formats", k);
+    if (ampc__is_cl(x)) return bn_bwd_cl(c, x, gy, mean, invstd, gx, gwp, gbp);
+    if (c->S >= BN_COLS_BELOW) {
+        bn_bwd_channels(c, x, gy, mean, invstd, gx, gwp, gbp);
         return AMPC_OK;
     }
-    return bn_fwd_columns(&c, x, y);
+    return bn_bwd_columns(c, x, gy, mean, invstd, gx, gwp, gbp);
 }
 
 static int cpu_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
@@ -867,25 +1035,25 @@ static int cpu_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, 
     const char *k = "batch_norm_backward";
     bn_ctx c = {.training = training};
     int rc;
-    if ((rc = bn_dims(x, k, &c)) < 0) return rc;
-    int64_t C = c.C, n = x->numel;
-    if ((rc = check(x, n, false, k, "x")) < 0 || (rc = check(gy, n, false, k, "gy")) < 0 ||
-        (rc = check(gx, n, false, k, "gx")) < 0 || (rc = check(weight, C, true, k, "weight")) < 0 ||
-        (rc = check(save_mean, C, true, k, "save_mean")) < 0 || (rc = check(save_invstd, C, true, k, "save_invstd")) < 0 ||
-        (rc = check(gw, C, true, k, "gw")) < 0 || (rc = check(gb, C, true, k, "gb")) < 0)
+    if ((rc = bn_dims(x, k, &c)) < 0 || (rc = check(save_mean, c.C, true, k, "save_mean")) < 0 ||
+        (rc = check(save_invstd, c.C, true, k, "save_invstd")) < 0)
         return rc;
     if (!save_mean || !save_invstd) return ampc__err(AMPC_ERR_INVALID, "cpu %s: statistics missing", k);
-    c.w = f32_or_null(weight);
-    const float *mean = ampc__data(save_mean), *invstd = ampc__data(save_invstd);
-    float *gwp = gw ? ampc__data(gw) : NULL, *gbp = gb ? ampc__data(gb) : NULL;
-    if (ampc__is_cl(x) != ampc__is_cl(gy) || (gx && ampc__is_cl(x) != ampc__is_cl(gx)))
-        return ampc__err(AMPC_ERR_INVALID, "cpu %s: x, gy and gx in different memory formats", k);
-    if (ampc__is_cl(x)) return bn_bwd_cl(&c, x, gy, mean, invstd, gx, gwp, gbp);
-    if (c.S >= BN_COLS_BELOW) {
-        bn_bwd_channels(&c, x, gy, mean, invstd, gx, gwp, gbp);
-        return AMPC_OK;
-    }
-    return bn_bwd_columns(&c, x, gy, mean, invstd, gx, gwp, gbp);
+    return bn_backward(k, &c, x, gy, weight, ampc__data(save_mean), ampc__data(save_invstd), gx, gw, gb);
+}
+
+static int cpu_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                                        const ampc_tensor *stats, bool training, ampc_tensor *gx, ampc_tensor *gw,
+                                        ampc_tensor *gb) {
+    const char *k = "batch_norm_relu_backward";
+    bn_ctx c = {.training = training};
+    int rc;
+    if ((rc = bn_dims(x, k, &c)) < 0 || (rc = check(stats, AMPC_BN_RELU_STAT_ROWS * c.C, true, k, "stats")) < 0)
+        return rc;
+    if (!stats) return ampc__err(AMPC_ERR_INVALID, "cpu %s: statistics missing", k);
+    const float *s = ampc__data(stats);
+    c.rc = s + 2 * c.C;
+    return bn_backward(k, &c, x, gy, weight, s, s + c.C, gx, gw, gb);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1059,6 +1227,8 @@ static int cpu_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, 
 void ampc__cpu_register_norm(ampc_backend *be) {
     be->batch_norm = cpu_batch_norm;
     be->batch_norm_backward = cpu_batch_norm_backward;
+    be->batch_norm_relu = cpu_batch_norm_relu;
+    be->batch_norm_relu_backward = cpu_batch_norm_relu_backward;
     be->layer_norm = cpu_layer_norm;
     be->layer_norm_backward = cpu_layer_norm_backward;
 }

@@ -52,16 +52,20 @@ static double at_or(const ampc_tensor *t, int64_t i, double dflt) { return t ? (
 // ---------------------------------------------------------------------------------------------
 // Batch norm
 
-static int ref_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
-                          ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *save_mean,
-                          ampc_tensor *save_invstd, bool training, double momentum, double eps) {
-    const char *k = "batch_norm";
+/* batch_norm, or batch_norm_relu when stats is given (relu): y = relu((x - mean) * invstd * w + b)
+   and stats (AMPC_BN_RELU_STAT_ROWS, C) = mean, invstd, w, b, unused (what the backward's mask
+   needs to recompute the pre-activation: the same f64 operations) */
+static int ref_bn(const char *k, const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
+                  ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *save_mean,
+                  ampc_tensor *save_invstd, bool relu, ampc_tensor *stats, bool training, double momentum, double eps) {
     int64_t N = 0, C = 0, S = 0;
     int rc;
     if ((rc = bn_dims(x, k, &N, &C, &S)) < 0) return rc;
-    const ampc_tensor *ts[] = {x, weight, bias, running_mean, running_var, y, save_mean, save_invstd};
-    const char *names[] = {"x", "weight", "bias", "running_mean", "running_var", "y", "save_mean", "save_invstd"};
-    if ((rc = check_all(ts, names, (int64_t[]){x->numel, C, C, C, C, x->numel, C, C}, 8, k)) < 0) return rc;
+    const ampc_tensor *ts[] = {x, weight, bias, running_mean, running_var, y, save_mean, save_invstd, stats};
+    const char *names[] = {"x", "weight", "bias", "running_mean", "running_var", "y", "save_mean", "save_invstd", "stats"};
+    int64_t want[] = {x->numel, C, C, C, C, x->numel, C, C, AMPC_BN_RELU_STAT_ROWS * C};
+    if ((rc = check_all(ts, names, want, 9, k)) < 0) return rc;
+    double *st = stats ? ampc__data(stats) : NULL;
     if (!training && (!running_mean || !running_var))
         return ampc__err(AMPC_ERR_INVALID, "%s: evaluation needs running_mean and running_var", k);
     int64_t M = N * S;
@@ -97,32 +101,61 @@ static int ref_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const
         double invstd = 1 / sqrt(var + eps), w = at_or(weight, c, 1), b = at_or(bias, c, 0);
         if (save_mean) ((double *)ampc__data(save_mean))[c] = mean;
         if (save_invstd) ((double *)ampc__data(save_invstd))[c] = invstd;
+        if (st) st[c] = mean, st[C + c] = invstd, st[2 * C + c] = w, st[3 * C + c] = b, st[4 * C + c] = 0;
         for (int64_t n = 0; n < N; n++)
             for (int64_t i = 0; i < S; i++) {
                 int64_t j = (n * C + c) * S + i;
-                yp[j] = (xp[j] - mean) * invstd * w + b;
+                double v = (xp[j] - mean) * invstd * w + b;
+                yp[j] = relu && v < 0 ? 0.0 : v;   /* NaN stays NaN, like ampc_relu */
             }
     }
     return AMPC_OK;
 }
 
-static int ref_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
-                                   const ampc_tensor *save_mean, const ampc_tensor *save_invstd, bool training,
-                                   ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
-    const char *k = "batch_norm_backward";
+static int ref_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
+                          ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *save_mean,
+                          ampc_tensor *save_invstd, bool training, double momentum, double eps) {
+    return ref_bn("batch_norm", x, weight, bias, running_mean, running_var, y, save_mean, save_invstd, false, NULL,
+                  training, momentum, eps);
+}
+
+static int ref_batch_norm_relu(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
+                               ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *stats,
+                               bool training, double momentum, double eps) {
+    return ref_bn("batch_norm_relu", x, weight, bias, running_mean, running_var, y, NULL, NULL, true, stats, training,
+                  momentum, eps);
+}
+
+/* With the fused ReLU, stats (the forward's mean, invstd, w, b): gy is first masked where the
+   forward's output was not positive (relu's backward), recomputed by the forward's operations.
+   Else save_mean / save_invstd. */
+static int ref_bn_backward(const char *k, const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                           const ampc_tensor *save_mean, const ampc_tensor *save_invstd, const ampc_tensor *stats,
+                           bool training, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
     int64_t N = 0, C = 0, S = 0;
     int rc;
     if ((rc = bn_dims(x, k, &N, &C, &S)) < 0) return rc;
-    const ampc_tensor *ts[] = {x, gy, weight, save_mean, save_invstd, gx, gw, gb};
-    const char *names[] = {"x", "gy", "weight", "save_mean", "save_invstd", "gx", "gw", "gb"};
+    const ampc_tensor *ts[] = {x, gy, weight, save_mean, save_invstd, gx, gw, gb, stats};
+    const char *names[] = {"x", "gy", "weight", "save_mean", "save_invstd", "gx", "gw", "gb", "stats"};
     int64_t n = x->numel;
-    if ((rc = check_all(ts, names, (int64_t[]){n, n, C, C, C, n, C, C}, 8, k)) < 0) return rc;
-    if (!save_mean || !save_invstd) return ampc__err(AMPC_ERR_INVALID, "%s: statistics missing", k);
-    const double *xp = ampc__data(x), *g = ampc__data(gy);
+    if ((rc = check_all(ts, names, (int64_t[]){n, n, C, C, C, n, C, C, AMPC_BN_RELU_STAT_ROWS * C}, 9, k)) < 0) return rc;
+    if (!stats && (!save_mean || !save_invstd)) return ampc__err(AMPC_ERR_INVALID, "%s: statistics missing", k);
+    const double *xp = ampc__data(x), *gin = ampc__data(gy), *st = stats ? ampc__data(stats) : NULL;
+    double *gm = NULL;   /* the masked gy */
+    size_t gm_bytes = 0;
+    if (st && !(gm = ampc__alloc(x->device, (size_t)(n ? n : 1) * sizeof *gm, AMPC_MEM_WORKSPACE, &gm_bytes)))
+        return ampc_last_status();
+    const double *g = st ? gm : gin;
     double M = (double)(N * S);
     for (int64_t c = 0; c < C; c++) {
-        double mean = at_or(save_mean, c, 0), invstd = at_or(save_invstd, c, 1), w = at_or(weight, c, 1);
+        double mean = st ? st[c] : at_or(save_mean, c, 0), invstd = st ? st[C + c] : at_or(save_invstd, c, 1);
+        double w = at_or(weight, c, 1);
         double sg = 0, sgx = 0;   /* sum(gy), sum(gy * xhat) */
+        for (int64_t n = 0; st && n < N; n++)
+            for (int64_t i = 0; i < S; i++) {
+                int64_t j = (n * C + c) * S + i;
+                gm[j] = (xp[j] - mean) * invstd * st[2 * C + c] + st[3 * C + c] > 0 ? gin[j] : 0.0;
+            }
         for (int64_t n = 0; n < N; n++)
             for (int64_t i = 0; i < S; i++) {
                 int64_t j = (n * C + c) * S + i;
@@ -141,7 +174,21 @@ static int ref_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, 
                 o[j] = training ? w * invstd / M * (M * g[j] - sg - xhat * sgx) : g[j] * w * invstd;
             }
     }
+    if (gm) ampc__free(x->device, gm, gm_bytes, AMPC_MEM_WORKSPACE);
     return AMPC_OK;
+}
+
+static int ref_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                                   const ampc_tensor *save_mean, const ampc_tensor *save_invstd, bool training,
+                                   ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
+    return ref_bn_backward("batch_norm_backward", x, gy, weight, save_mean, save_invstd, NULL, training, gx, gw, gb);
+}
+
+static int ref_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                                        const ampc_tensor *stats, bool training, ampc_tensor *gx, ampc_tensor *gw,
+                                        ampc_tensor *gb) {
+    if (!stats) return ampc__err(AMPC_ERR_INVALID, "batch_norm_relu_backward: statistics missing");
+    return ref_bn_backward("batch_norm_relu_backward", x, gy, weight, NULL, NULL, stats, training, gx, gw, gb);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -225,6 +272,8 @@ static int ref_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, 
 void ampc__ref_register_norm(ampc_backend *be) {
     be->batch_norm = ref_batch_norm;
     be->batch_norm_backward = ref_batch_norm_backward;
+    be->batch_norm_relu = ref_batch_norm_relu;
+    be->batch_norm_relu_backward = ref_batch_norm_relu_backward;
     be->layer_norm = ref_layer_norm;
     be->layer_norm_backward = ref_layer_norm_backward;
 }

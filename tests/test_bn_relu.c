@@ -1,0 +1,265 @@
+/*
+ * test_bn_relu.c - the fused BatchNorm2d + ReLU (ampc__batch_norm2d_relu, the backends'
+ * batch_norm_relu kernels, and the ResNets' use of it) against the composite
+ * ampc_relu(ampc_batch_norm2d(...)), bit for bit: the fusion promises the same values, not close
+ * ones, so every comparison is of bits (NaN payloads and signed zeros included).
+ *   - op level: output, x/weight/bias gradients and running statistics, f32/f16/bf16 on CPU and
+ *     f64 on REF, contiguous (both CPU walks: per channel and per column) and channels-last,
+ *     training and evaluation, inputs with NaN, exact zeros and exact-zero pre-activations;
+ *   - ResNet-18 (small input, batch 4, 16x16) forward + backward, fp32 and autocast bf16
+ *     channels-last, fused against ampc__fuse_bn_relu = false; the number of fused kernel calls;
+ *     and that replacing "layer1.0.relu" still takes effect (that block falls back).
+ */
+#include "testutil.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "nn/nn.h"
+#include "ops/ops.h"
+
+/* a and b (n doubles) identical bit for bit */
+static void assert_same_bits(const char *what, const double *a, const double *b, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(&a[i], &b[i], sizeof *a))
+            fail_msg("%s: element %zu differs: %.17g vs %.17g", what, i, a[i], b[i]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Op level
+
+typedef struct {
+    int64_t shape[4];
+    bool cl, training;
+} bn_case;
+
+/* Everything one run produces: y, x.grad, w.grad, b.grad, running mean and var (values). */
+typedef struct {
+    double *v[6];
+} bn_run;
+
+static const char *run_names[] = {"y", "x.grad", "weight.grad", "bias.grad", "running_mean", "running_var"};
+
+/* x: uniform in [-2, 2] with, per channel 0, exact zeros, and NaN in the last channel's first
+   element; running_mean[0] = 0 and bias[0] = 0, so in evaluation x = 0 gives a pre-activation
+   of exactly 0 (relu keeps it, its backward masks it). */
+static bn_run run_case(ampc_device dev, ampc_dtype dt, const bn_case *k, bool fused) {
+    const int64_t *sh = k->shape, N = sh[0], C = sh[1], S = sh[2] * sh[3], n = N * C * S;
+    ampc_dtype sdt = dev == AMPC_DEVICE_REF ? AMPC_F64 : AMPC_F32;
+    double *x = malloc((size_t)n * sizeof *x), *g = malloc((size_t)n * sizeof *g);
+    double *w = malloc((size_t)C * sizeof *w), *b = malloc((size_t)C * sizeof *b);
+    double *rm = malloc((size_t)C * sizeof *rm), *rv = malloc((size_t)C * sizeof *rv);
+    tu_fill_uniform(x, (size_t)n, 11, -2, 2);
+    tu_fill_uniform(g, (size_t)n, 12, -1, 1);
+    tu_fill_uniform(w, (size_t)C, 13, 0.5, 1.5);
+    tu_fill_uniform(b, (size_t)C, 14, -0.5, 0.5);
+    for (int64_t c = 0; c < C; c++) rm[c] = 0.1 * (double)(c % 7) - 0.3, rv[c] = 0.5 + 0.25 * (double)(c % 5);
+    rm[0] = 0, b[0] = 0;
+    for (int64_t i = 0; i < n; i += 3)
+        if ((i / S) % C == 0) x[i] = 0;
+    if (C > 1) x[(C - 1) * S] = NAN;
+    ampc_set_default_device(dev);
+    ampc_scope_begin();
+    ampc_tensor *xt = ampc_tensor_from_f64(dt, 4, sh, x), *gt = ampc_tensor_from_f64(dt, 4, sh, g);
+    ampc_tensor *wt = ampc_tensor_from_f64(sdt, 1, &C, w), *bt = ampc_tensor_from_f64(sdt, 1, &C, b);
+    ampc_tensor *rmt = ampc_tensor_from_f64(sdt, 1, &C, rm), *rvt = ampc_tensor_from_f64(sdt, 1, &C, rv);
+    ASSERT_OK(ampc_tensor_set_requires_grad(xt, true));
+    ASSERT_OK(ampc_tensor_set_requires_grad(wt, true));
+    ASSERT_OK(ampc_tensor_set_requires_grad(bt, true));
+    ampc_tensor *xin = k->cl ? ampc_to_memory_format(xt, AMPC_CHANNELS_LAST) : xt;
+    ampc_tensor *gin = k->cl ? ampc_to_memory_format(gt, AMPC_CHANNELS_LAST) : gt;
+    ampc_tensor *y = fused ? ampc__batch_norm2d_relu(xin, wt, bt, rmt, rvt, k->training, 0.1, 1e-5)
+                           : ampc_relu(ampc_batch_norm2d(xin, wt, bt, rmt, rvt, k->training, 0.1, 1e-5));
+    ASSERT_NOT_NULL_MSG(y);
+    assert_int_equal(ampc_tensor_memory_format(y), k->cl ? AMPC_CHANNELS_LAST : AMPC_CONTIGUOUS_FORMAT);
+    assert_string_equal(ampc_tensor_grad_fn_name(y), fused ? "NativeBatchNormReluBackward" : "ReluBackward");
+    ASSERT_OK(ampc_backward_with_grad(y, gin));
+    bn_run r = {{tu_values(y), tu_values(ampc_tensor_grad(xt)), tu_values(ampc_tensor_grad(wt)),
+                 tu_values(ampc_tensor_grad(bt)), tu_values(rmt), tu_values(rvt)}};
+    ampc_scope_end();
+    ampc_set_default_device(AMPC_DEVICE_CPU);
+    free(x), free(g), free(w), free(b), free(rm), free(rv);
+    return r;
+}
+
+static void compare_case(ampc_device dev, ampc_dtype dt, const bn_case *k) {
+    bn_run f = run_case(dev, dt, k, true), c = run_case(dev, dt, k, false);
+    const int64_t *sh = k->shape;
+    size_t n = (size_t)(sh[0] * sh[1] * sh[2] * sh[3]), C = (size_t)sh[1];
+    size_t sizes[6] = {n, n, C, C, C, C};
+    for (int i = 0; i < 6; i++) {
+        char what[160];
+        snprintf(what, sizeof what, "%s %s (%lld,%lld,%lld,%lld)%s %s: %s", ampc_device_name(dev), ampc_dtype_name(dt),
+                 (long long)sh[0], (long long)sh[1], (long long)sh[2], (long long)sh[3], k->cl ? " cl" : "",
+                 k->training ? "train" : "eval", run_names[i]);
+        assert_same_bits(what, f.v[i], c.v[i], sizes[i]);
+        free(f.v[i]), free(c.v[i]);
+    }
+}
+
+/* per channel (S >= 32), per column (S < 32), channels-last (long rows: C > the staging chunk) */
+static const bn_case cases[] = {
+    {{3, 4, 8, 8}, false, true},   {{3, 4, 8, 8}, false, false},  {{2, 5, 3, 3}, false, true},
+    {{2, 5, 3, 3}, false, false},  {{3, 4, 6, 5}, true, true},    {{3, 4, 6, 5}, true, false},
+    {{3, 1030, 2, 1}, true, true}, {{2, 70, 5, 7}, true, true},   {{2, 70, 5, 7}, true, false},
+};
+
+static void test_fused_equals_composite_cpu(void **state) {
+    (void)state;
+    const ampc_dtype dts[] = {AMPC_F32, AMPC_F16, AMPC_BF16};
+    for (size_t d = 0; d < 3; d++)
+        for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) compare_case(AMPC_DEVICE_CPU, dts[d], &cases[i]);
+}
+
+static void test_fused_equals_composite_ref(void **state) {
+    (void)state;
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
+        if (!cases[i].cl) compare_case(AMPC_DEVICE_REF, AMPC_F64, &cases[i]);
+}
+
+/* Pre-activations that round to -0 in 16 bits: relu keeps -0 (not < 0), and its backward masks
+   them (not > 0); in f32 they stay negative. Evaluation with x = -tiny, mean 0, scale 1. */
+static void test_tiny_negatives(void **state) {
+    (void)state;
+    const ampc_dtype dts[] = {AMPC_F32, AMPC_F16, AMPC_BF16};
+    const int64_t sh[4] = {2, 1, 6, 6}, C = 1, n = 72;
+    for (size_t d = 0; d < 3; d++)
+        for (int cl = 0; cl < 2; cl++) {
+            double y[2][72], gx[2][72];
+            for (int fused = 0; fused < 2; fused++) {
+                double x[72], g[72];
+                for (int64_t i = 0; i < n; i++) x[i] = (i % 3 == 0 ? -1e-30 : i % 3 == 1 ? 1e-30 : -0.0), g[i] = 1 + (double)i;
+                ampc_scope_begin();
+                ampc_tensor *xt = ampc_tensor_from_f64(dts[d], 4, sh, x), *gt = ampc_tensor_from_f64(dts[d], 4, sh, g);
+                ampc_tensor *rm = ampc_tensor_zeros(AMPC_F32, 1, &C), *rv = ampc_tensor_full(AMPC_F32, 1, &C, 1.0);
+                ASSERT_OK(ampc_tensor_set_requires_grad(xt, true));
+                ampc_tensor *xin = cl ? ampc_to_memory_format(xt, AMPC_CHANNELS_LAST) : xt;
+                ampc_tensor *gin = cl ? ampc_to_memory_format(gt, AMPC_CHANNELS_LAST) : gt;
+                ampc_tensor *out = fused ? ampc__batch_norm2d_relu(xin, NULL, NULL, rm, rv, false, 0.1, 0.0)
+                                         : ampc_relu(ampc_batch_norm2d(xin, NULL, NULL, rm, rv, false, 0.1, 0.0));
+                ASSERT_OK(ampc_backward_with_grad(out, gin));
+                ASSERT_OK(ampc_tensor_to_f64(out, y[fused], (size_t)n));
+                ASSERT_OK(ampc_tensor_to_f64(ampc_tensor_grad(xt), gx[fused], (size_t)n));
+                ampc_scope_end();
+            }
+            assert_same_bits("tiny y", y[1], y[0], (size_t)n);
+            assert_same_bits("tiny gx", gx[1], gx[0], (size_t)n);
+        }
+}
+
+// ---------------------------------------------------------------------------------------------
+// ResNet-18
+
+static int (*saved_bn_relu)(const ampc_tensor *, const ampc_tensor *, const ampc_tensor *, ampc_tensor *, ampc_tensor *,
+                            ampc_tensor *, ampc_tensor *, bool, double, double);
+static int bn_relu_calls;
+
+static int counting_bn_relu(const ampc_tensor *x, const ampc_tensor *w, const ampc_tensor *b, ampc_tensor *rm,
+                            ampc_tensor *rv, ampc_tensor *y, ampc_tensor *st, bool tr, double mom, double eps) {
+    bn_relu_calls++;
+    return saved_bn_relu(x, w, b, rm, rv, y, st, tr, mom, eps);
+}
+
+/* The CPU table is a writable static (see tools/bench_profile.c); patched only while no kernel runs. */
+static ampc_backend *cpu_table(void) { return (ampc_backend *)ampc__backend(AMPC_DEVICE_CPU); }
+
+/* One training step of a fresh seeded ResNet-18 (4, 3, 16, 16): the logits, then every
+   gradient and buffer in state_dict order, appended into vals (caller frees); *n values. */
+static double *resnet_step(bool fuse, bool amp, ampc_memory_format fmt, const char *replace, int *calls, size_t *n) {
+    ampc_manual_seed(7);
+    ampc_module *net = ampc_model_new("resnet18", &(ampc_model_options){.num_classes = 10, .small_input = true,
+                                                                       .memory_format = fmt});
+    ASSERT_NOT_NULL_MSG(net);
+    if (replace) ASSERT_OK(ampc_module_replace(net, replace, ampc_gelu_new()));
+    const int64_t sh[4] = {4, 3, 16, 16}, C = 10;
+    double *x = malloc(4 * 3 * 16 * 16 * sizeof *x);
+    tu_fill_uniform(x, 4 * 3 * 16 * 16, 21, -1, 1);
+    int64_t tg[4] = {1, 3, 5, 7}, nt = 4;
+    bool prev = ampc__fuse_bn_relu;
+    ampc__fuse_bn_relu = fuse;
+    bn_relu_calls = 0;
+    saved_bn_relu = cpu_table()->batch_norm_relu;
+    cpu_table()->batch_norm_relu = counting_bn_relu;
+    ampc_scope_begin();
+    ampc_tensor *xt = ampc_tensor_from_f64(AMPC_F32, 4, sh, x), *t = ampc_tensor_from_i64(1, &nt, tg);
+    ampc_autocast_enter(AMPC_BF16, amp);
+    ampc_tensor *logits = ampc_module_forward(net, xt);
+    ampc_autocast_exit();
+    ASSERT_NOT_NULL_MSG(logits);
+    ampc_tensor *loss = ampc_cross_entropy(logits, t, NULL);
+    ASSERT_OK(ampc_backward(loss));
+    ampc_tensor **ts;
+    const char **names;
+    int k = ampc_module_state_dict(net, &ts, &names);
+    ASSERT_OK(k);
+    size_t total = (size_t)(4 * C);
+    for (int i = 0; i < k; i++) total += 2 * (size_t)ampc_tensor_numel(ts[i]);
+    double *v = malloc(total * sizeof *v), *p = v;
+    ASSERT_OK(ampc_tensor_to_f64(logits, p, (size_t)(4 * C)));
+    p += 4 * C;
+    for (int i = 0; i < k; i++) {
+        size_t m = (size_t)ampc_tensor_numel(ts[i]);
+        ASSERT_OK(ampc_tensor_to_f64(ts[i], p, m));   /* buffers: the running statistics after the step */
+        ampc_tensor *g = ampc_tensor_grad(ts[i]);
+        if (g) ASSERT_OK(ampc_tensor_to_f64(g, p + m, m));
+        else memset(p + m, 0, m * sizeof *p);
+        p += 2 * m;
+    }
+    ampc_scope_end();
+    cpu_table()->batch_norm_relu = saved_bn_relu;
+    ampc__fuse_bn_relu = prev;
+    *calls = bn_relu_calls;
+    *n = total;
+    ampc_module_free(net);
+    free(x);
+    return v;
+}
+
+static void resnet_case(bool amp, ampc_memory_format fmt) {
+    size_t nf, nc;
+    int calls_f, calls_c;
+    double *f = resnet_step(true, amp, fmt, NULL, &calls_f, &nf), *c = resnet_step(false, amp, fmt, NULL, &calls_c, &nc);
+    assert_int_equal(calls_f, 9);   /* the stem and bn1 of each of the 8 blocks */
+    assert_int_equal(calls_c, 0);
+    assert_int_equal(nf, nc);
+    assert_same_bits(amp ? "resnet18 amp-bf16" : "resnet18 fp32", f, c, nf);
+    free(f), free(c);
+}
+
+static void test_resnet18_fp32(void **state) {
+    (void)state;
+    resnet_case(false, AMPC_CONTIGUOUS_FORMAT);
+}
+
+static void test_resnet18_amp_bf16_cl(void **state) {
+    (void)state;
+    resnet_case(true, AMPC_CHANNELS_LAST);
+}
+
+/* A replaced relu child is used: that block runs bn1 then the GELU module (both of its "relu"
+   uses); the model differs from the plain one and equals the unfused run with the same
+   replacement. */
+static void test_resnet18_replaced_relu(void **state) {
+    (void)state;
+    size_t n1, n2, n3;
+    int k1, k2, k3;
+    double *f = resnet_step(true, false, AMPC_CHANNELS_LAST, "layer1.0.relu", &k1, &n1);
+    double *c = resnet_step(false, false, AMPC_CHANNELS_LAST, "layer1.0.relu", &k2, &n2);
+    double *plain = resnet_step(true, false, AMPC_CHANNELS_LAST, NULL, &k3, &n3);
+    assert_int_equal(k1, 8);
+    assert_int_equal(k3, 9);
+    assert_same_bits("resnet18 with layer1.0.relu = GELU", f, c, n1);
+    assert_true(memcmp(f, plain, 40 * sizeof *f) != 0);   /* the logits changed */
+    free(f), free(c), free(plain);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_fused_equals_composite_cpu), cmocka_unit_test(test_fused_equals_composite_ref),
+        cmocka_unit_test(test_tiny_negatives),             cmocka_unit_test(test_resnet18_fp32),
+        cmocka_unit_test(test_resnet18_amp_bf16_cl),       cmocka_unit_test(test_resnet18_replaced_relu),
+    };
+    return cmocka_run_group_tests_name("bn_relu", tests, tu_group_setup, tu_group_teardown);
+}
