@@ -144,15 +144,8 @@ ampc_tensor *ampc__k_convert(ampc_tensor *x, ampc_dtype dt, ampc_memory_format f
     if (x->dtype == dt && x->format == fmt) return ampc__retain(x);
     /* (n, c, h, w) and (n, h, w, c) order alike when one of the two is a single element */
     if (x->dtype == dt && x->ndim == 4 && (x->shape[1] == 1 || x->shape[2] * x->shape[3] == 1)) {
-        ampc_tensor *v = ampc__tensor_new_fmt(dt, x->device, 0, NULL, AMPC_CONTIGUOUS_FORMAT);
-        if (!v) return NULL;
-        ampc__storage_release(v->storage);   /* the header takes x's storage instead */
-        v->storage = x->storage;
-        ampc__storage_retain(x->storage);
-        v->ndim = 4;
-        memcpy(v->shape, x->shape, sizeof v->shape);
-        v->numel = x->numel;
-        v->format = fmt;
+        ampc_tensor *v = ampc__tensor_view(x, x->ndim, x->shape);   /* same storage, relabelled */
+        if (v) v->format = fmt;
         return v;
     }
     ampc_tensor *y = ampc__tensor_new_fmt(dt, x->device, x->ndim, x->shape, fmt);
@@ -257,6 +250,24 @@ ampc_tensor *ampc__k_wgrad_sum_to(const ampc_node *n, int i, ampc_tensor *x, int
 }
 
 // ---------------------------------------------------------------------------------------------
+// One-input recorded ops (cast, memory format, alias): y from x, and the node when x needs a
+// gradient.
+
+/* Attaches a node (name, fn) over x to y when x needs grad; y, or NULL (y released) when the
+   node cannot be made. pass_wide: see ampc_node. y NULL passes through. */
+static ampc_tensor *record_unary(ampc_tensor *x, ampc_tensor *y, const char *name, ampc_backward_fn fn, bool pass_wide) {
+    if (!y || !ampc__needs_grad(&x, 1)) return y;
+    ampc_node *node = ampc__node_new(name, fn, &x, 1);
+    if (!node) {
+        ampc__release(y);
+        return NULL;
+    }
+    node->pass_wide = pass_wide;
+    ampc__node_attach(node, y);
+    return y;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Cast: differentiable; its backward casts the gradient back (fp32 for master weights). A
 // narrowing cast keeps its gradient in the wider dtype (pass_wide): weight gradients arrive
 // unrounded in fp32 and pass through without a copy.
@@ -270,18 +281,7 @@ ampc_tensor *ampc__cast_record(ampc_tensor *x, ampc_dtype dt) {
     if (x->dtype == dt) return ampc__retain(x);
     if (!ampc__dt(x->dtype)->is_float || !ampc__dt(dt)->is_float)
         return ampc__err_null(AMPC_ERR_DTYPE, "cast from %s to %s", ampc_dtype_name(x->dtype), ampc_dtype_name(dt));
-    ampc_tensor *y = ampc__k_cast(x, dt);
-    if (!y) return NULL;
-    if (ampc__needs_grad(&x, 1)) {
-        ampc_node *node = ampc__node_new("CastBackward", cast_backward, &x, 1);
-        if (!node) {
-            ampc__release(y);
-            return NULL;
-        }
-        node->pass_wide = ampc__dt(x->dtype)->size > ampc__dt(dt)->size;
-        ampc__node_attach(node, y);
-    }
-    return y;
+    return record_unary(x, ampc__k_cast(x, dt), "CastBackward", cast_backward, ampc__dt(x->dtype)->size > ampc__dt(dt)->size);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -296,17 +296,7 @@ static int format_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
 
 ampc_tensor *ampc__format_record(ampc_tensor *x, ampc_memory_format fmt) {
     if (x->format == fmt) return ampc__retain(x);
-    ampc_tensor *y = ampc__k_convert(x, x->dtype, fmt);
-    if (!y) return NULL;
-    if (ampc__needs_grad(&x, 1)) {
-        ampc_node *node = ampc__node_new("ToMemoryFormatBackward", format_backward, &x, 1);
-        if (!node) {
-            ampc__release(y);
-            return NULL;
-        }
-        ampc__node_attach(node, y);
-    }
-    return y;
+    return record_unary(x, ampc__k_convert(x, x->dtype, fmt), "ToMemoryFormatBackward", format_backward, false);
 }
 
 ampc_tensor *ampc_to_memory_format(ampc_tensor *x, ampc_memory_format fmt) {
@@ -331,17 +321,7 @@ static int alias_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
 }
 
 ampc_tensor *ampc__alias_record(ampc_tensor *x, int ndim, const int64_t *shape, const char *name) {
-    ampc_tensor *y = ampc__tensor_view(x, ndim, shape);
-    if (!y) return NULL;
-    if (ampc__needs_grad(&x, 1)) {
-        ampc_node *node = ampc__node_new(name, alias_backward, &x, 1);
-        if (!node) {
-            ampc__release(y);
-            return NULL;
-        }
-        ampc__node_attach(node, y);
-    }
-    return y;
+    return record_unary(x, ampc__tensor_view(x, ndim, shape), name, alias_backward, false);
 }
 
 ampc_tensor *ampc_cast(ampc_tensor *x, ampc_dtype dt) {
