@@ -182,6 +182,15 @@ static lblock *large_take(ampc_device dev, size_t size) {
     return best;
 }
 
+/* Merges l's right neighbour (adjacent in the segment) into l and recycles its header. */
+static void absorb_next(lblock *l) {
+    lblock *r = l->next;
+    l->size += r->size;
+    l->next = r->next;
+    if (r->next) r->next->prev = l;
+    block_recycle(r);
+}
+
 /* Frees the block at p; returns false if p is not a live large block. */
 static bool large_give_back(ampc_device dev, void *p) {
     lblock **pp = &A.live[dev][live_slot(p)];
@@ -191,21 +200,13 @@ static bool large_give_back(ampc_device dev, void *p) {
     *pp = b->link;
     A.st.cached += b->size;
     if (b->next && b->next->free) {   /* merge the right neighbour into b */
-        lblock *r = b->next;
-        free_list_remove(dev, r);
-        b->size += r->size;
-        b->next = r->next;
-        if (r->next) r->next->prev = b;
-        block_recycle(r);
+        free_list_remove(dev, b->next);
+        absorb_next(b);
     }
     if (b->prev && b->prev->free) {   /* merge b into the left neighbour */
-        lblock *l = b->prev;
-        free_list_remove(dev, l);
-        l->size += b->size;
-        l->next = b->next;
-        if (b->next) b->next->prev = l;
-        block_recycle(b);
-        b = l;
+        b = b->prev;
+        free_list_remove(dev, b);
+        absorb_next(b);
     }
     free_list_add(dev, b);
     return true;
