@@ -133,7 +133,8 @@ typedef enum {
     AMPC_MEM_OPTIMIZER,
     AMPC_MEM_ACTIVATIONS,   /* op outputs, saved tensors, inputs, activation gradients */
     AMPC_MEM_WORKSPACE,     /* kernel scratch */
-    AMPC_MEM_CASTS,         /* autocast's 16-bit copies of fp32 weights (the cast cache) */
+    AMPC_MEM_CASTS,         /* autocast's 16-bit copies of fp32 weights (the cast cache and
+                               the copies kept across regions) */
     AMPC_MEM_KIND_COUNT
 } ampc_mem_kind;
 
@@ -338,6 +339,17 @@ void ampc_autocast_exit(void);  /* leaving the outermost region clears the weigh
 bool ampc_autocast_is_enabled(void);
 ampc_dtype ampc_autocast_dtype(void);
 int ampc_autocast_cache_size(void);   /* weight casts cached in this thread */
+/* Weight casts kept across regions (default on). The 16-bit copy autocast makes of an fp32
+   leaf that requires grad stays with the tensor after the region; the next region uses it as
+   long as nothing wrote the tensor since, and the optimizer's step rewrites it in its own pass
+   over the parameter, so a training step casts no weight (PyTorch recasts every weight in
+   every region). Writes are seen through every ampc write path (ops, optimizers, checkpoint
+   loads, ampc_tensor_copy_from_f32, ampc_tensor_data: writing through a pointer it returned
+   earlier, after autocast has used the tensor, needs a new ampc_tensor_data call). The kept
+   copies count as AMPC_MEM_CASTS and go with their tensor; off: copies live only within a
+   region, as in PyTorch. Process-wide. */
+void ampc_autocast_keep_weight_casts(bool on);
+bool ampc_autocast_keeps_weight_casts(void);
 
 // ---------------------------------------------------------------------------------------------
 // Modules

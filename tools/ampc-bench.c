@@ -442,8 +442,9 @@ static int write_json(const char *path, const result *rs, int n, const settings 
             ampc_cpu_features(), ampc_get_num_threads(), wait_policy, omp_nt ? omp_nt : "unset", dv->major, dv->minor,
             dv->patch, load0, load1);
     fprintf(f, "  \"settings\": {\"steps\": %d, \"warmup\": %d, \"optimizer\": \"sgd lr 0.01 momentum 0.9\", "
-               "\"conv_memory_format\": \"%s\"},\n",
-            s->steps, s->warmup, g_channels_last ? "channels_last" : "contiguous");
+               "\"conv_memory_format\": \"%s\", \"keep_weight_casts\": %s},\n",
+            s->steps, s->warmup, g_channels_last ? "channels_last" : "contiguous",
+            ampc_autocast_keeps_weight_casts() ? "true" : "false");
     fprintf(f, "  \"peak\": ");
     json_peak(f, &s->peak, s->have_peak);
     fprintf(f, ",\n  \"results\": [");
@@ -505,6 +506,8 @@ static void usage(FILE *f) {
             "  --profile         after each config, time each kernel over extra steps\n"
             "  --json FILE       write the results as JSON (default: none)\n"
             "  --channels-last yes|no  cnn/ResNet activations channels-last (default yes)\n"
+            "  --keep-casts yes|no     autocast's weight copies kept across steps and rewritten by\n"
+            "                    the optimizer's pass (default yes; no: recast in every step)\n"
             "  --help            this text\n");
 }
 
@@ -538,6 +541,15 @@ static int parse_int(const char *flag, const char *v, int lo, int *out) {
     return 0;
 }
 
+static int parse_yes_no(const char *flag, const char *v, bool *out) {
+    if (strcmp(v, "yes") && strcmp(v, "no")) {
+        fprintf(stderr, "ampc-bench: %s takes yes or no, not '%s'\n", flag, v);
+        return -1;
+    }
+    *out = !strcmp(v, "yes");
+    return 0;
+}
+
 int main(int argc, char **argv) {
     bool wl_on[N_WORKLOADS] = {true, true, true, false}, mode_on[N_MODES] = {true, true, true};
     const char *wl_names[N_WORKLOADS], *mode_names[N_MODES];
@@ -552,7 +564,7 @@ int main(int argc, char **argv) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         bool takes = !strcmp(a, "--workloads") || !strcmp(a, "--modes") || !strcmp(a, "--steps") ||
                      !strcmp(a, "--warmup") || !strcmp(a, "--threads") || !strcmp(a, "--json") ||
-                     !strcmp(a, "--channels-last");
+                     !strcmp(a, "--channels-last") || !strcmp(a, "--keep-casts");
         if (takes && !v) {
             fprintf(stderr, "ampc-bench: %s needs a value\n", a);
             return 2;
@@ -568,12 +580,11 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--warmup")) rc = parse_int(a, v, 0, &s.warmup);
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 1, &threads);
         else if (!strcmp(a, "--json")) json = v;
-        else if (!strcmp(a, "--channels-last")) {
-            if (strcmp(v, "yes") && strcmp(v, "no")) {
-                fprintf(stderr, "ampc-bench: --channels-last takes yes or no, not '%s'\n", v);
-                rc = -1;
-            }
-            g_channels_last = !strcmp(v, "yes");
+        else if (!strcmp(a, "--channels-last")) rc = parse_yes_no(a, v, &g_channels_last);
+        else if (!strcmp(a, "--keep-casts")) {
+            bool on = true;
+            rc = parse_yes_no(a, v, &on);
+            ampc_autocast_keep_weight_casts(on);
         }
         else if (!strcmp(a, "--peak")) peak_only = true;
         else if (!strcmp(a, "--no-peak")) no_peak = true;

@@ -145,6 +145,36 @@ static bool eligible(const ampc_tensor *t) {
     return t && ampc__dt(t->dtype)->is_float && t->dtype != AMPC_F64;
 }
 
+// Casts kept across regions: x->shadow is a history-free header over the storage of the last
+// cast of x; it stands for x while x's storage version is the one it was made (or refreshed
+// by the optimizer) at.
+
+static atomic_bool keep_casts = true;
+
+void ampc_autocast_keep_weight_casts(bool on) { atomic_store(&keep_casts, on); }
+bool ampc_autocast_keeps_weight_casts(void) { return atomic_load(&keep_casts); }
+
+/* x's kept copy in dtype dt as a recorded cast of x, or NULL (none, stale, or off). */
+static ampc_tensor *kept_cast(ampc_tensor *x, ampc_dtype dt) {
+    const ampc_tensor *s = x->shadow;
+    if (!s || !atomic_load(&keep_casts) || s->dtype != dt || x->shadow_version != x->storage->version) return NULL;
+    ampc_tensor *v = ampc__tensor_view(x->shadow, s->ndim, s->shape);
+    return v ? ampc__cast_record_done(x, v) : NULL;
+}
+
+/* Keeps y, a fresh cast of x, as x's copy (replacing any other). */
+static void keep_cast(ampc_tensor *x, ampc_tensor *y) {
+    if (!atomic_load(&keep_casts)) return;
+    ampc_tensor *v = ampc__tensor_view(y, y->ndim, y->shape);   /* same storage, no history */
+    if (!v) {
+        ampc_clear_error();   /* nothing kept: still correct */
+        return;
+    }
+    ampc__release(x->shadow);
+    x->shadow = v;
+    x->shadow_version = x->storage->version;
+}
+
 /* Casts to the lower-precision dtype, through the cache for fp32 leaves that require grad. */
 static ampc_tensor *cached_cast(ampc_tensor *x, ampc_dtype dt) {
     bool can_cache = x->dtype == AMPC_F32 && x->requires_grad && !x->grad_fn;
@@ -163,11 +193,16 @@ static ampc_tensor *cached_cast(ampc_tensor *x, ampc_dtype dt) {
         const ampc_node *h = cache[slot].value->grad_fn;
         if (h ? !h->released : !ampc__needs_grad(&x, 1)) return ampc__retain(cache[slot].value);
     }
-    /* cached copies live until the region ends, like weights: their own memory kind */
-    ampc_mem_kind prev = ampc__mem_kind_push(can_cache ? AMPC_MEM_CASTS : ampc__current_mem_kind());
-    ampc_tensor *y = ampc__cast_record(x, dt);
-    ampc__mem_kind_pop(prev);
-    if (!y || !can_cache) return y;
+    if (!can_cache) return ampc__cast_record(x, dt);
+    ampc_tensor *y = kept_cast(x, dt);
+    if (!y) {
+        /* cached copies live until the region ends, like weights: their own memory kind */
+        ampc_mem_kind prev = ampc__mem_kind_push(AMPC_MEM_CASTS);
+        y = ampc__cast_record(x, dt);
+        ampc__mem_kind_pop(prev);
+        if (!y) return NULL;
+        keep_cast(x, y);
+    }
     if (slot >= 0) {
         ampc__release(cache[slot].value);
         cache[slot].value = ampc__retain(y);

@@ -44,11 +44,15 @@ typedef struct {
 } ampc_axis_desc;
 
 /* grad_scale (both optimizers): the gradient is first multiplied by it in f32, as a separate
-   unscale pass would (the GradScaler's 1/scale fused into the step); 0 means none. */
+   unscale pass would (the GradScaler's 1/scale fused into the step); 0 means none.
+   cast_out (both, optional): an f16/bf16 tensor of the parameter's shape and format that gets
+   the updated parameter rounded to its dtype in the same pass, bit for bit what a cast after
+   the step would give (autocast's 16-bit weight copy kept across steps); NULL: none. */
 typedef struct {
     double lr, momentum, dampening, weight_decay;
     bool nesterov;
     float grad_scale;
+    ampc_tensor *cast_out;
 } ampc_sgd_hparams;
 
 typedef struct {
@@ -56,6 +60,7 @@ typedef struct {
     bool amsgrad, decoupled;   /* decoupled: AdamW */
     int64_t step;              /* 1 at the first step */
     float grad_scale;
+    ampc_tensor *cast_out;
 } ampc_adam_hparams;
 
 /* 2-D convolution of x (N, C, H, W) with w (O, C/groups, KH, KW) into y (N, O, OH, OW), NCHW

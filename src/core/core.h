@@ -57,6 +57,8 @@ typedef struct ampc_storage {
     ampc_mem_kind kind;
     ampc_device device;
     atomic_int refcount;
+    uint64_t version;       /* bumped by every write to existing data (PyTorch's version
+                               counter): a 16-bit copy made at version v is stale after it */
 } ampc_storage;
 
 /* Raw blocks (64-byte aligned) counted under kind; NULL + AMPC_ERR_OOM past the limit. */
@@ -102,6 +104,10 @@ struct ampc_tensor {
     ampc_node *grad_fn;       /* owning ref; NULL for leaves */
     ampc_node *grad_acc;      /* weak: the AccumulateGrad node of a leaf, if one exists */
     ampc_tensor *grad;        /* owning ref: accumulated gradient of a leaf */
+    /* owning ref: a 16-bit copy of this fp32 leaf made by autocast (no history), equal to the
+       data while storage->version == shadow_version; the optimizer's pass refreshes it */
+    ampc_tensor *shadow;
+    uint64_t shadow_version;
     /* scope membership (the scope's reference) */
     ampc_scope_rec *scope;
     ampc_tensor *scope_prev, *scope_next;
@@ -109,6 +115,10 @@ struct ampc_tensor {
 };
 
 static inline void *ampc__data(const ampc_tensor *t) { return t->storage ? t->storage->data : NULL; }
+/* Marks t's storage as written (every view of it, every copy made from it, is stale). */
+static inline void ampc__mark_written(ampc_tensor *t) {
+    if (t && t->storage) t->storage->version++;
+}
 static inline size_t ampc__nbytes(const ampc_tensor *t) { return (size_t)t->numel * ampc__dt(t->dtype)->size; }
 
 /* New tensor with refcount 1 owned by the caller (in no scope), storage uninitialised. */

@@ -193,6 +193,7 @@ void ampc__release(ampc_tensor *t) {
     if (!t || atomic_fetch_sub(&t->refcount, 1) != 1) return;
     if (t->grad_fn) ampc__node_release(t->grad_fn);
     if (t->grad) ampc__release(t->grad);
+    if (t->shadow) ampc__release(t->shadow);
     ampc__storage_release(t->storage);
     ampc__pool_put(&tensor_pool, t);
 }
@@ -316,6 +317,7 @@ ampc_tensor *ampc_tensor_randn(ampc_dtype dt, int ndim, const int64_t *shape, do
 int ampc__copy(const ampc_tensor *src, ampc_tensor *dst) {
     if (src->numel != dst->numel)
         return ampc__err(AMPC_ERR_SHAPE, "copy of %lld elements into %lld", (long long)src->numel, (long long)dst->numel);
+    ampc__mark_written(dst);
     if (src->device == dst->device) return ampc__backend(src->device)->copy(src, dst);
     if (!ampc__backend(src->device)->host_memory || !ampc__backend(dst->device)->host_memory)
         return ampc__err(AMPC_ERR_UNSUPPORTED, "copy between %s and %s", ampc_device_name(src->device), ampc_device_name(dst->device));
@@ -391,6 +393,7 @@ int ampc_tensor_copy_from_f32(ampc_tensor *t, const float *src, size_t n) {
     if (!t || !src) return ampc__err(AMPC_ERR_INVALID, "NULL tensor or buffer");
     if (n < (size_t)t->numel) return ampc__err(AMPC_ERR_INVALID, "buffer of %zu for %lld elements", n, (long long)t->numel);
     if (!ampc__backend(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not writable here");
+    ampc__mark_written(t);
     if (ampc__is_cl(t)) {   /* src in logical order, permuted into place */
         ampc_tensor *c = ampc__tensor_new(t->dtype, t->device, t->ndim, t->shape);
         int rc = c ? ampc_tensor_copy_from_f32(c, src, n) : ampc_last_status();
@@ -423,7 +426,11 @@ int64_t ampc_tensor_dim(const ampc_tensor *t, int i) {
 const int64_t *ampc_tensor_shape(const ampc_tensor *t) { return t->shape; }
 int64_t ampc_tensor_numel(const ampc_tensor *t) { return t->numel; }
 ampc_memory_format ampc_tensor_memory_format(const ampc_tensor *t) { return t ? t->format : AMPC_CONTIGUOUS_FORMAT; }
-void *ampc_tensor_data(ampc_tensor *t) { return t ? ampc__data(t) : NULL; }
+/* The caller may write through the pointer: copies made from the data so far are stale. */
+void *ampc_tensor_data(ampc_tensor *t) {
+    ampc__mark_written(t);
+    return t ? ampc__data(t) : NULL;
+}
 const void *ampc_tensor_cdata(const ampc_tensor *t) { return t ? ampc__data(t) : NULL; }
 
 int ampc_tensor_set_requires_grad(ampc_tensor *t, bool on) {

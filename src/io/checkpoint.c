@@ -1199,6 +1199,7 @@ int ampc_checkpoint_load(const char *path, ampc_module *m, ampc_optimizer *opt, 
         /* commit: nothing below can fail */
         for (int i = 0; i < n_sd; i++) {
             const st_entry *e = header_find(&f.h, names[i]);
+            ampc__mark_written(sd[i]);
             if (e->end > e->begin) memcpy(ampc__data(sd[i]), f.data + e->begin, (size_t)(e->end - e->begin));
         }
         if (opt) {

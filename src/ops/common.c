@@ -281,7 +281,11 @@ ampc_tensor *ampc__cast_record(ampc_tensor *x, ampc_dtype dt) {
     if (x->dtype == dt) return ampc__retain(x);
     if (!ampc__dt(x->dtype)->is_float || !ampc__dt(dt)->is_float)
         return ampc__err_null(AMPC_ERR_DTYPE, "cast from %s to %s", ampc_dtype_name(x->dtype), ampc_dtype_name(dt));
-    return record_unary(x, ampc__k_cast(x, dt), "CastBackward", cast_backward, ampc__dt(x->dtype)->size > ampc__dt(dt)->size);
+    return ampc__cast_record_done(x, ampc__k_cast(x, dt));
+}
+
+ampc_tensor *ampc__cast_record_done(ampc_tensor *x, ampc_tensor *y) {
+    return y ? record_unary(x, y, "CastBackward", cast_backward, ampc__dt(x->dtype)->size > ampc__dt(y->dtype)->size) : NULL;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -42,6 +42,9 @@ void ampc__op_args_release(ampc_op_args *a);
 /* Records a differentiable cast (CastBackward) when x requires grad; owned result.
    Same dtype: returns a new reference to x. */
 ampc_tensor *ampc__cast_record(ampc_tensor *x, ampc_dtype dt);
+/* The same with the cast already computed: y (a new reference, taken over) holds x's values in
+   a float dtype, e.g. autocast's kept copy of a weight; NULL y: NULL. */
+ampc_tensor *ampc__cast_record_done(ampc_tensor *x, ampc_tensor *y);
 
 /* A view of x with another shape of the same numel, recording `name` (gradient: gy viewed
    back) when x requires grad; owned result. */

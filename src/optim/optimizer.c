@@ -10,6 +10,8 @@
  * AMPC_MEM_OPTIMIZER, and is owned by the optimizer. Parameters whose grad is NULL (frozen,
  * unused, or zero_grad'ed) are skipped and their state is left alone, like PyTorch.
  * The optimizer holds a reference to each parameter, so freeing the module first is safe.
+ * A parameter's kept autocast copy (ampc_autocast_keep_weight_casts) is rewritten by the
+ * update kernel in the same pass, so the next autocast region finds it current.
  */
 #include "autograd/autograd.h"
 #include "backend/backend.h"
@@ -177,6 +179,26 @@ static ampc_tensor *state_get(ampc_optimizer *opt, int s, int i) {
     return t;
 }
 
+/* The parameter's kept autocast copy when this step can rewrite it in its own pass: it still
+   matches the data and nothing else holds it (a graph that saved it keeps the values it saw).
+   Any other kept copy is dropped; autocast makes a new one when it next casts the parameter. */
+static ampc_tensor *copy_to_refresh(ampc_tensor *p) {
+    ampc_tensor *c = p->shadow;
+    if (!c) return NULL;
+    if (ampc_autocast_keeps_weight_casts() && p->shadow_version == p->storage->version &&
+        atomic_load(&c->refcount) == 1 && atomic_load(&c->storage->refcount) == 1)
+        return c;
+    ampc__release(c);
+    p->shadow = NULL;
+    return NULL;
+}
+
+/* After the kernel wrote p (and, when it succeeded, its copy c). */
+static void mark_stepped(ampc_tensor *p, ampc_tensor *c, int rc) {
+    ampc__mark_written(p);
+    if (c && rc >= 0) p->shadow_version = p->storage->version;
+}
+
 static int step_one(ampc_optimizer *opt, int i, float grad_scale) {
     ampc_tensor *p = opt->params[i], *g = p->grad;
     const ampc_backend *be = ampc__backend(p->device);
@@ -191,14 +213,16 @@ static int step_one(ampc_optimizer *opt, int i, float grad_scale) {
     if (opt->kind == AMPC_OPTIM_SGD) {
         if (!be->sgd_step) return ampc__err(AMPC_ERR_UNSUPPORTED, "sgd_step on device %s", ampc_device_name(p->device));
         const ampc_sgd_options *o = &opt->sgd;
-        ampc_sgd_hparams h = {o->lr, o->momentum, o->dampening, o->weight_decay, o->nesterov, grad_scale};
+        ampc_sgd_hparams h = {o->lr, o->momentum, o->dampening, o->weight_decay, o->nesterov, grad_scale, NULL};
         ampc_tensor *buf = NULL;
         bool first = false;
         if (o->momentum != 0) {   /* PyTorch keeps no buffer without momentum */
             first = opt->state[0][i] == NULL;
             if (!(buf = state_get(opt, 0, i))) return ampc_last_status();
         }
+        h.cast_out = copy_to_refresh(p);
         rc = be->sgd_step(p, g, buf, first, &h);
+        mark_stepped(p, h.cast_out, rc);
         if (rc >= 0) opt->steps[i]++;
         return rc;
     }
@@ -208,8 +232,10 @@ static int step_one(ampc_optimizer *opt, int i, float grad_scale) {
     ampc_tensor *vmax = v && o->amsgrad ? state_get(opt, 2, i) : NULL;
     if (!m || !v || (o->amsgrad && !vmax)) return ampc_last_status();
     ampc_adam_hparams h = {o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->amsgrad,
-                           opt->kind == AMPC_OPTIM_ADAMW, opt->steps[i] + 1, grad_scale};
+                           opt->kind == AMPC_OPTIM_ADAMW, opt->steps[i] + 1, grad_scale, NULL};
+    h.cast_out = copy_to_refresh(p);
     rc = be->adam_step(p, g, m, v, vmax, &h);
+    mark_stepped(p, h.cast_out, rc);
     if (rc >= 0) opt->steps[i]++;
     return rc;
 }

@@ -7,7 +7,10 @@
  * fp32, as PyTorch computes them in Python floats. Each update is one pass over its streams
  * (memory-bound: SGD with momentum moves 5 floats per element), compiled per combination of
  * options so the loop is branch-free (always_inline with constant flags), with AVX-512/AVX2
- * clones (cpu.h); OpenMP splits big tensors over threads in blocks of BLK elements.
+ * clones (cpu.h); OpenMP splits big tensors over threads in blocks of BLK elements. The
+ * 16-bit copy (cast_out) is converted block by block right after each block's update, while
+ * the block is still in cache: the pass reads the streams once and writes 2 bytes more per
+ * element, where a cast of its own would read the parameter again.
  */
 #include "backend/cpu/cpu.h"
 
@@ -19,6 +22,20 @@ static int check_f32(const ampc_tensor *t, const char *what) {
     if (t->dtype != AMPC_F32)
         return ampc__err(AMPC_ERR_DTYPE, "optimizer step: %s is %s, the CPU kernels update fp32 master weights", what,
                          ampc_dtype_name(t->dtype));
+    return AMPC_OK;
+}
+
+/* The converter for the optional 16-bit copy of the parameter (NULL: none): the dtype's own,
+   the one every cast from f32 goes through. */
+typedef void (*narrow_fn)(const float *, void *, size_t);
+static int cast_out_fn(const ampc_tensor *param, const ampc_tensor *out, narrow_fn *f) {
+    *f = NULL;
+    if (!out) return AMPC_OK;
+    if (out->dtype != AMPC_BF16 && out->dtype != AMPC_F16)
+        return ampc__err(AMPC_ERR_DTYPE, "optimizer step: the parameter's copy is %s, not f16/bf16", ampc_dtype_name(out->dtype));
+    if (out->numel != param->numel || out->format != param->format)
+        return ampc__err(AMPC_ERR_SHAPE, "optimizer step: the parameter's 16-bit copy has another shape or format");
+    *f = ampc__dt(out->dtype)->from_f32;
     return AMPC_OK;
 }
 
@@ -84,9 +101,15 @@ static int cpu_sgd_step(ampc_tensor *param, const ampc_tensor *grad, ampc_tensor
     int k = (h->weight_decay != 0) | has_m << 1 | (has_m && first) << 2 | (has_m && h->nesterov) << 3 |
             (h->grad_scale != 0) << 4;
     sgd_fn f = sgd_fns[k];
+    narrow_fn nf;
+    if (cast_out_fn(param, h->cast_out, &nf) < 0) return ampc_last_status();
+    uint16_t *out = nf ? ampc__data(h->cast_out) : NULL;
 #pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
-    for (size_t base = 0; base < n; base += BLK)
-        f(p + base, g + base, buf ? buf + base : NULL, n - base < BLK ? n - base : BLK, c);
+    for (size_t base = 0; base < n; base += BLK) {
+        size_t len = n - base < BLK ? n - base : BLK;
+        f(p + base, g + base, buf ? buf + base : NULL, len, c);
+        if (nf) nf(p + base, out + base, len);
+    }
     return AMPC_OK;
 }
 
@@ -158,9 +181,15 @@ static int cpu_adam_step(ampc_tensor *param, const ampc_tensor *grad, ampc_tenso
     const float *g = (const float *)ampc__data(grad);
     void (*f)(float *, const float *, float *, float *, float *, size_t, const adam_consts *) =
         h->grad_scale != 0 ? (h->amsgrad ? adam_amsgrad_scaled : adam_plain_scaled) : (h->amsgrad ? adam_amsgrad : adam_plain);
+    narrow_fn nf;
+    if (cast_out_fn(param, h->cast_out, &nf) < 0) return ampc_last_status();
+    uint16_t *out = nf ? ampc__data(h->cast_out) : NULL;
 #pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
-    for (size_t base = 0; base < n; base += BLK)
-        f(p + base, g + base, m + base, v + base, vmax ? vmax + base : NULL, n - base < BLK ? n - base : BLK, &c);
+    for (size_t base = 0; base < n; base += BLK) {
+        size_t len = n - base < BLK ? n - base : BLK;
+        f(p + base, g + base, m + base, v + base, vmax ? vmax + base : NULL, len, &c);
+        if (nf) nf(p + base, out + base, len);
+    }
     return AMPC_OK;
 }
 

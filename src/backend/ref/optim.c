@@ -1,6 +1,7 @@
 /*
  * optim.c - REF optimizer kernels: the SGD and Adam/AdamW updates in plain f64 loops, the
- * same formulas as the CPU kernels (PyTorch 1.13 torch/optim, single-tensor path).
+ * same formulas as the CPU kernels (PyTorch 1.13 torch/optim, single-tensor path); the
+ * 16-bit copy (cast_out) is rounded from the updated f64 parameter after the loop.
  */
 #include "backend/backend.h"
 
@@ -28,6 +29,7 @@ static int ref_sgd_step(ampc_tensor *param, const ampc_tensor *grad, ampc_tensor
         }
         p[i] -= h->lr * d;
     }
+    if (h->cast_out) ampc__dt(h->cast_out->dtype)->from_f64(p, ampc__data(h->cast_out), (size_t)param->numel);
     return AMPC_OK;
 }
 
@@ -54,6 +56,7 @@ static int ref_adam_step(ampc_tensor *param, const ampc_tensor *grad, ampc_tenso
         if (h->amsgrad) vi = vmax[i] = fmax(vmax[i], vi);
         p[i] -= step_size * m[i] / (sqrt(vi) / bc2_sqrt + h->eps);
     }
+    if (h->cast_out) ampc__dt(h->cast_out->dtype)->from_f64(p, ampc__data(h->cast_out), (size_t)param->numel);
     return AMPC_OK;
 }
 
