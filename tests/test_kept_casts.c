@@ -54,12 +54,13 @@ static void test_kernel_cast_out(void **state) {
             ampc_tensor *c = ampc_tensor_empty(dt, 1, &n);
             ASSERT_NOT_NULL_MSG(c);
             const ampc_backend *be = ampc__backend(AMPC_DEVICE_CPU);
+            ampc_optim_item it = {.param = p, .grad = g, .state = {a, b}, .cast_out = c, .first = true, .step = 1};
             if (opt == 0) {
-                ampc_sgd_hparams h = {.lr = 0.1, .momentum = 0.9, .cast_out = c};
-                ASSERT_OK(be->sgd_step(p, g, a, true, &h));
+                ampc_sgd_hparams h = {.lr = 0.1, .momentum = 0.9};
+                ASSERT_OK(be->sgd_step(&it, 1, &h));
             } else {
-                ampc_adam_hparams h = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .step = 1, .cast_out = c};
-                ASSERT_OK(be->adam_step(p, g, a, b, NULL, &h));
+                ampc_adam_hparams h = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8};
+                ASSERT_OK(be->adam_step(&it, 1, &h));
             }
             ASSERT_OK(ampc_tensor_to_f32(p, after, (size_t)n));
             if (dt == AMPC_BF16) ampc__f32_to_bf16_c(after, want, (size_t)n);
@@ -71,8 +72,9 @@ static void test_kernel_cast_out(void **state) {
                              (long long)i, after[i], got[i], want[i]);
             /* a copy of another shape or dtype is refused, naming the problem */
             ampc_tensor *bad = ampc_tensor_empty(AMPC_F32, 1, &n);
-            ampc_sgd_hparams h = {.lr = 0.1, .cast_out = bad};
-            assert_int_equal(be->sgd_step(p, g, NULL, false, &h), AMPC_ERR_DTYPE);
+            ampc_sgd_hparams h = {.lr = 0.1};
+            ampc_optim_item bad_it = {.param = p, .grad = g, .cast_out = bad};
+            assert_int_equal(be->sgd_step(&bad_it, 1, &h), AMPC_ERR_DTYPE);
             assert_non_null(strstr(ampc_last_error(), "not f16/bf16"));
             ampc_clear_error();
             ampc_scope_end();

@@ -465,7 +465,8 @@ static void test_sgd_kernel_matches_fp32_replay(void **state) {
         memcpy(ampc_tensor_data(pt), p0, n * sizeof(float));
         memcpy(ampc_tensor_data(gt), g, n * sizeof(float));
         memcpy(ampc_tensor_data(bt), b0, n * sizeof(float));
-        ASSERT_OK(be->sgd_step(pt, gt, mom ? bt : NULL, first, &h));
+        ampc_optim_item it = {.param = pt, .grad = gt, .state = {mom ? bt : NULL}, .first = first};
+        ASSERT_OK(be->sgd_step(&it, 1, &h));
         const float fwd = (float)h.weight_decay, fm = (float)h.momentum, keep = (float)(1.0 - h.dampening);
         const float neg_lr = (float)-h.lr;
         for (int64_t i = 0; i < n; i++) {
@@ -500,13 +501,14 @@ static void test_adam_kernel_matches_fp32_replay(void **state) {
     }
     for (int k = 0; k < 8; k++) {
         ampc_adam_hparams h = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = k & 1 ? 0.01 : 0,
-                               .amsgrad = k & 2, .decoupled = k & 4, .step = 3};
+                               .amsgrad = k & 2, .decoupled = k & 4};
         ampc_tensor *ts[5];
         for (int t = 0; t < 5; t++) {
             ts[t] = ampc_tensor_empty(AMPC_F32, 1, &n);
             memcpy(ampc_tensor_data(ts[t]), in[t], n * sizeof(float));
         }
-        ASSERT_OK(be->adam_step(ts[0], ts[1], ts[2], ts[3], h.amsgrad ? ts[4] : NULL, &h));
+        ampc_optim_item it = {.param = ts[0], .grad = ts[1], .state = {ts[2], ts[3], h.amsgrad ? ts[4] : NULL}, .step = 3};
+        ASSERT_OK(be->adam_step(&it, 1, &h));
         /* the per-tensor scalars as the kernel's contract states: in double, rounded once */
         double bc1 = 1.0 - pow(h.beta1, 3.0), bc2 = 1.0 - pow(h.beta2, 3.0);
         const float decay = h.decoupled ? (float)(1.0 - h.lr * h.weight_decay) : 1.0f;
@@ -532,12 +534,73 @@ static void test_adam_kernel_matches_fp32_replay(void **state) {
     ampc_scope_end();
 }
 
+/* One call over many parameters (more than one region's group of 64, sizes from 0 to several
+   blocks, each with its own first-step flag or Adam step count) gives each parameter the
+   bits a call of its own gives; an invalid item anywhere means nothing is written. */
+enum { MANY = 70 };
+
+static int64_t many_size(int i) {
+    static const int64_t sizes[] = {0, 1, 7, 16383, 16384, 16385, 40000, 3, 100};
+    return sizes[i % 9];
+}
+
+static void test_many_params_one_call(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    const ampc_backend *be = ampc__backend(AMPC_DEVICE_CPU);
+    for (int adam = 0; adam < 2; adam++) {
+        ampc_tensor *t[2][MANY][5];   /* [together, alone][param][p, g, s0, s1, s2] */
+        ampc_optim_item items[2][MANY];
+        for (int i = 0; i < MANY; i++) {
+            int64_t n = many_size(i);
+            float *v = malloc((size_t)(n ? n : 1) * sizeof(float));
+            for (int k = 0; k < 5; k++) {
+                fill_f32(v, (size_t)n, 100 + (uint64_t)(i * 5 + k), k >= 3 ? 0 : -1, k >= 3 ? 1e-2 : 1);
+                for (int c = 0; c < 2; c++) {
+                    t[c][i][k] = ampc_tensor_empty(AMPC_F32, 1, &n);
+                    memcpy(ampc_tensor_data(t[c][i][k]), v, (size_t)n * sizeof(float));
+                }
+            }
+            free(v);
+            for (int c = 0; c < 2; c++)
+                items[c][i] = (ampc_optim_item){.param = t[c][i][0], .grad = t[c][i][1],
+                                                .state = {t[c][i][2], t[c][i][3], t[c][i][4]},
+                                                .first = i % 3 == 0, .step = 1 + i % 4};
+        }
+        ampc_sgd_hparams hs = {.lr = 0.1, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01};
+        ampc_adam_hparams ha = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01, .amsgrad = true};
+        /* an invalid item (a bf16 gradient) at the end: refused, and no parameter changed */
+        ampc_tensor *bad = ampc_tensor_zeros(AMPC_BF16, 1, (int64_t[]){7});
+        ampc_optim_item saved = items[0][MANY - 1];
+        items[0][MANY - 1].grad = bad;
+        items[0][MANY - 1].param = t[0][MANY - 1][0];
+        int rc = adam ? be->adam_step(items[0], MANY, &ha) : be->sgd_step(items[0], MANY, &hs);
+        assert_int_equal(rc, AMPC_ERR_DTYPE);
+        ampc_clear_error();
+        for (int i = 0; i < MANY; i++)
+            expect_same_floats("untouched after a refused call", ampc_tensor_cdata(t[0][i][0]), ampc_tensor_cdata(t[1][i][0]),
+                               (size_t)many_size(i));
+        items[0][MANY - 1] = saved;
+        ASSERT_OK(adam ? be->adam_step(items[0], MANY, &ha) : be->sgd_step(items[0], MANY, &hs));
+        for (int i = 0; i < MANY; i++) {
+            ASSERT_OK(adam ? be->adam_step(&items[1][i], 1, &ha) : be->sgd_step(&items[1][i], 1, &hs));
+            for (int k = 0; k < 5; k++) {
+                char what[64];
+                snprintf(what, sizeof what, "%s param %d tensor %d", adam ? "Adam" : "SGD", i, k);
+                expect_same_floats(what, ampc_tensor_cdata(t[0][i][k]), ampc_tensor_cdata(t[1][i][k]), (size_t)many_size(i));
+            }
+        }
+    }
+    ampc_scope_end();
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sgd_variants),         cmocka_unit_test(test_adam_variants),
         cmocka_unit_test(test_skips_params_without_grad), cmocka_unit_test(test_state_memory),
         cmocka_unit_test(test_errors),               cmocka_unit_test(test_holds_params),
         cmocka_unit_test(test_sgd_kernel_matches_fp32_replay), cmocka_unit_test(test_adam_kernel_matches_fp32_replay),
+        cmocka_unit_test(test_many_params_one_call),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
 }

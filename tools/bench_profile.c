@@ -146,8 +146,11 @@ static int w_dropout_backward(const ampc_tensor *gy, const uint8_t *mask, double
 static int w_unscale_check(ampc_tensor **g, int n, float inv, float *found) {
     TIMED("unscale_check", -1, AMPC_F32, NULL, NULL, false, 0, saved.unscale_check(g, n, inv, found));
 }
-static int w_sgd_step(ampc_tensor *p, const ampc_tensor *g, ampc_tensor *m, bool first, const ampc_sgd_hparams *h) {
-    TIMED("sgd_step", -1, p->dtype, NULL, NULL, false, 0, saved.sgd_step(p, g, m, first, h));
+static int w_sgd_step(const ampc_optim_item *items, int n, const ampc_sgd_hparams *h) {
+    TIMED("sgd_step", -1, AMPC_F32, NULL, NULL, false, 0, saved.sgd_step(items, n, h));
+}
+static int w_adam_step(const ampc_optim_item *items, int n, const ampc_adam_hparams *h) {
+    TIMED("adam_step", -1, AMPC_F32, NULL, NULL, false, 0, saved.adam_step(items, n, h));
 }
 static int w_conv2d(const ampc_conv_desc *d, const ampc_tensor *x, const ampc_tensor *w, const ampc_tensor *b,
                     ampc_tensor *y) {
@@ -215,6 +218,7 @@ void bench_profile_install(void) {
     WRAP(dropout_backward, w_dropout_backward);
     WRAP(unscale_check, w_unscale_check);
     WRAP(sgd_step, w_sgd_step);
+    WRAP(adam_step, w_adam_step);
     WRAP(conv2d, w_conv2d);
     WRAP(conv2d_backward_data, w_conv2d_backward_data);
     WRAP(conv2d_backward_weights, w_conv2d_backward_weights);

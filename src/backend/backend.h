@@ -43,25 +43,36 @@ typedef struct {
     int64_t outer, dim, inner;   /* x viewed as (outer, dim, inner); reduce along dim */
 } ampc_axis_desc;
 
-/* grad_scale (both optimizers): the gradient is first multiplied by it in f32, as a separate
-   unscale pass would (the GradScaler's 1/scale fused into the step); 0 means none.
-   cast_out (both, optional): an f16/bf16 tensor of the parameter's shape and format that gets
-   the updated parameter rounded to its dtype in the same pass, bit for bit what a cast after
-   the step would give (autocast's 16-bit weight copy kept across steps); NULL: none. */
+/* Hyperparameters shared by the parameters of one optimizer call. grad_scale (both
+   optimizers): the gradient is first multiplied by it in f32, as a separate unscale pass would
+   (the GradScaler's 1/scale fused into the step); 0 means none. */
 typedef struct {
     double lr, momentum, dampening, weight_decay;
     bool nesterov;
     float grad_scale;
-    ampc_tensor *cast_out;
 } ampc_sgd_hparams;
 
 typedef struct {
     double lr, beta1, beta2, eps, weight_decay;
     bool amsgrad, decoupled;   /* decoupled: AdamW */
-    int64_t step;              /* 1 at the first step */
     float grad_scale;
-    ampc_tensor *cast_out;
 } ampc_adam_hparams;
+
+/* One parameter's update in an optimizer call (the kernels take many: one pass, one parallel
+   region over all of them). */
+typedef struct {
+    ampc_tensor *param;
+    const ampc_tensor *grad;
+    /* SGD: [0] the momentum buffer (NULL without momentum). Adam: exp_avg, exp_avg_sq,
+       max_exp_avg_sq (amsgrad only, else NULL). */
+    ampc_tensor *state[3];
+    /* optional: an f16/bf16 tensor of the parameter's shape and format that gets the updated
+       parameter rounded to its dtype in the same pass, bit for bit what a cast after the step
+       would give (autocast's 16-bit weight copy kept across steps); NULL: none */
+    ampc_tensor *cast_out;
+    bool first;      /* SGD: the buffer's first step (it starts as the gradient) */
+    int64_t step;    /* Adam: this parameter's step count including this one (>= 1) */
+} ampc_optim_item;
 
 /* 2-D convolution of x (N, C, H, W) with w (O, C/groups, KH, KW) into y (N, O, OH, OW), NCHW
    as the user sees it (a backend may compute in another layout and reorder inside). */
@@ -145,12 +156,9 @@ typedef struct ampc_backend {
     int (*unscale_check)(ampc_tensor **grads, int n, float inv_scale, float *found_inf);
     /* sum of squares of all elements, in double */
     int (*sum_squares)(const ampc_tensor *t, double *out);
-    /* optimizer updates of fp32 master weights (buffers may be NULL when unused) */
-    int (*sgd_step)(ampc_tensor *param, const ampc_tensor *grad, ampc_tensor *momentum_buf,
-                    bool first, const ampc_sgd_hparams *h);
-    int (*adam_step)(ampc_tensor *param, const ampc_tensor *grad, ampc_tensor *exp_avg,
-                     ampc_tensor *exp_avg_sq, ampc_tensor *max_exp_avg_sq,
-                     const ampc_adam_hparams *h);
+    /* optimizer updates of fp32 master weights, n parameters at once */
+    int (*sgd_step)(const ampc_optim_item *items, int n, const ampc_sgd_hparams *h);
+    int (*adam_step)(const ampc_optim_item *items, int n, const ampc_adam_hparams *h);
     /* Convolution: y = conv(x, w) + b (b NULL or (O)); gx from gy and w; gw (and gb if not
        NULL) from x and gy. x, w, y, gx, gw share a dtype; b/gb have it too. Exception: gw and
        gb may be f32 when x and gy are 16-bit (the autocast weight gradient, unrounded). */

@@ -5,6 +5,7 @@
 #ifndef AMPC_OPTIM_H
 #define AMPC_OPTIM_H
 
+#include "backend/backend.h"
 #include "core/core.h"
 
 typedef enum { AMPC_OPTIM_SGD = 0, AMPC_OPTIM_ADAM, AMPC_OPTIM_ADAMW } ampc_optim_kind;
@@ -18,6 +19,8 @@ struct ampc_optimizer {
                                     Adam exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad) */
     int64_t *steps;              /* per param: steps taken (Adam bias correction; PyTorch's
                                     state['step']), counted only for steps with a grad */
+    ampc_optim_item *items;      /* a step's backend call (n entries, reused every step) */
+    int *item_param;             /* the parameter of items[k] */
     ampc_sgd_options sgd;
     ampc_adam_options adam;
 };

@@ -1,9 +1,10 @@
 /*
  * optimizer.c - SGD, Adam and AdamW over fp32 master weights (PyTorch 1.13 semantics).
  *
- * The update rules are those of torch/optim/{sgd,adam,adamw}.py (single-tensor path); each
- * parameter is updated by one fused backend kernel (sgd_step / adam_step), so the arithmetic
- * lives in src/backend/{cpu,ref}/optim.c. Here: options, parameter bookkeeping, lazy state.
+ * The update rules are those of torch/optim/{sgd,adam,adamw}.py (single-tensor path); one
+ * fused backend call (sgd_step / adam_step) updates all parameters of a device that have a
+ * grad, so the arithmetic lives in src/backend/{cpu,ref}/optim.c. Here: options, parameter
+ * bookkeeping, lazy state. Every parameter is checked before any is written.
  *
  * State (momentum buffers, exp_avg, exp_avg_sq, max_exp_avg_sq) has the parameter's dtype
  * (fp32; f64 on the REF device), is allocated at a parameter's first step under
@@ -87,8 +88,10 @@ static ampc_optimizer *optimizer_new(ampc_optim_kind kind, ampc_tensor **params,
         o->params = calloc(cnt, sizeof *o->params);
         for (int s = 0; s < 3; s++) o->state[s] = calloc(cnt, sizeof *o->state[s]);
         o->steps = calloc(cnt, sizeof *o->steps);
+        o->items = calloc(cnt, sizeof *o->items);
+        o->item_param = calloc(cnt, sizeof *o->item_param);
     }
-    if (!o || !o->params || !o->state[0] || !o->state[1] || !o->state[2] || !o->steps) {
+    if (!o || !o->params || !o->state[0] || !o->state[1] || !o->state[2] || !o->steps || !o->items || !o->item_param) {
         ampc_optimizer_free(o);
         return ampc__err_null(AMPC_ERR_OOM, "%s over %d parameters", kind_name(kind), n);
     }
@@ -157,6 +160,8 @@ void ampc_optimizer_free(ampc_optimizer *opt) {
     for (int s = 0; s < 3; s++) free(opt->state[s]);
     free(opt->params);
     free(opt->steps);
+    free(opt->items);
+    free(opt->item_param);
     free(opt);
 }
 
@@ -199,9 +204,9 @@ static void mark_stepped(ampc_tensor *p, ampc_tensor *c, int rc) {
     if (c && rc >= 0) p->shadow_version = p->storage->version;
 }
 
-static int step_one(ampc_optimizer *opt, int i, float grad_scale) {
+/* Parameter i can be stepped: a leaf of the right dtype whose grad matches it. */
+static int check_step(const ampc_optimizer *opt, int i) {
     ampc_tensor *p = opt->params[i], *g = p->grad;
-    const ampc_backend *be = ampc__backend(p->device);
     int rc = check_param(p, opt->kind, i);
     if (rc < 0) return rc;
     if (g->dtype != p->dtype || !ampc__same_shape(g, p) || g->device != p->device) {
@@ -210,41 +215,79 @@ static int step_one(ampc_optimizer *opt, int i, float grad_scale) {
                          ampc__shape_str(p, s1, sizeof s1), ampc_dtype_name(p->dtype), ampc__shape_str(g, s2, sizeof s2),
                          ampc_dtype_name(g->dtype));
     }
-    if (opt->kind == AMPC_OPTIM_SGD) {
-        if (!be->sgd_step) return ampc__err(AMPC_ERR_UNSUPPORTED, "sgd_step on device %s", ampc_device_name(p->device));
-        const ampc_sgd_options *o = &opt->sgd;
-        ampc_sgd_hparams h = {o->lr, o->momentum, o->dampening, o->weight_decay, o->nesterov, grad_scale, NULL};
-        ampc_tensor *buf = NULL;
-        bool first = false;
-        if (o->momentum != 0) {   /* PyTorch keeps no buffer without momentum */
-            first = opt->state[0][i] == NULL;
-            if (!(buf = state_get(opt, 0, i))) return ampc_last_status();
+    const ampc_backend *be = ampc__backend(p->device);
+    if (opt->kind == AMPC_OPTIM_SGD ? !be->sgd_step : !be->adam_step)
+        return ampc__err(AMPC_ERR_UNSUPPORTED, "%s on device %s", opt->kind == AMPC_OPTIM_SGD ? "sgd_step" : "adam_step",
+                         ampc_device_name(p->device));
+    return AMPC_OK;
+}
+
+/* Parameter i's update, its state allocated on first use; it->first tells that the state is
+   new (SGD's first momentum step; undone by drop_new_state if the step does not happen). */
+static int make_item(ampc_optimizer *opt, int i, ampc_optim_item *it) {
+    ampc_tensor *p = opt->params[i];
+    memset(it, 0, sizeof *it);
+    it->param = p;
+    it->grad = p->grad;
+    it->first = opt->state[0][i] == NULL;
+    int slots = opt->kind == AMPC_OPTIM_SGD ? (opt->sgd.momentum != 0) : (opt->adam.amsgrad ? 3 : 2);
+    for (int s = 0; s < slots; s++)   /* PyTorch keeps no SGD buffer without momentum */
+        if (!(it->state[s] = state_get(opt, s, i))) return ampc_last_status();
+    it->step = opt->steps[i] + 1;
+    return AMPC_OK;
+}
+
+static void drop_new_state(ampc_optimizer *opt, const ampc_optim_item *items, const int *idx, int n) {
+    for (int k = 0; k < n; k++)
+        if (items[k].first)
+            for (int s = 0; s < 3; s++) {
+                ampc__release(opt->state[s][idx[k]]);
+                opt->state[s][idx[k]] = NULL;
+            }
+}
+
+/* The parameters of one device with a grad, in one backend call. */
+static int step_device(ampc_optimizer *opt, ampc_device dev, float grad_scale) {
+    ampc_optim_item *items = opt->items;
+    int *idx = opt->item_param, n = 0, rc = AMPC_OK;
+    for (int i = 0; i < opt->n && rc >= 0; i++) {
+        ampc_tensor *p = opt->params[i];
+        if (!p->grad || p->device != dev) continue;
+        idx[n] = i;
+        rc = make_item(opt, i, &items[n]);
+        n += rc >= 0 || items[n].first;   /* a half-made new state is dropped below */
+    }
+    if (rc >= 0 && n == 0) return AMPC_OK;
+    for (int k = 0; k < n && rc >= 0; k++) items[k].cast_out = copy_to_refresh(items[k].param);
+    if (rc >= 0) {
+        const ampc_backend *be = ampc__backend(dev);
+        if (opt->kind == AMPC_OPTIM_SGD) {
+            const ampc_sgd_options *o = &opt->sgd;
+            ampc_sgd_hparams h = {o->lr, o->momentum, o->dampening, o->weight_decay, o->nesterov, grad_scale};
+            rc = be->sgd_step(items, n, &h);
+        } else {
+            const ampc_adam_options *o = &opt->adam;
+            ampc_adam_hparams h = {o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->amsgrad,
+                                   opt->kind == AMPC_OPTIM_ADAMW, grad_scale};
+            rc = be->adam_step(items, n, &h);
         }
-        h.cast_out = copy_to_refresh(p);
-        rc = be->sgd_step(p, g, buf, first, &h);
-        mark_stepped(p, h.cast_out, rc);
-        if (rc >= 0) opt->steps[i]++;
+        for (int k = 0; k < n; k++) mark_stepped(items[k].param, items[k].cast_out, rc);
+    }
+    if (rc < 0) {
+        drop_new_state(opt, items, idx, n);
         return rc;
     }
-    if (!be->adam_step) return ampc__err(AMPC_ERR_UNSUPPORTED, "adam_step on device %s", ampc_device_name(p->device));
-    const ampc_adam_options *o = &opt->adam;
-    ampc_tensor *m = state_get(opt, 0, i), *v = m ? state_get(opt, 1, i) : NULL;
-    ampc_tensor *vmax = v && o->amsgrad ? state_get(opt, 2, i) : NULL;
-    if (!m || !v || (o->amsgrad && !vmax)) return ampc_last_status();
-    ampc_adam_hparams h = {o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->amsgrad,
-                           opt->kind == AMPC_OPTIM_ADAMW, opt->steps[i] + 1, grad_scale, NULL};
-    h.cast_out = copy_to_refresh(p);
-    rc = be->adam_step(p, g, m, v, vmax, &h);
-    mark_stepped(p, h.cast_out, rc);
-    if (rc >= 0) opt->steps[i]++;
-    return rc;
+    for (int k = 0; k < n; k++) opt->steps[idx[k]]++;
+    return AMPC_OK;
 }
 
 int ampc__optimizer_step_scaled(ampc_optimizer *opt, float grad_scale) {
     if (!opt) return ampc__err(AMPC_ERR_INVALID, "step of a NULL optimizer");
-    for (int i = 0; i < opt->n; i++) {
-        if (!opt->params[i]->grad) continue;
-        int rc = step_one(opt, i, grad_scale);
+    /* every parameter is checked before any is written */
+    for (int i = 0; i < opt->n; i++)
+        if (opt->params[i]->grad && check_step(opt, i) < 0) return ampc_last_status();
+    for (int d = 0; d < AMPC_DEVICE_COUNT; d++) {
+        int rc = step_device(opt, (ampc_device)d, grad_scale);
         if (rc < 0) return rc;
     }
     return AMPC_OK;

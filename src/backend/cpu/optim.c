@@ -1,13 +1,16 @@
 /*
- * optim.c - CPU optimizer kernels: one fused pass per parameter over fp32 master weights, their
- * fp32 grads and fp32 state (PyTorch 1.13 torch/optim/{sgd,adam,adamw}.py, single-tensor path,
+ * optim.c - CPU optimizer kernels: one fused pass over fp32 master weights, their fp32 grads
+ * and fp32 state (PyTorch 1.13 torch/optim/{sgd,adam,adamw}.py, single-tensor path,
  * where each tensor op rounds to fp32 once; we do the same ops in the same order per element).
  *
  * Per-tensor scalars (bias corrections, step size) are computed once in double and rounded to
  * fp32, as PyTorch computes them in Python floats. Each update is one pass over its streams
  * (memory-bound: SGD with momentum moves 5 floats per element), compiled per combination of
  * options so the loop is branch-free (always_inline with constant flags), with AVX-512/AVX2
- * clones (cpu.h); OpenMP splits big tensors over threads in blocks of BLK elements. The
+ * clones (cpu.h). One call updates many parameters in one OpenMP region: their blocks of BLK
+ * elements are numbered one after another and split over the threads statically (one wake-up
+ * of the thread team per step instead of one per parameter, which costs 0.1-0.3 ms each on
+ * this VM's vCPUs with OMP_WAIT_POLICY=passive; small tensors share the work). The
  * 16-bit copy (cast_out) is converted block by block right after each block's update, while
  * the block is still in cache: the pass reads the streams once and writes 2 bytes more per
  * element, where a cast of its own would read the parameter again.
@@ -15,8 +18,10 @@
 #include "backend/cpu/cpu.h"
 
 #include <math.h>
+#include <string.h>
 
 #define BLK 16384   /* elements per call of an update loop (threads take whole blocks) */
+#define GROUP 64    /* parameters per parallel region (the per-call tables live on the stack) */
 
 static int check_f32(const ampc_tensor *t, const char *what) {
     if (t->dtype != AMPC_F32)
@@ -40,11 +45,11 @@ static int cast_out_fn(const ampc_tensor *param, const ampc_tensor *out, narrow_
 }
 
 // ---------------------------------------------------------------------------------------------
-// SGD
-//   d_p = g + wd * p                         (if wd != 0)
-//   buf = d_p (first step) | m * buf + (1 - dampening) * d_p
-//   d_p = d_p + m * buf (nesterov) | buf     (if m != 0)
-//   p  -= lr * d_p
+// Many parameters in one region
+
+typedef struct job job;
+typedef void (*block_fn)(const job *j, size_t base, size_t len);
+
 
 typedef struct {
     float wd, m, keep, neg_lr;   /* weight decay, momentum, 1 - dampening, -lr */
@@ -52,6 +57,86 @@ typedef struct {
                                     rounded on its own (-std=c17: no FMA contraction), the same
                                     bits as a separate unscale pass */
 } sgd_consts;
+
+typedef struct {
+    float decay;       /* 1 - lr * wd for AdamW, else 1 (exact identity) */
+    float l2;          /* wd for Adam, else 0 */
+    float b1, omb1, b2, omb2, eps, bc2_sqrt, neg_step_size;
+    float gs;          /* the fused GradScaler unscale, when `scaled` */
+} adam_consts;
+
+/* One parameter's update, resolved: streams, the loop for its option set, its constants. */
+struct job {
+    block_fn run;
+    float *p, *s[3];
+    const float *g;
+    void *out;        /* the 16-bit copy, converted by nf; NULL: none */
+    narrow_fn nf;
+    size_t n;
+    int variant;
+    sgd_consts sc;
+    adam_consts ac;
+};
+
+/* Runs the jobs' blocks in one parallel region. */
+static void run_jobs(const job *jobs, int nj) {
+    size_t first[GROUP + 1], elems = 0;   /* first[j]: index of job j's first block */
+    first[0] = 0;
+    for (int j = 0; j < nj; j++) {
+        first[j + 1] = first[j] + (jobs[j].n + BLK - 1) / BLK;
+        elems += jobs[j].n;
+    }
+    size_t nblk = first[nj];
+#pragma omp parallel for num_threads(ampc__threads_for((int64_t)elems)) schedule(static)
+    for (size_t b = 0; b < nblk; b++) {
+        int lo = 0, hi = nj - 1;   /* the job holding block b: first[lo] <= b < first[lo + 1] */
+        while (lo < hi) {
+            int mid = (lo + hi + 1) / 2;
+            if (first[mid] <= b) lo = mid;
+            else hi = mid - 1;
+        }
+        const job *j = &jobs[lo];
+        size_t base = (b - first[lo]) * BLK, len = j->n - base < BLK ? j->n - base : BLK;
+        j->run(j, base, len);
+        if (j->nf) j->nf(j->p + base, (uint16_t *)j->out + base, len);
+    }
+}
+
+/* The common part of a job: its parameter, gradient and 16-bit copy, checked. */
+static int job_init(job *j, const ampc_optim_item *it) {
+    memset(j, 0, sizeof *j);
+    if (check_f32(it->param, "parameter") < 0 || check_f32(it->grad, "grad") < 0) return ampc_last_status();
+    if (it->grad->numel != it->param->numel) return ampc__err(AMPC_ERR_SHAPE, "optimizer step: grad and parameter sizes differ");
+    if (cast_out_fn(it->param, it->cast_out, &j->nf) < 0) return ampc_last_status();
+    j->p = ampc__data(it->param);
+    j->g = (const float *)ampc__data(it->grad);
+    j->out = j->nf ? ampc__data(it->cast_out) : NULL;
+    j->n = (size_t)it->param->numel;
+    return AMPC_OK;
+}
+
+/* Validates every item into jobs, then runs them GROUP at a time; nothing is written unless
+   every item is valid. */
+static int run_items(const ampc_optim_item *items, int n, int (*make)(job *, const ampc_optim_item *, const void *),
+                     const void *h) {
+    job jobs[GROUP];
+    for (int pass = 0; pass < 2; pass++)   /* 0: check all, 1: run */
+        for (int at = 0; at < n; at += GROUP) {
+            int nj = n - at < GROUP ? n - at : GROUP;
+            for (int j = 0; j < nj; j++)
+                if (make(&jobs[j], &items[at + j], h) < 0) return ampc_last_status();
+            if (pass) run_jobs(jobs, nj);
+        }
+    return AMPC_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// SGD
+//   d_p = g + wd * p                         (if wd != 0)
+//   buf = d_p (first step) | m * buf + (1 - dampening) * d_p
+//   d_p = d_p + m * buf (nesterov) | buf     (if m != 0)
+//   p  -= lr * d_p
+
 
 
 /* The SGD update of n elements, one pass; has_wd, has_m, first and nesterov are constants in
@@ -87,30 +172,27 @@ static const sgd_fn sgd_fns[32] = {[0] = sgd_0,   [1] = sgd_1,   [2] = sgd_2,   
                                    [16] = sgd_16, [17] = sgd_17, [18] = sgd_18, [19] = sgd_19, [22] = sgd_22,
                                    [23] = sgd_23, [26] = sgd_26, [27] = sgd_27, [30] = sgd_30, [31] = sgd_31};
 
-static int cpu_sgd_step(ampc_tensor *param, const ampc_tensor *grad, ampc_tensor *momentum_buf, bool first,
-                        const ampc_sgd_hparams *h) {
-    if (check_f32(param, "parameter") < 0 || check_f32(grad, "grad") < 0) return ampc_last_status();
-    if (h->momentum != 0 && (!momentum_buf || check_f32(momentum_buf, "momentum buffer") < 0))
-        return momentum_buf ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "SGD with momentum needs a buffer");
-    size_t n = (size_t)param->numel;
-    float *p = ampc__data(param), *buf = h->momentum != 0 ? ampc__data(momentum_buf) : NULL;
-    const float *g = (const float *)ampc__data(grad);
-    sgd_consts c = {(float)h->weight_decay, (float)h->momentum, (float)(1.0 - h->dampening), (float)-h->lr,
-                    h->grad_scale};
+static void sgd_block(const job *j, size_t base, size_t len) {
+    sgd_fns[j->variant](j->p + base, j->g + base, j->s[0] ? j->s[0] + base : NULL, len, j->sc);
+}
+
+static int sgd_job(job *j, const ampc_optim_item *it, const void *hp) {
+    const ampc_sgd_hparams *h = hp;
+    if (job_init(j, it) < 0) return ampc_last_status();
     bool has_m = h->momentum != 0;
-    int k = (h->weight_decay != 0) | has_m << 1 | (has_m && first) << 2 | (has_m && h->nesterov) << 3 |
-            (h->grad_scale != 0) << 4;
-    sgd_fn f = sgd_fns[k];
-    narrow_fn nf;
-    if (cast_out_fn(param, h->cast_out, &nf) < 0) return ampc_last_status();
-    uint16_t *out = nf ? ampc__data(h->cast_out) : NULL;
-#pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
-    for (size_t base = 0; base < n; base += BLK) {
-        size_t len = n - base < BLK ? n - base : BLK;
-        f(p + base, g + base, buf ? buf + base : NULL, len, c);
-        if (nf) nf(p + base, out + base, len);
-    }
+    if (has_m && (!it->state[0] || check_f32(it->state[0], "momentum buffer") < 0))
+        return it->state[0] ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "SGD with momentum needs a buffer");
+    j->run = sgd_block;
+    j->s[0] = has_m ? ampc__data(it->state[0]) : NULL;
+    j->sc = (sgd_consts){(float)h->weight_decay, (float)h->momentum, (float)(1.0 - h->dampening), (float)-h->lr,
+                         h->grad_scale};
+    j->variant = (h->weight_decay != 0) | has_m << 1 | (has_m && it->first) << 2 | (has_m && h->nesterov) << 3 |
+                 (h->grad_scale != 0) << 4;
     return AMPC_OK;
+}
+
+static int cpu_sgd_step(const ampc_optim_item *items, int n, const ampc_sgd_hparams *h) {
+    return run_items(items, n, sgd_job, h);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -122,12 +204,6 @@ static int cpu_sgd_step(ampc_tensor *param, const ampc_tensor *grad, ampc_tensor
 //   denom = sqrt(v) / sqrt(1 - b2^t) + eps
 //   p -= lr / (1 - b1^t) * m / denom
 
-typedef struct {
-    float decay;       /* 1 - lr * wd for AdamW, else 1 (exact identity) */
-    float l2;          /* wd for Adam, else 0 */
-    float b1, omb1, b2, omb2, eps, bc2_sqrt, neg_step_size;
-    float gs;          /* the fused GradScaler unscale, when `scaled` */
-} adam_consts;
 
 /* The Adam update of n elements, one pass (vmax only with amsgrad, a constant in each caller) */
 AMPC_CPU_INLINE void adam_body(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
@@ -158,16 +234,24 @@ ADAM_FN(adam_plain, false, false) ADAM_FN(adam_amsgrad, true, false)
 ADAM_FN(adam_plain_scaled, false, true) ADAM_FN(adam_amsgrad_scaled, true, true)
 #undef ADAM_FN
 
-static int cpu_adam_step(ampc_tensor *param, const ampc_tensor *grad, ampc_tensor *exp_avg, ampc_tensor *exp_avg_sq,
-                         ampc_tensor *max_exp_avg_sq, const ampc_adam_hparams *h) {
-    if (check_f32(param, "parameter") < 0 || check_f32(grad, "grad") < 0 || check_f32(exp_avg, "exp_avg") < 0 ||
-        check_f32(exp_avg_sq, "exp_avg_sq") < 0)
-        return ampc_last_status();
-    if (h->amsgrad && (!max_exp_avg_sq || check_f32(max_exp_avg_sq, "max_exp_avg_sq") < 0))
-        return max_exp_avg_sq ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "amsgrad needs max_exp_avg_sq");
-    if (h->step < 1) return ampc__err(AMPC_ERR_INVALID, "Adam step %lld (steps count from 1)", (long long)h->step);
-    double bc1 = 1.0 - pow(h->beta1, (double)h->step), bc2 = 1.0 - pow(h->beta2, (double)h->step);
-    adam_consts c = {
+typedef void (*adam_fn)(float *, const float *, float *, float *, float *, size_t, const adam_consts *);
+static const adam_fn adam_fns[4] = {adam_plain, adam_amsgrad, adam_plain_scaled, adam_amsgrad_scaled};
+
+static void adam_block(const job *j, size_t base, size_t len) {
+    adam_fns[j->variant](j->p + base, j->g + base, j->s[0] + base, j->s[1] + base, j->s[2] ? j->s[2] + base : NULL, len,
+                         &j->ac);
+}
+
+static int adam_job(job *j, const ampc_optim_item *it, const void *hp) {
+    const ampc_adam_hparams *h = hp;
+    if (job_init(j, it) < 0) return ampc_last_status();
+    if (!it->state[0] || !it->state[1]) return ampc__err(AMPC_ERR_INVALID, "Adam needs exp_avg and exp_avg_sq");
+    if (check_f32(it->state[0], "exp_avg") < 0 || check_f32(it->state[1], "exp_avg_sq") < 0) return ampc_last_status();
+    if (h->amsgrad && (!it->state[2] || check_f32(it->state[2], "max_exp_avg_sq") < 0))
+        return it->state[2] ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "amsgrad needs max_exp_avg_sq");
+    if (it->step < 1) return ampc__err(AMPC_ERR_INVALID, "Adam step %lld (steps count from 1)", (long long)it->step);
+    double bc1 = 1.0 - pow(h->beta1, (double)it->step), bc2 = 1.0 - pow(h->beta2, (double)it->step);
+    j->ac = (adam_consts){
         .decay = h->decoupled ? (float)(1.0 - h->lr * h->weight_decay) : 1.0f,
         .l2 = h->decoupled ? 0.0f : (float)h->weight_decay,
         .b1 = (float)h->beta1, .omb1 = (float)(1.0 - h->beta1),
@@ -175,22 +259,14 @@ static int cpu_adam_step(ampc_tensor *param, const ampc_tensor *grad, ampc_tenso
         .eps = (float)h->eps, .bc2_sqrt = (float)sqrt(bc2), .neg_step_size = (float)(-h->lr / bc1),
         .gs = h->grad_scale,
     };
-    size_t n = (size_t)param->numel;
-    float *p = ampc__data(param), *m = ampc__data(exp_avg), *v = ampc__data(exp_avg_sq);
-    float *vmax = h->amsgrad ? ampc__data(max_exp_avg_sq) : NULL;
-    const float *g = (const float *)ampc__data(grad);
-    void (*f)(float *, const float *, float *, float *, float *, size_t, const adam_consts *) =
-        h->grad_scale != 0 ? (h->amsgrad ? adam_amsgrad_scaled : adam_plain_scaled) : (h->amsgrad ? adam_amsgrad : adam_plain);
-    narrow_fn nf;
-    if (cast_out_fn(param, h->cast_out, &nf) < 0) return ampc_last_status();
-    uint16_t *out = nf ? ampc__data(h->cast_out) : NULL;
-#pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
-    for (size_t base = 0; base < n; base += BLK) {
-        size_t len = n - base < BLK ? n - base : BLK;
-        f(p + base, g + base, m + base, v + base, vmax ? vmax + base : NULL, len, &c);
-        if (nf) nf(p + base, out + base, len);
-    }
+    j->run = adam_block;
+    for (int k = 0; k < 3; k++) j->s[k] = it->state[k] && (k < 2 || h->amsgrad) ? ampc__data(it->state[k]) : NULL;
+    j->variant = h->amsgrad | (h->grad_scale != 0) << 1;
     return AMPC_OK;
+}
+
+static int cpu_adam_step(const ampc_optim_item *items, int n, const ampc_adam_hparams *h) {
+    return run_items(items, n, adam_job, h);
 }
 
 void ampc__cpu_register_optim(ampc_backend *be) {
