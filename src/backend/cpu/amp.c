@@ -45,30 +45,25 @@ AMPC_CPU_VEC static int unscale_bf16(void *x, size_t n, float inv_scale, bool mu
     return unscale_body(x, n, inv_scale, mul, true);
 }
 
-/* One gradient: blocks of AMP_BLOCK elements over the threads; f16 staged through f32 chunks
-   (load, check, scale, store). */
-static int unscale_tensor(ampc_tensor *t, float inv_scale) {
-    bool mul = inv_scale != 1.0f;
-    int64_t n = t->numel;
+/* Block [b, b + m) of one gradient: checked, and scaled when mul; f16 staged through f32
+   chunks (load, check, scale, store). */
+static int unscale_block(ampc_tensor *t, size_t b, size_t m, float inv_scale, bool mul) {
+    if (ampc__cpu_direct(t->dtype))
+        return (t->dtype == AMPC_BF16 ? unscale_bf16 : unscale_f32)(ampc__cpu_at(t, b), m, inv_scale, mul);
     int bad = 0;
-    if (ampc__cpu_direct(t->dtype)) {
-        int (*f)(void *, size_t, float, bool) = t->dtype == AMPC_BF16 ? unscale_bf16 : unscale_f32;
-#pragma omp parallel for num_threads(ampc__threads_for(n)) reduction(| : bad) schedule(static)
-        for (int64_t b = 0; b < n; b += AMP_BLOCK)
-            bad |= f(ampc__cpu_at(t, (size_t)b), (size_t)(n - b < AMP_BLOCK ? n - b : AMP_BLOCK), inv_scale, mul);
-        return bad;
-    }
-#pragma omp parallel for num_threads(ampc__threads_for(n)) reduction(| : bad) schedule(static)
-    for (int64_t b = 0; b < n; b += AMPC_CPU_CHUNK) {
+    for (size_t c = 0; c < m; c += AMPC_CPU_CHUNK) {
         float buf[AMPC_CPU_CHUNK];
-        size_t m = (size_t)(n - b < AMPC_CPU_CHUNK ? n - b : AMPC_CPU_CHUNK);
-        ampc__cpu_load(t, (size_t)b, m, buf);   /* t is 16-bit here: always into buf */
-        bad |= unscale_f32(buf, m, inv_scale, mul);
-        if (mul) ampc__cpu_store(t, (size_t)b, m, buf);
+        size_t k = m - c < AMPC_CPU_CHUNK ? m - c : AMPC_CPU_CHUNK;
+        ampc__cpu_load(t, b + c, k, buf);   /* t is 16-bit here: always into buf */
+        bad |= unscale_f32(buf, k, inv_scale, mul);
+        if (mul) ampc__cpu_store(t, b + c, k, buf);
     }
     return bad;
 }
 
+#define UNSCALE_GROUP 64   /* gradients per parallel region (the plan lives on the stack) */
+
+/* All gradients' blocks in one parallel region per UNSCALE_GROUP gradients. */
 static int cpu_unscale_check(ampc_tensor **grads, int n, float inv_scale, float *found_inf) {
     for (int k = 0; k < n; k++) {
         const ampc_tensor *g = grads[k];
@@ -76,11 +71,20 @@ static int cpu_unscale_check(ampc_tensor **grads, int n, float inv_scale, float 
             return ampc__err(AMPC_ERR_DTYPE, "unscale: gradient %d is %s, not a float dtype of the cpu device", k,
                              ampc_dtype_name(g->dtype));
     }
+    bool mul = inv_scale != 1.0f;
     int bad = 0;
-    for (int k = 0; k < n; k++) {
-        ampc_tensor *g = grads[k];
-        if (!g || g->numel == 0) continue;
-        bad |= unscale_tensor(g, inv_scale);
+    for (int at = 0; at < n; at += UNSCALE_GROUP) {
+        int k = n - at < UNSCALE_GROUP ? n - at : UNSCALE_GROUP;
+        ampc_tensor *const *g = grads + at;
+        size_t sz[UNSCALE_GROUP], first[UNSCALE_GROUP + 1];
+        for (int j = 0; j < k; j++) sz[j] = g[j] ? (size_t)g[j]->numel : 0;
+        size_t elems = ampc__cpu_blocks_plan(sz, k, AMP_BLOCK, first), nblk = first[k];
+#pragma omp parallel for num_threads(ampc__threads_for((int64_t)elems)) reduction(| : bad) schedule(static)
+        for (size_t b = 0; b < nblk; b++) {
+            size_t base, len;
+            int j = ampc__cpu_block_at(first, k, b, AMP_BLOCK, sz, &base, &len);
+            bad |= unscale_block(g[j], base, len, inv_scale, mul);
+        }
     }
     if (bad) *found_inf = 1.0f;   /* never cleared here: the caller zeroes it once per optimizer */
     return AMPC_OK;

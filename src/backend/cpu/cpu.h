@@ -79,6 +79,34 @@ static inline void ampc__cpu_store(ampc_tensor *t, size_t i, size_t n, const flo
     ampc__dt(t->dtype)->from_f32(buf, (char *)ampc__data(t) + i * ampc__dt(t->dtype)->size, n);
 }
 
+/* Blocks of several tensors in one parallel loop: tensor j's blocks of blk elements are
+   numbered from first[j] (first[0] = 0, first[k] = the total), so one `omp for` over all of
+   them wakes the thread team once for the lot. Fills first (k + 1 entries), returns the total
+   number of elements. */
+static inline size_t ampc__cpu_blocks_plan(const size_t *n, int k, size_t blk, size_t *first) {
+    size_t elems = 0;
+    first[0] = 0;
+    for (int j = 0; j < k; j++) {
+        first[j + 1] = first[j] + (n[j] + blk - 1) / blk;
+        elems += n[j];
+    }
+    return elems;
+}
+/* The tensor holding block b of a plan (first[j] <= b < first[j + 1]), and where in it the
+   block starts; *len its length. */
+static inline int ampc__cpu_block_at(const size_t *first, int k, size_t b, size_t blk, const size_t *n, size_t *base,
+                                     size_t *len) {
+    int lo = 0, hi = k - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (first[mid] <= b) lo = mid;
+        else hi = mid - 1;
+    }
+    *base = (b - first[lo]) * blk;
+    *len = n[lo] - *base < blk ? n[lo] - *base : blk;
+    return lo;
+}
+
 /* Implementation name oneDNN picked for this gemm (e.g. "brg:avx512_core_bf16") into buf;
    creates and caches the primitive if needed (gemm.c). For benchmarks and tests. */
 int ampc__cpu_gemm_impl(const ampc_gemm_desc *d, ampc_dtype dt, bool has_bias, char *buf, size_t n);

@@ -80,23 +80,13 @@ struct job {
 
 /* Runs the jobs' blocks in one parallel region. */
 static void run_jobs(const job *jobs, int nj) {
-    size_t first[GROUP + 1], elems = 0;   /* first[j]: index of job j's first block */
-    first[0] = 0;
-    for (int j = 0; j < nj; j++) {
-        first[j + 1] = first[j] + (jobs[j].n + BLK - 1) / BLK;
-        elems += jobs[j].n;
-    }
-    size_t nblk = first[nj];
+    size_t n[GROUP], first[GROUP + 1];
+    for (int j = 0; j < nj; j++) n[j] = jobs[j].n;
+    size_t elems = ampc__cpu_blocks_plan(n, nj, BLK, first), nblk = first[nj];
 #pragma omp parallel for num_threads(ampc__threads_for((int64_t)elems)) schedule(static)
     for (size_t b = 0; b < nblk; b++) {
-        int lo = 0, hi = nj - 1;   /* the job holding block b: first[lo] <= b < first[lo + 1] */
-        while (lo < hi) {
-            int mid = (lo + hi + 1) / 2;
-            if (first[mid] <= b) lo = mid;
-            else hi = mid - 1;
-        }
-        const job *j = &jobs[lo];
-        size_t base = (b - first[lo]) * BLK, len = j->n - base < BLK ? j->n - base : BLK;
+        size_t base, len;
+        const job *j = &jobs[ampc__cpu_block_at(first, nj, b, BLK, n, &base, &len)];
         j->run(j, base, len);
         if (j->nf) j->nf(j->p + base, (uint16_t *)j->out + base, len);
     }
