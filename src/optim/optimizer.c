@@ -255,7 +255,7 @@ static int step_device(ampc_optimizer *opt, ampc_device dev, float grad_scale) {
         if (!p->grad || p->device != dev) continue;
         idx[n] = i;
         rc = make_item(opt, i, &items[n]);
-        n += rc >= 0 || items[n].first;   /* a half-made new state is dropped below */
+        if (rc >= 0 || items[n].first) n++;   /* a failed item's new state is dropped below too */
     }
     if (rc >= 0 && n == 0) return AMPC_OK;
     for (int k = 0; k < n && rc >= 0; k++) items[k].cast_out = copy_to_refresh(items[k].param);
