@@ -107,11 +107,22 @@ static inline int ampc__cpu_block_at(const size_t *first, int k, size_t b, size_
     return lo;
 }
 
-/* Implementation name oneDNN picked for this gemm (e.g. "brg:avx512_core_bf16") into buf;
-   creates and caches the primitive if needed (gemm.c). For benchmarks and tests. */
+/* Implementation name of the kernel that runs this gemm into buf: "skinny:rows:avx512" or
+   "skinny:dots:avx512" (gemm_skinny.c), or the one oneDNN picked (e.g. "brg:avx512_core_bf16"),
+   creating and caching the primitive if needed (gemm.c). For benchmarks and tests. */
 int ampc__cpu_gemm_impl(const ampc_gemm_desc *d, ampc_dtype dt, bool has_bias, char *buf, size_t n);
 /* Same for a convolution pass (0 forward, 1 backward data, 2 backward weights; conv.c). */
 int ampc__cpu_conv_impl(const ampc_conv_desc *d, ampc_dtype dt, int pass, bool has_bias, char *buf, size_t n);
+
+/* gemm_skinny.c: AVX-512 kernels for gemms with one small dimension (M, N or K <= 16), run by
+   cpu_gemm in place of oneDNN. _takes says whether they run the normalised desc d (batch 1)
+   for operands of dtype dt, with the kernel's name in *name (may be NULL); _run computes it
+   (a, b, bias, c as the backend's gemm). ampc__cpu_gemm_skinny: -1 the measured rule (default),
+   0 never, 1 whenever the layout, dtype and CPU allow (tests and benchmarks). */
+extern int ampc__cpu_gemm_skinny;
+bool ampc__cpu_gemm_skinny_takes(const ampc_gemm_desc *d, ampc_dtype dt, const char **name);
+int ampc__cpu_gemm_skinny_run(const ampc_gemm_desc *d, const ampc_tensor *a, const ampc_tensor *b,
+                              const ampc_tensor *bias, ampc_tensor *c);
 
 /* conv.c's switches for tests and benchmarks: the NHWC im2col + matmul path for convolution
    passes (-1: its measured rule, 0: never, 1: always) and the cap on its columns buffer. */

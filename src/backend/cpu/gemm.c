@@ -12,6 +12,9 @@
  * kernels with an f32 destination): autocast's weight gradients go straight into the fp32
  * master's dtype instead of being rounded to 16 bits and widened again by the cast's backward.
  *
+ * Gemms with one small dimension (a classifier head) run gemm_skinny.c's AVX-512 kernels
+ * instead, where the CPU has them.
+ *
  * Primitives live in the shared oneDNN cache (dnnl_cache.h) keyed by shape, layout, dtype and
  * thread count, so a steady-state call does no malloc.
  */
@@ -199,6 +202,7 @@ static int cpu_gemm(const ampc_gemm_desc *desc, const ampc_tensor *a, const ampc
     ampc_gemm_desc d = normalize(desc);
     if (d.batch == 0 || d.M == 0 || d.N == 0) return AMPC_OK;
     if (d.K == 0) return fill_bias(&d, bias, c);
+    if (ampc__cpu_gemm_skinny_takes(&d, a->dtype, NULL)) return ampc__cpu_gemm_skinny_run(&d, a, b, bias, c);
     /* both operands broadcast: every batch is the same product, computed once and copied */
     int64_t copies = 1, stride_c = d.stride_c;
     if (d.batch > 1 && d.stride_a == 0 && d.stride_b == 0) {
@@ -221,6 +225,11 @@ static int cpu_gemm(const ampc_gemm_desc *desc, const ampc_tensor *a, const ampc
 
 int ampc__cpu_gemm_impl(const ampc_gemm_desc *desc, ampc_dtype dt, bool has_bias, char *buf, size_t n) {
     ampc_gemm_desc d = normalize(desc);
+    const char *skinny;
+    if (ampc__cpu_gemm_skinny_takes(&d, dt, &skinny)) {
+        snprintf(buf, n, "%s", skinny);
+        return AMPC_OK;
+    }
     gemm_key k = make_key(&d, dt == AMPC_F16 ? AMPC_F32 : dt, dt == AMPC_F16 ? AMPC_F32 : dt, has_bias);
     ampc__dnnl_lock();
     ampc_dnnl_entry *e = ampc__dnnl_get(AMPC_DNNL_MATMUL, &k, sizeof k, build_matmul);
