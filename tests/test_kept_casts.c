@@ -11,10 +11,13 @@
  * - Every write path to a weight makes its copy stale: a pointer from ampc_tensor_data, one
  *   through a detached view, ampc_tensor_copy_from_f32, a checkpoint load.
  * - A graph that saved a copy keeps the values it saw when a step runs before its backward.
+ * - Two threads running one model under different autocast dtypes (each forward replaces the
+ *   other's kept copy) get the single-threaded outputs (and, under ASan, touch no freed copy).
  */
 #include "testutil.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -136,7 +139,7 @@ static void assert_copies_current(ampc_module *net, ampc_dtype dt, const char *w
     int np = ampc_module_parameters(net, &p, NULL);
     for (int i = 0; i < np; i++) {
         const ampc_tensor *c = p[i]->shadow;
-        if (!c || c->dtype != dt || p[i]->shadow_version != p[i]->storage->version)
+        if (!c || c->dtype != dt || p[i]->shadow_version != ampc__version(p[i]))
             fail_msg("%s: parameter %d has no current %s copy", what, i, ampc_dtype_name(dt));
     }
 }
@@ -352,12 +355,64 @@ static void test_graph_keeps_its_copy(void **state) {
     free(off);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Threads sharing a model
+
+enum { ROUNDS = 60 };
+
+typedef struct {
+    ampc_module *net;
+    ampc_dtype dt;
+    float want[BATCH * OUT];
+    int mismatches, failures;
+} fwd_job;
+
+static int forward_once(ampc_module *net, ampc_dtype dt, float *out) {
+    ampc_scope_begin();
+    ampc_tensor *x, *y;
+    make_batch(0, &x, &y);
+    ampc_no_grad_enter();
+    ampc_autocast_enter(dt, true);
+    ampc_tensor *o = ampc_module_forward(net, x);
+    ampc_autocast_exit();
+    ampc_no_grad_exit();
+    int rc = o ? ampc_tensor_to_f32(o, out, BATCH * OUT) : -1;
+    ampc_scope_end();
+    return rc;
+}
+
+static void *fwd_thread(void *arg) {
+    fwd_job *j = arg;
+    for (int r = 0; r < ROUNDS; r++) {
+        float got[BATCH * OUT];
+        if (forward_once(j->net, j->dt, got) < 0) j->failures++;
+        else if (memcmp(got, j->want, sizeof got)) j->mismatches++;
+    }
+    return NULL;
+}
+
+static void test_threads_share_a_model(void **state) {
+    (void)state;
+    ampc_module *net = make_net();
+    fwd_job jobs[2] = {{.net = net, .dt = AMPC_BF16}, {.net = net, .dt = AMPC_F16}};
+    for (int t = 0; t < 2; t++) ASSERT_OK(forward_once(net, jobs[t].dt, jobs[t].want));
+    pthread_t th[2];
+    for (int t = 0; t < 2; t++) assert_int_equal(pthread_create(&th[t], NULL, fwd_thread, &jobs[t]), 0);
+    for (int t = 0; t < 2; t++) assert_int_equal(pthread_join(th[t], NULL), 0);
+    for (int t = 0; t < 2; t++) {
+        assert_int_equal(jobs[t].failures, 0);
+        assert_int_equal(jobs[t].mismatches, 0);
+    }
+    ampc_module_free(net);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_kernel_cast_out),
         cmocka_unit_test(test_training_bit_identical),
         cmocka_unit_test(test_writes_make_copies_stale),
         cmocka_unit_test(test_graph_keeps_its_copy),
+        cmocka_unit_test(test_threads_share_a_model),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
 }

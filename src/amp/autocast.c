@@ -156,9 +156,12 @@ bool ampc_autocast_keeps_weight_casts(void) { return atomic_load(&keep_casts); }
 
 /* x's kept copy in dtype dt as a recorded cast of x, or NULL (none, stale, or off). */
 static ampc_tensor *kept_cast(ampc_tensor *x, ampc_dtype dt) {
+    if (!atomic_load(&keep_casts)) return NULL;
+    ampc_tensor *v = NULL;
+    ampc__shadow_lock();
     const ampc_tensor *s = x->shadow;
-    if (!s || !atomic_load(&keep_casts) || s->dtype != dt || x->shadow_version != x->storage->version) return NULL;
-    ampc_tensor *v = ampc__tensor_view(x->shadow, s->ndim, s->shape);
+    if (s && s->dtype == dt && x->shadow_version == ampc__version(x)) v = ampc__tensor_view(x->shadow, s->ndim, s->shape);
+    ampc__shadow_unlock();
     return v ? ampc__cast_record_done(x, v) : NULL;
 }
 
@@ -170,9 +173,12 @@ static void keep_cast(ampc_tensor *x, ampc_tensor *y) {
         ampc_clear_error();   /* nothing kept: still correct */
         return;
     }
-    ampc__release(x->shadow);
+    ampc__shadow_lock();
+    ampc_tensor *old = x->shadow;
     x->shadow = v;
-    x->shadow_version = x->storage->version;
+    x->shadow_version = ampc__version(x);
+    ampc__shadow_unlock();
+    ampc__release(old);
 }
 
 /* Casts to the lower-precision dtype, through the cache for fp32 leaves that require grad. */
@@ -214,6 +220,7 @@ static ampc_tensor *cached_cast(ampc_tensor *x, ampc_dtype dt) {
         if (!c) return y;   /* no cache entry: still correct, just not shared */
         cache = c;
         cache_cap = cap;
+        ampc__free_at_thread_exit((void **)&cache);
     }
     cache[cache_n++] = (cache_entry){ampc__retain(x), ampc__retain(y)};
     return y;

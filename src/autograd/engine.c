@@ -193,6 +193,7 @@ static int vec_push(node_vec *a, ampc_node *n) {
         if (!v) return ampc__err(AMPC_ERR_OOM, "backward bookkeeping");
         a->v = v;
         a->cap = cap;
+        ampc__free_at_thread_exit((void **)&a->v);
     }
     a->v[a->n++] = n;
     return AMPC_OK;

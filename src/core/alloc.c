@@ -392,6 +392,7 @@ ampc_storage *ampc__storage_new(ampc_device dev, size_t nbytes, ampc_mem_kind ki
     s->kind = kind;
     s->device = dev;
     atomic_init(&s->refcount, 1);
+    atomic_init(&s->version, 0);
     return s;
 }
 

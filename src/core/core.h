@@ -57,8 +57,9 @@ typedef struct ampc_storage {
     ampc_mem_kind kind;
     ampc_device device;
     atomic_int refcount;
-    uint64_t version;       /* bumped by every write to existing data (PyTorch's version
-                               counter): a 16-bit copy made at version v is stale after it */
+    atomic_uint_fast64_t version;   /* bumped by every write to existing data (PyTorch's
+                                       version counter): a copy made at version v is stale
+                                       once it moves */
 } ampc_storage;
 
 /* Raw blocks (64-byte aligned) counted under kind; NULL + AMPC_ERR_OOM past the limit. */
@@ -105,7 +106,8 @@ struct ampc_tensor {
     ampc_node *grad_acc;      /* weak: the AccumulateGrad node of a leaf, if one exists */
     ampc_tensor *grad;        /* owning ref: accumulated gradient of a leaf */
     /* owning ref: a 16-bit copy of this fp32 leaf made by autocast (no history), equal to the
-       data while storage->version == shadow_version; the optimizer's pass refreshes it */
+       data while storage->version == shadow_version; the optimizer's pass refreshes it. Read
+       and written under ampc__shadow_lock (threads may share a model). */
     ampc_tensor *shadow;
     uint64_t shadow_version;
     /* scope membership (the scope's reference) */
@@ -117,8 +119,14 @@ struct ampc_tensor {
 static inline void *ampc__data(const ampc_tensor *t) { return t->storage ? t->storage->data : NULL; }
 /* Marks t's storage as written (every view of it, every copy made from it, is stale). */
 static inline void ampc__mark_written(ampc_tensor *t) {
-    if (t && t->storage) t->storage->version++;
+    if (t && t->storage) atomic_fetch_add_explicit(&t->storage->version, 1, memory_order_relaxed);
 }
+static inline uint64_t ampc__version(const ampc_tensor *t) {
+    return atomic_load_explicit(&t->storage->version, memory_order_relaxed);
+}
+/* Guards every tensor's shadow / shadow_version. */
+void ampc__shadow_lock(void);
+void ampc__shadow_unlock(void);
 static inline size_t ampc__nbytes(const ampc_tensor *t) { return (size_t)t->numel * ampc__dt(t->dtype)->size; }
 
 /* New tensor with refcount 1 owned by the caller (in no scope), storage uninitialised. */
@@ -159,5 +167,8 @@ uint32_t ampc__rng_u32(ampc_rng_state st, uint64_t i);
 
 /* Number of OpenMP threads worth using for n elements of light work. */
 int ampc__threads_for(int64_t n);
+/* *slot, a thread-local malloc'd buffer, is freed (and set to NULL) when the calling thread
+   exits; call after each (re)allocation. */
+void ampc__free_at_thread_exit(void **slot);
 
 #endif /* AMPC_CORE_H */

@@ -7,6 +7,7 @@
 
 #include <omp.h>
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 static ampc_backend backends[AMPC_DEVICE_COUNT];
@@ -82,4 +83,37 @@ int ampc__threads_for(int64_t n) {
     int t = omp_get_max_threads();
     int64_t by_size = n / 16384;
     return by_size < t ? (int)by_size : t;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Thread-local buffers: freed when their thread exits (a pthread key's destructor runs while
+// the thread's static TLS is still there). The main thread's stay reachable until exit.
+
+#define TL_SLOTS 8
+typedef struct { void **slot[TL_SLOTS]; int n; } tl_registry;
+
+static pthread_key_t tl_key;
+static pthread_once_t tl_once = PTHREAD_ONCE_INIT;
+
+static void tl_destroy(void *p) {
+    tl_registry *r = p;
+    for (int i = 0; i < r->n; i++) {
+        free(*r->slot[i]);
+        *r->slot[i] = NULL;
+    }
+    free(r);
+}
+
+static void tl_make_key(void) { pthread_key_create(&tl_key, tl_destroy); }
+
+void ampc__free_at_thread_exit(void **slot) {
+    pthread_once(&tl_once, tl_make_key);
+    tl_registry *r = pthread_getspecific(tl_key);
+    if (!r) {
+        if (!(r = calloc(1, sizeof *r))) return;   /* no registry: the buffer outlives its thread */
+        pthread_setspecific(tl_key, r);
+    }
+    for (int i = 0; i < r->n; i++)
+        if (r->slot[i] == slot) return;
+    if (r->n < TL_SLOTS) r->slot[r->n++] = slot;
 }

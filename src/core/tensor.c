@@ -426,6 +426,10 @@ int64_t ampc_tensor_dim(const ampc_tensor *t, int i) {
 const int64_t *ampc_tensor_shape(const ampc_tensor *t) { return t->shape; }
 int64_t ampc_tensor_numel(const ampc_tensor *t) { return t->numel; }
 ampc_memory_format ampc_tensor_memory_format(const ampc_tensor *t) { return t ? t->format : AMPC_CONTIGUOUS_FORMAT; }
+static pthread_mutex_t shadow_mutex = PTHREAD_MUTEX_INITIALIZER;
+void ampc__shadow_lock(void) { pthread_mutex_lock(&shadow_mutex); }
+void ampc__shadow_unlock(void) { pthread_mutex_unlock(&shadow_mutex); }
+
 /* The caller may write through the pointer: copies made from the data so far are stale. */
 void *ampc_tensor_data(ampc_tensor *t) {
     ampc__mark_written(t);

@@ -188,20 +188,24 @@ static ampc_tensor *state_get(ampc_optimizer *opt, int s, int i) {
    matches the data and nothing else holds it (a graph that saved it keeps the values it saw).
    Any other kept copy is dropped; autocast makes a new one when it next casts the parameter. */
 static ampc_tensor *copy_to_refresh(ampc_tensor *p) {
+    ampc__shadow_lock();
     ampc_tensor *c = p->shadow;
-    if (!c) return NULL;
-    if (ampc_autocast_keeps_weight_casts() && p->shadow_version == p->storage->version &&
-        atomic_load(&c->refcount) == 1 && atomic_load(&c->storage->refcount) == 1)
-        return c;
+    bool ok = c && ampc_autocast_keeps_weight_casts() && p->shadow_version == ampc__version(p) &&
+              atomic_load(&c->refcount) == 1 && atomic_load(&c->storage->refcount) == 1;
+    if (c && !ok) p->shadow = NULL;
+    ampc__shadow_unlock();
+    if (ok) return c;
     ampc__release(c);
-    p->shadow = NULL;
     return NULL;
 }
 
 /* After the kernel wrote p (and, when it succeeded, its copy c). */
 static void mark_stepped(ampc_tensor *p, ampc_tensor *c, int rc) {
     ampc__mark_written(p);
-    if (c && rc >= 0) p->shadow_version = p->storage->version;
+    if (!c || rc < 0) return;
+    ampc__shadow_lock();
+    if (p->shadow == c) p->shadow_version = ampc__version(p);
+    ampc__shadow_unlock();
 }
 
 /* Parameter i can be stepped: a leaf of the right dtype whose grad matches it. */
