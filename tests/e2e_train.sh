@@ -131,6 +131,19 @@ if run reload --resume "$W/a/checkpoint.safetensors" --epochs 2 --out "$W/c"; th
 fi
 
 # ---------------------------------------------------------------------------------------------
+# --keep-casts no (every weight recast in every step, PyTorch's way) trains the same bits as the
+# default, which keeps the 16-bit copies and lets the optimizer rewrite them
+if run recast "${SMALL[@]}" --amp-dtype fp16 --epochs 2 --keep-casts no --out "$W/k"; then
+    grep -qE '^  keep-casts +no$' "$W/recast.out" || bad "recast: the configuration does not show keep-casts no"
+    if "$TRAIN" --compare-checkpoints "$W/a/checkpoint.safetensors" "$W/k/checkpoint.safetensors" >"$W/cmp_k.out"; then
+        ok "--keep-casts no == yes: $(tail -1 "$W/cmp_k.out")"
+    else
+        bad "--keep-casts no: tensors differ from the default run's"
+        cat "$W/cmp_k.out"
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------
 # Resume: 1 epoch, then resume to 2 == 2 epochs straight, bit for bit
 if run first "${SMALL[@]}" --amp-dtype fp16 --epochs 1 --out "$W/b" && cp "$W/b/checkpoint.safetensors" "$W/b1.safetensors" &&
     run resume --resume "$W/b/checkpoint.safetensors" --epochs 2 --num-workers 2 --progress lines; then

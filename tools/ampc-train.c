@@ -154,7 +154,7 @@ typedef enum {
     OPT_MODEL, OPT_DATA, OPT_BATCH_SIZE, OPT_USE_AMP, OPT_AMP_DTYPE, OPT_GRAD_SCALER, OPT_EPOCHS, OPT_LR,
     OPT_OPTIMIZER, OPT_MOMENTUM, OPT_WEIGHT_DECAY, OPT_SEED, OPT_VAL_SPLIT, OPT_IMAGE_SIZE, OPT_INDEX_CSV, OPT_LIMIT_TRAIN,
     OPT_LIMIT_VAL, OPT_THREADS, OPT_NUM_WORKERS, OPT_MAX_MEMORY, OPT_OUT, OPT_RESUME, OPT_PROGRESS, OPT_CHANNELS_LAST,
-    OPT_COUNT
+    OPT_KEEP_CASTS, OPT_COUNT
 } opt_id;
 
 typedef struct {
@@ -222,6 +222,10 @@ static const opt_def OPTS[OPT_COUNT] = {
     [OPT_CHANNELS_LAST] = {"channels-last", V_YESNO, "yes", NULL, 0, 0, false, O_SAVE, "yes|no",
                            "cnn/ResNet activations in channels-last memory format (faster: no layout reorders "
                            "around the convolutions; the same results up to summation order)"},
+    [OPT_KEEP_CASTS] = {"keep-casts", V_YESNO, "yes", NULL, 0, 0, false, O_SAVE, "yes|no",
+                        "keep autocast's 16-bit weight copies across steps, rewritten by the optimizer's pass "
+                        "(faster, bit-identical results; no: recast every step as PyTorch does, 2 bytes per "
+                        "parameter less while the optimizer steps)"},
 };
 
 typedef struct {
@@ -1475,6 +1479,7 @@ int main(int argc, char **argv) {
         const char *pm = sval(&s, OPT_PROGRESS);
         progress_set_mode(!strcmp(pm, "bar") ? PROGRESS_BAR : !strcmp(pm, "lines") ? PROGRESS_LINES : !strcmp(pm, "off") ? PROGRESS_OFF : PROGRESS_AUTO);
         if (strcmp(sval(&s, OPT_MAX_MEMORY), "none") != 0) ampc_memory_set_limit((size_t)strtod(sval(&s, OPT_MAX_MEMORY), NULL));
+        ampc_autocast_keep_weight_casts(yes(&s, OPT_KEEP_CASTS));
     }
     if (rc == 0 && cmp_a) {
         rc = compare_checkpoints(cmp_a, cmp_b);
