@@ -45,6 +45,18 @@ run() {
     ok "$name ($((SECONDS - t0)) s)"
 }
 
+# same_tensors WHAT A B: the two checkpoints hold bit-identical tensors (ampc-train
+# --compare-checkpoints), reported as WHAT.
+same_tensors() {
+    local what=$1 out="$W/cmp_$(basename "$(dirname "$3")").out"
+    if "$TRAIN" --compare-checkpoints "$2" "$3" >"$out"; then
+        ok "$what: $(tail -1 "$out")"
+    else
+        bad "$what: tensors differ"
+        sed 's/^/    /' "$out"
+    fi
+}
+
 # expect_error NAME PATTERN ARGS...: a non-zero exit that is not a signal (< 128), exactly one
 # "ampc-train: error: " line on stderr matching PATTERN, no sanitizer report.
 expect_error() {
@@ -119,12 +131,7 @@ fi
 # trains nothing and writes the same tensors again
 if run reload --resume "$W/a/checkpoint.safetensors" --epochs 2 --out "$W/c"; then
     grep -q 'nothing to train' "$W/reload.out" || bad "reload: trained although no epoch was left"
-    if "$TRAIN" --compare-checkpoints "$W/a/checkpoint.safetensors" "$W/c/checkpoint.safetensors" >"$W/cmp_c.out"; then
-        ok "reload: $(tail -1 "$W/cmp_c.out")"
-    else
-        bad "reload: tensors differ"
-        cat "$W/cmp_c.out"
-    fi
+    same_tensors "reload" "$W/a/checkpoint.safetensors" "$W/c/checkpoint.safetensors"
     cmp -s "$W/a/metrics.csv" "$W/c/metrics.csv" && ok "reload: metrics.csv rebuilt from the checkpoint's history" ||
         bad "reload: metrics.csv not rebuilt from the checkpoint's history: $(diff "$W/a/metrics.csv" "$W/c/metrics.csv" | tr '\n' ' ')"
     is_png "$W/c/loss.png" || bad "reload: loss.png not redrawn"
@@ -135,12 +142,7 @@ fi
 # default, which keeps the 16-bit copies and lets the optimizer rewrite them
 if run recast "${SMALL[@]}" --amp-dtype fp16 --epochs 2 --keep-casts no --out "$W/k"; then
     grep -qE '^  keep-casts +no$' "$W/recast.out" || bad "recast: the configuration does not show keep-casts no"
-    if "$TRAIN" --compare-checkpoints "$W/a/checkpoint.safetensors" "$W/k/checkpoint.safetensors" >"$W/cmp_k.out"; then
-        ok "--keep-casts no == yes: $(tail -1 "$W/cmp_k.out")"
-    else
-        bad "--keep-casts no: tensors differ from the default run's"
-        cat "$W/cmp_k.out"
-    fi
+    same_tensors "--keep-casts no == yes" "$W/a/checkpoint.safetensors" "$W/k/checkpoint.safetensors"
 fi
 
 # ---------------------------------------------------------------------------------------------
@@ -148,12 +150,7 @@ fi
 if run first "${SMALL[@]}" --amp-dtype fp16 --epochs 1 --out "$W/b" && cp "$W/b/checkpoint.safetensors" "$W/b1.safetensors" &&
     run resume --resume "$W/b/checkpoint.safetensors" --epochs 2 --num-workers 2 --progress lines; then
     grep -q 'resumed from .* after epoch 1' "$W/resume.out" || bad "resume: no 'resumed' line"
-    if "$TRAIN" --compare-checkpoints "$W/a/checkpoint.safetensors" "$W/b/checkpoint.safetensors" >"$W/cmp_b.out"; then
-        ok "resume: 1 + 1 epochs == 2 epochs: $(tail -1 "$W/cmp_b.out")"
-    else
-        bad "resume: weights differ from the uninterrupted run"
-        cat "$W/cmp_b.out"
-    fi
+    same_tensors "resume: 1 + 1 epochs == 2 epochs" "$W/a/checkpoint.safetensors" "$W/b/checkpoint.safetensors"
     # the same numbers in the log (all but the timing columns)
     cut -d, -f1-5,8,9 "$W/a/metrics.csv" >"$W/a.cols"
     cut -d, -f1-5,8,9 "$W/b/metrics.csv" >"$W/b.cols"
@@ -185,8 +182,7 @@ if run folder --data "$W/img" --epochs 3 --batch-size 8 --val-split 0.25 --progr
     # resume on a folder: the split, the loader's workers and the random flips replay too
     if run folder_first --data "$W/img" --epochs 2 --batch-size 8 --val-split 0.25 --progress off --out "$W/g" &&
         run folder_resume --resume "$W/g/checkpoint.safetensors" --epochs 3 --num-workers 1; then
-        "$TRAIN" --compare-checkpoints "$W/f/checkpoint.safetensors" "$W/g/checkpoint.safetensors" >"$W/cmp_g.out" &&
-            ok "folder: 2 + 1 epochs == 3 epochs" || bad "folder: resumed weights differ: $(cat "$W/cmp_g.out")"
+        same_tensors "folder: 2 + 1 epochs == 3 epochs" "$W/f/checkpoint.safetensors" "$W/g/checkpoint.safetensors"
     fi
 fi
 # --index-csv: the first run scans and writes the index (image_path,target), the second reads it
