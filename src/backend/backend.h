@@ -222,6 +222,8 @@ const ampc_backend *ampc__backend(ampc_device dev);
    equal to ignore_index); *count receives the number of targets not ignored. */
 int ampc__host_ce_targets(const ampc_tensor *logits, const ampc_tensor *targets, const ampc_cross_entropy_options *o,
                           int64_t *count);
+/* An optimizer item's cast_out (may be NULL): f16/bf16, the parameter's numel and format. */
+int ampc__host_cast_out(const ampc_tensor *param, const ampc_tensor *out);
 
 /* Each backend file fills its table (called once from ampc_init). */
 void ampc__cpu_backend_init(ampc_backend *be);

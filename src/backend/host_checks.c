@@ -1,6 +1,7 @@
 /*
  * host_checks.c - checks shared by the backends whose memory the CPU reads (CPU and REF):
- * data-dependent validation that must look at tensor contents.
+ * data-dependent validation that must look at tensor contents, and the optimizer kernels'
+ * check of a parameter's 16-bit copy.
  */
 #include "backend/backend.h"
 
@@ -20,5 +21,14 @@ int ampc__host_ce_targets(const ampc_tensor *logits, const ampc_tensor *targets,
         k++;
     }
     *count = k;
+    return AMPC_OK;
+}
+
+int ampc__host_cast_out(const ampc_tensor *param, const ampc_tensor *out) {
+    if (!out) return AMPC_OK;
+    if (out->dtype != AMPC_BF16 && out->dtype != AMPC_F16)
+        return ampc__err(AMPC_ERR_DTYPE, "optimizer step: the parameter's copy is %s, not f16/bf16", ampc_dtype_name(out->dtype));
+    if (out->numel != param->numel || out->format != param->format)
+        return ampc__err(AMPC_ERR_SHAPE, "optimizer step: the parameter's 16-bit copy has another shape or format");
     return AMPC_OK;
 }

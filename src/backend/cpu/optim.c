@@ -35,12 +35,8 @@ static int check_f32(const ampc_tensor *t, const char *what) {
 typedef void (*narrow_fn)(const float *, void *, size_t);
 static int cast_out_fn(const ampc_tensor *param, const ampc_tensor *out, narrow_fn *f) {
     *f = NULL;
-    if (!out) return AMPC_OK;
-    if (out->dtype != AMPC_BF16 && out->dtype != AMPC_F16)
-        return ampc__err(AMPC_ERR_DTYPE, "optimizer step: the parameter's copy is %s, not f16/bf16", ampc_dtype_name(out->dtype));
-    if (out->numel != param->numel || out->format != param->format)
-        return ampc__err(AMPC_ERR_SHAPE, "optimizer step: the parameter's 16-bit copy has another shape or format");
-    *f = ampc__dt(out->dtype)->from_f32;
+    if (ampc__host_cast_out(param, out) < 0) return ampc_last_status();
+    if (out) *f = ampc__dt(out->dtype)->from_f32;
     return AMPC_OK;
 }
 

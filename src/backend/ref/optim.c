@@ -64,14 +64,8 @@ static int ref_adam_one(const ampc_optim_item *it, const ampc_adam_hparams *h) {
 
 /* The items' 16-bit copies are checked before any update. */
 static int check_cast_outs(const ampc_optim_item *items, int n) {
-    for (int i = 0; i < n; i++) {
-        const ampc_tensor *o = items[i].cast_out;
-        if (!o) continue;
-        if (o->dtype != AMPC_BF16 && o->dtype != AMPC_F16)
-            return ampc__err(AMPC_ERR_DTYPE, "optimizer step: the parameter's copy is %s, not f16/bf16", ampc_dtype_name(o->dtype));
-        if (o->numel != items[i].param->numel)
-            return ampc__err(AMPC_ERR_SHAPE, "optimizer step: the parameter's 16-bit copy has another shape or format");
-    }
+    for (int i = 0; i < n; i++)
+        if (ampc__host_cast_out(items[i].param, items[i].cast_out) < 0) return ampc_last_status();
     return AMPC_OK;
 }
 
