@@ -20,6 +20,18 @@ void *ampc__err_null(int status, const char *fmt, ...) __attribute__((format(pri
 void ampc__ensure_init(void);
 
 // ---------------------------------------------------------------------------------------------
+// Files from outside (file.c)
+
+struct stat;
+/* Opens path read-only (O_CLOEXEC), refusing at once, without blocking, what is not a regular
+   file (FIFO, device, directory, socket); symlinks to regular files are followed. Returns the
+   descriptor (the caller closes it), or -1 with "<what>: '<path>' is a FIFO ..." recorded.
+   st_out (may be NULL) receives the file's stat. */
+int ampc__open_regular(const char *path, const char *what, struct stat *st_out);
+/* The same as a FILE opened "rb" (the caller fcloses it); NULL on failure. */
+FILE *ampc__fopen_regular(const char *path, const char *what, struct stat *st_out);
+
+// ---------------------------------------------------------------------------------------------
 // Dtypes: one table, the only place dtype facts live.
 
 typedef struct {
