@@ -744,6 +744,48 @@ static void test_loader_errors(void **state) {
     ampc_dataset_free(ds);
 }
 
+/* start_epoch_at(e, k) hands out exactly batches k.. of an uninterrupted epoch e (transforms
+   included), with and without workers; k = num_batches gives an empty rest; k out of range is an
+   error. */
+static void test_loader_start_at(void **state) {
+    (void)state;
+    ampc_dataset *ds = synth_new(45, 1, 4, 4, -1);
+    ampc_transforms *t = ampc_transforms_new();
+    ASSERT_OK(ampc_transforms_add_hflip(t, 0.5));
+    for (int workers = 0; workers <= 2; workers += 2) {
+        ampc_loader_options o = ampc_loader_defaults();
+        o.batch_size = 7;
+        o.seed = 11;
+        o.num_workers = workers;
+        o.transforms = t;
+        ampc_loader *ld = ampc_loader_new(ds, &o);
+        ASSERT_NOT_NULL_MSG(ld);
+        float *imgs;
+        int64_t *labs, n, last;
+        assert_int_equal(run_epoch(ld, 3, &imgs, &labs, &n, &last), 7);
+        for (int64_t k = 0; k <= 7; k++) {
+            ASSERT_OK(ampc_loader_start_epoch_at(ld, 3, k));
+            ampc_tensor *x, *y;
+            int64_t row = k < 7 ? k * 7 : 45;
+            ampc_scope_begin();
+            while (ampc_loader_next(ld, &x, &y) == 1) {
+                int64_t rows = ampc_tensor_dim(x, 0);
+                assert_memory_equal(ampc_tensor_data(x), imgs + row * 16, (size_t)(rows * 16) * sizeof(float));
+                assert_memory_equal(ampc_tensor_data(y), labs + row, (size_t)rows * sizeof(int64_t));
+                row += rows;
+            }
+            ampc_scope_end();
+            assert_int_equal(row, 45);
+        }
+        assert_int_equal(ampc_loader_start_epoch_at(ld, 3, 8), AMPC_ERR_INVALID);
+        assert_int_equal(ampc_loader_start_epoch_at(ld, 3, -1), AMPC_ERR_INVALID);
+        free(imgs), free(labs);
+        ampc_loader_free(ld);
+    }
+    ampc_transforms_free(t);
+    ampc_dataset_free(ds);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Debian's Fashion-MNIST (dataset-fashion-mnist)
 
@@ -787,6 +829,7 @@ int main(void) {
         cmocka_unit_test(test_loader_workers_bit_exact),
         cmocka_unit_test(test_loader_early_free_and_restart),
         cmocka_unit_test(test_loader_errors),
+        cmocka_unit_test(test_loader_start_at),
         cmocka_unit_test(test_fashion_mnist),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

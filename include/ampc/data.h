@@ -119,6 +119,9 @@ ampc_loader *ampc_loader_new(ampc_dataset *ds, const ampc_loader_options *o);
    num_workers. Abandons the rest of a running epoch. ampc_loader_next starts epoch 0 itself if no
    epoch was started. */
 int ampc_loader_start_epoch(ampc_loader *ld, int64_t epoch);
+/* The same, continuing epoch `epoch` at batch first_batch (0..num_batches): the batches handed
+   out are exactly those an uninterrupted epoch hands out from there (resuming mid-epoch). */
+int ampc_loader_start_epoch_at(ampc_loader *ld, int64_t epoch, int64_t first_batch);
 /* Next batch: 1 and two new tensors in the caller's current scope; 0 at the end of the epoch
    (and on every call after it until the next start_epoch); < 0 on error (a dataset or transform
    error, also one from a worker thread, with its message), sticky until the next start_epoch. */

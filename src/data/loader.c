@@ -265,9 +265,14 @@ ampc_loader *ampc_loader_new(ampc_dataset *ds, const ampc_loader_options *opts) 
     return ld;
 }
 
-int ampc_loader_start_epoch(ampc_loader *ld, int64_t epoch) {
+int ampc_loader_start_epoch(ampc_loader *ld, int64_t epoch) { return ampc_loader_start_epoch_at(ld, epoch, 0); }
+
+int ampc_loader_start_epoch_at(ampc_loader *ld, int64_t epoch, int64_t first_batch) {
     if (!ld) return ampc__err(AMPC_ERR_INVALID, "loader_start_epoch: NULL loader");
     if (epoch < 0) return ampc__err(AMPC_ERR_INVALID, "loader_start_epoch: epoch %lld < 0", (long long)epoch);
+    if (first_batch < 0 || first_batch > ld->n_batches)
+        return ampc__err(AMPC_ERR_INVALID, "loader_start_epoch: first batch %lld not in [0, %lld]", (long long)first_batch,
+                         (long long)ld->n_batches);
     if (ld->n_workers) {
         pthread_mutex_lock(&ld->mu);
         quiesce_locked(ld);
@@ -278,11 +283,11 @@ int ampc_loader_start_epoch(ampc_loader *ld, int64_t epoch) {
         for (int64_t i = 0; i < ld->n; i++) ld->perm[i] = i;
     ld->epoch = epoch;
     ld->started = true;
-    ld->cur = 0;
+    ld->cur = first_batch;
     ld->failed = 0;
     if (ld->n_workers) {
         for (int i = 0; i < ld->n_slots; i++) ld->slots[i].state = SLOT_FREE;
-        ld->next_claim = 0;
+        ld->next_claim = first_batch;
         ld->active = true;
         pthread_cond_broadcast(&ld->work);
         pthread_mutex_unlock(&ld->mu);
