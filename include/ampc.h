@@ -196,6 +196,8 @@ int ampc_tensor_to_f32(const ampc_tensor *t, float *dst, size_t n);
 int ampc_tensor_to_f64(const ampc_tensor *t, double *dst, size_t n);
 int ampc_tensor_copy_from_f32(ampc_tensor *t, const float *src, size_t n);   /* in place */
 double ampc_tensor_item(const ampc_tensor *t);          /* single-element tensor; NaN on error */
+/* Number of NaN/inf values (0 for integer tensors), or a negative status. */
+int64_t ampc_tensor_count_nonfinite(const ampc_tensor *t);
 /* New tensor (in the current scope) on device/dtype; no autograd history. */
 ampc_tensor *ampc_tensor_to(const ampc_tensor *t, ampc_device dev, ampc_dtype dt);
 
@@ -452,6 +454,9 @@ double ampc_optimizer_get_lr(const ampc_optimizer *opt);
 void ampc_optimizer_set_lr(ampc_optimizer *opt, double lr);
 int ampc_optimizer_num_params(const ampc_optimizer *opt);
 ampc_tensor *ampc_optimizer_param(const ampc_optimizer *opt, int i);
+/* Number of NaN/inf values in the parameters and the state (momentum buffers, Adam moments), or
+   a negative status: the check before saving a checkpoint over a good one. */
+int64_t ampc_optimizer_count_nonfinite(const ampc_optimizer *opt);
 void ampc_optimizer_free(ampc_optimizer *opt);
 
 /* torch.nn.utils.clip_grad_norm_ (p=2): returns the total norm before clipping (may be inf/NaN),

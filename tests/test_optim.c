@@ -332,6 +332,44 @@ static void test_skips_params_without_grad(void **state) {
     ampc_scope_end();
 }
 
+/* count_nonfinite sees NaN/inf in a parameter and in Adam's moments, for every float dtype of a
+   tensor, and counts exactly (a bit-pattern set: every NaN, both infinities, the largest finite). */
+static void test_count_nonfinite(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    const ampc_dtype dts[] = {AMPC_F32, AMPC_F16, AMPC_BF16};
+    for (size_t d = 0; d < 3; d++) {
+        int64_t n = 5000;
+        float *v = malloc((size_t)n * sizeof *v);
+        for (int64_t i = 0; i < n; i++) v[i] = (float)(i % 7) - 3.0f;
+        v[0] = NAN, v[1] = INFINITY, v[4999] = -INFINITY, v[2048] = -NAN;
+        v[3] = 1e4f;   /* finite in every dtype */
+        ampc_tensor *t = ampc_tensor_from_f32(dts[d], 1, &n, v);
+        assert_int_equal(ampc_tensor_count_nonfinite(t), 4);
+        free(v);
+    }
+    int64_t n = 100;
+    double init[100], g[100];
+    tu_fill_uniform(init, 100, 5, -1, 1);
+    tu_fill_uniform(g, 100, 6, -1, 1);
+    ampc_tensor *a = ampc_tensor_from_f64(AMPC_F32, 1, &n, init);
+    ASSERT_OK(ampc_tensor_set_requires_grad(a, true));
+    ampc_optimizer *opt = ampc_adam_new_params(&a, 1, NULL);
+    assert_int_equal(ampc_optimizer_count_nonfinite(opt), 0);
+    g[7] = INFINITY;   /* an inf gradient: exp_avg and exp_avg_sq get inf, the parameter NaN */
+    ampc_tensor *gt = ampc_tensor_from_f64(AMPC_F32, 1, &n, g);
+    ASSERT_OK(ampc_backward_with_grad(a, gt));
+    ASSERT_OK(ampc_optimizer_step(opt));
+    assert_int_equal(ampc_tensor_count_nonfinite(a), 1);
+    assert_int_equal(ampc_tensor_count_nonfinite(opt->state[0][0]), 1);
+    assert_int_equal(ampc_tensor_count_nonfinite(opt->state[1][0]), 1);
+    assert_int_equal(ampc_optimizer_count_nonfinite(opt), 3);
+    assert_true(ampc_optimizer_count_nonfinite(NULL) < 0);
+    assert_true(ampc_tensor_count_nonfinite(NULL) < 0);
+    ampc_optimizer_free(opt);
+    ampc_scope_end();
+}
+
 /* State is fp32, counted as optimizer memory, allocated at the first step, released by free. */
 static void test_state_memory(void **state) {
     (void)state;
@@ -601,6 +639,7 @@ int main(void) {
         cmocka_unit_test(test_errors),               cmocka_unit_test(test_holds_params),
         cmocka_unit_test(test_sgd_kernel_matches_fp32_replay), cmocka_unit_test(test_adam_kernel_matches_fp32_replay),
         cmocka_unit_test(test_many_params_one_call),
+        cmocka_unit_test(test_count_nonfinite),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
 }

@@ -328,3 +328,19 @@ ampc_tensor *ampc_optimizer_param(const ampc_optimizer *opt, int i) {
     if (!opt || i < 0 || i >= opt->n) return ampc__err_null(AMPC_ERR_INVALID, "optimizer parameter %d out of range", i);
     return opt->params[i];
 }
+
+int64_t ampc_optimizer_count_nonfinite(const ampc_optimizer *opt) {
+    if (!opt) return ampc__err(AMPC_ERR_INVALID, "ampc_optimizer_count_nonfinite: NULL optimizer");
+    int64_t bad = 0;
+    for (int i = 0; i < opt->n; i++) {
+        ampc_tensor *ts[4] = {opt->params[i], opt->state[0] ? opt->state[0][i] : NULL, opt->state[1] ? opt->state[1][i] : NULL,
+                              opt->state[2] ? opt->state[2][i] : NULL};
+        for (int k = 0; k < 4; k++) {
+            if (!ts[k]) continue;
+            int64_t b = ampc_tensor_count_nonfinite(ts[k]);
+            if (b < 0) return b;
+            bad += b;
+        }
+    }
+    return bad;
+}
