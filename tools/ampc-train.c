@@ -40,7 +40,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #define PROG "ampc-train"
 
@@ -57,6 +59,7 @@ static char g_err[2048];
 static int g_err_status;   /* ampc status of a library failure (AMPC_ERR_OOM gets a hint), or 0 */
 static int g_exit = 1;     /* 2: a usage error */
 static bool g_usage;       /* the error is about the command line: point at --help */
+static bool g_interrupt;   /* not an error: a signal stopped the run after saving ("interrupted: ...") */
 /* What to try after running out of memory, by phase: building the model or training it. */
 static const char *g_oom_hint = "try a smaller --batch-size or --use-amp yes";
 
@@ -154,7 +157,7 @@ typedef enum {
     OPT_MODEL, OPT_DATA, OPT_BATCH_SIZE, OPT_USE_AMP, OPT_AMP_DTYPE, OPT_GRAD_SCALER, OPT_EPOCHS, OPT_LR,
     OPT_OPTIMIZER, OPT_MOMENTUM, OPT_WEIGHT_DECAY, OPT_SEED, OPT_VAL_SPLIT, OPT_IMAGE_SIZE, OPT_INDEX_CSV, OPT_LIMIT_TRAIN,
     OPT_LIMIT_VAL, OPT_THREADS, OPT_NUM_WORKERS, OPT_MAX_MEMORY, OPT_OUT, OPT_RESUME, OPT_PROGRESS, OPT_CHANNELS_LAST,
-    OPT_KEEP_CASTS, OPT_COUNT
+    OPT_KEEP_CASTS, OPT_MAX_SKIPPED, OPT_MAX_LOSS, OPT_COUNT
 } opt_id;
 
 typedef struct {
@@ -226,6 +229,11 @@ static const opt_def OPTS[OPT_COUNT] = {
                         "keep autocast's 16-bit weight copies across steps, rewritten by the optimizer's pass "
                         "(faster, bit-identical results; no: recast every step as PyTorch does, 2 bytes per "
                         "parameter less while the optimizer steps)"},
+    [OPT_MAX_SKIPPED] = {"max-skipped-steps", V_INT, "30", NULL, 0, 1e9, false, O_SAVE, "N",
+                         "stop as diverged when the grad scaler skips N steps in a row (inf/NaN gradients at every "
+                         "scale it tried; 0: never)"},
+    [OPT_MAX_LOSS] = {"max-loss", V_REAL, "1e4", NULL, 0, 1e300, true, O_SAVE, "X",
+                      "stop as diverged when a training step's loss exceeds X (cross-entropy starts near ln(classes))"},
 };
 
 typedef struct {
@@ -628,6 +636,15 @@ typedef struct {
     bool ok;
 } run_result;
 
+/* One pass's running totals; a pass interrupted by a signal saves them in the checkpoint so a
+   resumed run prints and records the same epoch. */
+typedef struct {
+    double loss, acc, seconds;
+    double data_seconds;   /* of seconds, the time spent in ampc_loader_next (waiting for a batch) */
+    double loss_sum;       /* sum of per-sample losses */
+    int64_t correct, samples, steps;
+} pass_stats;
+
 typedef struct {
     settings *s;
     data d;
@@ -643,6 +660,15 @@ typedef struct {
     char *out;               /* output folder */
     char *ckpt_path;
     float *logits_buf;       /* (batch, classes) f32 copy of the logits, to count correct answers */
+    /* --resume of a checkpoint written mid-epoch (after a signal): epoch epoch0 + 1 continues at
+       training step resume_step (== its batch count: only validation is left) with these totals */
+    int64_t resume_step;
+    pass_stats resume_train;
+    double resume_epoch_seconds;
+    /* divergence checks: the scaler's skipped-step count last seen, and the run of skips */
+    int64_t skipped_seen, skipped_in_a_row;
+    int64_t epoch_skipped0;   /* the scaler's skipped-step count when the current epoch began */
+    char last_good[4200];    /* "<path> (after epoch N)" of the last checkpoint written or resumed, or "" */
 } run;
 
 static void run_free(run *r) {
@@ -692,6 +718,101 @@ static char *path_join(const char *dir, const char *name) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Signals: SIGINT/SIGTERM stop the run at the next step boundary with a checkpoint that resumes
+// exactly; a second one stops at once (the signal's default action). Handlers are installed only
+// while epochs run: during the setup there is nothing to save.
+
+static volatile sig_atomic_t g_signal;
+
+static void on_stop_signal(int sig) {
+    if (g_signal) {   /* the second: at once */
+        signal(sig, SIG_DFL);
+        raise(sig);
+        return;
+    }
+    g_signal = sig;
+    static const char msg[] = "\n" PROG ": stopping at the end of this step to save a checkpoint (signal again to stop at once)\n";
+    ssize_t w = write(STDERR_FILENO, msg, sizeof msg - 1);
+    (void)w;
+}
+
+static void stop_signals_install(bool on) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on ? on_stop_signal : SIG_DFL;
+    sa.sa_flags = SA_RESTART;   /* reads, writes and fsync in flight go on */
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Divergence: a run that trains on garbage stops instead of overwriting its good checkpoint
+
+#define EXIT_DIVERGED 3
+#define MIN_LOSS_SCALE 5.9604644775390625e-08   /* 2^-24: below it every fp16 gradient of a loss <= 1 underflows */
+
+static int diverged(run *r, int64_t epoch, int64_t step, int64_t n_steps, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+static int diverged(run *r, int64_t epoch, int64_t step, int64_t n_steps, const char *fmt, ...) {
+    char why[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    char where[96] = "";
+    if (step > 0) snprintf(where, sizeof where, " at step %" PRId64 " of %" PRId64, step, n_steps);
+    fail("training diverged in epoch %" PRId64 "%s: %s; stopped without saving: %s%s (try a lower --lr)", epoch + 1, where, why,
+         r->last_good[0] ? "the last good checkpoint is " : "no checkpoint was written", r->last_good);
+    g_exit = EXIT_DIVERGED;
+    return -1;
+}
+
+/* After a training step: the loss, and the grad scaler's skips and scale. x is the step's batch. */
+static int check_step(run *r, int64_t epoch, int64_t step, int64_t n_steps, double loss, ampc_tensor *x) {
+    int64_t sk = ampc_scaler_steps_skipped(r->scaler);
+    r->skipped_in_a_row = sk > r->skipped_seen ? r->skipped_in_a_row + (sk - r->skipped_seen) : 0;
+    r->skipped_seen = sk;
+    bool scaled = ampc_scaler_is_enabled(r->scaler);
+    if (!isfinite(loss)) {
+        int64_t bad = ampc_tensor_count_nonfinite(x);
+        if (bad > 0)
+            return fail("the training batch of epoch %" PRId64 ", step %" PRId64 " holds %" PRId64 " NaN/inf input value(s): the data "
+                        "is corrupt", epoch + 1, step, bad);
+        if (!scaled) return diverged(r, epoch, step, n_steps, "the loss is %g", loss);
+    } else if (loss > rval(r->s, OPT_MAX_LOSS)) {
+        return diverged(r, epoch, step, n_steps, "the loss %g exceeds --max-loss %s", loss, sval(r->s, OPT_MAX_LOSS));
+    }
+    if (!scaled) return 0;
+    int64_t max_skip = ival(r->s, OPT_MAX_SKIPPED);
+    float scale = ampc_scaler_get_scale(r->scaler);
+    if (max_skip > 0 && r->skipped_in_a_row >= max_skip)
+        return diverged(r, epoch, step, n_steps, "the grad scaler skipped %" PRId64 " steps in a row (inf/NaN gradients down to scale %g; "
+                        "--max-skipped-steps %" PRId64 ")", r->skipped_in_a_row, (double)scale, max_skip);
+    if (scale < MIN_LOSS_SCALE)
+        return diverged(r, epoch, step, n_steps, "the loss scale collapsed to %g (below 2^-24, where every fp16 gradient underflows)",
+                        (double)scale);
+    return 0;
+}
+
+/* Before a checkpoint replaces the last one: no NaN/inf in the weights, buffers or optimizer state. */
+static int check_finite_state(run *r, int64_t epoch) {
+    ampc_tensor **sd;
+    int n = ampc_module_state_dict(r->net, &sd, NULL);
+    if (n < 0) return fail_lib("checking the weights");
+    int64_t model = 0;
+    for (int i = 0; i < n; i++) {
+        int64_t b = ampc_tensor_count_nonfinite(sd[i]);
+        if (b < 0) return fail_lib("checking the weights");
+        model += b;
+    }
+    int64_t opt = ampc_optimizer_count_nonfinite(r->opt);
+    if (opt < 0) return fail_lib("checking the optimizer state");
+    if (model == 0 && opt == 0) return 0;
+    return diverged(r, epoch, 0, 0, "the weights and buffers hold %" PRId64 " NaN/inf value(s) (with the optimizer's state: %" PRId64 ")",
+                    model, opt);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Checkpoint metadata: "ampc_train.*" keys (the library reserves "ampc.*")
 
 #define META_PREFIX "ampc_train."
@@ -723,12 +844,31 @@ static void kv_free(kv_list *l) {
     memset(l, 0, sizeof *l);
 }
 
-static int save_checkpoint(run *r, int64_t epochs_done) {
+/* The run after epochs_done epochs and, when a signal stopped epoch epochs_done + 1, `step` of its
+   training steps (its batch count: training done, validation not) with the totals so far in
+   *partial and the epoch's wall time so far. Refuses (diverged) to replace the last checkpoint
+   with NaN/inf weights or optimizer state. */
+static int save_checkpoint(run *r, int64_t epochs_done, int64_t step, const pass_stats *partial, double epoch_seconds) {
+    if (check_finite_state(r, epochs_done) < 0) return -1;
     kv_list kv = {0};
     char key[128], buf[64];
     int rc = kv_add(&kv, META_PREFIX "version", "1");
     snprintf(buf, sizeof buf, "%" PRId64, epochs_done);
     rc = rc < 0 ? rc : kv_add(&kv, META_PREFIX "epoch", buf);
+    snprintf(buf, sizeof buf, "%" PRId64, step);
+    rc = rc < 0 ? rc : kv_add(&kv, META_PREFIX "step", buf);
+    if (rc == 0 && step > 0) {   /* the interrupted epoch's totals, each read back exactly */
+        char text[512], v[7][40];
+        fmt_real(partial->loss_sum, v[0], sizeof v[0]);
+        snprintf(v[1], sizeof v[1], "%" PRId64, partial->correct);
+        snprintf(v[2], sizeof v[2], "%" PRId64, partial->samples);
+        fmt_real(partial->data_seconds, v[3], sizeof v[3]);
+        fmt_real(partial->seconds, v[4], sizeof v[4]);
+        snprintf(v[5], sizeof v[5], "%" PRId64, ampc_scaler_steps_skipped(r->scaler) - r->epoch_skipped0);
+        fmt_real(epoch_seconds, v[6], sizeof v[6]);
+        snprintf(text, sizeof text, "%s,%s,%s,%s,%s,%s,%s", v[0], v[1], v[2], v[3], v[4], v[5], v[6]);
+        rc = kv_add(&kv, META_PREFIX "partial", text);
+    }
     for (int i = 0; i < OPT_COUNT && rc == 0; i++) {
         if (!(OPTS[i].flags & O_SAVE)) continue;
         snprintf(key, sizeof key, META_PREFIX "config.%s", OPTS[i].name);
@@ -756,6 +896,10 @@ static int save_checkpoint(run *r, int64_t epochs_done) {
     if (rc == 0 && ampc_checkpoint_save(r->ckpt_path, r->net, r->opt, r->scaler, (const char *const *)kv.kv) < 0)
         rc = fail_lib("saving the checkpoint");
     kv_free(&kv);
+    if (rc == 0) {
+        if (step > 0) snprintf(r->last_good, sizeof r->last_good, "%s (in epoch %" PRId64 ", after step %" PRId64 ")", r->ckpt_path, epochs_done + 1, step);
+        else snprintf(r->last_good, sizeof r->last_good, "%s (after epoch %" PRId64 ")", r->ckpt_path, epochs_done);
+    }
     return rc;
 }
 
@@ -772,16 +916,53 @@ static int meta_get(const char *meta, const char *path, const char *key, char **
     return 0;
 }
 
-static int meta_int(const char *meta, const char *path, const char *key, int64_t *v) {
+/* An integer in [lo, hi]: every number read from a checkpoint is range-checked before use. */
+static int meta_int(const char *meta, const char *path, const char *key, int64_t lo, int64_t hi, int64_t *v) {
     char *t;
     if (meta_get(meta, path, key, &t) < 0) return -1;
     char *end;
     errno = 0;
     long long x = strtoll(t, &end, 10);
-    bool ok = *t && !*end && !errno && x >= 0;
+    bool ok = *t && !*end && !errno && x >= lo && x <= hi;
+    if (!ok) fail("--resume '%s': bad metadata '%s' = '%.40s' (want an integer in [%" PRId64 ", %" PRId64 "])", path, key, t, lo, hi);
     free(t);
-    if (!ok) return fail("--resume '%s': bad metadata '%s'", path, key);
+    if (!ok) return -1;
     *v = x;
+    return 0;
+}
+
+/* "v1,v2,...": the number of values (commas + 1; 0 for ""). */
+static int64_t count_values(const char *text) {
+    if (!*text) return 0;
+    int64_t n = 1;
+    for (const char *p = text; *p; p++) n += *p == ',';
+    return n;
+}
+
+/* The totals of an epoch a signal interrupted after `step` training steps: "loss_sum, correct,
+   samples, data_seconds, seconds, skipped, epoch_seconds", each checked against the data. */
+static int resume_partial(run *r, const char *meta, const char *path) {
+    char *text;
+    if (meta_get(meta, path, META_PREFIX "partial", &text) < 0) return -1;
+    double v[7];
+    int n = 0;
+    bool ok = true;
+    for (char *p = text; *p && ok;) {
+        char *end;
+        double x = strtod(p, &end);
+        ok = end != p && (*end == ',' || !*end) && n < 7 && isfinite(x) && x >= 0;
+        if (ok) v[n++] = x;
+        p = *end ? end + 1 : end;
+    }
+    free(text);
+    int64_t bs = ival(r->s, OPT_BATCH_SIZE), n_train = ampc_dataset_size(r->d.train);
+    int64_t want = r->resume_step * bs < n_train ? r->resume_step * bs : n_train;
+    if (!ok || n != 7 || v[2] != (double)want || v[1] > v[2] || v[1] != floor(v[1]) || v[5] != floor(v[5]) || v[5] > (double)r->resume_step)
+        return fail("--resume '%s': bad metadata '" META_PREFIX "partial' for step %" PRId64, path, r->resume_step);
+    r->resume_train = (pass_stats){.loss_sum = v[0], .correct = (int64_t)v[1], .samples = (int64_t)v[2], .data_seconds = v[3],
+                                   .seconds = v[4], .steps = r->resume_step};
+    r->epoch_skipped0 = ampc_scaler_steps_skipped(r->scaler) - (int64_t)v[5];
+    r->resume_epoch_seconds = v[6];
     return 0;
 }
 
@@ -821,14 +1002,25 @@ static int resume_state(run *r) {
     char *meta = NULL, key[128];
     if (ampc_checkpoint_load(path, r->net, r->opt, r->scaler, &meta) < 0) return fail_lib("--resume");
     int64_t n_train, n_val, n_classes;
-    int rc = meta_int(meta, path, META_PREFIX "epoch", &r->epoch0);
-    if (rc == 0) rc = meta_int(meta, path, META_PREFIX "train_size", &n_train);
-    if (rc == 0) rc = meta_int(meta, path, META_PREFIX "val_size", &n_val);
-    if (rc == 0) rc = meta_int(meta, path, META_PREFIX "num_classes", &n_classes);
+    const int64_t max_epochs = (int64_t)OPTS[OPT_EPOCHS].hi, max_size = INT64_C(1) << 48;
+    int rc = meta_int(meta, path, META_PREFIX "epoch", 0, max_epochs, &r->epoch0);
+    if (rc == 0) rc = meta_int(meta, path, META_PREFIX "train_size", 0, max_size, &n_train);
+    if (rc == 0) rc = meta_int(meta, path, META_PREFIX "val_size", 0, max_size, &n_val);
+    if (rc == 0) rc = meta_int(meta, path, META_PREFIX "num_classes", 0, max_size, &n_classes);
+    r->resume_step = 0;   /* checkpoints written at an epoch's end before signals were handled have no step */
+    if (rc == 0 && ampc_checkpoint_meta_get(meta, META_PREFIX "step", NULL, 0) != AMPC_ERR_INVALID)
+        rc = meta_int(meta, path, META_PREFIX "step", 0, ampc_loader_num_batches(r->train_ld), &r->resume_step);
     if (rc == 0 && (n_train != ampc_dataset_size(r->d.train) || n_val != ampc_dataset_size(r->d.val) || n_classes != r->d.num_classes))
         rc = fail("--resume '%s' was trained on %" PRId64 " + %" PRId64 " samples of %" PRId64 " classes, but the data has %" PRId64
                   " + %" PRId64 " of %" PRId64,
                   path, n_train, n_val, n_classes, ampc_dataset_size(r->d.train), ampc_dataset_size(r->d.val), r->d.num_classes);
+    if (rc == 0 && r->resume_step > 0) rc = resume_partial(r, meta, path);
+    /* the history has one value per finished epoch: count them before trusting the epoch number */
+    char *first = NULL;
+    snprintf(key, sizeof key, META_PREFIX "history.%s", COLS[0]);
+    if (rc == 0 && (rc = meta_get(meta, path, key, &first)) == 0 && count_values(first) != r->epoch0)
+        rc = fail("--resume '%s': metadata '%s' has %" PRId64 " values for %" PRId64 " epochs", path, key, count_values(first), r->epoch0);
+    free(first);
     double (*cols)[N_COLS] = NULL;
     if (rc == 0 && r->epoch0 > 0 && !(cols = calloc((size_t)r->epoch0, sizeof *cols))) rc = fail("out of memory");
     for (int c = 0; c < N_COLS && rc == 0; c++) {
@@ -854,17 +1046,15 @@ static int resume_state(run *r) {
     for (int64_t e = 0; e < r->epoch0 && rc == 0; e++) rc = history_push(&r->hist, cols[e]);
     free(cols);
     free(meta);
+    if (rc == 0 && r->resume_step > 0)
+        snprintf(r->last_good, sizeof r->last_good, "%s (in epoch %" PRId64 ", after step %" PRId64 ")", path, r->epoch0 + 1, r->resume_step);
+    else if (rc == 0)
+        snprintf(r->last_good, sizeof r->last_good, "%s (after epoch %" PRId64 ")", path, r->epoch0);
     return rc;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Training and validation
-
-typedef struct {
-    double loss, acc, seconds;
-    double data_seconds;   /* of seconds, the time spent in ampc_loader_next (waiting for a batch) */
-    int64_t samples, steps;
-} pass_stats;
 
 /* Number of rows of logits (B, C) whose argmax (the first maximum) equals the label. */
 static int count_correct(run *r, ampc_tensor *logits, ampc_tensor *labels, int64_t *correct) {
@@ -881,24 +1071,34 @@ static int count_correct(run *r, ampc_tensor *logits, ampc_tensor *labels, int64
     return 0;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Passes
+
 /* One pass over a loader: training (autocast forward, scaled backward, scaler step) or
-   validation (eval mode, no-grad, autocast, no scaler). */
-static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st) {
+   validation (eval mode, no-grad, autocast, no scaler). A training pass may continue one that a
+   signal stopped (first_batch > 0, totals in *carry). Returns 0 at the end of the pass, 1 when a
+   signal stopped it (st holds the totals so far), -1 on an error. */
+static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, int64_t first_batch, const pass_stats *carry) {
     ampc_loader *ld = training ? r->train_ld : r->val_ld;
     int64_t n_epochs = ival(r->s, OPT_EPOCHS);
     char label[64];
     snprintf(label, sizeof label, "epoch %" PRId64 "/%" PRId64 " %s", epoch + 1, n_epochs, training ? "train" : "val  ");
     memset(st, 0, sizeof *st);
+    if (carry) *st = *carry;
     ampc_module_train(r->net, training);
-    if (ampc_loader_start_epoch(ld, epoch) < 0) return fail_lib("data loader");
-    int64_t n_batches = ampc_loader_num_batches(ld), correct = 0, done = 0;
-    double loss_sum = 0, t0 = progress_now();
+    if (ampc_loader_start_epoch_at(ld, epoch, first_batch) < 0) return fail_lib("data loader");
+    int64_t n_batches = ampc_loader_num_batches(ld), done = first_batch;
+    double t0 = progress_now() - st->seconds;
     progress p;
     progress_begin(&p, label, n_batches);
     if (!training && p.mode == PROGRESS_LINES) p.mode = PROGRESS_OFF;   /* a log gets the epoch's line only */
     if (!training) ampc_no_grad_enter();
     int depth = ampc_scope_depth(), rc = 0;
     for (;;) {
+        if (g_signal) {
+            rc = 1;
+            break;
+        }
         ampc_scope_begin();   /* the step's tensors are released at its end */
         ampc_tensor *x, *y;
         double tw = progress_now();
@@ -928,28 +1128,28 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st) {
             ampc_optimizer_zero_grad(r->opt);
         }
         int64_t b = ampc_tensor_dim(y, 0);
-        loss_sum += ampc_tensor_item(loss) * (double)b;
-        if ((rc = count_correct(r, logits, y, &correct)) < 0) break;
+        double lv = ampc_tensor_item(loss);
+        if (training && (rc = check_step(r, epoch, done + 1, n_batches, lv, x)) < 0) break;
+        st->loss_sum += lv * (double)b;
+        if ((rc = count_correct(r, logits, y, &st->correct)) < 0) break;
         st->samples += b;
         ampc_scope_end();
         done++;
         /* a bar keeps room for its cells on an 80-column terminal: the running loss only */
-        double run_loss = loss_sum / (double)st->samples, run_acc = 100.0 * (double)correct / (double)st->samples;
+        double run_loss = st->loss_sum / (double)st->samples, run_acc = 100.0 * (double)st->correct / (double)st->samples;
         if (p.mode == PROGRESS_BAR) progress_update(&p, done, "loss=%.4f", run_loss);
         else progress_update(&p, done, "loss=%.4f acc=%.2f%%", run_loss, run_acc);
     }
     while (ampc_scope_depth() > depth) ampc_scope_end();
     if (!training) ampc_no_grad_exit();
-    if (rc < 0) {
-        if (p.mode == PROGRESS_BAR) fputc('\n', p.out);   /* the error line starts on its own line */
-        return rc;
-    }
-    progress_end(&p);
+    if (rc != 0 && p.mode == PROGRESS_BAR) fputc('\n', p.out);   /* the next line starts on its own line */
+    if (rc < 0) return rc;
+    if (rc == 0) progress_end(&p);
     st->seconds = progress_now() - t0;
     st->steps = done;
-    st->loss = st->samples ? loss_sum / (double)st->samples : NAN;
-    st->acc = st->samples ? (double)correct / (double)st->samples : NAN;
-    return 0;
+    st->loss = st->samples ? st->loss_sum / (double)st->samples : NAN;
+    st->acc = st->samples ? (double)st->correct / (double)st->samples : NAN;
+    return rc;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1097,6 +1297,17 @@ static int build(run *r) {
     return 0;
 }
 
+/* A signal stopped the run after its checkpoint was saved: one line saying where, and how to go on;
+   exit status 128 + the signal's number, as a shell reports a process the signal ended. */
+static int interrupted(run *r) {
+    const int sig = g_signal;
+    fail("%s: saved %s; continue with: " PROG " --resume %s", sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "signal",
+         r->last_good, r->ckpt_path);
+    g_interrupt = true;
+    g_exit = 128 + sig;
+    return -1;
+}
+
 static void print_memory(const ampc_memory_stats_t *ms, const char *indent) {
     char b[32];
     printf("%speak memory: %s (", indent, fmt_bytes((double)ms->peak_total, b, sizeof b));
@@ -1117,9 +1328,14 @@ static int train_run(settings *s, run_result *res) {
     print_setup(&r);
     int64_t n_epochs = ival(s, OPT_EPOCHS);
     if (*sval(s, OPT_RESUME)) {
-        printf("resumed from %s after epoch %" PRId64 "\n", sval(s, OPT_RESUME), r.epoch0);
-        if (n_epochs > 0 && n_epochs < r.epoch0) {
-            rc = fail("--epochs %" PRId64 ": the checkpoint has finished %" PRId64 " epochs already", n_epochs, r.epoch0);
+        if (r.resume_step > 0)
+            printf("resumed from %s in epoch %" PRId64 " after step %" PRId64 " of %" PRId64 "\n", sval(s, OPT_RESUME), r.epoch0 + 1,
+                   r.resume_step, ampc_loader_num_batches(r.train_ld));
+        else
+            printf("resumed from %s after epoch %" PRId64 "\n", sval(s, OPT_RESUME), r.epoch0);
+        if (n_epochs > 0 && n_epochs < r.epoch0 + (r.resume_step > 0)) {
+            rc = r.resume_step > 0 ? fail("--epochs %" PRId64 ": the checkpoint is in epoch %" PRId64 " already", n_epochs, r.epoch0 + 1)
+                                   : fail("--epochs %" PRId64 ": the checkpoint has finished %" PRId64 " epochs already", n_epochs, r.epoch0);
             goto done;
         }
     }
@@ -1141,11 +1357,23 @@ static int train_run(settings *s, run_result *res) {
 
     ampc_memory_reset_peak();
     double t0 = progress_now();
+    r.skipped_seen = ampc_scaler_steps_skipped(r.scaler);
+    stop_signals_install(true);
     for (int64_t e = r.epoch0; e < n_epochs; e++) {
-        double te = progress_now();
-        int64_t skipped0 = ampc_scaler_steps_skipped(r.scaler);
+        bool cont = e == r.epoch0 && r.resume_step > 0;   /* an epoch a signal interrupted */
+        double te = progress_now() - (cont ? r.resume_epoch_seconds : 0);
+        if (!cont) r.epoch_skipped0 = ampc_scaler_steps_skipped(r.scaler);
         pass_stats tr, va;
-        if ((rc = run_pass(&r, true, e, &tr)) < 0 || (rc = run_pass(&r, false, e, &va)) < 0) goto done;
+        int pr = run_pass(&r, true, e, &tr, cont ? r.resume_step : 0, cont ? &r.resume_train : NULL);
+        if (pr == 0) pr = run_pass(&r, false, e, &va, 0, NULL);
+        if (pr < 0) {
+            rc = -1;
+            goto done;
+        }
+        if (pr > 0) {   /* a signal: save where training stands (validation is redone on resume) */
+            if ((rc = save_checkpoint(&r, e, tr.steps, &tr, progress_now() - te)) == 0) rc = interrupted(&r);
+            goto done;
+        }
         double secs = progress_now() - te;
         double row[N_COLS] = {[COL_EPOCH] = (double)(e + 1),
                               [COL_TRAIN_LOSS] = tr.loss,
@@ -1155,7 +1383,7 @@ static int train_run(settings *s, run_result *res) {
                               [COL_SECONDS] = secs,
                               [COL_SPS] = tr.seconds > 0 ? (double)tr.samples / tr.seconds : 0,
                               [COL_SCALE] = ampc_scaler_get_scale(r.scaler),
-                              [COL_SKIPPED] = (double)(ampc_scaler_steps_skipped(r.scaler) - skipped0),
+                              [COL_SKIPPED] = (double)(ampc_scaler_steps_skipped(r.scaler) - r.epoch_skipped0),
                               [COL_DATA_WAIT] = tr.seconds > 0 ? tr.data_seconds / tr.seconds : 0};
         char c1[32];
         printf("epoch %" PRId64 "/%" PRId64 ": train loss %.4f acc %.2f%% | val loss %.4f acc %.2f%% | %.1f s (train %.1f s, %s samples/s, "
@@ -1165,20 +1393,26 @@ static int train_run(settings *s, run_result *res) {
         if (ampc_scaler_is_enabled(r.scaler)) printf(" | scale %g, %.0f skipped", row[COL_SCALE], row[COL_SKIPPED]);
         printf("\n");
         fflush(stdout);
-        if ((rc = history_push(&r.hist, row)) < 0) goto done;
+        /* the checkpoint first: after a kill between the two, resume rewrites metrics.csv from the
+           checkpoint's history, so the file never runs ahead of what resume continues from */
+        if ((rc = history_push(&r.hist, row)) < 0 || (rc = save_checkpoint(&r, e + 1, 0, NULL, 0)) < 0) goto done;
         if (ampc_metrics_row(r.metrics, row) < 0) {
             rc = fail_lib("metrics.csv");
             goto done;
         }
-        if ((rc = draw_plots(&r)) < 0 || (rc = save_checkpoint(&r, e + 1)) < 0) goto done;
+        if ((rc = draw_plots(&r)) < 0) goto done;
         res->epochs_run++;
         res->samples += tr.samples;
         res->train_seconds += tr.seconds;
         res->data_seconds += tr.data_seconds;
+        if (g_signal && e + 1 < n_epochs) {   /* arrived during the save: it is done */
+            rc = interrupted(&r);
+            goto done;
+        }
     }
     if (r.epoch0 >= n_epochs) {   /* nothing left to train: rewrite the outputs from the checkpoint */
         printf("nothing to train: the checkpoint has finished %" PRId64 " of %" PRId64 " epochs\n", r.epoch0, n_epochs);
-        if ((rc = draw_plots(&r)) < 0 || (rc = save_checkpoint(&r, r.epoch0)) < 0) goto done;
+        if ((rc = draw_plots(&r)) < 0 || (rc = save_checkpoint(&r, r.epoch0, 0, NULL, 0)) < 0) goto done;
     }
     res->seconds = progress_now() - t0;
     ampc_memory_stats_t ms = ampc_memory_stats();
@@ -1211,6 +1445,7 @@ static int train_run(settings *s, run_result *res) {
     printf("  outputs: %s\n", r.out);
     res->ok = true;
 done:
+    stop_signals_install(false);
     run_free(&r);
     return rc;
 }
@@ -1506,7 +1741,9 @@ int main(int argc, char **argv) {
     ampc_shutdown();
     if (rc < 0) {
         fflush(stdout);
-        if (g_err_status == AMPC_ERR_OOM || strstr(g_err, "out of memory"))
+        if (g_interrupt)
+            fprintf(stderr, PROG ": interrupted by %s\n", g_err);
+        else if (g_err_status == AMPC_ERR_OOM || strstr(g_err, "out of memory"))
             fprintf(stderr, PROG ": error: %s; %s\n", g_err, g_oom_hint);
         else
             fprintf(stderr, PROG ": error: %s%s\n", g_err, g_usage ? " (see --help)" : "");
