@@ -619,6 +619,14 @@ static int data_open(settings *s, data *d) {
     int64_t c, h, w;
     ampc_dataset_sample_shape(d->train, &c, &h, &w);
     if (ampc_transforms_output_shape(d->tf_train, c, h, w, &d->c, &d->h, &d->w) < 0) return fail_lib("transforms");
+    /* every split must give the model the same images: a mismatch found now, not after an epoch */
+    int64_t vc, vh, vw;
+    ampc_dataset_sample_shape(d->val, &c, &h, &w);
+    if (ampc_transforms_output_shape(d->tf_val, c, h, w, &vc, &vh, &vw) < 0) return fail_lib("transforms");
+    if (vc != d->c || vh != d->h || vw != d->w)
+        return fail("--data '%s': the validation images (%s) are %" PRId64 "x%" PRId64 "x%" PRId64 " but the training images are %" PRId64
+                    "x%" PRId64 "x%" PRId64 " (channels x height x width); give both splits one shape, or --image-size to resize both",
+                    dir, d->val_name, vc, vh, vw, d->c, d->h, d->w);
     if (!resnet && (d->h != 28 || d->w != 28))
         return fail("--model %s needs 28x28 images, not %" PRId64 "x%" PRId64 " (--image-size 28)", model, d->h, d->w);
     if (d->num_classes < 2) return fail("--data: %" PRId64 " class(es); a classifier needs at least 2", d->num_classes);
@@ -1239,6 +1247,29 @@ static void print_setup(run *r) {
     fflush(stdout);
 }
 
+/* The images fit the model: one forward pass of a batch of one before any training, in eval mode,
+   without autograd and in fp32 (no random draws, no weight casts: the run is unchanged). */
+static int check_model_input(run *r) {
+    const int64_t shape[4] = {1, r->d.c, r->d.h, r->d.w};
+    ampc_scope_begin();
+    ampc_no_grad_enter();
+    ampc_module_train(r->net, false);
+    ampc_tensor *x = ampc_tensor_zeros(AMPC_F32, 4, shape);
+    ampc_tensor *y = x ? ampc_module_forward(r->net, x) : NULL;
+    int rc = 0;
+    if (!y)
+        rc = ampc_last_status() == AMPC_ERR_OOM
+                 ? fail_lib("building the model")
+                 : fail("--model %s does not take the data's %" PRId64 "x%" PRId64 "x%" PRId64 " images: %s", sval(r->s, OPT_MODEL),
+                        r->d.c, r->d.h, r->d.w, ampc_last_error());
+    else if (ampc_tensor_ndim(y) != 2 || ampc_tensor_dim(y, 0) != 1 || ampc_tensor_dim(y, 1) != r->d.num_classes)
+        rc = fail("--model %s gives %d-dimensional outputs for %" PRId64 " classes", sval(r->s, OPT_MODEL), ampc_tensor_ndim(y),
+                  r->d.num_classes);
+    ampc_no_grad_exit();
+    ampc_scope_end();
+    return rc;
+}
+
 static int build(run *r) {
     settings *s = r->s;
     const char *model = sval(s, OPT_MODEL), *optname = sval(s, OPT_OPTIMIZER);
@@ -1263,6 +1294,7 @@ static int build(run *r) {
                              .small_input = strncmp(model, "resnet", 6) == 0 && r->d.h <= 64 && r->d.w <= 64,
                              .memory_format = yes(s, OPT_CHANNELS_LAST) ? AMPC_CHANNELS_LAST : AMPC_CONTIGUOUS_FORMAT};
     if (!(r->net = ampc_model_new(model, &mo))) return fail_lib("--model");
+    if (check_model_input(r) < 0) return -1;
     double lr = rval(s, OPT_LR), wd = rval(s, OPT_WEIGHT_DECAY);
     if (sgd) {
         ampc_sgd_options o = ampc_sgd_defaults();

@@ -30,6 +30,9 @@ struct stat;
 int ampc__open_regular(const char *path, const char *what, struct stat *st_out);
 /* The same as a FILE opened "rb" (the caller fcloses it); NULL on failure. */
 FILE *ampc__fopen_regular(const char *path, const char *what, struct stat *st_out);
+/* Removes "<path>.tmp.<pid>" files (the temporaries of an atomic replace of path) whose process is
+   gone: what a kill during a write leaves. Returns how many were removed. */
+int ampc__remove_stale_temps(const char *path);
 
 // ---------------------------------------------------------------------------------------------
 // Dtypes: one table, the only place dtype facts live.

@@ -9,7 +9,10 @@
  */
 #include "core/core.h"
 
+#include <dirent.h>
 #include <errno.h>
+#include <signal.h>
+#include <stdlib.h>
 #include <fcntl.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -58,4 +61,40 @@ FILE *ampc__fopen_regular(const char *path, const char *what, struct stat *st_ou
         return ampc__err_null(AMPC_ERR_IO, "%s: '%s': %s", what, path, strerror(e));
     }
     return f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Temporaries of atomic writes
+
+/* A file is replaced atomically by writing "<path>.tmp.<pid>" and renaming it over path. A process
+   killed in between leaves its temporary behind: full-size, and never renamed. Such a file is
+   stale once its process is gone (kill(pid, 0) fails with ESRCH); one of a live process (a
+   concurrent writer) is left alone. */
+int ampc__remove_stale_temps(const char *path) {
+    if (!path || !*path) return 0;
+    const char *slash = strrchr(path, '/');
+    char dir[4096];
+    const char *base = slash ? slash + 1 : path;
+    int dl = slash ? snprintf(dir, sizeof dir, "%.*s", (int)(slash == path ? 1 : slash - path), path) : snprintf(dir, sizeof dir, ".");
+    if (dl < 0 || (size_t)dl >= sizeof dir) return 0;
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    size_t bl = strlen(base);
+    int removed = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        const char *n = e->d_name;
+        if (strncmp(n, base, bl) != 0 || strncmp(n + bl, ".tmp.", 5) != 0) continue;
+        char *end;
+        errno = 0;
+        long pid = strtol(n + bl + 5, &end, 10);
+        if (*end || errno || pid <= 0 || pid > INT32_MAX || pid == (long)getpid()) continue;
+        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;   /* alive, or not ours to judge */
+        char full[8192];
+        if (snprintf(full, sizeof full, "%s/%s", dir, n) >= (int)sizeof full) continue;
+        struct stat st;
+        if (lstat(full, &st) == 0 && S_ISREG(st.st_mode) && unlink(full) == 0) removed++;
+    }
+    closedir(d);
+    return removed;
 }

@@ -233,6 +233,7 @@ int ampc_plot_curves(const char *png_path, const char *title, const char *xlabel
     if (oom || !(tmp = malloc(strlen(png_path) + 32))) rc = ampc__err(AMPC_ERR_OOM, "plot '%s': out of memory", png_path);
     if (rc == AMPC_OK) {
         sprintf(tmp, "%s.tmp.%ld", png_path, (long)getpid());
+        ampc__remove_stale_temps(png_path);   /* left by a process killed while drawing */
         pthread_mutex_lock(&plot_lock);
         FILE *f = NULL;
         if (!has_pngcairo()) {

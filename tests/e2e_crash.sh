@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# e2e_crash.sh - kill ampc-train with SIGKILL at random points, then resume it until it finishes:
+# every run must end with the weights, optimizer state and metrics of an uninterrupted run, and
+# no run may lose its last checkpoint or leave a temporary file behind.
+#
+#     bash tests/e2e_crash.sh BUILD/ampc-train [RUNS]     (RUNS: default $CRASH_RUNS or 20)
+#
+# Each run is killed at least once: half of the kills at a random moment of the run, half the
+# moment a checkpoint's temporary file appears (in the middle of the write). Runs killed before
+# their first checkpoint start again from scratch, as a user would. Skipped (exit 0) only when
+# the Fashion-MNIST files are missing.
+set -u
+TRAIN=${1:?usage: e2e_crash.sh AMPC_TRAIN [RUNS]}
+RUNS=${2:-${CRASH_RUNS:-20}}
+FM=${AMPC_FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}
+if [ ! -e "$FM/train-images-idx3-ubyte.gz" ] && [ ! -e "$FM/train-images-idx3-ubyte" ]; then
+    echo "SKIP: Fashion-MNIST not found in $FM (install dataset-fashion-mnist: scripts/install-deps.sh)"
+    exit 0
+fi
+W=$(mktemp -d "${TMPDIR:-/tmp}/e2e_crash.XXXXXX")
+trap 'rm -rf "$W"' EXIT
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+FAILS=0
+ok() { echo "ok: $*"; }
+bad() { echo "FAIL: $*"; FAILS=$((FAILS + 1)); }
+T0=$SECONDS
+RANDOM=${CRASH_SEED:-$$}
+
+ARGS=(--model mlp --limit-train 1024 --limit-val 128 --batch-size 64 --epochs 3 --progress off --amp-dtype fp16)
+ts=$(date +%s%N)
+"$TRAIN" "${ARGS[@]}" --out "$W/ref" >"$W/ref.out" 2>&1 || { echo "FAIL: the reference run failed"; cat "$W/ref.out"; exit 1; }
+ref_ms=$((($(date +%s%N) - ts) / 1000000))
+echo "reference run: ${ref_ms} ms"
+
+kills=0 mid_write=0
+for ((i = 1; i <= RUNS; i++)); do
+    d="$W/r$i"
+    mode=$((i % 2))   # 0: a random moment; 1: while a checkpoint is being written
+    killed=0
+    for ((attempt = 0; attempt < 50; attempt++)); do
+        if [ -s "$d/checkpoint.safetensors" ]; then
+            cmd=(--resume "$d/checkpoint.safetensors")
+        else
+            cmd=("${ARGS[@]}" --out "$d")
+        fi
+        "$TRAIN" "${cmd[@]}" >"$d.out" 2>"$d.err" &
+        pid=$!
+        if [ $killed -eq 0 ]; then
+            if [ $mode -eq 0 ]; then
+                sleep "$(awk -v r=$RANDOM -v t="$ref_ms" 'BEGIN { printf "%.3f", r / 32768 * 0.8 * t / 1000 }')"
+            else
+                # the n-th checkpoint write of the run (n = 1..3), caught while its temporary exists
+                n=$((RANDOM % 3 + 1)) seen=0 last=""
+                while kill -0 $pid 2>/dev/null; do
+                    tmp=$(compgen -G "$d/checkpoint.safetensors.tmp.*" | head -1)
+                    if [ -n "$tmp" ] && [ "$tmp" != "$last" ]; then
+                        seen=$((seen + 1)) last=$tmp
+                        [ $seen -ge $n ] && break
+                    fi
+                done
+            fi
+            if kill -KILL $pid 2>/dev/null; then
+                killed=1 kills=$((kills + 1))
+                [ $mode -eq 1 ] && compgen -G "$d/checkpoint.safetensors.tmp.*" >/dev/null && mid_write=$((mid_write + 1))
+            fi
+        fi
+        wait $pid
+        rc=$?
+        [ $rc -eq 0 ] && break
+        if [ $rc -ne 137 ]; then
+            bad "run $i: exit $rc: $(tail -2 "$d.err" | tr '\n' ' ')"
+            break
+        fi
+        # what survived the kill is a complete checkpoint or none: never a torn file
+        if [ -e "$d/checkpoint.safetensors" ] && ! "$TRAIN" --compare-checkpoints "$d/checkpoint.safetensors" "$d/checkpoint.safetensors" >/dev/null 2>&1; then
+            bad "run $i: the checkpoint left by the kill is unreadable"
+            break
+        fi
+    done
+    if [ $rc -eq 0 ]; then
+        if "$TRAIN" --compare-checkpoints "$W/ref/checkpoint.safetensors" "$d/checkpoint.safetensors" >"$d.cmp"; then
+            :
+        else
+            bad "run $i (killed $killed time(s), mode $mode): tensors differ from the uninterrupted run: $(head -3 "$d.cmp" | tr '\n' ' ')"
+        fi
+        cmp -s <(cut -d, -f1-5,8,9 "$W/ref/metrics.csv") <(cut -d, -f1-5,8,9 "$d/metrics.csv") ||
+            bad "run $i: metrics.csv differs: $(diff <(cut -d, -f1-5 "$W/ref/metrics.csv") <(cut -d, -f1-5 "$d/metrics.csv") | tr '\n' ' ')"
+        compgen -G "$d/*.tmp.*" >/dev/null && bad "run $i: temporary files left: $(ls "$d" | grep tmp)"
+    fi
+    rm -rf "$d" "$d".*
+done
+echo "e2e_crash: $RUNS runs, $kills SIGKILLs ($mid_write during a checkpoint write), $FAILS failure(s) in $((SECONDS - T0)) s"
+[ "$FAILS" -eq 0 ]

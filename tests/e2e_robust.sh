@@ -1,0 +1,206 @@
+#!/usr/bin/env bash
+# e2e_robust.sh - ampc-train against hostile input and interruptions: FIFOs given as inputs are
+# refused at once, splits of another shape than the training data are caught before training,
+# diverging runs (fp32, bf16, fp16 with a GradScaler) stop with exit 3 and leave the last good
+# checkpoint untouched, out-of-range checkpoint values are refused, and SIGINT/SIGTERM save a
+# checkpoint that resumes to the bits of an uninterrupted run.
+#
+#     bash tests/e2e_robust.sh BUILD/ampc-train
+#
+# Skipped (exit 0) only when the Fashion-MNIST files are missing. Every run uses a few hundred
+# samples; every command that could hang runs under `timeout`, so a regression fails, never hangs.
+set -u
+TRAIN=${1:?usage: e2e_robust.sh AMPC_TRAIN}
+FM=${AMPC_FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}
+if [ ! -e "$FM/train-images-idx3-ubyte.gz" ] && [ ! -e "$FM/train-images-idx3-ubyte" ]; then
+    echo "SKIP: Fashion-MNIST not found in $FM (install dataset-fashion-mnist: scripts/install-deps.sh)"
+    exit 0
+fi
+W=$(mktemp -d "${TMPDIR:-/tmp}/e2e_robust.XXXXXX")
+trap 'rm -rf "$W"' EXIT
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+LIMIT=${E2E_TIMEOUT:-120}   # seconds any one command may take before it counts as hung
+
+FAILS=0
+ok() { echo "ok: $*"; }
+bad() { echo "FAIL: $*"; FAILS=$((FAILS + 1)); }
+T0=$SECONDS
+SMALL=(--limit-train 256 --limit-val 64 --batch-size 32 --progress off)
+
+# expect STATUS NAME PATTERN ARGS...: exit status STATUS, one "ampc-train: error: " (or, for
+# 130/143, "ampc-train: interrupted by ") line on stderr matching PATTERN, no sanitizer report.
+expect() {
+    local want=$1 name=$2 pattern=$3
+    shift 3
+    timeout "$LIMIT" "$TRAIN" "$@" >"$W/$name.out" 2>"$W/$name.err"
+    local rc=$? tag='ampc-train: error: '
+    [ "$want" -ge 128 ] && tag='ampc-train: interrupted by '
+    local n
+    n=$(grep -c "^$tag" "$W/$name.err")
+    if [ $rc -eq 124 ]; then
+        bad "$name: hung (killed after $LIMIT s): $*"
+    elif [ "$want" -eq 0 ] && [ $rc -eq 0 ]; then
+        ok "$name: exit 0"
+        return 0
+    elif [ $rc -ne "$want" ]; then
+        bad "$name: exit $rc (want $want): $*"
+        sed 's/^/    /' "$W/$name.err" | tail -5
+    elif [ "$n" -ne 1 ]; then
+        bad "$name: $n '$tag' lines (want 1)"
+    elif ! grep "^$tag" "$W/$name.err" | grep -qiE -- "$pattern"; then
+        bad "$name: the line does not match /$pattern/: $(grep "^$tag" "$W/$name.err")"
+    elif grep -qE 'Sanitizer|runtime error' "$W/$name.err"; then
+        bad "$name: sanitizer report"
+    else
+        ok "$name: $(grep "^$tag" "$W/$name.err")"
+        return 0
+    fi
+    return 1
+}
+
+# Perl (part of every Debian system) edits a safetensors header: FILE OUT REGEX REPLACEMENT.
+edit_header() {
+    perl -e 'open(F, "<:raw", $ARGV[0]) or die; local $/; my $d = <F>; my $n = unpack("Q<", substr($d, 0, 8));
+             my ($h, $b) = (substr($d, 8, $n), substr($d, 8 + $n)); $h =~ s/$ARGV[2]/$ARGV[3]/ or die "no match\n";
+             open(O, ">:raw", $ARGV[1]) or die; print O pack("Q<", length $h) . $h . $b' "$@"
+}
+
+# IDX files: images N ROWS COLS (random pixels) and labels N (0..9), big-endian headers.
+be32() { printf "\\x$(printf %02x $(($1 >> 24 & 255)))\\x$(printf %02x $(($1 >> 16 & 255)))\\x$(printf %02x $(($1 >> 8 & 255)))\\x$(printf %02x $(($1 & 255)))"; }
+idx_images() { { printf '\x00\x00\x08\x03'; be32 "$2"; be32 "$3"; be32 "$4"; head -c $(($2 * $3 * $4)) /dev/urandom; } >"$1"; }
+idx_labels() {
+    { printf '\x00\x00\x08\x01'; be32 "$2"; for ((i = 0; i < $2; i++)); do printf "\\x0$((i % 10))"; done; } >"$1"
+}
+
+# ---------------------------------------------------------------------------------------------
+# FIFOs (and other non-regular files) given as inputs are refused at once, never opened blocking
+mkfifo "$W/fifo"
+expect 1 fifo_resume 'FIFO|not a regular file' --resume "$W/fifo" --out "$W/x"
+expect 2 fifo_compare 'FIFO|not a regular file' --compare-checkpoints "$W/fifo" "$W/fifo"
+mkdir -p "$W/img/a" "$W/img/b"
+expect 1 fifo_index_csv 'FIFO|not a regular file' --data "$W/img" --index-csv "$W/fifo" --epochs 1 --out "$W/x"
+mkdir -p "$W/idxfifo"
+idx_images "$W/idxfifo/train-images-idx3-ubyte" 64 28 28
+mkfifo "$W/idxfifo/train-labels-idx1-ubyte"   # preferred to a .gz of the same name: opened, and refused
+expect 1 fifo_idx 'train-labels-idx1-ubyte.*(FIFO|not a regular file)' --data "$W/idxfifo" --model mlp --epochs 1 "${SMALL[@]}" --out "$W/x"
+rm "$W/idxfifo/train-labels-idx1-ubyte"
+idx_labels "$W/idxfifo/train-labels-idx1-ubyte" 64
+ln -s "$W/fifo" "$W/idxfifo/t10k-images-idx3-ubyte"   # a link to a FIFO: not taken for a test set
+idx_labels "$W/idxfifo/t10k-labels-idx1-ubyte" 64
+expect 0 fifo_idx_link '' --data "$W/idxfifo" --model mlp --epochs 1 "${SMALL[@]}" --out "$W/idxok"
+grep -q 'held-out split' "$W/fifo_idx_link.out" && ok "a t10k link to a FIFO is not taken for a test set" ||
+    bad "t10k link to a FIFO: $(tail -1 "$W/fifo_idx_link.err")"
+
+# ---------------------------------------------------------------------------------------------
+# Every split has the training data's shape, checked before training
+mkdir -p "$W/shape"
+idx_images "$W/shape/train-images-idx3-ubyte" 64 28 28
+idx_labels "$W/shape/train-labels-idx1-ubyte" 64
+idx_images "$W/shape/t10k-images-idx3-ubyte" 32 14 56
+idx_labels "$W/shape/t10k-labels-idx1-ubyte" 32
+for m in mlp cnn; do
+    expect 1 "shape_$m" 'validation images \(t10k test set\) are 1x14x56 but the training images are 1x28x28' \
+        --data "$W/shape" --model $m --epochs 1 "${SMALL[@]}" --out "$W/x"
+    grep -q '^epoch' "$W/shape_$m.out" && bad "shape_$m: trained before the check"
+done
+
+# ---------------------------------------------------------------------------------------------
+# Diverging runs stop with exit 3, name the step and the last good checkpoint, and never
+# replace it
+DIV=(--limit-train 512 --limit-val 64 --batch-size 64 --progress off)
+expect 3 diverge_fp32_nan 'diverged in epoch 1 at step [0-9]+ of 8: the loss is -?nan.*no checkpoint was written' \
+    "${DIV[@]}" --epochs 3 --use-amp no --optimizer sgd --lr 1e6 --max-loss 1e300 --out "$W/d1"
+expect 3 diverge_bf16_adam 'diverged in epoch 1 at step [0-9]+ of 8: the loss [0-9.e+]+ exceeds --max-loss 1e4' \
+    "${DIV[@]}" --epochs 3 --amp-dtype bf16 --lr 1e6 --out "$W/d2"
+expect 3 diverge_fp16_skips 'skipped 5 steps in a row' \
+    "${DIV[@]}" --epochs 3 --model mlp --amp-dtype fp16 --lr 1e6 --max-skipped-steps 5 --out "$W/d3"
+expect 3 diverge_fp16_scale 'loss scale collapsed' \
+    "${DIV[@]}" --model mlp --amp-dtype fp16 --lr 1e6 --max-skipped-steps 0 --epochs 8 --out "$W/d4"
+for d in d1 d2 d3 d4; do [ -e "$W/$d/checkpoint.safetensors" ] && bad "$d: a diverged run wrote a checkpoint"; done
+# a good first epoch, then divergence: the good checkpoint stays, byte for byte
+if timeout "$LIMIT" "$TRAIN" "${DIV[@]}" --model mlp --use-amp no --lr 1e6 --max-loss 1e300 --epochs 1 --out "$W/d5" >/dev/null 2>&1; then
+    cp "$W/d5/checkpoint.safetensors" "$W/d5.good"
+    cp "$W/d5/metrics.csv" "$W/d5.csv"
+    expect 3 diverge_keeps_good "the last good checkpoint is $W/d5/checkpoint.safetensors \\(after epoch 1\\)" \
+        --resume "$W/d5/checkpoint.safetensors" --epochs 3 --max-loss 1e4
+    cmp -s "$W/d5.good" "$W/d5/checkpoint.safetensors" && ok "diverge: the good checkpoint is unchanged" ||
+        bad "diverge: the good checkpoint was replaced"
+    cmp -s "$W/d5.csv" "$W/d5/metrics.csv" && ok "diverge: metrics.csv holds the good epochs only" ||
+        bad "diverge: metrics.csv changed: $(tail -1 "$W/d5/metrics.csv")"
+else
+    bad "diverge: the first epoch (--max-loss 1e300) failed"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Values from a checkpoint are range-checked
+if timeout "$LIMIT" "$TRAIN" --model mlp "${SMALL[@]}" --epochs 1 --out "$W/ck" >/dev/null 2>&1; then
+    C="$W/ck/checkpoint.safetensors"
+    edit_header "$C" "$W/e18.safetensors" '"ampc_train.epoch":"1"' '"ampc_train.epoch":"1000000000000000000"'
+    expect 1 epoch_1e18 "bad metadata 'ampc_train.epoch'" --resume "$W/e18.safetensors" --out "$W/x"
+    edit_header "$C" "$W/e5.safetensors" '"ampc_train.epoch":"1"' '"ampc_train.epoch":"5"'
+    expect 1 epoch_history "has 1 values for 5 epochs" --resume "$W/e5.safetensors" --out "$W/x"
+    edit_header "$C" "$W/step.safetensors" '"ampc_train.step":"0"' '"ampc_train.step":"99999"'
+    expect 1 step_range "bad metadata 'ampc_train.step'" --resume "$W/step.safetensors" --out "$W/x"
+    edit_header "$C" "$W/neg.safetensors" '"ampc_train.train_size":"256"' '"ampc_train.train_size":"-256"'
+    expect 1 negative_size "bad metadata 'ampc_train.train_size'" --resume "$W/neg.safetensors" --out "$W/x"
+else
+    bad "checkpoint for the range checks not written"
+fi
+[ ! -e "$W/x" ] || bad "a failed run left an output folder"
+
+# ---------------------------------------------------------------------------------------------
+# SIGINT / SIGTERM: the run stops at a step boundary, saves a checkpoint, says how to go on and
+# exits 128 + signal; resuming gives the bits and the metrics of an uninterrupted run
+SIG=(--model cnn --limit-train 512 --limit-val 128 --batch-size 32 --epochs 2 --progress lines)
+if timeout "$LIMIT" "$TRAIN" "${SIG[@]}" --out "$W/sref" >/dev/null 2>&1; then
+    for sig in INT TERM; do
+        d="$W/s$sig"
+        timeout "$LIMIT" "$TRAIN" "${SIG[@]}" --out "$d" >"$d.out" 2>"$d.err" &
+        pid=$!
+        # wait for the second epoch's first progress line: the signal lands mid-epoch
+        for ((t = 0; t < 600; t++)); do grep -q '^epoch 2/2 train' "$d.out" 2>/dev/null && break; sleep 0.1; done
+        kill -$sig $pid 2>/dev/null
+        # timeout(1) passes the signal on to ampc-train
+        wait $pid
+        rc=$?
+        want=$((128 + $(kill -l $sig)))
+        if [ $rc -eq $want ] && grep -qE "^ampc-train: interrupted by SIG$sig: saved .* \(in epoch 2, after step [0-9]+\); continue with: ampc-train --resume" "$d.err"; then
+            ok "SIG$sig: $(grep '^ampc-train: interrupted' "$d.err")"
+        else
+            bad "SIG$sig: exit $rc (want $want): $(tail -2 "$d.err" | tr '\n' ' ')"
+        fi
+        [ "$(wc -l <"$d/metrics.csv")" -eq 2 ] || bad "SIG$sig: metrics.csv has $(wc -l <"$d/metrics.csv") lines after epoch 1 (want 2)"
+        if timeout "$LIMIT" "$TRAIN" --resume "$d/checkpoint.safetensors" >"$d.res" 2>&1; then
+            grep -qE 'resumed from .* in epoch 2 after step [0-9]+ of 16' "$d.res" || bad "SIG$sig: no mid-epoch 'resumed' line"
+            "$TRAIN" --compare-checkpoints "$W/sref/checkpoint.safetensors" "$d/checkpoint.safetensors" >"$d.cmp" &&
+                ok "SIG$sig + resume == uninterrupted: $(tail -1 "$d.cmp")" || bad "SIG$sig + resume: tensors differ"
+            cmp -s <(cut -d, -f1-5,8,9 "$W/sref/metrics.csv") <(cut -d, -f1-5,8,9 "$d/metrics.csv") &&
+                ok "SIG$sig + resume: metrics rows equal the uninterrupted run's" ||
+                bad "SIG$sig + resume: metrics differ: $(diff <(cut -d, -f1-5 "$W/sref/metrics.csv") <(cut -d, -f1-5 "$d/metrics.csv") | tr '\n' ' ')"
+        else
+            bad "SIG$sig: resume failed: $(tail -2 "$d.res" | tr '\n' ' ')"
+        fi
+    done
+    # a second signal stops at once: no checkpoint of the interrupted epoch
+    d="$W/s2"
+    "$TRAIN" "${SIG[@]}" --out "$d" >"$d.out" 2>"$d.err" &
+    pid=$!
+    for ((t = 0; t < 600; t++)); do grep -q '^epoch 1/2 train' "$d.out" 2>/dev/null && break; sleep 0.1; done
+    kill -INT $pid
+    sleep 0.01
+    kill -INT $pid 2>/dev/null
+    wait $pid
+    rc=$?
+    if grep -q '^ampc-train: interrupted' "$d.err"; then
+        ok "second SIGINT: the first one's save finished first (exit $rc)"   # the step was too short to catch
+    elif [ $rc -eq 130 ]; then
+        ok "second SIGINT: stopped at once (exit 130, no checkpoint: $([ -e "$d/checkpoint.safetensors" ] && echo present || echo none))"
+    else
+        bad "second SIGINT: exit $rc"
+    fi
+else
+    bad "signals: the reference run failed"
+fi
+
+echo "e2e_robust: $FAILS failure(s) in $((SECONDS - T0)) s"
+[ "$FAILS" -eq 0 ]
