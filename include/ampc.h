@@ -121,6 +121,10 @@ void ampc_convert_bf16_to_f32(const uint16_t *src, float *dst, size_t n);
    A later CUDA backend is one more entry here. */
 typedef enum { AMPC_DEVICE_CPU = 0, AMPC_DEVICE_REF, AMPC_DEVICE_COUNT } ampc_device;
 const char *ampc_device_name(ampc_device d);
+/* Whether dev's matmuls and convolutions run in dt, so autocast to dt works there: on the CPU,
+   bf16 needs oneDNN's AVX-512 kernels (not on AVX2-only CPUs, nor under ONEDNN_MAX_CPU_ISA=AVX2);
+   fp16 always works (computed in fp32 and rounded once, as tensor cores do). */
+bool ampc_dtype_supported(ampc_device dev, ampc_dtype dt);
 void ampc_set_default_device(ampc_device d);  /* thread-local; for new tensors */
 ampc_device ampc_default_device(void);
 

@@ -105,6 +105,19 @@ for m in mlp cnn; do
 done
 
 # ---------------------------------------------------------------------------------------------
+# A CPU without bf16 kernels (oneDNN limited to AVX2, as on older CPUs): the default picks fp16
+# autocast with a GradScaler and trains; asking for bf16 says why not and what to use
+if ONEDNN_MAX_CPU_ISA=AVX2 timeout "$LIMIT" "$TRAIN" --model mlp "${SMALL[@]}" --epochs 1 --out "$W/avx2" >"$W/avx2.out" 2>"$W/avx2.err"; then
+    grep -qE '^  amp-dtype +fp16$' "$W/avx2.out" && grep -qE '^  grad-scaler +yes$' "$W/avx2.out" &&
+        ok "AVX2 only: the default is fp16 autocast with a GradScaler, and it trains" ||
+        bad "AVX2 only: $(grep -E 'amp-dtype|grad-scaler' "$W/avx2.out" | tr '\n' ' ')"
+else
+    bad "AVX2 only: the default run failed: $(tail -1 "$W/avx2.err")"
+fi
+ONEDNN_MAX_CPU_ISA=AVX2 expect 1 avx2_bf16 'amp-dtype bf16: this CPU has no bf16 kernels.*use --amp-dtype fp16' \
+    --model mlp "${SMALL[@]}" --amp-dtype bf16 --epochs 1 --out "$W/x"
+
+# ---------------------------------------------------------------------------------------------
 # Diverging runs stop with exit 3, name the step and the last good checkpoint, and never
 # replace it
 DIV=(--limit-train 512 --limit-val 64 --batch-size 64 --progress off)

@@ -109,6 +109,8 @@ typedef struct ampc_backend {
     /* conv2d, pooling and batch_norm (4-D) take channels-last tensors (ampc_tensor.format);
        elsewhere, and on backends without it, the ops convert them to contiguous first */
     bool channels_last;
+    /* matmul and convolution compute in dt (NULL: every float dtype); the CPU probes oneDNN */
+    bool (*computes)(ampc_dtype dt);
     void *(*raw_alloc)(size_t nbytes);   /* 64-byte aligned */
     void (*raw_free)(void *p);
 

@@ -51,6 +51,12 @@ const char *ampc_device_name(ampc_device d) {
     }
 }
 
+bool ampc_dtype_supported(ampc_device dev, ampc_dtype dt) {
+    if ((unsigned)dev >= AMPC_DEVICE_COUNT || (unsigned)dt >= AMPC_DTYPE_COUNT || !ampc__dt(dt)->is_float) return false;
+    const ampc_backend *be = ampc__backend(dev);
+    return be->dtypes[dt] && (!be->computes || be->computes(dt));
+}
+
 const char *ampc_cpu_features(void) {
     ampc__ensure_init();
     return features;

@@ -4,6 +4,7 @@
  */
 #include "backend/backend.h"
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/dnnl_cache.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -98,12 +99,16 @@ static int cpu_fill(ampc_tensor *t, double value) {
     return AMPC_OK;
 }
 
+/* bf16 needs oneDNN's AVX-512 kernels; fp16 computes in f32 everywhere (rounded as tensor cores do) */
+static bool cpu_computes(ampc_dtype dt) { return dt != AMPC_BF16 || ampc__dnnl_bf16_ok(); }
+
 void ampc__cpu_backend_init(ampc_backend *be) {
     memset(be, 0, sizeof *be);
     be->name = "cpu";
     be->host_memory = true;
     be->channels_last = true;   /* conv (conv.c), pooling (pool.c) and batch norm (norm.c) take NHWC */
     be->dtypes[AMPC_F32] = be->dtypes[AMPC_F16] = be->dtypes[AMPC_BF16] = be->dtypes[AMPC_I64] = true;
+    be->computes = cpu_computes;
     be->raw_alloc = cpu_alloc;
     be->raw_free = cpu_free;
     be->copy = cpu_copy;

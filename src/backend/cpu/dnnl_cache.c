@@ -4,6 +4,7 @@
 #include "backend/cpu/dnnl_cache.h"
 
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define CACHE_SIZE 512   /* ResNet-50 needs ~250 (conv shapes x 3 passes, reorders, norms) */
@@ -36,6 +37,52 @@ fail:
 }
 
 dnnl_engine_t ampc__dnnl_engine(void) { return ensure_engine() < 0 ? NULL : D.engine; }
+
+// ---------------------------------------------------------------------------------------------
+// What this CPU runs: oneDNN's effective ISA and whether it has bf16 kernels
+
+const char *ampc__dnnl_isa_name(void) {
+    static const struct { dnnl_cpu_isa_t isa; const char *name; } names[] = {   /* widest first */
+        {dnnl_cpu_isa_avx512_core_amx, "avx512_core_amx"}, {dnnl_cpu_isa_avx512_core_bf16, "avx512_core_bf16"},
+        {dnnl_cpu_isa_avx512_core_vnni, "avx512_core_vnni"}, {dnnl_cpu_isa_avx512_core, "avx512_core"},
+        {dnnl_cpu_isa_avx2_vnni, "avx2_vnni"}, {dnnl_cpu_isa_avx2, "avx2"}, {dnnl_cpu_isa_avx, "avx"},
+        {dnnl_cpu_isa_sse41, "sse41"},
+    };
+    dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++)   /* ISAs are bit sets: the first subset */
+        if (((unsigned)isa & (unsigned)names[i].isa) == (unsigned)names[i].isa) return names[i].name;
+    return "no vector ISA";
+}
+
+static bool bf16_ok;
+static void probe_bf16(void) {
+    dnnl_memory_desc_t a, b, c;
+    dnnl_dims_t da = {16, 16};
+    dnnl_matmul_desc_t op;
+    dnnl_primitive_desc_t pd = NULL;
+    dnnl_engine_t eng = ampc__dnnl_engine();
+    bf16_ok = eng && dnnl_memory_desc_init_by_tag(&a, 2, da, dnnl_bf16, dnnl_ab) == dnnl_success &&
+              dnnl_memory_desc_init_by_tag(&b, 2, da, dnnl_bf16, dnnl_ab) == dnnl_success &&
+              dnnl_memory_desc_init_by_tag(&c, 2, da, dnnl_f32, dnnl_ab) == dnnl_success &&
+              dnnl_matmul_desc_init(&op, &a, &b, NULL, &c) == dnnl_success &&
+              dnnl_primitive_desc_create(&pd, &op, NULL, eng, NULL) == dnnl_success;
+    if (pd) dnnl_primitive_desc_destroy(pd);
+}
+
+bool ampc__dnnl_bf16_ok(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, probe_bf16);
+    return bf16_ok;
+}
+
+int ampc__dnnl_fail(dnnl_status_t st, const char *what) {
+    if (st == dnnl_unimplemented)
+        return ampc__err(AMPC_ERR_BACKEND,
+                         "oneDNN %s: unimplemented: oneDNN has no kernel for it on this CPU (effective ISA %s%s)%s", what,
+                         ampc__dnnl_isa_name(), getenv("ONEDNN_MAX_CPU_ISA") ? ", limited by ONEDNN_MAX_CPU_ISA" : "",
+                         !D.engine || ampc__dnnl_bf16_ok() ? "" : "; bf16 needs AVX-512 (avx512_core or newer): use fp16 or fp32 autocast on this CPU");
+    return ampc__err(AMPC_ERR_BACKEND, "oneDNN %s: %s", what, dnnl_status2str(st));
+}
 const_dnnl_primitive_attr_t ampc__dnnl_attr(void) { return ensure_engine() < 0 ? NULL : D.attr; }
 
 static void entry_destroy(ampc_dnnl_entry *e) {

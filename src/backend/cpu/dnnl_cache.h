@@ -79,12 +79,20 @@ static inline dnnl_data_type_t ampc__dnnl_dt(ampc_dtype dt) {
     return dt == AMPC_BF16 ? dnnl_bf16 : dt == AMPC_F16 ? dnnl_f16 : dnnl_f32;
 }
 
+/* Records a failed oneDNN call: "oneDNN <what>: <status>", and for "unimplemented" why (the CPU's
+   effective ISA) and what to do. Returns AMPC_ERR_BACKEND. */
+int ampc__dnnl_fail(dnnl_status_t st, const char *what);
+/* oneDNN's effective ISA ("avx2", "avx512_core_bf16", ...; ONEDNN_MAX_CPU_ISA lowers it). */
+const char *ampc__dnnl_isa_name(void);
+/* Whether oneDNN runs bf16 matmuls on this CPU (probed once: a small bf16 matmul primitive). */
+bool ampc__dnnl_bf16_ok(void);
+
 /* for `int rc` + a `fail:` label */
 #define AMPC_DNNL_TRY(call, what)                                                                  \
     do {                                                                                           \
         dnnl_status_t st_ = (call);                                                                \
         if (st_ != dnnl_success) {                                                                 \
-            rc = ampc__err(AMPC_ERR_BACKEND, "oneDNN %s: %s", what, dnnl_status2str(st_));         \
+            rc = ampc__dnnl_fail(st_, what);                                                       \
             goto fail;                                                                             \
         }                                                                                          \
     } while (0)
