@@ -62,6 +62,7 @@ static bool g_usage;       /* the error is about the command line: point at --he
 static bool g_interrupt;   /* not an error: a signal stopped the run after saving ("interrupted: ...") */
 /* What to try after running out of memory, by phase: building the model or training it. */
 static const char *g_oom_hint = "try a smaller --batch-size or --use-amp yes";
+static char g_oom_advice[1024];   /* the measured advice of oom_advice(), when there is one */
 
 static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static int fail(const char *fmt, ...) {
@@ -1336,6 +1337,66 @@ static int build(run *r) {
     return 0;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Out of memory under --max-memory: what took the memory, and the largest batch that fits
+
+/* Bytes above the fixed state (weights, optimizer state, weight casts) at the peak of one forward
+   and backward pass of a batch of b zero images, with the run's autocast setting. */
+static double probe_step_bytes(run *r, int64_t b, double grad_bytes) {
+    ampc_optimizer_zero_grad(r->opt);
+    ampc_memory_stats_t m0 = ampc_memory_stats();
+    double fixed = (double)(m0.current[AMPC_MEM_PARAMETERS] + m0.current[AMPC_MEM_OPTIMIZER] + m0.current[AMPC_MEM_CASTS]);
+    ampc_memory_reset_peak();
+    ampc_scope_begin();
+    ampc_tensor *x = ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){b, r->d.c, r->d.h, r->d.w});
+    ampc_tensor *y = ampc_tensor_zeros(AMPC_I64, 1, (int64_t[]){b});
+    ampc_autocast_enter(r->amp_dtype, r->use_amp);
+    ampc_tensor *loss = x && y ? ampc_cross_entropy(ampc_module_forward(r->net, x), y, NULL) : NULL;
+    ampc_autocast_exit();
+    int rc = loss ? ampc_backward(loss) : -1;
+    ampc_scope_end();
+    ampc_memory_stats_t m1 = ampc_memory_stats();
+    ampc_optimizer_zero_grad(r->opt);
+    /* the casts a forward pass makes are fixed state too (kept across steps) */
+    fixed += (double)(m1.current[AMPC_MEM_CASTS] - m0.current[AMPC_MEM_CASTS]);
+    return rc < 0 ? -1 : (double)m1.peak_total - fixed - grad_bytes;
+}
+
+/* After an out-of-memory error in training under a limit: measure a step's activations at two
+   batch sizes (limit lifted for the probe; the run is over anyway), then name the fixed state and
+   the largest batch that fits. */
+static void oom_advice(run *r, double limit) {
+    const char *optname = sval(r->s, OPT_OPTIMIZER);
+    double P = 4.0 * (double)ampc_module_num_parameters(r->net, true);
+    double opt = strcmp(optname, "sgd") == 0 ? (rval(r->s, OPT_MOMENTUM) > 0 ? P : 0) : 2 * P;
+    ampc_memory_set_limit(0);
+    double cast0 = (double)ampc_memory_stats().current[AMPC_MEM_CASTS];
+    double t2 = probe_step_bytes(r, 2, P), t4 = probe_step_bytes(r, 4, P);
+    double casts = (double)ampc_memory_stats().current[AMPC_MEM_CASTS];
+    if (casts < cast0) casts = cast0;
+    ampc_memory_set_limit((size_t)limit);
+    if (t2 < 0 || t4 <= t2) return;   /* no measurement: keep the plain hint */
+    double per = (t4 - t2) / 2, base = t2 - 2 * per, fixed = 2 * P + opt + casts;
+    double room = limit - fixed - base;
+    int64_t fit = room > 0 ? (int64_t)floor(room / per) : 0;
+    char a[32], b[32], c[32], d[32], e[32], f[32];
+    int n = snprintf(g_oom_advice, sizeof g_oom_advice,
+                     "of --max-memory %s, the weights take %s, their gradients %s, %s's state %s%s%s, and each sample about %s of "
+                     "activations (measured)",
+                     fmt_bytes(limit, a, sizeof a), fmt_bytes(P, b, sizeof b), fmt_bytes(P, c, sizeof c), optname,
+                     fmt_bytes(opt, d, sizeof d), casts > 0 ? ", autocast's weight copies " : "", casts > 0 ? fmt_bytes(casts, e, sizeof e) : "",
+                     fmt_bytes(per, f, sizeof f));
+    if (n < 0 || (size_t)n >= sizeof g_oom_advice) return;
+    if (fit >= 1)
+        snprintf(g_oom_advice + n, sizeof g_oom_advice - (size_t)n, ": the largest batch that fits is about %" PRId64 " (--batch-size %" PRId64 ")%s",
+                 fit, fit, r->use_amp ? "" : ", or more with --use-amp yes (16-bit activations)");
+    else
+        snprintf(g_oom_advice + n, sizeof g_oom_advice - (size_t)n, ": not even a batch of 1 fits; %s",
+                 opt >= P && opt > 0 ? "the optimizer's state is the largest part: try --optimizer sgd --momentum 0 (no state), or raise --max-memory"
+                                     : "raise --max-memory or choose a smaller --model");
+    g_oom_hint = g_oom_advice;
+}
+
 /* A signal stopped the run after its checkpoint was saved: one line saying where, and how to go on;
    exit status 128 + the signal's number, as a shell reports a process the signal ended. */
 static int interrupted(run *r) {
@@ -1406,6 +1467,7 @@ static int train_run(settings *s, run_result *res) {
         int pr = run_pass(&r, true, e, &tr, cont ? r.resume_step : 0, cont ? &r.resume_train : NULL);
         if (pr == 0) pr = run_pass(&r, false, e, &va, 0, NULL);
         if (pr < 0) {
+            if (g_err_status == AMPC_ERR_OOM && strcmp(sval(s, OPT_MAX_MEMORY), "none") != 0) oom_advice(&r, rval(s, OPT_MAX_MEMORY));
             rc = -1;
             goto done;
         }
