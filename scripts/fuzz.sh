@@ -39,8 +39,8 @@ for r in "${readers[@]}"; do
   grep -E '^(#[0-9]+ +(INITED|DONE)|stat::number_of_executed_units|stat::peak_rss_mb)' "$log" | tail -4
   if [ $rc -ne 0 ]; then
     echo "fuzz_$r FAILED (exit $rc); the report (full log: $log):"
-    awk '/==[0-9]+==ERROR|runtime error|ALARM|deadly signal|out-of-memory/ {p = 1} p && n++ < 30' "$log"
-    grep 'Test unit written' "$log"
+    awk '/==[0-9]+==ERROR|runtime error|ALARM|deadly signal|out-of-memory/ {p = 1} p && n++ < 12' "$log"
+    grep -m1 'Test unit written' "$log"
     failed+=("$r")
   fi
 done
