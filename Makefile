@@ -2,7 +2,7 @@
 BUILD ?= build
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps demo test asan clean
+.PHONY: all deps demo test asan clean fuzz fuzz-corpus
 
 all:
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release >/dev/null
@@ -28,8 +28,23 @@ asan: deps
 	cmake --build build-asan -j $(JOBS)
 	cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j 2
 
+# libFuzzer (tests/fuzz/README.md): clang 14 builds the harnesses in build-fuzz, then each runs
+# FUZZ_SECONDS (scripts/fuzz.sh); a crash, leak, timeout or sanitizer report fails the target and
+# its input is left in build-fuzz/fuzz-artifacts/<reader>/. The committed corpora are only read.
+FUZZ_SECONDS ?= 60
+fuzz:
+	bash scripts/install-deps.sh fuzz
+	CC=clang-14 cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=Release -DAMPC_FUZZ=ON >/dev/null
+	cmake --build build-fuzz -j $(JOBS) --target fuzz_harnesses
+	bash scripts/fuzz.sh build-fuzz $(FUZZ_SECONDS)
+
+# Rewrites the seed corpora tests/fuzz/corpus/ from tests/fuzz/make_corpus.c (commit the result).
+fuzz-corpus: all
+	rm -rf tests/fuzz/corpus
+	./$(BUILD)/fuzz_make_corpus tests/fuzz/corpus
+
 clean:
-	rm -rf build build-asan
+	rm -rf build build-asan build-fuzz
 
 # Benchmarks (bench/RESULTS.md). BENCH_ARGS / PEER_ARGS pass options, e.g.
 #   make bench BENCH_ARGS="--workloads resnet18 --steps 20"

@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
 # Installs the Debian packages ampc needs, only when some are missing.
+#   bash scripts/install-deps.sh        build and test (gcc)
+#   bash scripts/install-deps.sh fuzz   the same plus clang 14 and libFuzzer (`make fuzz`)
 set -euo pipefail
 PKGS=(build-essential cmake pkg-config libdnnl-dev libcmocka-dev zlib1g-dev dataset-fashion-mnist libturbojpeg0-dev libpng-dev libplplot-dev plplot-driver-cairo)
+# clang's OpenMP runtime (libomp) is what clang's -fopenmp links; libclang-rt has libFuzzer
+FUZZ_PKGS=(clang-14 libclang-rt-14-dev libomp-14-dev)
+case "${1:-}" in
+  "") ;;
+  fuzz) PKGS+=("${FUZZ_PKGS[@]}") ;;
+  *) echo "usage: $0 [fuzz]" >&2; exit 2 ;;
+esac
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,337 @@
+/*
+ * make_corpus.c - writes the fuzzers' seed corpora (tests/fuzz/corpus/<reader>/): for each
+ * reader a few valid inputs and a few edge cases, each a few hundred bytes at most.
+ * `make fuzz-corpus` rebuilds it and rewrites tests/fuzz/corpus (commit the result).
+ *
+ *     fuzz_make_corpus OUTDIR
+ *
+ * Input layouts are the harnesses' (see each tests/fuzz/fuzz_<reader>.c).
+ */
+#include "ampc.h"
+#include "fuzz_checkpoint_model.h"
+
+#include <png.h>
+#include <turbojpeg.h>
+#include <zlib.h>
+
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+static const char *out_dir;
+static int failures;
+
+static void put(const char *reader, const char *name, const void *data, size_t n) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s", out_dir, reader);
+    mkdir(path, 0755);
+    snprintf(path, sizeof path, "%s/%s/%s", out_dir, reader, name);
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(data, 1, n, f) != n || fclose(f) != 0) {
+        fprintf(stderr, "make_corpus: %s: %s\n", path, strerror(errno));
+        failures++;
+    }
+}
+
+static void put_str(const char *reader, const char *name, const char *s) { put(reader, name, s, strlen(s)); }
+
+/* Text seeds from a table of {name, text}. */
+static void put_strs(const char *reader, const char *const (*seeds)[2], size_t n) {
+    for (size_t i = 0; i < n; i++) put_str(reader, seeds[i][0], seeds[i][1]);
+}
+
+static size_t slurp(const char *path, uint8_t **out) {
+    FILE *f = fopen(path, "rb");
+    size_t n = 0;
+    *out = NULL;
+    if (f && fseek(f, 0, SEEK_END) == 0) {
+        long k = ftell(f);
+        rewind(f);
+        if (k > 0 && (*out = malloc((size_t)k)) && fread(*out, 1, (size_t)k, f) == (size_t)k) n = (size_t)k;
+    }
+    if (f) fclose(f);
+    return n;
+}
+
+// ---------------------------------------------------------------------------------------------
+// IDX: flags, images length (2 bytes LE), images file, labels file
+
+typedef struct {
+    uint8_t b[4096];
+    size_t n;
+} buf;
+
+static void be32(buf *b, uint32_t v) {
+    for (int i = 3; i >= 0; i--) b->b[b->n++] = (uint8_t)(v >> (8 * i));
+}
+
+static buf idx_images(uint32_t magic, uint32_t n, uint32_t rows, uint32_t cols, size_t pixels) {
+    buf b = {.n = 0};
+    be32(&b, magic);
+    be32(&b, n);
+    be32(&b, rows);
+    be32(&b, cols);
+    for (size_t i = 0; i < pixels; i++) b.b[b.n++] = (uint8_t)(i * 37);
+    return b;
+}
+
+static buf idx_labels(uint32_t magic, uint32_t n, size_t count, uint8_t first) {
+    buf b = {.n = 0};
+    be32(&b, magic);
+    be32(&b, n);
+    for (size_t i = 0; i < count; i++) b.b[b.n++] = (uint8_t)(i ? i % 10 : first);
+    return b;
+}
+
+static buf gzip(const buf *in) {
+    buf out = {.n = 0};
+    z_stream z = {0};
+    deflateInit2(&z, 9, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY);   /* gzip wrapper, mtime 0 */
+    z.next_in = (Bytef *)in->b;
+    z.avail_in = (uInt)in->n;
+    z.next_out = out.b;
+    z.avail_out = sizeof out.b;
+    deflate(&z, Z_FINISH);
+    out.n = z.total_out;
+    deflateEnd(&z);
+    return out;
+}
+
+static void put_idx(const char *name, uint8_t flags, const buf *img, const buf *lbl) {
+    buf b = {.n = 0};
+    b.b[b.n++] = flags;
+    b.b[b.n++] = (uint8_t)img->n;
+    b.b[b.n++] = (uint8_t)(img->n >> 8);
+    memcpy(b.b + b.n, img->b, img->n);
+    b.n += img->n;
+    memcpy(b.b + b.n, lbl->b, lbl->n);
+    b.n += lbl->n;
+    put("idx", name, b.b, b.n);
+}
+
+static void make_idx(void) {
+    const uint32_t I = 0x803, L = 0x801;
+    buf img = idx_images(I, 3, 2, 2, 12), lbl = idx_labels(L, 3, 3, 0);
+    buf gimg = gzip(&img), glbl = gzip(&lbl);
+    put_idx("plain", 0, &img, &lbl);
+    put_idx("gzip", 0, &gimg, &glbl);
+    put_idx("mnist_plain", 1, &img, &lbl);
+    put_idx("mnist_gz_names", 3, &gimg, &glbl);
+    put_idx("fashion_test_split", 5, &img, &glbl);
+    buf trunc = idx_images(I, 3, 2, 2, 7), bad_magic = idx_images(0x804, 3, 2, 2, 12);
+    buf absurd = idx_images(I, 0xffffffffu, 0xffff, 0xffff, 4), zero = idx_images(I, 0, 2, 2, 0);
+    buf extra = idx_images(I, 3, 2, 2, 13), lbl_short = idx_labels(L, 2, 2, 0), lbl_big = idx_labels(L, 3, 3, 200);
+    put_idx("truncated_pixels", 0, &trunc, &lbl);
+    put_idx("wrong_magic", 0, &bad_magic, &lbl);
+    put_idx("absurd_count", 0, &absurd, &lbl);
+    put_idx("zero_count", 0, &zero, &lbl);
+    put_idx("trailing_byte", 0, &extra, &lbl);
+    put_idx("count_mismatch", 0, &img, &lbl_short);
+    put_idx("label_over_classes", 1, &img, &lbl_big);
+    buf gtrunc = gzip(&img);
+    gtrunc.n -= 6;   /* cut into the 8-byte trailer (CRC-32, length) */
+    put_idx("gzip_trailer_cut", 0, &gtrunc, &glbl);
+    gtrunc.n -= 8;   /* and into the deflate data */
+    put_idx("gzip_data_cut", 0, &gtrunc, &glbl);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Image folder index (the harness's root has cat/a.png and dog/b.png)
+
+static void make_folder_index(void) {
+    static const char *const seeds[][2] = {
+        {"valid", "image_path,target\ncat/a.png,0\ndog/b.png,1\n"},
+        {"bom_crlf_quoted", "\xEF\xBB\xBFimage_path,target\r\n\"cat/a.png\",0\r\n\"dog/\"\"b\"\",\n.png\",1\r\n"},
+        {"blank_lines_no_final_newline", "image_path,target\n\ncat/a.png,0\n\ndog/b.png,7"},
+        {"bad_header", "path,label\ncat/a.png,0\n"},
+        {"target_out_of_range", "image_path,target\ncat/a.png,1000000\n"},
+        {"negative_target", "image_path,target\ncat/a.png,-1\n"},
+        {"three_fields", "image_path,target\ncat/a.png,0,extra\n"},
+        {"missing_first_image", "image_path,target\ncat/missing.png,0\ndog/b.png,1\n"},
+        {"absolute_and_dotdot", "image_path,target\n/dev/null,0\n../root/cat/a.png,1\n"},
+        {"unterminated_quote", "image_path,target\n\"cat/a.png,0\n"},
+        {"header_only", "image_path,target\n"},
+        {"empty_path", "image_path,target\n,0\n"},
+    };
+    put_strs("folder_index", seeds, sizeof seeds / sizeof *seeds);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Images
+
+static uint8_t pixels[8 * 8 * 3];
+
+static void fill_pixels(void) {
+    for (size_t i = 0; i < sizeof pixels; i++) pixels[i] = (uint8_t)(i * 29 + (i / 24) * 7);
+}
+
+static void put_png(const char *name, int w, int h, png_uint_32 format) {
+    png_image im = {.version = PNG_IMAGE_VERSION, .width = (png_uint_32)w, .height = (png_uint_32)h, .format = format};
+    png_alloc_size_t n = 0;
+    if (!png_image_write_to_memory(&im, NULL, &n, 0, pixels, 0, NULL)) goto fail;
+    uint8_t *mem = malloc(n);
+    if (!mem || !png_image_write_to_memory(&im, mem, &n, 0, pixels, 0, NULL)) {
+        free(mem);
+        goto fail;
+    }
+    put("image", name, mem, n);
+    free(mem);
+    return;
+fail:
+    fprintf(stderr, "make_corpus: png %s: %s\n", name, im.message);
+    failures++;
+}
+
+/* JPEG of w x h; returns a malloc'd copy (caller frees) in *out. */
+static size_t jpeg(int w, int h, int pf, int subsamp, int flags, uint8_t **out) {
+    tjhandle tj = tjInitCompress();
+    unsigned char *mem = NULL;
+    unsigned long n = 0;
+    int rc = tj ? tjCompress2(tj, pixels, w, 0, h, pf, &mem, &n, subsamp, 75, flags) : -1;
+    *out = rc == 0 ? malloc(n) : NULL;
+    if (*out) memcpy(*out, mem, n);
+    else failures++, fprintf(stderr, "make_corpus: jpeg: %s\n", tj ? tjGetErrorStr2(tj) : "no handle");
+    tjFree(mem);
+    if (tj) tjDestroy(tj);
+    return *out ? n : 0;
+}
+
+static void make_image(void) {
+    fill_pixels();
+    put_png("png_rgb_8x8", 8, 8, PNG_FORMAT_RGB);   /* also cut in IDAT below */
+    put_png("png_gray_5x3", 5, 3, PNG_FORMAT_GRAY);
+    put_png("png_rgba_4x4", 4, 4, PNG_FORMAT_RGBA);
+    put_png("png_gray_alpha_3x3", 3, 3, PNG_FORMAT_GA);
+    put_png("png_16bit_2x2", 2, 2, PNG_FORMAT_LINEAR_RGB);
+    uint8_t *j;
+    size_t n;
+    if ((n = jpeg(8, 8, TJPF_RGB, TJSAMP_420, 0, &j))) {
+        put("image", "jpeg_rgb_420", j, n);
+        put("image", "jpeg_truncated", j, n / 2);
+        put("image", "jpeg_cut_in_scan", j, n - 24);
+        if (n > 200) {   /* claim 16384 x 16384 in the SOF0 frame header */
+            for (size_t i = 2; i + 9 < n; i++)
+                if (j[i] == 0xFF && j[i + 1] == 0xC0) {
+                    j[i + 5] = 0x40, j[i + 6] = 0x00, j[i + 7] = 0x40, j[i + 8] = 0x00;
+                    put("image", "jpeg_claims_16384", j, n);
+                    break;
+                }
+        }
+        free(j);
+    }
+    if ((n = jpeg(7, 5, TJPF_GRAY, TJSAMP_GRAY, 0, &j))) put("image", "jpeg_gray_7x5", j, n), free(j);
+    if ((n = jpeg(8, 8, TJPF_RGB, TJSAMP_444, TJFLAG_PROGRESSIVE, &j))) put("image", "jpeg_progressive", j, n), free(j);
+    put_str("image", "text_named_image", "not an image at all\n");
+    put("image", "png_signature_only", "\x89PNG\r\n\x1a\n", 8);
+    uint8_t *p;
+    char path[1024];
+    snprintf(path, sizeof path, "%s/image/png_rgb_8x8", out_dir);
+    if ((n = slurp(path, &p)) > 40) put("image", "png_cut_in_idat", p, n - 30), free(p);
+    put("image", "jpeg_soi_only", "\xFF\xD8\xFF", 3);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checkpoints (the harness's model) and metadata JSON
+
+/* A safetensors file from a header text (length prefix added) and data bytes. */
+static void put_st(const char *name, const char *header, const void *data, size_t n_data) {
+    size_t h = strlen(header), n = 8 + h + n_data;
+    uint8_t *b = malloc(n);
+    if (!b) return;
+    for (int i = 0; i < 8; i++) b[i] = (uint8_t)((uint64_t)h >> (8 * i));
+    memcpy(b + 8, header, h);
+    if (n_data) memcpy(b + 8 + h, data, n_data);
+    put("checkpoint", name, b, n);
+    free(b);
+}
+
+static void make_checkpoint(void) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/checkpoint", out_dir);
+    mkdir(path, 0755);
+    snprintf(path, sizeof path, "%s/checkpoint/.tmp.safetensors", out_dir);
+    fuzz_model fm;
+    ampc_manual_seed(1);
+    if (fuzz_model_new(&fm) < 0) {
+        fprintf(stderr, "make_corpus: model: %s\n", ampc_last_error());
+        failures++;
+        return;
+    }
+    /* one step through the linear layers, so Adam has state and the scaler has counts */
+    ampc_scope_begin();
+    float xv[2 * 4] = {0.5f, -1, 2, 0.25f, 1, 0, -0.5f, 3}, yv[2 * 2] = {1, 0, 0, 1};
+    ampc_tensor *x = ampc_tensor_from_f32(AMPC_F32, 2, (int64_t[]){2, 4}, xv);
+    ampc_tensor *y = ampc_tensor_from_f32(AMPC_F32, 2, (int64_t[]){2, 2}, yv);
+    for (int i = 0; i < 3; i++) x = ampc_module_forward(ampc_module_child(fm.m, i), x);
+    int rc = ampc_backward(ampc_scaler_scale(fm.s, ampc_mse_loss(x, y, AMPC_REDUCTION_MEAN)));
+    if (rc == 0) rc = ampc_scaler_step(fm.s, fm.opt);
+    ampc_scaler_update(fm.s);
+    ampc_scope_end();
+    const char *kv[] = {"epoch", "3", "note", "caf\xC3\xA9 \"quoted\"\\", NULL};
+    uint8_t *b;
+    size_t n;
+    if (rc >= 0 && ampc_checkpoint_save(path, fm.m, fm.opt, fm.s, kv) == 0 && (n = slurp(path, &b))) {
+        put("checkpoint", "full", b, n);
+        put("checkpoint", "truncated_data", b, n - 5);
+        free(b);
+    } else {
+        fprintf(stderr, "make_corpus: full checkpoint: %s\n", ampc_last_error());
+        failures++;
+    }
+    if (ampc_checkpoint_save(path, fm.m, NULL, NULL, NULL) == 0 && (n = slurp(path, &b))) {
+        put("checkpoint", "weights_only", b, n);
+        free(b);
+    }
+    remove(path);
+    fuzz_model_free(&fm);
+
+    put_st("empty_object", "{}      ", NULL, 0);
+    put_st("meta_only", "{\"__metadata__\":{\"format\":\"pt\",\"epoch\":\"1\"}}", NULL, 0);
+    put_st("one_tensor", "{\"0.bias\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,12]}}", "\0\0\x80?\0\0\0@\0\0@@", 12);
+    put_st("overlapping_offsets",
+           "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[2,6]}}",
+           "\0\0\0\0\0\0\0\0", 8);
+    put_st("shape_overflow", "{\"a\":{\"dtype\":\"F64\",\"shape\":[4294967296,4294967296],\"data_offsets\":[0,0]}}", NULL, 0);
+    put_st("duplicate_key", "{\"__metadata__\":{\"a\":\"1\",\"a\":\"2\"}}", NULL, 0);
+    put_st("bad_utf8", "{\"__metadata__\":{\"a\":\"\xC3\x28\"}}", NULL, 0);
+    put_st("escapes", "{\"__metadata__\":{\"\\u00e9\\ud83d\\ude00\":\"\\n\\t\\\"\\\\\\/\"}}", NULL, 0);
+    put("checkpoint", "header_size_too_big", "\xff\xff\xff\xff\0\0\0\0{}", 10);
+    put("checkpoint", "short", "\x02\0\0", 3);
+}
+
+static void make_checkpoint_meta(void) {
+    static const char *const seeds[][2] = {
+        {"empty_object", "{}"},
+        {"key_epoch", "epoch\n{\"format\":\"pt\",\"epoch\":\"12\"}"},
+        {"long_value", "note\n{\"note\":\"a value longer than the sixteen-byte buffer\"}"},
+        {"escapes", "\xC3\xA9\xF0\x9F\x98\x80\n{\"\\u00e9\\ud83d\\ude00\":\"\\b\\f\\n\\r\\t\\\"\\\\\\/\"}"},
+        {"lone_surrogate", "{\"epoch\":\"\\ud800\"}"},
+        {"nested", "{\"epoch\":{\"a\":\"b\"}}"},
+        {"number_value", "{\"epoch\":3}"},
+        {"trailing", "{\"epoch\":\"3\"} x"},
+        {"duplicate", "{\"epoch\":\"3\",\"epoch\":\"4\"}"},
+        {"unterminated", "{\"epoch\":\"3"},
+        {"whitespace", " \t\r\n{ \"epoch\" : \"3\" , \"a\" : \"\" } \n"},
+    };
+    put_strs("checkpoint_meta", seeds, sizeof seeds / sizeof *seeds);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 2) {
+        fprintf(stderr, "usage: %s OUTDIR\n", argv[0]);
+        return 2;
+    }
+    out_dir = argv[1];
+    mkdir(out_dir, 0755);
+    make_idx();
+    make_folder_index();
+    make_image();
+    make_checkpoint();
+    make_checkpoint_meta();
+    ampc_shutdown();
+    if (failures) fprintf(stderr, "make_corpus: %d failures\n", failures);
+    return failures ? 1 : 0;
+}
