@@ -234,7 +234,7 @@ static const opt_def OPTS[OPT_COUNT] = {
     [OPT_MAX_SKIPPED] = {"max-skipped-steps", V_INT, "30", NULL, 0, 1e9, false, O_SAVE, "N",
                          "stop as diverged when the grad scaler skips N steps in a row (inf/NaN gradients at every "
                          "scale it tried; 0: never)"},
-    [OPT_MAX_LOSS] = {"max-loss", V_REAL, "1e4", NULL, 0, 1e300, true, O_SAVE, "X",
+    [OPT_MAX_LOSS] = {"max-loss", V_REAL, "1e+04", NULL, 0, 1e300, true, O_SAVE, "X",
                       "stop as diverged when a training step's loss exceeds X (cross-entropy starts near ln(classes))"},
 };
 
