@@ -30,6 +30,8 @@ struct stat;
 int ampc__open_regular(const char *path, const char *what, struct stat *st_out);
 /* The same as a FILE opened "rb" (the caller fcloses it); NULL on failure. */
 FILE *ampc__fopen_regular(const char *path, const char *what, struct stat *st_out);
+/* What a st_mode is, for messages: "a directory", "a FIFO (named pipe)", "a character device"... */
+const char *ampc__file_type_name(unsigned mode);
 
 // ---------------------------------------------------------------------------------------------
 // Dtypes: one table, the only place dtype facts live.
