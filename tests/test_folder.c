@@ -549,7 +549,8 @@ static void test_index_errors(void **state) {
     expect_csv_error("image_path,target\nB_upper/red.png,\n", "bad.csv:2: target '' is not an integer");
     /* sparse targets: ids, not class indices (the largest >= 2 * distinct + 16) */
     expect_csv_error("image_path,target\nB_upper/red.png,0\nB_upper/grad.png,22\nB_upper/red.png,1\n",
-                     "bad.csv:3: target 22 would make 23 classes for 3 distinct targets: targets must be class indices 0..K-1");
+                     "bad.csv:3: target 22 would make 23 classes for 3 distinct targets: targets must be class "
+                     "indices 0..K-1");
     expect_csv_error("image_path,target\nB_upper/red.png,18\n", "bad.csv:2: target 18 would make 19 classes for 1 distinct");
     expect_csv_error_n("image_path,target\nB_upper/red.png,0\nB_up\0per/grad.png,0\n", 56, "bad.csv:3: a NUL byte");
     /* the largest target allowed for one distinct target: 17 (18 classes) */

@@ -334,8 +334,8 @@ static int scan(const char *root, list *classes, list *idx, int64_t *skipped) {
             if (classes->t[c] != link) continue;
             rc = enter(&w, classes->v[c], c, 1, link);
             if (rc == 0)
-                rc = ampc__err(AMPC_ERR_FORMAT, "image folder %s: class folder '%s' is a link to a folder already scanned", root,
-                               classes->v[c]);
+                rc = ampc__err(AMPC_ERR_FORMAT, "image folder %s: class folder '%s' is a link to a folder already scanned",
+                               root, classes->v[c]);
             else if (rc > 0)
                 rc = 0;
         }
