@@ -8,6 +8,7 @@
 
 #include <ftw.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -204,6 +205,34 @@ static void test_idx_corrupt(void **state) {
 
     /* A directory is not a file */
     expect_fail("", "ok_lab", AMPC_ERR_IO, "not a regular file", NULL);
+}
+
+/* A FIFO (as images, as labels, found by name in an MNIST folder) is refused at once, naming it:
+   opening one for reading would block until a writer came (alarm() turns a hang into a
+   failure). A symlink to a regular file still reads, plain or gzip. */
+static void test_idx_fifo_and_links(void **state) {
+    (void)state;
+    alarm(10);
+    make_payload();
+    write_images(tpath("f_img"), false, N_IMG, 0);
+    write_labels(tpath("f_lab.gz"), true, N_IMG, 0);
+    assert_int_equal(mkfifo(tpath("fifo"), 0600), 0);
+    expect_fail("fifo", "f_lab.gz", AMPC_ERR_IO, "is a FIFO (named pipe), not a regular file", tpath("fifo"));
+    expect_fail("f_img", "fifo", AMPC_ERR_IO, "is a FIFO (named pipe), not a regular file", tpath("fifo"));
+    mkdir(tpath("fifo_mnist"), 0700);
+    assert_int_equal(mkfifo(tpath("fifo_mnist/t10k-images-idx3-ubyte"), 0600), 0);
+    write_labels(tpath("fifo_mnist/t10k-labels-idx1-ubyte"), false, N_IMG, 0);
+    assert_null(ampc_dataset_mnist_open(tpath("fifo_mnist"), false));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_IO);
+    assert_non_null(strstr(ampc_last_error(), "t10k-images-idx3-ubyte' is a FIFO"));
+
+    assert_int_equal(symlink(tpath("f_img"), tpath("link_img")), 0);
+    assert_int_equal(symlink("f_lab.gz", tpath("link_lab")), 0);
+    ampc_dataset *ds = ampc_dataset_idx_open(tpath("link_img"), tpath("link_lab"));
+    ASSERT_NOT_NULL_MSG(ds);
+    check_payload(ds);
+    ampc_dataset_free(ds);
+    alarm(0);
 }
 
 static void make_mnist_dir(const char *dir, bool gz, uint8_t bad_label) {
@@ -821,6 +850,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_idx_plain_and_gzip),
         cmocka_unit_test(test_idx_corrupt),
+        cmocka_unit_test(test_idx_fifo_and_links),
         cmocka_unit_test(test_mnist_open),
         cmocka_unit_test(test_subset_and_split),
         cmocka_unit_test(test_transforms_exact),

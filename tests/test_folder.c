@@ -15,6 +15,7 @@
 #include <math.h>
 #include <png.h>
 #include <stdio.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -508,14 +509,19 @@ static void test_index_csv(void **state) {
     ampc_dataset_free(d);
 }
 
-static void expect_csv_error(const char *content, const char *substr) {
+static void expect_csv_error_n(const char *content, size_t n, const char *substr) {
     const char *csv = pathf("%s/bad.csv", g_aux);
-    write_bytes(csv, content, strlen(content));
+    write_bytes(csv, content, n);
     ampc_folder_options o = {.height = 3, .width = 4, .index_csv = csv};
     ampc_clear_error();
-    assert_null(ampc_dataset_folder_open(g_root, &o));
+    ampc_dataset *ds = ampc_dataset_folder_open(g_root, &o);
+    if (ds) fail_msg("index %s opened, expected an error with '%s'", content, substr);
     expect_error(AMPC_ERR_FORMAT, substr);
     expect_error(AMPC_ERR_FORMAT, "bad.csv");
+}
+
+static void expect_csv_error(const char *content, const char *substr) {
+    expect_csv_error_n(content, strlen(content), substr);
 }
 
 static void test_index_errors(void **state) {
@@ -532,6 +538,29 @@ static void test_index_errors(void **state) {
     expect_csv_error("image_path,target\nB_upper/red.png,0\n\"a,b.png,1\n", "bad.csv:3: unterminated quoted field");
     expect_csv_error("image_path,target\nB_up\"per/red.png,0\n", "bad.csv:2: quote inside an unquoted field");
     expect_csv_error("image_path,target\n\"B_upper/red.png\"x,0\n", "bad.csv:2: text after a closing quote");
+    /* targets: digits only, at most 65535 (no sign, space, decimal point, overflow) */
+    expect_csv_error("image_path,target\nB_upper/red.png,0\nB_upper/grad.png,999999\n",
+                     "bad.csv:3: target '999999' is not an integer in [0, 65535]");
+    expect_csv_error("image_path,target\nB_upper/red.png,65536\n", "bad.csv:2: target '65536' is not an integer");
+    expect_csv_error("image_path,target\nB_upper/red.png,99999999999999999999999\n", "bad.csv:2: target '9999");
+    expect_csv_error("image_path,target\nB_upper/red.png,+1\n", "bad.csv:2: target '+1' is not an integer");
+    expect_csv_error("image_path,target\nB_upper/red.png, 1\n", "bad.csv:2: target ' 1' is not an integer");
+    expect_csv_error("image_path,target\nB_upper/red.png,1.0\n", "bad.csv:2: target '1.0' is not an integer");
+    expect_csv_error("image_path,target\nB_upper/red.png,\n", "bad.csv:2: target '' is not an integer");
+    /* sparse targets: ids, not class indices (the largest >= 2 * distinct + 16) */
+    expect_csv_error("image_path,target\nB_upper/red.png,0\nB_upper/grad.png,22\nB_upper/red.png,1\n",
+                     "bad.csv:3: target 22 would make 23 classes for 3 distinct targets: targets must be class "
+                     "indices 0..K-1");
+    expect_csv_error("image_path,target\nB_upper/red.png,18\n", "bad.csv:2: target 18 would make 19 classes for 1 distinct");
+    expect_csv_error_n("image_path,target\nB_upper/red.png,0\nB_up\0per/grad.png,0\n", 56, "bad.csv:3: a NUL byte");
+    /* the largest target allowed for one distinct target: 17 (18 classes) */
+    const char *sparse = pathf("%s/sparse.csv", g_aux);
+    write_bytes(sparse, "image_path,target\nB_upper/red.png,17\n", 37);
+    ampc_folder_options so = {.height = 3, .width = 4, .index_csv = sparse};
+    ampc_dataset *ds = ampc_dataset_folder_open(g_root, &so);
+    ASSERT_NOT_NULL_MSG(ds);
+    assert_int_equal(ampc_dataset_num_classes(ds), 18);
+    ampc_dataset_free(ds);
     /* a quoted field spanning lines: later rows keep their true line numbers */
     expect_csv_error("image_path,target\n\"B_upper\nred.png\",0\nB_upper/red.png,q\n", "bad.csv:4: target 'q'");
 
@@ -639,6 +668,137 @@ static void test_late_failures(void **state) {
     free(img);
     free(noise);
     free(big);
+    rm_rf(root);
+    free(root);
+}
+
+/* Every reader refuses a FIFO at once (opening one for reading would block until a writer came):
+   the image decoder and probe, the index CSV, a FIFO named like an image in a class folder
+   (skipped without being opened, as are links to it) and one listed by an index. alarm() turns
+   a regression into a failure instead of a hang. */
+static void test_fifo_inputs(void **state) {
+    (void)state;
+    alarm(10);
+    char *root = make_tmpdir();
+    mkdir(pathf("%s/c", root), 0755);
+    write_solid_png(pathf("%s/c/a.png", root), 4, 3, 3, RED);
+    char *fifo = strdup(pathf("%s/c/b_fifo.png", root));   /* pathf's buffers rotate */
+    assert_int_equal(mkfifo(fifo, 0600), 0);
+    assert_int_equal(symlink("b_fifo.png", pathf("%s/c/c_to_fifo.png", root)), 0);
+    assert_int_equal(symlink(pathf("%s/c/a.png", root), pathf("%s/c/d_to_a.png", root)), 0);
+
+    ampc_image im;
+    assert_int_equal(ampc__image_decode_file(fifo, 3, &im), AMPC_ERR_IO);
+    expect_error(AMPC_ERR_IO, pathf("'%s' is a FIFO (named pipe), not a regular file", fifo));
+    assert_null(im.pixels);
+    assert_int_equal(ampc__image_probe_file(fifo, NULL, NULL), AMPC_ERR_IO);
+    expect_error(AMPC_ERR_IO, "FIFO");
+
+    ampc_folder_options o = {.height = 3, .width = 4, .channels = 3};
+    ampc_dataset *ds = ampc_dataset_folder_open(root, &o);
+    ASSERT_NOT_NULL_MSG(ds);
+    assert_int_equal(ampc_dataset_size(ds), 2);   /* a.png and the link to it */
+    assert_int_equal(ampc_dataset_folder_skipped(ds), 2);   /* the FIFO and the link to it */
+    assert_string_equal(ampc_dataset_folder_path(ds, 1), pathf("%s/c/d_to_a.png", root));
+    float img[36];
+    int64_t label;
+    ASSERT_OK(ampc_dataset_get(ds, 1, img, &label));
+    expect_exact_rgb(img, RED, "link to a.png");
+    ampc_dataset_free(ds);
+
+    const char *csv_fifo = pathf("%s/index_fifo.csv", root);
+    assert_int_equal(mkfifo(csv_fifo, 0600), 0);
+    o.index_csv = csv_fifo;
+    assert_null(ampc_dataset_folder_open(root, &o));
+    expect_error(AMPC_ERR_IO, pathf("image folder index: '%s' is a FIFO", csv_fifo));
+
+    const char *csv = pathf("%s/index.csv", root);
+    const char *rows = "image_path,target\nc/b_fifo.png,0\nc/a.png,0\n";
+    write_bytes(csv, rows, strlen(rows));
+    o.index_csv = csv;
+    ds = ampc_dataset_folder_open(root, &o);   /* an index is not probed: get() refuses it */
+    ASSERT_NOT_NULL_MSG(ds);
+    assert_int_equal(ampc_dataset_get(ds, 0, img, &label), AMPC_ERR_IO);
+    expect_error(AMPC_ERR_IO, pathf("'%s' is a FIFO", fifo));
+    ASSERT_OK(ampc_dataset_get(ds, 1, img, &label));
+    ampc_dataset_free(ds);
+    alarm(0);
+    free(fifo);
+    rm_rf(root);
+    free(root);
+}
+
+/* Links to folders: each folder is taken once (loops end, nothing is duplicated, nothing is
+   counted in two classes), a link into a hidden folder is followed, the order stays sorted; a
+   link that leaves the root is an error naming it. */
+static void test_folder_links(void **state) {
+    (void)state;
+    alarm(10);
+    char *root = make_tmpdir();
+    const char *r = root;
+    mkdir(pathf("%s/cat", r), 0755);
+    mkdir(pathf("%s/cat/sub", r), 0755);
+    mkdir(pathf("%s/dog", r), 0755);
+    mkdir(pathf("%s/.store", r), 0755);
+    write_solid_png(pathf("%s/cat/a.png", r), 4, 3, 3, RED);
+    write_solid_png(pathf("%s/cat/b.png", r), 4, 3, 3, RED);
+    write_solid_png(pathf("%s/cat/sub/c.png", r), 4, 3, 3, RED);
+    write_solid_png(pathf("%s/dog/d.png", r), 4, 3, 3, COMMA);
+    write_solid_png(pathf("%s/.store/e.png", r), 4, 3, 3, INNER);
+    const char *links[][2] = {{".", "cat/l1"}, {".", "cat/l2"}, {"..", "cat/up"}, {"../..", "cat/sub/back"},
+                              {"../cat/sub", "dog/tocat"}, {"../.store", "dog/stored"}, {"../.store", "dog/stored2"},
+                              {"..", "dog/zz"}};
+    for (size_t i = 0; i < sizeof links / sizeof links[0]; i++)
+        assert_int_equal(symlink(links[i][0], pathf("%s/%s", r, links[i][1])), 0);
+    ampc_folder_options o = {.height = 3, .width = 4, .channels = 3};
+    ampc_dataset *ds = ampc_dataset_folder_open(root, &o);
+    ASSERT_NOT_NULL_MSG(ds);
+    static const char *const want[] = {"cat/a.png", "cat/b.png", "cat/sub/c.png", "dog/d.png", "dog/stored/e.png"};
+    static const int64_t labels[] = {0, 0, 0, 1, 1};
+    assert_int_equal(ampc_dataset_size(ds), 5);
+    assert_int_equal(ampc_dataset_num_classes(ds), 2);
+    for (int i = 0; i < 5; i++) {
+        assert_string_equal(ampc_dataset_folder_path(ds, i), pathf("%s/%s", r, want[i]));
+        float img[36];
+        int64_t label;
+        ASSERT_OK(ampc_dataset_get(ds, i, img, &label));
+        assert_int_equal(label, labels[i]);
+    }
+    ampc_dataset_free(ds);
+
+    /* four self-links (16^4 paths before): still the real images, at once */
+    for (int i = 3; i <= 4; i++) assert_int_equal(symlink(".", pathf("%s/cat/sub/l%d", r, i)), 0);
+    ds = ampc_dataset_folder_open(root, &o);
+    ASSERT_NOT_NULL_MSG(ds);
+    assert_int_equal(ampc_dataset_size(ds), 5);
+    ampc_dataset_free(ds);
+
+    /* a class folder that is a link to another class */
+    assert_int_equal(symlink("cat", pathf("%s/cat2", r)), 0);
+    assert_null(ampc_dataset_folder_open(root, &o));
+    expect_error(AMPC_ERR_FORMAT, "class folder 'cat2' is a link to a folder already scanned");
+    unlink(pathf("%s/cat2", r));
+
+    /* links out of the root: to a sibling folder, and a class folder that is a link out */
+    char *outside = make_tmpdir();
+    write_solid_png(pathf("%s/o.png", outside), 4, 3, 3, RED);
+    char *out_real = realpath(outside, NULL);
+    assert_int_equal(symlink(outside, pathf("%s/dog/out", r)), 0);
+    assert_null(ampc_dataset_folder_open(root, &o));
+    expect_error(AMPC_ERR_FORMAT, pathf("link '%s/dog/out' points to '%s', which leaves the dataset root", r, out_real));
+    unlink(pathf("%s/dog/out", r));
+    assert_int_equal(symlink("../../..", pathf("%s/cat/sub/far", r)), 0);
+    assert_null(ampc_dataset_folder_open(root, &o));
+    expect_error(AMPC_ERR_FORMAT, pathf("link '%s/cat/sub/far' points to '/", r));
+    expect_error(AMPC_ERR_FORMAT, "leaves the dataset root");
+    unlink(pathf("%s/cat/sub/far", r));
+    assert_int_equal(symlink(outside, pathf("%s/zebra", r)), 0);
+    assert_null(ampc_dataset_folder_open(root, &o));
+    expect_error(AMPC_ERR_FORMAT, pathf("link '%s/zebra' points to '%s'", r, out_real));
+    alarm(0);
+    free(out_real);
+    rm_rf(outside);
+    free(outside);
     rm_rf(root);
     free(root);
 }
@@ -770,6 +930,8 @@ int main(void) {
         cmocka_unit_test(test_index_errors),
         cmocka_unit_test(test_open_errors),
         cmocka_unit_test(test_late_failures),
+        cmocka_unit_test(test_fifo_inputs),
+        cmocka_unit_test(test_folder_links),
         cmocka_unit_test(test_decode_formats),
         cmocka_unit_test(test_decode_corrupt),
     };

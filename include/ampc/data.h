@@ -138,8 +138,10 @@ void ampc_loader_free(ampc_loader *ld);
 // torchvision's ImageFolder layout, e.g. Caltech-256: root/<class>/.../<image>.{jpg,jpeg,png}.
 // Classes are root's subfolders sorted by name (labels 0, 1, ...; names = folder names); each
 // class folder is walked recursively, files sorted by name. Hidden names ('.'-prefixed) are
-// skipped. Images are decoded (libturbojpeg, libpng; format told by content) in
-// ampc_dataset_get and resized to height x width with PIL's antialiased bilinear filter.
+// skipped. Each folder is taken once (links to one already taken, loops included, are skipped);
+// a link to a folder that resolves outside root is an error. Images are decoded (libturbojpeg,
+// libpng; format told by content) in ampc_dataset_get and resized to height x width with PIL's
+// antialiased bilinear filter.
 //
 //     ampc_folder_options fo = {.height = 64, .width = 64, .channels = 3,
 //                               .index_csv = "caltech256.csv"};
@@ -150,15 +152,17 @@ typedef struct {
     int64_t height, width;   /* every sample is resized to this; required, in [1, 16384] */
     int channels;            /* 3 (RGB; 0 means 3) or 1 (gray: ITU-R 601 luma, as PIL's "L") */
     /* Optional index (CSV: header image_path,target, one row per image, paths relative to root,
-       RFC 4180 quoting). Exists: read instead of scanning. Missing: scan, then write it. */
+       RFC 4180 quoting; targets are class indices 0..K-1, K <= 65536, no sparse ids). Exists:
+       read instead of scanning. Missing: scan, then write it. */
     const char *index_csv;
 } ampc_folder_options;
 
 /* Opens an image folder. Candidates whose header is not a readable JPEG/PNG (text named x.jpg,
-   truncated header, over 16384 pixels a side) are skipped at scan time with a line on stderr
-   naming each, and counted; a file that fails later (pixel data cut short) makes
-   ampc_dataset_get fail naming it. NULL + error: root missing or not a folder, no class folder,
-   a class without images, a malformed index (the message names the line), bad options.
+   truncated header, over 16384 pixels a side, a FIFO or device: never opened) are skipped at
+   scan time with a line on stderr naming each, and counted; a file that fails later (pixel data
+   cut short) makes ampc_dataset_get fail naming it. NULL + error: root missing or not a folder, no class folder,
+   a class without images, a link out of root, a malformed index or one that is a FIFO (the
+   message names the line or the file), bad options.
    Free with ampc_dataset_free. */
 ampc_dataset *ampc_dataset_folder_open(const char *root, const ampc_folder_options *o);
 /* Files skipped at scan time (0 when read from an index); AMPC_ERR_INVALID if ds is not a folder. */

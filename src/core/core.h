@@ -33,6 +33,8 @@ FILE *ampc__fopen_regular(const char *path, const char *what, struct stat *st_ou
 /* Removes "<path>.tmp.<pid>" files (the temporaries of an atomic replace of path) whose process is
    gone: what a kill during a write leaves. Returns how many were removed. */
 int ampc__remove_stale_temps(const char *path);
+/* What a st_mode is, for messages: "a directory", "a FIFO (named pipe)", "a character device"... */
+const char *ampc__file_type_name(unsigned mode);
 
 // ---------------------------------------------------------------------------------------------
 // Dtypes: one table, the only place dtype facts live.

@@ -18,7 +18,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static const char *file_type_name(mode_t m) {
+const char *ampc__file_type_name(unsigned mode) {
+    mode_t m = (mode_t)mode;
     if (S_ISDIR(m)) return "a directory";
     if (S_ISFIFO(m)) return "a FIFO (named pipe)";
     if (S_ISCHR(m)) return "a character device";
@@ -39,7 +40,7 @@ int ampc__open_regular(const char *path, const char *what, struct stat *st_out) 
     }
     if (!S_ISREG(st.st_mode)) {
         close(fd);
-        return ampc__err(AMPC_ERR_IO, "%s: '%s' is %s, not a regular file", what, path, file_type_name(st.st_mode));
+        return ampc__err(AMPC_ERR_IO, "%s: '%s' is %s, not a regular file", what, path, ampc__file_type_name(st.st_mode));
     }
     int fl = fcntl(fd, F_GETFL);
     if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) < 0) {

@@ -6,21 +6,31 @@
  * by name (byte order, like Python's sorted), labels their positions; each class folder is
  * walked recursively, its folders in sorted path order and the files of each sorted by name.
  * Differences, deliberate: names starting with '.' (files and folders) are skipped; only .jpg,
- * .jpeg and .png (any case) are candidates; walks stop 16 folders deep (symlink loops).
+ * .jpeg and .png (any case) are candidates; walks stop 16 folders deep.
+ *
+ * Links: a symlink to an image file is followed. Each folder (by st_dev/st_ino) is taken once,
+ * so samples are never duplicated and link loops end: all real folders are walked first (class
+ * by class, sorted), then links to folders in the order met; a link to a folder already taken
+ * (`ln -s . cat/again`, `ln -s .. cat/up`, a link into another class) is skipped silently. A
+ * link to a folder (class folders included) must resolve inside the root's realpath: one that
+ * leaves it is an error naming the link and its target, never a silent walk of outside files.
  *
  * Bad files: every candidate's header is checked at scan time (cheap: no pixels are decoded).
  * One that is not a readable JPEG/PNG (a text file named x.jpg, a file cut inside its header,
- * an image over 16384 pixels a side) is skipped with one line on stderr naming it, and counted
- * (ampc_dataset_folder_skipped). A file that passes the header check but fails to decode later
- * (cut in its pixel data) makes get() return AMPC_ERR_FORMAT naming it; the loader surfaces it.
- * A class folder left without images is an error, as in torchvision.
+ * an image over 16384 pixels a side, a FIFO or device named x.png, which is never opened) is
+ * skipped with one line on stderr naming it, and counted (ampc_dataset_folder_skipped). A file
+ * that passes the header check but fails to decode later (cut in its pixel data) makes get()
+ * return AMPC_ERR_FORMAT naming it; the loader surfaces it. A class folder left without images
+ * is an error, as in torchvision.
  *
  * Index CSV (the usual preprocess step, and a cache of the scan): a header `image_path,target`
  * and one row per image, paths relative to root ('/'-separated; absolute ones are taken as they
  * are), RFC 4180 quoting. Given an index path that exists, open reads it instead of scanning
  * (no header checks); otherwise it scans and writes it (to a temporary name, then renamed, so
  * an interrupted write never leaves a partial index). Class names from an index are the first
- * path component of the first row of each target.
+ * path component of the first row of each target. Targets are class indices: digits, at most
+ * 65535, and dense (the largest below 2 * distinct + 16), so a stray id like 999999 is an error
+ * naming its line rather than a million-class model.
  */
 #include "data/data.h"
 #include "data/image.h"
@@ -34,7 +44,7 @@
 #include <unistd.h>
 
 #define MAX_DEPTH 16
-#define MAX_CLASSES 1000000
+#define MAX_TARGET 65535   /* largest class index an index CSV may give */
 
 typedef struct {
     char **paths;        /* (size) full paths: root/relative, or absolute ones from an index */
@@ -78,11 +88,20 @@ static int list_push(list *l, char *s, int64_t t) {
     return 0;
 }
 
-static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+typedef struct { char *s; int64_t t; } entry;
 
-/* Sorts the strings by bytes (Python's sorted()); labels are not kept in step. */
-static void list_sort(list *l) {
-    if (l->n > 1) qsort(l->v, (size_t)l->n, sizeof *l->v, cmp_str);
+static int cmp_entry(const void *a, const void *b) { return strcmp(((const entry *)a)->s, ((const entry *)b)->s); }
+
+/* Sorts the strings by bytes (Python's sorted()), each keeping its label. */
+static int list_sort(list *l) {
+    if (l->n < 2) return 0;
+    entry *e = malloc((size_t)l->n * sizeof *e);
+    if (!e) return ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+    for (int64_t i = 0; i < l->n; i++) e[i] = (entry){l->v[i], l->t[i]};
+    qsort(e, (size_t)l->n, sizeof *e, cmp_entry);
+    for (int64_t i = 0; i < l->n; i++) l->v[i] = e[i].s, l->t[i] = e[i].t;
+    free(e);
+    return 0;
 }
 
 /* "a/b" from a and b (either may be empty); malloc'd, NULL when out of memory. */
@@ -106,8 +125,9 @@ static bool is_image_name(const char *name) {
     return dot && (!strcasecmp(dot, ".jpg") || !strcasecmp(dot, ".jpeg") || !strcasecmp(dot, ".png"));
 }
 
-/* The visible entries of dir, split into folders and files (names, each list sorted).
-   Symlinks are followed; a dangling one counts as a file (its check then fails). */
+/* The visible entries of dir, split into folders and files (names, each list sorted). A folder's
+   label is 1 when the entry is a symlink to it; a file's is its st_mode after following links (0
+   for a dangling link, which counts as a file: its check then fails). Nothing is opened. */
 static int list_dir(const char *dir, list *dirs, list *files) {
     char eb[128];
     DIR *d = opendir(dir);
@@ -122,48 +142,129 @@ static int list_dir(const char *dir, list *dirs, list *files) {
             break;
         }
         struct stat st;
-        bool is_dir = stat(full, &st) == 0 && S_ISDIR(st.st_mode);
+        bool ok = lstat(full, &st) == 0, link = ok && S_ISLNK(st.st_mode);
+        if (link) ok = stat(full, &st) == 0;
         free(full);
-        rc = list_push(is_dir ? dirs : files, strdup(e->d_name), 0);
+        if (ok && S_ISDIR(st.st_mode)) rc = list_push(dirs, strdup(e->d_name), link);
+        else rc = list_push(files, strdup(e->d_name), ok ? (int64_t)st.st_mode : 0);
     }
     if (rc == 0 && errno) rc = ampc__err(AMPC_ERR_IO, "image folder: reading %s: %s", dir, strerror_r(errno, eb, sizeof eb));
     closedir(d);
-    if (rc == 0) {
-        list_sort(dirs);
-        list_sort(files);
-    }
+    if (rc == 0) rc = list_sort(dirs);
+    if (rc == 0) rc = list_sort(files);
     return rc;
 }
 
-/* Relative paths of the folders under root/rel (rel included), at most MAX_DEPTH deep. */
-static int collect_dirs(const char *root, const char *rel, int depth, list *out) {
-    int rc = list_push(out, strdup(rel), 0);
+/* The folders taken so far, by (st_dev, st_ino): an open-addressing hash set. */
+typedef struct {
+    struct { uint64_t dev, ino; bool used; } *v;
+    size_t n, cap;   /* cap: 0 or a power of two, at least twice n */
+} dir_set;
+
+static size_t dir_hash(uint64_t dev, uint64_t ino, size_t cap) {
+    uint64_t h = (ino ^ dev << 32 ^ dev >> 32) * 0x9E3779B97F4A7C15u;
+    return (size_t)(h >> 17) & (cap - 1);
+}
+
+/* 1: added, 0: already there, < 0: out of memory. */
+static int dir_set_add(dir_set *s, const struct stat *st) {
+    if (2 * (s->n + 1) > s->cap) {
+        dir_set g = {calloc(s->cap ? 2 * s->cap : 64, sizeof *s->v), s->n, s->cap ? 2 * s->cap : 64};
+        if (!g.v) return ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+        for (size_t i = 0; i < s->cap; i++) {
+            if (!s->v[i].used) continue;
+            size_t h = dir_hash(s->v[i].dev, s->v[i].ino, g.cap);
+            while (g.v[h].used) h = (h + 1) & (g.cap - 1);
+            g.v[h] = s->v[i];
+        }
+        free(s->v);
+        *s = g;
+    }
+    uint64_t dev = (uint64_t)st->st_dev, ino = (uint64_t)st->st_ino;
+    size_t h = dir_hash(dev, ino, s->cap);
+    for (; s->v[h].used; h = (h + 1) & (s->cap - 1))
+        if (s->v[h].dev == dev && s->v[h].ino == ino) return 0;
+    s->v[h].dev = dev;
+    s->v[h].ino = ino;
+    s->v[h].used = true;
+    s->n++;
+    return 1;
+}
+
+/* The walk of every class folder (see the file comment for its rules). */
+typedef struct {
+    const char *root;
+    char *root_real;   /* realpath(root): links to folders must resolve inside it */
+    dir_set seen;      /* every folder taken, the root included */
+    list *dirs;        /* (classes) each class's folders, paths relative to root */
+    list links;        /* links to folders met by the walk (relative path, class), followed last */
+} walk;
+
+static int walk_dir(walk *w, const char *rel, int64_t cls, int depth);
+
+static bool path_inside(const char *p, const char *root) {
+    size_t n = strlen(root);
+    if (n == 1) return true;   /* the root is "/" */
+    return !strncmp(p, root, n) && (p[n] == 0 || p[n] == '/');
+}
+
+/* Takes folder root/rel (depth components deep) for class cls unless it was taken already: 1
+   taken, 0 skipped, < 0 error. A link must resolve inside the root. */
+static int enter(walk *w, const char *rel, int64_t cls, int depth, bool is_link) {
+    char eb[128];
+    char *full = join(w->root, rel), *real = NULL;
+    if (!full) return ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+    struct stat st;
+    int rc = 0;
+    if (is_link && !(real = realpath(full, NULL)))
+        rc = ampc__err(AMPC_ERR_IO, "image folder %s: link '%s': %s", w->root, rel, strerror_r(errno, eb, sizeof eb));
+    else if (is_link && !path_inside(real, w->root_real))
+        rc = ampc__err(AMPC_ERR_FORMAT, "image folder %s: link '%s' points to '%s', which leaves the dataset root '%s' "
+                       "(copy the folder in, or make the link point inside the root)", w->root, full, real, w->root_real);
+    else if (stat(full, &st) != 0)
+        rc = ampc__err(AMPC_ERR_IO, "image folder %s: %s: %s", w->root, rel, strerror_r(errno, eb, sizeof eb));
+    else
+        rc = dir_set_add(&w->seen, &st);
+    free(real);
+    free(full);
+    if (rc <= 0) return rc;
+    rc = walk_dir(w, rel, cls, depth);
+    return rc < 0 ? rc : 1;
+}
+
+/* Adds root/rel, just taken, to class cls's folders, then the real folders under it, at most
+   MAX_DEPTH deep; links to folders are set aside in w->links. */
+static int walk_dir(walk *w, const char *rel, int64_t cls, int depth) {
+    int rc = list_push(&w->dirs[cls], strdup(rel), 0);
     if (rc < 0 || depth >= MAX_DEPTH) return rc;
-    char *full = join(root, rel);
+    char *full = join(w->root, rel);
     if (!full) return ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
     list dirs = {0}, files = {0};
     rc = list_dir(full, &dirs, &files);
     free(full);
     for (int64_t i = 0; rc == 0 && i < dirs.n; i++) {
         char *sub = join(rel, dirs.v[i]);
-        rc = sub ? collect_dirs(root, sub, depth + 1, out) : ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
-        free(sub);
+        if (dirs.t[i]) {
+            rc = list_push(&w->links, sub, cls);   /* takes sub over */
+        } else {
+            rc = sub ? enter(w, sub, cls, depth + 1, false) : ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+            rc = rc < 0 ? rc : 0;
+            free(sub);
+        }
     }
     list_free(&dirs);
     list_free(&files);
     return rc;
 }
 
-/* Appends the images of class folder root/cls to idx (relative paths, label target). */
-static int scan_class(const char *root, const char *cls, int64_t target, list *idx, int64_t *skipped) {
-    list dirs = {0};
-    int rc = collect_dirs(root, cls, 1, &dirs);
+/* Appends the images in class cls's folders (relative paths) to idx with label target. */
+static int scan_class(const char *root, const char *cls, int64_t target, list *dirs, list *idx, int64_t *skipped) {
     /* torchvision walks sorted(os.walk(...)): folders in the byte order of their whole paths */
-    if (rc == 0) list_sort(&dirs);
+    int rc = list_sort(dirs);
     int64_t found = 0;
-    for (int64_t i = 0; rc == 0 && i < dirs.n; i++) {
+    for (int64_t i = 0; rc == 0 && i < dirs->n; i++) {
         list sub = {0}, files = {0};
-        char *full = join(root, dirs.v[i]);
+        char *full = join(root, dirs->v[i]);
         rc = full ? list_dir(full, &sub, &files) : ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
         for (int64_t k = 0; rc == 0 && k < files.n; k++) {
             if (!is_image_name(files.v[k])) continue;
@@ -172,18 +273,27 @@ static int scan_class(const char *root, const char *cls, int64_t target, list *i
                 rc = ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
                 break;
             }
-            int prc = ampc__image_probe_file(path, NULL, NULL);
+            unsigned mode = (unsigned)files.t[k];
+            int prc = 0;
+            if (mode && !S_ISREG(mode)) {   /* a FIFO would block the probe: not opened at all */
+                fprintf(stderr, "ampc: image folder: skipping %s: %s, not a regular file\n", path,
+                        ampc__file_type_name(mode));
+                (*skipped)++;
+                prc = 1;
+            } else {
+                prc = ampc__image_probe_file(path, NULL, NULL);
+            }
             free(path);
             if (prc == AMPC_ERR_FORMAT || prc == AMPC_ERR_IO) {
-                /* the message without its "<status text>: " prefix starts with the path */
+                /* the message without its "<status text>: " prefix names the file */
                 const char *why = ampc_last_error() + strlen(ampc_strerror(prc)) + 2;
                 fprintf(stderr, "ampc: image folder: skipping %s\n", why);
                 ampc_clear_error();
                 (*skipped)++;
             } else if (prc < 0) {
                 rc = prc;
-            } else {
-                rc = list_push(idx, join(dirs.v[i], files.v[k]), target);
+            } else if (prc == 0) {
+                rc = list_push(idx, join(dirs->v[i], files.v[k]), target);
                 found++;
             }
         }
@@ -191,20 +301,55 @@ static int scan_class(const char *root, const char *cls, int64_t target, list *i
         list_free(&sub);
         list_free(&files);
     }
-    list_free(&dirs);
     if (rc == 0 && found == 0)
         rc = ampc__err(AMPC_ERR_FORMAT, "image folder %s: class folder '%s' has no readable .jpg/.jpeg/.png image", root,
                        cls);
     return rc;
 }
 
+static int depth_of(const char *rel) {
+    int d = 1;
+    for (; *rel; rel++) d += *rel == '/';
+    return d;
+}
+
 static int scan(const char *root, list *classes, list *idx, int64_t *skipped) {
+    char eb[128];
+    walk w = {.root = root};
     list files = {0};
+    struct stat st;
     int rc = list_dir(root, classes, &files);
     list_free(&files);   /* files directly under root belong to no class */
     if (rc == 0 && classes->n == 0)
         rc = ampc__err(AMPC_ERR_FORMAT, "image folder %s: no class folders (expected root/<class>/<image>)", root);
-    for (int64_t c = 0; rc == 0 && c < classes->n; c++) rc = scan_class(root, classes->v[c], c, idx, skipped);
+    if (rc == 0 && (!(w.root_real = realpath(root, NULL)) || stat(root, &st) != 0))
+        rc = ampc__err(AMPC_ERR_IO, "image folder %s: %s", root, strerror_r(errno, eb, sizeof eb));
+    if (rc == 0) rc = dir_set_add(&w.seen, &st) < 0 ? AMPC_ERR_OOM : 0;   /* a link back to the root is skipped */
+    if (rc == 0 && !(w.dirs = calloc((size_t)classes->n, sizeof *w.dirs)))
+        rc = ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+    /* Real folders first (class folders that are links after the others), links to folders last:
+       a folder reachable without links is never taken through one. */
+    for (int link = 0; link < 2; link++)
+        for (int64_t c = 0; rc == 0 && c < classes->n; c++) {
+            if (classes->t[c] != link) continue;
+            rc = enter(&w, classes->v[c], c, 1, link);
+            if (rc == 0)
+                rc = ampc__err(AMPC_ERR_FORMAT, "image folder %s: class folder '%s' is a link to a folder already scanned",
+                               root, classes->v[c]);
+            else if (rc > 0)
+                rc = 0;
+        }
+    for (int64_t i = 0; rc >= 0 && i < w.links.n; i++) {
+        const char *rel = w.links.v[i];   /* the list may grow: the string stays */
+        rc = enter(&w, rel, w.links.t[i], depth_of(rel), true);
+    }
+    if (rc > 0) rc = 0;
+    for (int64_t c = 0; rc == 0 && c < classes->n; c++) rc = scan_class(root, classes->v[c], c, &w.dirs[c], idx, skipped);
+    for (int64_t c = 0; w.dirs && c < classes->n; c++) list_free(&w.dirs[c]);
+    free(w.dirs);
+    list_free(&w.links);
+    free(w.seen.v);
+    free(w.root_real);
     if (rc == 0 && *skipped > 0)
         fprintf(stderr, "ampc: image folder %s: skipped %lld file(s) that are not readable JPEG/PNG images\n", root,
                 (long long)*skipped);
@@ -348,16 +493,24 @@ static void free_fields(char **f, int nf, int max) {
     for (int i = 0; i < nf && i < max; i++) free(f[i]);
 }
 
+/* A target: decimal digits only, at most MAX_TARGET; -1 otherwise. */
+static int64_t parse_target(const char *s) {
+    int64_t t = 0;
+    if (!*s) return -1;
+    for (; *s; s++) {
+        if (*s < '0' || *s > '9') return -1;
+        t = 10 * t + (*s - '0');
+        if (t > MAX_TARGET) return -1;
+    }
+    return t;
+}
+
 /* Reads the index into idx (paths as written, labels). */
 static int read_index(const char *csv, list *idx) {
     char eb[128];
-    FILE *fp = fopen(csv, "rb");
-    if (!fp) return ampc__err(AMPC_ERR_IO, "image folder index %s: %s", csv, strerror_r(errno, eb, sizeof eb));
     struct stat st;
-    if (fstat(fileno(fp), &st) != 0 || !S_ISREG(st.st_mode)) {
-        fclose(fp);
-        return ampc__err(AMPC_ERR_IO, "image folder index %s: not a regular file", csv);
-    }
+    FILE *fp = ampc__fopen_regular(csv, "image folder index", &st);   /* a FIFO would block */
+    if (!fp) return ampc_last_status();
     size_t n = (size_t)st.st_size;
     char *buf = malloc(n + 1);
     size_t got = buf ? fread(buf, 1, n, fp) : 0;
@@ -368,7 +521,16 @@ static int read_index(const char *csv, list *idx) {
         free(buf);
         return ampc__err(AMPC_ERR_IO, "image folder index %s: read failed: %s", csv, strerror_r(e, eb, sizeof eb));
     }
+    const char *nul = memchr(buf, 0, n);
+    if (nul) {
+        int64_t at = 1;
+        for (const char *c = buf; c < nul; c++) at += *c == '\n';
+        free(buf);
+        return ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: a NUL byte: not a CSV text file", csv, (long long)at);
+    }
     csv_reader r = {.p = buf, .name = csv, .n = n, .line = 1};
+    uint8_t used[(MAX_TARGET + 1) / 8] = {0};   /* bit t: some row has target t */
+    int64_t distinct = 0, max_t = -1, max_line = 0;
     if (n >= 3 && !memcmp(buf, "\xEF\xBB\xBF", 3)) r.pos = 3;   /* UTF-8 byte order mark */
     char *f[2];
     int nf, rc;
@@ -387,26 +549,29 @@ static int read_index(const char *csv, list *idx) {
             free(f[0]);
             continue;
         }
-        char *end = NULL;
-        long long t = 0;
-        if (nf == 2) {
-            errno = 0;
-            t = strtoll(f[1], &end, 10);
-        }
+        int64_t t = nf == 2 ? parse_target(f[1]) : -1;
         if (nf != 2)
             rc = ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: expected 2 fields (image_path,target), found %d",
                            csv, (long long)line, nf);
         else if (!f[0][0])
             rc = ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: empty image_path", csv, (long long)line);
-        else if (!f[1][0] || *end || errno || t < 0 || t >= MAX_CLASSES)
-            rc = ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: target '%s' is not an integer in [0, %d)", csv,
-                           (long long)line, f[1], MAX_CLASSES);
+        else if (t < 0)
+            rc = ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: target '%s' is not an integer in [0, %d]", csv,
+                           (long long)line, f[1], MAX_TARGET);
         else {
             rc = list_push(idx, f[0], t);
             f[0] = NULL;   /* taken over */
+            if (!(used[t / 8] & 1u << t % 8)) distinct++;
+            used[t / 8] |= (uint8_t)(1u << t % 8);
+            if (t > max_t) max_t = t, max_line = line;
         }
         free_fields(f, nf, 2);
     }
+    /* A class index, not an id: target 999999 would make a million-class model. */
+    if (rc == 0 && max_t >= 2 * distinct + 16)
+        rc = ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: target %lld would make %lld classes for %lld distinct "
+                       "targets: targets must be class indices 0..K-1 (renumber them)", csv, (long long)max_line,
+                       (long long)max_t, (long long)max_t + 1, (long long)distinct);
     free(buf);
     if (rc == 0 && idx->n == 0) rc = ampc__err(AMPC_ERR_FORMAT, "image folder index %s: no rows", csv);
     return rc;

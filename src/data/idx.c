@@ -39,21 +39,24 @@ typedef struct {
 static int reader_open(reader *r, const char *path) {
     memset(r, 0, sizeof *r);
     r->path = path;
-    FILE *f = fopen(path, "rb");
-    if (!f) return ampc__err(AMPC_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
     struct stat st;
-    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
-        fclose(f);
-        return ampc__err(AMPC_ERR_IO, "'%s' is not a regular file", path);
-    }
+    int fd = ampc__open_regular(path, "IDX file", &st);   /* a FIFO would block gzopen forever */
+    if (fd < 0) return fd;
     unsigned char m[2] = {0, 0};
-    size_t got = fread(m, 1, 2, f);
-    fclose(f);
+    ssize_t got = read(fd, m, 2);
+    if (got < 0 || lseek(fd, 0, SEEK_SET) != 0) {
+        int rc = ampc__err(AMPC_ERR_IO, "IDX file: cannot read '%s': %s", path, strerror(errno));
+        close(fd);
+        return rc;
+    }
     r->size = (uint64_t)st.st_size;
     r->gzipped = got == 2 && m[0] == 0x1f && m[1] == 0x8b;
-    /* zlib reads plain files transparently, so one code path serves both. */
-    r->gz = gzopen(path, "rb");
-    if (!r->gz) return ampc__err(AMPC_ERR_IO, "cannot open '%s': %s", path, errno ? strerror(errno) : "zlib failure");
+    /* zlib reads plain files transparently, so one code path serves both; gzclose closes fd. */
+    r->gz = gzdopen(fd, "rb");
+    if (!r->gz) {
+        close(fd);
+        return ampc__err(AMPC_ERR_OOM, "IDX file '%s': zlib could not allocate its state", path);
+    }
     gzbuffer(r->gz, 1 << 17);
     return AMPC_OK;
 }

@@ -38,13 +38,9 @@ static int read_file(const char *path, size_t max, uint8_t **buf, size_t *n, siz
     char eb[128];
     *buf = NULL;
     *n = 0;
-    FILE *f = fopen(path, "rb");
-    if (!f) return ampc__err(AMPC_ERR_IO, "%s: %s", path, strerror_r(errno, eb, sizeof eb));
     struct stat st;
-    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
-        fclose(f);
-        return ampc__err(AMPC_ERR_IO, "%s: not a regular file", path);
-    }
+    FILE *f = ampc__fopen_regular(path, "image file", &st);   /* refuses a FIFO without blocking */
+    if (!f) return ampc_last_status();
     size_t total = (size_t)st.st_size;
     if (size) *size = total;
     if (total > AMPC_IMAGE_MAX_FILE) {

@@ -91,7 +91,7 @@ static void pad_range(double *lo, double *hi, double frac) {
 static bool png_complete(const char *path) {
     static const unsigned char sig[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
     static const unsigned char iend[12] = {0, 0, 0, 0, 'I', 'E', 'N', 'D', 0xae, 0x42, 0x60, 0x82};
-    FILE *f = fopen(path, "rb");
+    FILE *f = ampc__fopen_regular(path, "plot", NULL);   /* our own temporary file, but never block on a FIFO */
     if (!f) return false;
     unsigned char head[8], tail[12];
     bool ok = fread(head, 1, 8, f) == 8 && memcmp(head, sig, 8) == 0 && fseek(f, -12, SEEK_END) == 0 &&
