@@ -542,7 +542,7 @@ static void test_truncated_and_foreign_files(void **state) {
     write_all(bad, "hello, world\n", 13);
     expect_load_error(v, bad, AMPC_ERR_FORMAT, NULL, NULL, NULL);
     expect_load_error(v, tmpdir, AMPC_ERR_IO, "not a regular file", NULL, NULL);
-    expect_load_error(v, tpath("nonexistent.safetensors"), AMPC_ERR_IO, "can't open", NULL, NULL);
+    expect_load_error(v, tpath("nonexistent.safetensors"), AMPC_ERR_IO, "cannot open", "nonexistent.safetensors", NULL);
     /* a flipped byte in the header's JSON */
     memcpy(g, f, n);
     g[8 + 1] = '!';
@@ -765,8 +765,15 @@ static void test_failed_save_keeps_previous(void **state) {
     assert_int_equal(ampc_checkpoint_meta_get(meta, "epoch", buf, sizeof buf), 1);
     assert_string_equal(buf, "2");
     free(meta);
-    assert_int_equal(ampc_checkpoint_meta_get("{\"a\":\"b\"", "a", buf, sizeof buf), AMPC_ERR_FORMAT);
-    assert_int_equal(ampc_checkpoint_meta_get("{\"a\":\"b\"} x", "a", buf, sizeof buf), AMPC_ERR_FORMAT);
+    /* malformed text before the key (or where an absent key is sought) is an error; a lookup
+       stops at its key and does not read on */
+    assert_int_equal(ampc_checkpoint_meta_get("{\"a\":\"b\"", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
+    assert_int_equal(ampc_checkpoint_meta_get("{\"a\":\"b\"} x", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
+    assert_int_equal(ampc_checkpoint_meta_get("{\"a\":1,\"z\":\"b\"}", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
+    assert_int_equal(ampc_checkpoint_meta_get("[\"z\"]", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
+    assert_int_equal(ampc_checkpoint_meta_get("{}", "z", buf, sizeof buf), AMPC_ERR_INVALID);
+    assert_int_equal(ampc_checkpoint_meta_get(" { \"a\" : \"b\" , \"z\":\"\\u00e9\"", "z", buf, sizeof buf), 2);
+    assert_string_equal(buf, "\xc3\xa9");
     free(good);
     ampc_optimizer_free(oo);
     ampc_module_free(other);

@@ -23,6 +23,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdio.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -62,8 +63,18 @@ int ampc_checkpoint_read_meta(const char *path, char **meta_json_out);
 
 /* Value of key in a metadata JSON object (from load/read_meta) into buf (NUL-terminated,
    truncated to n-1 bytes). Returns the value's full length in bytes (>= n: truncated), or
-   AMPC_ERR_INVALID when the key is absent, AMPC_ERR_FORMAT when meta_json is malformed. */
+   AMPC_ERR_INVALID when the key is absent, AMPC_ERR_FORMAT when meta_json is malformed. One
+   pass over the text that stops at the key (linear in its size; what follows the key is not
+   read, and of duplicate keys the first counts). */
 int ampc_checkpoint_meta_get(const char *meta_json, const char *key, char *buf, size_t n);
+
+/* Are the tensors of two checkpoints (weights, buffers, optimizer state; by name, dtype, shape
+   and bytes) identical? Both files are validated as by a load; the metadata is not compared.
+   Writes to report (NULL: nothing) one line per differing tensor ("differ: tensor 'x': ...", the
+   first 20), then "checkpoints differ: N tensor(s)" or "identical: N tensors, B bytes of tensor
+   data". Returns 0 identical, 1 different, or a negative status (a file missing or invalid);
+   nothing is retained after the call. */
+int ampc_checkpoint_compare(const char *path_a, const char *path_b, FILE *report);
 
 // ---------------------------------------------------------------------------------------------
 // Metrics log: a CSV file with a header line and one row per call, flushed per row.
