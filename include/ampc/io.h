@@ -47,7 +47,8 @@ int ampc_checkpoint_save(const char *path, ampc_module *m, ampc_optimizer *opt, 
 
 /* Restores what ampc_checkpoint_save wrote, bit for bit. The whole file is validated first
    (safetensors structure, every model tensor present with m's dtype and shape, no unexpected
-   model tensor, optimizer kind, scaler state): on any error nothing is changed (model,
+   model tensor, optimizer kind, scaler state; every value in range; for a parameter that has
+   taken steps, each state tensor opt's settings use): on any error nothing is changed (model,
    optimizer, scaler, RNG) and the message names the problem (the key and both shapes for a
    different model). opt NULL: optimizer entries in the file are ignored (weights only); with
    opt the RNG state is restored too (a resumed run replays the same random numbers). s NULL or

@@ -28,6 +28,10 @@
  * for this schema only (objects, strings, non-negative integers; duplicate keys, unknown fields,
  * invalid UTF-8 and trailing garbage are errors). The data is memory-mapped and copied only once
  * every check has passed, so a bad file leaves model, optimizer, scaler and RNG as they were.
+ * A hostile file costs bounded time and memory: the header's size, tensor count, metadata key
+ * count and nesting depth are limited, names are sorted once and binary-searched (n log n in
+ * the header), and every value read is range-checked (step counts, scaler state), as is the
+ * presence of the optimizer state that the step counts imply.
  */
 #include "amp/amp.h"
 #include "nn/nn.h"
