@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -29,7 +30,8 @@
 #include "nn/nn.h"
 #include "optim/optim.h"
 
-extern int ampc__checkpoint_fail_stage;   /* src/io/checkpoint.c test hook */
+extern int ampc__checkpoint_fail_stage;   /* src/io/checkpoint.c test hooks */
+extern _Thread_local uint64_t ampc__checkpoint_key_compares;
 
 static char tmpdir[64];
 
@@ -542,7 +544,7 @@ static void test_truncated_and_foreign_files(void **state) {
     write_all(bad, "hello, world\n", 13);
     expect_load_error(v, bad, AMPC_ERR_FORMAT, NULL, NULL, NULL);
     expect_load_error(v, tmpdir, AMPC_ERR_IO, "not a regular file", NULL, NULL);
-    expect_load_error(v, tpath("nonexistent.safetensors"), AMPC_ERR_IO, "can't open", NULL, NULL);
+    expect_load_error(v, tpath("nonexistent.safetensors"), AMPC_ERR_IO, "cannot open", "nonexistent.safetensors", NULL);
     /* a flipped byte in the header's JSON */
     memcpy(g, f, n);
     g[8 + 1] = '!';
@@ -716,6 +718,326 @@ static void test_mismatched_checkpoints(void **state) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Hostile files: FIFOs, huge or deeply nested headers, values out of range, missing state
+
+/* A FIFO with no writer and a character device are refused at once (opening a FIFO would
+   block forever; alarm() bounds the test if it did). */
+static void test_fifo_and_device(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    victim v = victim_new();
+    const char *fifo = tpath("fifo.safetensors");
+    assert_int_equal(mkfifo(fifo, 0600), 0);
+    alarm(20);
+    expect_load_error(v, fifo, AMPC_ERR_IO, "FIFO", fifo, NULL);
+    char *meta = NULL;
+    assert_int_equal(ampc_checkpoint_read_meta(fifo, &meta), AMPC_ERR_IO);
+    assert_null(meta);
+    const char *good = tpath("fifo_good.safetensors");
+    ASSERT_OK(ampc_checkpoint_save(good, v.m, NULL, NULL, NULL));
+    assert_int_equal(ampc_checkpoint_compare(good, fifo, NULL), AMPC_ERR_IO);
+    assert_non_null(strstr(ampc_last_error(), "FIFO"));
+    alarm(0);
+    expect_load_error(v, "/dev/null", AMPC_ERR_IO, "character device", "/dev/null", NULL);
+    unlink(fifo);
+    victim_free(v);
+    ampc_scope_end();
+}
+
+/* n distinct names "k<7 digits>", in a scattered order (the sort has work to do). */
+static void scattered_name(char *buf, size_t cap, int i, int n) {
+    snprintf(buf, cap, "k%07d", (int)(((int64_t)i * 7919) % n));
+}
+
+/* A header of n metadata keys (values "v<i>") and no tensors. */
+static char *many_keys_header(int n) {
+    blob b = {0};
+    blob_add(&b, "{\"__metadata__\":{", 17);
+    for (int i = 0; i < n; i++) {
+        char k[64], e[128];
+        scattered_name(k, sizeof k, i, n);
+        int len = snprintf(e, sizeof e, "%s\"%s\":\"v%s\"", i ? "," : "", k, k + 1);
+        blob_add(&b, e, (size_t)len);
+    }
+    blob_add(&b, "}}", 3);   /* with the NUL */
+    return (char *)b.b;
+}
+
+/* Linearity is asserted by counting name comparisons (a test hook in checkpoint.c), not by
+   timing: a quadratic step would make billions where n log n makes a few million. */
+static void test_large_headers(void **state) {
+    (void)state;
+    const int n = 100000;
+    const char *p = tpath("large.safetensors");
+    /* 100,000 metadata keys: read, then 60 lookups (as ampc-train --resume does) */
+    char *json = many_keys_header(n);
+    write_crafted(p, json, 0);
+    free(json);
+    char *meta = NULL;
+    ampc__checkpoint_key_compares = 0;
+    ASSERT_OK(ampc_checkpoint_read_meta(p, &meta));
+    uint64_t c = ampc__checkpoint_key_compares;
+    if (c > 25ull * (uint64_t)n) fail_msg("reading %d metadata keys took %" PRIu64 " comparisons: not n log n", n, c);
+    ampc__checkpoint_key_compares = 0;
+    for (int j = 0; j < 60; j++) {
+        char k[64], buf[64], want[64];
+        scattered_name(k, sizeof k, n - 1 - j, n);   /* the last keys of the text: the longest lookups */
+        snprintf(want, sizeof want, "v%s", k + 1);
+        assert_int_equal(ampc_checkpoint_meta_get(meta, k, buf, sizeof buf), (int)strlen(want));
+        assert_string_equal(buf, want);
+    }
+    c = ampc__checkpoint_key_compares;
+    if (c > 60ull * (uint64_t)n) fail_msg("60 lookups among %d keys took %" PRIu64 " comparisons: not linear", n, c);
+    assert_int_equal(ampc_checkpoint_meta_get(meta, "k", NULL, 0), AMPC_ERR_INVALID);
+    free(meta);
+
+    /* 100,000 one-byte tensors: validated, and compared with themselves */
+    blob b = {0};
+    blob_add(&b, "{", 1);
+    for (int i = 0; i < n; i++) {
+        char k[64], e[160];
+        scattered_name(k, sizeof k, i, n);
+        int at = atoi(k + 1);
+        int len = snprintf(e, sizeof e, "%s\"%s\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[%d,%d]}", i ? "," : "", k, at, at + 1);
+        blob_add(&b, e, (size_t)len);
+    }
+    blob_add(&b, "}", 2);
+    write_crafted(p, (char *)b.b, (uint64_t)n);
+    free(b.b);
+    ampc__checkpoint_key_compares = 0;
+    ASSERT_OK(ampc_checkpoint_read_meta(p, &meta));
+    c = ampc__checkpoint_key_compares;
+    if (c > 25ull * (uint64_t)n) fail_msg("reading %d tensors took %" PRIu64 " comparisons: not n log n", n, c);
+    assert_string_equal(meta, "{}");
+    free(meta);
+    char *out = NULL;
+    size_t out_n = 0;
+    FILE *rep = open_memstream(&out, &out_n);
+    assert_int_equal(ampc_checkpoint_compare(p, p, rep), 0);
+    fclose(rep);
+    assert_string_equal(out, "identical: 100000 tensors, 100,000 bytes of tensor data\n");
+    free(out);
+
+    /* one key past the limit on metadata keys */
+    json = many_keys_header(1000001);
+    write_crafted(p, json, 0);
+    free(json);
+    assert_int_equal(ampc_checkpoint_read_meta(p, &meta), AMPC_ERR_FORMAT);
+    assert_non_null(strstr(ampc_last_error(), "more than 1000000 metadata keys (the limit)"));
+
+    /* nested 10,000 deep: refused by the depth check, without recursion */
+    const int depth = 10000;
+    static const char *const opens[] = {"{\"__metadata__\":", "{\"t\":{\"dtype\":\"F32\",\"shape\":"};
+    for (int k = 0; k < 2; k++) {
+        blob d = {0};
+        blob_add(&d, opens[k], strlen(opens[k]));
+        for (int i = 0; i < depth; i++) blob_add(&d, k ? "[" : "{\"a\":", k ? 1 : 5);
+        blob_add(&d, k ? "1" : "\"x\"", k ? 1 : 3);
+        for (int i = 0; i < depth + 1 + k; i++) blob_add(&d, k && i < depth ? "]" : "}", 1);
+        blob_add(&d, "", 1);
+        write_crafted(p, (char *)d.b, 0);
+        free(d.b);
+        assert_int_equal(ampc_checkpoint_read_meta(p, &meta), AMPC_ERR_FORMAT);
+        assert_non_null(strstr(ampc_last_error(), "nested deeper than 3 levels"));
+    }
+    /* and meta_get on such text stops at the first value that is not a string */
+    blob d = {0};
+    for (int i = 0; i < depth; i++) blob_add(&d, "{\"a\":", 5);
+    blob_add(&d, "", 1);
+    assert_int_equal(ampc_checkpoint_meta_get((char *)d.b, "a", NULL, 0), AMPC_ERR_FORMAT);
+    assert_non_null(strstr(ampc_last_error(), "metadata values must be strings"));
+    free(d.b);
+}
+
+/* The checkpoint at src with the first `from` in its header replaced by `to`, written to dst
+   (the header re-padded; offsets are relative to the data, so the data stays valid). */
+static void edit_header(const char *src, const char *dst, const char *from, const char *to) {
+    size_t n;
+    unsigned char *f = read_all(src, &n);
+    assert_non_null(f);
+    uint64_t hn = 0;
+    for (int i = 7; i >= 0; i--) hn = hn << 8 | f[i];
+    char *hdr = strndup((const char *)f + 8, hn);
+    char *at = strstr(hdr, from);
+    if (!at) fail_msg("edit_header: \"%s\" is not in the header of %s", from, src);
+    blob j = {0};
+    blob_add(&j, hdr, (size_t)(at - hdr));
+    blob_add(&j, to, strlen(to));
+    blob_add(&j, at + strlen(from), strlen(at + strlen(from)) + 1);
+    size_t jn = strlen((char *)j.b), padded = (jn + 7) / 8 * 8;
+    blob out = {0};
+    unsigned char n8[8];
+    for (int i = 0; i < 8; i++) n8[i] = (unsigned char)((uint64_t)padded >> (8 * i));
+    blob_add(&out, n8, 8);
+    blob_add(&out, j.b, jn);
+    for (size_t i = jn; i < padded; i++) blob_add(&out, " ", 1);
+    blob_add(&out, f + 8 + hn, n - 8 - (size_t)hn);
+    write_all(dst, out.b, out.n);
+    free(out.b);
+    free(j.b);
+    free(hdr);
+    free(f);
+}
+
+/* "\"key\":\"value\"" of a checkpoint's metadata (to edit it). */
+static const char *meta_pair(const char *path, const char *key) {
+    static char pair[256];
+    char *meta = NULL, val[128];
+    ASSERT_OK(ampc_checkpoint_read_meta(path, &meta));
+    assert_true(ampc_checkpoint_meta_get(meta, key, val, sizeof val) >= 0);
+    free(meta);
+    snprintf(pair, sizeof pair, "\"%s\":\"%s\"", key, val);
+    return pair;
+}
+
+/* Loading `good` with key's value set to each of values fails, the message holding `names`
+   (the key, or the scaler field). */
+static void expect_bad_values(victim v, const char *good, const char *key, const char *const *values, const char *names) {
+    char bad[256], from[256];
+    snprintf(bad, sizeof bad, "%s", tpath("hostile_value.safetensors"));
+    snprintf(from, sizeof from, "%s", meta_pair(good, key));
+    for (int i = 0; values[i]; i++) {
+        char to[256];
+        snprintf(to, sizeof to, "\"%s\":\"%s\"", key, values[i]);
+        edit_header(good, bad, from, to);
+        expect_load_error(v, bad, AMPC_ERR_FORMAT, names, NULL, NULL);
+    }
+}
+
+static void test_hostile_values(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    /* an Adam (amsgrad) victim that has taken steps */
+    victim v = {mlp(71, 3), NULL, scaler()};
+    v.o = optimizer(v.m, OPT_ADAM);
+    ampc_tensor *x = data_tensor(72, BATCH, D_IN), *y = data_tensor(73, BATCH, 3);
+    for (int i = 0; i < 8; i++) train_step(v.m, v.o, v.s, x, y);
+    assert_true(v.o->steps[0] > 0);
+    char good[256], bad[256];   /* tpath's buffers are reused */
+    snprintf(good, sizeof good, "%s", tpath("hostile_good.safetensors"));
+    snprintf(bad, sizeof bad, "%s", tpath("hostile.safetensors"));
+    ASSERT_OK(ampc_checkpoint_save(good, v.m, v.o, v.s, NULL));
+    ASSERT_OK(ampc_checkpoint_load(good, v.m, v.o, v.s, NULL));   /* unedited, it loads */
+
+    /* step counts: a negative one, INT64_MAX (an overflow on the next step), past 2^53, text */
+    static const char *const steps[] = {"-1", "9223372036854775807", "9007199254740993", "1e3", "", " 1", NULL};
+    expect_bad_values(v, good, "optimizer.0.weight.step", steps, "metadata 'optimizer.0.weight.step'");
+    edit_header(good, bad, "\"optimizer.0.weight.step\"", "\"optimizer.0.weight.steps\"");
+    expect_load_error(v, bad, AMPC_ERR_FORMAT, "lacks the metadata 'optimizer.0.weight.step'", NULL, NULL);
+    static const char *const counts[] = {"-1", "99999999999999999999", "x", NULL};
+    expect_bad_values(v, good, "optimizer.num_params", counts, "metadata 'optimizer.num_params'");
+    /* the scaler: a scale that is not a positive finite float, counters out of range */
+    static const char *const scales[] = {"inf", "nan", "0", "-1", "1e39", "1e-50", "", "2x", NULL};
+    expect_bad_values(v, good, "scaler.scale", scales, "scaler");
+    static const char *const trackers[] = {"-1", "2147483648", "9223372036854775807", "0.5", NULL};
+    expect_bad_values(v, good, "scaler.growth_tracker", trackers, "growth");
+    static const char *const hyst[] = {"0", "-1", "2147483648", NULL};
+    expect_bad_values(v, good, "scaler.hysteresis_counter", hyst, "hysteresis");
+    static const char *const applied[] = {"-1", "9007199254740993", "9223372036854775807", NULL};
+    expect_bad_values(v, good, "scaler.steps_applied", applied, "scaler");
+    expect_bad_values(v, good, "scaler.steps_skipped", applied, "scaler");
+
+    /* missing state: a moment of a parameter that has taken steps; max_exp_avg_sq is needed
+       only by amsgrad */
+    ampc_module *m = mlp(74, 3);
+    ampc_optimizer *o = optimizer(m, OPT_ADAM);
+    for (int i = 0; i < 8; i++) train_step(m, o, v.s, x, y);
+    assert_true(o->steps[2] > 0 && o->state[0][2] && o->state[2][2]);
+    ampc_tensor *keep = o->state[0][2];
+    o->state[0][2] = NULL;
+    ASSERT_OK(ampc_checkpoint_save(bad, m, o, v.s, NULL));
+    o->state[0][2] = keep;
+    expect_load_error(v, bad, AMPC_ERR_FORMAT, "has the Adam step count of '3.weight'", "but not its 'exp_avg'",
+                      "'optimizer.3.weight.exp_avg'");
+    keep = o->state[2][2];
+    o->state[2][2] = NULL;
+    ASSERT_OK(ampc_checkpoint_save(bad, m, o, v.s, NULL));
+    o->state[2][2] = keep;
+    expect_load_error(v, bad, AMPC_ERR_FORMAT, "'3.weight'", "but not its 'max_exp_avg_sq'", NULL);
+    ampc_adam_options ao = ampc_adam_defaults();   /* no amsgrad: that slot is not needed */
+    ampc_optimizer *plain = ampc_adam_new(m, &ao);
+    ASSERT_NOT_NULL_MSG(plain);
+    ASSERT_OK(ampc_checkpoint_load(bad, m, plain, NULL, NULL));
+    assert_int_equal(plain->steps[2], o->steps[2]);
+    /* state without a step count */
+    int64_t st = o->steps[1];
+    o->steps[1] = 0;
+    ASSERT_OK(ampc_checkpoint_save(bad, m, o, v.s, NULL));
+    o->steps[1] = st;
+    expect_load_error(v, bad, AMPC_ERR_FORMAT, "'optimizer.0.bias.exp_avg'", "step count of '0.bias' is 0", NULL);
+    /* a fresh optimizer (no steps, no state) round-trips; a weights-only file is refused with
+       an optimizer, as before */
+    ampc_optimizer *fresh = optimizer(m, OPT_ADAM);
+    ASSERT_OK(ampc_checkpoint_save(bad, m, fresh, v.s, NULL));
+    ASSERT_OK(ampc_checkpoint_load(bad, m, o, v.s, NULL));
+    for (int i = 0; i < o->n; i++) assert_true(o->steps[i] == 0 && !o->state[0][i] && !o->state[1][i] && !o->state[2][i]);
+    ASSERT_OK(ampc_checkpoint_save(bad, m, NULL, NULL, NULL));
+    expect_load_error(v, bad, AMPC_ERR_FORMAT, "holds no optimizer state", NULL, NULL);
+    ampc_optimizer_free(fresh);
+    ampc_optimizer_free(plain);
+    ampc_optimizer_free(o);
+    ampc_module_free(m);
+    victim_free(v);
+    ampc_scope_end();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Comparing checkpoints
+
+/* ampc_checkpoint_compare(a, b) returns rc, and the report (or the error) holds each string. */
+static void expect_compare(const char *a, const char *b, int rc, const char *s1, const char *s2) {
+    char *out = NULL;
+    size_t n = 0;
+    FILE *rep = open_memstream(&out, &n);
+    int got = ampc_checkpoint_compare(a, b, rep);
+    fclose(rep);
+    if (got != rc) fail_msg("compare %s %s: %d, expected %d (%s); report: %s", a, b, got, rc, ampc_last_error(), out);
+    const char *want[2] = {s1, s2};
+    for (int i = 0; i < 2; i++)
+        if (want[i] && !strstr(rc < 0 ? ampc_last_error() : out, want[i]))
+            fail_msg("compare %s %s lacks \"%s\": %s", a, b, want[i], rc < 0 ? ampc_last_error() : out);
+    free(out);
+}
+
+static void test_compare(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    victim v = victim_new();
+    char a[256], b[256];
+    snprintf(a, sizeof a, "%s", tpath("cmp_a.safetensors"));
+    snprintf(b, sizeof b, "%s", tpath("cmp_b.safetensors"));
+    ASSERT_OK(ampc_checkpoint_save(a, v.m, v.o, v.s, (const char *[]){"epoch", "1", NULL}));
+    /* identical tensors, other metadata */
+    ASSERT_OK(ampc_checkpoint_save(b, v.m, v.o, v.s, (const char *[]){"epoch", "2", NULL}));
+    expect_compare(a, b, 0, "identical: 8 tensors, ", " bytes of tensor data\n");
+    /* one element of one tensor changed */
+    ampc_tensor **sd;
+    int n_sd = ampc_module_state_dict(v.m, &sd, NULL);
+    assert_true(n_sd == 4);
+    ((float *)ampc_tensor_data(sd[0]))[5] += 1.0f;
+    ASSERT_OK(ampc_checkpoint_save(b, v.m, v.o, v.s, NULL));
+    expect_compare(a, b, 1, "differ: tensor '0.weight': ", " of 128 bytes differ\ncheckpoints differ: 1 tensor(s)\n");
+    /* tensors missing (no optimizer state), another shape */
+    ASSERT_OK(ampc_checkpoint_save(b, v.m, NULL, NULL, NULL));
+    expect_compare(a, b, 1, "differ: tensor 'optimizer.0.bias.momentum_buffer' is only in ", "checkpoints differ: 5 tensor(s)\n");
+    ampc_module *m5 = mlp(81, 5);
+    ASSERT_OK(ampc_checkpoint_save(b, m5, NULL, NULL, NULL));
+    expect_compare(b, a, 1, "differ: tensor '3.weight': F32 (5, 8) vs F32 (3, 8)\n", "differ: tensor '3.bias': F32 (5,) vs F32 (3,)\n");
+    /* errors: a corrupt file, a missing one */
+    size_t n;
+    unsigned char *f = read_all(a, &n);
+    f[9] = '[';
+    write_all(b, f, n);
+    free(f);
+    expect_compare(a, b, AMPC_ERR_FORMAT, "checkpoint '", "malformed header");
+    expect_compare(tpath("missing.safetensors"), a, AMPC_ERR_IO, "missing.safetensors", NULL);
+    assert_int_equal(ampc_checkpoint_compare(a, a, NULL), 0);
+    ampc_module_free(m5);
+    victim_free(v);
+    ampc_scope_end();
+}
+
+// ---------------------------------------------------------------------------------------------
 // Atomic replacement
 
 static void test_failed_save_keeps_previous(void **state) {
@@ -765,8 +1087,15 @@ static void test_failed_save_keeps_previous(void **state) {
     assert_int_equal(ampc_checkpoint_meta_get(meta, "epoch", buf, sizeof buf), 1);
     assert_string_equal(buf, "2");
     free(meta);
-    assert_int_equal(ampc_checkpoint_meta_get("{\"a\":\"b\"", "a", buf, sizeof buf), AMPC_ERR_FORMAT);
-    assert_int_equal(ampc_checkpoint_meta_get("{\"a\":\"b\"} x", "a", buf, sizeof buf), AMPC_ERR_FORMAT);
+    /* malformed text before the key (or where an absent key is sought) is an error; a lookup
+       stops at its key and does not read on */
+    assert_int_equal(ampc_checkpoint_meta_get("{\"a\":\"b\"", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
+    assert_int_equal(ampc_checkpoint_meta_get("{\"a\":\"b\"} x", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
+    assert_int_equal(ampc_checkpoint_meta_get("{\"a\":1,\"z\":\"b\"}", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
+    assert_int_equal(ampc_checkpoint_meta_get("[\"z\"]", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
+    assert_int_equal(ampc_checkpoint_meta_get("{}", "z", buf, sizeof buf), AMPC_ERR_INVALID);
+    assert_int_equal(ampc_checkpoint_meta_get(" { \"a\" : \"b\" , \"z\":\"\\u00e9\"", "z", buf, sizeof buf), 2);
+    assert_string_equal(buf, "\xc3\xa9");
     free(good);
     ampc_optimizer_free(oo);
     ampc_module_free(other);
@@ -928,6 +1257,10 @@ int main(void) {
         cmocka_unit_test(test_truncated_and_foreign_files),
         cmocka_unit_test(test_bad_headers),
         cmocka_unit_test(test_mismatched_checkpoints),
+        cmocka_unit_test(test_fifo_and_device),
+        cmocka_unit_test(test_large_headers),
+        cmocka_unit_test(test_hostile_values),
+        cmocka_unit_test(test_compare),
         cmocka_unit_test(test_failed_save_keeps_previous),
         cmocka_unit_test(test_metrics_csv),
         cmocka_unit_test(test_plot_png),

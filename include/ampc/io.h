@@ -23,6 +23,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdio.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -46,7 +47,8 @@ int ampc_checkpoint_save(const char *path, ampc_module *m, ampc_optimizer *opt, 
 
 /* Restores what ampc_checkpoint_save wrote, bit for bit. The whole file is validated first
    (safetensors structure, every model tensor present with m's dtype and shape, no unexpected
-   model tensor, optimizer kind, scaler state): on any error nothing is changed (model,
+   model tensor, optimizer kind, scaler state; every value in range; for a parameter that has
+   taken steps, each state tensor opt's settings use): on any error nothing is changed (model,
    optimizer, scaler, RNG) and the message names the problem (the key and both shapes for a
    different model). opt NULL: optimizer entries in the file are ignored (weights only); with
    opt the RNG state is restored too (a resumed run replays the same random numbers). s NULL or
@@ -62,8 +64,18 @@ int ampc_checkpoint_read_meta(const char *path, char **meta_json_out);
 
 /* Value of key in a metadata JSON object (from load/read_meta) into buf (NUL-terminated,
    truncated to n-1 bytes). Returns the value's full length in bytes (>= n: truncated), or
-   AMPC_ERR_INVALID when the key is absent, AMPC_ERR_FORMAT when meta_json is malformed. */
+   AMPC_ERR_INVALID when the key is absent, AMPC_ERR_FORMAT when meta_json is malformed. One
+   pass over the text that stops at the key (linear in its size; what follows the key is not
+   read, and of duplicate keys the first counts). */
 int ampc_checkpoint_meta_get(const char *meta_json, const char *key, char *buf, size_t n);
+
+/* Are the tensors of two checkpoints (weights, buffers, optimizer state; by name, dtype, shape
+   and bytes) identical? Both files are validated as by a load; the metadata is not compared.
+   Writes to report (NULL: nothing) one line per differing tensor ("differ: tensor 'x': ...", the
+   first 20), then "checkpoints differ: N tensor(s)" or "identical: N tensors, B bytes of tensor
+   data". Returns 0 identical, 1 different, or a negative status (a file missing or invalid);
+   nothing is retained after the call. */
+int ampc_checkpoint_compare(const char *path_a, const char *path_b, FILE *report);
 
 // ---------------------------------------------------------------------------------------------
 // Metrics log: a CSV file with a header line and one row per call, flushed per row.

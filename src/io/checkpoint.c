@@ -28,6 +28,10 @@
  * for this schema only (objects, strings, non-negative integers; duplicate keys, unknown fields,
  * invalid UTF-8 and trailing garbage are errors). The data is memory-mapped and copied only once
  * every check has passed, so a bad file leaves model, optimizer, scaler and RNG as they were.
+ * A hostile file costs bounded time and memory: the header's size, tensor count, metadata key
+ * count and nesting depth are limited, names are sorted once and binary-searched (n log n in
+ * the header), and every value read is range-checked (step counts, scaler state), as is the
+ * presence of the optimizer state that the step counts imply.
  */
 #include "amp/amp.h"
 #include "nn/nn.h"
@@ -53,7 +57,17 @@
    the temporary file is removed and the previous checkpoint survives. 0: off. */
 int ampc__checkpoint_fail_stage = 0;
 
+/* Test hook: name comparisons made by this thread while parsing headers and looking up
+   tensors and metadata keys, so that a test can check that loading stays n log n in the header
+   size by counting instead of timing. */
+_Thread_local uint64_t ampc__checkpoint_key_compares = 0;
+
+/* Limits on a header, so that a hostile file costs bounded time and memory (each a FORMAT error
+   naming it): */
 #define MAX_HEADER_BYTES 100000000ull   /* the reference reader's limit */
+#define MAX_TENSORS 1000000             /* tensors in a header (a 100 MB header holds ~2 million) */
+#define MAX_META_KEYS 1000000           /* metadata keys: one step count per parameter, and more */
+#define MAX_DEPTH 3                     /* {"name": {"shape": [..]}}: no header nests deeper */
 
 // ---------------------------------------------------------------------------------------------
 // Dtypes: every safetensors dtype (to validate any file), and which ampc dtype each one is
@@ -83,6 +97,12 @@ static const char *opt_kind_name(ampc_optim_kind k) {
 
 static const char *const sgd_slots[] = {"momentum_buffer"};
 static const char *const adam_slots[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+
+/* How many of the slots this optimizer's settings use (PyTorch keeps no SGD buffer without
+   momentum, and max_exp_avg_sq only with amsgrad): the state a step creates. */
+static int slots_used(const ampc_optimizer *opt) {
+    return opt->kind == AMPC_OPTIM_SGD ? opt->sgd.momentum != 0 : opt->adam.amsgrad ? 3 : 2;
+}
 
 static int opt_slots(const ampc_optimizer *opt, const char *const **names) {
     if (opt->kind == AMPC_OPTIM_SGD) {
@@ -201,7 +221,11 @@ typedef struct {
 } st_entry;
 
 typedef struct {
-    char **keys, **vals;
+    char *key, *val;
+} kv_pair;
+
+typedef struct {
+    kv_pair *a;
     int n, cap;
 } kv_list;
 
@@ -217,6 +241,7 @@ typedef struct {
     const char *s;
     size_t n, i;
     char err[160];
+    sbuf tmp;   /* the string being read (reused: one allocation per parse, not per string) */
 } jparser;
 
 static bool jfail(jparser *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -270,13 +295,14 @@ static bool jhex4(jparser *p, unsigned *out) {
     return true;
 }
 
-/* A JSON string, unescaped into a malloc'd C string (NULL + error). \u0000 is refused: names
-   and values are C strings. */
-static char *jstring(jparser *p) {
-    if (!jexpect(p, '"')) return NULL;
-    sbuf b = {0};
-    sb_add(&b, "", 0);
-    while (!b.oom) {
+/* A JSON string, unescaped into p->tmp (false + error). \u0000 is refused: names and values
+   are C strings. */
+static bool jstring_tmp(jparser *p) {
+    if (!jexpect(p, '"')) return false;
+    sbuf *b = &p->tmp;
+    b->n = 0;
+    sb_add(b, "", 0);
+    while (!b->oom) {
         if (p->i >= p->n) {
             jfail(p, "unterminated string");
             break;
@@ -284,8 +310,7 @@ static char *jstring(jparser *p) {
         unsigned char c = (unsigned char)p->s[p->i];
         if (c == '"') {
             p->i++;
-            if (!b.s) break;
-            return b.s;
+            return true;
         }
         if (c < 0x20) {
             jfail(p, "control character 0x%02x in a string", c);
@@ -297,7 +322,7 @@ static char *jstring(jparser *p) {
                 jfail(p, "invalid UTF-8 in a string");
                 break;
             }
-            sb_add(&b, p->s + p->i, k);
+            sb_add(b, p->s + p->i, k);
             p->i += k;
             continue;
         }
@@ -309,7 +334,7 @@ static char *jstring(jparser *p) {
         const char *simple = strchr("\"\\/bfnrt", e);
         if (simple && e) {
             static const char out[] = "\"\\/\b\f\n\r\t";
-            sb_add(&b, &out[simple - "\"\\/bfnrt"], 1);
+            sb_add(b, &out[simple - "\"\\/bfnrt"], 1);
             continue;
         }
         if (e != 'u') {
@@ -348,12 +373,54 @@ static char *jstring(jparser *p) {
         else
             u[0] = (char)(0xf0 | (cp >> 18)), u[1] = (char)(0x80 | ((cp >> 12) & 0x3f)),
             u[2] = (char)(0x80 | ((cp >> 6) & 0x3f)), u[3] = (char)(0x80 | (cp & 0x3f)), k = 4;
-        sb_add(&b, u, k);
+        sb_add(b, u, k);
     }
-    if (b.oom) jfail(p, "out of memory");
-    free(b.s);
-    return NULL;
+    if (b->oom) jfail(p, "out of memory");
+    return false;
 }
+
+/* The same as a malloc'd C string of its own length (NULL + error). */
+static char *jstring(jparser *p) {
+    if (!jstring_tmp(p)) return NULL;
+    char *s = malloc(p->tmp.n + 1);
+    if (!s) {
+        jfail(p, "out of memory");
+        return NULL;
+    }
+    memcpy(s, p->tmp.s, p->tmp.n + 1);
+    return s;
+}
+
+static void jparser_free(jparser *p) {
+    free(p->tmp.s);
+    p->tmp = (sbuf){0};
+}
+
+/* A '{' or '[' beyond depth MAX_DEPTH anywhere in text: refused in one pass, before any
+   parsing (the schema parser never recurses; this names the problem for a deeply nested file). */
+static bool jdepth_ok(jparser *p) {
+    int depth = 0;
+    bool in_str = false;
+    for (size_t i = 0; i < p->n; i++) {
+        char c = p->s[i];
+        if (in_str) {
+            if (c == '\\') i++;
+            else if (c == '"') in_str = false;
+        } else if (c == '"') {
+            in_str = true;
+        } else if (c == '{' || c == '[') {
+            if (++depth > MAX_DEPTH) {
+                p->i = i;
+                return jfail(p, "JSON nested deeper than %d levels (the most a safetensors header has)", MAX_DEPTH);
+            }
+        } else if ((c == '}' || c == ']') && depth > 0) {
+            depth--;
+        }
+    }
+    return true;
+}
+
+
 
 /* A non-negative integer (no sign, fraction, exponent or leading zeros). */
 static bool ju64(jparser *p, uint64_t max, uint64_t *out) {
@@ -376,37 +443,46 @@ static bool ju64(jparser *p, uint64_t max, uint64_t *out) {
 
 static void kv_free(kv_list *l) {
     for (int i = 0; i < l->n; i++) {
-        free(l->keys[i]);
-        free(l->vals[i]);
+        free(l->a[i].key);
+        free(l->a[i].val);
     }
-    free(l->keys);
-    free(l->vals);
+    free(l->a);
     *l = (kv_list){0};
 }
 
 static bool kv_push(kv_list *l, char *k, char *v) {
     if (l->n == l->cap) {
         int cap = l->cap ? 2 * l->cap : 16;
-        char **nk = realloc(l->keys, (size_t)cap * sizeof *nk);
-        if (nk) l->keys = nk;
-        char **nv = nk ? realloc(l->vals, (size_t)cap * sizeof *nv) : NULL;
-        if (nv) l->vals = nv;
-        if (!nk || !nv) return false;
+        kv_pair *a = realloc(l->a, (size_t)cap * sizeof *a);
+        if (!a) return false;
+        l->a = a;
         l->cap = cap;
     }
-    l->keys[l->n] = k;
-    l->vals[l->n] = v;
-    l->n++;
+    l->a[l->n++] = (kv_pair){k, v};
     return true;
 }
 
-static const char *kv_get(const kv_list *l, const char *key) {
-    for (int i = 0; i < l->n; i++)
-        if (strcmp(l->keys[i], key) == 0) return l->vals[i];
+static int cmp_kv(const void *a, const void *b) {
+    ampc__checkpoint_key_compares++;
+    return strcmp(((const kv_pair *)a)->key, ((const kv_pair *)b)->key);
+}
+
+/* Sorts n pairs by key (for kv_get); returns the first key that occurs twice, or NULL. */
+static const char *kv_sort(kv_pair *a, int n) {
+    if (n > 1) qsort(a, (size_t)n, sizeof *a, cmp_kv);
+    for (int i = 1; i < n; i++)
+        if (cmp_kv(&a[i - 1], &a[i]) == 0) return a[i].key;
     return NULL;
 }
 
-/* {"key": "value", ...} with string values and no duplicate keys. */
+/* Value of key in a list sorted by kv_sort, or NULL. */
+static const char *kv_get(const kv_list *l, const char *key) {
+    kv_pair k = {(char *)key, NULL};
+    const kv_pair *hit = l->n ? bsearch(&k, l->a, (size_t)l->n, sizeof *l->a, cmp_kv) : NULL;
+    return hit ? hit->val : NULL;
+}
+
+/* {"key": "value", ...} with string values and no duplicate keys; out ends sorted by key. */
 static bool jstring_object(jparser *p, kv_list *out) {
     if (!jexpect(p, '{')) return false;
     if (jpeek(p, '}')) {
@@ -414,15 +490,9 @@ static bool jstring_object(jparser *p, kv_list *out) {
         return true;
     }
     for (;;) {
-        size_t at = p->i;
+        if (out->n == MAX_META_KEYS) return jfail(p, "more than %d metadata keys (the limit)", MAX_META_KEYS);
         char *k = jstring(p);
         if (!k) return false;
-        if (kv_get(out, k)) {
-            p->i = at;
-            jfail(p, "duplicate metadata key \"%.60s\"", k);
-            free(k);
-            return false;
-        }
         char *v = NULL;
         if (!jexpect(p, ':') || !(jpeek(p, '"') ? (v = jstring(p)) != NULL : jfail(p, "metadata values must be strings")) ||
             !kv_push(out, k, v)) {
@@ -435,7 +505,10 @@ static bool jstring_object(jparser *p, kv_list *out) {
             p->i++;
             continue;
         }
-        return jexpect(p, '}');
+        if (!jexpect(p, '}')) return false;
+        const char *dup = kv_sort(out->a, out->n);
+        if (dup) snprintf(p->err, sizeof p->err, "duplicate metadata key \"%.60s\"", dup);
+        return !dup;
     }
 }
 
@@ -516,11 +589,13 @@ static void header_free(st_header *h) {
 }
 
 static int cmp_entry_name(const void *a, const void *b) {
+    ampc__checkpoint_key_compares++;
     return strcmp(((const st_entry *)a)->name, ((const st_entry *)b)->name);
 }
 
 /* Parses the header JSON into h (entries sorted by name). Error text in p->err. */
 static bool parse_header(jparser *p, st_header *h) {
+    if (!jdepth_ok(p)) return false;
     jws(p);
     if (p->i >= p->n || p->s[p->i] != '{') return jfail(p, "the header is not a JSON object");
     p->i++;
@@ -543,6 +618,10 @@ static bool parse_header(jparser *p, st_header *h) {
                 if (!jstring_object(p, &h->meta)) return false;
                 h->meta_end = p->i;
             } else {
+                if (h->n == MAX_TENSORS) {
+                    free(k);
+                    return jfail(p, "more than %d tensors (the limit)", MAX_TENSORS);
+                }
                 if (h->n == h->cap) {
                     int cap = h->cap ? 2 * h->cap : 64;
                     st_entry *e = realloc(h->e, (size_t)cap * sizeof *e);
@@ -569,7 +648,7 @@ static bool parse_header(jparser *p, st_header *h) {
     if (p->i != p->n) return jfail(p, "unexpected data after the JSON object");
     if (h->n > 1) qsort(h->e, (size_t)h->n, sizeof *h->e, cmp_entry_name);
     for (int i = 1; i < h->n; i++)
-        if (strcmp(h->e[i - 1].name, h->e[i].name) == 0) {
+        if (cmp_entry_name(&h->e[i - 1], &h->e[i]) == 0) {
             snprintf(p->err, sizeof p->err, "duplicate tensor \"%.60s\"", h->e[i].name);
             return false;
         }
@@ -681,11 +760,9 @@ static int pread_all(int fd, void *buf, size_t n, off_t off) {
 
 static int st_open(st_file *f, const char *path) {
     *f = (st_file){.path = path, .fd = -1};
-    f->fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (f->fd < 0) return ampc__err(AMPC_ERR_IO, "checkpoint '%s': can't open: %s", path, strerror(errno));
     struct stat st;
-    if (fstat(f->fd, &st) < 0) return ampc__err(AMPC_ERR_IO, "checkpoint '%s': can't stat: %s", path, strerror(errno));
-    if (!S_ISREG(st.st_mode)) return ampc__err(AMPC_ERR_IO, "checkpoint '%s' is not a regular file", path);
+    f->fd = ampc__open_regular(path, "checkpoint", &st);   /* a FIFO or device: refused at once */
+    if (f->fd < 0) return ampc_last_status();
     uint64_t size = (uint64_t)st.st_size;
     unsigned char n8[8];
     if (size < 8 || pread_all(f->fd, n8, 8, 0) < 0)
@@ -705,7 +782,9 @@ static int st_open(st_file *f, const char *path) {
     if (n == 0 || f->text[0] != '{')
         return ampc__err(AMPC_ERR_FORMAT, "checkpoint '%s' is not a safetensors file: the header does not start with '{'", path);
     jparser p = {.s = f->text, .n = n};
-    if (!parse_header(&p, &f->h)) return ampc__err(AMPC_ERR_FORMAT, "checkpoint '%s': malformed header: %s", path, p.err);
+    bool ok = parse_header(&p, &f->h);
+    jparser_free(&p);
+    if (!ok) return ampc__err(AMPC_ERR_FORMAT, "checkpoint '%s': malformed header: %s", path, p.err);
     uint64_t data_bytes = size - 8 - n;
     int rc = validate_layout(path, &f->h, data_bytes);
     if (rc < 0) return rc;
@@ -741,14 +820,27 @@ static char *meta_json_copy(const st_file *f) {
 // ---------------------------------------------------------------------------------------------
 // Parsing metadata values
 
-static bool parse_i64(const char *s, int64_t lo, int64_t *out) {
+static bool parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
     if (!s || !*s || (*s != '-' && (*s < '0' || *s > '9'))) return false;
     errno = 0;
     char *end;
     long long v = strtoll(s, &end, 10);
-    if (errno || *end || v < lo) return false;
+    if (errno || *end || v < lo || v > hi) return false;
     *out = v;
     return true;
+}
+
+#define MAX_COUNT ((int64_t)1 << 53)   /* step counts: exact in a double, and never reached */
+
+/* The integer metadata value of key, from lo to hi, into *out; else an error naming the key,
+   the value and the range. */
+static int meta_int(const char *path, const kv_list *meta, const char *key, int64_t lo, int64_t hi, int64_t *out) {
+    const char *v = kv_get(meta, key);
+    if (!v) return ampc__err(AMPC_ERR_FORMAT, "checkpoint '%s' lacks the metadata '%s'", path, key);
+    if (!parse_i64(v, lo, hi, out))
+        return ampc__err(AMPC_ERR_FORMAT, "checkpoint '%s': metadata '%s' is \"%.40s\", not an integer from %" PRId64 " to %" PRId64,
+                         path, key, v, lo, hi);
+    return AMPC_OK;
 }
 
 static bool parse_u64(const char *s, uint64_t *out) {
@@ -883,10 +975,16 @@ static int build_meta(kv_list *meta, ampc_optimizer *opt, ampc_scaler *s, ampc_t
         if (reserved_key(k)) return ampc__err(AMPC_ERR_INVALID, "checkpoint save: metadata key '%s' is reserved", k);
         if (!utf8_valid(k) || !utf8_valid(v))
             return ampc__err(AMPC_ERR_INVALID, "checkpoint save: metadata key '%s' or its value is not valid UTF-8", k);
-        if (kv_get(meta, k)) return ampc__err(AMPC_ERR_INVALID, "checkpoint save: metadata key '%s' given twice", k);
         PUT(strdup(k), "%s", v);
     }
-    return AMPC_OK;
+    /* the caller's keys are unique: sorted in a copy (the file keeps this order) */
+    kv_pair *sorted = malloc((size_t)meta->n * sizeof *sorted);
+    if (!sorted) return ampc__err(AMPC_ERR_OOM, "checkpoint save: out of memory for the metadata");
+    memcpy(sorted, meta->a, (size_t)meta->n * sizeof *sorted);
+    const char *dup = kv_sort(sorted, meta->n);
+    int rc = dup ? ampc__err(AMPC_ERR_INVALID, "checkpoint save: metadata key '%s' given twice", dup) : AMPC_OK;
+    free(sorted);
+    return rc;
 #undef PUT
 }
 
@@ -990,9 +1088,9 @@ int ampc_checkpoint_save(const char *path, ampc_module *m, ampc_optimizer *opt, 
         sb_puts(&hdr, "{\"__metadata__\":{");
         for (int i = 0; i < meta.n; i++) {
             if (i) sb_puts(&hdr, ",");
-            sb_json_string(&hdr, meta.keys[i]);
+            sb_json_string(&hdr, meta.a[i].key);
             sb_puts(&hdr, ":");
-            sb_json_string(&hdr, meta.vals[i]);
+            sb_json_string(&hdr, meta.a[i].val);
         }
         sb_puts(&hdr, "}");
         for (int i = 0; i < n_items; i++) {
@@ -1070,8 +1168,8 @@ static int plan_optimizer(st_file *f, ampc_optimizer *opt, ampc_tensor **sd, con
         return ampc__err(AMPC_ERR_INVALID, "checkpoint '%s' holds %s state but the optimizer is %s", path, type,
                          opt_kind_name(opt->kind));
     int64_t np;
-    if (!parse_i64(kv_get(meta, "optimizer.num_params"), 0, &np))
-        return ampc__err(AMPC_ERR_FORMAT, "checkpoint '%s': bad or missing optimizer.num_params", path);
+    int rc = meta_int(path, meta, "optimizer.num_params", 0, MAX_TENSORS, &np);
+    if (rc < 0) return rc;
     if (np != opt->n)
         return ampc__err(AMPC_ERR_SHAPE, "checkpoint '%s' holds state for %" PRId64 " parameters but the optimizer has %d", path, np,
                          opt->n);
@@ -1089,12 +1187,18 @@ static int plan_optimizer(st_file *f, ampc_optimizer *opt, ampc_tensor **sd, con
         ampc_tensor *p = opt->params[i];
         const char *pn = param_name(sd, names, n_sd, p, i, buf, sizeof buf);
         snprintf(key, sizeof key, "optimizer.%s.step", pn);
-        if (!parse_i64(kv_get(meta, key), 0, &pl->steps[i]))
-            return ampc__err(AMPC_ERR_FORMAT, "checkpoint '%s': bad or missing metadata '%s'", path, key);
+        if ((rc = meta_int(path, meta, key, 0, MAX_COUNT, &pl->steps[i])) < 0) return rc;
         for (int k = 0; k < pl->n_slots; k++) {
             snprintf(key, sizeof key, "optimizer.%s.%s", pn, pl->slots[k]);
             st_entry *e = header_find(&f->h, key);
+            /* state exists from a parameter's first step on: with steps, every slot this
+               optimizer uses must be there (else it would restart silently); before, none */
+            if (!e && pl->steps[i] > 0 && k < slots_used(opt))
+                return ampc__err(AMPC_ERR_FORMAT, "checkpoint '%s' has the %s step count of '%s' (%" PRId64 ") but not its '%s' (tensor '%s')",
+                                 path, opt_kind_name(opt->kind), pn, pl->steps[i], pl->slots[k], key);
             if (!e) continue;
+            if (pl->steps[i] == 0)
+                return ampc__err(AMPC_ERR_FORMAT, "checkpoint '%s' has the tensor '%s' but the step count of '%s' is 0", path, key, pn);
             if (!entry_matches(e, p)) return mismatch(path, e, p, "optimizer state");
             e->used = true;
             pl->src[k * opt->n + i] = e;
@@ -1142,8 +1246,9 @@ static int plan_scaler(st_file *f, ampc_scaler *s, double *v) {
             if (!txt || !*txt || *end) return ampc__err(AMPC_ERR_FORMAT, "checkpoint '%s': bad or missing metadata '%s'", path, keys[k]);
             v[k] = (double)x;
         } else {
-            int64_t x;
-            if (!parse_i64(txt, 0, &x)) return ampc__err(AMPC_ERR_FORMAT, "checkpoint '%s': bad or missing metadata '%s'", path, keys[k]);
+            int64_t x;   /* the scaler checks the finer ranges */
+            int rc = meta_int(path, meta, keys[k], 0, MAX_COUNT, &x);
+            if (rc < 0) return rc;
             v[k] = (double)x;
         }
     }
@@ -1242,28 +1347,107 @@ int ampc_checkpoint_read_meta(const char *path, char **meta_json_out) {
     return rc;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Comparing two files' tensors
+
+/* "(10, 128)" with thousands separators for a byte count: "1,234,567". */
+static const char *fmt_thousands(uint64_t v, char *buf, size_t n) {
+    char digits[32];
+    snprintf(digits, sizeof digits, "%" PRIu64, v);
+    size_t len = strlen(digits), at = 0;
+    for (size_t i = 0; i < len && at + 2 < n; i++) {
+        if (i && (len - i) % 3 == 0) buf[at++] = ',';
+        buf[at++] = digits[i];
+    }
+    buf[at] = '\0';
+    return buf;
+}
+
+static void entry_desc(const st_entry *e, char *buf, size_t n) {
+    char sh[160];
+    snprintf(buf, n, "%s %s", st_dtypes[e->dtype].name, fmt_shape(e->ndim, e->shape, sh, sizeof sh));
+}
+
+int ampc_checkpoint_compare(const char *path_a, const char *path_b, FILE *report) {
+    ampc__ensure_init();
+    if (!path_a || !path_b) return ampc__err(AMPC_ERR_INVALID, "checkpoint compare: NULL path");
+    st_file a, b;
+    int rc = st_open(&a, path_a);
+    if (rc == AMPC_OK) rc = st_open(&b, path_b);
+    else b = (st_file){.fd = -1};
+    if (rc < 0) {
+        st_close(&a);
+        st_close(&b);
+        return rc;
+    }
+    int diffs = 0;
+    uint64_t bytes = 0;
+    /* both entry lists are sorted by name: one merge */
+    for (int i = 0, k = 0; i < a.h.n || k < b.h.n;) {
+        int c = i >= a.h.n ? 1 : k >= b.h.n ? -1 : cmp_entry_name(&a.h.e[i], &b.h.e[k]);
+        if (c) {
+            const st_entry *e = c < 0 ? &a.h.e[i++] : &b.h.e[k++];
+            if (diffs++ < 20 && report) fprintf(report, "differ: tensor '%s' is only in %s\n", e->name, c < 0 ? path_a : path_b);
+            continue;
+        }
+        const st_entry *x = &a.h.e[i++], *y = &b.h.e[k++];
+        char dx[200], dy[200];
+        entry_desc(x, dx, sizeof dx);
+        entry_desc(y, dy, sizeof dy);
+        uint64_t n = x->end - x->begin;
+        if (strcmp(dx, dy) != 0) {   /* the same dtype and shape: the same byte count */
+            if (diffs++ < 20 && report) fprintf(report, "differ: tensor '%s': %s vs %s\n", x->name, dx, dy);
+            continue;
+        }
+        const unsigned char *p = a.data + x->begin, *q = b.data + y->begin;
+        if (n && memcmp(p, q, (size_t)n) != 0) {
+            uint64_t nd = 0;
+            for (uint64_t t = 0; t < n; t++) nd += p[t] != q[t];
+            if (diffs++ < 20 && report) fprintf(report, "differ: tensor '%s': %" PRIu64 " of %" PRIu64 " bytes differ\n", x->name, nd, n);
+        }
+        bytes += n;
+    }
+    if (report) {
+        char c1[40];
+        if (diffs) fprintf(report, "checkpoints differ: %d tensor(s)\n", diffs);
+        else fprintf(report, "identical: %d tensors, %s bytes of tensor data\n", a.h.n, fmt_thousands(bytes, c1, sizeof c1));
+    }
+    st_close(&a);
+    st_close(&b);
+    return diffs ? 1 : 0;
+}
+
 int ampc_checkpoint_meta_get(const char *meta_json, const char *key, char *buf, size_t n) {
     if (!meta_json || !key) return ampc__err(AMPC_ERR_INVALID, "checkpoint meta_get: NULL %s", key ? "metadata" : "key");
+    /* one pass that stops at the key: no list is built, so a lookup is linear in the text */
     jparser p = {.s = meta_json, .n = strlen(meta_json)};
-    kv_list kv = {0};
-    int rc;
-    if (!jstring_object(&p, &kv) || (jws(&p), p.i != p.n)) {
-        if (!p.err[0]) jfail(&p, "unexpected data after the JSON object");
-        rc = ampc__err(AMPC_ERR_FORMAT, "checkpoint metadata: %s", p.err);
-    } else {
-        const char *v = kv_get(&kv, key);
-        if (!v) {
-            rc = ampc__err(AMPC_ERR_INVALID, "checkpoint metadata has no key '%s'", key);
-        } else {
-            size_t len = strlen(v);
-            if (buf && n) {
-                size_t k = len < n - 1 ? len : n - 1;
-                memcpy(buf, v, k);
-                buf[k] = '\0';
+    int rc = AMPC_ERR_INVALID;
+    if (jexpect(&p, '{') && !jpeek(&p, '}')) {
+        for (int found = 0; !found;) {
+            if (!jstring_tmp(&p)) break;
+            ampc__checkpoint_key_compares++;
+            found = strcmp(p.tmp.s, key) == 0;
+            if (!jexpect(&p, ':') || !(jpeek(&p, '"') ? jstring_tmp(&p) : jfail(&p, "metadata values must be strings"))) break;
+            if (found) {
+                size_t len = p.tmp.n;
+                if (buf && n) {
+                    size_t k = len < n - 1 ? len : n - 1;
+                    memcpy(buf, p.tmp.s, k);
+                    buf[k] = '\0';
+                }
+                rc = len > (size_t)INT32_MAX ? INT32_MAX : (int)len;
+            } else if (jpeek(&p, ',')) {
+                p.i++;
+            } else {
+                break;
             }
-            rc = len > (size_t)INT32_MAX ? INT32_MAX : (int)len;
         }
     }
-    kv_free(&kv);
+    if (rc == AMPC_ERR_INVALID && !p.err[0]) {   /* the end: '}' and nothing after it */
+        if (jexpect(&p, '}') && (jws(&p), p.i != p.n)) jfail(&p, "unexpected data after the JSON object");
+    }
+    if (p.err[0]) rc = ampc__err(AMPC_ERR_FORMAT, "checkpoint metadata: %s", p.err);
+    else if (rc == AMPC_ERR_INVALID) ampc__err(rc, "checkpoint metadata has no key '%s'", key);
+    jparser_free(&p);
     return rc;
 }
