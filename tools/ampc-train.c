@@ -1452,6 +1452,7 @@ static int train_run(settings *s, run_result *res) {
         rc = -1;
         goto done;
     }
+    ampc_checkpoint_remove_stale_temps(r.ckpt_path);   /* a kill mid-save left it: never renamed */
     printf("outputs: %s/{metrics.csv,loss.png,accuracy.png,checkpoint.safetensors}\n", r.out);
     fflush(stdout);
 

@@ -61,6 +61,9 @@ int ampc_checkpoint_load(const char *path, ampc_module *m, ampc_optimizer *opt, 
 /* Only the metadata of a checkpoint (validated like a load, nothing restored): a malloc'd JSON
    object in *meta_json_out, as ampc_checkpoint_load gives it. */
 int ampc_checkpoint_read_meta(const char *path, char **meta_json_out);
+/* Removes the temporaries ("<path>.tmp.<pid>") that writers of path killed mid-save left behind
+   (those of live processes stay); ampc_checkpoint_save does it too. Returns how many. */
+int ampc_checkpoint_remove_stale_temps(const char *path);
 
 /* Value of key in a metadata JSON object (from load/read_meta) into buf (NUL-terminated,
    truncated to n-1 bytes). Returns the value's full length in bytes (>= n: truncated), or

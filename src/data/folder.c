@@ -378,7 +378,9 @@ static int write_index(const char *csv, const list *idx) {
     char *tmp = malloc(n);
     if (!tmp) return ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
     snprintf(tmp, n, "%s.tmp.%ld", csv, (long)getpid());
-    FILE *f = fopen(tmp, "w");
+    ampc__remove_stale_temps(csv);
+    unlink(tmp);   /* "wx": a new file, never a FIFO or link placed there */
+    FILE *f = fopen(tmp, "wx");
     if (!f) {
         int rc = ampc__err(AMPC_ERR_IO, "image folder index %s: %s", tmp, strerror_r(errno, eb, sizeof eb));
         free(tmp);

@@ -1004,7 +1004,8 @@ static void order_items(save_item *items, int n) {
 }
 
 static int write_file(const char *path, const char *tmp, const sbuf *hdr, const save_item *items, int n_items) {
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    unlink(tmp);   /* a new file, never one placed there (O_EXCL: not a FIFO or a link to follow) */
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (fd < 0) return ampc__err(AMPC_ERR_IO, "checkpoint save '%s': can't create '%s': %s", path, tmp, strerror(errno));
     unsigned char n8[8];
     uint64_t n = hdr->n;
@@ -1114,6 +1115,7 @@ int ampc_checkpoint_save(const char *path, ampc_module *m, ampc_optimizer *opt, 
     }
     if (rc == AMPC_OK) {
         tmp = str_printf("%s.tmp.%ld", path, (long)getpid());
+        ampc__remove_stale_temps(path);   /* what killed writers left: full-size, never renamed */
         rc = tmp ? write_file(path, tmp, &hdr, items, n_items) : ampc__err(AMPC_ERR_OOM, "checkpoint save: out of memory");
     }
     for (int i = 0; i < n_items; i++) free(items[i].name);
@@ -1334,6 +1336,11 @@ int ampc_checkpoint_load(const char *path, ampc_module *m, ampc_optimizer *opt, 
     if (opt) plan_free(&pl, opt->n);
     st_close(&f);
     return rc;
+}
+
+int ampc_checkpoint_remove_stale_temps(const char *path) {
+    if (!path) return ampc__err(AMPC_ERR_INVALID, "checkpoint: NULL path");
+    return ampc__remove_stale_temps(path);
 }
 
 int ampc_checkpoint_read_meta(const char *path, char **meta_json_out) {

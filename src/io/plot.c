@@ -238,7 +238,7 @@ int ampc_plot_curves(const char *png_path, const char *title, const char *xlabel
         FILE *f = NULL;
         if (!has_pngcairo()) {
             rc = ampc__err(AMPC_ERR_UNSUPPORTED, "plot '%s': PLplot's pngcairo driver is not installed (plplot-driver-cairo)", png_path);
-        } else if (!(f = fopen(tmp, "wb"))) {
+        } else if (!(unlink(tmp), f = fopen(tmp, "wbx"))) {
             rc = ampc__err(AMPC_ERR_IO, "plot '%s': can't create '%s': %s", png_path, tmp, strerror(errno));
         } else {
             PLINT old, strm = -1;
