@@ -121,14 +121,14 @@ ONEDNN_MAX_CPU_ISA=AVX2 expect 1 avx2_bf16 'amp-dtype bf16: this CPU has no bf16
 # Out of memory under --max-memory: the message names what took the memory and the largest batch
 # that fits, measured; that batch does fit, and optimizer state that alone does not fit is named
 MEM=(--limit-train 256 --limit-val 64 --epochs 1 --max-memory 44M --progress off --use-amp no)
-if expect 1 oom_advice 'largest batch that fits is about [0-9]+' "${MEM[@]}" --batch-size 64 --out "$W/x"; then
+if expect 1 oom_advice 'largest batch that fits is about [0-9]+' "${MEM[@]}" --batch-size 64 --out "$W/oom1"; then
     fit=$(grep -oE 'about [0-9]+ \(--batch-size' "$W/oom_advice.err" | grep -oE '[0-9]+')
     timeout "$LIMIT" "$TRAIN" "${MEM[@]}" --batch-size "$fit" --out "$W/fit" >/dev/null 2>"$W/fit.err" &&
         ok "oom: the advised --batch-size $fit fits" || bad "oom: the advised --batch-size $fit fails: $(tail -1 "$W/fit.err")"
     rm -rf "$W/fit"
 fi
 expect 1 oom_state 'not even a batch of 1 fits; the optimizer.s state is the largest part' \
-    --model resnet18 --batch-size 1 --limit-train 16 --limit-val 8 --epochs 1 --max-memory 150M --progress off --out "$W/x"
+    --model resnet18 --batch-size 1 --limit-train 16 --limit-val 8 --epochs 1 --max-memory 150M --progress off --out "$W/oom2"
 
 # ---------------------------------------------------------------------------------------------
 # Diverging runs stop with exit 3, name the step and the last good checkpoint, and never
