@@ -199,7 +199,7 @@ ampc_tensor *ampc_tensor_randn(ampc_dtype dt, int ndim, const int64_t *shape, do
    one the caller holds no reference to (a module's parameter, a grad, one whose scope ended). */
 int ampc_tensor_free(ampc_tensor *t);
 /* Moves t to the enclosing scope; returns t (one the user or a module owns stays as it is).
-   NULL (the first error kept) for NULL; NULL + AMPC_ERR_STATE for a stale t. */
+   NULL + error for NULL or a stale t. */
 ampc_tensor *ampc_tensor_keep(ampc_tensor *t);
 /* Takes t out of all scopes: the caller frees it with ampc_tensor_free; returns t. NULL + error
    for NULL, a stale t, or one no scope holds (a module's parameter, a grad). */
@@ -412,7 +412,11 @@ ampc_module *ampc_module_child(ampc_module *m, int i);
 int ampc_module_parameters(ampc_module *m, ampc_tensor ***params, const char ***names);
 int64_t ampc_module_num_parameters(ampc_module *m, bool trainable_only);
 void ampc_module_requires_grad(ampc_module *m, bool on);  /* freeze / unfreeze recursively */
-void ampc_module_free(ampc_module *m);   /* with its children, parameters and their grads */
+/* With its children, parameters and their grads. A child of another module is not freed
+   (AMPC_ERR_STATE: free the root, or ampc_module_replace the child); neither is a stale m.
+   Functions given a NULL or stale module record an error naming the call and return NULL,
+   false, a negative status (ampc_module_parameters/state_dict), or 0 (num_children of NULL). */
+void ampc_module_free(ampc_module *m);
 
 /* Convolutional layers (PyTorch's default initialisation: kaiming_uniform(a=sqrt(5)) weights,
    U(+-1/sqrt(fan_in)) bias; BatchNorm: weight 1, bias 0, running_mean 0, running_var 1). */
@@ -475,6 +479,11 @@ ampc_optimizer *ampc_adamw_new(ampc_module *m, const ampc_adam_options *opts);
 ampc_optimizer *ampc_sgd_new_params(ampc_tensor **params, int n, const ampc_sgd_options *opts);
 ampc_optimizer *ampc_adam_new_params(ampc_tensor **params, int n, const ampc_adam_options *opts);
 ampc_optimizer *ampc_adamw_new_params(ampc_tensor **params, int n, const ampc_adam_options *opts);
+/* AMPC_ERR_STATE, nothing written, once the module a parameter belongs to was freed or one of
+   its children replaced (the optimizer's own references keep the parameters readable): free
+   the optimizer before its module, or build a new one. A NULL or stale optimizer records an
+   error naming the call in every ampc_optimizer_* function: get_lr gives NaN, num_params 0 for
+   NULL and a negative status for a stale one, param NULL. */
 int ampc_optimizer_step(ampc_optimizer *opt);
 void ampc_optimizer_zero_grad(ampc_optimizer *opt);        /* grads to none */
 double ampc_optimizer_get_lr(const ampc_optimizer *opt);

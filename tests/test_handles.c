@@ -76,6 +76,10 @@ static void test_null_accessors(void **state) {
     assert_int_equal(ampc_tensor_numel(bad), -1);
     assert_int_equal(ampc_last_status(), AMPC_ERR_SHAPE);
     ampc_clear_error();
+    assert_null(ampc_tensor_keep(NULL));
+    expect_status(AMPC_ERR_INVALID, "ampc_tensor_keep", "tensor is NULL");
+    assert_null(ampc_tensor_own(NULL));
+    expect_status(AMPC_ERR_INVALID, "ampc_tensor_own", "tensor is NULL");
     assert_int_equal(ampc_tensor_free(NULL), AMPC_OK);   /* like free(NULL) */
     assert_int_equal(ampc_last_status(), AMPC_OK);
 }

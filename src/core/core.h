@@ -133,8 +133,6 @@ typedef struct ampc_scope_rec ampc_scope_rec;
 struct ampc_tensor {
     ampc_storage *storage;    /* first: the pool links free headers through it */
     uint64_t gen;             /* generation while live, 0 once released (ampc__check_tensor) */
-    bool user_owned;          /* ampc_tensor_own took it out of its scope: the user holds the
-                                 reference that ampc_tensor_free drops */
     /* a module's parameter or buffer: the module is alive while *owner_gen == owner_gen_val
        (modules are pooled, so the pointer stays readable after the module is freed) */
     const uint64_t *owner_gen;
@@ -147,6 +145,8 @@ struct ampc_tensor {
     ampc_memory_format format;   /* CHANNELS_LAST only for 4-D tensors */
     atomic_int refcount;
     bool requires_grad;
+    bool user_owned;          /* ampc_tensor_own took it out of its scope: the user holds the
+                                 reference that ampc_tensor_free drops */
     ampc_node *grad_fn;       /* owning ref; NULL for leaves */
     ampc_node *grad_acc;      /* weak: the AccumulateGrad node of a leaf, if one exists */
     ampc_tensor *grad;        /* owning ref: accumulated gradient of a leaf */
@@ -158,7 +158,6 @@ struct ampc_tensor {
     /* scope membership (the scope's reference) */
     ampc_scope_rec *scope;
     ampc_tensor *scope_prev, *scope_next;
-    ampc_tensor *pool_next;   /* free list of tensor headers */
 };
 
 static inline void *ampc__data(const ampc_tensor *t) { return t->storage ? t->storage->data : NULL; }

@@ -89,8 +89,7 @@ ampc_tensor *ampc__scope_adopt(ampc_tensor *t) {
 }
 
 ampc_tensor *ampc_tensor_keep(ampc_tensor *t) {
-    if (!t) return NULL;   /* keeps the error that produced the NULL */
-    if (ampc__check_tensor(t, "ampc_tensor_keep") < 0) return NULL;
+    if (ampc__check_tensor(t, "ampc_tensor_keep") < 0) return NULL;   /* NULL: the first error kept */
     if (!t->scope) return t;   /* owned by the user or a module: already outlives the scope */
     int d = t->scope->depth;
     scope_unlink(t);
@@ -106,7 +105,6 @@ static int not_held(const char *call) {
 }
 
 ampc_tensor *ampc_tensor_own(ampc_tensor *t) {
-    if (!t) return NULL;
     if (ampc__check_tensor(t, "ampc_tensor_own") < 0) return NULL;
     if (t->scope) {
         scope_unlink(t);
@@ -147,7 +145,7 @@ ampc_device ampc__default_device(void) { return default_device; }
 // Headers and reference counts
 
 /* A freed header is reused only after this many more tensors were freed: until then a stale
-   handle to it reads as stale (ampc.h, "Stale handles"). 1024 headers are about 200 KiB. */
+   handle to it reads as stale (ampc.h, "Stale handles"). 1024 headers are 200 KiB. */
 #define TENSOR_QUARANTINE 1024
 static ampc_handle_pool tensor_pool = {.pool = {sizeof(ampc_tensor), NULL}, .quarantine = TENSOR_QUARANTINE};
 

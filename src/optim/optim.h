@@ -14,7 +14,8 @@ struct ampc_optimizer {
     ampc_optim_kind kind;        /* first: the pool links free headers through it */
     uint64_t gen;                /* generation while live, 0 once freed (pooled header) */
     int n;                       /* parameters: they belong to the module/caller; the optimizer
-                                    holds one reference to each (freeing the module first is safe) */
+                                    holds one reference to each (freeing the module first
+                                    is memory-safe; the step then refuses) */
     ampc_tensor **params;
     ampc_tensor **state[3];      /* per param, NULL until its first step: SGD momentum buffer;
                                     Adam exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad) */

@@ -10,7 +10,8 @@
  * (fp32; f64 on the REF device), is allocated at a parameter's first step under
  * AMPC_MEM_OPTIMIZER, and is owned by the optimizer. Parameters whose grad is NULL (frozen,
  * unused, or zero_grad'ed) are skipped and their state is left alone, like PyTorch.
- * The optimizer holds a reference to each parameter, so freeing the module first is safe.
+ * The optimizer holds a reference to each parameter, so freeing the module first frees no
+ * memory the optimizer uses; the step then refuses (the parameters' module is checked alive).
  * A parameter's kept autocast copy (ampc_autocast_keep_weight_casts) is rewritten by the
  * update kernel in the same pass, so the next autocast region finds it current.
  */
