@@ -36,6 +36,22 @@
  * Errors: functions that can fail return NULL or a negative ampc_status and leave a message
  * in ampc_last_error() (thread-local). Ops given a NULL input return NULL and keep the first
  * error, so a chain of ops can be checked once at its end. Nothing calls exit() or abort().
+ *
+ * Stale handles: tensors, modules and optimizers carry a generation checked by every
+ * ampc_tensor_* accessor, ampc_tensor_free/keep/own, every ampc_module_* function and every
+ * ampc_optimizer_* function (release builds too, O(1) per call). A NULL handle records
+ * "<call>: tensor is NULL" (AMPC_ERR_INVALID) unless an earlier error is pending, which is
+ * kept, as ops do; a handle that was freed, or whose scope ended, records AMPC_ERR_STATE
+ * "<call>: tensor handle is stale (freed, or its scope ended)". Each call documents what it
+ * returns then (-1, NULL, AMPC_DTYPE_COUNT, ...). ampc_tensor_free is accepted once per
+ * reference the caller holds: freeing a tensor twice, or freeing one that a module, an
+ * optimizer or another tensor (as its grad) holds, is an AMPC_ERR_STATE error that changes
+ * nothing. Limit: freed headers are reused first in, first out, only after 1024 more tensors
+ * (256 modules, 64 optimizers) were freed; a handle freed longer ago than that may name a new
+ * object, and is then not recognised as stale. A tensor whose scope ended while autograd
+ * still holds it (saved for backward) stays readable until backward releases it; only
+ * ampc_tensor_free/keep/own reject it then. An optimizer refuses to step (AMPC_ERR_STATE)
+ * once the module its parameters belong to was freed or replaced (ampc_module_replace).
  */
 #ifndef AMPC_H
 #define AMPC_H
@@ -182,10 +198,21 @@ ampc_tensor *ampc_tensor_from_i64(int ndim, const int64_t *shape, const int64_t 
 ampc_tensor *ampc_tensor_rand(ampc_dtype dt, int ndim, const int64_t *shape, double lo, double hi);
 ampc_tensor *ampc_tensor_randn(ampc_dtype dt, int ndim, const int64_t *shape, double mean, double std);
 
-void ampc_tensor_free(ampc_tensor *t);      /* drop the owner's reference now (NULL: no-op) */
-ampc_tensor *ampc_tensor_keep(ampc_tensor *t); /* move to the enclosing scope; returns t */
-ampc_tensor *ampc_tensor_own(ampc_tensor *t);  /* out of all scopes: caller frees; returns t */
+/* Drops the reference the caller holds (its scope's, or its own after ampc_tensor_own) now.
+   NULL: no-op, AMPC_OK. AMPC_ERR_STATE, changing nothing, for a stale tensor (freed twice) or
+   one the caller holds no reference to (a module's parameter, a grad, one whose scope ended). */
+int ampc_tensor_free(ampc_tensor *t);
+/* Moves t to the enclosing scope; returns t (one the user or a module owns stays as it is).
+   NULL + error for NULL or a stale t. */
+ampc_tensor *ampc_tensor_keep(ampc_tensor *t);
+/* Takes t out of all scopes: the caller frees it with ampc_tensor_free; returns t. NULL + error
+   for NULL, a stale t, or one no scope holds (a module's parameter, a grad). */
+ampc_tensor *ampc_tensor_own(ampc_tensor *t);
 
+/* Accessors. A NULL or stale t records an error naming the call (see "Stale handles") and
+   returns: dtype AMPC_DTYPE_COUNT, device AMPC_DEVICE_COUNT, ndim/dim/numel -1, shape/data/
+   cdata NULL, memory_format AMPC_CONTIGUOUS_FORMAT. dim of a dimension out of range: -1 with
+   no error. */
 ampc_dtype ampc_tensor_dtype(const ampc_tensor *t);
 ampc_device ampc_tensor_device(const ampc_tensor *t);
 int ampc_tensor_ndim(const ampc_tensor *t);
@@ -195,17 +222,19 @@ int64_t ampc_tensor_numel(const ampc_tensor *t);
 ampc_memory_format ampc_tensor_memory_format(const ampc_tensor *t);
 void *ampc_tensor_data(ampc_tensor *t);                 /* raw storage, in the tensor's dtype */
 const void *ampc_tensor_cdata(const ampc_tensor *t);
-/* Copy out converting to f32/f64 (n must be >= numel). */
+/* Copy out converting to f32/f64 (n must be >= numel). A negative status on error. */
 int ampc_tensor_to_f32(const ampc_tensor *t, float *dst, size_t n);
 int ampc_tensor_to_f64(const ampc_tensor *t, double *dst, size_t n);
 int ampc_tensor_copy_from_f32(ampc_tensor *t, const float *src, size_t n);   /* in place */
 double ampc_tensor_item(const ampc_tensor *t);          /* single-element tensor; NaN on error */
 /* Number of NaN/inf values (0 for integer tensors), or a negative status. */
 int64_t ampc_tensor_count_nonfinite(const ampc_tensor *t);
-/* New tensor (in the current scope) on device/dtype; no autograd history. */
+/* New tensor (in the current scope) on device/dtype; no autograd history. NULL on error. */
 ampc_tensor *ampc_tensor_to(const ampc_tensor *t, ampc_device dev, ampc_dtype dt);
 
-/* Autograd flags. Only leaf tensors (not produced by a recorded op) can change requires_grad. */
+/* Autograd flags. Only leaf tensors (not produced by a recorded op) can change requires_grad.
+   A NULL or stale t: requires_grad/is_leaf false, grad/detach/grad_fn_name NULL (with the
+   error recorded; a NULL grad or grad_fn_name of a live tensor is no error). */
 int ampc_tensor_set_requires_grad(ampc_tensor *t, bool on);
 bool ampc_tensor_requires_grad(const ampc_tensor *t);
 bool ampc_tensor_is_leaf(const ampc_tensor *t);
@@ -389,7 +418,11 @@ ampc_module *ampc_module_child(ampc_module *m, int i);
 int ampc_module_parameters(ampc_module *m, ampc_tensor ***params, const char ***names);
 int64_t ampc_module_num_parameters(ampc_module *m, bool trainable_only);
 void ampc_module_requires_grad(ampc_module *m, bool on);  /* freeze / unfreeze recursively */
-void ampc_module_free(ampc_module *m);   /* with its children, parameters and their grads */
+/* With its children, parameters and their grads. A child of another module is not freed
+   (AMPC_ERR_STATE: free the root, or ampc_module_replace the child); neither is a stale m.
+   Functions given a NULL or stale module record an error naming the call and return NULL,
+   false, a negative status (ampc_module_parameters/state_dict), or 0 (num_children of NULL). */
+void ampc_module_free(ampc_module *m);
 
 /* Convolutional layers (PyTorch's default initialisation: kaiming_uniform(a=sqrt(5)) weights,
    U(+-1/sqrt(fan_in)) bias; BatchNorm: weight 1, bias 0, running_mean 0, running_var 1). */
@@ -452,6 +485,11 @@ ampc_optimizer *ampc_adamw_new(ampc_module *m, const ampc_adam_options *opts);
 ampc_optimizer *ampc_sgd_new_params(ampc_tensor **params, int n, const ampc_sgd_options *opts);
 ampc_optimizer *ampc_adam_new_params(ampc_tensor **params, int n, const ampc_adam_options *opts);
 ampc_optimizer *ampc_adamw_new_params(ampc_tensor **params, int n, const ampc_adam_options *opts);
+/* AMPC_ERR_STATE, nothing written, once the module a parameter belongs to was freed or one of
+   its children replaced (the optimizer's own references keep the parameters readable): free
+   the optimizer before its module, or build a new one. A NULL or stale optimizer records an
+   error naming the call in every ampc_optimizer_* function: get_lr gives NaN, num_params 0 for
+   NULL and a negative status for a stale one, param NULL. */
 int ampc_optimizer_step(ampc_optimizer *opt);
 void ampc_optimizer_zero_grad(ampc_optimizer *opt);        /* grads to none */
 double ampc_optimizer_get_lr(const ampc_optimizer *opt);

@@ -16,7 +16,8 @@
 #include <math.h>
 
 double ampc_clip_grad_norm(ampc_optimizer *opt, double max_norm) {
-    if (!opt) return ampc__err(AMPC_ERR_INVALID, "clip_grad_norm: NULL optimizer");
+    int rc = ampc__optimizer_check(opt, "ampc_clip_grad_norm");
+    if (rc < 0) return rc;
     double sumsq = 0.0;
     int n_grads = 0;
     for (int i = 0; i < opt->n; i++) {

@@ -225,6 +225,8 @@ static int unscale_grads(ampc_scaler *s, ampc_optimizer *opt, opt_state *st, boo
 
 int ampc_scaler_unscale(ampc_scaler *s, ampc_optimizer *opt) {
     if (!s || !opt) return ampc__err(AMPC_ERR_INVALID, "scaler_unscale: NULL %s", s ? "optimizer" : "scaler");
+    int rc = ampc__optimizer_check(opt, "ampc_scaler_unscale");
+    if (rc < 0) return rc;
     if (!s->o.enabled) return AMPC_OK;
     opt_state *st = state_for(s, opt);
     if (!st) return ampc_last_status();

@@ -344,23 +344,37 @@ ampc_mem_kind ampc__mem_kind_push(ampc_mem_kind k) {
 void ampc__mem_kind_pop(ampc_mem_kind prev) { cur_kind = prev; }
 
 // ---------------------------------------------------------------------------------------------
-// Header pools: tensor, storage and node headers are recycled, never returned to malloc.
+// Header pools: tensor, storage, node, module and optimizer headers are recycled; the handle
+// pools (tensors, modules, optimizers) are never returned to malloc.
 
-void *ampc__pool_get(ampc_pool *pool) {
-    pthread_mutex_lock(&A.lock);
-    void *p = pool->free_list;
-    if (p) memcpy(&pool->free_list, p, sizeof(void *));
-    pthread_mutex_unlock(&A.lock);
-    if (!p) p = malloc(pool->obj_size);
+static void *link_of(void *p) {
+    void *next;
+    memcpy(&next, p, sizeof next);
+    return next;
+}
+
+static void set_link(void *p, void *next) { memcpy(p, &next, sizeof next); }
+
+/* A zeroed object: first (if any, under A.lock) of the free list, else from malloc. */
+static void *pool_take(ampc_pool *pool, void *first) {
+    void *p = first ? first : malloc(pool->obj_size);
     if (!p) return ampc__err_null(AMPC_ERR_OOM, "object header of %zu bytes", pool->obj_size);
     memset(p, 0, pool->obj_size);
     return p;
 }
 
+void *ampc__pool_get(ampc_pool *pool) {
+    pthread_mutex_lock(&A.lock);
+    void *p = pool->free_list;
+    if (p) pool->free_list = link_of(p);
+    pthread_mutex_unlock(&A.lock);
+    return pool_take(pool, p);
+}
+
 void ampc__pool_put(ampc_pool *pool, void *p) {
     if (!p) return;
     pthread_mutex_lock(&A.lock);
-    memcpy(p, &pool->free_list, sizeof(void *));
+    set_link(p, pool->free_list);
     pool->free_list = p;
     pthread_mutex_unlock(&A.lock);
 }
@@ -369,11 +383,39 @@ void ampc__pool_drain(ampc_pool *pool) {
     pthread_mutex_lock(&A.lock);
     while (pool->free_list) {
         void *p = pool->free_list;
-        memcpy(&pool->free_list, p, sizeof(void *));
+        pool->free_list = link_of(p);
         free(p);
     }
     pthread_mutex_unlock(&A.lock);
 }
+
+void *ampc__handle_pool_get(ampc_handle_pool *hp) {
+    pthread_mutex_lock(&A.lock);
+    void *p = NULL;
+    if (hp->count > hp->quarantine) {
+        p = hp->pool.free_list;
+        hp->pool.free_list = link_of(p);
+        if (!hp->pool.free_list) hp->tail = NULL;
+        hp->count--;
+    }
+    pthread_mutex_unlock(&A.lock);
+    return pool_take(&hp->pool, p);
+}
+
+void ampc__handle_pool_put(ampc_handle_pool *hp, void *p) {
+    if (!p) return;
+    pthread_mutex_lock(&A.lock);
+    set_link(p, NULL);
+    if (hp->tail) set_link(hp->tail, p);
+    else hp->pool.free_list = p;
+    hp->tail = p;
+    hp->count++;
+    pthread_mutex_unlock(&A.lock);
+}
+
+static atomic_uint_fast64_t next_gen = 1;
+
+uint64_t ampc__new_gen(void) { return atomic_fetch_add_explicit(&next_gen, 1, memory_order_relaxed); }
 
 // ---------------------------------------------------------------------------------------------
 // Storage

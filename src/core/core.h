@@ -92,11 +92,37 @@ void ampc__storage_retain(ampc_storage *s);
 void ampc__storage_release(ampc_storage *s);
 void ampc__storage_set_kind(ampc_storage *s, ampc_mem_kind kind);
 
-/* Fixed-size header pools (tensors, storages, nodes): no malloc once warm. */
+/* Fixed-size header pools (storages, nodes): no malloc once warm. put links the object
+   through its first pointer-sized bytes and leaves the rest as it is. */
 typedef struct { size_t obj_size; void *free_list; } ampc_pool;
 void *ampc__pool_get(ampc_pool *pool);   /* zeroed object */
 void ampc__pool_put(ampc_pool *pool, void *p);
 void ampc__pool_drain(ampc_pool *pool);
+
+/* Pools of user-visible handles (tensors, modules, optimizers): first in, first out, and an
+   object is reused only once `quarantine` others were put after it, so a stale handle to a
+   freed object reads as dead (a marker written before put stays: put writes only the link)
+   for a while. Never drained: a stale handle always points at readable memory. */
+typedef struct {
+    ampc_pool pool;    /* free_list is the head: the next object get returns */
+    size_t quarantine;
+    void *tail;
+    size_t count;
+} ampc_handle_pool;
+void *ampc__handle_pool_get(ampc_handle_pool *hp);   /* zeroed object */
+void ampc__handle_pool_put(ampc_handle_pool *hp, void *p);
+
+// ---------------------------------------------------------------------------------------------
+// Handles: tensors, modules and optimizers carry a generation, unique and nonzero while the
+// object is live, 0 once it is freed (their headers come from quarantined pools).
+
+/* A new generation (process-wide counter, never 0). */
+uint64_t ampc__new_gen(void);
+/* AMPC_OK if handle h (whose generation field holds gen) is live; otherwise the error,
+   naming call and what ("tensor", "module", ...): NULL records "<call>: <what> is NULL"
+   unless an earlier error is pending (the first error is kept, as ops do); a freed handle
+   records AMPC_ERR_STATE "<call>: <what> handle is stale (<why>)". */
+int ampc__check_handle(const void *h, uint64_t gen, const char *call, const char *what, const char *why);
 
 /* Kind given to new tensors on this thread (activations unless a module/optimizer says). */
 ampc_mem_kind ampc__mem_kind_push(ampc_mem_kind k);   /* returns the previous kind */
@@ -110,7 +136,12 @@ typedef struct ampc_node ampc_node;
 typedef struct ampc_scope_rec ampc_scope_rec;
 
 struct ampc_tensor {
-    ampc_storage *storage;
+    ampc_storage *storage;    /* first: the pool links free headers through it */
+    uint64_t gen;             /* generation while live, 0 once released (ampc__check_tensor) */
+    /* a module's parameter or buffer: the module is alive while *owner_gen == owner_gen_val
+       (modules are pooled, so the pointer stays readable after the module is freed) */
+    const uint64_t *owner_gen;
+    uint64_t owner_gen_val;
     ampc_dtype dtype;
     ampc_device device;
     int ndim;
@@ -119,6 +150,8 @@ struct ampc_tensor {
     ampc_memory_format format;   /* CHANNELS_LAST only for 4-D tensors */
     atomic_int refcount;
     bool requires_grad;
+    bool user_owned;          /* ampc_tensor_own took it out of its scope: the user holds the
+                                 reference that ampc_tensor_free drops */
     ampc_node *grad_fn;       /* owning ref; NULL for leaves */
     ampc_node *grad_acc;      /* weak: the AccumulateGrad node of a leaf, if one exists */
     ampc_tensor *grad;        /* owning ref: accumulated gradient of a leaf */
@@ -130,7 +163,6 @@ struct ampc_tensor {
     /* scope membership (the scope's reference) */
     ampc_scope_rec *scope;
     ampc_tensor *scope_prev, *scope_next;
-    ampc_tensor *pool_next;   /* free list of tensor headers */
 };
 
 static inline void *ampc__data(const ampc_tensor *t) { return t->storage ? t->storage->data : NULL; }
@@ -155,9 +187,22 @@ ampc_tensor *ampc__tensor_like(const ampc_tensor *t, ampc_dtype dt);
 /* New tensor like ampc__tensor_new, in memory format fmt (CHANNELS_LAST needs 4 dims). */
 ampc_tensor *ampc__tensor_new_fmt(ampc_dtype dt, ampc_device dev, int ndim, const int64_t *shape, ampc_memory_format fmt);
 static inline bool ampc__is_cl(const ampc_tensor *t) { return t->format == AMPC_CHANNELS_LAST; }
+/* AMPC_OK for a live tensor; else the error naming call (see ampc__check_handle). */
+static inline int ampc__check_tensor(const ampc_tensor *t, const char *call) {
+    if (t && t->gen) return AMPC_OK;
+    return ampc__check_handle(t, 0, call, "tensor", "freed, or its scope ended");
+}
+/* Whether the module t was registered in (if any) is still alive. */
+static inline bool ampc__owner_alive(const ampc_tensor *t) { return !t->owner_gen || *t->owner_gen == t->owner_gen_val; }
+/* Hands the caller's reference (its scope's, or the user's after ampc_tensor_own) to an
+   internal holder (a module): ampc_tensor_free/own on t are errors from here on. Returns t. */
+ampc_tensor *ampc__tensor_take(ampc_tensor *t);
 ampc_tensor *ampc__retain(ampc_tensor *t);   /* returns t */
+void ampc__tensor_zero_grad(ampc_tensor *t);   /* ampc_tensor_zero_grad without the handle check */
 void ampc__release(ampc_tensor *t);          /* NULL: no-op */
-/* Gives the caller's reference to the current scope; returns t (NULL passes through). */
+/* Gives the caller's reference to the current scope; returns t (NULL passes through). An op
+   that returns its input (an extra reference to a tensor already held by a scope or the user)
+   gets it back as it was: the extra reference is dropped, the tensor keeps its holder. */
 ampc_tensor *ampc__scope_adopt(ampc_tensor *t);
 int64_t ampc__numel(int ndim, const int64_t *shape);
 bool ampc__same_shape(const ampc_tensor *a, const ampc_tensor *b);

@@ -44,3 +44,10 @@ void *ampc__err_null(int status, const char *fmt, ...) {
     va_end(ap);
     return NULL;
 }
+
+int ampc__check_handle(const void *h, uint64_t gen, const char *call, const char *what, const char *why) {
+    if (h && gen) return AMPC_OK;
+    if (h) return ampc__err(AMPC_ERR_STATE, "%s: %s handle is stale (%s)", call, what, why);
+    if (!last_status) ampc__err(AMPC_ERR_INVALID, "%s: %s is NULL", call, what);
+    return last_status;
+}

@@ -7,7 +7,8 @@
 #include <math.h>
 
 int64_t ampc_tensor_count_nonfinite(const ampc_tensor *t) {
-    if (!t) return ampc__err(AMPC_ERR_INVALID, "ampc_tensor_count_nonfinite: NULL tensor");
+    int rc = ampc__check_tensor(t, "ampc_tensor_count_nonfinite");
+    if (rc < 0) return rc;
     const ampc_dtype_traits *dt = ampc__dt(t->dtype);
     if (!dt->is_float || t->numel == 0) return 0;
     const char *p = ampc__data(t);

@@ -63,7 +63,6 @@ const char *ampc_cpu_features(void) {
 }
 
 void ampc__scopes_clear_all(void);
-void ampc__tensor_pool_drain(void);
 void ampc__node_pool_drain(void);
 void ampc__autocast_clear_cache(void);
 
@@ -74,7 +73,8 @@ void ampc_shutdown(void) {
     for (int d = 0; d < AMPC_DEVICE_COUNT; d++)
         if (backends[d].shutdown) backends[d].shutdown();
     ampc_memory_empty_cache();
-    ampc__tensor_pool_drain();
+    /* tensor headers stay pooled (still reachable): a handle used after shutdown reads as
+       stale instead of reading freed memory */
     ampc__node_pool_drain();
 }
 

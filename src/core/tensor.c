@@ -79,27 +79,60 @@ void ampc__scopes_clear_all(void) {
 }
 
 ampc_tensor *ampc__scope_adopt(ampc_tensor *t) {
-    if (t) scope_link(&scopes[scope_top], t);
+    if (!t) return NULL;
+    if (t->scope || t->user_owned) {   /* an op returned its input: one list entry per tensor */
+        ampc__release(t);
+        return t;
+    }
+    scope_link(&scopes[scope_top], t);
     return t;
 }
 
 ampc_tensor *ampc_tensor_keep(ampc_tensor *t) {
-    if (!t || !t->scope) return t;
+    if (ampc__check_tensor(t, "ampc_tensor_keep") < 0) return NULL;   /* NULL: the first error kept */
+    if (!t->scope) return t;   /* owned by the user or a module: already outlives the scope */
     int d = t->scope->depth;
     scope_unlink(t);
     scope_link(&scopes[d > 0 ? d - 1 : 0], t);
     return t;
 }
 
+/* The message for a live tensor that no scope holds and the user does not own. */
+static int not_held(const char *call) {
+    return ampc__err(AMPC_ERR_STATE,
+                     "%s: the caller holds no reference to this tensor (freed already, its scope ended, or it "
+                     "belongs to a module, an optimizer or another tensor as its grad)", call);
+}
+
 ampc_tensor *ampc_tensor_own(ampc_tensor *t) {
-    if (t) scope_unlink(t);
+    if (ampc__check_tensor(t, "ampc_tensor_own") < 0) return NULL;
+    if (t->scope) {
+        scope_unlink(t);
+        t->user_owned = true;
+    } else if (!t->user_owned) {
+        not_held("ampc_tensor_own");
+        return NULL;
+    }
     return t;
 }
 
-void ampc_tensor_free(ampc_tensor *t) {
-    if (!t) return;
-    scope_unlink(t);
+ampc_tensor *ampc__tensor_take(ampc_tensor *t) {
+    if (t) {
+        scope_unlink(t);
+        t->user_owned = false;
+    }
+    return t;
+}
+
+int ampc_tensor_free(ampc_tensor *t) {
+    if (!t) return AMPC_OK;
+    int rc = ampc__check_tensor(t, "ampc_tensor_free");
+    if (rc < 0) return rc;
+    if (t->scope) scope_unlink(t);
+    else if (t->user_owned) t->user_owned = false;
+    else return not_held("ampc_tensor_free");
     ampc__release(t);
+    return AMPC_OK;
 }
 
 void ampc_set_default_device(ampc_device d) {
@@ -111,7 +144,16 @@ ampc_device ampc__default_device(void) { return default_device; }
 // ---------------------------------------------------------------------------------------------
 // Headers and reference counts
 
-static ampc_pool tensor_pool = {sizeof(ampc_tensor), NULL};
+/* A freed header is reused only after this many more tensors were freed: until then a stale
+   handle to it reads as stale (ampc.h, "Stale handles"). 1024 headers are 200 KiB. */
+#define TENSOR_QUARANTINE 1024
+static ampc_handle_pool tensor_pool = {.pool = {sizeof(ampc_tensor), NULL}, .quarantine = TENSOR_QUARANTINE};
+
+/* Back to the pool, marked dead first (put keeps everything past the link). */
+static void header_free(ampc_tensor *t) {
+    t->gen = 0;
+    ampc__handle_pool_put(&tensor_pool, t);
+}
 
 int64_t ampc__numel(int ndim, const int64_t *shape) {
     int64_t n = 1;
@@ -133,7 +175,7 @@ static ampc_tensor *header_new(ampc_dtype dt, ampc_device dev, int ndim, const i
         if (shape[i] && n > INT64_MAX / 16 / shape[i]) return ampc__err_null(AMPC_ERR_SHAPE, "tensor too large");
         n *= shape[i];
     }
-    ampc_tensor *t = ampc__pool_get(&tensor_pool);
+    ampc_tensor *t = ampc__handle_pool_get(&tensor_pool);
     if (!t) return NULL;
     t->dtype = dt;
     t->device = dev;
@@ -141,6 +183,7 @@ static ampc_tensor *header_new(ampc_dtype dt, ampc_device dev, int ndim, const i
     for (int i = 0; i < ndim; i++) t->shape[i] = shape[i];
     t->numel = n;
     atomic_init(&t->refcount, 1);
+    t->gen = ampc__new_gen();
     return t;
 }
 
@@ -150,7 +193,7 @@ ampc_tensor *ampc__tensor_new(ampc_dtype dt, ampc_device dev, int ndim, const in
     if (!t) return NULL;
     t->storage = ampc__storage_new(dev, ampc__nbytes(t), ampc__current_mem_kind());
     if (!t->storage) {
-        ampc__pool_put(&tensor_pool, t);
+        header_free(t);
         return NULL;
     }
     return t;
@@ -176,7 +219,7 @@ ampc_tensor *ampc__tensor_view(ampc_tensor *t, int ndim, const int64_t *shape) {
     if (!v) return NULL;
     v->format = t->format;
     if (v->numel != t->numel) {
-        ampc__pool_put(&tensor_pool, v);
+        header_free(v);
         return ampc__err_null(AMPC_ERR_SHAPE, "view of %lld elements from %lld", (long long)v->numel, (long long)t->numel);
     }
     v->storage = t->storage;
@@ -195,10 +238,8 @@ void ampc__release(ampc_tensor *t) {
     if (t->grad) ampc__release(t->grad);
     if (t->shadow) ampc__release(t->shadow);
     ampc__storage_release(t->storage);
-    ampc__pool_put(&tensor_pool, t);
+    header_free(t);
 }
-
-void ampc__tensor_pool_drain(void) { ampc__pool_drain(&tensor_pool); }
 
 bool ampc__same_shape(const ampc_tensor *a, const ampc_tensor *b) {
     if (a->ndim != b->ndim) return false;
@@ -341,7 +382,7 @@ int ampc__copy(const ampc_tensor *src, ampc_tensor *dst) {
 }
 
 ampc_tensor *ampc_tensor_to(const ampc_tensor *t, ampc_device dev, ampc_dtype dt) {
-    if (!t) return NULL;
+    if (ampc__check_tensor(t, "ampc_tensor_to") < 0) return NULL;
     ampc_tensor *o = ampc__tensor_new_fmt(dt, dev, t->ndim, t->shape, t->format);   /* keeps the format, as PyTorch's .to */
     if (!o) return NULL;
     if (ampc__copy(t, o) < 0) {
@@ -361,13 +402,22 @@ static ampc_tensor *logical(const ampc_tensor *t) {
     return c;
 }
 
+/* t is live and buf (n values) can hold its elements. */
+static int check_buffer(const ampc_tensor *t, const void *buf, size_t n, const char *call) {
+    int rc = ampc__check_tensor(t, call);
+    if (rc < 0) return rc;
+    if (!buf) return ampc__err(AMPC_ERR_INVALID, "%s: buffer is NULL", call);
+    if (n < (size_t)t->numel) return ampc__err(AMPC_ERR_INVALID, "%s: buffer of %zu for %lld elements", call, n, (long long)t->numel);
+    return AMPC_OK;
+}
+
 int ampc_tensor_to_f32(const ampc_tensor *t, float *dst, size_t n) {
-    if (!t || !dst) return ampc__err(AMPC_ERR_INVALID, "NULL tensor or buffer");
-    if (n < (size_t)t->numel) return ampc__err(AMPC_ERR_INVALID, "buffer of %zu for %lld elements", n, (long long)t->numel);
+    int rc = check_buffer(t, dst, n, "ampc_tensor_to_f32");
+    if (rc < 0) return rc;
     if (!ampc__backend(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not readable here");
     if (ampc__is_cl(t)) {   /* values in the shape's (logical) order */
         ampc_tensor *c = logical(t);
-        int rc = c ? ampc_tensor_to_f32(c, dst, n) : ampc_last_status();
+        rc = c ? ampc_tensor_to_f32(c, dst, n) : ampc_last_status();
         ampc__release(c);
         return rc;
     }
@@ -376,12 +426,12 @@ int ampc_tensor_to_f32(const ampc_tensor *t, float *dst, size_t n) {
 }
 
 int ampc_tensor_to_f64(const ampc_tensor *t, double *dst, size_t n) {
-    if (!t || !dst) return ampc__err(AMPC_ERR_INVALID, "NULL tensor or buffer");
-    if (n < (size_t)t->numel) return ampc__err(AMPC_ERR_INVALID, "buffer of %zu for %lld elements", n, (long long)t->numel);
+    int rc = check_buffer(t, dst, n, "ampc_tensor_to_f64");
+    if (rc < 0) return rc;
     if (!ampc__backend(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not readable here");
     if (ampc__is_cl(t)) {
         ampc_tensor *c = logical(t);
-        int rc = c ? ampc_tensor_to_f64(c, dst, n) : ampc_last_status();
+        rc = c ? ampc_tensor_to_f64(c, dst, n) : ampc_last_status();
         ampc__release(c);
         return rc;
     }
@@ -390,13 +440,13 @@ int ampc_tensor_to_f64(const ampc_tensor *t, double *dst, size_t n) {
 }
 
 int ampc_tensor_copy_from_f32(ampc_tensor *t, const float *src, size_t n) {
-    if (!t || !src) return ampc__err(AMPC_ERR_INVALID, "NULL tensor or buffer");
-    if (n < (size_t)t->numel) return ampc__err(AMPC_ERR_INVALID, "buffer of %zu for %lld elements", n, (long long)t->numel);
+    int rc = check_buffer(t, src, n, "ampc_tensor_copy_from_f32");
+    if (rc < 0) return rc;
     if (!ampc__backend(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not writable here");
     ampc__mark_written(t);
     if (ampc__is_cl(t)) {   /* src in logical order, permuted into place */
         ampc_tensor *c = ampc__tensor_new(t->dtype, t->device, t->ndim, t->shape);
-        int rc = c ? ampc_tensor_copy_from_f32(c, src, n) : ampc_last_status();
+        rc = c ? ampc_tensor_copy_from_f32(c, src, n) : ampc_last_status();
         if (rc >= 0) rc = ampc__copy(c, t);
         ampc__release(c);
         return rc;
@@ -407,55 +457,100 @@ int ampc_tensor_copy_from_f32(ampc_tensor *t, const float *src, size_t n) {
 
 double ampc_tensor_item(const ampc_tensor *t) {
     double v = NAN;
-    if (!t) return v;
+    if (ampc__check_tensor(t, "ampc_tensor_item") < 0) return v;
     if (t->numel != 1) {
-        ampc__err(AMPC_ERR_SHAPE, "item() of a tensor with %lld elements", (long long)t->numel);
+        ampc__err(AMPC_ERR_SHAPE, "ampc_tensor_item: item() of a tensor with %lld elements", (long long)t->numel);
         return v;
     }
     ampc_tensor_to_f64(t, &v, 1);
     return v;
 }
 
-ampc_dtype ampc_tensor_dtype(const ampc_tensor *t) { return t->dtype; }
-ampc_device ampc_tensor_device(const ampc_tensor *t) { return t->device; }
-int ampc_tensor_ndim(const ampc_tensor *t) { return t->ndim; }
+/* Accessors: a NULL or stale tensor records an error naming the call (ampc__check_tensor) and
+   gives the value documented in ampc.h. */
+#define CHECKED(call, fail) \
+    if (ampc__check_tensor(t, call) < 0) return fail
+
+ampc_dtype ampc_tensor_dtype(const ampc_tensor *t) {
+    CHECKED("ampc_tensor_dtype", AMPC_DTYPE_COUNT);
+    return t->dtype;
+}
+ampc_device ampc_tensor_device(const ampc_tensor *t) {
+    CHECKED("ampc_tensor_device", AMPC_DEVICE_COUNT);
+    return t->device;
+}
+int ampc_tensor_ndim(const ampc_tensor *t) {
+    CHECKED("ampc_tensor_ndim", -1);
+    return t->ndim;
+}
 int64_t ampc_tensor_dim(const ampc_tensor *t, int i) {
+    CHECKED("ampc_tensor_dim", -1);
     if (i < 0) i += t->ndim;
     return (i >= 0 && i < t->ndim) ? t->shape[i] : -1;
 }
-const int64_t *ampc_tensor_shape(const ampc_tensor *t) { return t->shape; }
-int64_t ampc_tensor_numel(const ampc_tensor *t) { return t->numel; }
-ampc_memory_format ampc_tensor_memory_format(const ampc_tensor *t) { return t ? t->format : AMPC_CONTIGUOUS_FORMAT; }
+const int64_t *ampc_tensor_shape(const ampc_tensor *t) {
+    CHECKED("ampc_tensor_shape", NULL);
+    return t->shape;
+}
+int64_t ampc_tensor_numel(const ampc_tensor *t) {
+    CHECKED("ampc_tensor_numel", -1);
+    return t->numel;
+}
+ampc_memory_format ampc_tensor_memory_format(const ampc_tensor *t) {
+    CHECKED("ampc_tensor_memory_format", AMPC_CONTIGUOUS_FORMAT);
+    return t->format;
+}
 static pthread_mutex_t shadow_mutex = PTHREAD_MUTEX_INITIALIZER;
 void ampc__shadow_lock(void) { pthread_mutex_lock(&shadow_mutex); }
 void ampc__shadow_unlock(void) { pthread_mutex_unlock(&shadow_mutex); }
 
 /* The caller may write through the pointer: copies made from the data so far are stale. */
 void *ampc_tensor_data(ampc_tensor *t) {
+    CHECKED("ampc_tensor_data", NULL);
     ampc__mark_written(t);
-    return t ? ampc__data(t) : NULL;
+    return ampc__data(t);
 }
-const void *ampc_tensor_cdata(const ampc_tensor *t) { return t ? ampc__data(t) : NULL; }
+const void *ampc_tensor_cdata(const ampc_tensor *t) {
+    CHECKED("ampc_tensor_cdata", NULL);
+    return ampc__data(t);
+}
 
 int ampc_tensor_set_requires_grad(ampc_tensor *t, bool on) {
-    if (!t) return ampc__err(AMPC_ERR_INVALID, "NULL tensor");
+    int rc = ampc__check_tensor(t, "ampc_tensor_set_requires_grad");
+    if (rc < 0) return rc;
     if (t->grad_fn) return ampc__err(AMPC_ERR_STATE, "requires_grad can only be changed on leaf tensors (this one comes from %s)", t->grad_fn->name);
     if (on && !ampc__dt(t->dtype)->is_float) return ampc__err(AMPC_ERR_DTYPE, "only float tensors can require grad, not %s", ampc_dtype_name(t->dtype));
     t->requires_grad = on;
     return AMPC_OK;
 }
-bool ampc_tensor_requires_grad(const ampc_tensor *t) { return t && t->requires_grad; }
-bool ampc_tensor_is_leaf(const ampc_tensor *t) { return t && !t->grad_fn; }
-ampc_tensor *ampc_tensor_grad(const ampc_tensor *t) { return t ? t->grad : NULL; }
+bool ampc_tensor_requires_grad(const ampc_tensor *t) {
+    CHECKED("ampc_tensor_requires_grad", false);
+    return t->requires_grad;
+}
+bool ampc_tensor_is_leaf(const ampc_tensor *t) {
+    CHECKED("ampc_tensor_is_leaf", false);
+    return !t->grad_fn;
+}
+ampc_tensor *ampc_tensor_grad(const ampc_tensor *t) {
+    CHECKED("ampc_tensor_grad", NULL);
+    return t->grad;
+}
 void ampc_tensor_zero_grad(ampc_tensor *t) {
-    if (!t || !t->grad) return;
+    CHECKED("ampc_tensor_zero_grad", );
+    ampc__tensor_zero_grad(t);
+}
+void ampc__tensor_zero_grad(ampc_tensor *t) {
+    if (!t->grad) return;
     ampc__release(t->grad);
     t->grad = NULL;
 }
-const char *ampc_tensor_grad_fn_name(const ampc_tensor *t) { return t && t->grad_fn ? t->grad_fn->name : NULL; }
+const char *ampc_tensor_grad_fn_name(const ampc_tensor *t) {
+    CHECKED("ampc_tensor_grad_fn_name", NULL);
+    return t->grad_fn ? t->grad_fn->name : NULL;
+}
 
 ampc_tensor *ampc_tensor_detach(ampc_tensor *t) {
-    if (!t) return NULL;
+    CHECKED("ampc_tensor_detach", NULL);
     return ampc__scope_adopt(ampc__tensor_view(t, t->ndim, t->shape));
 }
 

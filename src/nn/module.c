@@ -128,18 +128,35 @@ void ampc__module_invalidate(ampc_module *m) {
 // ---------------------------------------------------------------------------------------------
 // Construction and registration
 
+/* Module headers are pooled (never returned to malloc) so that a stale handle, and the
+   owner_gen pointer of a parameter the module registered, stay readable. */
+static ampc_handle_pool module_pool = {.pool = {sizeof(ampc_module), NULL}, .quarantine = 256};
+
+/* AMPC_OK for a live module; else the error naming call (see ampc__check_handle). */
+static int check_module(const ampc_module *m, const char *call) {
+    return ampc__check_handle(m, m ? m->gen : 0, call, "module", "freed");
+}
+
 ampc_module *ampc__module_new(const ampc_module_vtable *vt) {
     ampc__ensure_init();
-    ampc_module *m = calloc(1, sizeof *m);
+    ampc_module *m = ampc__handle_pool_get(&module_pool);
     if (!m) return ampc__err_null(AMPC_ERR_OOM, "module %s", vt->type);
     m->vt = vt;
+    m->gen = ampc__new_gen();
     m->training = true;
     return m;
 }
 
+/* The caller's reference to t becomes m's; t's optimizers check that m is still alive. */
+static void adopt_tensor(ampc_module *m, ampc_tensor *t) {
+    ampc__tensor_take(t);
+    t->owner_gen = &m->gen;
+    t->owner_gen_val = m->gen;
+}
+
 int ampc__module_add_param(ampc_module *m, const char *name, ampc_tensor *t) {
     if (!t) return ampc_last_status() ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "parameter %s is NULL", name);
-    ampc_tensor_own(t);
+    adopt_tensor(m, t);
     int rc = ampc_tensor_set_requires_grad(t, true);
     if (rc >= 0 && list_find(&m->params, name)) rc = ampc__err(AMPC_ERR_INVALID, "parameter %s registered twice", name);
     if (rc >= 0) rc = list_push(&m->params, name, t);
@@ -153,7 +170,7 @@ int ampc__module_add_param(ampc_module *m, const char *name, ampc_tensor *t) {
 
 int ampc__module_add_buffer(ampc_module *m, const char *name, ampc_tensor *t) {
     if (!t) return ampc_last_status() ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "buffer %s is NULL", name);
-    ampc_tensor_own(t);
+    adopt_tensor(m, t);
     int rc = list_find(&m->buffers, name) ? ampc__err(AMPC_ERR_INVALID, "buffer %s registered twice", name)
                                           : list_push(&m->buffers, name, t);
     if (rc < 0) {
@@ -193,7 +210,12 @@ ampc_tensor *ampc__param_uniform(int ndim, const int64_t *shape, double bound) {
 }
 
 void ampc_module_free(ampc_module *m) {
-    if (!m) return;
+    if (!m || check_module(m, "ampc_module_free") < 0) return;
+    if (m->parent) {   /* its parent would keep a dangling child */
+        ampc__err(AMPC_ERR_STATE, "ampc_module_free: this %s is a child of a %s; free the root module (or replace the child)",
+                  m->vt->type, m->parent->vt->type);
+        return;
+    }
     if (m->vt->free) m->vt->free(m);
     for (int i = 0; i < m->children.n; i++) {
         ampc_module *c = m->children.items[i];
@@ -207,7 +229,8 @@ void ampc_module_free(ampc_module *m) {
     list_free_names(&m->buffers);
     flat_free(&m->flat_params);
     flat_free(&m->flat_state);
-    free(m);
+    m->gen = 0;   /* after the pool's link is written, still 0: put keeps it */
+    ampc__handle_pool_put(&module_pool, m);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -215,10 +238,12 @@ void ampc_module_free(ampc_module *m) {
 
 ampc_tensor *ampc_module_forward(ampc_module *m, ampc_tensor *x) {
     if (!m) return ampc__err_null(AMPC_ERR_INVALID, "forward of a NULL module");
+    if (check_module(m, "ampc_module_forward") < 0) return NULL;
     if (!x) {   /* keep the error that produced the NULL input */
         if (!ampc_last_status()) ampc__err(AMPC_ERR_INVALID, "%s: input is NULL", m->vt->type);
         return NULL;
     }
+    if (ampc__check_tensor(x, "ampc_module_forward") < 0) return NULL;
     /* The forward's intermediates belong to this scope; only the output leaves it. Whatever
        the autograd graph saved stays alive through the graph's own references. */
     ampc_scope_begin();
@@ -229,28 +254,31 @@ ampc_tensor *ampc_module_forward(ampc_module *m, ampc_tensor *x) {
 }
 
 void ampc_module_train(ampc_module *m, bool training) {
-    if (!m) return;
+    if (check_module(m, "ampc_module_train") < 0) return;
     m->training = training;
     for (int i = 0; i < m->children.n; i++) ampc_module_train(m->children.items[i], training);
 }
 
-bool ampc_module_is_training(const ampc_module *m) { return m && m->training; }
-const char *ampc_module_type(const ampc_module *m) { return m ? m->vt->type : NULL; }
-int ampc_module_num_children(const ampc_module *m) { return m ? m->children.n : 0; }
+bool ampc_module_is_training(const ampc_module *m) { return check_module(m, "ampc_module_is_training") >= 0 && m->training; }
+const char *ampc_module_type(const ampc_module *m) { return check_module(m, "ampc_module_type") < 0 ? NULL : m->vt->type; }
+int ampc_module_num_children(const ampc_module *m) {
+    int rc = check_module(m, "ampc_module_num_children");
+    return rc < 0 ? (m ? rc : 0) : m->children.n;   /* NULL: 0 children, as before */
+}
 
 ampc_module *ampc_module_child(ampc_module *m, int i) {
-    if (!m || i < 0 || i >= m->children.n) return NULL;
+    if (check_module(m, "ampc_module_child") < 0 || i < 0 || i >= m->children.n) return NULL;
     return m->children.items[i];
 }
 
 int ampc_module_parameters(ampc_module *m, ampc_tensor ***params, const char ***names) {
-    if (!m) return ampc__err(AMPC_ERR_INVALID, "parameters of a NULL module");
-    return flat_get(m, &m->flat_params, false, params, names);
+    int rc = check_module(m, "ampc_module_parameters");
+    return rc < 0 ? rc : flat_get(m, &m->flat_params, false, params, names);
 }
 
 int ampc__module_state_dict(ampc_module *m, ampc_tensor ***tensors, const char ***names) {
-    if (!m) return ampc__err(AMPC_ERR_INVALID, "state_dict of a NULL module");
-    return flat_get(m, &m->flat_state, true, tensors, names);
+    int rc = check_module(m, "ampc_module_state_dict");
+    return rc < 0 ? rc : flat_get(m, &m->flat_state, true, tensors, names);
 }
 
 int64_t ampc_module_num_parameters(ampc_module *m, bool trainable_only) {
@@ -264,7 +292,7 @@ int64_t ampc_module_num_parameters(ampc_module *m, bool trainable_only) {
 }
 
 void ampc_module_requires_grad(ampc_module *m, bool on) {
-    if (!m) return;
+    if (check_module(m, "ampc_module_requires_grad") < 0) return;
     for (int i = 0; i < m->params.n; i++) ((ampc_tensor *)m->params.items[i])->requires_grad = on;
     for (int i = 0; i < m->children.n; i++) ampc_module_requires_grad(m->children.items[i], on);
 }
@@ -301,6 +329,7 @@ static ampc_module *find_prefix(ampc_module *m, const char *path, size_t len) {
 /* Like PyTorch's get_submodule: "" is m itself. */
 ampc_module *ampc_module_find(ampc_module *m, const char *path) {
     if (!m || !path) return ampc__err_null(AMPC_ERR_INVALID, "ampc_module_find: %s is NULL", m ? "path" : "module");
+    if (check_module(m, "ampc_module_find") < 0) return NULL;
     return find_prefix(m, path, strlen(path));
 }
 
@@ -311,6 +340,8 @@ int ampc_module_replace(ampc_module *m, const char *path, ampc_module *replaceme
         if (!ampc_last_status()) ampc__err(AMPC_ERR_INVALID, "ampc_module_replace: replacement is NULL");
         return ampc_last_status();
     }
+    if (check_module(replacement, "ampc_module_replace") < 0 || (m && check_module(m, "ampc_module_replace") < 0))
+        return ampc_last_status();   /* nothing freed: a stale handle is no module to free */
     if (replacement->parent)
         return ampc__err(AMPC_ERR_STATE, "ampc_module_replace: the %s replacement is already a child of another module",
                          replacement->vt->type);

@@ -49,7 +49,8 @@ typedef struct {
 } ampc_flat_list;
 
 struct ampc_module {
-    const ampc_module_vtable *vt;
+    const ampc_module_vtable *vt; /* first: the pool links free headers through it */
+    uint64_t gen;                 /* generation while live, 0 once freed (pooled header) */
     bool training;                /* true after construction, like PyTorch */
     ampc_module *parent;          /* weak; set when added as a child (to invalidate flat lists) */
     ampc_named_list children;     /* ampc_module * */

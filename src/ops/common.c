@@ -57,6 +57,7 @@ int ampc__op_prepare(ampc_op op, ampc_op_args *a, int n, ampc_tensor *const *inp
             if (ampc_last_status() == 0) ampc__err(AMPC_ERR_INVALID, "%s: input %d is NULL", ampc_op_name(op), i);
             return ampc_last_status();
         }
+        if (!t->gen) return ampc__check_tensor(t, ampc_op_name(op));   /* a stale handle: freed, or its scope ended */
         if (first && t->device != first->device)
             return ampc__err(AMPC_ERR_INVALID, "%s: inputs on devices %s and %s", ampc_op_name(op),
                              ampc_device_name(first->device), ampc_device_name(t->device));

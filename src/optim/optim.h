@@ -11,9 +11,11 @@
 typedef enum { AMPC_OPTIM_SGD = 0, AMPC_OPTIM_ADAM, AMPC_OPTIM_ADAMW } ampc_optim_kind;
 
 struct ampc_optimizer {
-    ampc_optim_kind kind;
+    ampc_optim_kind kind;        /* first: the pool links free headers through it */
+    uint64_t gen;                /* generation while live, 0 once freed (pooled header) */
     int n;                       /* parameters: they belong to the module/caller; the optimizer
-                                    holds one reference to each (freeing the module first is safe) */
+                                    holds one reference to each (freeing the module first
+                                    is memory-safe; the step then refuses) */
     ampc_tensor **params;
     ampc_tensor **state[3];      /* per param, NULL until its first step: SGD momentum buffer;
                                     Adam exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad) */
@@ -24,6 +26,10 @@ struct ampc_optimizer {
     ampc_sgd_options sgd;
     ampc_adam_options adam;
 };
+
+/* AMPC_OK if opt is live and every parameter's module (if it came from one) is alive; else
+   the error naming call. O(parameters), no allocation: the step's checks. */
+int ampc__optimizer_check(const ampc_optimizer *opt, const char *call);
 
 /* ampc_optimizer_step with every gradient multiplied by grad_scale inside the update kernels
    (the GradScaler's unscale fused into the step; the grads themselves are left as they are).

@@ -10,7 +10,8 @@
  * (fp32; f64 on the REF device), is allocated at a parameter's first step under
  * AMPC_MEM_OPTIMIZER, and is owned by the optimizer. Parameters whose grad is NULL (frozen,
  * unused, or zero_grad'ed) are skipped and their state is left alone, like PyTorch.
- * The optimizer holds a reference to each parameter, so freeing the module first is safe.
+ * The optimizer holds a reference to each parameter, so freeing the module first frees no
+ * memory the optimizer uses; the step then refuses (the parameters' module is checked alive).
  * A parameter's kept autocast copy (ampc_autocast_keep_weight_casts) is rewritten by the
  * update kernel in the same pass, so the next autocast region finds it current.
  */
@@ -77,14 +78,32 @@ static int check_param(const ampc_tensor *p, ampc_optim_kind kind, int i) {
     return AMPC_OK;
 }
 
+/* Optimizer headers are pooled (never returned to malloc): a stale handle stays readable. */
+static ampc_handle_pool optimizer_pool = {.pool = {sizeof(ampc_optimizer), NULL}, .quarantine = 64};
+
+static int check_live(const ampc_optimizer *opt, const char *call) {
+    return ampc__check_handle(opt, opt ? opt->gen : 0, call, "optimizer", "freed");
+}
+
+int ampc__optimizer_check(const ampc_optimizer *opt, const char *call) {
+    int rc = check_live(opt, call);
+    if (rc < 0) return rc;
+    for (int i = 0; i < opt->n; i++)
+        if (!ampc__owner_alive(opt->params[i]))
+            return ampc__err(AMPC_ERR_STATE, "%s: parameter %d belongs to a module that was freed or replaced; free the "
+                             "optimizer first, or build a new one over the live module", call, i);
+    return AMPC_OK;
+}
+
 static ampc_optimizer *optimizer_new(ampc_optim_kind kind, ampc_tensor **params, int n) {
     ampc__ensure_init();
     if (n < 0 || (n > 0 && !params)) return ampc__err_null(AMPC_ERR_INVALID, "%s over %d parameters", kind_name(kind), n);
     for (int i = 0; i < n; i++)
         if (check_param(params[i], kind, i) < 0) return NULL;
-    ampc_optimizer *o = calloc(1, sizeof *o);
+    ampc_optimizer *o = ampc__handle_pool_get(&optimizer_pool);
     size_t cnt = (size_t)(n ? n : 1);
     if (o) {
+        o->gen = ampc__new_gen();
         o->params = calloc(cnt, sizeof *o->params);
         for (int s = 0; s < 3; s++) o->state[s] = calloc(cnt, sizeof *o->state[s]);
         o->steps = calloc(cnt, sizeof *o->steps);
@@ -151,7 +170,7 @@ ampc_optimizer *ampc_adamw_new(ampc_module *m, const ampc_adam_options *opts) {
 }
 
 void ampc_optimizer_free(ampc_optimizer *opt) {
-    if (!opt) return;
+    if (!opt || check_live(opt, "ampc_optimizer_free") < 0) return;
     for (int i = 0; i < opt->n; i++) {
         for (int s = 0; s < 3; s++)
             if (opt->state[s]) ampc__release(opt->state[s][i]);
@@ -162,7 +181,8 @@ void ampc_optimizer_free(ampc_optimizer *opt) {
     free(opt->steps);
     free(opt->items);
     free(opt->item_param);
-    free(opt);
+    opt->gen = 0;
+    ampc__handle_pool_put(&optimizer_pool, opt);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -285,9 +305,11 @@ static int step_device(ampc_optimizer *opt, ampc_device dev, float grad_scale) {
     return AMPC_OK;
 }
 
-int ampc__optimizer_step_scaled(ampc_optimizer *opt, float grad_scale) {
-    if (!opt) return ampc__err(AMPC_ERR_INVALID, "step of a NULL optimizer");
+/* The step of ampc_optimizer_step (call names the entry point in errors). */
+static int step(ampc_optimizer *opt, float grad_scale, const char *call) {
+    if (!opt) return ampc__err(AMPC_ERR_INVALID, "%s: optimizer is NULL", call);
     /* every parameter is checked before any is written */
+    if (ampc__optimizer_check(opt, call) < 0) return ampc_last_status();
     for (int i = 0; i < opt->n; i++)
         if (opt->params[i]->grad && check_step(opt, i) < 0) return ampc_last_status();
     for (int d = 0; d < AMPC_DEVICE_COUNT; d++) {
@@ -297,23 +319,24 @@ int ampc__optimizer_step_scaled(ampc_optimizer *opt, float grad_scale) {
     return AMPC_OK;
 }
 
-int ampc_optimizer_step(ampc_optimizer *opt) { return ampc__optimizer_step_scaled(opt, 0.0f); }
+int ampc__optimizer_step_scaled(ampc_optimizer *opt, float grad_scale) { return step(opt, grad_scale, "ampc_scaler_step"); }
+int ampc_optimizer_step(ampc_optimizer *opt) { return step(opt, 0.0f, "ampc_optimizer_step"); }
 
 void ampc_optimizer_zero_grad(ampc_optimizer *opt) {
-    if (!opt) return;
-    for (int i = 0; i < opt->n; i++) ampc_tensor_zero_grad(opt->params[i]);
+    if (check_live(opt, "ampc_optimizer_zero_grad") < 0) return;
+    for (int i = 0; i < opt->n; i++) ampc__tensor_zero_grad(opt->params[i]);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Accessors
 
 double ampc_optimizer_get_lr(const ampc_optimizer *opt) {
-    if (!opt) return NAN;
+    if (check_live(opt, "ampc_optimizer_get_lr") < 0) return NAN;
     return opt->kind == AMPC_OPTIM_SGD ? opt->sgd.lr : opt->adam.lr;
 }
 
 void ampc_optimizer_set_lr(ampc_optimizer *opt, double lr) {
-    if (!opt) return;
+    if (check_live(opt, "ampc_optimizer_set_lr") < 0) return;
     if (!(lr >= 0)) {
         ampc__err(AMPC_ERR_INVALID, "%s: invalid learning rate: %g", kind_name(opt->kind), lr);
         return;
@@ -322,15 +345,20 @@ void ampc_optimizer_set_lr(ampc_optimizer *opt, double lr) {
     else opt->adam.lr = lr;
 }
 
-int ampc_optimizer_num_params(const ampc_optimizer *opt) { return opt ? opt->n : 0; }
+int ampc_optimizer_num_params(const ampc_optimizer *opt) {
+    int rc = check_live(opt, "ampc_optimizer_num_params");
+    return rc < 0 ? (opt ? rc : 0) : opt->n;   /* NULL: 0 parameters, as before */
+}
 
 ampc_tensor *ampc_optimizer_param(const ampc_optimizer *opt, int i) {
+    if (opt && check_live(opt, "ampc_optimizer_param") < 0) return NULL;
     if (!opt || i < 0 || i >= opt->n) return ampc__err_null(AMPC_ERR_INVALID, "optimizer parameter %d out of range", i);
     return opt->params[i];
 }
 
 int64_t ampc_optimizer_count_nonfinite(const ampc_optimizer *opt) {
-    if (!opt) return ampc__err(AMPC_ERR_INVALID, "ampc_optimizer_count_nonfinite: NULL optimizer");
+    int rc = ampc__optimizer_check(opt, "ampc_optimizer_count_nonfinite");
+    if (rc < 0) return rc;
     int64_t bad = 0;
     for (int i = 0; i < opt->n; i++) {
         ampc_tensor *ts[4] = {opt->params[i], opt->state[0] ? opt->state[0][i] : NULL, opt->state[1] ? opt->state[1][i] : NULL,

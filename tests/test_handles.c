@@ -1,0 +1,355 @@
+/*
+ * test_handles.c - API misuse that used to corrupt silently: NULL and stale tensor handles in
+ * every accessor, freeing twice (also after the header could have been reused), tensors used
+ * after their scope ended, modules and optimizers used after being freed, an optimizer stepped
+ * after its module was freed. Each case checks the return value, ampc_last_status() and that
+ * the message names the call; tensors that must not be touched keep their values.
+ */
+#include "testutil.h"
+
+#include <math.h>
+#include <string.h>
+#include <unistd.h>
+
+/* The last error is `status` and its message names `call` and contains `fragment`; clears it. */
+static void expect_status(int status, const char *call, const char *fragment) {
+    assert_int_equal(ampc_last_status(), status);
+    const char *msg = ampc_last_error();
+    if (!strstr(msg, call)) fail_msg("error message \"%s\" does not name %s", msg, call);
+    if (fragment && !strstr(msg, fragment)) fail_msg("error message \"%s\" does not mention \"%s\"", msg, fragment);
+    ampc_clear_error();
+}
+
+static ampc_tensor *owned_full(double v) {
+    ampc_tensor *t = ampc_tensor_own(ampc_tensor_full(AMPC_F32, 1, (int64_t[]){4}, v));
+    ASSERT_NOT_NULL_MSG(t);
+    return t;
+}
+
+static void assert_all(const ampc_tensor *t, float v) {
+    float out[4];
+    ASSERT_OK(ampc_tensor_to_f32(t, out, 4));
+    for (int i = 0; i < 4; i++) assert_true(out[i] == v);
+}
+
+/* Every accessor given t (NULL or stale) returns its documented value and records `status`
+   naming the call. */
+static void check_accessors(ampc_tensor *t, int status, const char *fragment) {
+    float f[4] = {0};
+    double d[4] = {0};
+    ampc_clear_error();
+#define EXPECT(expr, call)                       \
+    do {                                         \
+        assert_true(expr);                       \
+        expect_status(status, call, fragment);   \
+    } while (0)
+    EXPECT(ampc_tensor_dtype(t) == AMPC_DTYPE_COUNT, "ampc_tensor_dtype");
+    EXPECT(ampc_tensor_device(t) == AMPC_DEVICE_COUNT, "ampc_tensor_device");
+    EXPECT(ampc_tensor_ndim(t) == -1, "ampc_tensor_ndim");
+    EXPECT(ampc_tensor_dim(t, 0) == -1, "ampc_tensor_dim");
+    EXPECT(ampc_tensor_numel(t) == -1, "ampc_tensor_numel");
+    EXPECT(ampc_tensor_shape(t) == NULL, "ampc_tensor_shape");
+    EXPECT(ampc_tensor_memory_format(t) == AMPC_CONTIGUOUS_FORMAT, "ampc_tensor_memory_format");
+    EXPECT(ampc_tensor_data(t) == NULL, "ampc_tensor_data");
+    EXPECT(ampc_tensor_cdata(t) == NULL, "ampc_tensor_cdata");
+    EXPECT(ampc_tensor_to_f32(t, f, 4) == status, "ampc_tensor_to_f32");
+    EXPECT(ampc_tensor_to_f64(t, d, 4) == status, "ampc_tensor_to_f64");
+    EXPECT(ampc_tensor_copy_from_f32(t, f, 4) == status, "ampc_tensor_copy_from_f32");
+    EXPECT(isnan(ampc_tensor_item(t)), "ampc_tensor_item");
+    EXPECT(ampc_tensor_to(t, AMPC_DEVICE_CPU, AMPC_F32) == NULL, "ampc_tensor_to");
+    EXPECT(ampc_tensor_set_requires_grad(t, true) == status, "ampc_tensor_set_requires_grad");
+    EXPECT(!ampc_tensor_requires_grad(t), "ampc_tensor_requires_grad");
+    EXPECT(!ampc_tensor_is_leaf(t), "ampc_tensor_is_leaf");
+    EXPECT(ampc_tensor_grad(t) == NULL, "ampc_tensor_grad");
+    EXPECT(ampc_tensor_grad_fn_name(t) == NULL, "ampc_tensor_grad_fn_name");
+    EXPECT(ampc_tensor_detach(t) == NULL, "ampc_tensor_detach");
+    ampc_tensor_zero_grad(t);
+    expect_status(status, "ampc_tensor_zero_grad", fragment);
+#undef EXPECT
+}
+
+static void test_null_accessors(void **state) {
+    (void)state;
+    check_accessors(NULL, AMPC_ERR_INVALID, "tensor is NULL");
+    /* NULL keeps the first error, as ops do: a chain can be checked at its end */
+    ampc_tensor *bad = ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){-1});
+    assert_int_equal(ampc_tensor_numel(bad), -1);
+    assert_int_equal(ampc_last_status(), AMPC_ERR_SHAPE);
+    ampc_clear_error();
+    assert_null(ampc_tensor_keep(NULL));
+    expect_status(AMPC_ERR_INVALID, "ampc_tensor_keep", "tensor is NULL");
+    assert_null(ampc_tensor_own(NULL));
+    expect_status(AMPC_ERR_INVALID, "ampc_tensor_own", "tensor is NULL");
+    assert_int_equal(ampc_tensor_free(NULL), AMPC_OK);   /* like free(NULL) */
+    assert_int_equal(ampc_last_status(), AMPC_OK);
+}
+
+static void test_use_after_scope_end(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    ampc_tensor *t = ampc_tensor_full(AMPC_F32, 1, (int64_t[]){4}, 2.0);
+    ASSERT_NOT_NULL_MSG(t);
+    ampc_scope_end();
+    check_accessors(t, AMPC_ERR_STATE, "stale (freed, or its scope ended)");
+    assert_null(ampc_tensor_keep(t));
+    expect_status(AMPC_ERR_STATE, "ampc_tensor_keep", "stale");
+    assert_null(ampc_tensor_own(t));
+    expect_status(AMPC_ERR_STATE, "ampc_tensor_own", "stale");
+    assert_int_equal(ampc_tensor_free(t), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_tensor_free", "stale");
+    ampc_module *relu = ampc_relu_new();
+    assert_null(ampc_module_forward(relu, t));
+    expect_status(AMPC_ERR_STATE, "ampc_module_forward", "tensor handle is stale");
+    ampc_module_free(relu);
+}
+
+static void test_free_twice(void **state) {
+    (void)state;
+    ampc_tensor *live = owned_full(2.0);
+    /* owned by the user */
+    ampc_tensor *t = owned_full(1.0);
+    assert_int_equal(ampc_tensor_free(t), AMPC_OK);
+    assert_int_equal(ampc_tensor_free(t), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_tensor_free", "stale");
+    /* held by a scope */
+    ampc_scope_begin();
+    t = ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){4});
+    assert_int_equal(ampc_tensor_free(t), AMPC_OK);
+    assert_int_equal(ampc_tensor_free(t), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_tensor_free", "stale");
+    ampc_scope_end();
+    assert_all(live, 2.0f);
+    ASSERT_OK(ampc_tensor_free(live));
+}
+
+/* Free, allocate a new tensor (the freed header is quarantined, not handed to it), free the old
+   handle again: an error, and the new tensor is untouched. */
+static void test_free_twice_with_allocation_between(void **state) {
+    (void)state;
+    ampc_tensor *old = owned_full(1.0);
+    ASSERT_OK(ampc_tensor_free(old));
+    ampc_tensor *fresh = owned_full(2.0);
+    assert_ptr_not_equal(fresh, old);
+    assert_int_equal(ampc_tensor_free(old), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_tensor_free", "stale");
+    ampc_tensor *more = ampc_add_scalar(fresh, 1.0);   /* the new tensor still works */
+    assert_true(ampc_tensor_item(ampc_sum(more, AMPC_ALL_DIMS, false)) == 12.0);
+    assert_all(fresh, 2.0f);
+    ASSERT_OK(ampc_tensor_free(fresh));
+    assert_int_equal(ampc_tensor_free(fresh), AMPC_ERR_STATE);
+    ampc_clear_error();
+}
+
+/* A tensor autograd still holds: freeing it twice must not drop the graph's reference. */
+static void test_free_twice_while_graph_holds_it(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    float xv[4] = {1, 2, 3, 4};
+    ampc_tensor *w = ampc_tensor_own(ampc_tensor_from_f32(AMPC_F32, 1, (int64_t[]){4}, xv));
+    ASSERT_OK(ampc_tensor_set_requires_grad(w, true));
+    ampc_tensor *x = ampc_mul_scalar(w, 1.0);
+    ampc_tensor *y = ampc_mul(x, x);   /* saves x for backward */
+    ASSERT_OK(ampc_tensor_free(x));
+    assert_int_equal(ampc_tensor_free(x), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_tensor_free", "holds no reference");
+    assert_null(ampc_tensor_own(x));
+    expect_status(AMPC_ERR_STATE, "ampc_tensor_own", "holds no reference");
+    ASSERT_OK(ampc_backward(ampc_sum(y, AMPC_ALL_DIMS, false)));
+    float g[4];
+    ASSERT_OK(ampc_tensor_to_f32(ampc_tensor_grad(w), g, 4));
+    for (int i = 0; i < 4; i++) assert_true(g[i] == 2 * xv[i]);
+    ampc_scope_end();
+    ASSERT_OK(ampc_tensor_free(w));
+}
+
+/* Parameters and grads belong to their module / tensor: the user cannot free or own them. */
+static void test_borrowed_tensors_refuse_free(void **state) {
+    (void)state;
+    ampc_module *lin = ampc_linear_new(3, 2, true);
+    ASSERT_NOT_NULL_MSG(lin);
+    ampc_tensor **p;
+    assert_int_equal(ampc_module_parameters(lin, &p, NULL), 2);
+    assert_int_equal(ampc_tensor_free(p[0]), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_tensor_free", "holds no reference");
+    assert_null(ampc_tensor_own(p[0]));
+    expect_status(AMPC_ERR_STATE, "ampc_tensor_own", "holds no reference");
+    assert_int_equal(ampc_tensor_numel(p[0]), 6);   /* still the module's */
+    ampc_scope_begin();
+    ampc_tensor *x = ampc_tensor_rand(AMPC_F32, 2, (int64_t[]){4, 3}, -1, 1);
+    ASSERT_OK(ampc_backward(ampc_sum(ampc_module_forward(lin, x), AMPC_ALL_DIMS, false)));
+    ampc_scope_end();
+    ampc_tensor *g = ampc_tensor_grad(p[0]);
+    ASSERT_NOT_NULL_MSG(g);
+    assert_int_equal(ampc_tensor_free(g), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_tensor_free", "holds no reference");
+    assert_ptr_equal(ampc_tensor_grad(p[0]), g);
+    assert_int_equal(ampc_tensor_numel(g), 6);
+    ampc_module_free(lin);
+    assert_int_equal(ampc_last_status(), AMPC_OK);
+}
+
+/* An op returning its own input (same memory format) gives back the caller's tensor: it is
+   listed once in its scope (it used to be linked twice, and the scope's end looped forever). */
+static void test_op_returning_its_input(void **state) {
+    (void)state;
+    alarm(20);   /* the old failure was a hang */
+    ampc_scope_begin();
+    ampc_tensor *x = ampc_tensor_full(AMPC_F32, 4, (int64_t[]){1, 2, 3, 4}, 5.0);
+    ampc_tensor *y = ampc_to_memory_format(x, AMPC_CONTIGUOUS_FORMAT);
+    assert_ptr_equal(x, y);
+    ampc_tensor *z = ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){3});
+    ampc_scope_end();
+    assert_int_equal(ampc_tensor_numel(z), -1);
+    ampc_clear_error();
+    ampc_scope_begin();
+    x = ampc_tensor_full(AMPC_F32, 4, (int64_t[]){1, 2, 3, 4}, 5.0);
+    y = ampc_to_memory_format(x, AMPC_CONTIGUOUS_FORMAT);
+    ASSERT_OK(ampc_tensor_free(y));
+    assert_int_equal(ampc_tensor_free(x), AMPC_ERR_STATE);   /* the same tensor, one reference */
+    expect_status(AMPC_ERR_STATE, "ampc_tensor_free", "stale");
+    ampc_scope_end();
+    alarm(0);
+}
+
+/* One SGD step's worth of grads on net's parameters. */
+static void make_grads(ampc_module *net) {
+    ampc_scope_begin();
+    ampc_tensor *x = ampc_tensor_rand(AMPC_F32, 2, (int64_t[]){4, 3}, -1, 1);
+    ASSERT_OK(ampc_backward(ampc_sum(ampc_module_forward(net, x), AMPC_ALL_DIMS, false)));
+    ampc_scope_end();
+}
+
+static void test_optimizer_after_module_freed(void **state) {
+    (void)state;
+    ampc_module *net = ampc_sequential(2, ampc_linear_new(3, 2, true), ampc_relu_new());
+    ASSERT_NOT_NULL_MSG(net);
+    ampc_optimizer *opt = ampc_sgd_new(net, &(ampc_sgd_options){.lr = 0.1, .momentum = 0.9});
+    ASSERT_NOT_NULL_MSG(opt);
+    make_grads(net);
+    ASSERT_OK(ampc_optimizer_step(opt));
+    ampc_module_free(net);
+    assert_int_equal(ampc_optimizer_step(opt), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_optimizer_step", "module that was freed");
+    /* the freed module's header is reused by later modules: the generation still tells */
+    for (int i = 0; i < 300; i++) ampc_module_free(ampc_relu_new());
+    ampc_module *other = ampc_linear_new(3, 2, true);
+    assert_int_equal(ampc_optimizer_step(opt), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_optimizer_step", "module that was freed");
+    ampc_scaler *sc = ampc_scaler_new(NULL);
+    assert_true(ampc_scaler_step(sc, opt) < 0);
+    expect_status(AMPC_ERR_STATE, "ampc_scaler_step", "module that was freed");
+    /* the unscale pass, grad clipping and the finiteness check read the parameters too */
+    assert_true(ampc_scaler_unscale(sc, opt) < 0);
+    expect_status(AMPC_ERR_STATE, "ampc_scaler_unscale", "module that was freed");
+    assert_true(ampc_clip_grad_norm(opt, 1.0) < 0);
+    expect_status(AMPC_ERR_STATE, "ampc_clip_grad_norm", "module that was freed");
+    assert_true(ampc_optimizer_count_nonfinite(opt) < 0);
+    expect_status(AMPC_ERR_STATE, "ampc_optimizer_count_nonfinite", "module that was freed");
+    ampc_scaler_free(sc);
+    ampc_optimizer_zero_grad(opt);   /* harmless: drops grads */
+    assert_int_equal(ampc_last_status(), AMPC_OK);
+    ampc_optimizer_free(opt);
+    assert_int_equal(ampc_last_status(), AMPC_OK);
+    ampc_module_free(other);
+}
+
+/* A child replaced after the optimizer was built: its old parameters are no longer trained. */
+static void test_optimizer_after_child_replaced(void **state) {
+    (void)state;
+    ampc_module *net = ampc_sequential(2, ampc_linear_new(3, 2, true), ampc_relu_new());
+    ampc_optimizer *opt = ampc_adam_new(net, NULL);
+    ASSERT_NOT_NULL_MSG(opt);
+    ASSERT_OK(ampc_module_replace(net, "0", ampc_linear_new(3, 2, true)));
+    make_grads(net);
+    assert_int_equal(ampc_optimizer_step(opt), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_optimizer_step", "freed or replaced");
+    ampc_optimizer_free(opt);
+    opt = ampc_adam_new(net, NULL);   /* built over the live module: fine */
+    ASSERT_OK(ampc_optimizer_step(opt));
+    ampc_optimizer_free(opt);
+    ampc_module_free(net);
+}
+
+static void test_stale_module_and_optimizer(void **state) {
+    (void)state;
+    ampc_module *net = ampc_sequential(1, ampc_linear_new(3, 2, true));
+    ampc_module *child = ampc_module_child(net, 0);
+    ampc_optimizer *opt = ampc_sgd_new(net, NULL);
+    ASSERT_NOT_NULL_MSG(opt);
+    ampc_module_free(child);   /* a child belongs to its parent */
+    expect_status(AMPC_ERR_STATE, "ampc_module_free", "child of a Sequential");
+    ampc_optimizer_free(opt);
+    ampc_module_free(net);
+    assert_int_equal(ampc_last_status(), AMPC_OK);
+
+    ampc_module_free(net);
+    expect_status(AMPC_ERR_STATE, "ampc_module_free", "module handle is stale");
+    ampc_module_free(child);
+    expect_status(AMPC_ERR_STATE, "ampc_module_free", "module handle is stale");
+    ampc_scope_begin();
+    assert_null(ampc_module_forward(net, ampc_tensor_zeros(AMPC_F32, 2, (int64_t[]){1, 3})));
+    ampc_scope_end();
+    expect_status(AMPC_ERR_STATE, "ampc_module_forward", "module handle is stale");
+    assert_true(ampc_module_parameters(net, NULL, NULL) == AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_module_parameters", "stale");
+    assert_null(ampc_module_type(child));
+    expect_status(AMPC_ERR_STATE, "ampc_module_type", "stale");
+
+    ampc_optimizer_free(opt);
+    expect_status(AMPC_ERR_STATE, "ampc_optimizer_free", "optimizer handle is stale");
+    assert_int_equal(ampc_optimizer_step(opt), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_optimizer_step", "optimizer handle is stale");
+    assert_true(isnan(ampc_optimizer_get_lr(opt)));
+    expect_status(AMPC_ERR_STATE, "ampc_optimizer_get_lr", "stale");
+    assert_int_equal(ampc_optimizer_num_params(opt), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_optimizer_num_params", "stale");
+}
+
+/* Last: after ampc_shutdown the root scope's tensors are released, and their handles read as
+   stale (headers are never returned to malloc, so ASan sees no use of freed memory). */
+/* An op given a tensor whose scope ended (or that was freed) refuses it, naming the op. */
+static void test_op_on_stale_tensor(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    ampc_tensor *a = ampc_tensor_full(AMPC_F32, 1, (int64_t[]){4}, 1.0);
+    ampc_scope_end();
+    ampc_scope_begin();
+    ampc_tensor *b = ampc_tensor_full(AMPC_F32, 1, (int64_t[]){4}, 1.0);
+    assert_null(ampc_add(a, b));
+    expect_status(AMPC_ERR_STATE, "add", "freed, or its scope ended");
+    assert_null(ampc_relu(a));
+    expect_status(AMPC_ERR_STATE, "relu", "freed, or its scope ended");
+    assert_true(ampc_tensor_count_nonfinite(a) < 0);
+    expect_status(AMPC_ERR_STATE, "ampc_tensor_count_nonfinite", "freed, or its scope ended");
+    assert_int_equal(ampc_tensor_count_nonfinite(b), 0);
+    ampc_scope_end();
+}
+
+static void test_handle_after_shutdown(void **state) {
+    (void)state;
+    ampc_tensor *t = ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){4});
+    ASSERT_NOT_NULL_MSG(t);
+    ampc_shutdown();
+    assert_int_equal(ampc_tensor_numel(t), -1);
+    expect_status(AMPC_ERR_STATE, "ampc_tensor_numel", "stale");
+    assert_int_equal(ampc_tensor_free(t), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_tensor_free", "stale");
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_null_accessors),
+        cmocka_unit_test(test_use_after_scope_end),
+        cmocka_unit_test(test_free_twice),
+        cmocka_unit_test(test_free_twice_with_allocation_between),
+        cmocka_unit_test(test_free_twice_while_graph_holds_it),
+        cmocka_unit_test(test_borrowed_tensors_refuse_free),
+        cmocka_unit_test(test_op_returning_its_input),
+        cmocka_unit_test(test_optimizer_after_module_freed),
+        cmocka_unit_test(test_optimizer_after_child_replaced),
+        cmocka_unit_test(test_stale_module_and_optimizer),
+        cmocka_unit_test(test_op_on_stale_tensor),
+        cmocka_unit_test(test_handle_after_shutdown),
+    };
+    return cmocka_run_group_tests_name("handles", tests, tu_group_setup, tu_group_teardown);
+}
