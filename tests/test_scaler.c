@@ -297,7 +297,7 @@ static void test_unscale_values(void **state) {
         vals[i] = malloc((size_t)sizes[i] * sizeof(float));
     }
     /* an optimizer object over the parameters: unscale only reads params and grads */
-    ampc_optimizer opt = {.kind = AMPC_OPTIM_SGD, .n = NP, .params = params};
+    ampc_optimizer opt = {.gen = 1, .kind = AMPC_OPTIM_SGD, .n = NP, .params = params};
     const float scales[] = {65536.0f, 3.0f, 0.1f, 1.0f, 7e-3f};
     for (size_t si = 0; si < sizeof scales / sizeof scales[0]; si++) {
         uint64_t rng = 77 + si;
@@ -337,7 +337,7 @@ static void test_unscale_finds_nonfinite(void **state) {
     (void)state;
     const int64_t sizes[] = {3, 100000};
     ampc_tensor *params[2] = {new_param(sizes[0], 0.0f), new_param(sizes[1], 0.0f)};
-    ampc_optimizer opt = {.kind = AMPC_OPTIM_SGD, .n = 2, .params = params};
+    ampc_optimizer opt = {.gen = 1, .kind = AMPC_OPTIM_SGD, .n = 2, .params = params};
     float *v = malloc((size_t)sizes[1] * sizeof(float));
     const float bad[] = {INFINITY, -INFINITY, NAN};
     const int64_t where[] = {0, 8191, 8192, 50000, 99999};
@@ -485,7 +485,7 @@ static void test_ref_device(void **state) {
     ampc_tensor *p = ampc_tensor_zeros(AMPC_F64, 1, (int64_t[]){5});
     ASSERT_OK(ampc_tensor_set_requires_grad(p, true));
     ASSERT_OK(ampc_backward_with_grad(p, ampc_tensor_from_f64(AMPC_F64, 1, (int64_t[]){5}, v)));
-    ampc_optimizer opt = {.kind = AMPC_OPTIM_SGD, .n = 1, .params = &p};
+    ampc_optimizer opt = {.gen = 1, .kind = AMPC_OPTIM_SGD, .n = 1, .params = &p};
     ampc_scaler_options so = ampc_scaler_defaults();
     so.init_scale = 3.0f;
     ampc_scaler *s = ampc_scaler_new(&so);
@@ -516,7 +516,7 @@ static void test_ref_device(void **state) {
 static void test_unscale_allocates_nothing(void **state) {
     (void)state;
     ampc_tensor *p = new_param(100000, 0.0f);
-    ampc_optimizer opt = {.kind = AMPC_OPTIM_SGD, .n = 1, .params = &p};
+    ampc_optimizer opt = {.gen = 1, .kind = AMPC_OPTIM_SGD, .n = 1, .params = &p};
     float *v = calloc(100000, sizeof(float));
     set_grad(p, v);
     ampc_scaler *s = ampc_scaler_new(NULL);
@@ -752,7 +752,7 @@ static void test_fp16_underflow_rescued_by_scaling(void **state) {
     ASSERT_OK(ampc_tensor_set_requires_grad(w, true));
     ASSERT_OK(ampc_tensor_set_requires_grad(b, true));
     ampc_tensor *params[2] = {w, b};
-    ampc_optimizer opt = {.kind = AMPC_OPTIM_SGD, .n = 2, .params = params};
+    ampc_optimizer opt = {.gen = 1, .kind = AMPC_OPTIM_SGD, .n = 2, .params = params};
 
     /* the fp16 forward output, then targets 2^-21 away from it (exact in fp32 for |out| < 8):
        d loss / d out = 2 (out - y) / (N*OUT) = +-2^-26, which rounds to 0 in fp16 */
@@ -852,7 +852,7 @@ static void test_clip_grad_norm(void **state) {
     ampc_tensor *with_none[NP + 1] = {params[0], params[1], params[2], NULL};
     ampc_tensor *no_grad_param = new_param(5, 0.0f);   /* no grad: ignored */
     with_none[NP] = no_grad_param;
-    ampc_optimizer opt = {.kind = AMPC_OPTIM_SGD, .n = NP + 1, .params = with_none};
+    ampc_optimizer opt = {.gen = 1, .kind = AMPC_OPTIM_SGD, .n = NP + 1, .params = with_none};
     const double total_ref = sqrt(sumsq);
     const int64_t n_total = sizes[0] + sizes[1] + sizes[2];
     const double norm_tol = (double)n_total * 0x1p-53 * total_ref;   /* double accumulation */
@@ -904,7 +904,7 @@ static void test_clip_grad_norm(void **state) {
         free(g0);
     }
     /* no gradients at all: 0 */
-    ampc_optimizer none = {.kind = AMPC_OPTIM_SGD, .n = 1, .params = &no_grad_param};
+    ampc_optimizer none = {.gen = 1, .kind = AMPC_OPTIM_SGD, .n = 1, .params = &no_grad_param};
     assert_true(ampc_clip_grad_norm(&none, 1.0) == 0.0);
     for (int i = 0; i < NP; i++) {
         ampc_tensor_free(params[i]);

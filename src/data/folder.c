@@ -432,6 +432,12 @@ static bool sb_put(strbuf *b, char c) {
 
 /* One record: its first `max` fields into fields[] (malloc'd), *nf = how many it has, *line =
    the line it starts on. 1: a record, 0: end of input, < 0: error naming the line. */
+/* On an error inside a record: the fields already read are freed (the caller gets none). */
+static void csv_drop(char **fields, int *nf, int max) {
+    for (int i = 0; i < *nf && i < max; i++) free(fields[i]);
+    *nf = 0;
+}
+
 static int csv_record(csv_reader *r, char **fields, int max, int *nf, int64_t *line) {
     if (r->pos >= r->n) return 0;
     const char *p = r->p;
@@ -439,7 +445,10 @@ static int csv_record(csv_reader *r, char **fields, int max, int *nf, int64_t *l
     *line = r->line;
     for (;;) {
         strbuf b = {0};
-        if (!sb_put(&b, 0)) return ampc__err(AMPC_ERR_OOM, "image folder index: out of memory");
+        if (!sb_put(&b, 0)) {
+            csv_drop(fields, nf, max);
+            return ampc__err(AMPC_ERR_OOM, "image folder index: out of memory");
+        }
         b.n = 0;
         bool ok = true;
         if (r->pos < r->n && p[r->pos] == '"') {
@@ -447,6 +456,7 @@ static int csv_record(csv_reader *r, char **fields, int max, int *nf, int64_t *l
             for (;;) {
                 if (r->pos >= r->n) {
                     free(b.s);
+                    csv_drop(fields, nf, max);
                     return ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: unterminated quoted field", r->name,
                                      (long long)*line);
                 }
@@ -460,6 +470,7 @@ static int csv_record(csv_reader *r, char **fields, int max, int *nf, int64_t *l
             }
             if (r->pos < r->n && p[r->pos] != ',' && p[r->pos] != '\n' && p[r->pos] != '\r') {
                 free(b.s);
+                csv_drop(fields, nf, max);
                 return ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: text after a closing quote", r->name,
                                  (long long)*line);
             }
@@ -467,6 +478,7 @@ static int csv_record(csv_reader *r, char **fields, int max, int *nf, int64_t *l
             for (; r->pos < r->n && p[r->pos] != ',' && p[r->pos] != '\n' && p[r->pos] != '\r'; r->pos++) {
                 if (p[r->pos] == '"') {
                     free(b.s);
+                    csv_drop(fields, nf, max);
                     return ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: quote inside an unquoted field "
                                      "(quote the whole field)", r->name, (long long)*line);
                 }
@@ -475,6 +487,7 @@ static int csv_record(csv_reader *r, char **fields, int max, int *nf, int64_t *l
         }
         if (!ok) {
             free(b.s);
+            csv_drop(fields, nf, max);
             return ampc__err(AMPC_ERR_OOM, "image folder index: out of memory");
         }
         if (*nf < max) fields[*nf] = b.s;
