@@ -12,18 +12,7 @@
 set -u
 TRAIN=${1:?usage: e2e_crash.sh AMPC_TRAIN [RUNS]}
 RUNS=${2:-${CRASH_RUNS:-20}}
-FM=${AMPC_FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}
-if [ ! -e "$FM/train-images-idx3-ubyte.gz" ] && [ ! -e "$FM/train-images-idx3-ubyte" ]; then
-    echo "SKIP: Fashion-MNIST not found in $FM (install dataset-fashion-mnist: scripts/install-deps.sh)"
-    exit 0
-fi
-W=$(mktemp -d "${TMPDIR:-/tmp}/e2e_crash.XXXXXX")
-trap 'rm -rf "$W"' EXIT
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-FAILS=0
-ok() { echo "ok: $*"; }
-bad() { echo "FAIL: $*"; FAILS=$((FAILS + 1)); }
-T0=$SECONDS
+. "$(dirname "$0")/e2e_lib.sh" e2e_crash
 RANDOM=${CRASH_SEED:-$$}
 
 ARGS=(--model mlp --limit-train 1024 --limit-val 128 --batch-size 64 --epochs 3 --progress off --amp-dtype fp16)
@@ -32,7 +21,8 @@ ts=$(date +%s%N)
 ref_ms=$((($(date +%s%N) - ts) / 1000000))
 echo "reference run: ${ref_ms} ms"
 
-kills=0 mid_write=0
+kills=0 mid_write=0 retries=0
+shopt -s nullglob
 for ((i = 1; i <= RUNS; i++)); do
     d="$W/r$i"
     mode=$((i % 2))   # 0: a random moment; 1: while a checkpoint is being written
@@ -52,20 +42,27 @@ for ((i = 1; i <= RUNS; i++)); do
                 # the n-th checkpoint write of the run (n = 1..3), caught while its temporary exists
                 n=$((RANDOM % 3 + 1)) seen=0 last=""
                 while kill -0 $pid 2>/dev/null; do
-                    tmp=$(compgen -G "$d/checkpoint.safetensors.tmp.*" | head -1)
-                    if [ -n "$tmp" ] && [ "$tmp" != "$last" ]; then
-                        seen=$((seen + 1)) last=$tmp
+                    tmps=("$d"/checkpoint.safetensors.tmp.*)
+                    if [ ${#tmps[@]} -gt 0 ] && [ "${tmps[0]}" != "$last" ]; then
+                        seen=$((seen + 1)) last=${tmps[0]}
                         [ $seen -ge $n ] && break
                     fi
                 done
             fi
             if kill -KILL $pid 2>/dev/null; then
                 killed=1 kills=$((kills + 1))
-                [ $mode -eq 1 ] && compgen -G "$d/checkpoint.safetensors.tmp.*" >/dev/null && mid_write=$((mid_write + 1))
+                tmps=("$d"/checkpoint.safetensors.tmp.*)
+                [ $mode -eq 1 ] && [ ${#tmps[@]} -gt 0 ] && mid_write=$((mid_write + 1))
             fi
         fi
-        wait $pid
+        wait $pid 2>/dev/null
         rc=$?
+        if [ $rc -eq 0 ] && [ $killed -eq 0 ] && [ $retries -lt $((3 * RUNS)) ]; then
+            # finished before the kill landed: start this run again, killing at a random moment
+            rm -rf "$d"
+            retries=$((retries + 1)) mode=0
+            continue
+        fi
         [ $rc -eq 0 ] && break
         if [ $rc -ne 137 ]; then
             bad "run $i: exit $rc: $(tail -2 "$d.err" | tr '\n' ' ')"
@@ -85,9 +82,11 @@ for ((i = 1; i <= RUNS; i++)); do
         fi
         cmp -s <(cut -d, -f1-5,8,9 "$W/ref/metrics.csv") <(cut -d, -f1-5,8,9 "$d/metrics.csv") ||
             bad "run $i: metrics.csv differs: $(diff <(cut -d, -f1-5 "$W/ref/metrics.csv") <(cut -d, -f1-5 "$d/metrics.csv") | tr '\n' ' ')"
-        compgen -G "$d/*.tmp.*" >/dev/null && bad "run $i: temporary files left: $(ls "$d" | grep tmp)"
+        left=("$d"/*.tmp.*)
+        [ ${#left[@]} -gt 0 ] && bad "run $i: temporary files left: ${left[*]}"
     fi
     rm -rf "$d" "$d".*
 done
+[ $kills -ge "$RUNS" ] || bad "only $kills SIGKILLs landed in $RUNS runs"
 echo "e2e_crash: $RUNS runs, $kills SIGKILLs ($mid_write during a checkpoint write), $FAILS failure(s) in $((SECONDS - T0)) s"
 [ "$FAILS" -eq 0 ]

@@ -11,20 +11,8 @@
 # samples; every command that could hang runs under `timeout`, so a regression fails, never hangs.
 set -u
 TRAIN=${1:?usage: e2e_robust.sh AMPC_TRAIN}
-FM=${AMPC_FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}
-if [ ! -e "$FM/train-images-idx3-ubyte.gz" ] && [ ! -e "$FM/train-images-idx3-ubyte" ]; then
-    echo "SKIP: Fashion-MNIST not found in $FM (install dataset-fashion-mnist: scripts/install-deps.sh)"
-    exit 0
-fi
-W=$(mktemp -d "${TMPDIR:-/tmp}/e2e_robust.XXXXXX")
-trap 'rm -rf "$W"' EXIT
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+. "$(dirname "$0")/e2e_lib.sh" e2e_robust
 LIMIT=${E2E_TIMEOUT:-120}   # seconds any one command may take before it counts as hung
-
-FAILS=0
-ok() { echo "ok: $*"; }
-bad() { echo "FAIL: $*"; FAILS=$((FAILS + 1)); }
-T0=$SECONDS
 SMALL=(--limit-train 256 --limit-val 64 --batch-size 32 --progress off)
 
 # expect STATUS NAME PATTERN ARGS...: exit status STATUS, one "ampc-train: error: " (or, for

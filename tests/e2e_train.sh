@@ -15,19 +15,7 @@
 set -u
 TRAIN=${1:?usage: e2e_train.sh AMPC_TRAIN MAKE_IMAGE_FOLDER}
 MKIMG=${2:?usage: e2e_train.sh AMPC_TRAIN MAKE_IMAGE_FOLDER}
-FM=${AMPC_FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}
-if [ ! -e "$FM/train-images-idx3-ubyte.gz" ] && [ ! -e "$FM/train-images-idx3-ubyte" ]; then
-    echo "SKIP: Fashion-MNIST not found in $FM (install dataset-fashion-mnist: scripts/install-deps.sh)"
-    exit 0
-fi
-W=$(mktemp -d "${TMPDIR:-/tmp}/e2e_train.XXXXXX")
-trap 'rm -rf "$W"' EXIT
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-
-FAILS=0
-ok() { echo "ok: $*"; }
-bad() { echo "FAIL: $*"; FAILS=$((FAILS + 1)); }
-T0=$SECONDS
+. "$(dirname "$0")/e2e_lib.sh" e2e_train
 
 # Runs ampc-train NAME ARGS...: stdout/stderr to $W/NAME.out/.err; fails the test on a non-zero
 # exit or on sanitizer output.
