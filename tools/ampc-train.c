@@ -22,7 +22,13 @@
  * under 90%).
  *
  * Errors in the input (flags, dataset, checkpoint, out of memory under --max-memory) print one
- * line "ampc-train: error: ..." on stderr and exit with status 1 (2 for usage errors).
+ * line "ampc-train: error: ..." on stderr and exit with status 1 (2 for usage errors). A run that
+ * diverges (a non-finite loss, a loss above --max-loss, --max-skipped-steps skipped steps in a
+ * row, a collapsed loss scale, NaN/inf weights) stops with status 3 and never replaces its last
+ * good checkpoint. SIGINT/SIGTERM stop at the next step boundary with a checkpoint that records
+ * the position inside the epoch (resumed bit-exactly) and exit 128 + the signal; a second one
+ * stops at once. The checkpoint is written before the metrics row, so after a kill metrics.csv
+ * (rebuilt from the checkpoint on resume) never runs ahead of it.
  *
  * The file: configuration (one table of options: parsing, defaults, printing, the checkpoint's
  * metadata, the checks on --resume), datasets, training and validation, outputs, the run,
@@ -409,7 +415,8 @@ static void print_help(void) {
            "end of the epoch and the steps it skipped in it, data_wait the data wait as a fraction; nan for\n"
            "epochs resumed from a checkpoint that did not record it), loss.png, accuracy.png,\n"
            "checkpoint.safetensors (replaced after every epoch). Flags take '--flag value' or '--flag=value'.\n"
-           "Errors print one line \"" PROG ": error: ...\" on stderr; exit status 1 (2: bad command line).\n");
+           "Errors print one line \"" PROG ": error: ...\" on stderr; exit status 1 (2: bad command line, 3: the run\n"
+           "diverged). SIGINT/SIGTERM save a checkpoint at the next step and exit 128 + signal (130, 143).\n");
 }
 
 /* Command line -> settings (defaults for what is not given). Returns 0, 1 for --help, or -1. */
