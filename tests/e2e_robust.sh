@@ -67,6 +67,9 @@ expect 1 fifo_resume 'FIFO|not a regular file' --resume "$W/fifo" --out "$W/x"
 expect 2 fifo_compare 'FIFO|not a regular file' --compare-checkpoints "$W/fifo" "$W/fifo"
 mkdir -p "$W/img/a" "$W/img/b"
 expect 1 fifo_index_csv 'FIFO|not a regular file' --data "$W/img" --index-csv "$W/fifo" --epochs 1 --out "$W/x"
+mkdir -p "$W/outfifo"   # an output name taken by a FIFO: writing it would block too
+mkfifo "$W/outfifo/metrics.csv"
+expect 1 fifo_metrics 'metrics.*FIFO' --model mlp "${SMALL[@]}" --epochs 1 --out "$W/outfifo"
 mkdir -p "$W/idxfifo"
 idx_images "$W/idxfifo/train-images-idx3-ubyte" 64 28 28
 mkfifo "$W/idxfifo/train-labels-idx1-ubyte"   # preferred to a .gz of the same name: opened, and refused

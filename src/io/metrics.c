@@ -132,6 +132,13 @@ ampc_metrics *ampc_metrics_open(const char *csv_path, const char *const *columns
     }
     /* "a+" would force every write to the end but forbids the truncation of a torn line */
     FILE *f = NULL;
+    struct stat st;
+    if (stat(csv_path, &st) == 0 && !S_ISREG(st.st_mode)) {   /* opening a FIFO to write would block */
+        free(header);
+        free(m);
+        free(path);
+        return ampc__err_null(AMPC_ERR_IO, "metrics '%s' is %s, not a regular file", csv_path, ampc__file_type_name(st.st_mode));
+    }
     if (append) {
         f = fopen(csv_path, "r+");
         if (!f && errno == ENOENT) f = fopen(csv_path, "w+");
