@@ -319,6 +319,22 @@ static void make_checkpoint_meta(void) {
     put_strs("checkpoint_meta", seeds, sizeof seeds / sizeof *seeds);
 }
 
+/* ampc-train's command lines: arguments separated by NUL bytes (sizeof - 1 drops the last NUL). */
+static void make_train_args(void) {
+    static const struct { const char *name; const char *args; size_t n; } seeds[] = {
+#define ARGS(name, text) {name, text, sizeof text - 1}
+        ARGS("flags", "--model\0resnet18\0--batch-size\0" "128\0--lr=0.1\0--optimizer\0sgd"),
+        ARGS("sizes", "--max-memory\0" "1.5GiB\0--amp-dtype\0fp16\0--grad-scaler\0on\0--epochs\0" "3"),
+        ARGS("divergence", "--max-loss\0" "1e300\0--max-skipped-steps\0" "0\0--momentum\0" "0.999\0--val-split\0" "0.5"),
+        ARGS("compare", "--compare-checkpoints\0a\0b"),
+        ARGS("resume", "--resume\0runs/latest/checkpoint.safetensors\0--epochs\0" "8\0--keep-casts=no"),
+        ARGS("bad", "--bogus\0--lr\0nan\0--lr\0-1"),
+        ARGS("help", "--help"),
+#undef ARGS
+    };
+    for (size_t i = 0; i < sizeof seeds / sizeof *seeds; i++) put("train_args", seeds[i].name, seeds[i].args, seeds[i].n);
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: %s OUTDIR\n", argv[0]);
@@ -331,6 +347,7 @@ int main(int argc, char **argv) {
     make_image();
     make_checkpoint();
     make_checkpoint_meta();
+    make_train_args();
     ampc_shutdown();
     if (failures) fprintf(stderr, "make_corpus: %d failures\n", failures);
     return failures ? 1 : 0;
