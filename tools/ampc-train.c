@@ -811,7 +811,8 @@ static int check_step(run *r, int64_t epoch, int64_t step, int64_t n_steps, doub
     return 0;
 }
 
-/* Before a checkpoint replaces the last one: no NaN/inf in the weights, buffers or optimizer state. */
+/* Before a checkpoint replaces the last one: no NaN/inf in the weights, buffers or optimizer state
+   (epoch: the 0-based epoch that made them, for the message). */
 static int check_finite_state(run *r, int64_t epoch) {
     ampc_tensor **sd;
     int n = ampc_module_state_dict(r->net, &sd, NULL);
@@ -866,7 +867,7 @@ static void kv_free(kv_list *l) {
    *partial and the epoch's wall time so far. Refuses (diverged) to replace the last checkpoint
    with NaN/inf weights or optimizer state. */
 static int save_checkpoint(run *r, int64_t epochs_done, int64_t step, const pass_stats *partial, double epoch_seconds) {
-    if (check_finite_state(r, epochs_done) < 0) return -1;
+    if (check_finite_state(r, step > 0 || epochs_done == 0 ? epochs_done : epochs_done - 1) < 0) return -1;   /* the epoch just trained */
     kv_list kv = {0};
     char key[128], buf[64];
     int rc = kv_add(&kv, META_PREFIX "version", "1");
