@@ -141,6 +141,10 @@ const char *ampc_device_name(ampc_device d);
    bf16 needs oneDNN's AVX-512 kernels (not on AVX2-only CPUs, nor under ONEDNN_MAX_CPU_ISA=AVX2);
    fp16 always works (computed in fp32 and rounded once, as tensor cores do). */
 bool ampc_dtype_supported(ampc_device dev, ampc_dtype dt);
+/* Whether dev computes dt on arithmetic of dt's own width (so autocast to dt is faster than fp32
+   there): on the CPU, bf16 with AVX512-BF16 or AMX; plain AVX-512 runs bf16 emulated in fp32,
+   several times slower than fp32 (supported, not native). */
+bool ampc_dtype_native(ampc_device dev, ampc_dtype dt);
 void ampc_set_default_device(ampc_device d);  /* thread-local; for new tensors */
 ampc_device ampc_default_device(void);
 

@@ -105,6 +105,14 @@ if ONEDNN_MAX_CPU_ISA=AVX2 timeout "$LIMIT" "$TRAIN" --model mlp "${SMALL[@]}" -
 else
     bad "AVX2 only: the default run failed: $(tail -1 "$W/avx2.err")"
 fi
+# plain AVX-512 (no AVX512-BF16): bf16 works but emulated, several times slower than fp32, so the
+# default is fp16 (with a note); asking for bf16 trains, with a warning
+ONEDNN_MAX_CPU_ISA=AVX512_CORE expect 0 avx512_default '' --model mlp "${SMALL[@]}" --epochs 1 --out "$W/a512"
+grep -qE '^  amp-dtype +fp16$' "$W/avx512_default.out" && grep -q '^note: --amp-dtype fp16, since this CPU has no bf16 arithmetic' "$W/avx512_default.out" &&
+    ok "AVX-512 without BF16: the default is fp16, with a note" || bad "AVX-512 without BF16: $(grep -E 'amp-dtype|note' "$W/avx512_default.out" | tr '\n' ' ')"
+ONEDNN_MAX_CPU_ISA=AVX512_CORE expect 0 avx512_bf16 '' --model mlp "${SMALL[@]}" --epochs 1 --amp-dtype bf16 --out "$W/b512"
+grep -q 'warning: bf16 is emulated on this CPU' "$W/avx512_bf16.err" && ok "AVX-512 without BF16: --amp-dtype bf16 trains, with a warning" ||
+    bad "AVX-512 without BF16: no emulation warning"
 ONEDNN_MAX_CPU_ISA=AVX2 expect 1 avx2_bf16 'amp-dtype bf16: this CPU has no bf16 kernels.*use --amp-dtype fp16' \
     --model mlp "${SMALL[@]}" --amp-dtype bf16 --epochs 1 --out "$W/x"
 

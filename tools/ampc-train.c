@@ -190,8 +190,8 @@ static const opt_def OPTS[OPT_COUNT] = {
     [OPT_USE_AMP] = {"use-amp", V_YESNO, "yes", NULL, 0, 0, false, O_SAVE | O_RUN, "yes|no",
                      "automatic mixed precision (autocast) for training and validation"},
     [OPT_AMP_DTYPE] = {"amp-dtype", V_CHOICE, "auto", "bf16|fp16", 0, 0, false, O_SAVE | O_RUN | O_AUTO, "bf16|fp16",
-                       "autocast's lower precision (auto: bf16 where the CPU has bf16 kernels, AVX-512; fp16 "
-                       "elsewhere)"},
+                       "autocast's lower precision (auto: bf16 where the CPU has bf16 arithmetic, AVX512-BF16 or AMX; "
+                       "fp16 elsewhere)"},
     [OPT_GRAD_SCALER] = {"grad-scaler", V_YESNO, "auto", NULL, 0, 0, false, O_SAVE | O_RUN | O_AUTO, "yes|no",
                          "loss scaling (auto: yes for fp16 autocast, no for bf16 and fp32)"},
     [OPT_EPOCHS] = {"epochs", V_INT, "5", NULL, 0, 1e9, false, O_SAVE | O_RESTORE, "N",
@@ -1285,13 +1285,19 @@ static int build(run *r) {
     const char *model = sval(s, OPT_MODEL), *optname = sval(s, OPT_OPTIMIZER);
     bool sgd = strcmp(optname, "sgd") == 0;
     r->use_amp = yes(s, OPT_USE_AMP);
-    bool bf16_ok = ampc_dtype_supported(AMPC_DEVICE_CPU, AMPC_BF16);
-    if (is_auto(s, OPT_AMP_DTYPE) && set_val(s, OPT_AMP_DTYPE, bf16_ok ? "bf16" : "fp16") < 0) return -1;
+    bool bf16_ok = ampc_dtype_supported(AMPC_DEVICE_CPU, AMPC_BF16), bf16_fast = ampc_dtype_native(AMPC_DEVICE_CPU, AMPC_BF16);
+    bool auto_dtype = is_auto(s, OPT_AMP_DTYPE);
+    if (auto_dtype && set_val(s, OPT_AMP_DTYPE, bf16_fast ? "bf16" : "fp16") < 0) return -1;
     r->amp_dtype = strcmp(sval(s, OPT_AMP_DTYPE), "fp16") == 0 ? AMPC_F16 : AMPC_BF16;
     if (r->use_amp && r->amp_dtype == AMPC_BF16 && !bf16_ok)
         return fail("--amp-dtype bf16: this CPU has no bf16 kernels (oneDNN's need AVX-512; cpu: %s%s): use --amp-dtype fp16 "
                     "(the default here) or --use-amp no", ampc_cpu_features(),
                     getenv("ONEDNN_MAX_CPU_ISA") ? ", ONEDNN_MAX_CPU_ISA set" : "");
+    if (r->use_amp && r->amp_dtype == AMPC_BF16 && !bf16_fast)
+        warn("bf16 is emulated on this CPU (no AVX512-BF16): expect it several times slower than fp32; --amp-dtype fp16 "
+             "(the default here) or --use-amp no run faster");
+    if (r->use_amp && auto_dtype && !bf16_fast)
+        printf("note: --amp-dtype fp16, since this CPU has no bf16 arithmetic (AVX512-BF16); fp16 is computed in fp32 here\n");
     if (is_auto(s, OPT_GRAD_SCALER) && set_val(s, OPT_GRAD_SCALER, r->use_amp && r->amp_dtype == AMPC_F16 ? "yes" : "no") < 0) return -1;
     if (is_auto(s, OPT_LR) && set_val(s, OPT_LR, sgd ? "0.01" : "0.001") < 0) return -1;
     if (is_auto(s, OPT_WEIGHT_DECAY) && set_val(s, OPT_WEIGHT_DECAY, strcmp(optname, "adamw") == 0 ? "0.01" : "0") < 0) return -1;

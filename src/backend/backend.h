@@ -111,6 +111,8 @@ typedef struct ampc_backend {
     bool channels_last;
     /* matmul and convolution compute in dt (NULL: every float dtype); the CPU probes oneDNN */
     bool (*computes)(ampc_dtype dt);
+    /* ... on arithmetic units of dt's own width, faster than f32 (NULL: none) */
+    bool (*native)(ampc_dtype dt);
     void *(*raw_alloc)(size_t nbytes);   /* 64-byte aligned */
     void (*raw_free)(void *p);
 

@@ -57,6 +57,12 @@ bool ampc_dtype_supported(ampc_device dev, ampc_dtype dt) {
     return be->dtypes[dt] && (!be->computes || be->computes(dt));
 }
 
+bool ampc_dtype_native(ampc_device dev, ampc_dtype dt) {
+    if (!ampc_dtype_supported(dev, dt)) return false;
+    const ampc_backend *be = ampc__backend(dev);
+    return be->native ? be->native(dt) : dt == AMPC_F32 || dt == AMPC_F64;
+}
+
 const char *ampc_cpu_features(void) {
     ampc__ensure_init();
     return features;

@@ -101,6 +101,8 @@ static int cpu_fill(ampc_tensor *t, double value) {
 
 /* bf16 needs oneDNN's AVX-512 kernels; fp16 computes in f32 everywhere (rounded as tensor cores do) */
 static bool cpu_computes(ampc_dtype dt) { return dt != AMPC_BF16 || ampc__dnnl_bf16_ok(); }
+/* f32 always; bf16 with AVX512-BF16/AMX; fp16 never (no fp16 arithmetic in oneDNN 2.6 here) */
+static bool cpu_native(ampc_dtype dt) { return dt == AMPC_F32 || (dt == AMPC_BF16 && ampc__dnnl_bf16_native()); }
 
 void ampc__cpu_backend_init(ampc_backend *be) {
     memset(be, 0, sizeof *be);
@@ -109,6 +111,7 @@ void ampc__cpu_backend_init(ampc_backend *be) {
     be->channels_last = true;   /* conv (conv.c), pooling (pool.c) and batch norm (norm.c) take NHWC */
     be->dtypes[AMPC_F32] = be->dtypes[AMPC_F16] = be->dtypes[AMPC_BF16] = be->dtypes[AMPC_I64] = true;
     be->computes = cpu_computes;
+    be->native = cpu_native;
     be->raw_alloc = cpu_alloc;
     be->raw_free = cpu_free;
     be->copy = cpu_copy;

@@ -69,6 +69,11 @@ static void probe_bf16(void) {
     if (pd) dnnl_primitive_desc_destroy(pd);
 }
 
+bool ampc__dnnl_bf16_native(void) {
+    unsigned isa = (unsigned)dnnl_get_effective_cpu_isa(), want = (unsigned)dnnl_cpu_isa_avx512_core_bf16;
+    return ampc__dnnl_bf16_ok() && (isa & want) == want;
+}
+
 bool ampc__dnnl_bf16_ok(void) {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, probe_bf16);

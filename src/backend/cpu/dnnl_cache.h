@@ -86,6 +86,9 @@ int ampc__dnnl_fail(dnnl_status_t st, const char *what);
 const char *ampc__dnnl_isa_name(void);
 /* Whether oneDNN runs bf16 matmuls on this CPU (probed once: a small bf16 matmul primitive). */
 bool ampc__dnnl_bf16_ok(void);
+/* Whether it runs them on bf16 hardware (AVX512-BF16 or AMX); plain AVX-512 emulates bf16 with
+   f32 arithmetic, several times slower than f32 itself. */
+bool ampc__dnnl_bf16_native(void);
 
 /* for `int rc` + a `fail:` label */
 #define AMPC_DNNL_TRY(call, what)                                                                  \
