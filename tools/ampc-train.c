@@ -862,6 +862,13 @@ static void kv_free(kv_list *l) {
     memset(l, 0, sizeof *l);
 }
 
+/* Records the checkpoint a diverging run falls back to: path, after epochs_done epochs and `step`
+   steps of the next one. */
+static void set_last_good(run *r, const char *path, int64_t epochs_done, int64_t step) {
+    if (step > 0) snprintf(r->last_good, sizeof r->last_good, "%s (in epoch %" PRId64 ", after step %" PRId64 ")", path, epochs_done + 1, step);
+    else snprintf(r->last_good, sizeof r->last_good, "%s (after epoch %" PRId64 ")", path, epochs_done);
+}
+
 /* The run after epochs_done epochs and, when a signal stopped epoch epochs_done + 1, `step` of its
    training steps (its batch count: training done, validation not) with the totals so far in
    *partial and the epoch's wall time so far. Refuses (diverged) to replace the last checkpoint
@@ -914,10 +921,7 @@ static int save_checkpoint(run *r, int64_t epochs_done, int64_t step, const pass
     if (rc == 0 && ampc_checkpoint_save(r->ckpt_path, r->net, r->opt, r->scaler, (const char *const *)kv.kv) < 0)
         rc = fail_lib("saving the checkpoint");
     kv_free(&kv);
-    if (rc == 0) {
-        if (step > 0) snprintf(r->last_good, sizeof r->last_good, "%s (in epoch %" PRId64 ", after step %" PRId64 ")", r->ckpt_path, epochs_done + 1, step);
-        else snprintf(r->last_good, sizeof r->last_good, "%s (after epoch %" PRId64 ")", r->ckpt_path, epochs_done);
-    }
+    if (rc == 0) set_last_good(r, r->ckpt_path, epochs_done, step);
     return rc;
 }
 
@@ -1064,10 +1068,7 @@ static int resume_state(run *r) {
     for (int64_t e = 0; e < r->epoch0 && rc == 0; e++) rc = history_push(&r->hist, cols[e]);
     free(cols);
     free(meta);
-    if (rc == 0 && r->resume_step > 0)
-        snprintf(r->last_good, sizeof r->last_good, "%s (in epoch %" PRId64 ", after step %" PRId64 ")", path, r->epoch0 + 1, r->resume_step);
-    else if (rc == 0)
-        snprintf(r->last_good, sizeof r->last_good, "%s (after epoch %" PRId64 ")", path, r->epoch0);
+    if (rc == 0) set_last_good(r, path, r->epoch0, r->resume_step);
     return rc;
 }
 

@@ -274,15 +274,9 @@ static int scan_class(const char *root, const char *cls, int64_t target, list *d
                 break;
             }
             unsigned mode = (unsigned)files.t[k];
-            int prc = 0;
-            if (mode && !S_ISREG(mode)) {   /* a FIFO would block the probe: not opened at all */
-                fprintf(stderr, "ampc: image folder: skipping %s: %s, not a regular file\n", path,
-                        ampc__file_type_name(mode));
-                (*skipped)++;
-                prc = 1;
-            } else {
-                prc = ampc__image_probe_file(path, NULL, NULL);
-            }
+            int prc = mode && !S_ISREG(mode)   /* a FIFO would block the probe: not opened at all */
+                          ? ampc__err(AMPC_ERR_IO, "%s: %s, not a regular file", path, ampc__file_type_name(mode))
+                          : ampc__image_probe_file(path, NULL, NULL);
             free(path);
             if (prc == AMPC_ERR_FORMAT || prc == AMPC_ERR_IO) {
                 /* the message without its "<status text>: " prefix names the file */
@@ -292,7 +286,7 @@ static int scan_class(const char *root, const char *cls, int64_t target, list *d
                 (*skipped)++;
             } else if (prc < 0) {
                 rc = prc;
-            } else if (prc == 0) {
+            } else {
                 rc = list_push(idx, join(dirs->v[i], files.v[k]), target);
                 found++;
             }

@@ -98,12 +98,6 @@ static const char *opt_kind_name(ampc_optim_kind k) {
 static const char *const sgd_slots[] = {"momentum_buffer"};
 static const char *const adam_slots[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
 
-/* How many of the slots this optimizer's settings use (PyTorch keeps no SGD buffer without
-   momentum, and max_exp_avg_sq only with amsgrad): the state a step creates. */
-static int slots_used(const ampc_optimizer *opt) {
-    return opt->kind == AMPC_OPTIM_SGD ? opt->sgd.momentum != 0 : opt->adam.amsgrad ? 3 : 2;
-}
-
 static int opt_slots(const ampc_optimizer *opt, const char *const **names) {
     if (opt->kind == AMPC_OPTIM_SGD) {
         *names = sgd_slots;
@@ -419,8 +413,6 @@ static bool jdepth_ok(jparser *p) {
     }
     return true;
 }
-
-
 
 /* A non-negative integer (no sign, fraction, exponent or leading zeros). */
 static bool ju64(jparser *p, uint64_t max, uint64_t *out) {
@@ -1195,7 +1187,7 @@ static int plan_optimizer(st_file *f, ampc_optimizer *opt, ampc_tensor **sd, con
             st_entry *e = header_find(&f->h, key);
             /* state exists from a parameter's first step on: with steps, every slot this
                optimizer uses must be there (else it would restart silently); before, none */
-            if (!e && pl->steps[i] > 0 && k < slots_used(opt))
+            if (!e && pl->steps[i] > 0 && k < ampc__optimizer_slots_used(opt))
                 return ampc__err(AMPC_ERR_FORMAT, "checkpoint '%s' has the %s step count of '%s' (%" PRId64 ") but not its '%s' (tensor '%s')",
                                  path, opt_kind_name(opt->kind), pn, pl->steps[i], pl->slots[k], key);
             if (!e) continue;
@@ -1357,7 +1349,7 @@ int ampc_checkpoint_read_meta(const char *path, char **meta_json_out) {
 // ---------------------------------------------------------------------------------------------
 // Comparing two files' tensors
 
-/* "(10, 128)" with thousands separators for a byte count: "1,234,567". */
+/* A byte count with thousands separators: "1,234,567". */
 static const char *fmt_thousands(uint64_t v, char *buf, size_t n) {
     char digits[32];
     snprintf(digits, sizeof digits, "%" PRIu64, v);

@@ -27,6 +27,12 @@ struct ampc_optimizer {
     ampc_adam_options adam;
 };
 
+/* How many state slots this optimizer's settings use (state[0..n)): PyTorch keeps no SGD buffer
+   without momentum, and max_exp_avg_sq only with amsgrad. */
+static inline int ampc__optimizer_slots_used(const ampc_optimizer *opt) {
+    return opt->kind == AMPC_OPTIM_SGD ? opt->sgd.momentum != 0 : opt->adam.amsgrad ? 3 : 2;
+}
+
 /* AMPC_OK if opt is live and every parameter's module (if it came from one) is alive; else
    the error naming call. O(parameters), no allocation: the step's checks. */
 int ampc__optimizer_check(const ampc_optimizer *opt, const char *call);

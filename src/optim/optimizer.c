@@ -254,8 +254,7 @@ static int make_item(ampc_optimizer *opt, int i, ampc_optim_item *it) {
     it->param = p;
     it->grad = p->grad;
     it->first = opt->state[0][i] == NULL;
-    int slots = opt->kind == AMPC_OPTIM_SGD ? (opt->sgd.momentum != 0) : (opt->adam.amsgrad ? 3 : 2);
-    for (int s = 0; s < slots; s++)   /* PyTorch keeps no SGD buffer without momentum */
+    for (int s = 0; s < ampc__optimizer_slots_used(opt); s++)
         if (!(it->state[s] = state_get(opt, s, i))) return ampc_last_status();
     it->step = opt->steps[i] + 1;
     return AMPC_OK;

@@ -37,6 +37,7 @@ fail:
 }
 
 dnnl_engine_t ampc__dnnl_engine(void) { return ensure_engine() < 0 ? NULL : D.engine; }
+const_dnnl_primitive_attr_t ampc__dnnl_attr(void) { return ensure_engine() < 0 ? NULL : D.attr; }
 
 // ---------------------------------------------------------------------------------------------
 // What this CPU runs: oneDNN's effective ISA and whether it has bf16 kernels
@@ -88,7 +89,6 @@ int ampc__dnnl_fail(dnnl_status_t st, const char *what) {
                          !D.engine || ampc__dnnl_bf16_ok() ? "" : "; bf16 needs AVX-512 (avx512_core or newer): use fp16 or fp32 autocast on this CPU");
     return ampc__err(AMPC_ERR_BACKEND, "oneDNN %s: %s", what, dnnl_status2str(st));
 }
-const_dnnl_primitive_attr_t ampc__dnnl_attr(void) { return ensure_engine() < 0 ? NULL : D.attr; }
 
 static void entry_destroy(ampc_dnnl_entry *e) {
     for (int i = 0; i < e->n_args; i++)
