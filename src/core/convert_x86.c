@@ -7,41 +7,33 @@
  *   "avx2+f16c"  8 lanes: F16C for f16, AVX2 integer arithmetic for bf16; scalar tails
  *   "avx512"     16 lanes: AVX512F, plus AVX512BW for the masked 16-bit loads/stores of tails
  *
- * The scalar functions in dtype.c are the bit-exact reference: every level gives the same bits
- * for every input, NaN payloads included (tests/test_dtype.c checks this for each level).
+ * The rounding itself (scalar and per vector width) is round.h's; the scalar functions in
+ * dtype.c are the bit-exact reference: every level gives the same bits for every input, NaN
+ * payloads included (tests/test_dtype.c checks this for each level, tests/test_rounding.c the
+ * vector roundings on all 2^32 inputs).
  */
 #include "core/convert.h"
+#include "core/round.h"
 
 #include <string.h>
 
 enum { LEVEL_C, LEVEL_AVX2, LEVEL_AVX512 };
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
+#ifdef AMPC_ROUND_X86
 
 #define TARGET_AVX2 __attribute__((target("avx2,f16c")))
 #define TARGET_AVX512 __attribute__((target("avx512f,avx512bw")))
 
-/* Round to nearest even whatever MXCSR.RC says, and raise no precision exception. */
-#define F16_ROUND (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-
-/*
- * bf16 uses integer arithmetic, never VCVTNEPS2BF16 (AVX512_BF16): that instruction flushes
- * subnormal inputs and outputs to zero, while ampc keeps bf16 subnormals (like the scalar
- * ampc_f32_to_bf16). RNE on the bits: x + 0x7fff + (bit 16 of x), then keep the top half;
- * a NaN keeps its top bits with the quiet bit (0x40) set, so it cannot round into inf.
- */
+/* bf16 uses round.h's integer arithmetic, never VCVTNEPS2BF16 (AVX512_BF16): that instruction
+   reads subnormal inputs as zero, while ampc keeps bf16 subnormals. */
 
 // ---------------------------------------------------------------------------------------------
 // AVX2 + F16C: 8 lanes
 
 TARGET_AVX2 static void f32_to_f16_avx2(const float *src, uint16_t *dst, size_t n) {
     size_t i = 0;
-    /* VCVTPS2PH rounds as ampc_f32_to_f16 does: RNE, subnormals kept, NaNs quieted with the top
-       10 payload bits kept. */
-    for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), F16_ROUND));
-    for (; i < n; i++) dst[i] = ampc_f32_to_f16(src[i]);
+    for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i *)(dst + i), ampc__round_f16_x8(_mm256_loadu_ps(src + i)));
+    for (; i < n; i++) dst[i] = ampc__round_f16(src[i]);
 }
 
 /* VCVTPH2PS quiets signalling NaNs (sets f32 bit 22); ampc_f16_to_f32 keeps a NaN's bits as
@@ -63,22 +55,14 @@ TARGET_AVX2 static void f16_to_f32_avx2(const uint16_t *src, float *dst, size_t 
 }
 
 TARGET_AVX2 static void f32_to_bf16_avx2(const float *src, uint16_t *dst, size_t n) {
-    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
-    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
-    const __m256i quiet = _mm256_set1_epi32(0x40);
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256i x = _mm256_loadu_si256((const __m256i *)(src + i));
-        __m256i hi = _mm256_srli_epi32(x, 16);
-        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, bias), _mm256_and_si256(hi, one)), 16);
-        /* |x| > inf as signed ints is fine: the sign bit is masked off */
-        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, abs_mask), inf);
-        r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, quiet), nan);
+        __m256i r = ampc__round_bf16_x8(_mm256_loadu_si256((const __m256i *)(src + i)));
         /* lanes hold 0..0xffff, so the unsigned-saturating pack is exact */
         __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
         _mm_storeu_si128((__m128i *)(dst + i), packed);
     }
-    for (; i < n; i++) dst[i] = ampc_f32_to_bf16(src[i]);
+    for (; i < n; i++) dst[i] = ampc__round_bf16(src[i]);
 }
 
 TARGET_AVX2 static void bf16_to_f32_avx2(const uint16_t *src, float *dst, size_t n) {
@@ -87,7 +71,7 @@ TARGET_AVX2 static void bf16_to_f32_avx2(const uint16_t *src, float *dst, size_t
         __m256i h32 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
         _mm256_storeu_si256((__m256i *)(dst + i), _mm256_slli_epi32(h32, 16));
     }
-    for (; i < n; i++) dst[i] = ampc_bf16_to_f32(src[i]);
+    for (; i < n; i++) dst[i] = ampc__widen_bf16(src[i]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -99,10 +83,10 @@ static inline __mmask16 tail_mask(size_t k) { return (__mmask16)((1u << k) - 1u)
 TARGET_AVX512 static void f32_to_f16_avx512(const float *src, uint16_t *dst, size_t n) {
     size_t i = 0;
     for (; i + 16 <= n; i += 16)
-        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtps_ph(_mm512_loadu_ps(src + i), F16_ROUND));
+        _mm256_storeu_si256((__m256i *)(dst + i), ampc__round_f16_x16(_mm512_loadu_ps(src + i)));
     if (i < n) {
         __mmask16 m = tail_mask(n - i);
-        __m256i h = _mm512_cvtps_ph(_mm512_maskz_loadu_ps(m, src + i), F16_ROUND);
+        __m256i h = ampc__round_f16_x16(_mm512_maskz_loadu_ps(m, src + i));
         _mm512_mask_storeu_epi16(dst + i, m, _mm512_zextsi256_si512(h));
     }
 }
@@ -127,14 +111,6 @@ TARGET_AVX512 static void f16_to_f32_avx512(const uint16_t *src, float *dst, siz
     }
 }
 
-TARGET_AVX512 static inline __m512i f32x16_to_bf16(__m512i x) {
-    __m512i hi = _mm512_srli_epi32(x, 16);
-    __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    return _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));   /* 32-bit lanes, 0..0xffff */
-}
-
 TARGET_AVX512 static void f32_to_bf16_avx512(const float *src, uint16_t *dst, size_t n) {
     size_t i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -142,11 +118,11 @@ TARGET_AVX512 static void f32_to_bf16_avx512(const float *src, uint16_t *dst, si
         /* Keep x in a register: otherwise gcc folds the load into three instructions, and
            streaming from DRAM gets ~30% slower (measured on Zen 5). */
         __asm__("" : "+v"(x));
-        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(f32x16_to_bf16(x)));
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(ampc__round_bf16_x16(x)));
     }
     if (i < n) {
         __mmask16 m = tail_mask(n - i);
-        _mm512_mask_cvtepi32_storeu_epi16(dst + i, m, f32x16_to_bf16(_mm512_maskz_loadu_epi32(m, src + i)));
+        _mm512_mask_cvtepi32_storeu_epi16(dst + i, m, ampc__round_bf16_x16(_mm512_maskz_loadu_epi32(m, src + i)));
     }
 }
 
@@ -182,7 +158,7 @@ static bool level_supported(int level) { return level == LEVEL_C; }
 /* Not synchronised with running conversions: called once at init, and by single-threaded tests. */
 static void set_level(int level) {
     ampc_convert_fns c = {"c", ampc__f32_to_f16_c, ampc__f16_to_f32_c, ampc__f32_to_bf16_c, ampc__bf16_to_f32_c};
-#if defined(__x86_64__) || defined(__i386__)
+#ifdef AMPC_ROUND_X86
     if (level == LEVEL_AVX2)
         c = (ampc_convert_fns){"avx2+f16c", f32_to_f16_avx2, f16_to_f32_avx2, f32_to_bf16_avx2, bf16_to_f32_avx2};
     if (level == LEVEL_AVX512)

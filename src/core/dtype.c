@@ -1,9 +1,11 @@
 /*
- * dtype.c - the dtype table, scalar fp16/bf16 conversions (the bit-exact reference for the
- * vectorized ones in convert_x86.c) and the bulk-conversion entry points.
+ * dtype.c - the dtype table, scalar fp16/bf16 conversions (the rounding itself is defined once,
+ * in round.h; these are the bit-exact reference for the vectorized ones in convert_x86.c) and
+ * the bulk-conversion entry points.
  */
 #include "core/core.h"
 #include "core/convert.h"
+#include "core/round.h"
 
 #include <math.h>
 #include <string.h>
@@ -14,23 +16,7 @@
 static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
-uint16_t ampc_f32_to_f16(float f) {
-    uint32_t x = f32_bits(f);
-    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
-    uint32_t ax = x & 0x7fffffffu;
-    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu)); /* quiet NaN */
-    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);   /* >= 65520 rounds to inf */
-    if (ax >= 0x38800000u) {                                     /* normal half */
-        uint32_t h = ax - (112u << 23);
-        return (uint16_t)(sign | ((h + 0x0fffu + ((h >> 13) & 1u)) >> 13));
-    }
-    uint32_t e = ax >> 23;
-    if (e < 102) return sign;                                    /* below 2^-25: zero */
-    uint32_t m = (ax & 0x7fffffu) | 0x800000u, s = 126 - e;     /* value / 2^-24 = m >> s */
-    uint32_t q = m >> s, rem = m & ((1u << s) - 1), half = 1u << (s - 1);
-    if (rem > half || (rem == half && (q & 1u))) q++;
-    return (uint16_t)(sign | q);
-}
+uint16_t ampc_f32_to_f16(float f) { return ampc__round_f16(f); }
 
 float ampc_f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
@@ -42,13 +28,9 @@ float ampc_f16_to_f32(uint16_t h) {
     return bits_f32(sign | ((e + 112u) << 23) | (m << 13));
 }
 
-uint16_t ampc_f32_to_bf16(float f) {
-    uint32_t x = f32_bits(f);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);   /* quiet NaN */
-    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
-}
+uint16_t ampc_f32_to_bf16(float f) { return ampc__round_bf16(f); }
 
-float ampc_bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+float ampc_bf16_to_f32(uint16_t h) { return ampc__widen_bf16(h); }
 
 /* f64 -> f32 rounding to odd: a following RNE narrowing to f16/bf16 is then correctly rounded
    (f32 has >= 2 more significand bits than both), avoiding double rounding. */
@@ -64,16 +46,16 @@ static float f64_to_f32_odd(double d) {
 // Plain C loops
 
 void ampc__f32_to_f16_c(const float *src, uint16_t *dst, size_t n) {
-    for (size_t i = 0; i < n; i++) dst[i] = ampc_f32_to_f16(src[i]);
+    for (size_t i = 0; i < n; i++) dst[i] = ampc__round_f16(src[i]);
 }
 void ampc__f16_to_f32_c(const uint16_t *src, float *dst, size_t n) {
     for (size_t i = 0; i < n; i++) dst[i] = ampc_f16_to_f32(src[i]);
 }
 void ampc__f32_to_bf16_c(const float *src, uint16_t *dst, size_t n) {
-    for (size_t i = 0; i < n; i++) dst[i] = ampc_f32_to_bf16(src[i]);
+    for (size_t i = 0; i < n; i++) dst[i] = ampc__round_bf16(src[i]);
 }
 void ampc__bf16_to_f32_c(const uint16_t *src, float *dst, size_t n) {
-    for (size_t i = 0; i < n; i++) dst[i] = ampc_bf16_to_f32(src[i]);
+    for (size_t i = 0; i < n; i++) dst[i] = ampc__widen_bf16(src[i]);
 }
 
 ampc_convert_fns ampc__convert = {
@@ -100,12 +82,12 @@ static void f32_from_f64(const double *s, void *d, size_t n) { float *p = d; for
 static void f16_to_f32(const void *s, float *d, size_t n) { ampc__convert.f16_to_f32(s, d, n); }
 static void f16_from_f32(const float *s, void *d, size_t n) { ampc__convert.f32_to_f16(s, d, n); }
 static void f16_to_f64(const void *s, double *d, size_t n) { const uint16_t *p = s; for (size_t i = 0; i < n; i++) d[i] = ampc_f16_to_f32(p[i]); }
-static void f16_from_f64(const double *s, void *d, size_t n) { uint16_t *p = d; for (size_t i = 0; i < n; i++) p[i] = ampc_f32_to_f16(f64_to_f32_odd(s[i])); }
+static void f16_from_f64(const double *s, void *d, size_t n) { uint16_t *p = d; for (size_t i = 0; i < n; i++) p[i] = ampc__round_f16(f64_to_f32_odd(s[i])); }
 
 static void bf16_to_f32(const void *s, float *d, size_t n) { ampc__convert.bf16_to_f32(s, d, n); }
 static void bf16_from_f32(const float *s, void *d, size_t n) { ampc__convert.f32_to_bf16(s, d, n); }
-static void bf16_to_f64(const void *s, double *d, size_t n) { const uint16_t *p = s; for (size_t i = 0; i < n; i++) d[i] = ampc_bf16_to_f32(p[i]); }
-static void bf16_from_f64(const double *s, void *d, size_t n) { uint16_t *p = d; for (size_t i = 0; i < n; i++) p[i] = ampc_f32_to_bf16(f64_to_f32_odd(s[i])); }
+static void bf16_to_f64(const void *s, double *d, size_t n) { const uint16_t *p = s; for (size_t i = 0; i < n; i++) d[i] = ampc__widen_bf16(p[i]); }
+static void bf16_from_f64(const double *s, void *d, size_t n) { uint16_t *p = d; for (size_t i = 0; i < n; i++) p[i] = ampc__round_bf16(f64_to_f32_odd(s[i])); }
 
 static void f64_to_f32(const void *s, float *d, size_t n) { const double *p = s; for (size_t i = 0; i < n; i++) d[i] = (float)p[i]; }
 static void f64_from_f32(const float *s, void *d, size_t n) { double *p = d; for (size_t i = 0; i < n; i++) p[i] = s[i]; }

@@ -10,6 +10,7 @@
 #define AMPC_CPU_H
 
 #include "backend/backend.h"
+#include "core/round.h"
 
 #define AMPC_CPU_CHUNK 1024   /* elements per f32 staging buffer (4 KiB, on the stack) */
 
@@ -28,20 +29,10 @@
    caller (one per storage type) gets its own branch-free copy. */
 #define AMPC_CPU_INLINE static inline __attribute__((always_inline))
 
-/* bf16 -> f32: the 16 bits on top of an f32, exact (as ampc_bf16_to_f32). */
-AMPC_CPU_INLINE float ampc__cpu_bf16_f32(uint16_t h) {
-    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
-    return v.f;
-}
-
-/* f32 -> bf16 with the bits of ampc_f32_to_bf16 (round to nearest even, subnormals kept, NaN
-   quieted, never rounded into inf), written as a select so loops using it vectorize.
-   (VCVTNEPS2BF16 would flush subnormals to zero.) */
-AMPC_CPU_INLINE uint16_t ampc__cpu_f32_bf16(float f) {
-    union { float f; uint32_t u; } v = {.f = f};
-    uint32_t x = v.u, r = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16, nan = (x >> 16) | 0x40u;
-    return (uint16_t)((x & 0x7fffffffu) > 0x7f800000u ? nan : r);
-}
+/* bf16 <-> f32 in registers: core/round.h's exact widening and its rounding (the bits of
+   ampc_f32_to_bf16), which vectorizes in the loops. */
+AMPC_CPU_INLINE float ampc__cpu_bf16_f32(uint16_t h) { return ampc__widen_bf16(h); }
+AMPC_CPU_INLINE uint16_t ampc__cpu_f32_bf16(float f) { return ampc__round_bf16(f); }
 
 /* Element i of f32 (bf16 false) or bf16 storage, as f32; and the store of an f32 result. */
 AMPC_CPU_INLINE float ampc__cpu_ld(const void *p, size_t i, bool bf16) {

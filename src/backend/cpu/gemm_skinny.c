@@ -56,27 +56,10 @@ static inline __mmask32 mask32(int64_t j, int64_t n) {
     return j >= n ? 0 : n - j >= 32 ? 0xffffffffu : (__mmask32)((1u << (n - j)) - 1u);
 }
 
-/* 16 lanes of ampc__cpu_f32_bf16 in integer arithmetic (round to nearest even, NaN quieted). */
-KERNEL_INLINE __m256i f32x16_to_bf16(__m512 f) {
-    __m512i x = _mm512_castps_si512(f), hi = _mm512_srli_epi32(x, 16);
-    __m512i r = _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)), _mm512_and_si512(hi, _mm512_set1_epi32(1)));
-    __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    return _mm512_cvtepi32_epi16(_mm512_mask_or_epi32(_mm512_srli_epi32(r, 16), nan, hi, _mm512_set1_epi32(0x40)));
-}
-
-/* 32 results (v0: the first 16) rounded to bf16 with ampc__cpu_f32_bf16's bits. VCVTNE2PS2BF16
-   rounds the same way (to nearest even, NaN quieted the same) in one instruction, but reads
-   subnormal inputs as zero: vectors holding one take the integer path. */
-KERNEL_INLINE __m512i f32x32_to_bf16(__m512 v0, __m512 v1) {
-    if (!(_mm512_fpclass_ps_mask(v0, 0x20) | _mm512_fpclass_ps_mask(v1, 0x20)))   /* 0x20: denormal */
-        return (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(f32x16_to_bf16(v0)), f32x16_to_bf16(v1), 1);
-}
-
 /* 32 results (v0: the first 16) into f32 or bf16 storage, lanes in m. */
 KERNEL_INLINE void store32(void *c, int64_t i, __mmask32 m, __m512 v0, __m512 v1, bool c16) {
     if (c16) {
-        _mm512_mask_storeu_epi16((uint16_t *)c + i, m, f32x32_to_bf16(v0, v1));
+        _mm512_mask_storeu_epi16((uint16_t *)c + i, m, ampc__round_bf16_x32(v0, v1));
     } else {
         _mm512_mask_storeu_ps((float *)c + i, (__mmask16)m, v0);
         _mm512_mask_storeu_ps((float *)c + i + 16, (__mmask16)(m >> 16), v1);

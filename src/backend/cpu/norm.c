@@ -69,7 +69,7 @@ static inline size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
    channel's, or per column (arrays indexed like the loop's columns). */
 typedef struct {
     float m, a, b;
-} bn_rc1;
+} bn_preact_coefs;
 typedef struct {
     const float *m, *a, *b;
 } bn_rcv;
@@ -158,7 +158,7 @@ AMPC_CPU_INLINE double sq_dev_body(const void *x, int64_t runs, int64_t stride, 
 
 /* *sg += sum(g), *sgx += sum(g * (x - m)) */
 AMPC_CPU_INLINE void grad_sums_body(const void *g, const void *x, int64_t runs, int64_t stride, int64_t len, double m,
-                                    double *sg, double *sgx, bn_rc1 rc, bool bf, bool relu) {
+                                    double *sg, double *sgx, bn_preact_coefs rc, bool bf, bool relu) {
     double a[DL_MAX] = {0}, b[DL_MAX] = {0}, ta = 0, tb = 0;
     for (int64_t r = 0; r < runs; r++) {
         const void *pg = elt(g, r * stride, bf), *px = elt(x, r * stride, bf);
@@ -200,7 +200,7 @@ AMPC_CPU_INLINE void affine_body(const void *x, void *y, int64_t runs, int64_t s
 
 /* o = k * g + a * (x - m) + b (o may be g's or x's array) */
 AMPC_CPU_INLINE void affine2_body(const void *g, const void *x, void *o, int64_t runs, int64_t stride, int64_t len,
-                                  float k, float m, float a, float b, bn_rc1 rc, bool bf, bool relu) {
+                                  float k, float m, float a, float b, bn_preact_coefs rc, bool bf, bool relu) {
     for (int64_t r = 0; r < runs; r++) {
         const void *pg = elt(g, r * stride, bf), *px = elt(x, r * stride, bf);
         void *po = (void *)elt(o, r * stride, bf);
@@ -280,10 +280,10 @@ typedef struct {
     double (*sum)(const void *x, int64_t runs, int64_t stride, int64_t len);
     double (*sq_dev)(const void *x, int64_t runs, int64_t stride, int64_t len, double m);
     void (*grad_sums)(const void *g, const void *x, int64_t runs, int64_t stride, int64_t len, double m, double *sg,
-                      double *sgx, bn_rc1 rc);
+                      double *sgx, bn_preact_coefs rc);
     void (*affine)(const void *x, void *y, int64_t runs, int64_t stride, int64_t len, float m, float a, float b);
     void (*affine2)(const void *g, const void *x, void *o, int64_t runs, int64_t stride, int64_t len, float k, float m,
-                    float a, float b, bn_rc1 rc);
+                    float a, float b, bn_preact_coefs rc);
     void (*col_add)(double *acc, const void *x, size_t rows, size_t n);
     void (*col_sq_dev)(double *acc, const void *x, const double *m, size_t rows, size_t n);
     void (*col_grad)(double *sg, double *sgx, const void *g, const void *x, const float *m, size_t rows, size_t n,
@@ -310,7 +310,7 @@ typedef struct {
 
 #define VEC_FNS(T, S, BF, RELU)                                                                    \
     AMPC_CPU_VEC static void grad_sums_##T(const void *g, const void *x, int64_t runs, int64_t stride, int64_t len, \
-                                           double m, double *sg, double *sgx, bn_rc1 rc) {         \
+                                           double m, double *sg, double *sgx, bn_preact_coefs rc) {   \
         grad_sums_body(g, x, runs, stride, len, m, sg, sgx, rc, BF, RELU);                         \
     }                                                                                              \
     AMPC_CPU_VEC static void affine_##T(const void *x, void *y, int64_t runs, int64_t stride, int64_t len, float m, \
@@ -318,7 +318,7 @@ typedef struct {
         affine_body(x, y, runs, stride, len, m, a, b, BF, RELU);                                   \
     }                                                                                              \
     AMPC_CPU_VEC static void affine2_##T(const void *g, const void *x, void *o, int64_t runs, int64_t stride,       \
-                                         int64_t len, float k, float m, float a, float b, bn_rc1 rc) { \
+                                         int64_t len, float k, float m, float a, float b, bn_preact_coefs rc) { \
         affine2_body(g, x, o, runs, stride, len, k, m, a, b, rc, BF, RELU);                        \
     }                                                                                              \
     AMPC_CPU_VEC static void col_grad_##T(double *sg, double *sgx, const void *g, const void *x, const float *m,    \
@@ -542,8 +542,8 @@ static void bn_bwd_channels(const bn_ctx *c, const ampc_tensor *x, const ampc_te
         float bx[CHUNK], bg[CHUNK], k, a, b;
         double sg = 0, sgx = 0, m = mean[ch], is = invstd[ch];
         size_t first = (size_t)(ch * S);
-        bn_rc1 r1 = {0};
-        if (c->rc) r1 = (bn_rc1){c->rc[ch], c->rc[C + ch], c->rc[2 * C + ch]};
+        bn_preact_coefs r1 = {0};
+        if (c->rc) r1 = (bn_preact_coefs){c->rc[ch], c->rc[C + ch], c->rc[2 * C + ch]};
         const bn_rcv rv = {&r1.m, &r1.a, &r1.b};
         if (sums) {
             if (d) d->grad_sums(ampc__cpu_at(gy, first), ampc__cpu_at(x, first), N, CS, S, m, &sg, &sgx, r1);
