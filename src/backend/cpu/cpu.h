@@ -115,8 +115,9 @@ bool ampc__cpu_gemm_skinny_takes(const ampc_gemm_desc *d, ampc_dtype dt, const c
 int ampc__cpu_gemm_skinny_run(const ampc_gemm_desc *d, const ampc_tensor *a, const ampc_tensor *b,
                               const ampc_tensor *bias, ampc_tensor *c);
 
-/* The convolution's switches for tests and benchmarks (conv_choose.c, conv_im2col.c): the NHWC im2col + matmul path for convolution
-   passes (-1: its measured rule, 0: never, 1: always) and the cap on its columns buffer. */
+/* The convolution's switches for tests and benchmarks (conv_choose.c, conv_im2col.c): the NHWC
+   im2col + matmul path for convolution passes (-1: its measured rule, 0: never, 1: always) and
+   the cap on its columns buffer. */
 extern int ampc__cpu_conv_im2col;
 extern size_t ampc__cpu_conv_im2col_cap;
 
