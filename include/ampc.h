@@ -358,20 +358,95 @@ typedef enum {
     AMPC_POLICY_PASSTHROUGH, /* run in the inputs' dtype (elementwise, shape ops) */
 } ampc_policy;
 
+/* What an op's backward reads of its values (shapes and dtypes are always kept). */
 typedef enum {
-    AMPC_OP_CAST = 0, AMPC_OP_ADD, AMPC_OP_SUB, AMPC_OP_MUL, AMPC_OP_ADD_SCALAR,
-    AMPC_OP_MUL_SCALAR, AMPC_OP_RELU, AMPC_OP_GELU, AMPC_OP_TANH, AMPC_OP_SIGMOID,
-    AMPC_OP_EXP, AMPC_OP_LOG, AMPC_OP_POW, AMPC_OP_SUM, AMPC_OP_MEAN, AMPC_OP_RESHAPE,
-    AMPC_OP_SOFTMAX, AMPC_OP_LOG_SOFTMAX, AMPC_OP_MATMUL, AMPC_OP_LINEAR, AMPC_OP_MSE_LOSS,
-    AMPC_OP_CROSS_ENTROPY, AMPC_OP_DROPOUT, AMPC_OP_CONV2D, AMPC_OP_MAX_POOL2D,
-    AMPC_OP_AVG_POOL2D, AMPC_OP_ADAPTIVE_AVG_POOL2D, AMPC_OP_BATCH_NORM, AMPC_OP_LAYER_NORM,
-    AMPC_OP_CAT,
+    AMPC_READS_NONE = 0,   /* nothing: the gradient is linear in gy (add, sum, cast) */
+    AMPC_READS_X,          /* its inputs (gelu, log, mul, matmul, conv, losses, norms) */
+    AMPC_READS_Y,          /* its output (relu, tanh, sigmoid, exp, softmax) */
+} ampc_backward_reads;
+
+/* The op table: one row per op holding every fact about it, read by the op front door, by
+   autocast, by the kernels and by the profiler (src/ops/op_table.c expands it). A new op is
+   one row here plus its own code.
+     OP(ID, name, autocast policy under f16, under bf16,
+       channels-last inputs: bit i set when input i may stay channels-last on a backend with
+         channels-last kernels (the others are converted to contiguous first),
+       what its backward reads: the op saves exactly that and its backward kernel reads it) */
+#define AMPC_OP_TABLE(OP)                                                             \
+    OP(CAST, "cast", PASSTHROUGH, PASSTHROUGH, 0x1, NONE)                             \
+    OP(ADD, "add", PASSTHROUGH, PASSTHROUGH, 0x3, NONE)                               \
+    OP(SUB, "sub", PASSTHROUGH, PASSTHROUGH, 0x3, NONE)                               \
+    OP(MUL, "mul", PASSTHROUGH, PASSTHROUGH, 0x3, X)                                  \
+    OP(ADD_SCALAR, "add_scalar", PASSTHROUGH, PASSTHROUGH, 0x1, NONE)                 \
+    OP(MUL_SCALAR, "mul_scalar", PASSTHROUGH, PASSTHROUGH, 0x1, NONE)                 \
+    OP(RELU, "relu", PASSTHROUGH, PASSTHROUGH, 0x1, Y)                                \
+    OP(GELU, "gelu", PASSTHROUGH, PASSTHROUGH, 0x1, X)                                \
+    OP(TANH, "tanh", PASSTHROUGH, PASSTHROUGH, 0x1, Y)                                \
+    OP(SIGMOID, "sigmoid", PASSTHROUGH, PASSTHROUGH, 0x1, Y)                          \
+    OP(EXP, "exp", FP32, FP32, 0x1, Y)                                                \
+    OP(LOG, "log", FP32, FP32, 0x1, X)                                                \
+    OP(POW, "pow", FP32, FP32, 0x1, X)                                                \
+    OP(SUM, "sum", FP32, FP32, 0x0, NONE)                                             \
+    OP(MEAN, "mean", PASSTHROUGH, PASSTHROUGH, 0x0, NONE)                             \
+    OP(RESHAPE, "reshape", PASSTHROUGH, PASSTHROUGH, 0x0, NONE)                       \
+    OP(SOFTMAX, "softmax", FP32, FP32, 0x0, Y)                                        \
+    OP(LOG_SOFTMAX, "log_softmax", FP32, FP32, 0x0, Y)                                \
+    OP(MATMUL, "matmul", LOWER, LOWER, 0x0, X)                                        \
+    OP(LINEAR, "linear", LOWER, LOWER, 0x0, X)                                        \
+    OP(MSE_LOSS, "mse_loss", FP32, FP32, 0x0, X)                                      \
+    OP(CROSS_ENTROPY, "cross_entropy", FP32, FP32, 0x0, X)                            \
+    OP(DROPOUT, "dropout", PASSTHROUGH, PASSTHROUGH, 0x1, NONE)                       \
+    OP(CONV2D, "conv2d", LOWER, LOWER, 0x1, X)                                        \
+    OP(MAX_POOL2D, "max_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE)                 \
+    OP(AVG_POOL2D, "avg_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE)                 \
+    OP(ADAPTIVE_AVG_POOL2D, "adaptive_avg_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE) \
+    OP(BATCH_NORM, "batch_norm", PASSTHROUGH, PASSTHROUGH, 0x1, X)                    \
+    OP(LAYER_NORM, "layer_norm", FP32, FP32, 0x0, X)                                  \
+    OP(CAT, "cat", PROMOTE, PROMOTE, 0x0, NONE)
+/* Policies follow PyTorch's CUDA autocast lists (aten/src/ATen/autocast_mode.cpp) for the ops
+   ampc has, for fp16 and bf16 alike: matmul-like ops run in the lower precision; reductions
+   PyTorch lists as fp32 (sum, softmax, log_softmax, exp, log, pow), layer_norm and every loss
+   in fp32; ops PyTorch lists nowhere (elementwise, mean, reshape, dropout, pooling) run in the
+   inputs' dtype, with ordinary type promotion for binary ops. batch_norm is in no list either:
+   it runs on the 16-bit input with fp32 weights and fp32 statistics. max_pool2d saves its
+   argmax and dropout its mask, not values (NONE). */
+
+typedef enum {
+#define AMPC_OP_ENUM_(id, name, f16, bf16, channels_last, reads) AMPC_OP_##id,
+    AMPC_OP_TABLE(AMPC_OP_ENUM_)
+#undef AMPC_OP_ENUM_
     AMPC_OP_COUNT
 } ampc_op;
 
-const char *ampc_op_name(ampc_op op);                      /* "linear" */
 ampc_policy ampc_op_policy(ampc_op op, ampc_dtype autocast_dtype);
 const char *ampc_policy_name(ampc_policy p);
+/* The table's columns (inline: every layer reads the one table, the kernels below the op
+   layer too): the op's name ("linear"; "?" out of range), the inputs that may stay
+   channels-last (bit i: input i), and what its backward reads. */
+static inline const char *ampc_op_name(ampc_op op) {
+    switch (op) {
+#define AMPC_OP_NAME_(id, name, f16, bf16, channels_last, reads) case AMPC_OP_##id: return name;
+        AMPC_OP_TABLE(AMPC_OP_NAME_)
+#undef AMPC_OP_NAME_
+    default: return "?";
+    }
+}
+static inline unsigned ampc_op_channels_last_inputs(ampc_op op) {
+    switch (op) {
+#define AMPC_OP_CL_(id, name, f16, bf16, channels_last, reads) case AMPC_OP_##id: return channels_last;
+        AMPC_OP_TABLE(AMPC_OP_CL_)
+#undef AMPC_OP_CL_
+    default: return 0;
+    }
+}
+static inline ampc_backward_reads ampc_op_backward_reads(ampc_op op) {
+    switch (op) {
+#define AMPC_OP_READS_(id, name, f16, bf16, channels_last, reads) case AMPC_OP_##id: return AMPC_READS_##reads;
+        AMPC_OP_TABLE(AMPC_OP_READS_)
+#undef AMPC_OP_READS_
+    default: return AMPC_READS_NONE;
+    }
+}
 
 void ampc_autocast_enter(ampc_dtype dtype, bool enabled);  /* AMPC_F16 or AMPC_BF16 */
 void ampc_autocast_exit(void);  /* leaving the outermost region clears the weight-cast cache */

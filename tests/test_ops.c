@@ -439,21 +439,21 @@ static void test_in_place(void **state) {
     const int64_t shapes[][2] = {{300, 1000}, {37, 5}};
     for (int d = 0; d < 3; d++)
         for (int s = 0; s < 2; s++)
-            for (int op = 0; op < AMPC_BINARY_COUNT; op++) {
+            for (ampc_op op = AMPC_OP_ADD; op <= AMPC_OP_MUL; op++) {
                 ampc_tensor *a = ampc_tensor_rand(dts[d], 2, shapes[s], -1, 1);
                 ampc_tensor *b = s ? ampc_tensor_rand(dts[d], 1, &shapes[s][1], -1, 1)
                                    : ampc_tensor_rand(dts[d], 2, shapes[s], -1, 1);
                 ampc_tensor *expect = ampc_tensor_empty(dts[d], 2, shapes[s]);
-                ASSERT_OK(be->binary((ampc_binary_op)op, a, b, expect));
-                ASSERT_OK(be->binary((ampc_binary_op)op, a, b, a));
+                ASSERT_OK(be->binary((ampc_op)op, a, b, expect));
+                ASSERT_OK(be->binary((ampc_op)op, a, b, a));
                 assert_memory_equal(ampc_tensor_data(a), ampc_tensor_data(expect), (size_t)ampc_tensor_numel(a) * ampc_dtype_size(dts[d]));
             }
     /* unary in place (x == y), as gradient clipping scales in place */
     for (int d = 0; d < 3; d++) {
         ampc_tensor *x = ampc_tensor_rand(dts[d], 1, (int64_t[]){50000}, -1, 1);
         ampc_tensor *expect = ampc_tensor_empty(dts[d], 1, (int64_t[]){50000});
-        ASSERT_OK(be->unary(AMPC_UNARY_GELU, x, expect, 0));
-        ASSERT_OK(be->unary(AMPC_UNARY_GELU, x, x, 0));
+        ASSERT_OK(be->unary(AMPC_OP_GELU, x, expect, 0));
+        ASSERT_OK(be->unary(AMPC_OP_GELU, x, x, 0));
         assert_memory_equal(ampc_tensor_data(x), ampc_tensor_data(expect), 50000 * ampc_dtype_size(dts[d]));
     }
     /* a gradient reaching a leaf twice is accumulated (x + x: the accumulator adds in place) */
@@ -571,30 +571,30 @@ static void test_bf16_register_path_bits(void **state) {
 #define YF(i) ampc_bf16_to_f32(yv[i])
     /* unary: relu; scales that round (1/3), land on ties and subnormals (0.5) or overflow (3);
        shifts that round and absorb */
-    const struct { ampc_unary_op op; double a; } un[] = {{AMPC_UNARY_RELU, 0},       {AMPC_UNARY_SCALE, 1.0 / 3},
-                                                       {AMPC_UNARY_SCALE, 0.5},    {AMPC_UNARY_SCALE, 3},
-                                                       {AMPC_UNARY_ADD_SCALAR, 0.1}, {AMPC_UNARY_ADD_SCALAR, -1e-39}};
+    const struct { ampc_op op; double a; } un[] = {{AMPC_OP_RELU, 0},       {AMPC_OP_MUL_SCALAR, 1.0 / 3},
+                                                       {AMPC_OP_MUL_SCALAR, 0.5},    {AMPC_OP_MUL_SCALAR, 3},
+                                                       {AMPC_OP_ADD_SCALAR, 0.1}, {AMPC_OP_ADD_SCALAR, -1e-39}};
     char what[64];
     for (size_t k = 0; k < sizeof un / sizeof *un; k++) {
         float a = (float)un[k].a;
         ASSERT_OK(be->unary(un[k].op, x, o, un[k].a));
         for (int64_t i = 0; i < n; i++) {
             float v = XF(i);
-            want[i] = un[k].op == AMPC_UNARY_RELU ? (v < 0.0f ? 0.0f : v) : un[k].op == AMPC_UNARY_SCALE ? a * v : v + a;
+            want[i] = un[k].op == AMPC_OP_RELU ? (v < 0.0f ? 0.0f : v) : un[k].op == AMPC_OP_MUL_SCALAR ? a * v : v + a;
         }
-        snprintf(what, sizeof what, "unary %d (%g)", (int)un[k].op, un[k].a);
+        snprintf(what, sizeof what, "unary %s (%g)", ampc_op_name(un[k].op), un[k].a);
         expect_bf16(what, ov, want, (size_t)n);
     }
     /* relu's derivative from its output (y > 0: gy, else 0) */
-    ASSERT_OK(be->unary_backward(AMPC_UNARY_RELU, NULL, x, y, o, 0));
+    ASSERT_OK(be->unary_backward(AMPC_OP_RELU, NULL, x, y, o, 0));
     for (int64_t i = 0; i < n; i++) want[i] = XF(i) > 0.0f ? YF(i) : 0.0f;
     expect_bf16("relu backward", ov, want, (size_t)n);
     /* binary, same shape: products of two 8-bit significands hit every rounding case */
-    for (int op = 0; op < AMPC_BINARY_COUNT; op++) {
-        ASSERT_OK(be->binary((ampc_binary_op)op, x, y, o));
+    for (ampc_op op = AMPC_OP_ADD; op <= AMPC_OP_MUL; op++) {
+        ASSERT_OK(be->binary((ampc_op)op, x, y, o));
         for (int64_t i = 0; i < n; i++)
-            want[i] = op == AMPC_BINARY_ADD ? XF(i) + YF(i) : op == AMPC_BINARY_SUB ? XF(i) - YF(i) : XF(i) * YF(i);
-        snprintf(what, sizeof what, "binary %d", op);
+            want[i] = op == AMPC_OP_ADD ? XF(i) + YF(i) : op == AMPC_OP_SUB ? XF(i) - YF(i) : XF(i) * YF(i);
+        snprintf(what, sizeof what, "binary %s", ampc_op_name(op));
         expect_bf16(what, ov, want, (size_t)n);
     }
     /* broadcast rows: x's first 65536 patterns as (256, 256), with y's first 256 as a row
@@ -606,16 +606,16 @@ static void test_bf16_register_path_bits(void **state) {
     memcpy(ampc_tensor_data(xs), xv, 65536 * sizeof *xv);
     memcpy(ampc_tensor_data(yr), yv, 256 * sizeof *yv);
     memcpy(ampc_tensor_data(yc), yv, 256 * sizeof *yv);
-    for (int op = 0; op < AMPC_BINARY_COUNT; op++)
+    for (ampc_op op = AMPC_OP_ADD; op <= AMPC_OP_MUL; op++)
         for (int form = 0; form < 3; form++) {
-            if (form < 2) ASSERT_OK(be->binary((ampc_binary_op)op, xs, form ? yc : yr, os));
-            else ASSERT_OK(be->binary((ampc_binary_op)op, yc, xs, os));   /* the broadcast one first */
+            if (form < 2) ASSERT_OK(be->binary((ampc_op)op, xs, form ? yc : yr, os));
+            else ASSERT_OK(be->binary((ampc_op)op, yc, xs, os));   /* the broadcast one first */
             for (int64_t i = 0; i < 65536; i++) {
                 float a = XF(i), b = form == 0 ? YF(i % 256) : YF(i / 256);
                 if (form == 2) a = b, b = XF(i);
-                want[i] = op == AMPC_BINARY_ADD ? a + b : op == AMPC_BINARY_SUB ? a - b : a * b;
+                want[i] = op == AMPC_OP_ADD ? a + b : op == AMPC_OP_SUB ? a - b : a * b;
             }
-            snprintf(what, sizeof what, "broadcast binary %d form %d", op, form);
+            snprintf(what, sizeof what, "broadcast binary %s form %d", ampc_op_name(op), form);
             expect_bf16(what, osv, want, 65536);
         }
     /* expand of a row vector, times alpha */

@@ -1,85 +1,11 @@
 /*
- * autocast.c - the op policy table, the thread-local autocast state and the weight-cast cache.
- *
- * Policies follow PyTorch's CUDA autocast lists (aten/src/ATen/autocast_mode.cpp) for the ops
- * ampc has, for fp16 and bf16 alike: matmul-like ops run in the lower precision; reductions
- * that PyTorch lists as fp32 (sum, softmax, log_softmax, exp, log, pow) and every loss run in
- * fp32; ops PyTorch leaves out of its lists (elementwise, mean, reshape, dropout) run in the
- * inputs' dtype, with ordinary type promotion for binary ops.
+ * autocast.c - the thread-local autocast state, the casts each op's policy asks for (the
+ * policies are a column of the op table, AMPC_OP_TABLE in include/ampc.h) and the weight-cast
+ * cache.
  */
 #include "ops/ops.h"
 
 #include <stdlib.h>
-
-typedef struct { ampc_policy f16, bf16; } policy_row;
-
-#define BOTH(p) {AMPC_POLICY_##p, AMPC_POLICY_##p}
-static const policy_row policy_table[AMPC_OP_COUNT] = {
-    [AMPC_OP_CAST] = BOTH(PASSTHROUGH),
-    [AMPC_OP_ADD] = BOTH(PASSTHROUGH),
-    [AMPC_OP_SUB] = BOTH(PASSTHROUGH),
-    [AMPC_OP_MUL] = BOTH(PASSTHROUGH),
-    [AMPC_OP_ADD_SCALAR] = BOTH(PASSTHROUGH),
-    [AMPC_OP_MUL_SCALAR] = BOTH(PASSTHROUGH),
-    [AMPC_OP_RELU] = BOTH(PASSTHROUGH),
-    [AMPC_OP_GELU] = BOTH(PASSTHROUGH),
-    [AMPC_OP_TANH] = BOTH(PASSTHROUGH),
-    [AMPC_OP_SIGMOID] = BOTH(PASSTHROUGH),
-    [AMPC_OP_EXP] = BOTH(FP32),
-    [AMPC_OP_LOG] = BOTH(FP32),
-    [AMPC_OP_POW] = BOTH(FP32),
-    [AMPC_OP_SUM] = BOTH(FP32),
-    [AMPC_OP_MEAN] = BOTH(PASSTHROUGH),
-    [AMPC_OP_RESHAPE] = BOTH(PASSTHROUGH),
-    [AMPC_OP_SOFTMAX] = BOTH(FP32),
-    [AMPC_OP_LOG_SOFTMAX] = BOTH(FP32),
-    [AMPC_OP_MATMUL] = BOTH(LOWER),
-    [AMPC_OP_LINEAR] = BOTH(LOWER),
-    [AMPC_OP_MSE_LOSS] = BOTH(FP32),
-    [AMPC_OP_CROSS_ENTROPY] = BOTH(FP32),
-    [AMPC_OP_DROPOUT] = BOTH(PASSTHROUGH),
-    [AMPC_OP_CONV2D] = BOTH(LOWER),
-    [AMPC_OP_MAX_POOL2D] = BOTH(PASSTHROUGH),
-    [AMPC_OP_AVG_POOL2D] = BOTH(PASSTHROUGH),
-    [AMPC_OP_ADAPTIVE_AVG_POOL2D] = BOTH(PASSTHROUGH),
-    /* PyTorch lists batch_norm nowhere: it runs on the 16-bit input with fp32 weights and
-       fp32 statistics; ampc's op does the same. layer_norm is on the fp32 list. */
-    [AMPC_OP_BATCH_NORM] = BOTH(PASSTHROUGH),
-    [AMPC_OP_LAYER_NORM] = BOTH(FP32),
-    [AMPC_OP_CAT] = BOTH(PROMOTE),
-};
-
-static const char *op_names[AMPC_OP_COUNT] = {
-    [AMPC_OP_CAST] = "cast", [AMPC_OP_ADD] = "add", [AMPC_OP_SUB] = "sub", [AMPC_OP_MUL] = "mul",
-    [AMPC_OP_ADD_SCALAR] = "add_scalar", [AMPC_OP_MUL_SCALAR] = "mul_scalar", [AMPC_OP_RELU] = "relu",
-    [AMPC_OP_GELU] = "gelu", [AMPC_OP_TANH] = "tanh", [AMPC_OP_SIGMOID] = "sigmoid", [AMPC_OP_EXP] = "exp",
-    [AMPC_OP_LOG] = "log", [AMPC_OP_POW] = "pow", [AMPC_OP_SUM] = "sum", [AMPC_OP_MEAN] = "mean",
-    [AMPC_OP_RESHAPE] = "reshape", [AMPC_OP_SOFTMAX] = "softmax", [AMPC_OP_LOG_SOFTMAX] = "log_softmax",
-    [AMPC_OP_MATMUL] = "matmul", [AMPC_OP_LINEAR] = "linear", [AMPC_OP_MSE_LOSS] = "mse_loss",
-    [AMPC_OP_CROSS_ENTROPY] = "cross_entropy", [AMPC_OP_DROPOUT] = "dropout",
-    [AMPC_OP_CONV2D] = "conv2d", [AMPC_OP_MAX_POOL2D] = "max_pool2d", [AMPC_OP_AVG_POOL2D] = "avg_pool2d",
-    [AMPC_OP_ADAPTIVE_AVG_POOL2D] = "adaptive_avg_pool2d", [AMPC_OP_BATCH_NORM] = "batch_norm",
-    [AMPC_OP_LAYER_NORM] = "layer_norm", [AMPC_OP_CAT] = "cat",
-};
-
-const char *ampc_op_name(ampc_op op) {
-    return (unsigned)op < AMPC_OP_COUNT && op_names[op] ? op_names[op] : "?";
-}
-
-ampc_policy ampc_op_policy(ampc_op op, ampc_dtype autocast_dtype) {
-    if ((unsigned)op >= AMPC_OP_COUNT) return AMPC_POLICY_UNSET;
-    return autocast_dtype == AMPC_BF16 ? policy_table[op].bf16 : policy_table[op].f16;
-}
-
-const char *ampc_policy_name(ampc_policy p) {
-    switch (p) {
-    case AMPC_POLICY_LOWER: return "lower_precision";
-    case AMPC_POLICY_FP32: return "fp32";
-    case AMPC_POLICY_PROMOTE: return "promote";
-    case AMPC_POLICY_PASSTHROUGH: return "passthrough";
-    default: return "unset";
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Thread-local state

@@ -15,20 +15,9 @@
 
 #include "core/core.h"
 
-typedef enum {
-    AMPC_UNARY_RELU = 0,
-    AMPC_UNARY_GELU,      /* exact: x * Phi(x) */
-    AMPC_UNARY_TANH,
-    AMPC_UNARY_SIGMOID,
-    AMPC_UNARY_EXP,
-    AMPC_UNARY_LOG,
-    AMPC_UNARY_POW,       /* x^alpha */
-    AMPC_UNARY_SCALE,     /* alpha * x */
-    AMPC_UNARY_ADD_SCALAR,/* x + alpha */
-    AMPC_UNARY_COUNT
-} ampc_unary_op;
-
-typedef enum { AMPC_BINARY_ADD = 0, AMPC_BINARY_SUB, AMPC_BINARY_MUL, AMPC_BINARY_COUNT } ampc_binary_op;
+/* The elementwise kernels take an op of the op table (include/ampc.h): unary ones RELU, GELU,
+   TANH, SIGMOID, EXP, LOG, POW (x^alpha), MUL_SCALAR (alpha * x) and ADD_SCALAR (x + alpha);
+   binary ones ADD, SUB and MUL. An op a kernel does not have: AMPC_ERR_UNSUPPORTED. */
 
 /* C[b] = op(A[b]) @ op(B[b]) (+ bias over columns), b < batch; op = transpose if ta/tb.
    A is (M, K) or (K, M) when ta; B is (K, N) or (N, K) when tb; C is (M, N), all row-major.
@@ -121,12 +110,13 @@ typedef struct ampc_backend {
     int (*copy)(const ampc_tensor *src, ampc_tensor *dst);
     int (*fill)(ampc_tensor *t, double value);
     /* y = f(x); x and y may be the same tensor */
-    int (*unary)(ampc_unary_op op, const ampc_tensor *x, ampc_tensor *y, double alpha);
-    /* gx = gy * f'(x); y = f(x) is given too (sigmoid/tanh/exp use it); gx may be gy */
-    int (*unary_backward)(ampc_unary_op op, const ampc_tensor *x, const ampc_tensor *y,
+    int (*unary)(ampc_op op, const ampc_tensor *x, ampc_tensor *y, double alpha);
+    /* gx = gy * f'(x) from what the op's backward reads (ampc_op_backward_reads: x or
+       y = f(x); the other may be NULL); gx may be gy */
+    int (*unary_backward)(ampc_op op, const ampc_tensor *x, const ampc_tensor *y,
                           const ampc_tensor *gy, ampc_tensor *gx, double alpha);
     /* out = a op b with numpy broadcasting; out has the broadcast shape; same dtype */
-    int (*binary)(ampc_binary_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out);
+    int (*binary)(ampc_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out);
     /* out = alpha * (x summed down to out's shape): out's shape right-aligned against x's,
        each out dim 1 or equal; f32 accumulation (f64 on REF). out has x's dtype, or f32 when
        x is 16-bit (a bias gradient straight into the fp32 master's dtype: no rounding). */

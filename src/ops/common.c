@@ -8,18 +8,12 @@
 // ---------------------------------------------------------------------------------------------
 // Front door
 
-/* The inputs each op takes in channels-last format (bit i: input i), where the backend has
-   channels-last kernels: elementwise ops (same shapes, one format: their kernels walk storage
-   in order), conv2d's input, pooling and batch norm. Every other op, input and backend gets a
-   channels-last tensor converted to contiguous first (a recorded conversion: gradients come
-   back in the caller's format), so no kernel ever reads a layout it was not written for. */
-static const unsigned cl_ok[AMPC_OP_COUNT] = {
-    [AMPC_OP_CAST] = 1, [AMPC_OP_ADD] = 3, [AMPC_OP_SUB] = 3, [AMPC_OP_MUL] = 3, [AMPC_OP_ADD_SCALAR] = 1,
-    [AMPC_OP_MUL_SCALAR] = 1, [AMPC_OP_RELU] = 1, [AMPC_OP_GELU] = 1, [AMPC_OP_TANH] = 1, [AMPC_OP_SIGMOID] = 1,
-    [AMPC_OP_EXP] = 1, [AMPC_OP_LOG] = 1, [AMPC_OP_POW] = 1, [AMPC_OP_DROPOUT] = 1, [AMPC_OP_CONV2D] = 1,
-    [AMPC_OP_MAX_POOL2D] = 1, [AMPC_OP_AVG_POOL2D] = 1, [AMPC_OP_ADAPTIVE_AVG_POOL2D] = 1, [AMPC_OP_BATCH_NORM] = 1,
-};
-
+/* Inputs the op table does not let stay channels-last (its channels-last column: kernels
+   exist for that layout), and every input on a backend without channels-last kernels, are
+   converted to contiguous first (a recorded conversion: gradients come back in the caller's
+   format), so no kernel ever reads a layout it was not written for. Elementwise ops take
+   channels-last only when every input has one shape and format (their kernels walk storage in
+   order). */
 static int channels_last_inputs(ampc_op op, ampc_op_args *a) {
     unsigned ok = 0, cl = 0;
     for (int i = 0; i < a->n; i++)
@@ -27,7 +21,7 @@ static int channels_last_inputs(ampc_op op, ampc_op_args *a) {
     if (!cl) return AMPC_OK;
     const ampc_tensor *first = NULL;
     if (ampc__backend(a->in[0] ? a->in[0]->device : AMPC_DEVICE_CPU)->channels_last) {
-        ok = cl_ok[op];
+        ok = ampc_op_channels_last_inputs(op);
         /* the elementwise ones: every input of one shape and format, or none stays */
         for (int i = 0; i < a->n && ok > 1; i++) {
             if (!a->in[i]) continue;
@@ -156,24 +150,24 @@ ampc_tensor *ampc__k_convert(ampc_tensor *x, ampc_dtype dt, ampc_memory_format f
 
 ampc_tensor *ampc__k_cast(ampc_tensor *x, ampc_dtype dt) { return ampc__k_convert(x, dt, x->format); }
 
-ampc_tensor *ampc__k_unary(ampc_unary_op op, ampc_tensor *x, double alpha) {
+ampc_tensor *ampc__k_unary(ampc_op op, ampc_tensor *x, double alpha) {
     ampc_tensor *y = ampc__tensor_like(x, x->dtype);
     if (!y) return NULL;
     return finish_kernel(y, BACKEND_CALL(x, unary, op, x, y, alpha));
 }
 
-ampc_tensor *ampc__k_unary_backward(ampc_unary_op op, ampc_tensor *x, ampc_tensor *y, ampc_tensor *gy, double alpha) {
+ampc_tensor *ampc__k_unary_backward(ampc_op op, ampc_tensor *x, ampc_tensor *y, ampc_tensor *gy, double alpha) {
     ampc_tensor *gx = ampc__tensor_like(gy, gy->dtype);
     if (!gx) return NULL;
     return finish_kernel(gx, BACKEND_CALL(gy, unary_backward, op, x, y, gy, gx, alpha));
 }
 
-ampc_tensor *ampc__k_unary_backward_over(ampc_unary_op op, ampc_tensor *x, ampc_tensor *y, ampc_tensor *gy, double alpha) {
+ampc_tensor *ampc__k_unary_backward_over(ampc_op op, ampc_tensor *x, ampc_tensor *y, ampc_tensor *gy, double alpha) {
     int rc = BACKEND_CALL(gy, unary_backward, op, x, y, gy, gy, alpha);
     return rc < 0 ? NULL : ampc__retain(gy);
 }
 
-ampc_tensor *ampc__k_binary(ampc_binary_op op, ampc_tensor *a, ampc_tensor *b) {
+ampc_tensor *ampc__k_binary(ampc_op op, ampc_tensor *a, ampc_tensor *b) {
     int nd;
     int64_t shape[AMPC_MAX_DIMS];
     if (ampc__broadcast_shapes(a, b, &nd, shape) < 0) return NULL;

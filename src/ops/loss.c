@@ -95,7 +95,7 @@ static bool valid_reduction(ampc_reduction r) {
 static ampc_tensor *mse_diff(ampc_tensor *input, ampc_tensor *target) {
     ampc_dtype cdt = compute_dtype(input);
     ampc_tensor *i32 = ampc__k_cast(input, cdt), *t32 = i32 ? ampc__k_cast(target, cdt) : NULL;
-    ampc_tensor *d = t32 ? ampc__k_binary(AMPC_BINARY_SUB, i32, t32) : NULL;
+    ampc_tensor *d = t32 ? ampc__k_binary(AMPC_OP_SUB, i32, t32) : NULL;
     ampc__release(i32);
     ampc__release(t32);
     return d;
@@ -106,14 +106,14 @@ static int mse_backward_fn(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
     double numel = n->f[0];
     ampc_tensor *d = mse_diff(n->saved[0], n->saved[1]);
     ampc_tensor *g = d ? ampc__k_cast(gy, d->dtype) : NULL;
-    ampc_tensor *g2 = g ? ampc__k_unary(AMPC_UNARY_SCALE, g, r == AMPC_REDUCTION_MEAN ? 2.0 / numel : 2.0) : NULL;
-    ampc_tensor *gi = g2 ? ampc__k_binary(AMPC_BINARY_MUL, d, g2) : NULL;   /* gy of a reduction broadcasts */
+    ampc_tensor *g2 = g ? ampc__k_unary(AMPC_OP_MUL_SCALAR, g, r == AMPC_REDUCTION_MEAN ? 2.0 / numel : 2.0) : NULL;
+    ampc_tensor *gi = g2 ? ampc__k_binary(AMPC_OP_MUL, d, g2) : NULL;   /* gy of a reduction broadcasts */
     ampc__release(d);
     ampc__release(g);
     ampc__release(g2);
     if (!gi) return ampc_last_status();
     if (n->next[1]) {
-        gx[1] = ampc__k_unary(AMPC_UNARY_SCALE, gi, -1.0);
+        gx[1] = ampc__k_unary(AMPC_OP_MUL_SCALAR, gi, -1.0);
         if (!gx[1]) {
             ampc__release(gi);
             return ampc_last_status();
@@ -141,7 +141,7 @@ ampc_tensor *ampc_mse_loss(ampc_tensor *input, ampc_tensor *target, ampc_reducti
         return fail(&a, NULL, NULL);
     }
     ampc_tensor *d = mse_diff(in, tg);
-    ampc_tensor *sq = d ? ampc__k_binary(AMPC_BINARY_MUL, d, d) : NULL;
+    ampc_tensor *sq = d ? ampc__k_binary(AMPC_OP_MUL, d, d) : NULL;
     ampc__release(d);
     if (!sq) return fail(&a, NULL, NULL);
     ampc_tensor *loss = sq;

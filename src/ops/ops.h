@@ -59,13 +59,13 @@ ampc_tensor *ampc__k_cast(ampc_tensor *x, ampc_dtype dt);   /* same dtype: new r
 /* x in dtype dt and memory format fmt, in one pass (a new ref to x when both agree; a view
    relabelled when the two formats order the elements alike: H * W == 1 or C == 1). */
 ampc_tensor *ampc__k_convert(ampc_tensor *x, ampc_dtype dt, ampc_memory_format fmt);
-ampc_tensor *ampc__k_unary(ampc_unary_op op, ampc_tensor *x, double alpha);
-ampc_tensor *ampc__k_unary_backward(ampc_unary_op op, ampc_tensor *x, ampc_tensor *y,
+ampc_tensor *ampc__k_unary(ampc_op op, ampc_tensor *x, double alpha);
+ampc_tensor *ampc__k_unary_backward(ampc_op op, ampc_tensor *x, ampc_tensor *y,
                                     ampc_tensor *gy, double alpha);
 /* The same written over gy (which the caller must hold exclusively); returns a new ref to gy */
-ampc_tensor *ampc__k_unary_backward_over(ampc_unary_op op, ampc_tensor *x, ampc_tensor *y, ampc_tensor *gy,
+ampc_tensor *ampc__k_unary_backward_over(ampc_op op, ampc_tensor *x, ampc_tensor *y, ampc_tensor *gy,
                                          double alpha);
-ampc_tensor *ampc__k_binary(ampc_binary_op op, ampc_tensor *a, ampc_tensor *b);
+ampc_tensor *ampc__k_binary(ampc_op op, ampc_tensor *a, ampc_tensor *b);
 /* x summed down to shape (broadcast-compatible), times alpha, in x's dtype */
 ampc_tensor *ampc__k_sum_to(ampc_tensor *x, int ndim, const int64_t *shape, double alpha);
 ampc_tensor *ampc__k_expand(ampc_tensor *x, int ndim, const int64_t *shape, double alpha);
