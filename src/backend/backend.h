@@ -216,6 +216,9 @@ const ampc_backend *ampc__backend(ampc_device dev);
    equal to ignore_index); *count receives the number of targets not ignored. */
 int ampc__host_ce_targets(const ampc_tensor *logits, const ampc_tensor *targets, const ampc_cross_entropy_options *o,
                           int64_t *count);
+/* unary_backward's operands: keeps of *x and *y the one the op table's backward-reads column
+   names (the other becomes NULL); an error when that one is missing. who: "cpu", "ref". */
+int ampc__unary_backward_operands(ampc_op op, const ampc_tensor **x, const ampc_tensor **y, const char *who);
 /* An optimizer item's cast_out (may be NULL): f16/bf16, the parameter's numel and format. */
 int ampc__host_cast_out(const ampc_tensor *param, const ampc_tensor *out);
 

@@ -1,7 +1,7 @@
 /*
  * host_checks.c - checks shared by the backends whose memory the CPU reads (CPU and REF):
  * data-dependent validation that must look at tensor contents, and the optimizer kernels'
- * check of a parameter's 16-bit copy.
+ * check of a parameter's 16-bit copy, and which saved tensor a unary backward reads.
  */
 #include "backend/backend.h"
 
@@ -30,5 +30,15 @@ int ampc__host_cast_out(const ampc_tensor *param, const ampc_tensor *out) {
         return ampc__err(AMPC_ERR_DTYPE, "optimizer step: the parameter's copy is %s, not f16/bf16", ampc_dtype_name(out->dtype));
     if (out->numel != param->numel || out->format != param->format)
         return ampc__err(AMPC_ERR_SHAPE, "optimizer step: the parameter's 16-bit copy has another shape or format");
+    return AMPC_OK;
+}
+
+int ampc__unary_backward_operands(ampc_op op, const ampc_tensor **x, const ampc_tensor **y, const char *who) {
+    ampc_backward_reads reads = ampc_op_backward_reads(op);
+    if (reads != AMPC_READS_X) *x = NULL;
+    if (reads != AMPC_READS_Y) *y = NULL;
+    if (reads != AMPC_READS_NONE && !*x && !*y)
+        return ampc__err(AMPC_ERR_INVALID, "%s unary_backward of %s needs its saved %s", who, ampc_op_name(op),
+                         reads == AMPC_READS_X ? "input" : "output");
     return AMPC_OK;
 }

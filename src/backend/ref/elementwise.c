@@ -112,12 +112,7 @@ static int ref_unary_backward(ampc_op op, const ampc_tensor *x, const ampc_tenso
                               ampc_tensor *gx, double alpha) {
     if (isnan(unary_df(op, 1.0, 1.0, 1.0)))
         return ampc__err(AMPC_ERR_UNSUPPORTED, "ref unary_backward: no kernel for %s", ampc_op_name(op));
-    ampc_backward_reads reads = ampc_op_backward_reads(op);
-    if (reads != AMPC_READS_X) x = NULL;
-    if (reads != AMPC_READS_Y) y = NULL;
-    if (reads != AMPC_READS_NONE && !x && !y)
-        return ampc__err(AMPC_ERR_INVALID, "ref unary_backward of %s needs its saved %s", ampc_op_name(op),
-                         reads == AMPC_READS_X ? "input" : "output");
+    if (ampc__unary_backward_operands(op, &x, &y, "ref") < 0) return ampc_last_status();
     const ampc_tensor *ts[4] = {x, y, gy, gx};
     for (int k = 0; k < 4; k++) {
         if (check_f64(ts[k], "unary_backward") < 0) return ampc_last_status();
