@@ -4,7 +4,7 @@
  * Every op reaches its kernels through the CPU backend's table of function pointers
  * (backend.h), and no CPU kernel calls another through the table, so wrapping each entry
  * with a timer measures every kernel exactly once. The table is a static, writable object in
- * init.c; ampc__backend() hands it out as const only to keep ops from changing it, so the
+ * src/backend/backend.c; ampc__backend() hands it out as const only to keep ops from changing it, so the
  * bench may patch it (a tool's privilege, never done by the library itself). Install only
  * between steps: the wrappers are swapped in while no kernel runs.
  *
@@ -99,8 +99,8 @@ static double conv_flops(const ampc_conv_desc *d) {
 // ---------------------------------------------------------------------------------------------
 // Wrappers: one per table entry that a training step uses
 
-static int w_copy(const ampc_tensor *s, ampc_tensor *d) { TIMED("copy/cast", -1, d->dtype, NULL, NULL, false, 0, saved.copy(s, d)); }
-static int w_fill(ampc_tensor *t, double v) { TIMED("fill", -1, t->dtype, NULL, NULL, false, 0, saved.fill(t, v)); }
+static int w_copy(const ampc_tensor *s, ampc_tensor *d) { TIMED("copy/cast", -1, d->dtype, NULL, NULL, false, 0, saved.device.copy(s, d)); }
+static int w_fill(ampc_tensor *t, double v) { TIMED("fill", -1, t->dtype, NULL, NULL, false, 0, saved.device.fill(t, v)); }
 static int w_unary(ampc_op op, const ampc_tensor *x, ampc_tensor *y, double a) {
     TIMED("unary", op, x->dtype, NULL, NULL, false, 0, saved.unary(op, x, y, a));
 }
@@ -192,7 +192,7 @@ static int w_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *g
 // Install / uninstall
 
 static ampc_backend *table(void) {
-    /* the table is a writable static in init.c (see the file comment) */
+    /* the table is a writable static in src/backend/backend.c (see the file comment) */
     return (ampc_backend *)ampc__backend(AMPC_DEVICE_CPU);
 }
 
@@ -202,8 +202,8 @@ void bench_profile_install(void) {
     saved = *be;
     /* wrap only entries the backend has: a NULL entry must stay NULL (unsupported) */
 #define WRAP(field, fn) if (be->field) be->field = fn
-    WRAP(copy, w_copy);
-    WRAP(fill, w_fill);
+    WRAP(device.copy, w_copy);
+    WRAP(device.fill, w_fill);
     WRAP(unary, w_unary);
     WRAP(unary_backward, w_unary_backward);
     WRAP(binary, w_binary);

@@ -5,6 +5,7 @@
  */
 #include "ops/ops.h"
 
+#include <pthread.h>
 #include <stdlib.h>
 
 // ---------------------------------------------------------------------------------------------
@@ -20,7 +21,18 @@ typedef struct { ampc_tensor *key, *value; } cache_entry;
 static _Thread_local cache_entry *cache;
 static _Thread_local int cache_n, cache_cap;
 
+static int apply_policy(ampc_op op, ampc_tensor **in, int n);
+static void clear_cache(void);
+
+/* The op layer's autocast hook, and the cast cache's release at shutdown (it holds tensors). */
+static void register_hooks(void) {
+    ampc__ops_set_autocast_hook(apply_policy);
+    ampc__on_shutdown(AMPC_SHUTDOWN_RELEASE, clear_cache);
+}
+
 void ampc_autocast_enter(ampc_dtype dtype, bool enabled) {
+    static pthread_once_t registered = PTHREAD_ONCE_INIT;
+    pthread_once(&registered, register_hooks);
     if (dtype != AMPC_F16 && dtype != AMPC_BF16) {
         ampc__err(AMPC_ERR_DTYPE, "autocast dtype must be f16 or bf16, not %s; autocast disabled in this region",
                   ampc_dtype_name(dtype));
@@ -31,7 +43,7 @@ void ampc_autocast_enter(ampc_dtype dtype, bool enabled) {
     depth++;
 }
 
-void ampc__autocast_clear_cache(void) {
+static void clear_cache(void) {
     for (int i = 0; i < cache_n; i++) {
         ampc__release(cache[i].value);
         ampc__release(cache[i].key);
@@ -44,7 +56,7 @@ void ampc_autocast_exit(void) {
         ampc__err(AMPC_ERR_STATE, "autocast_exit without a matching autocast_enter");
         return;
     }
-    if (--depth == 0) ampc__autocast_clear_cache();
+    if (--depth == 0) clear_cache();
 }
 
 static const region *current(void) {
@@ -75,14 +87,12 @@ static bool eligible(const ampc_tensor *t) {
 // cast of x; it stands for x while x's storage version is the one it was made (or refreshed
 // by the optimizer) at.
 
-static atomic_bool keep_casts = true;
-
-void ampc_autocast_keep_weight_casts(bool on) { atomic_store(&keep_casts, on); }
-bool ampc_autocast_keeps_weight_casts(void) { return atomic_load(&keep_casts); }
+void ampc_autocast_keep_weight_casts(bool on) { ampc__set_shadows_on(on); }
+bool ampc_autocast_keeps_weight_casts(void) { return ampc__shadows_on(); }
 
 /* x's kept copy in dtype dt as a recorded cast of x, or NULL (none, stale, or off). */
 static ampc_tensor *kept_cast(ampc_tensor *x, ampc_dtype dt) {
-    if (!atomic_load(&keep_casts)) return NULL;
+    if (!ampc__shadows_on()) return NULL;
     ampc_tensor *v = NULL;
     ampc__shadow_lock();
     const ampc_tensor *s = x->shadow;
@@ -93,7 +103,7 @@ static ampc_tensor *kept_cast(ampc_tensor *x, ampc_dtype dt) {
 
 /* Keeps y, a fresh cast of x, as x's copy (replacing any other). */
 static void keep_cast(ampc_tensor *x, ampc_tensor *y) {
-    if (!atomic_load(&keep_casts)) return;
+    if (!ampc__shadows_on()) return;
     ampc_tensor *v = ampc__tensor_view(y, y->ndim, y->shape);   /* same storage, no history */
     if (!v) {
         ampc_clear_error();   /* nothing kept: still correct */
@@ -159,7 +169,7 @@ static int replace(ampc_tensor **slot, ampc_tensor *with) {
     return AMPC_OK;
 }
 
-int ampc__autocast_apply(ampc_op op, ampc_tensor **in, int n) {
+static int apply_policy(ampc_op op, ampc_tensor **in, int n) {
     const region *r = current();
     if (!r || !r->enabled) return AMPC_OK;
     ampc_policy p = ampc_op_policy(op, r->dtype);

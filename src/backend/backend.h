@@ -92,9 +92,8 @@ typedef struct {
 #define AMPC_BN_RELU_STAT_ROWS 5
 
 typedef struct ampc_backend {
-    const char *name;
-    bool host_memory;          /* storage readable by the CPU (true for CPU and REF) */
-    bool dtypes[AMPC_DTYPE_COUNT];   /* storage dtypes this device holds */
+    /* memory, copy and fill: the part core uses, registered with it (ampc__device_register) */
+    ampc_device_ops device;
     /* conv2d, pooling and batch_norm (4-D) take channels-last tensors (ampc_tensor.format);
        elsewhere, and on backends without it, the ops convert them to contiguous first */
     bool channels_last;
@@ -102,13 +101,7 @@ typedef struct ampc_backend {
     bool (*computes)(ampc_dtype dt);
     /* ... on arithmetic units of dt's own width, faster than f32 (NULL: none) */
     bool (*native)(ampc_dtype dt);
-    void *(*raw_alloc)(size_t nbytes);   /* 64-byte aligned */
-    void (*raw_free)(void *p);
 
-    /* dst = src converted (same numel; any dtypes the device holds); when src and dst are
-       4-D of one shape in different memory formats, the elements are permuted too */
-    int (*copy)(const ampc_tensor *src, ampc_tensor *dst);
-    int (*fill)(ampc_tensor *t, double value);
     /* y = f(x); x and y may be the same tensor */
     int (*unary)(ampc_op op, const ampc_tensor *x, ampc_tensor *y, double alpha);
     /* gx = gy * f'(x) from what the op's backward reads (ampc_op_backward_reads: x or
@@ -207,10 +200,36 @@ typedef struct ampc_backend {
        (elements; same dtype): the slices of cat and of its backward */
     int (*copy_block)(const ampc_tensor *src, int64_t src_off, int64_t src_ld, ampc_tensor *dst,
                       int64_t dst_off, int64_t dst_ld, int64_t rows, int64_t cols);
-    void (*shutdown)(void);
 } ampc_backend;
 
 const ampc_backend *ampc__backend(ampc_device dev);
+
+// ---------------------------------------------------------------------------------------------
+// Kernel calls (dispatch.c), for the op layer and the autograd engine
+
+/* Kernel wrappers: new owned tensor or NULL with the error set. */
+ampc_tensor *ampc__k_cast(ampc_tensor *x, ampc_dtype dt);   /* same dtype: new ref to x */
+/* x in dtype dt and memory format fmt, in one pass (a new ref to x when both agree; a view
+   relabelled when the two formats order the elements alike: H * W == 1 or C == 1). */
+ampc_tensor *ampc__k_convert(ampc_tensor *x, ampc_dtype dt, ampc_memory_format fmt);
+ampc_tensor *ampc__k_unary(ampc_op op, ampc_tensor *x, double alpha);
+ampc_tensor *ampc__k_unary_backward(ampc_op op, ampc_tensor *x, ampc_tensor *y,
+                                    ampc_tensor *gy, double alpha);
+/* The same written over gy (which the caller must hold exclusively); returns a new ref to gy */
+ampc_tensor *ampc__k_unary_backward_over(ampc_op op, ampc_tensor *x, ampc_tensor *y, ampc_tensor *gy,
+                                         double alpha);
+ampc_tensor *ampc__k_binary(ampc_op op, ampc_tensor *a, ampc_tensor *b);
+/* x summed down to shape (broadcast-compatible), times alpha, in x's dtype */
+ampc_tensor *ampc__k_sum_to(ampc_tensor *x, int ndim, const int64_t *shape, double alpha);
+ampc_tensor *ampc__k_expand(ampc_tensor *x, int ndim, const int64_t *shape, double alpha);
+ampc_tensor *ampc__k_gemm(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b,
+                          ampc_tensor *bias, int ndim, const int64_t *out_shape);
+/* The same two with the output in out_dt (f32 from 16-bit operands: the unrounded accumulator) */
+ampc_tensor *ampc__k_gemm_as(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b, ampc_tensor *bias,
+                             ampc_dtype out_dt, int ndim, const int64_t *out_shape);
+ampc_tensor *ampc__k_sum_to_as(ampc_tensor *x, ampc_dtype out_dt, int ndim, const int64_t *shape, double alpha);
+/* numpy broadcast of two shapes into out (ndim_out receives the rank); error if incompatible */
+int ampc__broadcast_shapes(const ampc_tensor *a, const ampc_tensor *b, int *ndim_out, int64_t *out);
 
 /* For backends with host memory: cross_entropy's shapes and targets (i64 (N), each in [0, C) or
    equal to ignore_index); *count receives the number of targets not ignored. */
@@ -222,7 +241,7 @@ int ampc__unary_backward_operands(ampc_op op, const ampc_tensor **x, const ampc_
 /* An optimizer item's cast_out (may be NULL): f16/bf16, the parameter's numel and format. */
 int ampc__host_cast_out(const ampc_tensor *param, const ampc_tensor *out);
 
-/* Each backend file fills its table (called once from ampc_init). */
+/* Each backend file fills its table (called once, from src/backend/backend.c). */
 void ampc__cpu_backend_init(ampc_backend *be);
 void ampc__ref_backend_init(ampc_backend *be);
 /* The CPU table is assembled from these, one per kernel file. */

@@ -11,7 +11,7 @@
  * any later request. In sanitizer builds each large block is followed by a poisoned red zone
  * and free segment space is poisoned, so overruns between carved blocks are still caught.
  */
-#include "backend/backend.h"
+#include "core/core.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -139,7 +139,7 @@ static lblock *large_take(ampc_device dev, size_t size) {
     for (lblock *b = A.free_large[dev]; b; b = b->link)
         if (b->size >= size && (!best || b->size < best->size)) best = b;
     if (!best) {
-        const ampc_backend *be = ampc__backend(dev);
+        const ampc_device_ops *be = ampc__device(dev);
         size_t seg = size < SEG_BIG ? SEG_DEFAULT : round_up(size, SEG_ROUND);
         /* under a budget (a device of `limit` bytes holds in-use and cached blocks), a segment
            holds only what the request needs, and the cache goes first when even that is over */
@@ -214,7 +214,7 @@ static bool large_give_back(ampc_device dev, void *p) {
 
 /* Returns every wholly free segment to the system. */
 static void large_release_free_segments(ampc_device dev) {
-    const ampc_backend *be = ampc__backend(dev);
+    const ampc_device_ops *be = ampc__device(dev);
     lblock *b = A.free_large[dev];
     while (b) {
         lblock *nx = b->link;
@@ -235,7 +235,7 @@ static void large_release_free_segments(ampc_device dev) {
 static void empty_cache_locked(void) {
     for (int d = 0; d < AMPC_DEVICE_COUNT; d++) {
         large_release_free_segments((ampc_device)d);
-        const ampc_backend *be = ampc__backend((ampc_device)d);
+        const ampc_device_ops *be = ampc__device((ampc_device)d);
         for (size_t i = 0; i < NBUCKETS; i++) {
             bucket *b = &A.buckets[d][i];
             while (b->head) {
@@ -285,7 +285,7 @@ void *ampc__alloc(ampc_device dev, size_t nbytes, ampc_mem_kind kind, size_t *bl
         b->count--;
         A.st.cached -= size;
     } else {
-        const ampc_backend *be = ampc__backend(dev);
+        const ampc_device_ops *be = ampc__device(dev);
         /* A device of `limit` bytes holds in-use and cached blocks: free the cache first. */
         if (A.st.limit && A.st.current_total + A.st.cached + size > A.st.limit) empty_cache_locked();
         p = be->raw_alloc(size);
@@ -322,7 +322,7 @@ void ampc__free(ampc_device dev, void *p, size_t block_bytes, ampc_mem_kind kind
         b->count++;
         A.st.cached += block_bytes;
     } else {
-        ampc__backend(dev)->raw_free(p);   /* table full: don't cache this size */
+        ampc__device(dev)->raw_free(p);   /* table full: don't cache this size */
     }
     pthread_mutex_unlock(&A.lock);
 }

@@ -2,8 +2,7 @@
  * tensor.c - tensor headers (pooled), reference counting, scopes, views, converting copies,
  * accessors and random initialisation.
  */
-#include "autograd/autograd.h"
-#include "backend/backend.h"
+#include "core/core.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -164,7 +163,10 @@ int64_t ampc__numel(int ndim, const int64_t *shape) {
 static ampc_tensor *header_new(ampc_dtype dt, ampc_device dev, int ndim, const int64_t *shape) {
     if ((unsigned)dt >= AMPC_DTYPE_COUNT) return ampc__err_null(AMPC_ERR_DTYPE, "unknown dtype %d", (int)dt);
     if ((unsigned)dev >= AMPC_DEVICE_COUNT) return ampc__err_null(AMPC_ERR_INVALID, "unknown device %d", (int)dev);
-    if (!ampc__backend(dev)->dtypes[dt])
+    if (!ampc__device(dev)->raw_alloc)
+        return ampc__err_null(AMPC_ERR_UNSUPPORTED, "device %s has no backend registered (is libampc's backend layer linked?)",
+                              ampc_device_name(dev));
+    if (!ampc__device(dev)->dtypes[dt])
         return ampc__err_null(AMPC_ERR_DTYPE, "device %s does not hold %s tensors",
                               ampc_device_name(dev), ampc_dtype_name(dt));
     if (ndim < 0 || ndim > AMPC_MAX_DIMS)
@@ -234,7 +236,7 @@ ampc_tensor *ampc__retain(ampc_tensor *t) {
 
 void ampc__release(ampc_tensor *t) {
     if (!t || atomic_fetch_sub(&t->refcount, 1) != 1) return;
-    if (t->grad_fn) ampc__node_release(t->grad_fn);
+    ampc__grad_fn_release(t->grad_fn);
     if (t->grad) ampc__release(t->grad);
     if (t->shadow) ampc__release(t->shadow);
     ampc__storage_release(t->storage);
@@ -269,7 +271,7 @@ ampc_tensor *ampc_tensor_empty(ampc_dtype dt, int ndim, const int64_t *shape) {
 ampc_tensor *ampc_tensor_full(ampc_dtype dt, int ndim, const int64_t *shape, double value) {
     ampc_tensor *t = ampc__tensor_new(dt, ampc__default_device(), ndim, shape);
     if (!t) return NULL;
-    if (ampc__backend(t->device)->fill(t, value) < 0) {
+    if (ampc__device(t->device)->fill(t, value) < 0) {
         ampc__release(t);
         return NULL;
     }
@@ -359,8 +361,8 @@ int ampc__copy(const ampc_tensor *src, ampc_tensor *dst) {
     if (src->numel != dst->numel)
         return ampc__err(AMPC_ERR_SHAPE, "copy of %lld elements into %lld", (long long)src->numel, (long long)dst->numel);
     ampc__mark_written(dst);
-    if (src->device == dst->device) return ampc__backend(src->device)->copy(src, dst);
-    if (!ampc__backend(src->device)->host_memory || !ampc__backend(dst->device)->host_memory)
+    if (src->device == dst->device) return ampc__device(src->device)->copy(src, dst);
+    if (!ampc__device(src->device)->host_memory || !ampc__device(dst->device)->host_memory)
         return ampc__err(AMPC_ERR_UNSUPPORTED, "copy between %s and %s", ampc_device_name(src->device), ampc_device_name(dst->device));
     if (src->format != dst->format) {   /* across in src's format, then permuted on dst's device */
         ampc_tensor *tmp = ampc__tensor_new_fmt(dst->dtype, dst->device, src->ndim, src->shape, src->format);
@@ -414,7 +416,7 @@ static int check_buffer(const ampc_tensor *t, const void *buf, size_t n, const c
 int ampc_tensor_to_f32(const ampc_tensor *t, float *dst, size_t n) {
     int rc = check_buffer(t, dst, n, "ampc_tensor_to_f32");
     if (rc < 0) return rc;
-    if (!ampc__backend(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not readable here");
+    if (!ampc__device(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not readable here");
     if (ampc__is_cl(t)) {   /* values in the shape's (logical) order */
         ampc_tensor *c = logical(t);
         rc = c ? ampc_tensor_to_f32(c, dst, n) : ampc_last_status();
@@ -428,7 +430,7 @@ int ampc_tensor_to_f32(const ampc_tensor *t, float *dst, size_t n) {
 int ampc_tensor_to_f64(const ampc_tensor *t, double *dst, size_t n) {
     int rc = check_buffer(t, dst, n, "ampc_tensor_to_f64");
     if (rc < 0) return rc;
-    if (!ampc__backend(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not readable here");
+    if (!ampc__device(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not readable here");
     if (ampc__is_cl(t)) {
         ampc_tensor *c = logical(t);
         rc = c ? ampc_tensor_to_f64(c, dst, n) : ampc_last_status();
@@ -442,7 +444,7 @@ int ampc_tensor_to_f64(const ampc_tensor *t, double *dst, size_t n) {
 int ampc_tensor_copy_from_f32(ampc_tensor *t, const float *src, size_t n) {
     int rc = check_buffer(t, src, n, "ampc_tensor_copy_from_f32");
     if (rc < 0) return rc;
-    if (!ampc__backend(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not writable here");
+    if (!ampc__device(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not writable here");
     ampc__mark_written(t);
     if (ampc__is_cl(t)) {   /* src in logical order, permuted into place */
         ampc_tensor *c = ampc__tensor_new(t->dtype, t->device, t->ndim, t->shape);
@@ -504,6 +506,10 @@ static pthread_mutex_t shadow_mutex = PTHREAD_MUTEX_INITIALIZER;
 void ampc__shadow_lock(void) { pthread_mutex_lock(&shadow_mutex); }
 void ampc__shadow_unlock(void) { pthread_mutex_unlock(&shadow_mutex); }
 
+static atomic_bool shadows_on = true;
+bool ampc__shadows_on(void) { return atomic_load(&shadows_on); }
+void ampc__set_shadows_on(bool on) { atomic_store(&shadows_on, on); }
+
 /* The caller may write through the pointer: copies made from the data so far are stale. */
 void *ampc_tensor_data(ampc_tensor *t) {
     CHECKED("ampc_tensor_data", NULL);
@@ -515,14 +521,6 @@ const void *ampc_tensor_cdata(const ampc_tensor *t) {
     return ampc__data(t);
 }
 
-int ampc_tensor_set_requires_grad(ampc_tensor *t, bool on) {
-    int rc = ampc__check_tensor(t, "ampc_tensor_set_requires_grad");
-    if (rc < 0) return rc;
-    if (t->grad_fn) return ampc__err(AMPC_ERR_STATE, "requires_grad can only be changed on leaf tensors (this one comes from %s)", t->grad_fn->name);
-    if (on && !ampc__dt(t->dtype)->is_float) return ampc__err(AMPC_ERR_DTYPE, "only float tensors can require grad, not %s", ampc_dtype_name(t->dtype));
-    t->requires_grad = on;
-    return AMPC_OK;
-}
 bool ampc_tensor_requires_grad(const ampc_tensor *t) {
     CHECKED("ampc_tensor_requires_grad", false);
     return t->requires_grad;
@@ -544,11 +542,6 @@ void ampc__tensor_zero_grad(ampc_tensor *t) {
     ampc__release(t->grad);
     t->grad = NULL;
 }
-const char *ampc_tensor_grad_fn_name(const ampc_tensor *t) {
-    CHECKED("ampc_tensor_grad_fn_name", NULL);
-    return t->grad_fn ? t->grad_fn->name : NULL;
-}
-
 ampc_tensor *ampc_tensor_detach(ampc_tensor *t) {
     CHECKED("ampc_tensor_detach", NULL);
     return ampc__scope_adopt(ampc__tensor_view(t, t->ndim, t->shape));

@@ -5,7 +5,6 @@
  */
 #include "nn/nn.h"
 #include "ops/ops.h"
-#include "backend/backend.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -120,14 +119,9 @@ ampc_tensor *ampc__batchnorm2d_forward(ampc_module *m, ampc_tensor *x, bool relu
                         ampc__module_buffer(m, "running_mean"), ampc__module_buffer(m, "running_var"), m->training,
                         m->f[0], m->f[1]);
     if (y && m->training) {
-        /* PyTorch counts training forwards whatever the grad mode. The counter is read back
-           from the buffer (not kept in the module) so a loaded checkpoint continues from its
-           value; buffers live in host memory on CPU and REF. */
-        ampc_tensor *nbt = ampc__module_buffer(m, "num_batches_tracked");
-        if (!ampc__backend(nbt->device)->host_memory)
-            return ampc__err_null(AMPC_ERR_UNSUPPORTED, "BatchNorm2d: num_batches_tracked on device %s",
-                                  ampc_device_name(nbt->device));
-        ((int64_t *)ampc__data(nbt))[0] += 1;
+        /* the counter lives in the buffer (not the module) so a loaded checkpoint continues
+           from its value */
+        if (ampc__batch_norm_count(ampc__module_buffer(m, "num_batches_tracked")) < 0) return NULL;
     }
     return y;
 }

@@ -128,7 +128,7 @@ static int conv2d_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
     if (n->next[0]) {   /* gx (N, C, H, W) from gy and w */
         gx[0] = ampc__tensor_new_fmt(dt, gy->device, 4, n->in[0].shape, n->in[0].format);
         if (!gx[0]) rc = ampc_last_status();
-        else if (!be->conv2d_backward_data) rc = ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d_backward_data on device %s", be->name);
+        else if (!be->conv2d_backward_data) rc = ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d_backward_data on device %s", be->device.name);
         else rc = be->conv2d_backward_data(&d, gy, n->saved[1], gx[0]);
     }
     if (rc >= 0 && n->next[1]) {   /* gw (and gb in the same pass) from x and gy */
@@ -141,7 +141,7 @@ static int conv2d_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
         if (n->next[2] && gx[1]) gx[2] = ampc__tensor_new(gdt, gy->device, 1, n->in[2].shape);
         ampc__mem_kind_pop(prev);
         if (!gx[1] || (n->next[2] && !gx[2])) rc = ampc_last_status();
-        else if (!be->conv2d_backward_weights) rc = ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d_backward_weights on device %s", be->name);
+        else if (!be->conv2d_backward_weights) rc = ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d_backward_weights on device %s", be->device.name);
         else {
             ampc_tensor *x = ampc__k_cast(n->saved[0], n->in[0].dtype);   /* saved uncast: ampc__input_to_save */
             rc = x ? be->conv2d_backward_weights(&d, x, gy, gx[1], gx[2]) : ampc_last_status();
@@ -175,7 +175,7 @@ ampc_tensor *ampc_conv2d(ampc_tensor *x, ampc_tensor *w, ampc_tensor *b, const a
     d.channels_last = ampc__is_cl(X);   /* the output keeps the input's memory format */
     const ampc_backend *be = ampc__backend(X->device);
     if (!be->conv2d) {
-        ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d on device %s", be->name);
+        ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d on device %s", be->device.name);
         return fail_args(&a);
     }
     ampc_tensor *y = ampc__tensor_new_fmt(X->dtype, X->device, 4, (int64_t[]){d.N, d.O, d.OH, d.OW}, X->format);

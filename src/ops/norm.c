@@ -27,7 +27,7 @@ static ampc_tensor *fail_args(ampc_op_args *a) {
 }
 
 /* Statistics dtype of a device: f32 where the device holds it (CPU), else f64 (REF). */
-static ampc_dtype stat_dtype(ampc_device dev) { return ampc__backend(dev)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64; }
+static ampc_dtype stat_dtype(ampc_device dev) { return ampc__device(dev)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64; }
 
 static int unsupported(const char *kernel, ampc_device dev) {
     return ampc__err(AMPC_ERR_UNSUPPORTED, "%s on device %s", kernel, ampc_device_name(dev));
@@ -258,4 +258,15 @@ ampc_tensor *ampc_layer_norm(ampc_tensor *x, int norm_ndim, ampc_tensor *weight,
         y = NULL;
     }
     return ampc__op_finish(&a, y, node);
+}
+
+int ampc__batch_norm_count(ampc_tensor *t) {
+    if (t->dtype != AMPC_I64 || t->numel != 1)
+        return ampc__err(AMPC_ERR_INVALID, "BatchNorm2d: num_batches_tracked must be one i64, not %lld %s",
+                         (long long)t->numel, ampc_dtype_name(t->dtype));
+    if (!ampc__device(t->device)->host_memory)
+        return ampc__err(AMPC_ERR_UNSUPPORTED, "BatchNorm2d: num_batches_tracked on device %s", ampc_device_name(t->device));
+    ((int64_t *)ampc__data(t))[0] += 1;
+    ampc__mark_written(t);
+    return AMPC_OK;
 }

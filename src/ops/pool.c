@@ -106,7 +106,7 @@ static ampc_tensor *pool_run(ampc_op_args *a, const pool_params *pp, int64_t oh,
         node->i[3] = pack2(pp->p[0], pp->p[1]);
         size_t bytes = y->numel ? be->pool2d_workspace_size(&d, x->dtype) : 0;
         if (pp->kind == AMPC_POOL_MAX && y->numel && !bytes) {
-            ampc__err(AMPC_ERR_BACKEND, "%s: no workspace size from backend %s (%s)", ampc_op_name(a->op), be->name, ampc_last_error());
+            ampc__err(AMPC_ERR_BACKEND, "%s: no workspace size from backend %s (%s)", ampc_op_name(a->op), be->device.name, ampc_last_error());
             goto fail;
         }
         if (bytes) {
