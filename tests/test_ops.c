@@ -370,18 +370,18 @@ static void test_autocast_policies(void **state) {
 // ---------------------------------------------------------------------------------------------
 // Large tensors (the threaded paths)
 
-#define BIG (1 << 20)
+#define LARGE_NUMEL (1 << 20)   /* elements of the large tensors: many blocks of the threaded loops */
 
 static void test_big_add_and_sum(void **state) {
     (void)state;
     ampc_scope_begin();
-    double *av = malloc(BIG * sizeof *av), *bv = malloc(BIG * sizeof *bv);
-    tu_fill_uniform(av, BIG, 11, -1, 1);
-    tu_fill_uniform(bv, BIG, 12, -1, 1);
+    double *av = malloc(LARGE_NUMEL * sizeof *av), *bv = malloc(LARGE_NUMEL * sizeof *bv);
+    tu_fill_uniform(av, LARGE_NUMEL, 11, -1, 1);
+    tu_fill_uniform(bv, LARGE_NUMEL, 12, -1, 1);
     const ampc_dtype dts[] = {AMPC_F32, AMPC_F16, AMPC_BF16};
     for (int d = 0; d < 3; d++) {
         ampc_dtype dt = dts[d];
-        int64_t shape[] = {BIG};
+        int64_t shape[] = {LARGE_NUMEL};
         ampc_tensor *a = ampc_tensor_from_f64(dt, 1, shape, av), *b = ampc_tensor_from_f64(dt, 1, shape, bv);
         double *ar = tu_values(a), *br = tu_values(b);
 
@@ -391,15 +391,15 @@ static void test_big_add_and_sum(void **state) {
         double *rv = tu_values(ampc_add(ampc_tensor_to(a, AMPC_DEVICE_REF, AMPC_F64), ampc_tensor_to(b, AMPC_DEVICE_REF, AMPC_F64)));
         ampc_set_default_device(AMPC_DEVICE_CPU);
         /* (f16/bf16: the f32 sum may round before the final rounding, hence 1 + 2^-12) */
-        tu_assert_close("1M add vs ref", got, rv, BIG, 0, tu_eps(dt) * (1 + 0x1p-12));
+        tu_assert_close("1M add vs ref", got, rv, LARGE_NUMEL, 0, tu_eps(dt) * (1 + 0x1p-12));
         free(got), free(rv);
 
         /* sum: f32 accumulation; each value passes through at most CHUNK adds inside a chunk,
-           RBLK/CHUNK chunk sums and BIG/RBLK block sums, so |err| <= depth * 2^-24 * sum|x|
+           RBLK/CHUNK chunk sums and LARGE_NUMEL/RBLK block sums, so |err| <= depth * 2^-24 * sum|x|
            (then one rounding to dt) */
         double exact = 0, abs_sum = 0;
-        for (int i = 0; i < BIG; i++) exact += ar[i], abs_sum += fabs(ar[i]);
-        double depth = 1024 + 65536 / 1024 + BIG / 65536;
+        for (int i = 0; i < LARGE_NUMEL; i++) exact += ar[i], abs_sum += fabs(ar[i]);
+        double depth = 1024 + 65536 / 1024 + LARGE_NUMEL / 65536;
         int threads = ampc_get_num_threads();
         ampc_set_num_threads(2);
         double s2 = ampc_tensor_item(ampc_sum(a, AMPC_ALL_DIMS, false));
@@ -410,7 +410,8 @@ static void test_big_add_and_sum(void **state) {
         double tol = depth * 0x1p-24 * abs_sum + tu_eps(dt) * fabs(exact) * 1.01;
         if (fabs(s2 - exact) > tol) fail_msg("1M sum %s: %.9g vs %.9g (tol %.3g)", ampc_dtype_name(dt), s2, exact, tol);
         double m = ampc_tensor_item(ampc_mean(a, 0, false));
-        if (fabs(m - exact / BIG) > tol / BIG) fail_msg("1M mean %s: %.9g vs %.9g", ampc_dtype_name(dt), m, exact / BIG);
+        if (fabs(m - exact / LARGE_NUMEL) > tol / LARGE_NUMEL)
+            fail_msg("1M mean %s: %.9g vs %.9g", ampc_dtype_name(dt), m, exact / LARGE_NUMEL);
 
         /* sum over rows of a (1024, 1024) view: parallel over rows */
         ampc_tensor *rows = ampc_sum(ampc_reshape(a, 2, (int64_t[]){1024, 1024}), 1, false);

@@ -43,8 +43,6 @@ double *tu_values(const ampc_tensor *t);
 int tu_group_setup(void **state);
 int tu_group_teardown(void **state);
 
-#endif
-
 // ---------------------------------------------------------------------------------------------
 // Op checks (ggml's test-backend-ops pattern): one description per op case drives
 // 1) a finite-difference gradient check of the op on the REF device in f64, and
@@ -75,3 +73,5 @@ typedef struct {
 void tu_check_op(const tu_op_case *c);
 /* Only the finite-difference check on REF (returns the max abs error seen). */
 double tu_gradcheck_ref(const tu_op_case *c);
+
+#endif /* AMPC_TESTUTIL_H */

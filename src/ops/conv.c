@@ -39,13 +39,6 @@ static int64_t out_size(int64_t in, int64_t k, int s, int p, int d) {
     return num < 0 ? 0 : num / s + 1;
 }
 
-/* Node parameters: i[0..2] pack (h << 32 | w) of stride, padding, dilation; i[3] = groups. */
-static int64_t pack(const int v[2]) { return (int64_t)v[0] << 32 | (uint32_t)v[1]; }
-static void unpack(int64_t p, int v[2]) {
-    v[0] = (int)(p >> 32);
-    v[1] = (int)(uint32_t)p;
-}
-
 static ampc_conv_desc make_desc(const int64_t *xs, const int64_t *ws, const ampc_conv2d_options *o) {
     ampc_conv_desc d = {.N = xs[0], .C = xs[1], .H = xs[2], .W = xs[3], .O = ws[0], .KH = ws[2], .KW = ws[3],
                         .groups = o->groups};
@@ -114,10 +107,7 @@ static int check_shapes(const ampc_tensor *x, const ampc_tensor *w, const ampc_t
 
 /* saved[0] = x (for gw), saved[1] = w (for gx) */
 static int conv2d_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
-    ampc_conv2d_options o = {.groups = (int)n->i[3]};
-    unpack(n->i[0], o.stride);
-    unpack(n->i[1], o.padding);
-    unpack(n->i[2], o.dilation);
+    ampc_conv2d_options o = n->args.conv;
     ampc_conv_desc d = make_desc(n->in[0].shape, n->in[1].shape, &o);
     d.channels_last = n->in[0].format == AMPC_CHANNELS_LAST;   /* gy arrives in it too */
     ampc_dtype dt = n->in[1].dtype;
@@ -192,10 +182,7 @@ ampc_tensor *ampc_conv2d(ampc_tensor *x, ampc_tensor *w, ampc_tensor *b, const a
         }
         if (node->next[1]) ampc__node_save(node, 0, ampc__input_to_save(&a, 0));
         if (node->next[0]) ampc__node_save(node, 1, W);
-        node->i[0] = pack(o.stride);
-        node->i[1] = pack(o.padding);
-        node->i[2] = pack(o.dilation);
-        node->i[3] = o.groups;
+        node->args.conv = o;
     }
     return ampc__op_finish(&a, y, node);
 }

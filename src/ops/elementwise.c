@@ -30,11 +30,11 @@ static ampc_tensor *fail(ampc_op_args *a) {
 // ---------------------------------------------------------------------------------------------
 // add, sub, mul
 
-/* f[0]: the sign of b's gradient (1 add, -1 sub) */
+/* args.add.b_sign: the sign of b's gradient (1 add, -1 sub) */
 static int add_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
     for (int i = 0; i < 2; i++) {
         if (!n->next[i]) continue;
-        gx[i] = grad_for_input(n, i, gy, i ? n->f[0] : 1.0);
+        gx[i] = grad_for_input(n, i, gy, i ? n->args.add.b_sign : 1.0);
         if (!gx[i]) return ampc_last_status();
     }
     return AMPC_OK;
@@ -79,7 +79,7 @@ static ampc_tensor *binary_op(ampc_op op, ampc_tensor *a_, ampc_tensor *b_) {
             if (node->next[0]) ampc__node_save(node, 1, y);
             if (node->next[1]) ampc__node_save(node, 0, x);
         } else {
-            node->f[0] = op == AMPC_OP_SUB ? -1.0 : 1.0;
+            node->args.add.b_sign = op == AMPC_OP_SUB ? -1.0 : 1.0;
         }
     }
     ampc__release(x);
@@ -94,10 +94,10 @@ ampc_tensor *ampc_mul(ampc_tensor *a, ampc_tensor *b) { return binary_op(AMPC_OP
 // ---------------------------------------------------------------------------------------------
 // Unary ops (and the scalar add/mul): y = f(x) in x's dtype
 
-/* i[0]: the unary op, f[0]: its alpha; saved[0] = x or saved[1] = y */
+/* args.unary: the op and its alpha; saved[0] = x or saved[1] = y */
 static int unary_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
-    ampc_op op = (ampc_op)n->i[0];
-    double alpha = n->f[0];
+    ampc_op op = n->args.unary.op;
+    double alpha = n->args.unary.alpha;
     if (op == AMPC_OP_ADD_SCALAR) gx[0] = ampc__retain(gy);
     else if (op == AMPC_OP_MUL_SCALAR) gx[0] = ampc__k_unary(AMPC_OP_MUL_SCALAR, gy, alpha);
     else if (ampc__grad_exclusive(gy) && gy->dtype == n->in[0].dtype) {
@@ -122,8 +122,8 @@ static ampc_tensor *unary_op(ampc_op op, double alpha, const char *grad_name, am
             ampc__release(y);
             y = NULL;
         } else {
-            node->i[0] = op;
-            node->f[0] = alpha;
+            node->args.unary.op = op;
+            node->args.unary.alpha = alpha;
             ampc_backward_reads reads = ampc_op_backward_reads(op);
             if (reads == AMPC_READS_X) ampc__node_save(node, 0, x);
             if (reads == AMPC_READS_Y) {
@@ -171,15 +171,15 @@ static void keep_shape(int ndim, const int64_t *shape, int d, int64_t *keep) {
     for (int i = 0; i < ndim; i++) keep[i] = d < 0 || i == d ? 1 : shape[i];
 }
 
-/* i[0]: the reduced dim (-1: all), f[0]: alpha (1 or 1/count). gy viewed with the reduced
+/* args.reduce: the reduced dim (-1: all) and alpha (1 or 1/count). gy viewed with the reduced
    dims kept is broadcast back over x's shape. */
 static int reduce_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
     const ampc_meta *m = &n->in[0];
     int64_t keep[AMPC_MAX_DIMS];
-    keep_shape(m->ndim, m->shape, (int)n->i[0], keep);
+    keep_shape(m->ndim, m->shape, n->args.reduce.dim, keep);
     ampc_tensor *g = ampc__tensor_view(gy, m->ndim, keep);
     if (!g) return ampc_last_status();
-    gx[0] = ampc__k_expand(g, m->ndim, m->shape, n->f[0]);
+    gx[0] = ampc__k_expand(g, m->ndim, m->shape, n->args.reduce.alpha);
     ampc__release(g);
     return gx[0] ? AMPC_OK : ampc_last_status();
 }
@@ -212,8 +212,8 @@ static ampc_tensor *reduce_op(ampc_op op, const char *grad_name, bool mean, ampc
             ampc__release(out);
             out = NULL;
         } else {
-            node->i[0] = d;
-            node->f[0] = alpha;
+            node->args.reduce.dim = d;
+            node->args.reduce.alpha = alpha;
         }
     }
     return ampc__op_finish(&a, out, node);

@@ -55,11 +55,11 @@ static int hand_over(int rc, ampc_tensor *out[3], ampc_tensor **gx) {
 // ---------------------------------------------------------------------------------------------
 // Batch norm
 
-/* saved: x, weight (NULL if none), then mean, invstd, or with the fused ReLU (i[1]) the
-   statistics tensor of batch_norm_relu; i[0] = training */
+/* saved: x, weight (NULL if none), then mean, invstd, or with the fused ReLU (args.batch_norm.relu)
+   the statistics tensor of batch_norm_relu */
 static int batch_norm_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
     ampc_tensor *x = n->saved[0], *w = n->saved[1], *mean = n->saved[2], *invstd = n->saved[3];
-    bool relu = n->i[1] != 0;
+    bool relu = n->args.batch_norm.relu;
     const ampc_backend *be = ampc__backend(x->device);
     if (relu ? !be->batch_norm_relu_backward : !be->batch_norm_backward)
         return unsupported(relu ? "batch_norm_relu_backward" : "batch_norm_backward", x->device);
@@ -67,8 +67,8 @@ static int batch_norm_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **g
     if (!gy) return ampc_last_status();
     ampc_tensor *out[3] = {NULL, NULL, NULL};
     int rc = alloc_grads(n, x, out);
-    if (rc >= 0 && relu) rc = be->batch_norm_relu_backward(x, gy, w, mean, n->i[0] != 0, out[0], out[1], out[2]);
-    else if (rc >= 0) rc = be->batch_norm_backward(x, gy, w, mean, invstd, n->i[0] != 0, out[0], out[1], out[2]);
+    if (rc >= 0 && relu) rc = be->batch_norm_relu_backward(x, gy, w, mean, n->args.batch_norm.training, out[0], out[1], out[2]);
+    else if (rc >= 0) rc = be->batch_norm_backward(x, gy, w, mean, invstd, n->args.batch_norm.training, out[0], out[1], out[2]);
     ampc__release(gy);
     return hand_over(rc, out, gx);
 }
@@ -152,8 +152,8 @@ static ampc_tensor *batch_norm_op(ampc_tensor *x, ampc_tensor *weight, ampc_tens
             if (W) ampc__node_save(node, 1, W);
             ampc__node_save(node, 2, mean);
             if (invstd) ampc__node_save(node, 3, invstd);
-            node->i[0] = training;
-            node->i[1] = relu;
+            node->args.batch_norm.training = training;
+            node->args.batch_norm.relu = relu;
         } else {
             rc = ampc_last_status();
         }

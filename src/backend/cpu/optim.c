@@ -64,14 +64,14 @@ typedef struct {
 /* One parameter's update, resolved: streams, the loop for its option set, its constants. */
 struct job {
     block_fn run;
-    float *p, *s[3];
-    const float *g;
-    void *out;        /* the 16-bit copy, converted by nf; NULL: none */
-    narrow_fn nf;
+    float *param, *state[3];
+    const float *grad;
+    void *out;        /* the 16-bit copy, converted by narrow; NULL: none */
+    narrow_fn narrow;
     size_t n;
     int variant;
-    sgd_consts sc;
-    adam_consts ac;
+    sgd_consts sgd;
+    adam_consts adam;
 };
 
 /* Runs the jobs' blocks in one parallel region. */
@@ -84,7 +84,7 @@ static void run_jobs(const job *jobs, int nj) {
         size_t base, len;
         const job *j = &jobs[ampc__cpu_block_at(first, nj, b, BLK, n, &base, &len)];
         j->run(j, base, len);
-        if (j->nf) j->nf(j->p + base, (uint16_t *)j->out + base, len);
+        if (j->narrow) j->narrow(j->param + base, (uint16_t *)j->out + base, len);
     }
 }
 
@@ -93,10 +93,10 @@ static int job_init(job *j, const ampc_optim_item *it) {
     memset(j, 0, sizeof *j);
     if (check_f32(it->param, "parameter") < 0 || check_f32(it->grad, "grad") < 0) return ampc_last_status();
     if (it->grad->numel != it->param->numel) return ampc__err(AMPC_ERR_SHAPE, "optimizer step: grad and parameter sizes differ");
-    if (cast_out_fn(it->param, it->cast_out, &j->nf) < 0) return ampc_last_status();
-    j->p = ampc__data(it->param);
-    j->g = (const float *)ampc__data(it->grad);
-    j->out = j->nf ? ampc__data(it->cast_out) : NULL;
+    if (cast_out_fn(it->param, it->cast_out, &j->narrow) < 0) return ampc_last_status();
+    j->param = ampc__data(it->param);
+    j->grad = (const float *)ampc__data(it->grad);
+    j->out = j->narrow ? ampc__data(it->cast_out) : NULL;
     j->n = (size_t)it->param->numel;
     return AMPC_OK;
 }
@@ -159,7 +159,7 @@ static const sgd_fn sgd_fns[32] = {[0] = sgd_0,   [1] = sgd_1,   [2] = sgd_2,   
                                    [23] = sgd_23, [26] = sgd_26, [27] = sgd_27, [30] = sgd_30, [31] = sgd_31};
 
 static void sgd_block(const job *j, size_t base, size_t len) {
-    sgd_fns[j->variant](j->p + base, j->g + base, j->s[0] ? j->s[0] + base : NULL, len, j->sc);
+    sgd_fns[j->variant](j->param + base, j->grad + base, j->state[0] ? j->state[0] + base : NULL, len, j->sgd);
 }
 
 static int sgd_job(job *j, const ampc_optim_item *it, const void *hp) {
@@ -169,8 +169,8 @@ static int sgd_job(job *j, const ampc_optim_item *it, const void *hp) {
     if (has_m && (!it->state[0] || check_f32(it->state[0], "momentum buffer") < 0))
         return it->state[0] ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "SGD with momentum needs a buffer");
     j->run = sgd_block;
-    j->s[0] = has_m ? ampc__data(it->state[0]) : NULL;
-    j->sc = (sgd_consts){(float)h->weight_decay, (float)h->momentum, (float)(1.0 - h->dampening), (float)-h->lr,
+    j->state[0] = has_m ? ampc__data(it->state[0]) : NULL;
+    j->sgd = (sgd_consts){(float)h->weight_decay, (float)h->momentum, (float)(1.0 - h->dampening), (float)-h->lr,
                          h->grad_scale};
     j->variant = (h->weight_decay != 0) | has_m << 1 | (has_m && it->first) << 2 | (has_m && h->nesterov) << 3 |
                  (h->grad_scale != 0) << 4;
@@ -224,8 +224,8 @@ typedef void (*adam_fn)(float *, const float *, float *, float *, float *, size_
 static const adam_fn adam_fns[4] = {adam_plain, adam_amsgrad, adam_plain_scaled, adam_amsgrad_scaled};
 
 static void adam_block(const job *j, size_t base, size_t len) {
-    adam_fns[j->variant](j->p + base, j->g + base, j->s[0] + base, j->s[1] + base, j->s[2] ? j->s[2] + base : NULL, len,
-                         &j->ac);
+    adam_fns[j->variant](j->param + base, j->grad + base, j->state[0] + base, j->state[1] + base,
+                         j->state[2] ? j->state[2] + base : NULL, len, &j->adam);
 }
 
 static int adam_job(job *j, const ampc_optim_item *it, const void *hp) {
@@ -237,7 +237,7 @@ static int adam_job(job *j, const ampc_optim_item *it, const void *hp) {
         return it->state[2] ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "amsgrad needs max_exp_avg_sq");
     if (it->step < 1) return ampc__err(AMPC_ERR_INVALID, "Adam step %lld (steps count from 1)", (long long)it->step);
     double bc1 = 1.0 - pow(h->beta1, (double)it->step), bc2 = 1.0 - pow(h->beta2, (double)it->step);
-    j->ac = (adam_consts){
+    j->adam = (adam_consts){
         .decay = h->decoupled ? (float)(1.0 - h->lr * h->weight_decay) : 1.0f,
         .l2 = h->decoupled ? 0.0f : (float)h->weight_decay,
         .b1 = (float)h->beta1, .omb1 = (float)(1.0 - h->beta1),
@@ -246,7 +246,7 @@ static int adam_job(job *j, const ampc_optim_item *it, const void *hp) {
         .gs = h->grad_scale,
     };
     j->run = adam_block;
-    for (int k = 0; k < 3; k++) j->s[k] = it->state[k] && (k < 2 || h->amsgrad) ? ampc__data(it->state[k]) : NULL;
+    for (int k = 0; k < 3; k++) j->state[k] = it->state[k] && (k < 2 || h->amsgrad) ? ampc__data(it->state[k]) : NULL;
     j->variant = h->amsgrad | (h->grad_scale != 0) << 1;
     return AMPC_OK;
 }

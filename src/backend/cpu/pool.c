@@ -125,7 +125,7 @@ typedef struct {
     int32_t alg;        /* dnnl_alg_kind_t */
     int32_t training;   /* max pooling that writes (forward) or reads (backward) a workspace */
     int32_t nthr;
-    int32_t cl;         /* NHWC tensors */
+    int32_t channels_last;   /* NHWC tensors */
     int64_t N, C, H, W, OH, OW;
     int64_t kernel[2], stride[2], pad_l[2], pad_r[2];
 } pool_key;
@@ -139,7 +139,7 @@ static pool_key make_key(const ampc_pool_desc *d, ampc_dtype dt, bool training) 
                                                     : dnnl_pooling_avg_include_padding;
     k.training = training && d->kind == AMPC_POOL_MAX;
     k.nthr = omp_get_max_threads();
-    k.cl = d->channels_last;
+    k.channels_last = d->channels_last;
     k.N = d->N, k.C = d->C, k.H = d->H, k.W = d->W, k.OH = d->OH, k.OW = d->OW;
     for (int i = 0; i < 2; i++) {
         k.kernel[i] = d->kernel[i];
@@ -152,7 +152,7 @@ static pool_key make_key(const ampc_pool_desc *d, ampc_dtype dt, bool training) 
 
 static dnnl_status_t key_mds(const pool_key *k, dnnl_memory_desc_t *src, dnnl_memory_desc_t *dst) {
     dnnl_dims_t sd = {k->N, k->C, k->H, k->W}, dd = {k->N, k->C, k->OH, k->OW};
-    dnnl_format_tag_t tag = k->cl ? dnnl_nhwc : dnnl_nchw;
+    dnnl_format_tag_t tag = k->channels_last ? dnnl_nhwc : dnnl_nchw;
     dnnl_status_t st = dnnl_memory_desc_init_by_tag(src, 4, sd, k->dt, tag);
     return st != dnnl_success ? st : dnnl_memory_desc_init_by_tag(dst, 4, dd, k->dt, tag);
 }
