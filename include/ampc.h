@@ -93,6 +93,9 @@ void ampc_clear_error(void);
 // ---------------------------------------------------------------------------------------------
 // Library, threads, RNG
 
+/* The library's version, "major.minor.patch" (static), as AMPC_VERSION_STRING in <ampc/version.h>
+   says at compile time: a program can compare the library it runs with the one it was built for. */
+const char *ampc_version(void);
 /* Optional: called implicitly by the first ampc call. Picks kernels from CPU features. */
 int ampc_init(void);
 /* Releases every scope, cached block and backend resource. Safe to call once at exit. */

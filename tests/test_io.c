@@ -1,6 +1,6 @@
 /*
  * test_io.c - checkpoints (safetensors round trip, corruption, atomic replace), the metrics
- * CSV and the PNG plots.
+ * CSV and ampc-train's PNG plots (tools/plot.c, built into this test).
  *
  * A checkpoint is checked three ways: restored into a differently initialised copy it gives
  * bit-identical state and the next training step gives bit-identical weights; an independent
@@ -29,6 +29,7 @@
 #include "amp/amp.h"
 #include "nn/nn.h"
 #include "optim/optim.h"
+#include "plot.h"   /* tools/ */
 
 extern int ampc__checkpoint_fail_stage;   /* src/io/checkpoint.c test hooks */
 extern _Thread_local uint64_t ampc__checkpoint_key_compares;
@@ -1213,9 +1214,9 @@ static void test_plot_png(void **state) {
     }
     loss[5] = NAN;   /* a gap */
     val[11] = INFINITY;
-    ampc_plot_series s[3] = {{"train loss", x, loss, 12}, {"val loss #1 (const)", x, val, 12}, {"single", &one_x, &one_y, 1}};
+    plot_series s[3] = {{"train loss", x, loss, 12}, {"val loss #1 (const)", x, val, 12}, {"single", &one_x, &one_y, 1}};
     const char *p = tpath("curves.png");
-    ASSERT_OK(ampc_plot_curves(p, "Training curves", "epoch", "loss", s, 3));
+    ASSERT_OK(plot_curves(p, "Training curves", "epoch", "loss", s, 3));
     assert_int_equal(count_temp_files(), 0);
     unsigned w, h;
     unsigned char *px = decode_png(p, &w, &h);
@@ -1228,21 +1229,21 @@ static void test_plot_png(void **state) {
     free(px);
 
     /* degenerate inputs still give a PNG */
-    ASSERT_OK(ampc_plot_curves(tpath("single.png"), "one point", "x", "y", &s[2], 1));
+    ASSERT_OK(plot_curves(tpath("single.png"), "one point", "x", "y", &s[2], 1));
     double nan2[2] = {NAN, INFINITY};
-    ampc_plot_series empty = {"nothing", nan2, nan2, 2};
-    ASSERT_OK(ampc_plot_curves(tpath("empty.png"), NULL, NULL, NULL, &empty, 1));
+    plot_series empty = {"nothing", nan2, nan2, 2};
+    ASSERT_OK(plot_curves(tpath("empty.png"), NULL, NULL, NULL, &empty, 1));
     px = decode_png(tpath("empty.png"), &w, &h);
     free(px);
 
     /* errors: unwritable path, bad series */
     char missing[300];
     snprintf(missing, sizeof missing, "%s/no/such/dir/plot.png", tmpdir);
-    assert_int_equal(ampc_plot_curves(missing, "t", "x", "y", s, 3), AMPC_ERR_IO);
+    assert_int_equal(plot_curves(missing, "t", "x", "y", s, 3), AMPC_ERR_IO);
     assert_false(file_exists(missing));
-    ampc_plot_series bad = {"bad", NULL, NULL, 3};
-    assert_int_equal(ampc_plot_curves(tpath("bad.png"), "t", "x", "y", &bad, 1), AMPC_ERR_INVALID);
-    assert_int_equal(ampc_plot_curves(tpath("bad.png"), "t", "x", "y", s, 0), AMPC_ERR_INVALID);
+    plot_series bad = {"bad", NULL, NULL, 3};
+    assert_int_equal(plot_curves(tpath("bad.png"), "t", "x", "y", &bad, 1), AMPC_ERR_INVALID);
+    assert_int_equal(plot_curves(tpath("bad.png"), "t", "x", "y", s, 0), AMPC_ERR_INVALID);
     assert_false(file_exists(tpath("bad.png")));
     assert_int_equal(count_temp_files(), 0);
 }

@@ -35,6 +35,7 @@
  * then the comparison modes and main. The progress bar lives in progress.c.
  */
 #include "ampc.h"
+#include "plot.h"
 #include "progress.h"
 
 #include <ctype.h>
@@ -1193,11 +1194,11 @@ static int draw_plots(run *r) {
     char *loss_png = path_join(r->out, "loss.png"), *acc_png = path_join(r->out, "accuracy.png");
     if (!loss_png || !acc_png) rc = -1;
     snprintf(title, sizeof title, "%s on %s (%s): loss", sval(r->s, OPT_MODEL), what, prec);
-    ampc_plot_series ls[2] = {{"train", x, tl, n}, {"validation", x, vl, n}};
-    if (rc == 0 && ampc_plot_curves(loss_png, title, "epoch", "cross-entropy loss", ls, 2) < 0) rc = fail_lib("loss.png");
+    plot_series ls[2] = {{"train", x, tl, n}, {"validation", x, vl, n}};
+    if (rc == 0 && plot_curves(loss_png, title, "epoch", "cross-entropy loss", ls, 2) < 0) rc = fail_lib("loss.png");
     snprintf(title, sizeof title, "%s on %s (%s): accuracy", sval(r->s, OPT_MODEL), what, prec);
-    ampc_plot_series as[2] = {{"train", x, ta, n}, {"validation", x, va, n}};
-    if (rc == 0 && ampc_plot_curves(acc_png, title, "epoch", "accuracy (%)", as, 2) < 0) rc = fail_lib("accuracy.png");
+    plot_series as[2] = {{"train", x, ta, n}, {"validation", x, va, n}};
+    if (rc == 0 && plot_curves(acc_png, title, "epoch", "accuracy (%)", as, 2) < 0) rc = fail_lib("accuracy.png");
     if (rc < 0 && g_err_status == AMPC_ERR_UNSUPPORTED) {   /* no pngcairo driver: keep training */
         warn("no plots: %s", g_err);
         g_err[0] = '\0';

@@ -1,5 +1,5 @@
 /*
- * ampc/io.h - checkpoints (safetensors), metrics logs and plots (included by ampc.h).
+ * ampc/io.h - checkpoints (safetensors) and metrics logs (included by ampc.h).
  *
  * Resuming a run, as PyTorch's torch.save/torch.load of model, optimizer and scaler state:
  *
@@ -96,23 +96,6 @@ int ampc_metrics_row(ampc_metrics *m, const double *values);
 int ampc_metrics_num_columns(const ampc_metrics *m);
 /* Closes the file; returns a negative status if a buffered write failed (NULL: 0). */
 int ampc_metrics_close(ampc_metrics *m);
-
-// ---------------------------------------------------------------------------------------------
-// Plots (PLplot, pngcairo device, headless)
-
-typedef struct {
-    const char *name;       /* legend entry */
-    const double *x, *y;    /* n points; non-finite points are skipped (the line breaks there) */
-    int n;
-} ampc_plot_series;
-
-/* Line plot with markers of n_series curves with title, axis labels and a legend, axes ranged
-   over the finite points (a single point or a constant series gets a padded range), written
-   as an 800x600 PNG to png_path (atomically, via a temporary file). Thread-safe (PLplot is
-   serialized by a lock). Returns 0 or a negative status (AMPC_ERR_IO: the file can't be
-   written; AMPC_ERR_UNSUPPORTED: PLplot's pngcairo driver is not installed). */
-int ampc_plot_curves(const char *png_path, const char *title, const char *xlabel, const char *ylabel,
-                     const ampc_plot_series *series, int n_series);
 
 #ifdef __cplusplus
 }
