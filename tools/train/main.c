@@ -30,8 +30,7 @@
  * stops at once. The checkpoint is written before the metrics row, so after a kill metrics.csv
  * (rebuilt from the checkpoint on resume) never runs ahead of it.
  *
- *
- * This file: main, --compare and --compare-checkpoints; train.h lists the others.
+ * This file: main, --compare and --compare-checkpoints; train.h lists the other files of tools/train/.
  */
 #include "train.h"
 #include "progress.h"

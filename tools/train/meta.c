@@ -11,6 +11,11 @@
 #include <math.h>
 #include <stdio.h>
 
+#define META_PREFIX "ampc_train."
+
+// ---------------------------------------------------------------------------------------------
+// The metrics history: one row per finished epoch
+
 const char *const COLS[N_COLS] = {"epoch",   "train_loss",    "train_acc", "val_loss",      "val_acc",
                                   "seconds", "samples_per_s", "scale",     "skipped_steps", "data_wait"};
 
@@ -26,7 +31,8 @@ int history_push(history *h, const double *row) {
     return 0;
 }
 
-#define META_PREFIX "ampc_train."
+// ---------------------------------------------------------------------------------------------
+// Writing
 
 typedef struct {
     char **kv;   /* key, value, ..., NULL */
@@ -115,6 +121,9 @@ int checkpoint_save(run *r, int64_t epochs_done, int64_t step, const pass_stats 
     if (rc == 0) set_last_good(r, r->ckpt_path, epochs_done, step);
     return rc;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Reading back on --resume: every value is checked before use
 
 static int meta_get(const char *meta, const char *path, const char *key, char **out) {
     int len = ampc_checkpoint_meta_get(meta, key, NULL, 0);

@@ -16,7 +16,7 @@
 // ---------------------------------------------------------------------------------------------
 // The table
 
-#define BIG 9.2e18
+#define INT_FLAG_MAX 9.2e18   /* the bound of the unbounded integer flags: under INT64_MAX */
 const opt_def OPTS[OPT_COUNT] = {
     [OPT_MODEL] = {"model", V_CHOICE, "cnn", "mlp|cnn|resnet18|resnet50", 0, 0, false, O_SAVE | O_RUN, "NAME",
                    "mlp, cnn (PyTorch's MNIST example net), resnet18 or resnet50 (torchvision's)"},
@@ -42,7 +42,7 @@ const opt_def OPTS[OPT_COUNT] = {
     [OPT_MOMENTUM] = {"momentum", V_REAL, "0.9", NULL, 0, 1, false, O_SAVE | O_RUN, "X", "SGD momentum, in [0, 1)"},
     [OPT_WEIGHT_DECAY] = {"weight-decay", V_REAL, "auto", NULL, 0, 1e6, false, O_SAVE | O_RUN | O_AUTO, "X",
                           "L2 penalty (auto: 0, or 0.01 for adamw as in PyTorch)"},
-    [OPT_SEED] = {"seed", V_INT, "1", NULL, 0, BIG, false, O_SAVE | O_RUN, "N",
+    [OPT_SEED] = {"seed", V_INT, "1", NULL, 0, INT_FLAG_MAX, false, O_SAVE | O_RUN, "N",
                   "seeds initialisation, dropout, shuffling and the validation split"},
     [OPT_VAL_SPLIT] = {"val-split", V_REAL, "0.1", NULL, 0, 1, true, O_SAVE | O_RUN, "X",
                        "fraction held out for validation when the data has no test set (image folders)"},
@@ -52,9 +52,9 @@ const opt_def OPTS[OPT_COUNT] = {
     [OPT_INDEX_CSV] = {"index-csv", V_TEXT, "", NULL, 0, 0, false, O_SAVE | O_RESTORE, "FILE",
                        "image folders: CSV index (image_path,target) read instead of scanning; written after "
                        "the scan when FILE does not exist (the usual preprocess step)"},
-    [OPT_LIMIT_TRAIN] = {"limit-train", V_INT, "0", NULL, 0, BIG, false, O_SAVE | O_RUN, "N",
+    [OPT_LIMIT_TRAIN] = {"limit-train", V_INT, "0", NULL, 0, INT_FLAG_MAX, false, O_SAVE | O_RUN, "N",
                          "use only the first N training samples (0: all)"},
-    [OPT_LIMIT_VAL] = {"limit-val", V_INT, "0", NULL, 0, BIG, false, O_SAVE | O_RUN, "N",
+    [OPT_LIMIT_VAL] = {"limit-val", V_INT, "0", NULL, 0, INT_FLAG_MAX, false, O_SAVE | O_RUN, "N",
                        "use only the first N validation samples (0: all)"},
     [OPT_THREADS] = {"threads", V_INT, "auto", NULL, 1, 1024, false, O_SAVE | O_AUTO, "N",
                      "compute threads (auto: OpenMP's default, $OMP_NUM_THREADS or the cores)"},
@@ -247,7 +247,6 @@ void print_help(void) {
            "diverged). SIGINT/SIGTERM save a checkpoint at the next step and exit 128 + signal (130, 143).\n");
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // The command line
 
@@ -272,8 +271,10 @@ int parse_args(int argc, char **argv, settings *s, const char **cmp_a, const cha
     longopts[OPT_COUNT + 1] = (struct option){"compare-checkpoints", no_argument, NULL, LONG_COMPARE_CHECKPOINTS};
     longopts[OPT_COUNT + 2] = (struct option){"help", no_argument, NULL, LONG_HELP};
     longopts[OPT_COUNT + 3] = (struct option){0};
-    /* "-": other arguments come back in order (1), so the first error is the first in the line;
-       ":": a missing value comes back as ':'; no messages of getopt's own. optind = 0 starts over. */
+    /* "-": other arguments come back in order (as 1), so the error reported is the first in the
+       line; ":": a missing value comes back as ':'. Messages are ampc-train's own (opterr = 0) and
+       keep today's rules: exact names, "-h" only alone, "--" is no end of options but an unknown
+       one. optind = 0 makes glibc start over (the fuzz harness parses many lines). */
     opterr = 0;
     optind = 0;
     char canon[4096];

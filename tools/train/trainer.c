@@ -18,37 +18,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static int mkdir_p(const char *path) {
-    char *p = strdup(path);
-    if (!p) return fail("out of memory");
-    for (char *c = p + 1;; c++) {
-        if (*c == '/' || *c == '\0') {
-            char save = *c;
-            *c = '\0';
-            if (mkdir(p, 0777) != 0 && errno != EEXIST) {
-                int e = errno;
-                free(p);
-                return fail("--out: can't create '%s': %s", path, strerror(e));
-            }
-            *c = save;
-            if (!save) break;
-        }
-    }
-    free(p);
-    struct stat st;
-    if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode)) return fail("--out '%s' is not a folder", path);
-    return 0;
-}
-
-static char *path_join(const char *dir, const char *name) {
-    char *p = NULL;
-    if (asprintf(&p, "%s/%s", dir, name) < 0) {
-        fail("out of memory");
-        return NULL;
-    }
-    return p;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Signals: SIGINT/SIGTERM stop the run at the next step boundary with a checkpoint that resumes
 // exactly; a second one stops at once (the signal's default action). Handlers are installed only
@@ -170,9 +139,6 @@ static int count_correct(run *r, ampc_tensor *logits, ampc_tensor *labels, int64
     return 0;
 }
 
-// ---------------------------------------------------------------------------------------------
-// Passes
-
 /* One pass over a loader: training (autocast forward, scaled backward, scaler step) or
    validation (eval mode, no-grad, autocast, no scaler). A training pass may continue one that a
    signal stopped (first_batch > 0, totals in *carry). Returns 0 at the end of the pass, 1 when a
@@ -252,7 +218,38 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, int64_
 }
 
 // ---------------------------------------------------------------------------------------------
-// Outputs: metrics.csv, loss.png, accuracy.png
+// Outputs: the --out folder, metrics.csv, loss.png, accuracy.png
+
+static int mkdir_p(const char *path) {
+    char *p = strdup(path);
+    if (!p) return fail("out of memory");
+    for (char *c = p + 1;; c++) {
+        if (*c == '/' || *c == '\0') {
+            char save = *c;
+            *c = '\0';
+            if (mkdir(p, 0777) != 0 && errno != EEXIST) {
+                int e = errno;
+                free(p);
+                return fail("--out: can't create '%s': %s", path, strerror(e));
+            }
+            *c = save;
+            if (!save) break;
+        }
+    }
+    free(p);
+    struct stat st;
+    if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode)) return fail("--out '%s' is not a folder", path);
+    return 0;
+}
+
+static char *path_join(const char *dir, const char *name) {
+    char *p = NULL;
+    if (asprintf(&p, "%s/%s", dir, name) < 0) {
+        fail("out of memory");
+        return NULL;
+    }
+    return p;
+}
 
 static int draw_plots(run *r) {
     int n = r->hist.n;
@@ -362,6 +359,9 @@ static void oom_advice(run *r, double limit) {
                                      : "raise --max-memory or choose a smaller --model");
     g_oom_hint = advice;
 }
+
+// ---------------------------------------------------------------------------------------------
+// The run
 
 /* A signal stopped the run after its checkpoint was saved: one line saying where, and how to go on;
    exit status 128 + the signal's number, as a shell reports a process the signal ended. */
