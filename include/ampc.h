@@ -290,6 +290,7 @@ ampc_tensor *ampc_add_scalar(ampc_tensor *a, double s);
 ampc_tensor *ampc_mul_scalar(ampc_tensor *a, double s);
 ampc_tensor *ampc_relu(ampc_tensor *x);
 ampc_tensor *ampc_gelu(ampc_tensor *x);     /* exact (erf) form, PyTorch's default */
+ampc_tensor *ampc_silu(ampc_tensor *x);     /* x * sigmoid(x) (swish) */
 ampc_tensor *ampc_tanh(ampc_tensor *x);
 ampc_tensor *ampc_sigmoid(ampc_tensor *x);
 ampc_tensor *ampc_exp(ampc_tensor *x);
@@ -405,7 +406,8 @@ typedef enum {
     OP(ADAPTIVE_AVG_POOL2D, "adaptive_avg_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE) \
     OP(BATCH_NORM, "batch_norm", PASSTHROUGH, PASSTHROUGH, 0x1, X)                    \
     OP(LAYER_NORM, "layer_norm", FP32, FP32, 0x0, X)                                  \
-    OP(CAT, "cat", PROMOTE, PROMOTE, 0x0, NONE)
+    OP(CAT, "cat", PROMOTE, PROMOTE, 0x0, NONE)                                      \
+    OP(SILU, "silu", PASSTHROUGH, PASSTHROUGH, 0x1, X)
 /* Policies follow PyTorch's CUDA autocast lists (aten/src/ATen/autocast_mode.cpp) for the ops
    ampc has, for fp16 and bf16 alike: matmul-like ops run in the lower precision; reductions
    PyTorch lists as fp32 (sum, softmax, log_softmax, exp, log, pow), layer_norm and every loss
@@ -478,6 +480,7 @@ typedef struct ampc_module ampc_module;
 ampc_module *ampc_linear_new(int64_t in_features, int64_t out_features, bool bias);
 ampc_module *ampc_relu_new(void);
 ampc_module *ampc_gelu_new(void);
+ampc_module *ampc_silu_new(void);
 ampc_module *ampc_tanh_new(void);
 ampc_module *ampc_sigmoid_new(void);
 ampc_module *ampc_dropout_new(double p);

@@ -63,6 +63,9 @@ static const tu_op_case unary_cases[] = {
     UN("gelu (1,)", (1), -3, 3, 0, 1, .unary = ampc_gelu),
     UN("gelu (3,5,7)", (3, 5, 7), -3, 3, 0, 1, .unary = ampc_gelu),
     UN("gelu (30,50)", (30, 50), -3, 3, 0, 1, .unary = ampc_gelu),
+    UN("silu (1,)", (1), -4, 4, 0, 1, .unary = ampc_silu),
+    UN("silu (3,5,7)", (3, 5, 7), -4, 4, 0, 1, .unary = ampc_silu),
+    UN("silu (30,50)", (30, 50), -4, 4, 0, 1, .unary = ampc_silu),
     UN("tanh (1,)", (1), -1, 1, 0, 1, .unary = ampc_tanh),
     UN("tanh (3,5,7)", (3, 5, 7), -1, 1, 0, 1, .unary = ampc_tanh),
     UN("tanh (30,50)", (30, 50), -1, 1, 0, 1, .unary = ampc_tanh),
@@ -195,7 +198,7 @@ static void test_output_shapes_and_names(void **state) {
     struct { ampc_tensor *t; const char *name; } expect[] = {
         {ampc_add(x, b), "AddBackward"}, {ampc_sub(x, b), "SubBackward"}, {ampc_mul(x, b), "MulBackward"},
         {ampc_add_scalar(x, 1), "AddBackward"}, {ampc_mul_scalar(x, 2), "MulBackward"},
-        {ampc_relu(x), "ReluBackward"}, {ampc_gelu(x), "GeluBackward"}, {ampc_tanh(x), "TanhBackward"},
+        {ampc_relu(x), "ReluBackward"}, {ampc_gelu(x), "GeluBackward"}, {ampc_silu(x), "SiluBackward"}, {ampc_tanh(x), "TanhBackward"},
         {ampc_sigmoid(x), "SigmoidBackward"}, {ampc_exp(x), "ExpBackward"}, {ampc_log(ampc_exp(x)), "LogBackward"},
         {ampc_pow(ampc_exp(x), 2), "PowBackward"},
     };
@@ -232,8 +235,8 @@ static void test_errors(void **state) {
         assert_int_equal(ampc_last_status(), AMPC_ERR_DTYPE);
         assert_non_null(strstr(ampc_last_error(), "i64"));
     }
-    ampc_tensor *(*unaries[])(ampc_tensor *) = {ampc_relu, ampc_gelu, ampc_tanh, ampc_sigmoid, ampc_exp, ampc_log};
-    for (int i = 0; i < 6; i++) {
+    ampc_tensor *(*unaries[])(ampc_tensor *) = {ampc_relu, ampc_gelu, ampc_tanh, ampc_sigmoid, ampc_exp, ampc_log, ampc_silu};
+    for (int i = 0; i < 7; i++) {
         ampc_clear_error();
         assert_null(unaries[i](lab));
         assert_int_equal(ampc_last_status(), AMPC_ERR_DTYPE);
@@ -490,8 +493,18 @@ static void test_saved_tensors(void **state) {
     assert_int_equal(n_saved(ampc_mul_scalar(x, 2)), 0);
     assert_int_equal(n_saved(ampc_sum(x, 0, false)), 0);
     assert_int_equal(n_saved(ampc_mean(x, AMPC_ALL_DIMS, true)), 0);
-    ampc_tensor *(*one_saved[])(ampc_tensor *) = {ampc_relu, ampc_gelu, ampc_tanh, ampc_sigmoid, ampc_exp, ampc_log};
-    for (int i = 0; i < 6; i++) assert_int_equal(n_saved(one_saved[i](x)), 1);
+    /* each unary op saves exactly what the op table says its backward reads: x in slot 0 or y
+       in slot 1 */
+    const struct { ampc_op op; ampc_tensor *(*f)(ampc_tensor *); } one_saved[] = {
+        {AMPC_OP_RELU, ampc_relu}, {AMPC_OP_GELU, ampc_gelu}, {AMPC_OP_TANH, ampc_tanh}, {AMPC_OP_SIGMOID, ampc_sigmoid},
+        {AMPC_OP_EXP, ampc_exp},   {AMPC_OP_LOG, ampc_log},   {AMPC_OP_SILU, ampc_silu},
+    };
+    for (size_t i = 0; i < sizeof one_saved / sizeof *one_saved; i++) {
+        ampc_tensor *y = one_saved[i].f(x);
+        assert_int_equal(n_saved(y), 1);
+        bool reads_x = ampc_op_backward_reads(one_saved[i].op) == AMPC_READS_X;
+        assert_true(y->grad_fn->saved[reads_x ? 0 : 1] != NULL);
+    }
     assert_int_equal(n_saved(ampc_pow(x, 3)), 1);
     /* an output saved by its own node is no reference cycle: without backward, the scope
        frees everything */

@@ -43,16 +43,19 @@ ampc_module *ampc_linear_new(int64_t in_features, int64_t out_features, bool bia
 
 static ampc_tensor *relu_forward(ampc_module *m, ampc_tensor *x) { (void)m; return ampc_relu(x); }
 static ampc_tensor *gelu_forward(ampc_module *m, ampc_tensor *x) { (void)m; return ampc_gelu(x); }
+static ampc_tensor *silu_forward(ampc_module *m, ampc_tensor *x) { (void)m; return ampc_silu(x); }
 static ampc_tensor *tanh_forward(ampc_module *m, ampc_tensor *x) { (void)m; return ampc_tanh(x); }
 static ampc_tensor *sigmoid_forward(ampc_module *m, ampc_tensor *x) { (void)m; return ampc_sigmoid(x); }
 
 static const ampc_module_vtable relu_vtable = {"ReLU", relu_forward, NULL};
 static const ampc_module_vtable gelu_vtable = {"GELU", gelu_forward, NULL};
+static const ampc_module_vtable silu_vtable = {"SiLU", silu_forward, NULL};
 static const ampc_module_vtable tanh_vtable = {"Tanh", tanh_forward, NULL};
 static const ampc_module_vtable sigmoid_vtable = {"Sigmoid", sigmoid_forward, NULL};
 
 ampc_module *ampc_relu_new(void) { return ampc__module_new(&relu_vtable); }
 ampc_module *ampc_gelu_new(void) { return ampc__module_new(&gelu_vtable); }
+ampc_module *ampc_silu_new(void) { return ampc__module_new(&silu_vtable); }
 ampc_module *ampc_tanh_new(void) { return ampc__module_new(&tanh_vtable); }
 ampc_module *ampc_sigmoid_new(void) { return ampc__module_new(&sigmoid_vtable); }
 

@@ -56,7 +56,7 @@ static float load_one(const ampc_tensor *t, int64_t off) {
 static bool unary_known(ampc_op op) {
     switch (op) {
     case AMPC_OP_RELU: case AMPC_OP_GELU: case AMPC_OP_TANH: case AMPC_OP_SIGMOID: case AMPC_OP_EXP:
-    case AMPC_OP_LOG: case AMPC_OP_POW: case AMPC_OP_MUL_SCALAR: case AMPC_OP_ADD_SCALAR: return true;
+    case AMPC_OP_LOG: case AMPC_OP_POW: case AMPC_OP_MUL_SCALAR: case AMPC_OP_ADD_SCALAR: case AMPC_OP_SILU: return true;
     default: return false;
     }
 }
@@ -117,6 +117,9 @@ static void unary_chunk(ampc_op op, const float *x, float *y, size_t n, float a)
         break;
     case AMPC_OP_TANH:
         for (size_t i = 0; i < n; i++) y[i] = tanhf(x[i]);
+        break;
+    case AMPC_OP_SILU:
+        for (size_t i = 0; i < n; i++) y[i] = x[i] / (1.0f + expf(-x[i]));
         break;
     case AMPC_OP_SIGMOID:
         for (size_t i = 0; i < n; i++) y[i] = 1.0f / (1.0f + expf(-x[i]));
@@ -180,6 +183,12 @@ static void unary_backward_chunk(ampc_op op, const float *x, const float *y, con
     case AMPC_OP_TANH:
 #pragma omp simd
         for (size_t i = 0; i < n; i++) gx[i] = gy[i] * (1.0f - y[i] * y[i]);
+        break;
+    case AMPC_OP_SILU:   /* s (1 + x (1 - s)), s = sigmoid(x) */
+        for (size_t i = 0; i < n; i++) {
+            float sg = 1.0f / (1.0f + expf(-x[i]));
+            gx[i] = gy[i] * (sg * (1.0f + x[i] * (1.0f - sg)));
+        }
         break;
     case AMPC_OP_SIGMOID:
 #pragma omp simd

@@ -71,6 +71,7 @@ static double unary_f(ampc_op op, double x, double a) {
     case AMPC_OP_RELU: return x < 0 ? 0.0 : x;   /* NaN stays NaN, like torch.relu */
     case AMPC_OP_GELU: return 0.5 * x * (1.0 + erf(x * inv_sqrt2));
     case AMPC_OP_TANH: return tanh(x);
+    case AMPC_OP_SILU: return x / (1.0 + exp(-x));
     case AMPC_OP_SIGMOID: return 1.0 / (1.0 + exp(-x));
     case AMPC_OP_EXP: return exp(x);
     case AMPC_OP_LOG: return log(x);
@@ -97,6 +98,10 @@ static double unary_df(ampc_op op, double x, double y, double a) {
     case AMPC_OP_RELU: return x > 0 ? 1.0 : 0.0;
     case AMPC_OP_GELU: return 0.5 * (1.0 + erf(x * inv_sqrt2)) + x * inv_sqrt2pi * exp(-0.5 * x * x);
     case AMPC_OP_TANH: return 1.0 - y * y;
+    case AMPC_OP_SILU: {
+        double sg = 1.0 / (1.0 + exp(-x));
+        return sg * (1.0 + x * (1.0 - sg));
+    }
     case AMPC_OP_SIGMOID: return y * (1.0 - y);
     case AMPC_OP_EXP: return y;
     case AMPC_OP_LOG: return 1.0 / x;
