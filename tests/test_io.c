@@ -385,19 +385,32 @@ static void test_roundtrip_adamw(void **state) {
     roundtrip(OPT_ADAMW);
 }
 
+/* Conv(1->2, 3x3, no bias), BatchNorm2d(2), ReLU, Flatten, Linear(32->3) for 2x1x4x4 inputs:
+   parameters, running stats and an I64 buffer (num_batches_tracked). */
+static ampc_module *conv_bn_net(uint64_t seed) {
+    ampc_manual_seed(seed);
+    ampc_conv2d_options co = {.padding = {1, 1}};
+    ampc_module *m = ampc_sequential(5, ampc_conv2d_new(1, 2, 3, &co, false), ampc_batchnorm2d_new(2), ampc_relu_new(),
+                                     ampc_flatten_new(), ampc_linear_new(2 * 4 * 4, 3, true));
+    ASSERT_NOT_NULL_MSG(m);
+    return m;
+}
+
+static ampc_tensor *conv_bn_input(void) {
+    double xv[2 * 16];
+    tu_fill_uniform(xv, 32, 5, -1, 1);
+    ampc_tensor *x = ampc_tensor_from_f64(AMPC_F32, 4, (int64_t[]){2, 1, 4, 4}, xv);
+    ASSERT_NOT_NULL_MSG(x);
+    return x;
+}
+
 /* A conv net with BatchNorm: buffers (running stats, an I64 counter) round-trip too. */
 static void test_roundtrip_batchnorm(void **state) {
     (void)state;
     ampc_scope_begin();
-    ampc_manual_seed(3);
-    ampc_conv2d_options co = {.padding = {1, 1}};
-    ampc_module *a = ampc_sequential(5, ampc_conv2d_new(1, 2, 3, &co, false), ampc_batchnorm2d_new(2), ampc_relu_new(),
-                                     ampc_flatten_new(), ampc_linear_new(2 * 4 * 4, 3, true));
-    ASSERT_NOT_NULL_MSG(a);
+    ampc_module *a = conv_bn_net(3);
     ampc_optimizer *oa = ampc_sgd_new(a, &(ampc_sgd_options){.lr = 0.1, .momentum = 0.5});
-    double xv[2 * 16];
-    tu_fill_uniform(xv, 32, 5, -1, 1);
-    ampc_tensor *x = ampc_tensor_from_f64(AMPC_F32, 4, (int64_t[]){2, 1, 4, 4}, xv), *y = data_tensor(6, 2, 3);
+    ampc_tensor *x = conv_bn_input(), *y = data_tensor(6, 2, 3);
     for (int i = 0; i < 2; i++) {
         ampc_scope_begin();
         ampc_tensor *loss = ampc_mse_loss(ampc_module_forward(a, x), y, AMPC_REDUCTION_MEAN);
@@ -417,9 +430,7 @@ static void test_roundtrip_batchnorm(void **state) {
     assert_non_null(strstr((char *)file + 8, "\"1.running_var\":{\"dtype\":\"F32\",\"shape\":[2]"));
     free(file);
 
-    ampc_manual_seed(4);
-    ampc_module *b = ampc_sequential(5, ampc_conv2d_new(1, 2, 3, &co, false), ampc_batchnorm2d_new(2), ampc_relu_new(),
-                                     ampc_flatten_new(), ampc_linear_new(2 * 4 * 4, 3, true));
+    ampc_module *b = conv_bn_net(4);
     ampc_optimizer *ob = ampc_sgd_new(b, &(ampc_sgd_options){.lr = 0.1, .momentum = 0.5});
     ASSERT_OK(ampc_checkpoint_load(path, b, ob, NULL, NULL));
     assert_same("batchnorm model", snapshot(a, oa, NULL), snapshot(b, ob, NULL));
@@ -427,6 +438,112 @@ static void test_roundtrip_batchnorm(void **state) {
     ampc_optimizer_free(ob);
     ampc_module_free(a);
     ampc_module_free(b);
+    ampc_scope_end();
+}
+
+// ---------------------------------------------------------------------------------------------
+// A checkpoint written before the safetensors code moved to jansson still loads
+
+/* tests/fixtures/checkpoint_v1.safetensors was written by write_v1_checkpoint with the library
+   of commit 4d99f58 (the hand-written JSON writer), by
+       AMPC_TEST_WRITE_V1=tests/fixtures/checkpoint_v1.safetensors build/test_io
+   (see tests/fixtures/README.md). Its weights were set to exact values after three Adam
+   (amsgrad) steps under a grad scaler, so that a load is checked against values known here. */
+#define V1_STEPS 3
+
+static float v1_value(int tensor, int64_t i) { return (float)(i % 13 - 6) / 64.0f + (float)tensor / 8.0f; }
+
+static void write_v1_checkpoint(const char *path) {
+    ampc_scope_begin();
+    ampc_module *m = conv_bn_net(3);
+    ampc_adam_options ao = ampc_adam_defaults();
+    ao.lr = 0.01;
+    ao.amsgrad = true;
+    ampc_optimizer *o = ampc_adam_new(m, &ao);
+    ampc_scaler *s = ampc_scaler_new(NULL);
+    ASSERT_NOT_NULL_MSG(o && s);
+    ampc_tensor *x = conv_bn_input(), *y = data_tensor(6, 2, 3);
+    for (int i = 0; i < V1_STEPS; i++) {
+        ampc_scope_begin();
+        ampc_tensor *loss = ampc_mse_loss(ampc_module_forward(m, x), y, AMPC_REDUCTION_MEAN);
+        ASSERT_OK(ampc_backward(ampc_scaler_scale(s, loss)));
+        assert_int_equal(ampc_scaler_step(s, o), 1);
+        ASSERT_OK(ampc_scaler_update(s));
+        ampc_optimizer_zero_grad(o);
+        ampc_scope_end();
+    }
+    ampc_optimizer_set_lr(o, 0.005);
+    ampc_scaler_set_scale(s, 2048.0f);
+    ampc_tensor **sd;
+    int n = ampc_module_state_dict(m, &sd, NULL);
+    for (int k = 0; k < n; k++)
+        if (sd[k]->dtype == AMPC_F32)
+            for (int64_t i = 0; i < sd[k]->numel; i++) ((float *)ampc_tensor_data(sd[k]))[i] = v1_value(k, i);
+    ampc_manual_seed(1234);
+    ASSERT_OK(ampc_checkpoint_save(path, m, o, s, (const char *[]){"epoch", "7", "note", "caf\xc3\xa9 \"v1\"", NULL}));
+    ampc_optimizer_free(o);
+    ampc_scaler_free(s);
+    ampc_module_free(m);
+    ampc_scope_end();
+}
+
+static void test_v1_checkpoint_loads(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    char path[512], dir[512];
+    snprintf(dir, sizeof dir, "%s", __FILE__);
+    snprintf(path, sizeof path, "%s/fixtures/checkpoint_v1.safetensors", dirname(dir));
+    ampc_module *m = conv_bn_net(8);   /* other weights, no optimizer state, default scaler */
+    ampc_adam_options ao = ampc_adam_defaults();
+    ao.amsgrad = true;
+    ampc_optimizer *o = ampc_adam_new(m, &ao);
+    ampc_scaler *s = ampc_scaler_new(NULL);
+    ASSERT_NOT_NULL_MSG(o && s);
+    ampc_manual_seed(99);
+    char *meta = NULL;
+    ASSERT_OK(ampc_checkpoint_load(path, m, o, s, &meta));
+
+    /* the model: the exact values written, and num_batches_tracked counted the steps */
+    ampc_tensor **sd;
+    const char **names;
+    int n = ampc_module_state_dict(m, &sd, &names);
+    assert_int_equal(n, 8);
+    for (int k = 0; k < n; k++) {
+        if (sd[k]->dtype == AMPC_I64) {
+            assert_string_equal(names[k], "1.num_batches_tracked");
+            assert_int_equal(*(const int64_t *)ampc_tensor_cdata(sd[k]), V1_STEPS);
+            continue;
+        }
+        const float *v = ampc_tensor_cdata(sd[k]);
+        for (int64_t i = 0; i < sd[k]->numel; i++)
+            if (v[i] != v1_value(k, i)) fail_msg("%s[%" PRId64 "] is %g, written as %g", names[k], i, v[i], v1_value(k, i));
+    }
+    /* the optimizer: every slot of every parameter, bytes as the file holds them (the test's own
+       reader), three steps, the lr set before saving */
+    for (int i = 0; i < o->n; i++) {
+        assert_int_equal(o->steps[i], V1_STEPS);
+        for (int k = 0; k < 3; k++) assert_non_null(o->state[k][i]);
+    }
+    independent_read(path, m, o);
+    assert_true(ampc_optimizer_get_lr(o) == 0.005);
+    /* the scaler, the RNG and the caller's keys */
+    assert_true(ampc_scaler_get_scale(s) == 2048.0f);
+    assert_int_equal(ampc_scaler_steps_applied(s), V1_STEPS);
+    assert_int_equal(ampc_scaler_steps_skipped(s), 0);
+    uint64_t seed, offset;
+    ampc_rng_get_state(&seed, &offset);
+    assert_true(seed == 1234 && offset == 0);
+    char buf[64];
+    assert_int_equal(ampc_checkpoint_meta_get(meta, "epoch", buf, sizeof buf), 1);
+    assert_string_equal(buf, "7");
+    assert_int_equal(ampc_checkpoint_meta_get(meta, "note", buf, sizeof buf), (int)strlen("caf\xc3\xa9 \"v1\""));
+    assert_string_equal(buf, "caf\xc3\xa9 \"v1\"");
+    assert_int_equal(ampc_checkpoint_meta_get(meta, "optimizer.1.weight.step", buf, sizeof buf), 1);
+    assert_string_equal(buf, "3");
+    free(meta);
+    ampc_optimizer_free(o);
+    ampc_scaler_free(s);
+    ampc_module_free(m);
     ampc_scope_end();
 }
 
@@ -1248,11 +1365,17 @@ static void test_plot_png(void **state) {
 }
 
 int main(void) {
+    if (getenv("AMPC_TEST_WRITE_V1")) {   /* how tests/fixtures/checkpoint_v1.safetensors was made */
+        tu_group_setup(NULL);
+        write_v1_checkpoint(getenv("AMPC_TEST_WRITE_V1"));
+        return tu_group_teardown(NULL);
+    }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip_sgd),
         cmocka_unit_test(test_roundtrip_adam),
         cmocka_unit_test(test_roundtrip_adamw),
         cmocka_unit_test(test_roundtrip_batchnorm),
+        cmocka_unit_test(test_v1_checkpoint_loads),
         cmocka_unit_test(test_pytorch_reads_checkpoint),
         cmocka_unit_test(test_truncated_and_foreign_files),
         cmocka_unit_test(test_bad_headers),
