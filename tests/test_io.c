@@ -1204,14 +1204,18 @@ static void test_failed_save_keeps_previous(void **state) {
     assert_int_equal(ampc_checkpoint_meta_get(meta, "epoch", buf, sizeof buf), 1);
     assert_string_equal(buf, "2");
     free(meta);
-    /* malformed text before the key (or where an absent key is sought) is an error; a lookup
-       stops at its key and does not read on */
+    /* malformed text anywhere is an error (the whole text is parsed: a key given twice, a
+       value that is not a string, text missing or extra after the object) */
     assert_int_equal(ampc_checkpoint_meta_get("{\"a\":\"b\"", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
     assert_int_equal(ampc_checkpoint_meta_get("{\"a\":\"b\"} x", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
     assert_int_equal(ampc_checkpoint_meta_get("{\"a\":1,\"z\":\"b\"}", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
     assert_int_equal(ampc_checkpoint_meta_get("[\"z\"]", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
     assert_int_equal(ampc_checkpoint_meta_get("{}", "z", buf, sizeof buf), AMPC_ERR_INVALID);
-    assert_int_equal(ampc_checkpoint_meta_get(" { \"a\" : \"b\" , \"z\":\"\\u00e9\"", "z", buf, sizeof buf), 2);
+    assert_int_equal(ampc_checkpoint_meta_get("{\"z\":\"b\",\"a\":1}", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
+    assert_int_equal(ampc_checkpoint_meta_get("{\"z\":\"b\",\"z\":\"c\"}", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
+    assert_non_null(strstr(ampc_last_error(), "duplicate"));
+    assert_int_equal(ampc_checkpoint_meta_get(" { \"a\" : \"b\" , \"z\":\"\\u00e9\"", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
+    assert_int_equal(ampc_checkpoint_meta_get(" { \"a\" : \"b\" , \"z\":\"\\u00e9\" } ", "z", buf, sizeof buf), 2);
     assert_string_equal(buf, "\xc3\xa9");
     free(good);
     ampc_optimizer_free(oo);
