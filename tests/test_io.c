@@ -1,6 +1,6 @@
 /*
- * test_io.c - checkpoints (safetensors round trip, corruption, atomic replace), the metrics
- * CSV and the PNG plots.
+ * test_io.c - checkpoints (safetensors round trip, corruption, atomic replace, listing, a file
+ * from an older version), the metrics CSV and the PNG plots.
  *
  * A checkpoint is checked three ways: restored into a differently initialised copy it gives
  * bit-identical state and the next training step gives bit-identical weights; an independent
@@ -30,8 +30,8 @@
 #include "nn/nn.h"
 #include "optim/optim.h"
 
-extern int ampc__checkpoint_fail_stage;   /* src/io/checkpoint.c test hooks */
-extern _Thread_local uint64_t ampc__checkpoint_key_compares;
+extern int ampc__checkpoint_fail_stage;   /* src/io/safetensors.c test hooks */
+extern _Thread_local uint64_t ampc__checkpoint_key_compares, ampc__checkpoint_json_parses;
 
 static char tmpdir[64];
 
@@ -81,6 +81,18 @@ static void write_all(const char *path, const void *p, size_t n) {
 }
 
 static bool file_exists(const char *p) { return access(p, F_OK) == 0; }
+
+/* The header size N of a safetensors file (its first 8 bytes, little-endian). */
+static uint64_t hn_of(const char *path) {
+    unsigned char b[8] = {0};
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    assert_int_equal(fread(b, 1, 8, f), 8);
+    fclose(f);
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; i--) n = n << 8 | b[i];
+    return n;
+}
 
 /* No "<anything>.tmp.<pid>" left in the directory. */
 static int count_temp_files(void) {
@@ -880,8 +892,10 @@ static char *many_keys_header(int n) {
     return (char *)b.b;
 }
 
-/* Linearity is asserted by counting name comparisons (a test hook in checkpoint.c), not by
-   timing: a quadratic step would make billions where n log n makes a few million. */
+/* Linearity is asserted by counting (test hooks in safetensors.c), not by timing: name
+   comparisons in the sorted tensor index (a quadratic step would make billions where n log n
+   makes a few million), and JSON parses, each linear in its text (jansson's objects are hash
+   tables): one per file read, one per metadata lookup, never one per key. */
 static void test_large_headers(void **state) {
     (void)state;
     const int n = 100000;
@@ -891,11 +905,12 @@ static void test_large_headers(void **state) {
     write_crafted(p, json, 0);
     free(json);
     char *meta = NULL;
-    ampc__checkpoint_key_compares = 0;
+    ampc__checkpoint_key_compares = ampc__checkpoint_json_parses = 0;
     ASSERT_OK(ampc_checkpoint_read_meta(p, &meta));
     uint64_t c = ampc__checkpoint_key_compares;
     if (c > 25ull * (uint64_t)n) fail_msg("reading %d metadata keys took %" PRIu64 " comparisons: not n log n", n, c);
-    ampc__checkpoint_key_compares = 0;
+    assert_int_equal(ampc__checkpoint_json_parses, 1);
+    ampc__checkpoint_key_compares = ampc__checkpoint_json_parses = 0;
     for (int j = 0; j < 60; j++) {
         char k[64], buf[64], want[64];
         scattered_name(k, sizeof k, n - 1 - j, n);   /* the last keys of the text: the longest lookups */
@@ -905,6 +920,7 @@ static void test_large_headers(void **state) {
     }
     c = ampc__checkpoint_key_compares;
     if (c > 60ull * (uint64_t)n) fail_msg("60 lookups among %d keys took %" PRIu64 " comparisons: not linear", n, c);
+    assert_int_equal(ampc__checkpoint_json_parses, 60);
     assert_int_equal(ampc_checkpoint_meta_get(meta, "k", NULL, 0), AMPC_ERR_INVALID);
     free(meta);
 
@@ -921,12 +937,25 @@ static void test_large_headers(void **state) {
     blob_add(&b, "}", 2);
     write_crafted(p, (char *)b.b, (uint64_t)n);
     free(b.b);
-    ampc__checkpoint_key_compares = 0;
+    ampc__checkpoint_key_compares = ampc__checkpoint_json_parses = 0;
     ASSERT_OK(ampc_checkpoint_read_meta(p, &meta));
     c = ampc__checkpoint_key_compares;
     if (c > 25ull * (uint64_t)n) fail_msg("reading %d tensors took %" PRIu64 " comparisons: not n log n", n, c);
+    assert_int_equal(ampc__checkpoint_json_parses, 1);
     assert_string_equal(meta, "{}");
     free(meta);
+    /* listed in name order, each at the offset its name says */
+    ampc_checkpoint_tensor *list = NULL;
+    ampc__checkpoint_key_compares = 0;
+    assert_int_equal(ampc_checkpoint_list(p, &list), n);
+    c = ampc__checkpoint_key_compares;
+    if (c > 25ull * (uint64_t)n) fail_msg("listing %d tensors took %" PRIu64 " comparisons: not n log n", n, c);
+    for (int i = 0; i < n; i++) {
+        if (i) assert_true(strcmp(list[i - 1].name, list[i].name) < 0);
+        assert_true(list[i].ampc_dtype == -1 && strcmp(list[i].dtype, "U8") == 0 && list[i].nbytes == 1);
+        assert_int_equal(list[i].offset, 8 + hn_of(p) + (uint64_t)atoi(list[i].name + 1));
+    }
+    free(list);
     char *out = NULL;
     size_t out_n = 0;
     FILE *rep = open_memstream(&out, &out_n);
@@ -1151,6 +1180,82 @@ static void test_compare(void **state) {
     assert_int_equal(ampc_checkpoint_compare(a, a, NULL), 0);
     ampc_module_free(m5);
     victim_free(v);
+    ampc_scope_end();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Listing a file's tensors
+
+static void test_list(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    ampc_module *m = conv_bn_net(9);
+    ampc_optimizer *o = ampc_sgd_new(m, &(ampc_sgd_options){.lr = 0.1, .momentum = 0.5});
+    ASSERT_NOT_NULL_MSG(o);
+    ampc_tensor *x = conv_bn_input(), *y = data_tensor(6, 2, 3);
+    ampc_tensor *loss = ampc_mse_loss(ampc_module_forward(m, x), y, AMPC_REDUCTION_MEAN);
+    ASSERT_OK(ampc_backward(loss));
+    ASSERT_OK(ampc_optimizer_step(o));
+    const char *p = tpath("list.safetensors");
+    ASSERT_OK(ampc_checkpoint_save(p, m, o, NULL, NULL));
+
+    /* every state_dict tensor and momentum buffer, by name, with its dtype, shape and the bytes
+       at its offset in the file */
+    ampc_tensor **sd;
+    const char **names;
+    int n_sd = ampc_module_state_dict(m, &sd, &names);
+    ampc_checkpoint_tensor *list = NULL;
+    int n = ampc_checkpoint_list(p, &list);
+    assert_int_equal(n, n_sd + o->n);
+    size_t size;
+    unsigned char *file = read_all(p, &size);
+    for (int i = 0; i < n; i++) {
+        const ampc_checkpoint_tensor *e = &list[i];
+        if (i) assert_true(strcmp(list[i - 1].name, e->name) < 0);
+        const ampc_tensor *t = NULL;
+        for (int k = 0; k < n_sd && !t; k++) {
+            char slot[256];
+            snprintf(slot, sizeof slot, "optimizer.%s.momentum_buffer", names[k]);
+            if (strcmp(e->name, names[k]) == 0) t = sd[k];
+            for (int j = 0; j < o->n && !t; j++)
+                if (o->params[j] == sd[k] && strcmp(e->name, slot) == 0) t = o->state[0][j];
+        }
+        if (!t) fail_msg("listed tensor '%s' is neither the model's nor the optimizer's", e->name);
+        assert_int_equal(e->ampc_dtype, t->dtype);
+        assert_string_equal(e->dtype, st_name(t->dtype));
+        assert_int_equal(e->ndim, t->ndim);
+        for (int d = 0; d < t->ndim; d++) assert_int_equal(e->shape[d], t->shape[d]);
+        size_t nb = (size_t)t->numel * ampc_dtype_size(t->dtype);
+        assert_int_equal(e->nbytes, nb);
+        assert_true(e->offset % ampc_dtype_size(t->dtype) == 0 && e->offset + nb <= size);   /* aligned */
+        if (t->dtype == AMPC_I64) assert_int_equal(e->offset, 8 + hn_of(p));   /* 8-byte dtypes first */
+        assert_memory_equal(file + e->offset, ampc_tensor_cdata(t), nb);
+    }
+    assert_string_equal(list[0].name, "0.weight");
+    assert_int_equal(list[0].ndim, 4);
+    free(file);
+    free(list);
+
+    /* a file of another program's dtypes, no tensors, and errors */
+    write_crafted(p, "{\"ids\":{\"dtype\":\"I32\",\"shape\":[2,3],\"data_offsets\":[0,24]}}", 24);
+    assert_int_equal(ampc_checkpoint_list(p, &list), 1);
+    assert_true(strcmp(list[0].name, "ids") == 0 && strcmp(list[0].dtype, "I32") == 0 && list[0].ampc_dtype == -1);
+    assert_true(list[0].ndim == 2 && list[0].shape[0] == 2 && list[0].shape[1] == 3);
+    assert_true(list[0].offset == 8 + hn_of(p) && list[0].nbytes == 24);
+    free(list);
+    write_crafted(p, "{\"__metadata__\":{\"k\":\"v\"}}", 0);
+    list = (ampc_checkpoint_tensor *)p;
+    assert_int_equal(ampc_checkpoint_list(p, &list), 0);
+    assert_null(list);
+    write_crafted(p, "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 8);
+    list = (ampc_checkpoint_tensor *)p;
+    assert_int_equal(ampc_checkpoint_list(p, &list), AMPC_ERR_FORMAT);
+    assert_non_null(strstr(ampc_last_error(), "trailing data"));
+    assert_null(list);
+    assert_int_equal(ampc_checkpoint_list(tpath("missing.safetensors"), &list), AMPC_ERR_IO);
+    assert_int_equal(ampc_checkpoint_list(NULL, &list), AMPC_ERR_INVALID);
+    ampc_optimizer_free(o);
+    ampc_module_free(m);
     ampc_scope_end();
 }
 
@@ -1388,6 +1493,7 @@ int main(void) {
         cmocka_unit_test(test_large_headers),
         cmocka_unit_test(test_hostile_values),
         cmocka_unit_test(test_compare),
+        cmocka_unit_test(test_list),
         cmocka_unit_test(test_failed_save_keeps_previous),
         cmocka_unit_test(test_metrics_csv),
         cmocka_unit_test(test_plot_png),
