@@ -17,6 +17,7 @@
  * "optimizer.<param name>.<momentum_buffer|exp_avg|exp_avg_sq|max_exp_avg_sq>"; step counts,
  * the learning rate, the scaler, the RNG and the caller's key/values are strings in the header's
  * "__metadata__" (keys "format", "ampc.*", "optimizer.*", "scaler.*" and "rng.*" are reserved).
+ * ampc_checkpoint_list lists the tensors of any safetensors file (name, dtype, shape, offset).
  */
 #ifndef AMPC_IO_H
 #define AMPC_IO_H

@@ -501,7 +501,7 @@ int ampc_checkpoint_list(const char *path, ampc_checkpoint_tensor **out) {
     for (int i = 0; i < f.n && rc == AMPC_OK; i++) bytes += strlen(f.e[i].name) + 1;
     ampc_checkpoint_tensor *list = rc == AMPC_OK && f.n ? malloc(bytes) : NULL;
     if (rc == AMPC_OK && f.n && !list) rc = ampc__err(AMPC_ERR_OOM, "checkpoint '%s': out of memory for the list of %d tensors", path, f.n);
-    char *names = (char *)(list + f.n);
+    char *names = list ? (char *)(list + f.n) : NULL;
     for (int i = 0; i < f.n && rc == AMPC_OK; i++) {
         const st_entry *e = &f.e[i];
         size_t len = strlen(e->name) + 1;
