@@ -17,12 +17,14 @@
  * "optimizer.<param name>.<momentum_buffer|exp_avg|exp_avg_sq|max_exp_avg_sq>"; step counts,
  * the learning rate, the scaler, the RNG and the caller's key/values are strings in the header's
  * "__metadata__" (keys "format", "ampc.*", "optimizer.*", "scaler.*" and "rng.*" are reserved).
+ * ampc_checkpoint_list lists the tensors of any safetensors file (name, dtype, shape, offset).
  */
 #ifndef AMPC_IO_H
 #define AMPC_IO_H
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 
 #ifdef __cplusplus
@@ -67,10 +69,27 @@ int ampc_checkpoint_remove_stale_temps(const char *path);
 
 /* Value of key in a metadata JSON object (from load/read_meta) into buf (NUL-terminated,
    truncated to n-1 bytes). Returns the value's full length in bytes (>= n: truncated), or
-   AMPC_ERR_INVALID when the key is absent, AMPC_ERR_FORMAT when meta_json is malformed. One
-   pass over the text that stops at the key (linear in its size; what follows the key is not
-   read, and of duplicate keys the first counts). */
+   AMPC_ERR_INVALID when the key is absent, AMPC_ERR_FORMAT when meta_json is malformed (not an
+   object of string values, or a key given twice). Linear in the text's size: one parse of the
+   whole text and one hash lookup. */
 int ampc_checkpoint_meta_get(const char *meta_json, const char *key, char *buf, size_t n);
+
+/* One tensor of a safetensors file, as ampc_checkpoint_list gives it. */
+typedef struct {
+    const char *name;      /* in the list's own allocation */
+    const char *dtype;     /* the safetensors dtype: "F32", "F16", "BF16", "F64", "I64", "U8", ... */
+    int ampc_dtype;        /* the same as an ampc_dtype, or -1 where ampc has none ("U8", "I32", ...) */
+    int ndim;
+    int64_t shape[8];      /* AMPC_MAX_DIMS; the first ndim count */
+    uint64_t offset;       /* where its bytes start in the file */
+    uint64_t nbytes;
+} ampc_checkpoint_tensor;
+
+/* Lists the tensors of the safetensors file at path (any safetensors file, validated as by a
+   load; the metadata is read_meta's), sorted by name (strcmp). *out receives one malloc'd array,
+   names included, that the caller frees with free() (NULL when there are none or on error).
+   Returns the number of tensors or a negative status. */
+int ampc_checkpoint_list(const char *path, ampc_checkpoint_tensor **out);
 
 /* Are the tensors of two checkpoints (weights, buffers, optimizer state; by name, dtype, shape
    and bytes) identical? Both files are validated as by a load; the metadata is not compared.
