@@ -136,10 +136,24 @@ void ampc_convert_f16_to_f32(const uint16_t *src, float *dst, size_t n);
 void ampc_convert_f32_to_bf16(const float *src, uint16_t *dst, size_t n);
 void ampc_convert_bf16_to_f32(const uint16_t *src, float *dst, size_t n);
 
-/* A device is a backend: CPU (oneDNN + vectorized C) or REF (plain fp64 C, the test oracle).
-   A later CUDA backend is one more entry here. */
-typedef enum { AMPC_DEVICE_CPU = 0, AMPC_DEVICE_REF, AMPC_DEVICE_COUNT } ampc_device;
+/* A device is a backend: CPU (oneDNN + vectorized C), REF (plain fp64 C, the test oracle) or
+   CUDA (an NVIDIA GPU: cuBLASLt, cuDNN and ampc's kernels; present in builds with AMPC_CUDA and
+   usable where a GPU is found). Every op runs on the device of its inputs (all on one device,
+   else an error); move tensors with ampc_tensor_to and models with ampc_module_to. */
+typedef enum { AMPC_DEVICE_CPU = 0, AMPC_DEVICE_REF, AMPC_DEVICE_CUDA, AMPC_DEVICE_COUNT } ampc_device;
 const char *ampc_device_name(ampc_device d);
+/* "cpu", "ref", "cuda" -> the device; AMPC_DEVICE_COUNT for anything else */
+ampc_device ampc_device_from_name(const char *name);
+/* Whether dev can hold tensors in this process: false for CUDA in a build without it or on a
+   machine without a usable GPU; then ampc_device_unavailable_reason says why (else NULL). */
+bool ampc_device_available(ampc_device dev);
+const char *ampc_device_unavailable_reason(ampc_device dev);
+/* Waits until every kernel queued on dev has finished (a no-op on host devices); for timing. */
+int ampc_device_synchronize(ampc_device dev);
+/* TF32 tensor-core arithmetic for fp32 matmuls on CUDA (PyTorch's
+   torch.backends.cuda.matmul.allow_tf32): off by default, as PyTorch's matmul. */
+void ampc_set_allow_tf32(bool on);
+bool ampc_allow_tf32(void);
 /* Whether dev's matmuls and convolutions run in dt, so autocast to dt works there: on the CPU,
    bf16 needs oneDNN's AVX-512 kernels (not on AVX2-only CPUs, nor under ONEDNN_MAX_CPU_ISA=AVX2);
    fp16 always works (computed in fp32 and rounded once, as tensor cores do). */
@@ -508,6 +522,10 @@ void ampc_module_requires_grad(ampc_module *m, bool on);  /* freeze / unfreeze r
    Functions given a NULL or stale module record an error naming the call and return NULL,
    false, a negative status (ampc_module_parameters/state_dict), or 0 (num_children of NULL). */
 void ampc_module_free(ampc_module *m);
+/* Moves m's parameters, buffers and their grads to dev in place (PyTorch's module.to(device)):
+   the handles stay valid, their storage moves; optimizer state made before the move does not
+   (make the optimizer after moving the model). */
+int ampc_module_to(ampc_module *m, ampc_device dev);
 
 /* Convolutional layers (PyTorch's default initialisation: kaiming_uniform(a=sqrt(5)) weights,
    U(+-1/sqrt(fan_in)) bias; BatchNorm: weight 1, bias 0, running_mean 0, running_var 1). */

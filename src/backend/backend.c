@@ -9,10 +9,24 @@
 static ampc_backend backends[AMPC_DEVICE_COUNT];
 static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
 
+#ifndef AMPC_HAVE_CUDA
+static const char *no_cuda(void) { return "this build of ampc has no CUDA backend (configure with -DAMPC_CUDA=on where CUDA is installed)"; }
+#endif
+
+static _Atomic bool allow_tf32 = false;
+void ampc_set_allow_tf32(bool on) { allow_tf32 = on; }
+bool ampc_allow_tf32(void) { return allow_tf32; }
+
 static void fill_tables(void) {
     ampc__ensure_init();   /* CPU features and conversions first: the kernels use them */
     ampc__cpu_backend_init(&backends[AMPC_DEVICE_CPU]);
     ampc__ref_backend_init(&backends[AMPC_DEVICE_REF]);
+#ifdef AMPC_HAVE_CUDA
+    ampc__cuda_backend_init(&backends[AMPC_DEVICE_CUDA]);
+#else
+    backends[AMPC_DEVICE_CUDA].device.name = "cuda";
+    backends[AMPC_DEVICE_CUDA].device.available = no_cuda;
+#endif
     for (int d = 0; d < AMPC_DEVICE_COUNT; d++) ampc__device_register((ampc_device)d, &backends[d].device);
 }
 

@@ -9,6 +9,8 @@
  *
  * CPU (src/backend/cpu): f32/f16/bf16 storage, f32 compute, oneDNN for matmul.
  * REF (src/backend/ref): f64 only, plain loops: the oracle of the tests.
+ * CUDA (src/backend/cuda): f32/f16/bf16 storage on an NVIDIA GPU, f32 compute, cuBLASLt for
+ * matmul, cuDNN for convolution, pooling and batch norm, ampc's kernels for the rest.
  */
 #ifndef AMPC_BACKEND_H
 #define AMPC_BACKEND_H
@@ -244,6 +246,7 @@ int ampc__host_cast_out(const ampc_tensor *param, const ampc_tensor *out);
 /* Each backend file fills its table (called once, from src/backend/backend.c). */
 void ampc__cpu_backend_init(ampc_backend *be);
 void ampc__ref_backend_init(ampc_backend *be);
+void ampc__cuda_backend_init(ampc_backend *be);   /* src/backend/cuda, in builds with AMPC_CUDA */
 /* The CPU table is assembled from these, one per kernel file. */
 void ampc__cpu_register_elementwise(ampc_backend *be);  /* unary, binary, sum_to, expand */
 void ampc__cpu_register_loss(ampc_backend *be);         /* softmax, cross_entropy, dropout */

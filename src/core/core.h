@@ -211,6 +211,9 @@ int64_t ampc__numel(int ndim, const int64_t *shape);
 bool ampc__same_shape(const ampc_tensor *a, const ampc_tensor *b);
 /* "(2, 3, 4)" into buf. */
 const char *ampc__shape_str(const ampc_tensor *t, char *buf, size_t n);
+/* t's values where the CPU can read them: a new reference to t on a host-memory device, else a
+   new CPU tensor of its dtype, shape and format (NULL with the error set on failure). */
+ampc_tensor *ampc__host_copy(const ampc_tensor *t);
 /* Converting copy between any dtypes/devices with the same numel. */
 int ampc__copy(const ampc_tensor *src, ampc_tensor *dst);
 ampc_device ampc__default_device(void);
@@ -253,6 +256,13 @@ typedef struct {
     int (*copy)(const ampc_tensor *src, ampc_tensor *dst);
     int (*fill)(ampc_tensor *t, double value);
     void (*shutdown)(void);            /* ampc_shutdown: release the device's caches (may be NULL) */
+    /* Devices whose memory the CPU cannot read (host_memory false) also have these: */
+    /* NULL when the device can be used, else why not ("no CUDA GPU found: ..."); may be NULL */
+    const char *(*available)(void);
+    /* bytes between this device and host memory: src and dst of one dtype, numel and memory
+       format, one of them on this device and the other on a host-memory device */
+    int (*transfer)(const ampc_tensor *src, ampc_tensor *dst);
+    int (*synchronize)(void);          /* waits for the device's queued work (may be NULL) */
 } ampc_device_ops;
 void ampc__device_register(ampc_device dev, const ampc_device_ops *ops);
 /* dev's table (never NULL: an unregistered or out-of-range device gets an empty one). */

@@ -89,8 +89,32 @@ const char *ampc_device_name(ampc_device d) {
     switch (d) {
     case AMPC_DEVICE_CPU: return "cpu";
     case AMPC_DEVICE_REF: return "ref";
+    case AMPC_DEVICE_CUDA: return "cuda";
     default: return "?";
     }
+}
+
+ampc_device ampc_device_from_name(const char *name) {
+    for (int d = 0; name && d < AMPC_DEVICE_COUNT; d++)
+        if (!strcmp(name, ampc_device_name((ampc_device)d))) return (ampc_device)d;
+    return AMPC_DEVICE_COUNT;
+}
+
+const char *ampc_device_unavailable_reason(ampc_device dev) {
+    if ((unsigned)dev >= AMPC_DEVICE_COUNT) return "unknown device";
+    const ampc_device_ops *ops = ampc__device(dev);
+    if (ops->available && ops->available()) return ops->available();
+    if (!ops->raw_alloc) return "this build of ampc has no backend for it";
+    return NULL;
+}
+
+bool ampc_device_available(ampc_device dev) { return ampc_device_unavailable_reason(dev) == NULL; }
+
+int ampc_device_synchronize(ampc_device dev) {
+    const char *why = ampc_device_unavailable_reason(dev);
+    if (why) return ampc__err(AMPC_ERR_UNSUPPORTED, "device %s: %s", ampc_device_name(dev), why);
+    const ampc_device_ops *ops = ampc__device(dev);
+    return ops->synchronize ? ops->synchronize() : AMPC_OK;
 }
 
 const char *ampc_cpu_features(void) {
