@@ -69,7 +69,10 @@ typedef struct {
     bool skip_fd;               /* random ops: no finite differences */
 } tu_op_case;
 
-/* Runs both checks; fails the test with a message naming op, dtype, input and element. */
+/* Whether the CUDA device can be used (says once on stdout what runs or why it is skipped). */
+bool tu_cuda_available(void);
+/* Runs both checks (the second on the CPU and, where a GPU is present, on CUDA); fails the test
+   with a message naming op, device, dtype, input and element. */
 void tu_check_op(const tu_op_case *c);
 /* Only the finite-difference check on REF (returns the max abs error seen). */
 double tu_gradcheck_ref(const tu_op_case *c);

@@ -71,8 +71,9 @@ struct ampc_node {
         } cross_entropy;
         struct { double p; } dropout;    /* probability of zeroing an element */
     } args;
-    void *extra;                      /* op-owned buffer (ampc__free'd with extra_bytes) */
+    void *extra;                      /* op-owned buffer (ampc__free'd with extra_bytes on extra_device) */
     size_t extra_bytes;
+    ampc_device extra_device;         /* where extra lives (the device of the op's inputs) */
     ampc_tensor *leaf;                /* AccumulateGrad: the leaf (owning) */
     bool released;                    /* backward ran: saved tensors are gone */
     /* A narrowing cast (fp32 master weight -> 16-bit copy): its gradient is kept in the input's

@@ -50,7 +50,7 @@ static void node_free_saved(ampc_node *n) {
         n->saved[i] = NULL;
     }
     if (n->extra) {
-        ampc__free(AMPC_DEVICE_CPU, n->extra, n->extra_bytes, AMPC_MEM_ACTIVATIONS);
+        ampc__free(n->extra_device, n->extra, n->extra_bytes, AMPC_MEM_ACTIVATIONS);
         n->extra = NULL;
     }
 }

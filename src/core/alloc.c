@@ -48,7 +48,9 @@ typedef struct lblock {
 
 #define NBUCKETS 1024   /* open-addressing table of size classes, per device */
 
-typedef struct { size_t size; void *head; size_t count; } bucket;
+/* A size class's free blocks: linked through their first bytes in host memory; for a device
+   whose memory the CPU cannot touch (CUDA), kept in a host-side stack (stack, cap) instead. */
+typedef struct { size_t size; void *head; size_t count; void **stack; size_t cap; } bucket;
 
 static struct {
     pthread_mutex_t lock;
@@ -132,6 +134,7 @@ static void free_list_remove(ampc_device dev, lblock *b) {
 static size_t live_slot(const void *p) { return (size_t)(((uintptr_t)p >> 12) * 0x9E3779B97F4A7C15ull >> 52); }
 
 static void empty_cache_locked(void);
+static void *bucket_pop(ampc_device dev, bucket *b);
 
 /* A block of exactly `size` bytes in use (NULL when no segment could be had). */
 static lblock *large_take(ampc_device dev, size_t size) {
@@ -238,15 +241,42 @@ static void empty_cache_locked(void) {
         const ampc_device_ops *be = ampc__device((ampc_device)d);
         for (size_t i = 0; i < NBUCKETS; i++) {
             bucket *b = &A.buckets[d][i];
-            while (b->head) {
-                void *p = b->head;
-                memcpy(&b->head, p, sizeof(void *));
+            for (void *p; (p = bucket_pop((ampc_device)d, b));) {
                 be->raw_free(p);
                 A.st.cached -= b->size;
             }
-            b->count = 0;
         }
     }
+}
+
+/* Takes a free block of b (NULL if none). */
+static void *bucket_pop(ampc_device dev, bucket *b) {
+    if (!ampc__device(dev)->host_memory) return b->count ? b->stack[--b->count] : NULL;
+    void *p = b->head;
+    if (p) {
+        memcpy(&b->head, p, sizeof(void *));
+        b->count--;
+    }
+    return p;
+}
+
+/* Gives p to b; false if it can't be kept (then the caller frees it). */
+static bool bucket_push(ampc_device dev, bucket *b, void *p) {
+    if (!ampc__device(dev)->host_memory) {
+        if (b->count == b->cap) {
+            size_t cap = b->cap ? 2 * b->cap : 16;
+            void **st = realloc(b->stack, cap * sizeof *st);
+            if (!st) return false;
+            b->stack = st;
+            b->cap = cap;
+        }
+        b->stack[b->count++] = p;
+        return true;
+    }
+    memcpy(p, &b->head, sizeof(void *));
+    b->head = p;
+    b->count++;
+    return true;
 }
 
 void *ampc__alloc(ampc_device dev, size_t nbytes, ampc_mem_kind kind, size_t *block_bytes) {
@@ -279,10 +309,7 @@ void *ampc__alloc(ampc_device dev, size_t nbytes, ampc_mem_kind kind, size_t *bl
         return lb->ptr;
     }
     bucket *b = find_bucket(dev, size, false);
-    if (b && b->head) {
-        p = b->head;
-        memcpy(&b->head, p, sizeof(void *));
-        b->count--;
+    if (b && (p = bucket_pop(dev, b))) {
         A.st.cached -= size;
     } else {
         const ampc_device_ops *be = ampc__device(dev);
@@ -316,10 +343,7 @@ void ampc__free(ampc_device dev, void *p, size_t block_bytes, ampc_mem_kind kind
         return;
     }
     bucket *b = find_bucket(dev, block_bytes, true);
-    if (b) {
-        memcpy(p, &b->head, sizeof(void *));
-        b->head = p;
-        b->count++;
+    if (b && bucket_push(dev, b, p)) {
         A.st.cached += block_bytes;
     } else {
         ampc__device(dev)->raw_free(p);   /* table full: don't cache this size */

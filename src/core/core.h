@@ -214,6 +214,9 @@ const char *ampc__shape_str(const ampc_tensor *t, char *buf, size_t n);
 /* t's values where the CPU can read them: a new reference to t on a host-memory device, else a
    new CPU tensor of its dtype, shape and format (NULL with the error set on failure). */
 ampc_tensor *ampc__host_copy(const ampc_tensor *t);
+/* Moves t's values to device dev in place (new storage of the same memory kind there; the
+   handle stays): what ampc_module_to does to parameters and buffers. Drops t's 16-bit shadow. */
+int ampc__tensor_move(ampc_tensor *t, ampc_device dev);
 /* Converting copy between any dtypes/devices with the same numel. */
 int ampc__copy(const ampc_tensor *src, ampc_tensor *dst);
 ampc_device ampc__default_device(void);

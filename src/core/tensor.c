@@ -449,6 +449,30 @@ int ampc__copy(const ampc_tensor *src, ampc_tensor *dst) {
     return AMPC_OK;
 }
 
+int ampc__tensor_move(ampc_tensor *t, ampc_device dev) {
+    if (t->device == dev) return AMPC_OK;
+    ampc_mem_kind prev = ampc__mem_kind_push(t->storage ? t->storage->kind : ampc__current_mem_kind());
+    ampc_tensor *n = ampc__tensor_new_fmt(t->dtype, dev, t->ndim, t->shape, t->format);
+    ampc__mem_kind_pop(prev);
+    if (!n) return ampc_last_status();
+    int rc = ampc__copy(t, n);
+    if (rc >= 0) {   /* swap the storages: t gets the new one, n takes the old one away */
+        ampc_storage *old = t->storage;
+        t->storage = n->storage;
+        n->storage = old;
+        n->device = t->device;
+        t->device = dev;
+        ampc__mark_written(t);
+        ampc__shadow_lock();
+        ampc_tensor *shadow = t->shadow;
+        t->shadow = NULL;
+        ampc__shadow_unlock();
+        ampc__release(shadow);
+    }
+    ampc__release(n);
+    return rc;
+}
+
 ampc_tensor *ampc_tensor_to(const ampc_tensor *t, ampc_device dev, ampc_dtype dt) {
     if (ampc__check_tensor(t, "ampc_tensor_to") < 0) return NULL;
     ampc_tensor *o = ampc__tensor_new_fmt(dt, dev, t->ndim, t->shape, t->format);   /* keeps the format, as PyTorch's .to */

@@ -216,6 +216,33 @@ typedef struct {
     int n;
 } name_list;
 
+/* A tensor to write: its own bytes, or (device memory) a host copy's, kept in host[] until the
+   file is written. A failed copy gives no data pointer (the write then fails on NULL). */
+static st_tensor item_of(const char *name, ampc_tensor *t, ampc_tensor **host, int *n_host) {
+    const ampc_tensor *src = t;
+    if (!ampc__device(t->device)->host_memory) {
+        ampc_tensor *h = ampc__host_copy(t);
+        if (h) host[(*n_host)++] = h;
+        src = h;
+    }
+    return (st_tensor){name, t->dtype, t->ndim, t->shape, src ? ampc__data(src) : NULL, ampc__nbytes(t)};
+}
+
+/* Writes bytes of a file into t (host memory, or through a CPU tensor onto a device). */
+static int put_bytes(ampc_tensor *t, const void *bytes, size_t n) {
+    if (!n) return AMPC_OK;
+    if (ampc__device(t->device)->host_memory) {
+        memcpy(ampc__data(t), bytes, n);
+        return AMPC_OK;
+    }
+    ampc_tensor *h = ampc__tensor_new_fmt(t->dtype, AMPC_DEVICE_CPU, t->ndim, t->shape, t->format);
+    if (!h) return ampc_last_status();
+    memcpy(ampc__data(h), bytes, n);
+    int rc = ampc__copy(h, t);
+    ampc__release(h);
+    return rc;
+}
+
 int ampc_checkpoint_save(const char *path, ampc_module *m, ampc_optimizer *opt, ampc_scaler *s, const char *const *meta_kv) {
     ampc__ensure_init();
     if (!path || !m) return ampc__err(AMPC_ERR_INVALID, "checkpoint save: NULL %s", path ? "module" : "path");
@@ -230,9 +257,11 @@ int ampc_checkpoint_save(const char *path, ampc_module *m, ampc_optimizer *opt, 
     st_tensor *items = malloc((cap ? cap : 1) * sizeof *items);
     name_list owned = {calloc(cap ? cap : 1, sizeof(char *)), 0};
     kv_list meta = {0};
-    if (!items || !owned.a) rc = ampc__err(AMPC_ERR_OOM, "checkpoint save: out of memory");
-    /* CPU and REF tensors live in host memory; a device backend would copy to host here */
-#define ITEM(nm, t) (st_tensor){(nm), (t)->dtype, (t)->ndim, (t)->shape, ampc__data(t), ampc__nbytes(t)}
+    /* tensors of a device the CPU cannot read (CUDA) are written from host copies */
+    ampc_tensor **host = calloc(cap ? cap : 1, sizeof *host);
+    int n_host = 0;
+    if (!items || !owned.a || !host) rc = ampc__err(AMPC_ERR_OOM, "checkpoint save: out of memory");
+#define ITEM(nm, t) item_of((nm), (t), host, &n_host)
     for (int i = 0; i < n_sd && rc == AMPC_OK; i++) {
         if (starts_with(names[i], "optimizer.") || strcmp(names[i], "__metadata__") == 0 || !st_utf8_valid(names[i]))
             rc = ampc__err(AMPC_ERR_INVALID, "checkpoint save: the model tensor name '%s' can't be stored", names[i]);
@@ -249,9 +278,13 @@ int ampc_checkpoint_save(const char *path, ampc_module *m, ampc_optimizer *opt, 
         }
     }
 #undef ITEM
+    for (int i = 0; i < n && rc == AMPC_OK; i++)
+        if (!items[i].data && items[i].nbytes) rc = ampc_last_status() < 0 ? ampc_last_status() : AMPC_ERR_BACKEND;   /* a device copy failed */
     if (rc == AMPC_OK) rc = build_meta(&meta, opt, s, sd, names, n_sd, meta_kv);
     if (rc == AMPC_OK) rc = st_write(path, items, n, (const char *const *)meta.s, meta.n);
     for (int i = 0; i < owned.n; i++) free(owned.a[i]);
+    for (int i = 0; i < n_host; i++) ampc__release(host[i]);
+    free(host);
     free(owned.a);
     free(items);
     kv_free(&meta);
@@ -435,11 +468,12 @@ int ampc_checkpoint_load(const char *path, ampc_module *m, ampc_optimizer *opt, 
     if (rc == AMPC_OK && meta_json_out && !(meta = st_meta_dump(f.meta))) rc = ampc_last_status();
 
     if (rc == AMPC_OK) {
-        /* commit: nothing below can fail */
+        /* commit: nothing below can fail, except a copy onto a device (CUDA: a fault or out of
+           memory there); host tensors are written whatever happens */
         for (int i = 0; i < n_sd; i++) {
             const st_entry *e = st_find(&f, names[i]);
             ampc__mark_written(sd[i]);
-            if (e->end > e->begin) memcpy(ampc__data(sd[i]), f.data + e->begin, (size_t)(e->end - e->begin));
+            if (put_bytes(sd[i], f.data + e->begin, (size_t)(e->end - e->begin)) < 0) rc = ampc_last_status();   /* device only */
         }
         if (opt) {
             for (int k = 0; k < pl.n_slots; k++)
@@ -454,7 +488,7 @@ int ampc_checkpoint_load(const char *path, ampc_module *m, ampc_optimizer *opt, 
                         opt->state[k][i] = pl.fresh[k * opt->n + i];
                         pl.fresh[k * opt->n + i] = NULL;
                     }
-                    if (e->end > e->begin) memcpy(ampc__data(opt->state[k][i]), f.data + e->begin, (size_t)(e->end - e->begin));
+                    if (put_bytes(opt->state[k][i], f.data + e->begin, (size_t)(e->end - e->begin)) < 0) rc = ampc_last_status();
                 }
             for (int i = 0; i < opt->n; i++) opt->steps[i] = pl.steps[i];
             ampc_optimizer_set_lr(opt, pl.lr);

@@ -384,6 +384,20 @@ int ampc_module_state_dict(ampc_module *m, ampc_tensor ***tensors, const char **
     return ampc__module_state_dict(m, tensors, names);
 }
 
+int ampc_module_to(ampc_module *m, ampc_device dev) {
+    int rc = check_module(m, "ampc_module_to");
+    if (rc < 0) return rc;
+    const char *why = ampc_device_unavailable_reason(dev);
+    if (why) return ampc__err(AMPC_ERR_UNSUPPORTED, "ampc_module_to: device %s: %s", ampc_device_name(dev), why);
+    ampc_tensor **ts;
+    int n = ampc__module_state_dict(m, &ts, NULL);
+    for (int i = 0; i < n && rc >= 0; i++) {
+        rc = ampc__tensor_move(ts[i], dev);
+        if (rc >= 0 && ts[i]->grad) rc = ampc__tensor_move(ts[i]->grad, dev);
+    }
+    return n < 0 ? n : rc;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Sequential
 

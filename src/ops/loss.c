@@ -276,7 +276,7 @@ ampc_tensor *ampc_dropout(ampc_tensor *x, double p, bool training) {
     }
     ampc_tensor *y = ampc__tensor_like(in, in->dtype);
     size_t mask_bytes = 0;
-    uint8_t *mask = y ? ampc__alloc(AMPC_DEVICE_CPU, (size_t)(in->numel ? in->numel : 1), AMPC_MEM_ACTIVATIONS,
+    uint8_t *mask = y ? ampc__alloc(in->device, (size_t)(in->numel ? in->numel : 1), AMPC_MEM_ACTIVATIONS,
                                     &mask_bytes)
                       : NULL;
     if (!mask) return fail(&a, y, NULL);
@@ -284,15 +284,16 @@ ampc_tensor *ampc_dropout(ampc_tensor *x, double p, bool training) {
     ampc_node *node = NULL;
     if (be->dropout(in, y, mask, p, st) < 0 ||
         (ampc__needs_grad(a.in, 1) && !(node = ampc__node_new("DropoutBackward", dropout_backward_fn, a.in, 1)))) {
-        ampc__free(AMPC_DEVICE_CPU, mask, mask_bytes, AMPC_MEM_ACTIVATIONS);
+        ampc__free(in->device, mask, mask_bytes, AMPC_MEM_ACTIVATIONS);
         return fail(&a, y, NULL);
     }
     if (node) {
         node->extra = mask;   /* the engine frees it after backward (or with the node) */
         node->extra_bytes = mask_bytes;
+        node->extra_device = in->device;
         node->args.dropout.p = p;
     } else {
-        ampc__free(AMPC_DEVICE_CPU, mask, mask_bytes, AMPC_MEM_ACTIVATIONS);
+        ampc__free(in->device, mask, mask_bytes, AMPC_MEM_ACTIVATIONS);
     }
     return ampc__op_finish(&a, y, node);
 }

@@ -264,8 +264,13 @@ int ampc__batch_norm_count(ampc_tensor *t) {
     if (t->dtype != AMPC_I64 || t->numel != 1)
         return ampc__err(AMPC_ERR_INVALID, "BatchNorm2d: num_batches_tracked must be one i64, not %lld %s",
                          (long long)t->numel, ampc_dtype_name(t->dtype));
-    if (!ampc__device(t->device)->host_memory)
-        return ampc__err(AMPC_ERR_UNSUPPORTED, "BatchNorm2d: num_batches_tracked on device %s", ampc_device_name(t->device));
+    if (!ampc__device(t->device)->host_memory) {   /* counted where it lives: no copy, no wait */
+        const ampc_backend *be = ampc__backend(t->device);
+        int rc = be->unary ? be->unary(AMPC_OP_ADD_SCALAR, t, t, 1.0)
+                           : ampc__err(AMPC_ERR_UNSUPPORTED, "BatchNorm2d: num_batches_tracked on device %s", ampc_device_name(t->device));
+        if (rc >= 0) ampc__mark_written(t);
+        return rc;
+    }
     ((int64_t *)ampc__data(t))[0] += 1;
     ampc__mark_written(t);
     return AMPC_OK;

@@ -93,7 +93,8 @@ static ampc_tensor *pool_run(ampc_op_args *a, const ampc_pool_args *pp, int64_t 
         }
         if (bytes) {
             /* freed by the engine once backward ran (or with the node) */
-            node->extra = ampc__alloc(AMPC_DEVICE_CPU, bytes, AMPC_MEM_ACTIVATIONS, &node->extra_bytes);
+            node->extra = ampc__alloc(x->device, bytes, AMPC_MEM_ACTIVATIONS, &node->extra_bytes);
+            node->extra_device = x->device;
             if (!node->extra) goto fail;
             ws = node->extra;
         }

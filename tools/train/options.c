@@ -58,6 +58,8 @@ const opt_def OPTS[OPT_COUNT] = {
                        "use only the first N validation samples (0: all)"},
     [OPT_THREADS] = {"threads", V_INT, "auto", NULL, 1, 1024, false, O_SAVE | O_AUTO, "N",
                      "compute threads (auto: OpenMP's default, $OMP_NUM_THREADS or the cores)"},
+    [OPT_DEVICE] = {"device", V_CHOICE, "cpu", "cpu|cuda", 0, 0, false, O_SAVE, "NAME",
+                    "where the model trains: cpu, or cuda (the first NVIDIA GPU; in builds with AMPC_CUDA)"},
     [OPT_NUM_WORKERS] = {"num-workers", V_INT, "auto", NULL, 0, 64, false, O_SAVE | O_AUTO, "N",
                          "data loader threads (auto: 0 for IDX data, 2 for image folders)"},
     [OPT_MAX_MEMORY] = {"max-memory", V_SIZE, "none", NULL, 0, 0, false, O_SAVE, "SIZE",

@@ -67,7 +67,10 @@ int run_build(run *r) {
     const char *model = sval(s, OPT_MODEL), *optname = sval(s, OPT_OPTIMIZER);
     bool sgd = strcmp(optname, "sgd") == 0;
     r->use_amp = yes(s, OPT_USE_AMP);
-    bool bf16_ok = ampc_dtype_supported(AMPC_DEVICE_CPU, AMPC_BF16), bf16_fast = ampc_dtype_native(AMPC_DEVICE_CPU, AMPC_BF16);
+    r->device = ampc_device_from_name(sval(s, OPT_DEVICE));
+    if (!ampc_device_available(r->device))
+        return fail("--device %s: %s", sval(s, OPT_DEVICE), ampc_device_unavailable_reason(r->device));
+    bool bf16_ok = ampc_dtype_supported(r->device, AMPC_BF16), bf16_fast = ampc_dtype_native(r->device, AMPC_BF16);
     bool auto_dtype = is_auto(s, OPT_AMP_DTYPE);
     if (auto_dtype && set_val(s, OPT_AMP_DTYPE, bf16_fast ? "bf16" : "fp16") < 0) return -1;
     r->amp_dtype = strcmp(sval(s, OPT_AMP_DTYPE), "fp16") == 0 ? AMPC_F16 : AMPC_BF16;
@@ -97,6 +100,7 @@ int run_build(run *r) {
     ampc_model_options mo = {.num_classes = r->d.num_classes, .in_channels = r->d.c,
                              .small_input = strncmp(model, "resnet", 6) == 0 && r->d.h <= 64 && r->d.w <= 64,
                              .memory_format = yes(s, OPT_CHANNELS_LAST) ? AMPC_CHANNELS_LAST : AMPC_CONTIGUOUS_FORMAT};
+    ampc_set_default_device(r->device);   /* the model's tensors are made there (same values as on the CPU) */
     if (!(r->net = ampc_model_new(model, &mo))) return fail_lib("--model");
     if (check_model_input(r) < 0) return -1;
     double lr = rval(s, OPT_LR), wd = rval(s, OPT_WEIGHT_DECAY);

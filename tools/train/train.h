@@ -62,7 +62,7 @@ enum {
 typedef enum {
     OPT_MODEL, OPT_DATA, OPT_BATCH_SIZE, OPT_USE_AMP, OPT_AMP_DTYPE, OPT_GRAD_SCALER, OPT_EPOCHS, OPT_LR,
     OPT_OPTIMIZER, OPT_MOMENTUM, OPT_WEIGHT_DECAY, OPT_SEED, OPT_VAL_SPLIT, OPT_IMAGE_SIZE, OPT_INDEX_CSV, OPT_LIMIT_TRAIN,
-    OPT_LIMIT_VAL, OPT_THREADS, OPT_NUM_WORKERS, OPT_MAX_MEMORY, OPT_OUT, OPT_RESUME, OPT_PROGRESS, OPT_CHANNELS_LAST,
+    OPT_LIMIT_VAL, OPT_THREADS, OPT_DEVICE, OPT_NUM_WORKERS, OPT_MAX_MEMORY, OPT_OUT, OPT_RESUME, OPT_PROGRESS, OPT_CHANNELS_LAST,
     OPT_KEEP_CASTS, OPT_MAX_SKIPPED, OPT_MAX_LOSS, OPT_COUNT
 } opt_id;
 
@@ -170,6 +170,7 @@ typedef struct {
     int64_t epoch0;          /* epochs finished before this session (from --resume) */
     bool use_amp;
     ampc_dtype amp_dtype;
+    ampc_device device;   /* --device: the model and each batch live there (the loader works on the CPU) */
     char *out;               /* output folder */
     char *ckpt_path;
     float *logits_buf;       /* (batch, classes) f32 copy of the logits, to count correct answers */

@@ -174,6 +174,10 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, int64_
             if (more < 0) rc = fail_lib("data loader");
             break;
         }
+        if (r->device != AMPC_DEVICE_CPU && (!(x = ampc_tensor_to(x, r->device, AMPC_F32)) || !(y = ampc_tensor_to(y, r->device, AMPC_I64)))) {
+            rc = fail_lib("copying the batch to the device");
+            break;
+        }
         ampc_autocast_enter(r->amp_dtype, r->use_amp);
         ampc_tensor *logits = ampc_module_forward(r->net, x);
         ampc_tensor *loss = ampc_cross_entropy(logits, y, NULL);
