@@ -13,35 +13,50 @@ using namespace ampc_cu;
 #define INV_SQRT2 0.70710678118654752440f
 #define INV_SQRT2PI 0.39894228040143267794f
 
-/* The op's switch sits outside the grid-stride loop: one loop per op, no branch per element. */
-#define UNARY_LOOP(expr)                                                                           \
-    AMPC_CU_LOOP(i, n) {                                                                           \
-        float v = to_f<TI>(x[i]);                                                                  \
-        y[i] = from_f<TO>(expr);                                                                   \
-    }                                                                                              \
-    break
-
-template <class TI, class TO> __global__ void unary_kernel(ampc_op op, const TI *x, TO *y, int64_t n, float a) {
+__device__ __forceinline__ float unary_f(ampc_op op, float v, float a) {
     switch (op) {
-    case AMPC_OP_RELU: UNARY_LOOP(v < 0.0f ? 0.0f : v);   /* NaN stays NaN */
-    case AMPC_OP_GELU: UNARY_LOOP(0.5f * v * (1.0f + erff(v * INV_SQRT2)));
-    case AMPC_OP_TANH: UNARY_LOOP(tanhf(v));
-    case AMPC_OP_SILU: UNARY_LOOP(v / (1.0f + expf(-v)));
-    case AMPC_OP_SIGMOID: UNARY_LOOP(1.0f / (1.0f + expf(-v)));
-    case AMPC_OP_EXP: UNARY_LOOP(expf(v));
-    case AMPC_OP_LOG: UNARY_LOOP(logf(v));
-    case AMPC_OP_POW: UNARY_LOOP(powf(v, a));
-    case AMPC_OP_MUL_SCALAR: UNARY_LOOP(a * v);
-    default: UNARY_LOOP(v + a);   /* ADD_SCALAR (the C side admits no other op) */
+    case AMPC_OP_RELU: return v < 0.0f ? 0.0f : v;   /* NaN stays NaN */
+    case AMPC_OP_GELU: return 0.5f * v * (1.0f + erff(v * INV_SQRT2));
+    case AMPC_OP_TANH: return tanhf(v);
+    case AMPC_OP_SILU: return v / (1.0f + expf(-v));
+    case AMPC_OP_SIGMOID: return 1.0f / (1.0f + expf(-v));
+    case AMPC_OP_EXP: return expf(v);
+    case AMPC_OP_LOG: return logf(v);
+    case AMPC_OP_POW: return powf(v, a);
+    case AMPC_OP_MUL_SCALAR: return a * v;
+    default: return v + a;   /* ADD_SCALAR (the C side admits no other op) */
     }
 }
-#undef UNARY_LOOP
+
+/* n elements: body4(q) for elements 4q..4q+3 while whole groups last (vec: every array
+   aligned), then body1(i) for the rest */
+template <class F4, class F1> __device__ __forceinline__ void loop4(int64_t n, bool vec, F4 body4, F1 body1) {
+    int64_t n4 = vec ? n / 4 : 0;
+    AMPC_CU_LOOP(q, n4) body4(q);
+    AMPC_CU_LOOP(t, n - 4 * n4) body1(4 * n4 + t);
+}
+
+template <class TI, class TO> __global__ void unary_kernel(ampc_op op, const TI *x, TO *y, int64_t n, float a, bool vec) {
+    loop4(
+        n, vec,
+        [&](int64_t q) {
+            float f[4];
+            load4(x, q, f);
+            for (int l = 0; l < 4; l++) f[l] = unary_f(op, f[l], a);
+            store4(y, q, f);
+        },
+        [&](int64_t i) { y[i] = from_f<TO>(unary_f(op, to_f<TI>(x[i]), a)); });
+}
+
+/* blocks for n elements taken 4 at a time (vec) or one at a time */
+static unsigned blocks_vec(int64_t n, bool vec) { return blocks_for(vec ? (n + 3) / 4 : n); }
 
 extern "C" cudaError_t ampc_cu_unary(ampc_op op, const void *x, ampc_dtype xdt, void *y, ampc_dtype ydt, int64_t n,
                                      float alpha, cudaStream_t s) {
     if (n <= 0) return cudaSuccess;
     AMPC_CU_FLOAT_TYPES(xdt, TI, AMPC_CU_FLOAT_TYPES(ydt, TO,
-        unary_kernel<TI, TO><<<blocks_for(n), 256, 0, s>>>(op, (const TI *)x, (TO *)y, n, alpha)));
+        bool vec = aligned4(x, sizeof(TI)) && aligned4(y, sizeof(TO));
+        unary_kernel<TI, TO><<<blocks_vec(n, vec), 256, 0, s>>>(op, (const TI *)x, (TO *)y, n, alpha, vec)));
     return cudaGetLastError();
 }
 
@@ -55,46 +70,49 @@ extern "C" cudaError_t ampc_cu_add_scalar_i64(const int64_t *x, int64_t *y, int6
     return cudaGetLastError();
 }
 
-/* v: the value the op's backward reads (x for GELU, SILU, LOG, POW; y for TANH, SIGMOID, EXP;
-   either for RELU, whose y > 0 exactly when x > 0), NULL for MUL_SCALAR and ADD_SCALAR */
-#define BWD_LOOP(expr)                                                                             \
-    AMPC_CU_LOOP(i, n) {                                                                           \
-        float g = to_f<TG>(gy[i]);                                                                 \
-        float v = v_ ? to_f<TV>(v_[i]) : 0.0f;                                                     \
-        (void)v;                                                                                   \
-        gx[i] = from_f<TG>(expr);                                                                  \
-    }                                                                                              \
-    break
-
-template <class TV, class TG>
-__global__ void unary_backward_kernel(ampc_op op, const TV *v_, const TG *gy, TG *gx, int64_t n, float a) {
+/* gy * f'(v), v the value the op's backward reads: x for GELU, SILU, LOG, POW; y for TANH,
+   SIGMOID, EXP; either for RELU, whose y > 0 exactly when x > 0; none (0) for MUL_SCALAR and
+   ADD_SCALAR */
+__device__ __forceinline__ float unary_df(ampc_op op, float v, float g, float a) {
     switch (op) {
-    case AMPC_OP_RELU: BWD_LOOP(v > 0.0f ? g : 0.0f);
+    case AMPC_OP_RELU: return v > 0.0f ? g : 0.0f;
     case AMPC_OP_GELU: /* Phi(x) + x phi(x) */
-        BWD_LOOP(g * (0.5f * (1.0f + erff(v * INV_SQRT2)) + v * INV_SQRT2PI * expf(-0.5f * v * v)));
-    case AMPC_OP_TANH: BWD_LOOP(g * (1.0f - v * v));
-    case AMPC_OP_SILU: /* s (1 + x (1 - s)), s = sigmoid(x) */
-        AMPC_CU_LOOP(i, n) {
-            float v = to_f<TV>(v_[i]), sg = 1.0f / (1.0f + expf(-v));
-            gx[i] = from_f<TG>(to_f<TG>(gy[i]) * (sg * (1.0f + v * (1.0f - sg))));
-        }
-        break;
-    case AMPC_OP_SIGMOID: BWD_LOOP(g * (v * (1.0f - v)));
-    case AMPC_OP_EXP: BWD_LOOP(g * v);
-    case AMPC_OP_LOG: BWD_LOOP(g / v);
-    case AMPC_OP_POW: BWD_LOOP(g * (a * powf(v, a - 1.0f)));
-    case AMPC_OP_MUL_SCALAR: BWD_LOOP(g * a);
-    default: BWD_LOOP(g);   /* ADD_SCALAR */
+        return g * (0.5f * (1.0f + erff(v * INV_SQRT2)) + v * INV_SQRT2PI * expf(-0.5f * v * v));
+    case AMPC_OP_TANH: return g * (1.0f - v * v);
+    case AMPC_OP_SILU: { /* s (1 + x (1 - s)), s = sigmoid(x) */
+        float sg = 1.0f / (1.0f + expf(-v));
+        return g * (sg * (1.0f + v * (1.0f - sg)));
+    }
+    case AMPC_OP_SIGMOID: return g * (v * (1.0f - v));
+    case AMPC_OP_EXP: return g * v;
+    case AMPC_OP_LOG: return g / v;
+    case AMPC_OP_POW: return g * (a * powf(v, a - 1.0f));
+    case AMPC_OP_MUL_SCALAR: return g * a;
+    default: return g;   /* ADD_SCALAR */
     }
 }
-#undef BWD_LOOP
+
+template <class TV, class TG>
+__global__ void unary_backward_kernel(ampc_op op, const TV *v, const TG *gy, TG *gx, int64_t n, float a, bool vec) {
+    loop4(
+        n, vec,
+        [&](int64_t q) {
+            float fv[4] = {0.0f, 0.0f, 0.0f, 0.0f}, fg[4];
+            if (v) load4(v, q, fv);
+            load4(gy, q, fg);
+            for (int l = 0; l < 4; l++) fg[l] = unary_df(op, fv[l], fg[l], a);
+            store4(gx, q, fg);
+        },
+        [&](int64_t i) { gx[i] = from_f<TG>(unary_df(op, v ? to_f<TV>(v[i]) : 0.0f, to_f<TG>(gy[i]), a)); });
+}
 
 extern "C" cudaError_t ampc_cu_unary_backward(ampc_op op, const void *v, ampc_dtype vdt, const void *gy, void *gx,
                                               ampc_dtype gdt, int64_t n, float alpha, cudaStream_t s) {
     if (n <= 0) return cudaSuccess;
     if (!v) vdt = gdt;
     AMPC_CU_FLOAT_TYPES(vdt, TV, AMPC_CU_FLOAT_TYPES(gdt, TG,
-        unary_backward_kernel<TV, TG><<<blocks_for(n), 256, 0, s>>>(op, (const TV *)v, (const TG *)gy, (TG *)gx, n, alpha)));
+        bool vec = aligned4(v, sizeof(TV)) && aligned4(gy, sizeof(TG)) && aligned4(gx, sizeof(TG));
+        unary_backward_kernel<TV, TG><<<blocks_vec(n, vec), 256, 0, s>>>(op, (const TV *)v, (const TG *)gy, (TG *)gx, n, alpha, vec)));
     return cudaGetLastError();
 }
 
@@ -107,14 +125,21 @@ __device__ __forceinline__ float bin_op(ampc_op op, float x, float y) {
     return op == AMPC_OP_ADD ? x + y : op == AMPC_OP_SUB ? x - y : x * y;
 }
 
+/* both operands contiguous like the output or single values (NULL b: the constant bc) */
 template <class T>
 __global__ void binary_flat_kernel(ampc_op op, const T *a, bool a_dense, const T *b, bool b_dense, float bc, T *out,
-                                   int64_t n) {
-    AMPC_CU_LOOP(i, n) {
-        float x = to_f<T>(a[a_dense ? i : 0]);
-        float y = b ? to_f<T>(b[b_dense ? i : 0]) : bc;
-        out[i] = from_f<T>(bin_op(op, x, y));
-    }
+                                   int64_t n, bool vec) {
+    float sa = a_dense ? 0.0f : to_f<T>(a[0]), sb = b && !b_dense ? to_f<T>(b[0]) : bc;
+    loop4(
+        n, vec,
+        [&](int64_t q) {
+            float fa[4] = {sa, sa, sa, sa}, fb[4] = {sb, sb, sb, sb};
+            if (a_dense) load4(a, q, fa);
+            if (b_dense) load4(b, q, fb);
+            for (int l = 0; l < 4; l++) fa[l] = bin_op(op, fa[l], fb[l]);
+            store4(out, q, fa);
+        },
+        [&](int64_t i) { out[i] = from_f<T>(bin_op(op, a_dense ? to_f<T>(a[i]) : sa, b_dense ? to_f<T>(b[i]) : sb)); });
 }
 
 template <class T, class I>
@@ -149,8 +174,10 @@ extern "C" cudaError_t ampc_cu_binary(ampc_op op, const ampc_cu_bplan *p, const 
     if (n <= 0) return cudaSuccess;
     int wa = operand_walk(p, 0), wb = b ? operand_walk(p, 1) : 0;
     if (wa >= 0 && wb >= 0) {
-        AMPC_CU_FLOAT_TYPES(dt, T, binary_flat_kernel<T><<<blocks_for(n), 256, 0, s>>>(
-            op, (const T *)a, wa == 1, (const T *)b, wb == 1, bc, (T *)out, n));
+        AMPC_CU_FLOAT_TYPES(dt, T,
+            bool vec = aligned4(out, sizeof(T)) && (wa == 0 || aligned4(a, sizeof(T))) && (wb == 0 || aligned4(b, sizeof(T)));
+            binary_flat_kernel<T><<<blocks_vec(n, vec), 256, 0, s>>>(op, (const T *)a, wa == 1, (const T *)b, wb == 1, bc,
+                                                                     (T *)out, n, vec));
     } else if (n < ((int64_t)1 << 31)) {
         AMPC_CU_FLOAT_TYPES(dt, T, binary_bcast_kernel<T, uint32_t><<<blocks_for(n), 256, 0, s>>>(
             op, *p, (const T *)a, (const T *)b, bc, (T *)out, n));
@@ -289,19 +316,26 @@ __device__ __forceinline__ uint4 philox4x32_10(uint64_t seed, uint64_t ctr) {
     return make_uint4(c0, c1, c2, c3);
 }
 
+/* x * 0 gives NaN for a dropped inf, as PyTorch */
 template <class TI, class TO>
 __global__ void dropout_kernel(const TI *x, TO *y, uint8_t *mask, int64_t n, uint64_t seed, uint64_t offset, uint32_t thr,
-                               float scale) {
+                               float scale, bool vec) {
     int64_t nb = (n + 3) / 4;
     AMPC_CU_LOOP(b, nb) {
         uint4 r = philox4x32_10(seed, offset + (uint64_t)b);
-        uint32_t rv[4] = {r.x, r.y, r.z, r.w};
-        for (int l = 0; l < 4; l++) {
+        bool keep[4] = {(r.x >> 8) >= thr, (r.y >> 8) >= thr, (r.z >> 8) >= thr, (r.w >> 8) >= thr};
+        if (vec && 4 * b + 4 <= n) {
+            float f[4];
+            load4(x, b, f);
+            for (int l = 0; l < 4; l++) f[l] *= keep[l] ? scale : 0.0f;
+            store4(y, b, f);
+            ((uchar4 *)mask)[b] = make_uchar4(keep[0], keep[1], keep[2], keep[3]);
+            continue;
+        }
+        for (int l = 0; l < 4 && 4 * b + l < n; l++) {
             int64_t i = 4 * b + l;
-            if (i >= n) break;
-            bool keep = (rv[l] >> 8) >= thr;
-            mask[i] = keep;
-            y[i] = from_f<TO>(to_f<TI>(x[i]) * (keep ? scale : 0.0f));   /* x * 0: NaN for a dropped inf, as PyTorch */
+            mask[i] = keep[l];
+            y[i] = from_f<TO>(to_f<TI>(x[i]) * (keep[l] ? scale : 0.0f));
         }
     }
 }
@@ -309,20 +343,34 @@ __global__ void dropout_kernel(const TI *x, TO *y, uint8_t *mask, int64_t n, uin
 extern "C" cudaError_t ampc_cu_dropout(const void *x, ampc_dtype xdt, void *y, ampc_dtype ydt, uint8_t *mask, int64_t n,
                                        uint64_t seed, uint64_t offset, uint32_t thr, float scale, cudaStream_t s) {
     if (n <= 0) return cudaSuccess;
-    AMPC_CU_FLOAT_TYPES(xdt, TI, AMPC_CU_FLOAT_TYPES(ydt, TO, dropout_kernel<TI, TO><<<blocks_for((n + 3) / 4), 256, 0, s>>>(
-        (const TI *)x, (TO *)y, mask, n, seed, offset, thr, scale)));
+    AMPC_CU_FLOAT_TYPES(xdt, TI, AMPC_CU_FLOAT_TYPES(ydt, TO,
+        bool vec = aligned4(x, sizeof(TI)) && aligned4(y, sizeof(TO)) && aligned4(mask, 1);
+        dropout_kernel<TI, TO><<<blocks_for((n + 3) / 4), 256, 0, s>>>((const TI *)x, (TO *)y, mask, n, seed, offset, thr, scale, vec)));
     return cudaGetLastError();
 }
 
 template <class TI, class TO>
-__global__ void dropout_backward_kernel(const TI *gy, const uint8_t *mask, TO *gx, int64_t n, float scale) {
-    AMPC_CU_LOOP(i, n) gx[i] = from_f<TO>(to_f<TI>(gy[i]) * (mask[i] ? scale : 0.0f));
+__global__ void dropout_backward_kernel(const TI *gy, const uint8_t *mask, TO *gx, int64_t n, float scale, bool vec) {
+    loop4(
+        n, vec,
+        [&](int64_t q) {
+            float f[4];
+            uchar4 m = ((const uchar4 *)mask)[q];
+            load4(gy, q, f);
+            f[0] *= m.x ? scale : 0.0f;
+            f[1] *= m.y ? scale : 0.0f;
+            f[2] *= m.z ? scale : 0.0f;
+            f[3] *= m.w ? scale : 0.0f;
+            store4(gx, q, f);
+        },
+        [&](int64_t i) { gx[i] = from_f<TO>(to_f<TI>(gy[i]) * (mask[i] ? scale : 0.0f)); });
 }
 
 extern "C" cudaError_t ampc_cu_dropout_backward(const void *gy, ampc_dtype gdt, const uint8_t *mask, void *gx,
                                                 ampc_dtype odt, int64_t n, float scale, cudaStream_t s) {
     if (n <= 0) return cudaSuccess;
-    AMPC_CU_FLOAT_TYPES(gdt, TI, AMPC_CU_FLOAT_TYPES(odt, TO, dropout_backward_kernel<TI, TO><<<blocks_for(n), 256, 0, s>>>(
-        (const TI *)gy, mask, (TO *)gx, n, scale)));
+    AMPC_CU_FLOAT_TYPES(gdt, TI, AMPC_CU_FLOAT_TYPES(odt, TO,
+        bool vec = aligned4(gy, sizeof(TI)) && aligned4(gx, sizeof(TO)) && aligned4(mask, 1);
+        dropout_backward_kernel<TI, TO><<<blocks_vec(n, vec), 256, 0, s>>>((const TI *)gy, mask, (TO *)gx, n, scale, vec)));
     return cudaGetLastError();
 }

@@ -7,6 +7,7 @@
 #define AMPC_CUDA_REDUCE_CUH
 
 #include <math.h>
+#include <stdint.h>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/ew_kernels.h"
@@ -37,6 +38,25 @@ __device__ __forceinline__ void store_any(void *p, ampc_dtype dt, int64_t i, flo
     default: ((float *)p)[i] = v; break;
     }
 }
+
+/* Four consecutive elements as one aligned access (16 bytes of f32, 8 of f16/bf16): the flat
+   elementwise kernels take 4 at a time where every array is aligned (views may not be). */
+template <class T> struct alignas(4 * sizeof(T)) pack4 {
+    T v[4];
+};
+template <class T> __device__ __forceinline__ void load4(const T *p, int64_t q, float f[4]) {
+    pack4<T> k = ((const pack4<T> *)p)[q];
+#pragma unroll
+    for (int l = 0; l < 4; l++) f[l] = to_f<T>(k.v[l]);
+}
+template <class T> __device__ __forceinline__ void store4(T *p, int64_t q, const float f[4]) {
+    pack4<T> k;
+#pragma unroll
+    for (int l = 0; l < 4; l++) k.v[l] = from_f<T>(f[l]);
+    ((pack4<T> *)p)[q] = k;
+}
+/* p (NULL allowed) can be read 4 elements of elem bytes at a time */
+static inline bool aligned4(const void *p, size_t elem) { return (uintptr_t)p % (4 * elem) == 0; }
 
 /* max that ignores NaN (a NaN reaches the result through the sums instead, as on the CPU) */
 __device__ __forceinline__ float max_nan_ignored(float a, float b) { return b > a ? b : a; }
