@@ -190,7 +190,8 @@ extern "C" cudaError_t ampc_cu_binary(ampc_op op, const ampc_cu_bplan *p, const 
 
 // ---------------------------------------------------------------------------------------------
 // sum_to. Output j and reduced index k address x at koff(j) + roff(k). When x's innermost dim
-// is reduced, a warp sums each output (lanes along contiguous memory); else the threads of a
+// is reduced (sums of 64 values or more), a warp sums each output (lanes along contiguous
+// memory); else the threads of a
 // block row take consecutive outputs and its 8 rows share the reduced range, combined in
 // shared memory. Long ranges with few outputs are cut into slices whose partial sums go to
 // scratch, added in slice order by a last kernel: no atomics, results independent of timing.
@@ -204,7 +205,9 @@ __device__ __forceinline__ int64_t plan_off(int nd, const int64_t *shape, const 
     return off;
 }
 
-static bool inner_reduced(const ampc_cu_rplan *p) { return p->nr > 0 && p->rst[p->nr - 1] == 1; }
+/* a warp per output when x's innermost dim is reduced and the sums are long enough for 32
+   lanes; else threads along the outputs (short sums read adjacent memory across a warp) */
+static bool warp_per_output(const ampc_cu_rplan *p) { return p->nr > 0 && p->rst[p->nr - 1] == 1 && p->nred >= 64; }
 
 /* [k0, k1) of slice `sl` of n values cut into `splits` */
 __device__ __forceinline__ void slice_of(int64_t n, int64_t splits, int64_t sl, int64_t *k0, int64_t *k1) {
@@ -262,7 +265,7 @@ template <class TO> __global__ void sum_slices_kernel(const float *part, int64_t
 
 extern "C" int64_t ampc_cu_sum_to_splits(const ampc_cu_rplan *p, int sm_count) {
     int64_t want, cap;
-    if (inner_reduced(p)) {   /* warps: 64 per SM; slices of at least 256 values */
+    if (warp_per_output(p)) {   /* warps: 64 per SM; slices of at least 256 values */
         want = (int64_t)sm_count * 64 / (p->nout > 0 ? p->nout : 1);
         cap = p->nred / 256;
     } else {   /* blocks of 256 threads: 8 per SM; slices of at least 64 rows */
@@ -277,7 +280,7 @@ extern "C" int64_t ampc_cu_sum_to_splits(const ampc_cu_rplan *p, int sm_count) {
 extern "C" cudaError_t ampc_cu_sum_to(const ampc_cu_rplan *p, const void *x, ampc_dtype xdt, void *out, ampc_dtype odt,
                                       float alpha, int64_t splits, float *scratch, cudaStream_t s) {
     if (p->nout <= 0 || p->nred <= 0) return cudaSuccess;
-    if (inner_reduced(p)) {
+    if (warp_per_output(p)) {
         dim3 grid((unsigned)((p->nout + 7) / 8), (unsigned)splits);
         AMPC_CU_FLOAT_TYPES(xdt, TI, AMPC_CU_FLOAT_TYPES(odt, TO,
             sum_rows_kernel<TI, TO><<<grid, 256, 0, s>>>(*p, (const TI *)x, (TO *)out, alpha, splits, scratch)));
