@@ -241,7 +241,7 @@ int64_t ampc_tensor_dim(const ampc_tensor *t, int i);   /* negative i counts fro
 const int64_t *ampc_tensor_shape(const ampc_tensor *t);
 int64_t ampc_tensor_numel(const ampc_tensor *t);
 ampc_memory_format ampc_tensor_memory_format(const ampc_tensor *t);
-void *ampc_tensor_data(ampc_tensor *t);                 /* raw storage, in the tensor's dtype */
+void *ampc_tensor_data(ampc_tensor *t);                 /* raw storage, in the tensor's dtype (CUDA: a device pointer) */
 const void *ampc_tensor_cdata(const ampc_tensor *t);
 /* Copy out converting to f32/f64 (n must be >= numel). A negative status on error. */
 int ampc_tensor_to_f32(const ampc_tensor *t, float *dst, size_t n);

@@ -176,8 +176,21 @@ typedef struct {
 
 static ampc_tensor *op_ce(ampc_tensor **in, const void *ctx) {
     const ce_ctx *c = ctx;
-    if (c->force_row >= 0) ((int64_t *)ampc_tensor_data(in[1]))[c->force_row] = c->force_value;
-    return ampc_cross_entropy(in[0], in[1], &c->o);
+    ampc_tensor *targets = in[1];
+    if (c->force_row >= 0) {   /* a copy with one target replaced, on the targets' device */
+        int64_t n = ampc_tensor_numel(targets), *v = test_malloc((size_t)n * sizeof *v);
+        double *d = test_malloc((size_t)n * sizeof *d);
+        ASSERT_OK(ampc_tensor_to_f64(targets, d, (size_t)n));
+        for (int64_t i = 0; i < n; i++) v[i] = (int64_t)d[i];
+        v[c->force_row] = c->force_value;
+        ampc_device prev = ampc_default_device();
+        ampc_set_default_device(ampc_tensor_device(targets));
+        targets = ampc_tensor_from_i64(1, (int64_t[]){n}, v);
+        ampc_set_default_device(prev);
+        test_free(v);
+        test_free(d);
+    }
+    return ampc_cross_entropy(in[0], targets, &c->o);
 }
 
 static void check_ce(const char *name, int64_t N, int64_t C, ce_ctx ctx, bool skip_fd) {

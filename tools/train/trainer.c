@@ -174,6 +174,7 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, int64_
             if (more < 0) rc = fail_lib("data loader");
             break;
         }
+        ampc_tensor *y_cpu = y;   /* the labels stay readable here for counting */
         if (r->device != AMPC_DEVICE_CPU && (!(x = ampc_tensor_to(x, r->device, AMPC_F32)) || !(y = ampc_tensor_to(y, r->device, AMPC_I64)))) {
             rc = fail_lib("copying the batch to the device");
             break;
@@ -201,7 +202,7 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, int64_
         double lv = ampc_tensor_item(loss);
         if (training && (rc = check_step(r, epoch, done + 1, n_batches, lv, x)) < 0) break;
         st->loss_sum += lv * (double)b;
-        if ((rc = count_correct(r, logits, y, &st->correct)) < 0) break;
+        if ((rc = count_correct(r, logits, y_cpu, &st->correct)) < 0) break;
         st->samples += b;
         ampc_scope_end();
         done++;
