@@ -15,6 +15,7 @@
 #ifndef AMPC_BACKEND_H
 #define AMPC_BACKEND_H
 
+#include "backend/optim_consts.h"
 #include "core/core.h"
 
 /* The elementwise kernels take an op of the op table (include/ampc.h): unary ones RELU, GELU,
@@ -240,6 +241,17 @@ int ampc__host_ce_targets(const ampc_tensor *logits, const ampc_tensor *targets,
 /* unary_backward's operands: keeps of *x and *y the one the op table's backward-reads column
    names (the other becomes NULL); an error when that one is missing. who: "cpu", "ref". */
 int ampc__unary_backward_operands(ampc_op op, const ampc_tensor **x, const ampc_tensor **y, const char *who);
+/* The optimizer kernels' per-parameter constants (backend/optim_consts.h); step >= 1. */
+ampc_sgd_consts ampc__sgd_consts(const ampc_sgd_hparams *h);
+ampc_adam_consts ampc__adam_consts(const ampc_adam_hparams *h, int64_t step);
+/* copy_block's arguments (same dtype, the blocks inside both tensors): AMPC_OK to copy, 1 when
+   there is nothing to copy (rows or cols <= 0), else the error. */
+int ampc__check_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, const ampc_tensor *dst,
+                           int64_t dst_off, int64_t dst_ld, int64_t rows, int64_t cols);
+/* Layer norm's rows and cols of x from the statistics' length; who ("cpu ", "cuda ", "") and the
+   kernel's name k start the messages. */
+int ampc__layer_norm_dims(const ampc_tensor *x, const ampc_tensor *stat, const char *who, const char *k, int64_t *rows,
+                          int64_t *cols);
 /* An optimizer item's cast_out (may be NULL): f16/bf16, the parameter's numel and format. */
 int ampc__host_cast_out(const ampc_tensor *param, const ampc_tensor *out);
 

@@ -214,6 +214,9 @@ const char *ampc__shape_str(const ampc_tensor *t, char *buf, size_t n);
 /* t's values where the CPU can read them: a new reference to t on a host-memory device, else a
    new CPU tensor of its dtype, shape and format (NULL with the error set on failure). */
 ampc_tensor *ampc__host_copy(const ampc_tensor *t);
+/* Writes n bytes from host memory into t's storage from its start, in storage order (a memcpy on
+   a host-memory device, else through a CPU tensor and one transfer). */
+int ampc__write_bytes(ampc_tensor *t, const void *bytes, size_t n);
 /* Moves t's values to device dev in place (new storage of the same memory kind there; the
    handle stays): what ampc_module_to does to parameters and buffers. Drops t's 16-bit shadow. */
 int ampc__tensor_move(ampc_tensor *t, ampc_device dev);

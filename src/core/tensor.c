@@ -332,12 +332,17 @@ ampc_tensor *ampc_tensor_from_f64(ampc_dtype dt, int ndim, const int64_t *shape,
     return ampc__scope_adopt(t);
 }
 
+int ampc__write_bytes(ampc_tensor *t, const void *bytes, size_t n) {
+    if (!n) return AMPC_OK;
+    ampc_tensor *h = staging_for(t);
+    if (h) memcpy(ampc__data(h), bytes, n);
+    return finish_staged(h, t, h ? AMPC_OK : ampc_last_status());
+}
+
 ampc_tensor *ampc_tensor_from_i64(int ndim, const int64_t *shape, const int64_t *data) {
     ampc_tensor *t = ampc__tensor_new(AMPC_I64, ampc__default_device(), ndim, shape);
     if (!t) return NULL;
-    ampc_tensor *h = staging_for(t);
-    if (h) memcpy(ampc__data(h), data, ampc__nbytes(t));
-    if (finish_staged(h, t, h ? AMPC_OK : ampc_last_status()) < 0) {
+    if (ampc__write_bytes(t, data, ampc__nbytes(t)) < 0) {
         ampc__release(t);
         return NULL;
     }

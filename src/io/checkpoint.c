@@ -216,31 +216,13 @@ typedef struct {
     int n;
 } name_list;
 
-/* A tensor to write: its own bytes, or (device memory) a host copy's, kept in host[] until the
-   file is written. A failed copy gives no data pointer (the write then fails on NULL). */
+/* A tensor to write: its bytes where the CPU reads them (t itself, or a host copy of a device
+   tensor), held in host[] until the file is written. A failed copy gives no data pointer, which
+   the save reports before writing. */
 static st_tensor item_of(const char *name, ampc_tensor *t, ampc_tensor **host, int *n_host) {
-    const ampc_tensor *src = t;
-    if (!ampc__device(t->device)->host_memory) {
-        ampc_tensor *h = ampc__host_copy(t);
-        if (h) host[(*n_host)++] = h;
-        src = h;
-    }
-    return (st_tensor){name, t->dtype, t->ndim, t->shape, src ? ampc__data(src) : NULL, ampc__nbytes(t)};
-}
-
-/* Writes bytes of a file into t (host memory, or through a CPU tensor onto a device). */
-static int put_bytes(ampc_tensor *t, const void *bytes, size_t n) {
-    if (!n) return AMPC_OK;
-    if (ampc__device(t->device)->host_memory) {
-        memcpy(ampc__data(t), bytes, n);
-        return AMPC_OK;
-    }
-    ampc_tensor *h = ampc__tensor_new_fmt(t->dtype, AMPC_DEVICE_CPU, t->ndim, t->shape, t->format);
-    if (!h) return ampc_last_status();
-    memcpy(ampc__data(h), bytes, n);
-    int rc = ampc__copy(h, t);
-    ampc__release(h);
-    return rc;
+    ampc_tensor *h = ampc__host_copy(t);
+    if (h) host[(*n_host)++] = h;
+    return (st_tensor){name, t->dtype, t->ndim, t->shape, h ? ampc__data(h) : NULL, ampc__nbytes(t)};
 }
 
 int ampc_checkpoint_save(const char *path, ampc_module *m, ampc_optimizer *opt, ampc_scaler *s, const char *const *meta_kv) {
@@ -257,7 +239,7 @@ int ampc_checkpoint_save(const char *path, ampc_module *m, ampc_optimizer *opt, 
     st_tensor *items = malloc((cap ? cap : 1) * sizeof *items);
     name_list owned = {calloc(cap ? cap : 1, sizeof(char *)), 0};
     kv_list meta = {0};
-    /* tensors of a device the CPU cannot read (CUDA) are written from host copies */
+    /* tensors of a device the CPU cannot read (CUDA) are written from host copies (item_of) */
     ampc_tensor **host = calloc(cap ? cap : 1, sizeof *host);
     int n_host = 0;
     if (!items || !owned.a || !host) rc = ampc__err(AMPC_ERR_OOM, "checkpoint save: out of memory");
@@ -473,7 +455,7 @@ int ampc_checkpoint_load(const char *path, ampc_module *m, ampc_optimizer *opt, 
         for (int i = 0; i < n_sd; i++) {
             const st_entry *e = st_find(&f, names[i]);
             ampc__mark_written(sd[i]);
-            if (put_bytes(sd[i], f.data + e->begin, (size_t)(e->end - e->begin)) < 0) rc = ampc_last_status();   /* device only */
+            if (ampc__write_bytes(sd[i], f.data + e->begin, (size_t)(e->end - e->begin)) < 0) rc = ampc_last_status();   /* device only */
         }
         if (opt) {
             for (int k = 0; k < pl.n_slots; k++)
@@ -488,7 +470,7 @@ int ampc_checkpoint_load(const char *path, ampc_module *m, ampc_optimizer *opt, 
                         opt->state[k][i] = pl.fresh[k * opt->n + i];
                         pl.fresh[k * opt->n + i] = NULL;
                     }
-                    if (put_bytes(opt->state[k][i], f.data + e->begin, (size_t)(e->end - e->begin)) < 0) rc = ampc_last_status();
+                    if (ampc__write_bytes(opt->state[k][i], f.data + e->begin, (size_t)(e->end - e->begin)) < 0) rc = ampc_last_status();
                 }
             for (int i = 0; i < opt->n; i++) opt->steps[i] = pl.steps[i];
             ampc_optimizer_set_lr(opt, pl.lr);

@@ -217,12 +217,7 @@ static int cu_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld
     int rc;
     if ((rc = ampc__cu_ready()) < 0) return rc;
     if ((rc = ampc__cu_on_device(src, "copy_block")) < 0 || (rc = ampc__cu_on_device(dst, "copy_block")) < 0) return rc;
-    if (src->dtype != dst->dtype)
-        return ampc__err(AMPC_ERR_DTYPE, "copy_block between %s and %s", ampc_dtype_name(src->dtype), ampc_dtype_name(dst->dtype));
-    if (rows <= 0 || cols <= 0) return AMPC_OK;
-    if (src_off < 0 || dst_off < 0 || src_off + (rows - 1) * src_ld + cols > src->numel ||
-        dst_off + (rows - 1) * dst_ld + cols > dst->numel)
-        return ampc__err(AMPC_ERR_INVALID, "copy_block of %lld x %lld outside its tensors", (long long)rows, (long long)cols);
+    if ((rc = ampc__check_copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols)) != AMPC_OK) return rc < 0 ? rc : AMPC_OK;
     size_t sz = ampc__dt(src->dtype)->size, width = (size_t)cols * sz;
     const char *s = (const char *)ampc__data(src) + (size_t)src_off * sz;
     char *d = (char *)ampc__data(dst) + (size_t)dst_off * sz;

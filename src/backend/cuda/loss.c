@@ -137,15 +137,6 @@ static int ln_check(const ampc_tensor *t, int64_t n, bool stat, const char *k, c
     return AMPC_OK;
 }
 
-/* rows and cols of x from the statistics' length */
-static int ln_dims(const ampc_tensor *x, const ampc_tensor *stat, const char *k, int64_t *rows, int64_t *cols) {
-    if (!stat) return ampc__err(AMPC_ERR_INVALID, "cuda %s: mean/rstd missing", k);
-    *rows = stat->numel;
-    if (*rows == 0 ? x->numel != 0 : x->numel % *rows != 0)
-        return ampc__err(AMPC_ERR_SHAPE, "cuda %s: %lld elements do not make %lld rows", k, (long long)x->numel, (long long)*rows);
-    *cols = *rows ? x->numel / *rows : 0;
-    return AMPC_OK;
-}
 
 /* Parameters as f32 for the kernels: an f32 tensor's own data, else converted into dst. */
 static const float *ln_param(const ampc_tensor *t, float *dst, cudaStream_t s, int *rc) {
@@ -159,7 +150,7 @@ static int cu_layer_norm(const ampc_tensor *x, const ampc_tensor *weight, const 
     const char *k = "layer_norm";
     int64_t rows = 0, cols = 0;
     int rc;
-    if ((rc = ampc__cu_ready()) < 0 || (rc = ln_dims(x, mean, k, &rows, &cols)) < 0) return rc;
+    if ((rc = ampc__cu_ready()) < 0 || (rc = ampc__layer_norm_dims(x, mean, "cuda ", k, &rows, &cols)) < 0) return rc;
     if ((rc = ln_check(x, x->numel, false, k, "x")) < 0 || (rc = ln_check(y, x->numel, false, k, "y")) < 0 ||
         (rc = ln_check(weight, cols, false, k, "weight")) < 0 || (rc = ln_check(bias, cols, false, k, "bias")) < 0 ||
         (rc = ln_check(mean, rows, true, k, "mean")) < 0 || (rc = ln_check(rstd, rows, true, k, "rstd")) < 0)
@@ -186,7 +177,7 @@ static int cu_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, c
     const char *k = "layer_norm_backward";
     int64_t rows = 0, cols = 0, n = x->numel;
     int rc;
-    if ((rc = ampc__cu_ready()) < 0 || (rc = ln_dims(x, mean, k, &rows, &cols)) < 0) return rc;
+    if ((rc = ampc__cu_ready()) < 0 || (rc = ampc__layer_norm_dims(x, mean, "cuda ", k, &rows, &cols)) < 0) return rc;
     if ((rc = ln_check(x, n, false, k, "x")) < 0 || (rc = ln_check(gy, n, false, k, "gy")) < 0 ||
         (rc = ln_check(gx, n, false, k, "gx")) < 0 || (rc = ln_check(weight, cols, false, k, "weight")) < 0 ||
         (rc = ln_check(mean, rows, true, k, "mean")) < 0 || (rc = ln_check(rstd, rows, true, k, "rstd")) < 0 ||

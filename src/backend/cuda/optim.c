@@ -2,12 +2,12 @@
  * optim.c - the CUDA table's optimizer steps (SGD, Adam, AdamW), the GradScaler's
  * unscale-and-check and the sum of squares (gradient clipping), checked here and run by
  * optim.cu over many tensors per launch. Per-tensor constants are computed in double and
- * rounded to f32 as on the CPU (src/backend/cpu/optim.c), so both devices give the same bits.
+ * rounded to f32 once, by the function the CPU uses too (backend/optim_consts.h), so both
+ * devices give the same bits.
  */
 #include "backend/cuda/cuda.h"
 #include "backend/cuda/optim_kernels.h"
 
-#include <math.h>
 #include <string.h>
 
 static int check_f32(const ampc_tensor *t, const char *what) {
@@ -43,10 +43,9 @@ static int sgd_job(ampc_cu_optim_job *j, const ampc_optim_item *it, const void *
     if (has_m && (!it->state[0] || check_f32(it->state[0], "momentum buffer") < 0))
         return it->state[0] ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "SGD with momentum needs a buffer");
     j->state[0] = has_m ? ampc__data(it->state[0]) : NULL;
-    j->c.sgd = (ampc_cu_sgd_consts){(float)h->weight_decay, (float)h->momentum, (float)(1.0 - h->dampening), (float)-h->lr,
-                                    h->grad_scale,
-                                    (h->weight_decay != 0) | has_m << 1 | (has_m && it->first) << 2 |
-                                        (has_m && h->nesterov) << 3 | (h->grad_scale != 0) << 4};
+    j->c.sgd = ampc__sgd_consts(h);
+    j->variant = (h->weight_decay != 0) | has_m << 1 | (has_m && it->first) << 2 | (has_m && h->nesterov) << 3 |
+                 (h->grad_scale != 0) << 4;
     return AMPC_OK;
 }
 
@@ -58,15 +57,8 @@ static int adam_job(ampc_cu_optim_job *j, const ampc_optim_item *it, const void 
     if (h->amsgrad && (!it->state[2] || check_f32(it->state[2], "max_exp_avg_sq") < 0))
         return it->state[2] ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "amsgrad needs max_exp_avg_sq");
     if (it->step < 1) return ampc__err(AMPC_ERR_INVALID, "Adam step %lld (steps count from 1)", (long long)it->step);
-    double bc1 = 1.0 - pow(h->beta1, (double)it->step), bc2 = 1.0 - pow(h->beta2, (double)it->step);
-    j->c.adam = (ampc_cu_adam_consts){
-        .decay = h->decoupled ? (float)(1.0 - h->lr * h->weight_decay) : 1.0f,
-        .l2 = h->decoupled ? 0.0f : (float)h->weight_decay,
-        .b1 = (float)h->beta1, .omb1 = (float)(1.0 - h->beta1),
-        .b2 = (float)h->beta2, .omb2 = (float)(1.0 - h->beta2),
-        .eps = (float)h->eps, .bc2_sqrt = (float)sqrt(bc2), .neg_step_size = (float)(-h->lr / bc1),
-        .gs = h->grad_scale, .amsgrad = h->amsgrad, .scaled = h->grad_scale != 0,
-    };
+    j->c.adam = ampc__adam_consts(h, it->step);
+    j->variant = h->amsgrad | (h->grad_scale != 0) << 1;
     for (int k = 0; k < 3; k++) j->state[k] = it->state[k] && (k < 2 || h->amsgrad) ? ampc__data(it->state[k]) : NULL;
     return AMPC_OK;
 }

@@ -43,9 +43,9 @@ __global__ void sgd_kernel(const __grid_constant__ ampc_cu_optim_jobs J) {
     int j = job_of(J, blockIdx.x, &base);
     if (j < 0) return;
     const ampc_cu_optim_job &jb = J.job[j];
-    const ampc_cu_sgd_consts c = jb.c.sgd;
+    const ampc_sgd_consts c = jb.c.sgd;
     int64_t end = base + OPT_ELEMS < jb.n ? base + OPT_ELEMS : jb.n;
-    bool has_wd = c.variant & 1, has_m = c.variant & 2, first = c.variant & 4, nesterov = c.variant & 8, scaled = c.variant & 16;
+    bool has_wd = jb.variant & 1, has_m = jb.variant & 2, first = jb.variant & 4, nesterov = jb.variant & 8, scaled = jb.variant & 16;
     for (int64_t i = base + threadIdx.x; i < end; i += blockDim.x) {
         float pi = jb.param[i], d = scaled ? __fmul_rn(jb.grad[i], c.gs) : jb.grad[i];
         if (has_wd) d = __fadd_rn(d, __fmul_rn(c.wd, pi));
@@ -65,16 +65,17 @@ __global__ void adam_kernel(const __grid_constant__ ampc_cu_optim_jobs J) {
     int j = job_of(J, blockIdx.x, &base);
     if (j < 0) return;
     const ampc_cu_optim_job &jb = J.job[j];
-    const ampc_cu_adam_consts c = jb.c.adam;
+    const ampc_adam_consts c = jb.c.adam;
+    bool amsgrad = jb.variant & 1, scaled = jb.variant & 2;
     int64_t end = base + OPT_ELEMS < jb.n ? base + OPT_ELEMS : jb.n;
     for (int64_t i = base + threadIdx.x; i < end; i += blockDim.x) {
         float pi = __fmul_rn(jb.param[i], c.decay);
-        float gi = __fadd_rn(c.scaled ? __fmul_rn(jb.grad[i], c.gs) : jb.grad[i], __fmul_rn(c.l2, pi));
+        float gi = __fadd_rn(scaled ? __fmul_rn(jb.grad[i], c.gs) : jb.grad[i], __fmul_rn(c.l2, pi));
         float mi = __fadd_rn(__fmul_rn(c.b1, jb.state[0][i]), __fmul_rn(c.omb1, gi));
         float vi = __fadd_rn(__fmul_rn(c.b2, jb.state[1][i]), __fmul_rn(__fmul_rn(c.omb2, gi), gi));
         jb.state[0][i] = mi;
         jb.state[1][i] = vi;
-        if (c.amsgrad) {
+        if (amsgrad) {
             float old = jb.state[2][i];
             vi = old > vi ? old : vi;   /* NaN in v propagates, as torch.maximum */
             jb.state[2][i] = vi;

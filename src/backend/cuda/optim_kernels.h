@@ -7,6 +7,7 @@
 #define AMPC_CUDA_OPTIM_KERNELS_H
 
 #include "backend/cuda/kernels.h"
+#include "backend/optim_consts.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -14,15 +15,7 @@ extern "C" {
 
 #define AMPC_CU_OPTIM_GROUP 96   /* tensors per launch (kernel parameters stay under 32 KiB) */
 
-typedef struct {
-    float wd, m, keep, neg_lr, gs;   /* as the CPU's sgd_consts (gs 0: no unscale) */
-    int variant;                     /* bits: 0 wd, 1 momentum, 2 first step, 3 nesterov, 4 scaled */
-} ampc_cu_sgd_consts;
 
-typedef struct {
-    float decay, l2, b1, omb1, b2, omb2, eps, bc2_sqrt, neg_step_size, gs;   /* as the CPU's adam_consts */
-    int amsgrad, scaled;
-} ampc_cu_adam_consts;
 
 typedef struct {
     float *param;
@@ -31,9 +24,12 @@ typedef struct {
     void *out;          /* 16-bit copy of the updated parameter, or NULL */
     int out_dtype;      /* AMPC_F16 / AMPC_BF16 */
     int64_t n;
+    /* SGD: bits 0 wd, 1 momentum, 2 first step, 3 nesterov, 4 scaled (as the CPU's variants);
+       Adam: bit 0 amsgrad, bit 1 scaled */
+    int variant;
     union {
-        ampc_cu_sgd_consts sgd;
-        ampc_cu_adam_consts adam;
+        ampc_sgd_consts sgd;
+        ampc_adam_consts adam;
     } c;
 } ampc_cu_optim_job;
 
