@@ -103,9 +103,8 @@ ampc_device ampc_device_from_name(const char *name) {
 const char *ampc_device_unavailable_reason(ampc_device dev) {
     if ((unsigned)dev >= AMPC_DEVICE_COUNT) return "unknown device";
     const ampc_device_ops *ops = ampc__device(dev);
-    if (ops->available && ops->available()) return ops->available();
-    if (!ops->raw_alloc) return "this build of ampc has no backend for it";
-    return NULL;
+    const char *why = ops->available ? ops->available() : NULL;
+    return why || ops->raw_alloc ? why : "this build of ampc has no backend for it";
 }
 
 bool ampc_device_available(ampc_device dev) { return ampc_device_unavailable_reason(dev) == NULL; }
