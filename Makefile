@@ -2,7 +2,7 @@
 BUILD ?= build
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps demo test asan clean fuzz fuzz-corpus
+.PHONY: all deps demo test asan clean fuzz fuzz-corpus install
 
 all:
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release >/dev/null
@@ -21,6 +21,12 @@ demo: deps all
 
 test: deps all
 	cd $(BUILD) && ctest --output-on-failure -j 2
+
+# Builds, then installs the headers, libampc.so/.a, the CMake package (find_package(ampc)), ampc.pc
+# and ampc-train into PREFIX: `make install PREFIX=$HOME/.local`.
+PREFIX ?= /usr/local
+install: all
+	cmake --install $(BUILD) --prefix $(PREFIX)
 
 # The suite under AddressSanitizer + UndefinedBehaviorSanitizer (as CI runs it).
 asan: deps

@@ -169,6 +169,65 @@ def run_one(name, mode, steps, warmup, threads, channels_last=False):
     }
 
 
+def run_one_cuda(name, mode, steps, warmup, channels_last, batch=0):
+    """One config on the GPU, as ampc-bench --device cuda runs it: torch.autocast("cuda") with
+    bf16 or fp16 (fp16 with torch.amp.GradScaler), fp32 with TF32 off for matmuls and
+    convolutions, tf32 with both on; SGD momentum 0.9; timed with a synchronize per step."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mode == "tf32"
+    b, shape, classes = WORKLOADS[name]
+    b = batch or b
+    model = build(name).train().to(dev)
+    x = torch.randn(b, *shape, device=dev)
+    y = torch.randint(0, classes, (b,), device=dev)
+    if channels_last and name != "mlp":
+        model = model.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    amp = mode.startswith("amp-")
+    dt = torch.float16 if mode == "amp-fp16" else torch.bfloat16
+    scaler = torch.amp.GradScaler("cuda", enabled=mode == "amp-fp16")
+
+    def step():
+        with torch.autocast("cuda", dtype=dt, enabled=amp):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()   # synchronizes, as ampc-bench's step does
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.reset_peak_memory_stats()
+    ms = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = step()
+        ms.append((time.perf_counter() - t0) * 1e3)
+    med = statistics.median(ms)
+    return {"workload": name, "mode": mode, "batch": b, "device": torch.cuda.get_device_name(),
+            "ms_median": med, "ms_min": min(ms), "ms_max": max(ms), "samples_per_s": b / (med * 1e-3),
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(), "final_loss": loss, "torch": torch.__version__}
+
+
+def cuda_main(args):
+    rows = []
+    for w in args.workloads:
+        for m in args.modes:
+            r = run_one_cuda(w, m, args.steps, args.warmup, args.channels_last == "yes", args.batch)
+            rows.append(r)
+            print(f"{w:9s} {m:9s} batch {r['batch']:4d} {r['ms_median']:9.2f} ms/step {r['samples_per_s']:10.1f} samples/s "
+                  f"peak {r['peak_allocated_bytes'] / 2**20:9.1f} MiB", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"tool": "pytorch_peer", "device": "cuda", "results": rows}, f, indent=1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Orchestration: one process per config
 
@@ -319,6 +378,9 @@ def print_table(args, peak, rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default="mlp,cnn,resnet18")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: torch.autocast('cuda') + GradScaler on the GPU (modes fp32, tf32, amp-bf16, amp-fp16)")
+    ap.add_argument("--batch", type=int, default=0, help="samples per step for every workload (cuda; 0: their own)")
     ap.add_argument("--resnet50", action="store_true", help="add resnet50")
     ap.add_argument("--modes", default=None, help="default fp32,amp-bf16 (with --compare: also amp-fp16)")
     ap.add_argument("--steps", type=int, default=10)
@@ -337,6 +399,11 @@ def main():
                     help="ampc-bench --channels-last (default yes: ampc-bench's default)")
     ap.add_argument("--one", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.device == "cuda":   # in this process, all configs (the GPU's numbers need no fresh RSS)
+        args.workloads = [w for w in args.workloads.split(",") if w]
+        args.modes = (args.modes or "fp32,tf32,amp-bf16,amp-fp16").split(",")
+        cuda_main(args)
+        return
     if args.one:
         print(json.dumps(run_one(args.one[0], args.one[1], args.steps, args.warmup, args.threads,
                                  args.channels_last == "yes")))

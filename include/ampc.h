@@ -93,6 +93,9 @@ void ampc_clear_error(void);
 // ---------------------------------------------------------------------------------------------
 // Library, threads, RNG
 
+/* The library's version, "major.minor.patch" (static), as AMPC_VERSION_STRING in <ampc/version.h>
+   says at compile time: a program can compare the library it runs with the one it was built for. */
+const char *ampc_version(void);
 /* Optional: called implicitly by the first ampc call. Picks kernels from CPU features. */
 int ampc_init(void);
 /* Releases every scope, cached block and backend resource. Safe to call once at exit. */
@@ -133,10 +136,24 @@ void ampc_convert_f16_to_f32(const uint16_t *src, float *dst, size_t n);
 void ampc_convert_f32_to_bf16(const float *src, uint16_t *dst, size_t n);
 void ampc_convert_bf16_to_f32(const uint16_t *src, float *dst, size_t n);
 
-/* A device is a backend: CPU (oneDNN + vectorized C) or REF (plain fp64 C, the test oracle).
-   A later CUDA backend is one more entry here. */
-typedef enum { AMPC_DEVICE_CPU = 0, AMPC_DEVICE_REF, AMPC_DEVICE_COUNT } ampc_device;
+/* A device is a backend: CPU (oneDNN + vectorized C), REF (plain fp64 C, the test oracle) or
+   CUDA (an NVIDIA GPU: cuBLASLt, cuDNN and ampc's kernels; present in builds with AMPC_CUDA and
+   usable where a GPU is found). Every op runs on the device of its inputs (all on one device,
+   else an error); move tensors with ampc_tensor_to and models with ampc_module_to. */
+typedef enum { AMPC_DEVICE_CPU = 0, AMPC_DEVICE_REF, AMPC_DEVICE_CUDA, AMPC_DEVICE_COUNT } ampc_device;
 const char *ampc_device_name(ampc_device d);
+/* "cpu", "ref", "cuda" -> the device; AMPC_DEVICE_COUNT for anything else */
+ampc_device ampc_device_from_name(const char *name);
+/* Whether dev can hold tensors in this process: false for CUDA in a build without it or on a
+   machine without a usable GPU; then ampc_device_unavailable_reason says why (else NULL). */
+bool ampc_device_available(ampc_device dev);
+const char *ampc_device_unavailable_reason(ampc_device dev);
+/* Waits until every kernel queued on dev has finished (a no-op on host devices); for timing. */
+int ampc_device_synchronize(ampc_device dev);
+/* TF32 tensor-core arithmetic for fp32 matmuls on CUDA (PyTorch's
+   torch.backends.cuda.matmul.allow_tf32): off by default, as PyTorch's matmul. */
+void ampc_set_allow_tf32(bool on);
+bool ampc_allow_tf32(void);
 /* Whether dev's matmuls and convolutions run in dt, so autocast to dt works there: on the CPU,
    bf16 needs oneDNN's AVX-512 kernels (not on AVX2-only CPUs, nor under ONEDNN_MAX_CPU_ISA=AVX2);
    fp16 always works (computed in fp32 and rounded once, as tensor cores do). */
@@ -224,7 +241,7 @@ int64_t ampc_tensor_dim(const ampc_tensor *t, int i);   /* negative i counts fro
 const int64_t *ampc_tensor_shape(const ampc_tensor *t);
 int64_t ampc_tensor_numel(const ampc_tensor *t);
 ampc_memory_format ampc_tensor_memory_format(const ampc_tensor *t);
-void *ampc_tensor_data(ampc_tensor *t);                 /* raw storage, in the tensor's dtype */
+void *ampc_tensor_data(ampc_tensor *t);                 /* raw storage, in the tensor's dtype (CUDA: a device pointer) */
 const void *ampc_tensor_cdata(const ampc_tensor *t);
 /* Copy out converting to f32/f64 (n must be >= numel). A negative status on error. */
 int ampc_tensor_to_f32(const ampc_tensor *t, float *dst, size_t n);
@@ -287,6 +304,7 @@ ampc_tensor *ampc_add_scalar(ampc_tensor *a, double s);
 ampc_tensor *ampc_mul_scalar(ampc_tensor *a, double s);
 ampc_tensor *ampc_relu(ampc_tensor *x);
 ampc_tensor *ampc_gelu(ampc_tensor *x);     /* exact (erf) form, PyTorch's default */
+ampc_tensor *ampc_silu(ampc_tensor *x);     /* x * sigmoid(x) (swish) */
 ampc_tensor *ampc_tanh(ampc_tensor *x);
 ampc_tensor *ampc_sigmoid(ampc_tensor *x);
 ampc_tensor *ampc_exp(ampc_tensor *x);
@@ -358,20 +376,96 @@ typedef enum {
     AMPC_POLICY_PASSTHROUGH, /* run in the inputs' dtype (elementwise, shape ops) */
 } ampc_policy;
 
+/* What an op's backward reads of its values (shapes and dtypes are always kept). */
 typedef enum {
-    AMPC_OP_CAST = 0, AMPC_OP_ADD, AMPC_OP_SUB, AMPC_OP_MUL, AMPC_OP_ADD_SCALAR,
-    AMPC_OP_MUL_SCALAR, AMPC_OP_RELU, AMPC_OP_GELU, AMPC_OP_TANH, AMPC_OP_SIGMOID,
-    AMPC_OP_EXP, AMPC_OP_LOG, AMPC_OP_POW, AMPC_OP_SUM, AMPC_OP_MEAN, AMPC_OP_RESHAPE,
-    AMPC_OP_SOFTMAX, AMPC_OP_LOG_SOFTMAX, AMPC_OP_MATMUL, AMPC_OP_LINEAR, AMPC_OP_MSE_LOSS,
-    AMPC_OP_CROSS_ENTROPY, AMPC_OP_DROPOUT, AMPC_OP_CONV2D, AMPC_OP_MAX_POOL2D,
-    AMPC_OP_AVG_POOL2D, AMPC_OP_ADAPTIVE_AVG_POOL2D, AMPC_OP_BATCH_NORM, AMPC_OP_LAYER_NORM,
-    AMPC_OP_CAT,
+    AMPC_READS_NONE = 0,   /* nothing: the gradient is linear in gy (add, sum, cast) */
+    AMPC_READS_X,          /* its inputs (gelu, log, mul, matmul, conv, losses, norms) */
+    AMPC_READS_Y,          /* its output (relu, tanh, sigmoid, exp, softmax) */
+} ampc_backward_reads;
+
+/* The op table: one row per op holding every fact about it, read by the op front door, by
+   autocast, by the kernels and by the profiler (src/ops/op_table.c expands it). A new op is
+   one row here plus its own code.
+     OP(ID, name, autocast policy under f16, under bf16,
+       channels-last inputs: bit i set when input i may stay channels-last on a backend with
+         channels-last kernels (the others are converted to contiguous first),
+       what its backward reads: the op saves exactly that and its backward kernel reads it) */
+#define AMPC_OP_TABLE(OP)                                                             \
+    OP(CAST, "cast", PASSTHROUGH, PASSTHROUGH, 0x1, NONE)                             \
+    OP(ADD, "add", PASSTHROUGH, PASSTHROUGH, 0x3, NONE)                               \
+    OP(SUB, "sub", PASSTHROUGH, PASSTHROUGH, 0x3, NONE)                               \
+    OP(MUL, "mul", PASSTHROUGH, PASSTHROUGH, 0x3, X)                                  \
+    OP(ADD_SCALAR, "add_scalar", PASSTHROUGH, PASSTHROUGH, 0x1, NONE)                 \
+    OP(MUL_SCALAR, "mul_scalar", PASSTHROUGH, PASSTHROUGH, 0x1, NONE)                 \
+    OP(RELU, "relu", PASSTHROUGH, PASSTHROUGH, 0x1, Y)                                \
+    OP(GELU, "gelu", PASSTHROUGH, PASSTHROUGH, 0x1, X)                                \
+    OP(TANH, "tanh", PASSTHROUGH, PASSTHROUGH, 0x1, Y)                                \
+    OP(SIGMOID, "sigmoid", PASSTHROUGH, PASSTHROUGH, 0x1, Y)                          \
+    OP(EXP, "exp", FP32, FP32, 0x1, Y)                                                \
+    OP(LOG, "log", FP32, FP32, 0x1, X)                                                \
+    OP(POW, "pow", FP32, FP32, 0x1, X)                                                \
+    OP(SUM, "sum", FP32, FP32, 0x0, NONE)                                             \
+    OP(MEAN, "mean", PASSTHROUGH, PASSTHROUGH, 0x0, NONE)                             \
+    OP(RESHAPE, "reshape", PASSTHROUGH, PASSTHROUGH, 0x0, NONE)                       \
+    OP(SOFTMAX, "softmax", FP32, FP32, 0x0, Y)                                        \
+    OP(LOG_SOFTMAX, "log_softmax", FP32, FP32, 0x0, Y)                                \
+    OP(MATMUL, "matmul", LOWER, LOWER, 0x0, X)                                        \
+    OP(LINEAR, "linear", LOWER, LOWER, 0x0, X)                                        \
+    OP(MSE_LOSS, "mse_loss", FP32, FP32, 0x0, X)                                      \
+    OP(CROSS_ENTROPY, "cross_entropy", FP32, FP32, 0x0, X)                            \
+    OP(DROPOUT, "dropout", PASSTHROUGH, PASSTHROUGH, 0x1, NONE)                       \
+    OP(CONV2D, "conv2d", LOWER, LOWER, 0x1, X)                                        \
+    OP(MAX_POOL2D, "max_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE)                 \
+    OP(AVG_POOL2D, "avg_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE)                 \
+    OP(ADAPTIVE_AVG_POOL2D, "adaptive_avg_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE) \
+    OP(BATCH_NORM, "batch_norm", PASSTHROUGH, PASSTHROUGH, 0x1, X)                    \
+    OP(LAYER_NORM, "layer_norm", FP32, FP32, 0x0, X)                                  \
+    OP(CAT, "cat", PROMOTE, PROMOTE, 0x0, NONE)                                      \
+    OP(SILU, "silu", PASSTHROUGH, PASSTHROUGH, 0x1, X)
+/* Policies follow PyTorch's CUDA autocast lists (aten/src/ATen/autocast_mode.cpp) for the ops
+   ampc has, for fp16 and bf16 alike: matmul-like ops run in the lower precision; reductions
+   PyTorch lists as fp32 (sum, softmax, log_softmax, exp, log, pow), layer_norm and every loss
+   in fp32; ops PyTorch lists nowhere (elementwise, mean, reshape, dropout, pooling) run in the
+   inputs' dtype, with ordinary type promotion for binary ops. batch_norm is in no list either:
+   it runs on the 16-bit input with fp32 weights and fp32 statistics. max_pool2d saves its
+   argmax and dropout its mask, not values (NONE). */
+
+typedef enum {
+#define AMPC_OP_ENUM_(id, name, f16, bf16, channels_last, reads) AMPC_OP_##id,
+    AMPC_OP_TABLE(AMPC_OP_ENUM_)
+#undef AMPC_OP_ENUM_
     AMPC_OP_COUNT
 } ampc_op;
 
-const char *ampc_op_name(ampc_op op);                      /* "linear" */
 ampc_policy ampc_op_policy(ampc_op op, ampc_dtype autocast_dtype);
 const char *ampc_policy_name(ampc_policy p);
+/* The table's columns (inline: every layer reads the one table, the kernels below the op
+   layer too): the op's name ("linear"; "?" out of range), the inputs that may stay
+   channels-last (bit i: input i), and what its backward reads. */
+static inline const char *ampc_op_name(ampc_op op) {
+    switch (op) {
+#define AMPC_OP_NAME_(id, name, f16, bf16, channels_last, reads) case AMPC_OP_##id: return name;
+        AMPC_OP_TABLE(AMPC_OP_NAME_)
+#undef AMPC_OP_NAME_
+    default: return "?";
+    }
+}
+static inline unsigned ampc_op_channels_last_inputs(ampc_op op) {
+    switch (op) {
+#define AMPC_OP_CL_(id, name, f16, bf16, channels_last, reads) case AMPC_OP_##id: return channels_last;
+        AMPC_OP_TABLE(AMPC_OP_CL_)
+#undef AMPC_OP_CL_
+    default: return 0;
+    }
+}
+static inline ampc_backward_reads ampc_op_backward_reads(ampc_op op) {
+    switch (op) {
+#define AMPC_OP_READS_(id, name, f16, bf16, channels_last, reads) case AMPC_OP_##id: return AMPC_READS_##reads;
+        AMPC_OP_TABLE(AMPC_OP_READS_)
+#undef AMPC_OP_READS_
+    default: return AMPC_READS_NONE;
+    }
+}
 
 void ampc_autocast_enter(ampc_dtype dtype, bool enabled);  /* AMPC_F16 or AMPC_BF16 */
 void ampc_autocast_exit(void);  /* leaving the outermost region clears the weight-cast cache */
@@ -400,6 +494,7 @@ typedef struct ampc_module ampc_module;
 ampc_module *ampc_linear_new(int64_t in_features, int64_t out_features, bool bias);
 ampc_module *ampc_relu_new(void);
 ampc_module *ampc_gelu_new(void);
+ampc_module *ampc_silu_new(void);
 ampc_module *ampc_tanh_new(void);
 ampc_module *ampc_sigmoid_new(void);
 ampc_module *ampc_dropout_new(double p);
@@ -427,6 +522,10 @@ void ampc_module_requires_grad(ampc_module *m, bool on);  /* freeze / unfreeze r
    Functions given a NULL or stale module record an error naming the call and return NULL,
    false, a negative status (ampc_module_parameters/state_dict), or 0 (num_children of NULL). */
 void ampc_module_free(ampc_module *m);
+/* Moves m's parameters, buffers and their grads to dev in place (PyTorch's module.to(device)):
+   the handles stay valid, their storage moves; optimizer state made before the move does not
+   (make the optimizer after moving the model). */
+int ampc_module_to(ampc_module *m, ampc_device dev);
 
 /* Convolutional layers (PyTorch's default initialisation: kaiming_uniform(a=sqrt(5)) weights,
    U(+-1/sqrt(fan_in)) bias; BatchNorm: weight 1, bias 0, running_mean 0, running_var 1). */

@@ -181,14 +181,14 @@ static void test_cache(void **state) {
 
     ampc_autocast_enter(AMPC_F16, true);
     /* the same fp32 parameter used twice is cast once: one entry, one storage */
-    ampc_tensor *in1[1] = {ampc__retain(w)}, *in2[1] = {ampc__retain(w)};
-    ASSERT_OK(ampc__autocast_apply(AMPC_OP_LINEAR, in1, 1));
-    ASSERT_OK(ampc__autocast_apply(AMPC_OP_LINEAR, in2, 1));
-    assert_int_equal(in1[0]->dtype, AMPC_F16);
-    assert_ptr_equal(in1[0]->storage, in2[0]->storage);
+    ampc_op_args a1, a2;   /* the op front door: it applies the policy (autocast's hook) */
+    ASSERT_OK(ampc__op_prepare(AMPC_OP_LINEAR, &a1, 1, &w, 0));
+    ASSERT_OK(ampc__op_prepare(AMPC_OP_LINEAR, &a2, 1, &w, 0));
+    assert_int_equal(a1.in[0]->dtype, AMPC_F16);
+    assert_ptr_equal(a1.in[0]->storage, a2.in[0]->storage);
     assert_int_equal(ampc_autocast_cache_size(), 1);
-    ampc__release(in1[0]);
-    ampc__release(in2[0]);
+    ampc__op_args_release(&a1);
+    ampc__op_args_release(&a2);
     /* through the op: x requires grad so LinearBackward saves the weight cast */
     ASSERT_OK(ampc_tensor_set_requires_grad(x, true));
     ampc_tensor *y1 = ampc_linear(x, w, NULL), *y2 = ampc_linear(x, w, NULL);

@@ -1,6 +1,7 @@
 /*
- * test_io.c - checkpoints (safetensors round trip, corruption, atomic replace), the metrics
- * CSV and the PNG plots.
+ * test_io.c - checkpoints (safetensors round trip, corruption, atomic replace, listing, a file
+ * from an older version), the metrics CSV and ampc-train's PNG plots (tools/plot.c, built into
+ * this test).
  *
  * A checkpoint is checked three ways: restored into a differently initialised copy it gives
  * bit-identical state and the next training step gives bit-identical weights; an independent
@@ -29,9 +30,10 @@
 #include "amp/amp.h"
 #include "nn/nn.h"
 #include "optim/optim.h"
+#include "plot.h"   /* tools/ */
 
-extern int ampc__checkpoint_fail_stage;   /* src/io/checkpoint.c test hooks */
-extern _Thread_local uint64_t ampc__checkpoint_key_compares;
+extern int ampc__checkpoint_fail_stage;   /* src/io/safetensors.c test hooks */
+extern _Thread_local uint64_t ampc__checkpoint_key_compares, ampc__checkpoint_json_parses;
 
 static char tmpdir[64];
 
@@ -81,6 +83,18 @@ static void write_all(const char *path, const void *p, size_t n) {
 }
 
 static bool file_exists(const char *p) { return access(p, F_OK) == 0; }
+
+/* The header size N of a safetensors file (its first 8 bytes, little-endian). */
+static uint64_t hn_of(const char *path) {
+    unsigned char b[8] = {0};
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    assert_int_equal(fread(b, 1, 8, f), 8);
+    fclose(f);
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; i--) n = n << 8 | b[i];
+    return n;
+}
 
 /* No "<anything>.tmp.<pid>" left in the directory. */
 static int count_temp_files(void) {
@@ -385,19 +399,32 @@ static void test_roundtrip_adamw(void **state) {
     roundtrip(OPT_ADAMW);
 }
 
+/* Conv(1->2, 3x3, no bias), BatchNorm2d(2), ReLU, Flatten, Linear(32->3) for 2x1x4x4 inputs:
+   parameters, running stats and an I64 buffer (num_batches_tracked). */
+static ampc_module *conv_bn_net(uint64_t seed) {
+    ampc_manual_seed(seed);
+    ampc_conv2d_options co = {.padding = {1, 1}};
+    ampc_module *m = ampc_sequential(5, ampc_conv2d_new(1, 2, 3, &co, false), ampc_batchnorm2d_new(2), ampc_relu_new(),
+                                     ampc_flatten_new(), ampc_linear_new(2 * 4 * 4, 3, true));
+    ASSERT_NOT_NULL_MSG(m);
+    return m;
+}
+
+static ampc_tensor *conv_bn_input(void) {
+    double xv[2 * 16];
+    tu_fill_uniform(xv, 32, 5, -1, 1);
+    ampc_tensor *x = ampc_tensor_from_f64(AMPC_F32, 4, (int64_t[]){2, 1, 4, 4}, xv);
+    ASSERT_NOT_NULL_MSG(x);
+    return x;
+}
+
 /* A conv net with BatchNorm: buffers (running stats, an I64 counter) round-trip too. */
 static void test_roundtrip_batchnorm(void **state) {
     (void)state;
     ampc_scope_begin();
-    ampc_manual_seed(3);
-    ampc_conv2d_options co = {.padding = {1, 1}};
-    ampc_module *a = ampc_sequential(5, ampc_conv2d_new(1, 2, 3, &co, false), ampc_batchnorm2d_new(2), ampc_relu_new(),
-                                     ampc_flatten_new(), ampc_linear_new(2 * 4 * 4, 3, true));
-    ASSERT_NOT_NULL_MSG(a);
+    ampc_module *a = conv_bn_net(3);
     ampc_optimizer *oa = ampc_sgd_new(a, &(ampc_sgd_options){.lr = 0.1, .momentum = 0.5});
-    double xv[2 * 16];
-    tu_fill_uniform(xv, 32, 5, -1, 1);
-    ampc_tensor *x = ampc_tensor_from_f64(AMPC_F32, 4, (int64_t[]){2, 1, 4, 4}, xv), *y = data_tensor(6, 2, 3);
+    ampc_tensor *x = conv_bn_input(), *y = data_tensor(6, 2, 3);
     for (int i = 0; i < 2; i++) {
         ampc_scope_begin();
         ampc_tensor *loss = ampc_mse_loss(ampc_module_forward(a, x), y, AMPC_REDUCTION_MEAN);
@@ -417,9 +444,7 @@ static void test_roundtrip_batchnorm(void **state) {
     assert_non_null(strstr((char *)file + 8, "\"1.running_var\":{\"dtype\":\"F32\",\"shape\":[2]"));
     free(file);
 
-    ampc_manual_seed(4);
-    ampc_module *b = ampc_sequential(5, ampc_conv2d_new(1, 2, 3, &co, false), ampc_batchnorm2d_new(2), ampc_relu_new(),
-                                     ampc_flatten_new(), ampc_linear_new(2 * 4 * 4, 3, true));
+    ampc_module *b = conv_bn_net(4);
     ampc_optimizer *ob = ampc_sgd_new(b, &(ampc_sgd_options){.lr = 0.1, .momentum = 0.5});
     ASSERT_OK(ampc_checkpoint_load(path, b, ob, NULL, NULL));
     assert_same("batchnorm model", snapshot(a, oa, NULL), snapshot(b, ob, NULL));
@@ -427,6 +452,112 @@ static void test_roundtrip_batchnorm(void **state) {
     ampc_optimizer_free(ob);
     ampc_module_free(a);
     ampc_module_free(b);
+    ampc_scope_end();
+}
+
+// ---------------------------------------------------------------------------------------------
+// A checkpoint written before the safetensors code moved to jansson still loads
+
+/* tests/fixtures/checkpoint_v1.safetensors was written by write_v1_checkpoint with the library
+   of commit 4d99f58 (the hand-written JSON writer), by
+       AMPC_TEST_WRITE_V1=tests/fixtures/checkpoint_v1.safetensors build/test_io
+   (see tests/fixtures/README.md). Its weights were set to exact values after three Adam
+   (amsgrad) steps under a grad scaler, so that a load is checked against values known here. */
+#define V1_STEPS 3
+
+static float v1_value(int tensor, int64_t i) { return (float)(i % 13 - 6) / 64.0f + (float)tensor / 8.0f; }
+
+static void write_v1_checkpoint(const char *path) {
+    ampc_scope_begin();
+    ampc_module *m = conv_bn_net(3);
+    ampc_adam_options ao = ampc_adam_defaults();
+    ao.lr = 0.01;
+    ao.amsgrad = true;
+    ampc_optimizer *o = ampc_adam_new(m, &ao);
+    ampc_scaler *s = ampc_scaler_new(NULL);
+    ASSERT_NOT_NULL_MSG(o && s);
+    ampc_tensor *x = conv_bn_input(), *y = data_tensor(6, 2, 3);
+    for (int i = 0; i < V1_STEPS; i++) {
+        ampc_scope_begin();
+        ampc_tensor *loss = ampc_mse_loss(ampc_module_forward(m, x), y, AMPC_REDUCTION_MEAN);
+        ASSERT_OK(ampc_backward(ampc_scaler_scale(s, loss)));
+        assert_int_equal(ampc_scaler_step(s, o), 1);
+        ASSERT_OK(ampc_scaler_update(s));
+        ampc_optimizer_zero_grad(o);
+        ampc_scope_end();
+    }
+    ampc_optimizer_set_lr(o, 0.005);
+    ampc_scaler_set_scale(s, 2048.0f);
+    ampc_tensor **sd;
+    int n = ampc_module_state_dict(m, &sd, NULL);
+    for (int k = 0; k < n; k++)
+        if (sd[k]->dtype == AMPC_F32)
+            for (int64_t i = 0; i < sd[k]->numel; i++) ((float *)ampc_tensor_data(sd[k]))[i] = v1_value(k, i);
+    ampc_manual_seed(1234);
+    ASSERT_OK(ampc_checkpoint_save(path, m, o, s, (const char *[]){"epoch", "7", "note", "caf\xc3\xa9 \"v1\"", NULL}));
+    ampc_optimizer_free(o);
+    ampc_scaler_free(s);
+    ampc_module_free(m);
+    ampc_scope_end();
+}
+
+static void test_v1_checkpoint_loads(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    char path[512], dir[512];
+    snprintf(dir, sizeof dir, "%s", __FILE__);
+    snprintf(path, sizeof path, "%s/fixtures/checkpoint_v1.safetensors", dirname(dir));
+    ampc_module *m = conv_bn_net(8);   /* other weights, no optimizer state, default scaler */
+    ampc_adam_options ao = ampc_adam_defaults();
+    ao.amsgrad = true;
+    ampc_optimizer *o = ampc_adam_new(m, &ao);
+    ampc_scaler *s = ampc_scaler_new(NULL);
+    ASSERT_NOT_NULL_MSG(o && s);
+    ampc_manual_seed(99);
+    char *meta = NULL;
+    ASSERT_OK(ampc_checkpoint_load(path, m, o, s, &meta));
+
+    /* the model: the exact values written, and num_batches_tracked counted the steps */
+    ampc_tensor **sd;
+    const char **names;
+    int n = ampc_module_state_dict(m, &sd, &names);
+    assert_int_equal(n, 8);
+    for (int k = 0; k < n; k++) {
+        if (sd[k]->dtype == AMPC_I64) {
+            assert_string_equal(names[k], "1.num_batches_tracked");
+            assert_int_equal(*(const int64_t *)ampc_tensor_cdata(sd[k]), V1_STEPS);
+            continue;
+        }
+        const float *v = ampc_tensor_cdata(sd[k]);
+        for (int64_t i = 0; i < sd[k]->numel; i++)
+            if (v[i] != v1_value(k, i)) fail_msg("%s[%" PRId64 "] is %g, written as %g", names[k], i, v[i], v1_value(k, i));
+    }
+    /* the optimizer: every slot of every parameter, bytes as the file holds them (the test's own
+       reader), three steps, the lr set before saving */
+    for (int i = 0; i < o->n; i++) {
+        assert_int_equal(o->steps[i], V1_STEPS);
+        for (int k = 0; k < 3; k++) assert_non_null(o->state[k][i]);
+    }
+    independent_read(path, m, o);
+    assert_true(ampc_optimizer_get_lr(o) == 0.005);
+    /* the scaler, the RNG and the caller's keys */
+    assert_true(ampc_scaler_get_scale(s) == 2048.0f);
+    assert_int_equal(ampc_scaler_steps_applied(s), V1_STEPS);
+    assert_int_equal(ampc_scaler_steps_skipped(s), 0);
+    uint64_t seed, offset;
+    ampc_rng_get_state(&seed, &offset);
+    assert_true(seed == 1234 && offset == 0);
+    char buf[64];
+    assert_int_equal(ampc_checkpoint_meta_get(meta, "epoch", buf, sizeof buf), 1);
+    assert_string_equal(buf, "7");
+    assert_int_equal(ampc_checkpoint_meta_get(meta, "note", buf, sizeof buf), (int)strlen("caf\xc3\xa9 \"v1\""));
+    assert_string_equal(buf, "caf\xc3\xa9 \"v1\"");
+    assert_int_equal(ampc_checkpoint_meta_get(meta, "optimizer.1.weight.step", buf, sizeof buf), 1);
+    assert_string_equal(buf, "3");
+    free(meta);
+    ampc_optimizer_free(o);
+    ampc_scaler_free(s);
+    ampc_module_free(m);
     ampc_scope_end();
 }
 
@@ -763,8 +894,10 @@ static char *many_keys_header(int n) {
     return (char *)b.b;
 }
 
-/* Linearity is asserted by counting name comparisons (a test hook in checkpoint.c), not by
-   timing: a quadratic step would make billions where n log n makes a few million. */
+/* Linearity is asserted by counting (test hooks in safetensors.c), not by timing: name
+   comparisons in the sorted tensor index (a quadratic step would make billions where n log n
+   makes a few million), and JSON parses, each linear in its text (jansson's objects are hash
+   tables): one per file read, one per metadata lookup, never one per key. */
 static void test_large_headers(void **state) {
     (void)state;
     const int n = 100000;
@@ -774,11 +907,12 @@ static void test_large_headers(void **state) {
     write_crafted(p, json, 0);
     free(json);
     char *meta = NULL;
-    ampc__checkpoint_key_compares = 0;
+    ampc__checkpoint_key_compares = ampc__checkpoint_json_parses = 0;
     ASSERT_OK(ampc_checkpoint_read_meta(p, &meta));
     uint64_t c = ampc__checkpoint_key_compares;
     if (c > 25ull * (uint64_t)n) fail_msg("reading %d metadata keys took %" PRIu64 " comparisons: not n log n", n, c);
-    ampc__checkpoint_key_compares = 0;
+    assert_int_equal(ampc__checkpoint_json_parses, 1);
+    ampc__checkpoint_key_compares = ampc__checkpoint_json_parses = 0;
     for (int j = 0; j < 60; j++) {
         char k[64], buf[64], want[64];
         scattered_name(k, sizeof k, n - 1 - j, n);   /* the last keys of the text: the longest lookups */
@@ -788,6 +922,7 @@ static void test_large_headers(void **state) {
     }
     c = ampc__checkpoint_key_compares;
     if (c > 60ull * (uint64_t)n) fail_msg("60 lookups among %d keys took %" PRIu64 " comparisons: not linear", n, c);
+    assert_int_equal(ampc__checkpoint_json_parses, 60);
     assert_int_equal(ampc_checkpoint_meta_get(meta, "k", NULL, 0), AMPC_ERR_INVALID);
     free(meta);
 
@@ -804,12 +939,25 @@ static void test_large_headers(void **state) {
     blob_add(&b, "}", 2);
     write_crafted(p, (char *)b.b, (uint64_t)n);
     free(b.b);
-    ampc__checkpoint_key_compares = 0;
+    ampc__checkpoint_key_compares = ampc__checkpoint_json_parses = 0;
     ASSERT_OK(ampc_checkpoint_read_meta(p, &meta));
     c = ampc__checkpoint_key_compares;
     if (c > 25ull * (uint64_t)n) fail_msg("reading %d tensors took %" PRIu64 " comparisons: not n log n", n, c);
+    assert_int_equal(ampc__checkpoint_json_parses, 1);
     assert_string_equal(meta, "{}");
     free(meta);
+    /* listed in name order, each at the offset its name says */
+    ampc_checkpoint_tensor *list = NULL;
+    ampc__checkpoint_key_compares = 0;
+    assert_int_equal(ampc_checkpoint_list(p, &list), n);
+    c = ampc__checkpoint_key_compares;
+    if (c > 25ull * (uint64_t)n) fail_msg("listing %d tensors took %" PRIu64 " comparisons: not n log n", n, c);
+    for (int i = 0; i < n; i++) {
+        if (i) assert_true(strcmp(list[i - 1].name, list[i].name) < 0);
+        assert_true(list[i].ampc_dtype == -1 && strcmp(list[i].dtype, "U8") == 0 && list[i].nbytes == 1);
+        assert_int_equal(list[i].offset, 8 + hn_of(p) + (uint64_t)atoi(list[i].name + 1));
+    }
+    free(list);
     char *out = NULL;
     size_t out_n = 0;
     FILE *rep = open_memstream(&out, &out_n);
@@ -1038,6 +1186,82 @@ static void test_compare(void **state) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Listing a file's tensors
+
+static void test_list(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    ampc_module *m = conv_bn_net(9);
+    ampc_optimizer *o = ampc_sgd_new(m, &(ampc_sgd_options){.lr = 0.1, .momentum = 0.5});
+    ASSERT_NOT_NULL_MSG(o);
+    ampc_tensor *x = conv_bn_input(), *y = data_tensor(6, 2, 3);
+    ampc_tensor *loss = ampc_mse_loss(ampc_module_forward(m, x), y, AMPC_REDUCTION_MEAN);
+    ASSERT_OK(ampc_backward(loss));
+    ASSERT_OK(ampc_optimizer_step(o));
+    const char *p = tpath("list.safetensors");
+    ASSERT_OK(ampc_checkpoint_save(p, m, o, NULL, NULL));
+
+    /* every state_dict tensor and momentum buffer, by name, with its dtype, shape and the bytes
+       at its offset in the file */
+    ampc_tensor **sd;
+    const char **names;
+    int n_sd = ampc_module_state_dict(m, &sd, &names);
+    ampc_checkpoint_tensor *list = NULL;
+    int n = ampc_checkpoint_list(p, &list);
+    assert_int_equal(n, n_sd + o->n);
+    size_t size;
+    unsigned char *file = read_all(p, &size);
+    for (int i = 0; i < n; i++) {
+        const ampc_checkpoint_tensor *e = &list[i];
+        if (i) assert_true(strcmp(list[i - 1].name, e->name) < 0);
+        const ampc_tensor *t = NULL;
+        for (int k = 0; k < n_sd && !t; k++) {
+            char slot[256];
+            snprintf(slot, sizeof slot, "optimizer.%s.momentum_buffer", names[k]);
+            if (strcmp(e->name, names[k]) == 0) t = sd[k];
+            for (int j = 0; j < o->n && !t; j++)
+                if (o->params[j] == sd[k] && strcmp(e->name, slot) == 0) t = o->state[0][j];
+        }
+        if (!t) fail_msg("listed tensor '%s' is neither the model's nor the optimizer's", e->name);
+        assert_int_equal(e->ampc_dtype, t->dtype);
+        assert_string_equal(e->dtype, st_name(t->dtype));
+        assert_int_equal(e->ndim, t->ndim);
+        for (int d = 0; d < t->ndim; d++) assert_int_equal(e->shape[d], t->shape[d]);
+        size_t nb = (size_t)t->numel * ampc_dtype_size(t->dtype);
+        assert_int_equal(e->nbytes, nb);
+        assert_true(e->offset % ampc_dtype_size(t->dtype) == 0 && e->offset + nb <= size);   /* aligned */
+        if (t->dtype == AMPC_I64) assert_int_equal(e->offset, 8 + hn_of(p));   /* 8-byte dtypes first */
+        assert_memory_equal(file + e->offset, ampc_tensor_cdata(t), nb);
+    }
+    assert_string_equal(list[0].name, "0.weight");
+    assert_int_equal(list[0].ndim, 4);
+    free(file);
+    free(list);
+
+    /* a file of another program's dtypes, no tensors, and errors */
+    write_crafted(p, "{\"ids\":{\"dtype\":\"I32\",\"shape\":[2,3],\"data_offsets\":[0,24]}}", 24);
+    assert_int_equal(ampc_checkpoint_list(p, &list), 1);
+    assert_true(strcmp(list[0].name, "ids") == 0 && strcmp(list[0].dtype, "I32") == 0 && list[0].ampc_dtype == -1);
+    assert_true(list[0].ndim == 2 && list[0].shape[0] == 2 && list[0].shape[1] == 3);
+    assert_true(list[0].offset == 8 + hn_of(p) && list[0].nbytes == 24);
+    free(list);
+    write_crafted(p, "{\"__metadata__\":{\"k\":\"v\"}}", 0);
+    list = (ampc_checkpoint_tensor *)p;
+    assert_int_equal(ampc_checkpoint_list(p, &list), 0);
+    assert_null(list);
+    write_crafted(p, "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 8);
+    list = (ampc_checkpoint_tensor *)p;
+    assert_int_equal(ampc_checkpoint_list(p, &list), AMPC_ERR_FORMAT);
+    assert_non_null(strstr(ampc_last_error(), "trailing data"));
+    assert_null(list);
+    assert_int_equal(ampc_checkpoint_list(tpath("missing.safetensors"), &list), AMPC_ERR_IO);
+    assert_int_equal(ampc_checkpoint_list(NULL, &list), AMPC_ERR_INVALID);
+    ampc_optimizer_free(o);
+    ampc_module_free(m);
+    ampc_scope_end();
+}
+
+// ---------------------------------------------------------------------------------------------
 // Atomic replacement
 
 static void test_failed_save_keeps_previous(void **state) {
@@ -1087,14 +1311,18 @@ static void test_failed_save_keeps_previous(void **state) {
     assert_int_equal(ampc_checkpoint_meta_get(meta, "epoch", buf, sizeof buf), 1);
     assert_string_equal(buf, "2");
     free(meta);
-    /* malformed text before the key (or where an absent key is sought) is an error; a lookup
-       stops at its key and does not read on */
+    /* malformed text anywhere is an error (the whole text is parsed: a key given twice, a
+       value that is not a string, text missing or extra after the object) */
     assert_int_equal(ampc_checkpoint_meta_get("{\"a\":\"b\"", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
     assert_int_equal(ampc_checkpoint_meta_get("{\"a\":\"b\"} x", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
     assert_int_equal(ampc_checkpoint_meta_get("{\"a\":1,\"z\":\"b\"}", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
     assert_int_equal(ampc_checkpoint_meta_get("[\"z\"]", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
     assert_int_equal(ampc_checkpoint_meta_get("{}", "z", buf, sizeof buf), AMPC_ERR_INVALID);
-    assert_int_equal(ampc_checkpoint_meta_get(" { \"a\" : \"b\" , \"z\":\"\\u00e9\"", "z", buf, sizeof buf), 2);
+    assert_int_equal(ampc_checkpoint_meta_get("{\"z\":\"b\",\"a\":1}", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
+    assert_int_equal(ampc_checkpoint_meta_get("{\"z\":\"b\",\"z\":\"c\"}", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
+    assert_non_null(strstr(ampc_last_error(), "duplicate"));
+    assert_int_equal(ampc_checkpoint_meta_get(" { \"a\" : \"b\" , \"z\":\"\\u00e9\"", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
+    assert_int_equal(ampc_checkpoint_meta_get(" { \"a\" : \"b\" , \"z\":\"\\u00e9\" } ", "z", buf, sizeof buf), 2);
     assert_string_equal(buf, "\xc3\xa9");
     free(good);
     ampc_optimizer_free(oo);
@@ -1213,9 +1441,9 @@ static void test_plot_png(void **state) {
     }
     loss[5] = NAN;   /* a gap */
     val[11] = INFINITY;
-    ampc_plot_series s[3] = {{"train loss", x, loss, 12}, {"val loss #1 (const)", x, val, 12}, {"single", &one_x, &one_y, 1}};
+    plot_series s[3] = {{"train loss", x, loss, 12}, {"val loss #1 (const)", x, val, 12}, {"single", &one_x, &one_y, 1}};
     const char *p = tpath("curves.png");
-    ASSERT_OK(ampc_plot_curves(p, "Training curves", "epoch", "loss", s, 3));
+    ASSERT_OK(plot_curves(p, "Training curves", "epoch", "loss", s, 3));
     assert_int_equal(count_temp_files(), 0);
     unsigned w, h;
     unsigned char *px = decode_png(p, &w, &h);
@@ -1228,31 +1456,37 @@ static void test_plot_png(void **state) {
     free(px);
 
     /* degenerate inputs still give a PNG */
-    ASSERT_OK(ampc_plot_curves(tpath("single.png"), "one point", "x", "y", &s[2], 1));
+    ASSERT_OK(plot_curves(tpath("single.png"), "one point", "x", "y", &s[2], 1));
     double nan2[2] = {NAN, INFINITY};
-    ampc_plot_series empty = {"nothing", nan2, nan2, 2};
-    ASSERT_OK(ampc_plot_curves(tpath("empty.png"), NULL, NULL, NULL, &empty, 1));
+    plot_series empty = {"nothing", nan2, nan2, 2};
+    ASSERT_OK(plot_curves(tpath("empty.png"), NULL, NULL, NULL, &empty, 1));
     px = decode_png(tpath("empty.png"), &w, &h);
     free(px);
 
     /* errors: unwritable path, bad series */
     char missing[300];
     snprintf(missing, sizeof missing, "%s/no/such/dir/plot.png", tmpdir);
-    assert_int_equal(ampc_plot_curves(missing, "t", "x", "y", s, 3), AMPC_ERR_IO);
+    assert_int_equal(plot_curves(missing, "t", "x", "y", s, 3), AMPC_ERR_IO);
     assert_false(file_exists(missing));
-    ampc_plot_series bad = {"bad", NULL, NULL, 3};
-    assert_int_equal(ampc_plot_curves(tpath("bad.png"), "t", "x", "y", &bad, 1), AMPC_ERR_INVALID);
-    assert_int_equal(ampc_plot_curves(tpath("bad.png"), "t", "x", "y", s, 0), AMPC_ERR_INVALID);
+    plot_series bad = {"bad", NULL, NULL, 3};
+    assert_int_equal(plot_curves(tpath("bad.png"), "t", "x", "y", &bad, 1), AMPC_ERR_INVALID);
+    assert_int_equal(plot_curves(tpath("bad.png"), "t", "x", "y", s, 0), AMPC_ERR_INVALID);
     assert_false(file_exists(tpath("bad.png")));
     assert_int_equal(count_temp_files(), 0);
 }
 
 int main(void) {
+    if (getenv("AMPC_TEST_WRITE_V1")) {   /* how tests/fixtures/checkpoint_v1.safetensors was made */
+        tu_group_setup(NULL);
+        write_v1_checkpoint(getenv("AMPC_TEST_WRITE_V1"));
+        return tu_group_teardown(NULL);
+    }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip_sgd),
         cmocka_unit_test(test_roundtrip_adam),
         cmocka_unit_test(test_roundtrip_adamw),
         cmocka_unit_test(test_roundtrip_batchnorm),
+        cmocka_unit_test(test_v1_checkpoint_loads),
         cmocka_unit_test(test_pytorch_reads_checkpoint),
         cmocka_unit_test(test_truncated_and_foreign_files),
         cmocka_unit_test(test_bad_headers),
@@ -1261,6 +1495,7 @@ int main(void) {
         cmocka_unit_test(test_large_headers),
         cmocka_unit_test(test_hostile_values),
         cmocka_unit_test(test_compare),
+        cmocka_unit_test(test_list),
         cmocka_unit_test(test_failed_save_keeps_previous),
         cmocka_unit_test(test_metrics_csv),
         cmocka_unit_test(test_plot_png),

@@ -83,6 +83,14 @@ static void test_names_and_counts(void **state) {
     ampc_module *d = ampc_dropout_new(0.1);
     assert_string_equal(ampc_module_type(d), t2[4]);
     ampc_module_free(d);
+    /* SiLU: the op as a layer */
+    ampc_module *silu = ampc_silu_new();
+    assert_string_equal(ampc_module_type(silu), "SiLU");
+    ampc_tensor *sx = ampc_tensor_rand(AMPC_F32, 2, (int64_t[]){3, 5}, -4, 4);
+    ampc_tensor *sy = ampc_module_forward(silu, sx), *sref = ampc_silu(sx);
+    ASSERT_NOT_NULL_MSG(sy);
+    assert_memory_equal(ampc_tensor_cdata(sy), ampc_tensor_cdata(sref), 15 * sizeof(float));
+    ampc_module_free(silu);
     /* state_dict order and names (no buffers in these layers) */
     ampc_tensor **sd;
     const char **sdn;

@@ -63,6 +63,9 @@ static const tu_op_case unary_cases[] = {
     UN("gelu (1,)", (1), -3, 3, 0, 1, .unary = ampc_gelu),
     UN("gelu (3,5,7)", (3, 5, 7), -3, 3, 0, 1, .unary = ampc_gelu),
     UN("gelu (30,50)", (30, 50), -3, 3, 0, 1, .unary = ampc_gelu),
+    UN("silu (1,)", (1), -4, 4, 0, 1, .unary = ampc_silu),
+    UN("silu (3,5,7)", (3, 5, 7), -4, 4, 0, 1, .unary = ampc_silu),
+    UN("silu (30,50)", (30, 50), -4, 4, 0, 1, .unary = ampc_silu),
     UN("tanh (1,)", (1), -1, 1, 0, 1, .unary = ampc_tanh),
     UN("tanh (3,5,7)", (3, 5, 7), -1, 1, 0, 1, .unary = ampc_tanh),
     UN("tanh (30,50)", (30, 50), -1, 1, 0, 1, .unary = ampc_tanh),
@@ -195,7 +198,7 @@ static void test_output_shapes_and_names(void **state) {
     struct { ampc_tensor *t; const char *name; } expect[] = {
         {ampc_add(x, b), "AddBackward"}, {ampc_sub(x, b), "SubBackward"}, {ampc_mul(x, b), "MulBackward"},
         {ampc_add_scalar(x, 1), "AddBackward"}, {ampc_mul_scalar(x, 2), "MulBackward"},
-        {ampc_relu(x), "ReluBackward"}, {ampc_gelu(x), "GeluBackward"}, {ampc_tanh(x), "TanhBackward"},
+        {ampc_relu(x), "ReluBackward"}, {ampc_gelu(x), "GeluBackward"}, {ampc_silu(x), "SiluBackward"}, {ampc_tanh(x), "TanhBackward"},
         {ampc_sigmoid(x), "SigmoidBackward"}, {ampc_exp(x), "ExpBackward"}, {ampc_log(ampc_exp(x)), "LogBackward"},
         {ampc_pow(ampc_exp(x), 2), "PowBackward"},
     };
@@ -232,8 +235,8 @@ static void test_errors(void **state) {
         assert_int_equal(ampc_last_status(), AMPC_ERR_DTYPE);
         assert_non_null(strstr(ampc_last_error(), "i64"));
     }
-    ampc_tensor *(*unaries[])(ampc_tensor *) = {ampc_relu, ampc_gelu, ampc_tanh, ampc_sigmoid, ampc_exp, ampc_log};
-    for (int i = 0; i < 6; i++) {
+    ampc_tensor *(*unaries[])(ampc_tensor *) = {ampc_relu, ampc_gelu, ampc_tanh, ampc_sigmoid, ampc_exp, ampc_log, ampc_silu};
+    for (int i = 0; i < 7; i++) {
         ampc_clear_error();
         assert_null(unaries[i](lab));
         assert_int_equal(ampc_last_status(), AMPC_ERR_DTYPE);
@@ -279,6 +282,7 @@ static void test_empty(void **state) {
     (void)state;
     ampc_scope_begin();
     for (int dev = 0; dev < AMPC_DEVICE_COUNT; dev++) {
+        if (!ampc_device_available((ampc_device)dev)) continue;   /* CUDA where a GPU is present */
         ampc_set_default_device((ampc_device)dev);
         ampc_dtype dt = dev == AMPC_DEVICE_REF ? AMPC_F64 : AMPC_BF16;
         ampc_tensor *e = ampc_tensor_zeros(dt, 2, (int64_t[]){0, 3});
@@ -370,18 +374,18 @@ static void test_autocast_policies(void **state) {
 // ---------------------------------------------------------------------------------------------
 // Large tensors (the threaded paths)
 
-#define BIG (1 << 20)
+#define LARGE_NUMEL (1 << 20)   /* elements of the large tensors: many blocks of the threaded loops */
 
 static void test_big_add_and_sum(void **state) {
     (void)state;
     ampc_scope_begin();
-    double *av = malloc(BIG * sizeof *av), *bv = malloc(BIG * sizeof *bv);
-    tu_fill_uniform(av, BIG, 11, -1, 1);
-    tu_fill_uniform(bv, BIG, 12, -1, 1);
+    double *av = malloc(LARGE_NUMEL * sizeof *av), *bv = malloc(LARGE_NUMEL * sizeof *bv);
+    tu_fill_uniform(av, LARGE_NUMEL, 11, -1, 1);
+    tu_fill_uniform(bv, LARGE_NUMEL, 12, -1, 1);
     const ampc_dtype dts[] = {AMPC_F32, AMPC_F16, AMPC_BF16};
     for (int d = 0; d < 3; d++) {
         ampc_dtype dt = dts[d];
-        int64_t shape[] = {BIG};
+        int64_t shape[] = {LARGE_NUMEL};
         ampc_tensor *a = ampc_tensor_from_f64(dt, 1, shape, av), *b = ampc_tensor_from_f64(dt, 1, shape, bv);
         double *ar = tu_values(a), *br = tu_values(b);
 
@@ -391,15 +395,15 @@ static void test_big_add_and_sum(void **state) {
         double *rv = tu_values(ampc_add(ampc_tensor_to(a, AMPC_DEVICE_REF, AMPC_F64), ampc_tensor_to(b, AMPC_DEVICE_REF, AMPC_F64)));
         ampc_set_default_device(AMPC_DEVICE_CPU);
         /* (f16/bf16: the f32 sum may round before the final rounding, hence 1 + 2^-12) */
-        tu_assert_close("1M add vs ref", got, rv, BIG, 0, tu_eps(dt) * (1 + 0x1p-12));
+        tu_assert_close("1M add vs ref", got, rv, LARGE_NUMEL, 0, tu_eps(dt) * (1 + 0x1p-12));
         free(got), free(rv);
 
         /* sum: f32 accumulation; each value passes through at most CHUNK adds inside a chunk,
-           RBLK/CHUNK chunk sums and BIG/RBLK block sums, so |err| <= depth * 2^-24 * sum|x|
+           RBLK/CHUNK chunk sums and LARGE_NUMEL/RBLK block sums, so |err| <= depth * 2^-24 * sum|x|
            (then one rounding to dt) */
         double exact = 0, abs_sum = 0;
-        for (int i = 0; i < BIG; i++) exact += ar[i], abs_sum += fabs(ar[i]);
-        double depth = 1024 + 65536 / 1024 + BIG / 65536;
+        for (int i = 0; i < LARGE_NUMEL; i++) exact += ar[i], abs_sum += fabs(ar[i]);
+        double depth = 1024 + 65536 / 1024 + LARGE_NUMEL / 65536;
         int threads = ampc_get_num_threads();
         ampc_set_num_threads(2);
         double s2 = ampc_tensor_item(ampc_sum(a, AMPC_ALL_DIMS, false));
@@ -410,7 +414,8 @@ static void test_big_add_and_sum(void **state) {
         double tol = depth * 0x1p-24 * abs_sum + tu_eps(dt) * fabs(exact) * 1.01;
         if (fabs(s2 - exact) > tol) fail_msg("1M sum %s: %.9g vs %.9g (tol %.3g)", ampc_dtype_name(dt), s2, exact, tol);
         double m = ampc_tensor_item(ampc_mean(a, 0, false));
-        if (fabs(m - exact / BIG) > tol / BIG) fail_msg("1M mean %s: %.9g vs %.9g", ampc_dtype_name(dt), m, exact / BIG);
+        if (fabs(m - exact / LARGE_NUMEL) > tol / LARGE_NUMEL)
+            fail_msg("1M mean %s: %.9g vs %.9g", ampc_dtype_name(dt), m, exact / LARGE_NUMEL);
 
         /* sum over rows of a (1024, 1024) view: parallel over rows */
         ampc_tensor *rows = ampc_sum(ampc_reshape(a, 2, (int64_t[]){1024, 1024}), 1, false);
@@ -439,21 +444,21 @@ static void test_in_place(void **state) {
     const int64_t shapes[][2] = {{300, 1000}, {37, 5}};
     for (int d = 0; d < 3; d++)
         for (int s = 0; s < 2; s++)
-            for (int op = 0; op < AMPC_BINARY_COUNT; op++) {
+            for (ampc_op op = AMPC_OP_ADD; op <= AMPC_OP_MUL; op++) {
                 ampc_tensor *a = ampc_tensor_rand(dts[d], 2, shapes[s], -1, 1);
                 ampc_tensor *b = s ? ampc_tensor_rand(dts[d], 1, &shapes[s][1], -1, 1)
                                    : ampc_tensor_rand(dts[d], 2, shapes[s], -1, 1);
                 ampc_tensor *expect = ampc_tensor_empty(dts[d], 2, shapes[s]);
-                ASSERT_OK(be->binary((ampc_binary_op)op, a, b, expect));
-                ASSERT_OK(be->binary((ampc_binary_op)op, a, b, a));
+                ASSERT_OK(be->binary((ampc_op)op, a, b, expect));
+                ASSERT_OK(be->binary((ampc_op)op, a, b, a));
                 assert_memory_equal(ampc_tensor_data(a), ampc_tensor_data(expect), (size_t)ampc_tensor_numel(a) * ampc_dtype_size(dts[d]));
             }
     /* unary in place (x == y), as gradient clipping scales in place */
     for (int d = 0; d < 3; d++) {
         ampc_tensor *x = ampc_tensor_rand(dts[d], 1, (int64_t[]){50000}, -1, 1);
         ampc_tensor *expect = ampc_tensor_empty(dts[d], 1, (int64_t[]){50000});
-        ASSERT_OK(be->unary(AMPC_UNARY_GELU, x, expect, 0));
-        ASSERT_OK(be->unary(AMPC_UNARY_GELU, x, x, 0));
+        ASSERT_OK(be->unary(AMPC_OP_GELU, x, expect, 0));
+        ASSERT_OK(be->unary(AMPC_OP_GELU, x, x, 0));
         assert_memory_equal(ampc_tensor_data(x), ampc_tensor_data(expect), 50000 * ampc_dtype_size(dts[d]));
     }
     /* a gradient reaching a leaf twice is accumulated (x + x: the accumulator adds in place) */
@@ -489,8 +494,18 @@ static void test_saved_tensors(void **state) {
     assert_int_equal(n_saved(ampc_mul_scalar(x, 2)), 0);
     assert_int_equal(n_saved(ampc_sum(x, 0, false)), 0);
     assert_int_equal(n_saved(ampc_mean(x, AMPC_ALL_DIMS, true)), 0);
-    ampc_tensor *(*one_saved[])(ampc_tensor *) = {ampc_relu, ampc_gelu, ampc_tanh, ampc_sigmoid, ampc_exp, ampc_log};
-    for (int i = 0; i < 6; i++) assert_int_equal(n_saved(one_saved[i](x)), 1);
+    /* each unary op saves exactly what the op table says its backward reads: x in slot 0 or y
+       in slot 1 */
+    const struct { ampc_op op; ampc_tensor *(*f)(ampc_tensor *); } one_saved[] = {
+        {AMPC_OP_RELU, ampc_relu}, {AMPC_OP_GELU, ampc_gelu}, {AMPC_OP_TANH, ampc_tanh}, {AMPC_OP_SIGMOID, ampc_sigmoid},
+        {AMPC_OP_EXP, ampc_exp},   {AMPC_OP_LOG, ampc_log},   {AMPC_OP_SILU, ampc_silu},
+    };
+    for (size_t i = 0; i < sizeof one_saved / sizeof *one_saved; i++) {
+        ampc_tensor *y = one_saved[i].f(x);
+        assert_int_equal(n_saved(y), 1);
+        bool reads_x = ampc_op_backward_reads(one_saved[i].op) == AMPC_READS_X;
+        assert_true(y->grad_fn->saved[reads_x ? 0 : 1] != NULL);
+    }
     assert_int_equal(n_saved(ampc_pow(x, 3)), 1);
     /* an output saved by its own node is no reference cycle: without backward, the scope
        frees everything */
@@ -571,30 +586,30 @@ static void test_bf16_register_path_bits(void **state) {
 #define YF(i) ampc_bf16_to_f32(yv[i])
     /* unary: relu; scales that round (1/3), land on ties and subnormals (0.5) or overflow (3);
        shifts that round and absorb */
-    const struct { ampc_unary_op op; double a; } un[] = {{AMPC_UNARY_RELU, 0},       {AMPC_UNARY_SCALE, 1.0 / 3},
-                                                       {AMPC_UNARY_SCALE, 0.5},    {AMPC_UNARY_SCALE, 3},
-                                                       {AMPC_UNARY_ADD_SCALAR, 0.1}, {AMPC_UNARY_ADD_SCALAR, -1e-39}};
+    const struct { ampc_op op; double a; } un[] = {{AMPC_OP_RELU, 0},       {AMPC_OP_MUL_SCALAR, 1.0 / 3},
+                                                       {AMPC_OP_MUL_SCALAR, 0.5},    {AMPC_OP_MUL_SCALAR, 3},
+                                                       {AMPC_OP_ADD_SCALAR, 0.1}, {AMPC_OP_ADD_SCALAR, -1e-39}};
     char what[64];
     for (size_t k = 0; k < sizeof un / sizeof *un; k++) {
         float a = (float)un[k].a;
         ASSERT_OK(be->unary(un[k].op, x, o, un[k].a));
         for (int64_t i = 0; i < n; i++) {
             float v = XF(i);
-            want[i] = un[k].op == AMPC_UNARY_RELU ? (v < 0.0f ? 0.0f : v) : un[k].op == AMPC_UNARY_SCALE ? a * v : v + a;
+            want[i] = un[k].op == AMPC_OP_RELU ? (v < 0.0f ? 0.0f : v) : un[k].op == AMPC_OP_MUL_SCALAR ? a * v : v + a;
         }
-        snprintf(what, sizeof what, "unary %d (%g)", (int)un[k].op, un[k].a);
+        snprintf(what, sizeof what, "unary %s (%g)", ampc_op_name(un[k].op), un[k].a);
         expect_bf16(what, ov, want, (size_t)n);
     }
     /* relu's derivative from its output (y > 0: gy, else 0) */
-    ASSERT_OK(be->unary_backward(AMPC_UNARY_RELU, NULL, x, y, o, 0));
+    ASSERT_OK(be->unary_backward(AMPC_OP_RELU, NULL, x, y, o, 0));
     for (int64_t i = 0; i < n; i++) want[i] = XF(i) > 0.0f ? YF(i) : 0.0f;
     expect_bf16("relu backward", ov, want, (size_t)n);
     /* binary, same shape: products of two 8-bit significands hit every rounding case */
-    for (int op = 0; op < AMPC_BINARY_COUNT; op++) {
-        ASSERT_OK(be->binary((ampc_binary_op)op, x, y, o));
+    for (ampc_op op = AMPC_OP_ADD; op <= AMPC_OP_MUL; op++) {
+        ASSERT_OK(be->binary((ampc_op)op, x, y, o));
         for (int64_t i = 0; i < n; i++)
-            want[i] = op == AMPC_BINARY_ADD ? XF(i) + YF(i) : op == AMPC_BINARY_SUB ? XF(i) - YF(i) : XF(i) * YF(i);
-        snprintf(what, sizeof what, "binary %d", op);
+            want[i] = op == AMPC_OP_ADD ? XF(i) + YF(i) : op == AMPC_OP_SUB ? XF(i) - YF(i) : XF(i) * YF(i);
+        snprintf(what, sizeof what, "binary %s", ampc_op_name(op));
         expect_bf16(what, ov, want, (size_t)n);
     }
     /* broadcast rows: x's first 65536 patterns as (256, 256), with y's first 256 as a row
@@ -606,16 +621,16 @@ static void test_bf16_register_path_bits(void **state) {
     memcpy(ampc_tensor_data(xs), xv, 65536 * sizeof *xv);
     memcpy(ampc_tensor_data(yr), yv, 256 * sizeof *yv);
     memcpy(ampc_tensor_data(yc), yv, 256 * sizeof *yv);
-    for (int op = 0; op < AMPC_BINARY_COUNT; op++)
+    for (ampc_op op = AMPC_OP_ADD; op <= AMPC_OP_MUL; op++)
         for (int form = 0; form < 3; form++) {
-            if (form < 2) ASSERT_OK(be->binary((ampc_binary_op)op, xs, form ? yc : yr, os));
-            else ASSERT_OK(be->binary((ampc_binary_op)op, yc, xs, os));   /* the broadcast one first */
+            if (form < 2) ASSERT_OK(be->binary((ampc_op)op, xs, form ? yc : yr, os));
+            else ASSERT_OK(be->binary((ampc_op)op, yc, xs, os));   /* the broadcast one first */
             for (int64_t i = 0; i < 65536; i++) {
                 float a = XF(i), b = form == 0 ? YF(i % 256) : YF(i / 256);
                 if (form == 2) a = b, b = XF(i);
-                want[i] = op == AMPC_BINARY_ADD ? a + b : op == AMPC_BINARY_SUB ? a - b : a * b;
+                want[i] = op == AMPC_OP_ADD ? a + b : op == AMPC_OP_SUB ? a - b : a * b;
             }
-            snprintf(what, sizeof what, "broadcast binary %d form %d", op, form);
+            snprintf(what, sizeof what, "broadcast binary %s form %d", ampc_op_name(op), form);
             expect_bf16(what, osv, want, 65536);
         }
     /* expand of a row vector, times alpha */

@@ -242,35 +242,50 @@ static double mean_abs(const double *v, int64_t n) {
     return n ? s / (double)n : 0;
 }
 
+bool tu_cuda_available(void) {
+    static int state = -1;   /* -1: not asked yet */
+    if (state < 0) {
+        state = ampc_device_available(AMPC_DEVICE_CUDA);
+        if (!state) printf("[  NOTE    ] CUDA op checks skipped: %s\n", ampc_device_unavailable_reason(AMPC_DEVICE_CUDA));
+        else printf("[  NOTE    ] op checks run on CUDA too\n");
+    }
+    return state;
+}
+
 void tu_check_op(const tu_op_case *c) {
     if (!c->skip_fd) tu_gradcheck_ref(c);
-    for (size_t d = 0; d < sizeof cpu_dtypes / sizeof *cpu_dtypes; d++) {
-        ampc_dtype dt = cpu_dtypes[d];
+    /* each float dtype on the CPU, then on CUDA where a GPU is present */
+    size_t ndt = sizeof cpu_dtypes / sizeof *cpu_dtypes;
+    for (size_t d = 0; d < 2 * ndt; d++) {
+        ampc_device dev = d < ndt ? AMPC_DEVICE_CPU : AMPC_DEVICE_CUDA;
+        ampc_dtype dt = cpu_dtypes[d % ndt];
         if (c->skip_dtypes & (1u << dt)) continue;
+        if (dev == AMPC_DEVICE_CUDA && !tu_cuda_available()) break;
         double *xs[TU_MAX_IN] = {0};
         int64_t ns[TU_MAX_IN] = {0};
         for (int i = 0; i < c->n_inputs; i++) {
             xs[i] = make_input(c, i, &ns[i]);
             if (!c->is_label[i]) round_to(xs[i], ns[i], dt);
         }
-        run_result got = run_case(c, xs, ns, AMPC_DEVICE_CPU, dt, NULL, true);
+        run_result got = run_case(c, xs, ns, dev, dt, NULL, true);
         run_result ref = run_case(c, xs, ns, AMPC_DEVICE_REF, AMPC_F64, got.gy, true);
         char what[160];
+        const char *dn = ampc_device_name(dev);
         if (got.out_ndim != ref.out_ndim || memcmp(got.out_shape, ref.out_shape, sizeof(int64_t) * (size_t)got.out_ndim))
-            fail_msg("%s/%s: output shape differs from ref (%d vs %d dims, %lld vs %lld elements)", c->name,
+            fail_msg("%s/%s/%s: output shape differs from ref (%d vs %d dims, %lld vs %lld elements)", c->name, dn,
                      ampc_dtype_name(dt), got.out_ndim, ref.out_ndim, (long long)got.n_out, (long long)ref.n_out);
         /* inputs are exact in dt; the output is rounded once to dt (or computed in f32 and
            rounded) after a k-term f32 accumulation: error <= (2 + k * 2^-24 / eps) eps |ref| */
         double eps = tu_eps(dt), tol = (2.0 + c->k * 0x1p-24 / eps) * eps * 2;
         double scale = mean_abs(ref.out, ref.n_out);
-        snprintf(what, sizeof what, "%s/%s forward", c->name, ampc_dtype_name(dt));
+        snprintf(what, sizeof what, "%s/%s/%s forward", c->name, dn, ampc_dtype_name(dt));
         tu_assert_close(what, got.out, ref.out, (size_t)ref.n_out, tol * scale, tol);
         /* backward: intermediate values (y, gy) stored in dt add a few more roundings */
         double kb = c->k_backward > 0 ? c->k_backward : c->k;
         double tolb = (4.0 + kb * 0x1p-24 / eps) * eps * 2;
         for (int i = 0; i < c->n_inputs; i++) {
             if (!ref.grad[i]) continue;
-            snprintf(what, sizeof what, "%s/%s gradient of input %d", c->name, ampc_dtype_name(dt), i);
+            snprintf(what, sizeof what, "%s/%s/%s gradient of input %d", c->name, dn, ampc_dtype_name(dt), i);
             tu_assert_close(what, got.grad[i], ref.grad[i], (size_t)ns[i], tolb * mean_abs(ref.grad[i], ns[i]), tolb);
         }
         free_result(&got);

@@ -43,8 +43,6 @@ double *tu_values(const ampc_tensor *t);
 int tu_group_setup(void **state);
 int tu_group_teardown(void **state);
 
-#endif
-
 // ---------------------------------------------------------------------------------------------
 // Op checks (ggml's test-backend-ops pattern): one description per op case drives
 // 1) a finite-difference gradient check of the op on the REF device in f64, and
@@ -71,7 +69,12 @@ typedef struct {
     bool skip_fd;               /* random ops: no finite differences */
 } tu_op_case;
 
-/* Runs both checks; fails the test with a message naming op, dtype, input and element. */
+/* Whether the CUDA device can be used (says once on stdout what runs or why it is skipped). */
+bool tu_cuda_available(void);
+/* Runs both checks (the second on the CPU and, where a GPU is present, on CUDA); fails the test
+   with a message naming op, device, dtype, input and element. */
 void tu_check_op(const tu_op_case *c);
 /* Only the finite-difference check on REF (returns the max abs error seen). */
 double tu_gradcheck_ref(const tu_op_case *c);
+
+#endif /* AMPC_TESTUTIL_H */

@@ -77,12 +77,15 @@ typedef struct {
 
 static const mode MODES[] = {
     {"fp32", false, AMPC_BF16, false},
+    {"tf32", false, AMPC_BF16, false},   /* fp32 with TF32 tensor-core matmuls and convolutions (CUDA) */
     {"amp-bf16", true, AMPC_BF16, false},
     {"amp-fp16", true, AMPC_F16, true},
 };
 enum { N_MODES = sizeof MODES / sizeof *MODES };
 
 static bool g_channels_last = true;   /* --channels-last yes|no */
+static ampc_device g_device = AMPC_DEVICE_CPU;   /* --device cpu|cuda */
+static int64_t g_batch = 0;                      /* --batch N (0: each workload's own) */
 
 static ampc_module *build(const workload *w) {
     if (!strcmp(w->name, "mlp"))
@@ -248,8 +251,17 @@ static size_t step_activations(const result *r) {
     return pk > r->act_resident ? pk - r->act_resident : 0;
 }
 
-static void run_config(const workload *w, const mode *m, const settings *s, result *r) {
+static void run_config(const workload *w0, const mode *m, const settings *s, result *r) {
+    static workload ws[N_WORKLOADS * 4];   /* a workload with --batch applied lives as long as its result */
+    static int nws;
+    const workload *w = w0;
+    if (g_batch > 0 && nws < (int)(sizeof ws / sizeof *ws)) {
+        ws[nws] = *w0;
+        ws[nws].batch = ws[nws].shape[0] = g_batch;
+        w = &ws[nws++];
+    }
     memset(r, 0, sizeof *r);
+    ampc_set_allow_tf32(!strcmp(m->name, "tf32"));
     r->w = w;
     r->m = m;
     r->steps = s->steps;
@@ -263,6 +275,11 @@ static void run_config(const workload *w, const mode *m, const settings *s, resu
 
     ampc_manual_seed(0);
     ampc_module *net = build(w);
+    if (net && g_device != AMPC_DEVICE_CPU && ampc_module_to(net, g_device) < 0) {
+        snprintf(r->error, sizeof r->error, "moving the model: %s", ampc_last_error());
+        ampc_module_free(net);
+        net = NULL;
+    }
     ampc_optimizer *opt = net ? ampc_sgd_new(net, &(ampc_sgd_options){.lr = 0.01, .momentum = 0.9}) : NULL;
     ampc_scaler_options so = ampc_scaler_defaults();
     so.enabled = m->scaler;
@@ -272,15 +289,23 @@ static void run_config(const workload *w, const mode *m, const settings *s, resu
     ampc_tensor *u = x ? ampc_tensor_own(ampc_tensor_rand(AMPC_F32, 1, &w->batch, 0, (double)w->classes)) : NULL;
     ampc_tensor *y = NULL;
     if (u) {
-        float uf[1024];
-        int64_t labels[1024];
-        if (w->batch <= 1024 && ampc_tensor_to_f32(u, uf, 1024) >= 0) {
+        float uf[4096];
+        int64_t labels[4096];
+        if (w->batch <= 4096 && ampc_tensor_to_f32(u, uf, 4096) >= 0) {
             for (int64_t i = 0; i < w->batch; i++) {
                 int64_t l = (int64_t)floorf(uf[i]);
                 labels[i] = l < w->classes ? l : w->classes - 1;
             }
             y = ampc_tensor_own(ampc_tensor_from_i64(1, &w->batch, labels));
         }
+    }
+    if (y && g_device != AMPC_DEVICE_CPU) {   /* the batch lives on the device, as after a loader's copy */
+        ampc_tensor *xd = ampc_tensor_own(ampc_tensor_to(x, g_device, AMPC_F32));
+        ampc_tensor *yd = xd ? ampc_tensor_own(ampc_tensor_to(y, g_device, AMPC_I64)) : NULL;
+        ampc_tensor_free(x);
+        ampc_tensor_free(y);
+        x = xd;
+        y = yd;
     }
     if (!y) {
         snprintf(r->error, sizeof r->error, "setting up: %s", ampc_last_error());
@@ -353,7 +378,44 @@ done:
 /* % of the peak for r's mode: per-core peak x threads. On a quiet machine the all-thread
    measurement gives the same (488 vs 2 x 243 GFLOP/s here); on a busy one it shows what the
    other processes leave, not the machine. */
+/* The GPU's matmul rate per mode, measured with ampc's own matmul (cuBLASLt) on n x n x n
+   products of random values: the ceiling "%peak" divides by on CUDA. */
+static double g_gpu_peak[N_MODES];
+
+static double gpu_matmul_gflops(ampc_dtype dt, bool tf32, int64_t n) {
+    ampc_set_allow_tf32(tf32);
+    ampc_device prev = ampc_default_device();
+    ampc_set_default_device(g_device);
+    ampc_no_grad_enter();
+    int64_t shape[2] = {n, n};
+    ampc_tensor *a = ampc_tensor_own(ampc_tensor_randn(dt, 2, shape, 0, 1));
+    ampc_tensor *b = a ? ampc_tensor_own(ampc_tensor_randn(dt, 2, shape, 0, 1)) : NULL;
+    double best = -1;
+    for (int rep = 0; b && rep < 3; rep++) {   /* the best of three runs of 10 products after a warm-up */
+        ampc_scope_begin();                    /* each run's products are freed at its end */
+        bool ok = ampc_matmul(a, b) && ampc_device_synchronize(g_device) >= 0;
+        double t0 = bench_now();
+        for (int k = 0; ok && k < 10; k++) ok = ampc_matmul(a, b) != NULL;
+        ok = ok && ampc_device_synchronize(g_device) >= 0;
+        double g = 10 * 2.0 * (double)n * (double)n * (double)n / (bench_now() - t0) * 1e-9;
+        if (ok && g > best) best = g;
+        ampc_scope_end();
+        if (!ok) break;
+    }
+    ampc_tensor_free(a);
+    ampc_tensor_free(b);
+    ampc_no_grad_exit();
+    ampc_set_default_device(prev);
+    ampc_set_allow_tf32(false);
+    return best;
+}
+
 static void set_pct_peak(result *r, const settings *s) {
+    if (g_device != AMPC_DEVICE_CPU) {
+        double peak = g_gpu_peak[r->m - MODES];
+        r->pct_peak = peak > 0 && r->ok ? 100 * r->gflops / peak : -1;
+        return;
+    }
     double peak = s->peak.threads * (r->m->amp && r->m->dtype == AMPC_BF16 ? s->peak.bf16_1t : s->peak.fp32_1t);
     r->pct_peak = s->have_peak && peak > 0 && r->ok ? 100 * r->gflops / peak : -1;
 }
@@ -497,7 +559,10 @@ static void usage(FILE *f) {
             "usage: ampc-bench [options]\n"
             "  --workloads a,b   of mlp, cnn, resnet18, resnet50 (default mlp,cnn,resnet18)\n"
             "  --resnet50        add resnet50 to the workloads (slow)\n"
-            "  --modes a,b       of fp32, amp-bf16, amp-fp16 (default all three)\n"
+            "  --modes a,b       of fp32, tf32, amp-bf16, amp-fp16 (default fp32 and the AMP modes;\n"
+            "                    tf32: fp32 with TF32 tensor cores, CUDA only)\n"
+            "  --device NAME     cpu (default) or cuda: where the model and the batch live\n"
+            "  --batch N         samples per step for every workload (default: each one's own)\n"
             "  --steps N         timed steps per config (default 10); the median is reported\n"
             "  --warmup N        untimed steps first (default 3)\n"
             "  --threads N       OpenMP threads (default: OMP_NUM_THREADS or all cores)\n"
@@ -551,7 +616,7 @@ static int parse_yes_no(const char *flag, const char *v, bool *out) {
 }
 
 int main(int argc, char **argv) {
-    bool wl_on[N_WORKLOADS] = {true, true, true, false}, mode_on[N_MODES] = {true, true, true};
+    bool wl_on[N_WORKLOADS] = {true, true, true, false}, mode_on[N_MODES] = {true, false, true, true};
     const char *wl_names[N_WORKLOADS], *mode_names[N_MODES];
     for (int i = 0; i < N_WORKLOADS; i++) wl_names[i] = WORKLOADS[i].name;
     for (int i = 0; i < N_MODES; i++) mode_names[i] = MODES[i].name;
@@ -564,7 +629,8 @@ int main(int argc, char **argv) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         bool takes = !strcmp(a, "--workloads") || !strcmp(a, "--modes") || !strcmp(a, "--steps") ||
                      !strcmp(a, "--warmup") || !strcmp(a, "--threads") || !strcmp(a, "--json") ||
-                     !strcmp(a, "--channels-last") || !strcmp(a, "--keep-casts");
+                     !strcmp(a, "--channels-last") || !strcmp(a, "--keep-casts") || !strcmp(a, "--device") ||
+                     !strcmp(a, "--batch");
         if (takes && !v) {
             fprintf(stderr, "ampc-bench: %s needs a value\n", a);
             return 2;
@@ -579,6 +645,17 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--steps")) rc = parse_int(a, v, 1, &s.steps);
         else if (!strcmp(a, "--warmup")) rc = parse_int(a, v, 0, &s.warmup);
         else if (!strcmp(a, "--threads")) rc = parse_int(a, v, 1, &threads);
+        else if (!strcmp(a, "--device")) {
+            g_device = ampc_device_from_name(v);
+            if (g_device == AMPC_DEVICE_COUNT || g_device == AMPC_DEVICE_REF) {
+                fprintf(stderr, "ampc-bench: --device takes cpu or cuda, not '%s'\n", v);
+                rc = -1;
+            }
+        } else if (!strcmp(a, "--batch")) {
+            int b = 0;
+            rc = parse_int(a, v, 1, &b);
+            g_batch = b;
+        }
         else if (!strcmp(a, "--json")) json = v;
         else if (!strcmp(a, "--channels-last")) rc = parse_yes_no(a, v, &g_channels_last);
         else if (!strcmp(a, "--keep-casts")) {
@@ -611,6 +688,20 @@ int main(int argc, char **argv) {
            ampc_get_num_threads(), wait_policy, ampc_cpu_features(), dnnl_version()->major, dnnl_version()->minor,
            dnnl_version()->patch, g_channels_last ? "channels-last" : "contiguous (NCHW)", load0);
 
+    if (g_device != AMPC_DEVICE_CPU) {
+        if (!ampc_device_available(g_device)) {
+            fprintf(stderr, "ampc-bench: --device %s: %s\n", ampc_device_name(g_device), ampc_device_unavailable_reason(g_device));
+            return 1;
+        }
+        no_peak = true;   /* the CPU's peak means nothing here: the GPU's matmul rates instead */
+        for (int i = 0; i < N_MODES; i++) {
+            bool tf32 = !strcmp(MODES[i].name, "tf32");
+            ampc_dtype dt = MODES[i].amp ? MODES[i].dtype : AMPC_F32;
+            g_gpu_peak[i] = gpu_matmul_gflops(dt, tf32, 8192);
+            printf("%s matmul peak: %.1f TFLOP/s (ampc_matmul, 8192^3, random values, best of 3 x 10)\n", MODES[i].name,
+                   g_gpu_peak[i] * 1e-3);
+        }
+    }
     if (!no_peak || peak_only) {
         bench_peak_measure(&s.peak, ampc_get_num_threads(), peak_only ? 0.2 : 0.1);
         s.have_peak = s.peak.have_fp32;

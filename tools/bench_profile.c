@@ -4,7 +4,7 @@
  * Every op reaches its kernels through the CPU backend's table of function pointers
  * (backend.h), and no CPU kernel calls another through the table, so wrapping each entry
  * with a timer measures every kernel exactly once. The table is a static, writable object in
- * init.c; ampc__backend() hands it out as const only to keep ops from changing it, so the
+ * src/backend/backend.c; ampc__backend() hands it out as const only to keep ops from changing it, so the
  * bench may patch it (a tool's privilege, never done by the library itself). Install only
  * between steps: the wrappers are swapped in while no kernel runs.
  *
@@ -99,16 +99,16 @@ static double conv_flops(const ampc_conv_desc *d) {
 // ---------------------------------------------------------------------------------------------
 // Wrappers: one per table entry that a training step uses
 
-static int w_copy(const ampc_tensor *s, ampc_tensor *d) { TIMED("copy/cast", -1, d->dtype, NULL, NULL, false, 0, saved.copy(s, d)); }
-static int w_fill(ampc_tensor *t, double v) { TIMED("fill", -1, t->dtype, NULL, NULL, false, 0, saved.fill(t, v)); }
-static int w_unary(ampc_unary_op op, const ampc_tensor *x, ampc_tensor *y, double a) {
+static int w_copy(const ampc_tensor *s, ampc_tensor *d) { TIMED("copy/cast", -1, d->dtype, NULL, NULL, false, 0, saved.device.copy(s, d)); }
+static int w_fill(ampc_tensor *t, double v) { TIMED("fill", -1, t->dtype, NULL, NULL, false, 0, saved.device.fill(t, v)); }
+static int w_unary(ampc_op op, const ampc_tensor *x, ampc_tensor *y, double a) {
     TIMED("unary", op, x->dtype, NULL, NULL, false, 0, saved.unary(op, x, y, a));
 }
-static int w_unary_backward(ampc_unary_op op, const ampc_tensor *x, const ampc_tensor *y, const ampc_tensor *gy,
+static int w_unary_backward(ampc_op op, const ampc_tensor *x, const ampc_tensor *y, const ampc_tensor *gy,
                             ampc_tensor *gx, double a) {
     TIMED("unary_backward", op, gy->dtype, NULL, NULL, false, 0, saved.unary_backward(op, x, y, gy, gx, a));
 }
-static int w_binary(ampc_binary_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out) {
+static int w_binary(ampc_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out) {
     TIMED("binary", op, out->dtype, NULL, NULL, false, 0, saved.binary(op, a, b, out));
 }
 static int w_sum_to(const ampc_tensor *x, ampc_tensor *out, double a) {
@@ -192,7 +192,7 @@ static int w_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *g
 // Install / uninstall
 
 static ampc_backend *table(void) {
-    /* the table is a writable static in init.c (see the file comment) */
+    /* the table is a writable static in src/backend/backend.c (see the file comment) */
     return (ampc_backend *)ampc__backend(AMPC_DEVICE_CPU);
 }
 
@@ -202,8 +202,8 @@ void bench_profile_install(void) {
     saved = *be;
     /* wrap only entries the backend has: a NULL entry must stay NULL (unsupported) */
 #define WRAP(field, fn) if (be->field) be->field = fn
-    WRAP(copy, w_copy);
-    WRAP(fill, w_fill);
+    WRAP(device.copy, w_copy);
+    WRAP(device.fill, w_fill);
     WRAP(unary, w_unary);
     WRAP(unary_backward, w_unary_backward);
     WRAP(binary, w_binary);
@@ -249,17 +249,15 @@ double bench_profile_flops(void) {
 // ---------------------------------------------------------------------------------------------
 // Print-out
 
-static const char *unary_names[] = {"relu", "gelu", "tanh", "sigmoid", "exp", "log", "pow", "scale", "add_scalar"};
-static const char *binary_names[] = {"add", "sub", "mul"};
 static const char *pass_names[] = {"fwd", "bwd_data", "bwd_weights"};
-static const char *pool_names[] = {"max", "avg", "avg_excl", "adaptive_avg"};
+static const char *pool_names[] = {[AMPC_POOL_MAX] = "max", [AMPC_POOL_AVG_INCLUDE_PAD] = "avg",
+                                   [AMPC_POOL_AVG_EXCLUDE_PAD] = "avg_excl", [AMPC_POOL_ADAPTIVE_AVG] = "adaptive_avg"};
 
 /* "unary(relu)", "conv2d(bwd_data)", "pool2d(max)", "log_softmax" ... */
 static void entry_name(const entry *e, char *buf, size_t n) {
     const char *sub = NULL;
-    if (!strncmp(e->kernel, "unary", 5) && e->sub >= 0 && e->sub < (int)(sizeof unary_names / sizeof *unary_names))
-        sub = unary_names[e->sub];
-    else if (!strcmp(e->kernel, "binary") && e->sub >= 0 && e->sub < 3) sub = binary_names[e->sub];
+    if ((!strncmp(e->kernel, "unary", 5) || !strcmp(e->kernel, "binary")) && e->sub >= 0)
+        sub = ampc_op_name((ampc_op)e->sub);   /* the op table's names */
     else if (!strcmp(e->kernel, "conv2d") && e->sub >= 0 && e->sub < 3) sub = pass_names[e->sub];
     else if (!strncmp(e->kernel, "pool2d", 6) && e->sub >= 0 && e->sub < 4) sub = pool_names[e->sub];
     else if (!strncmp(e->kernel, "softmax", 7) && e->sub == 1) sub = "log";

@@ -1,5 +1,5 @@
 /*
- * ampc/io.h - checkpoints (safetensors), metrics logs and plots (included by ampc.h).
+ * ampc/io.h - checkpoints (safetensors) and metrics logs (included by ampc.h).
  *
  * Resuming a run, as PyTorch's torch.save/torch.load of model, optimizer and scaler state:
  *
@@ -17,12 +17,14 @@
  * "optimizer.<param name>.<momentum_buffer|exp_avg|exp_avg_sq|max_exp_avg_sq>"; step counts,
  * the learning rate, the scaler, the RNG and the caller's key/values are strings in the header's
  * "__metadata__" (keys "format", "ampc.*", "optimizer.*", "scaler.*" and "rng.*" are reserved).
+ * ampc_checkpoint_list lists the tensors of any safetensors file (name, dtype, shape, offset).
  */
 #ifndef AMPC_IO_H
 #define AMPC_IO_H
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 
 #ifdef __cplusplus
@@ -67,10 +69,27 @@ int ampc_checkpoint_remove_stale_temps(const char *path);
 
 /* Value of key in a metadata JSON object (from load/read_meta) into buf (NUL-terminated,
    truncated to n-1 bytes). Returns the value's full length in bytes (>= n: truncated), or
-   AMPC_ERR_INVALID when the key is absent, AMPC_ERR_FORMAT when meta_json is malformed. One
-   pass over the text that stops at the key (linear in its size; what follows the key is not
-   read, and of duplicate keys the first counts). */
+   AMPC_ERR_INVALID when the key is absent, AMPC_ERR_FORMAT when meta_json is malformed (not an
+   object of string values, or a key given twice). Linear in the text's size: one parse of the
+   whole text and one hash lookup. */
 int ampc_checkpoint_meta_get(const char *meta_json, const char *key, char *buf, size_t n);
+
+/* One tensor of a safetensors file, as ampc_checkpoint_list gives it. */
+typedef struct {
+    const char *name;      /* in the list's own allocation */
+    const char *dtype;     /* the safetensors dtype: "F32", "F16", "BF16", "F64", "I64", "U8", ... */
+    int ampc_dtype;        /* the same as an ampc_dtype, or -1 where ampc has none ("U8", "I32", ...) */
+    int ndim;
+    int64_t shape[8];      /* AMPC_MAX_DIMS; the first ndim count */
+    uint64_t offset;       /* where its bytes start in the file */
+    uint64_t nbytes;
+} ampc_checkpoint_tensor;
+
+/* Lists the tensors of the safetensors file at path (any safetensors file, validated as by a
+   load; the metadata is read_meta's), sorted by name (strcmp). *out receives one malloc'd array,
+   names included, that the caller frees with free() (NULL when there are none or on error).
+   Returns the number of tensors or a negative status. */
+int ampc_checkpoint_list(const char *path, ampc_checkpoint_tensor **out);
 
 /* Are the tensors of two checkpoints (weights, buffers, optimizer state; by name, dtype, shape
    and bytes) identical? Both files are validated as by a load; the metadata is not compared.
@@ -96,23 +115,6 @@ int ampc_metrics_row(ampc_metrics *m, const double *values);
 int ampc_metrics_num_columns(const ampc_metrics *m);
 /* Closes the file; returns a negative status if a buffered write failed (NULL: 0). */
 int ampc_metrics_close(ampc_metrics *m);
-
-// ---------------------------------------------------------------------------------------------
-// Plots (PLplot, pngcairo device, headless)
-
-typedef struct {
-    const char *name;       /* legend entry */
-    const double *x, *y;    /* n points; non-finite points are skipped (the line breaks there) */
-    int n;
-} ampc_plot_series;
-
-/* Line plot with markers of n_series curves with title, axis labels and a legend, axes ranged
-   over the finite points (a single point or a constant series gets a padded range), written
-   as an 800x600 PNG to png_path (atomically, via a temporary file). Thread-safe (PLplot is
-   serialized by a lock). Returns 0 or a negative status (AMPC_ERR_IO: the file can't be
-   written; AMPC_ERR_UNSUPPORTED: PLplot's pngcairo driver is not installed). */
-int ampc_plot_curves(const char *png_path, const char *title, const char *xlabel, const char *ylabel,
-                     const ampc_plot_series *series, int n_series);
 
 #ifdef __cplusplus
 }

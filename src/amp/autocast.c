@@ -1,85 +1,12 @@
 /*
- * autocast.c - the op policy table, the thread-local autocast state and the weight-cast cache.
- *
- * Policies follow PyTorch's CUDA autocast lists (aten/src/ATen/autocast_mode.cpp) for the ops
- * ampc has, for fp16 and bf16 alike: matmul-like ops run in the lower precision; reductions
- * that PyTorch lists as fp32 (sum, softmax, log_softmax, exp, log, pow) and every loss run in
- * fp32; ops PyTorch leaves out of its lists (elementwise, mean, reshape, dropout) run in the
- * inputs' dtype, with ordinary type promotion for binary ops.
+ * autocast.c - the thread-local autocast state, the casts each op's policy asks for (the
+ * policies are a column of the op table, AMPC_OP_TABLE in include/ampc.h) and the weight-cast
+ * cache.
  */
 #include "ops/ops.h"
 
+#include <pthread.h>
 #include <stdlib.h>
-
-typedef struct { ampc_policy f16, bf16; } policy_row;
-
-#define BOTH(p) {AMPC_POLICY_##p, AMPC_POLICY_##p}
-static const policy_row policy_table[AMPC_OP_COUNT] = {
-    [AMPC_OP_CAST] = BOTH(PASSTHROUGH),
-    [AMPC_OP_ADD] = BOTH(PASSTHROUGH),
-    [AMPC_OP_SUB] = BOTH(PASSTHROUGH),
-    [AMPC_OP_MUL] = BOTH(PASSTHROUGH),
-    [AMPC_OP_ADD_SCALAR] = BOTH(PASSTHROUGH),
-    [AMPC_OP_MUL_SCALAR] = BOTH(PASSTHROUGH),
-    [AMPC_OP_RELU] = BOTH(PASSTHROUGH),
-    [AMPC_OP_GELU] = BOTH(PASSTHROUGH),
-    [AMPC_OP_TANH] = BOTH(PASSTHROUGH),
-    [AMPC_OP_SIGMOID] = BOTH(PASSTHROUGH),
-    [AMPC_OP_EXP] = BOTH(FP32),
-    [AMPC_OP_LOG] = BOTH(FP32),
-    [AMPC_OP_POW] = BOTH(FP32),
-    [AMPC_OP_SUM] = BOTH(FP32),
-    [AMPC_OP_MEAN] = BOTH(PASSTHROUGH),
-    [AMPC_OP_RESHAPE] = BOTH(PASSTHROUGH),
-    [AMPC_OP_SOFTMAX] = BOTH(FP32),
-    [AMPC_OP_LOG_SOFTMAX] = BOTH(FP32),
-    [AMPC_OP_MATMUL] = BOTH(LOWER),
-    [AMPC_OP_LINEAR] = BOTH(LOWER),
-    [AMPC_OP_MSE_LOSS] = BOTH(FP32),
-    [AMPC_OP_CROSS_ENTROPY] = BOTH(FP32),
-    [AMPC_OP_DROPOUT] = BOTH(PASSTHROUGH),
-    [AMPC_OP_CONV2D] = BOTH(LOWER),
-    [AMPC_OP_MAX_POOL2D] = BOTH(PASSTHROUGH),
-    [AMPC_OP_AVG_POOL2D] = BOTH(PASSTHROUGH),
-    [AMPC_OP_ADAPTIVE_AVG_POOL2D] = BOTH(PASSTHROUGH),
-    /* PyTorch lists batch_norm nowhere: it runs on the 16-bit input with fp32 weights and
-       fp32 statistics; ampc's op does the same. layer_norm is on the fp32 list. */
-    [AMPC_OP_BATCH_NORM] = BOTH(PASSTHROUGH),
-    [AMPC_OP_LAYER_NORM] = BOTH(FP32),
-    [AMPC_OP_CAT] = BOTH(PROMOTE),
-};
-
-static const char *op_names[AMPC_OP_COUNT] = {
-    [AMPC_OP_CAST] = "cast", [AMPC_OP_ADD] = "add", [AMPC_OP_SUB] = "sub", [AMPC_OP_MUL] = "mul",
-    [AMPC_OP_ADD_SCALAR] = "add_scalar", [AMPC_OP_MUL_SCALAR] = "mul_scalar", [AMPC_OP_RELU] = "relu",
-    [AMPC_OP_GELU] = "gelu", [AMPC_OP_TANH] = "tanh", [AMPC_OP_SIGMOID] = "sigmoid", [AMPC_OP_EXP] = "exp",
-    [AMPC_OP_LOG] = "log", [AMPC_OP_POW] = "pow", [AMPC_OP_SUM] = "sum", [AMPC_OP_MEAN] = "mean",
-    [AMPC_OP_RESHAPE] = "reshape", [AMPC_OP_SOFTMAX] = "softmax", [AMPC_OP_LOG_SOFTMAX] = "log_softmax",
-    [AMPC_OP_MATMUL] = "matmul", [AMPC_OP_LINEAR] = "linear", [AMPC_OP_MSE_LOSS] = "mse_loss",
-    [AMPC_OP_CROSS_ENTROPY] = "cross_entropy", [AMPC_OP_DROPOUT] = "dropout",
-    [AMPC_OP_CONV2D] = "conv2d", [AMPC_OP_MAX_POOL2D] = "max_pool2d", [AMPC_OP_AVG_POOL2D] = "avg_pool2d",
-    [AMPC_OP_ADAPTIVE_AVG_POOL2D] = "adaptive_avg_pool2d", [AMPC_OP_BATCH_NORM] = "batch_norm",
-    [AMPC_OP_LAYER_NORM] = "layer_norm", [AMPC_OP_CAT] = "cat",
-};
-
-const char *ampc_op_name(ampc_op op) {
-    return (unsigned)op < AMPC_OP_COUNT && op_names[op] ? op_names[op] : "?";
-}
-
-ampc_policy ampc_op_policy(ampc_op op, ampc_dtype autocast_dtype) {
-    if ((unsigned)op >= AMPC_OP_COUNT) return AMPC_POLICY_UNSET;
-    return autocast_dtype == AMPC_BF16 ? policy_table[op].bf16 : policy_table[op].f16;
-}
-
-const char *ampc_policy_name(ampc_policy p) {
-    switch (p) {
-    case AMPC_POLICY_LOWER: return "lower_precision";
-    case AMPC_POLICY_FP32: return "fp32";
-    case AMPC_POLICY_PROMOTE: return "promote";
-    case AMPC_POLICY_PASSTHROUGH: return "passthrough";
-    default: return "unset";
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Thread-local state
@@ -94,7 +21,18 @@ typedef struct { ampc_tensor *key, *value; } cache_entry;
 static _Thread_local cache_entry *cache;
 static _Thread_local int cache_n, cache_cap;
 
+static int apply_policy(ampc_op op, ampc_tensor **in, int n);
+static void clear_cache(void);
+
+/* The op layer's autocast hook, and the cast cache's release at shutdown (it holds tensors). */
+static void register_hooks(void) {
+    ampc__ops_set_autocast_hook(apply_policy);
+    ampc__on_shutdown(AMPC_SHUTDOWN_RELEASE, clear_cache);
+}
+
 void ampc_autocast_enter(ampc_dtype dtype, bool enabled) {
+    static pthread_once_t registered = PTHREAD_ONCE_INIT;
+    pthread_once(&registered, register_hooks);
     if (dtype != AMPC_F16 && dtype != AMPC_BF16) {
         ampc__err(AMPC_ERR_DTYPE, "autocast dtype must be f16 or bf16, not %s; autocast disabled in this region",
                   ampc_dtype_name(dtype));
@@ -105,7 +43,7 @@ void ampc_autocast_enter(ampc_dtype dtype, bool enabled) {
     depth++;
 }
 
-void ampc__autocast_clear_cache(void) {
+static void clear_cache(void) {
     for (int i = 0; i < cache_n; i++) {
         ampc__release(cache[i].value);
         ampc__release(cache[i].key);
@@ -118,7 +56,7 @@ void ampc_autocast_exit(void) {
         ampc__err(AMPC_ERR_STATE, "autocast_exit without a matching autocast_enter");
         return;
     }
-    if (--depth == 0) ampc__autocast_clear_cache();
+    if (--depth == 0) clear_cache();
 }
 
 static const region *current(void) {
@@ -149,14 +87,12 @@ static bool eligible(const ampc_tensor *t) {
 // cast of x; it stands for x while x's storage version is the one it was made (or refreshed
 // by the optimizer) at.
 
-static atomic_bool keep_casts = true;
-
-void ampc_autocast_keep_weight_casts(bool on) { atomic_store(&keep_casts, on); }
-bool ampc_autocast_keeps_weight_casts(void) { return atomic_load(&keep_casts); }
+void ampc_autocast_keep_weight_casts(bool on) { ampc__set_shadows_on(on); }
+bool ampc_autocast_keeps_weight_casts(void) { return ampc__shadows_on(); }
 
 /* x's kept copy in dtype dt as a recorded cast of x, or NULL (none, stale, or off). */
 static ampc_tensor *kept_cast(ampc_tensor *x, ampc_dtype dt) {
-    if (!atomic_load(&keep_casts)) return NULL;
+    if (!ampc__shadows_on()) return NULL;
     ampc_tensor *v = NULL;
     ampc__shadow_lock();
     const ampc_tensor *s = x->shadow;
@@ -167,7 +103,7 @@ static ampc_tensor *kept_cast(ampc_tensor *x, ampc_dtype dt) {
 
 /* Keeps y, a fresh cast of x, as x's copy (replacing any other). */
 static void keep_cast(ampc_tensor *x, ampc_tensor *y) {
-    if (!atomic_load(&keep_casts)) return;
+    if (!ampc__shadows_on()) return;
     ampc_tensor *v = ampc__tensor_view(y, y->ndim, y->shape);   /* same storage, no history */
     if (!v) {
         ampc_clear_error();   /* nothing kept: still correct */
@@ -233,7 +169,7 @@ static int replace(ampc_tensor **slot, ampc_tensor *with) {
     return AMPC_OK;
 }
 
-int ampc__autocast_apply(ampc_op op, ampc_tensor **in, int n) {
+static int apply_policy(ampc_op op, ampc_tensor **in, int n) {
     const region *r = current();
     if (!r || !r->enabled) return AMPC_OK;
     ampc_policy p = ampc_op_policy(op, r->dtype);

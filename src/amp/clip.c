@@ -42,7 +42,7 @@ double ampc_clip_grad_norm(ampc_optimizer *opt, double max_norm) {
             const ampc_backend *be = ampc__backend(p->grad->device);
             if (!be->unary)
                 return ampc__err(AMPC_ERR_UNSUPPORTED, "unary scale on device %s", ampc_device_name(p->grad->device));
-            int rc = be->unary(AMPC_UNARY_SCALE, p->grad, p->grad, clip_coef);
+            int rc = be->unary(AMPC_OP_MUL_SCALAR, p->grad, p->grad, clip_coef);
             if (rc < 0) return rc;
         }
     }

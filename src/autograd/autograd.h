@@ -27,6 +27,12 @@ typedef struct {
     ampc_memory_format format;   /* the engine hands the input's gradient over in this format */
 } ampc_meta;
 
+/* What a pooling node keeps to rebuild its kernel descriptor (ops/pool.c). */
+typedef struct {
+    int kind;                               /* ampc_pool_kind */
+    int kernel[2], stride[2], padding[2];   /* (h, w), in elements */
+} ampc_pool_args;
+
 struct ampc_node {
     atomic_int refcount;
     const char *name;                 /* "LinearBackward" */
@@ -35,10 +41,39 @@ struct ampc_node {
     ampc_node *next[AMPC_NODE_MAX_INPUTS];   /* owning; NULL: input needs no grad */
     ampc_meta in[AMPC_NODE_MAX_INPUTS];      /* metadata of each input */
     ampc_tensor *saved[AMPC_NODE_MAX_SAVED]; /* owning */
-    double f[4];                      /* op parameters */
-    int64_t i[4];
-    void *extra;                      /* op-owned buffer (ampc__free'd with extra_bytes) */
+    /* The op's settings its backward reads: the member of the op that made the node. */
+    union {
+        struct { double b_sign; } add;   /* add/sub: factor on b's gradient (1 add, -1 sub) */
+        struct {
+            ampc_op op;                  /* a unary kernel op of the op table */
+            double alpha;                /* its scalar: the exponent, factor or added constant */
+        } unary;
+        struct {
+            int dim;                     /* the reduced dim, -1: all dims */
+            double alpha;                /* 1 (sum) or 1/count (mean) */
+        } reduce;
+        struct { int dim; } cat;         /* the dim the inputs were joined along */
+        struct { int64_t rows; } linear; /* rows of x with its leading dims flattened (M) */
+        ampc_conv2d_options conv;        /* with the defaults filled in */
+        ampc_pool_args pool;
+        struct { bool training, relu; } batch_norm;   /* batch statistics used; ReLU fused */
+        struct {
+            int64_t outer, dim, inner;   /* x viewed as (outer, dim, inner), softmax along dim */
+            bool log;                    /* log-softmax */
+        } softmax;
+        struct {
+            ampc_reduction reduction;
+            double count;                /* the input's element count (MEAN's divisor) */
+        } mse;
+        struct {
+            ampc_cross_entropy_options opts;
+            double divisor;              /* non-ignored rows for MEAN, else 1 */
+        } cross_entropy;
+        struct { double p; } dropout;    /* probability of zeroing an element */
+    } args;
+    void *extra;                      /* op-owned buffer (ampc__free'd with extra_bytes on extra_device) */
     size_t extra_bytes;
+    ampc_device extra_device;         /* where extra lives (the device of the op's inputs) */
     ampc_tensor *leaf;                /* AccumulateGrad: the leaf (owning) */
     bool released;                    /* backward ran: saved tensors are gone */
     /* A narrowing cast (fp32 master weight -> 16-bit copy): its gradient is kept in the input's

@@ -3,8 +3,8 @@
  */
 #include "autograd/autograd.h"
 #include "backend/backend.h"
-#include "ops/ops.h"
 
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -17,10 +17,27 @@ void ampc_no_grad_exit(void) {
 bool ampc_grad_enabled(void) { return no_grad_depth == 0; }
 
 // ---------------------------------------------------------------------------------------------
+// A tensor's autograd properties
+
+int ampc_tensor_set_requires_grad(ampc_tensor *t, bool on) {
+    int rc = ampc__check_tensor(t, "ampc_tensor_set_requires_grad");
+    if (rc < 0) return rc;
+    if (t->grad_fn) return ampc__err(AMPC_ERR_STATE, "requires_grad can only be changed on leaf tensors (this one comes from %s)", t->grad_fn->name);
+    if (on && !ampc__dt(t->dtype)->is_float) return ampc__err(AMPC_ERR_DTYPE, "only float tensors can require grad, not %s", ampc_dtype_name(t->dtype));
+    t->requires_grad = on;
+    return AMPC_OK;
+}
+
+const char *ampc_tensor_grad_fn_name(const ampc_tensor *t) {
+    if (ampc__check_tensor(t, "ampc_tensor_grad_fn_name") < 0) return NULL;
+    return t->grad_fn ? t->grad_fn->name : NULL;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Nodes
 
 static ampc_pool node_pool = {sizeof(ampc_node), NULL};
-void ampc__node_pool_drain(void) { ampc__pool_drain(&node_pool); }
+static void node_pool_drain(void) { ampc__pool_drain(&node_pool); }
 
 ampc_node *ampc__node_retain(ampc_node *n) {
     if (n) atomic_fetch_add(&n->refcount, 1);
@@ -33,7 +50,7 @@ static void node_free_saved(ampc_node *n) {
         n->saved[i] = NULL;
     }
     if (n->extra) {
-        ampc__free(AMPC_DEVICE_CPU, n->extra, n->extra_bytes, AMPC_MEM_ACTIVATIONS);
+        ampc__free(n->extra_device, n->extra, n->extra_bytes, AMPC_MEM_ACTIVATIONS);
         n->extra = NULL;
     }
 }
@@ -77,7 +94,16 @@ bool ampc__needs_grad(ampc_tensor *const *inputs, int n) {
     return false;
 }
 
+/* What core calls for autograd (registered before the first node exists, so before any tensor
+   has a grad_fn): releasing a tensor's grad_fn, and emptying the node pool at shutdown. */
+static void register_with_core(void) {
+    ampc__set_grad_fn_release(ampc__node_release);
+    ampc__on_shutdown(AMPC_SHUTDOWN_DRAIN, node_pool_drain);
+}
+
 ampc_node *ampc__node_new(const char *name, ampc_backward_fn fn, ampc_tensor *const *inputs, int n) {
+    static pthread_once_t registered = PTHREAD_ONCE_INIT;
+    pthread_once(&registered, register_with_core);
     ampc_node *node = ampc__pool_get(&node_pool);
     if (!node) return NULL;
     atomic_init(&node->refcount, 1);
@@ -141,7 +167,7 @@ static int accumulate_into(ampc_tensor **acc, ampc_tensor *g, ampc_mem_kind kind
         ampc_mem_kind prev = ampc__mem_kind_push(kind);
         ampc_tensor *c = ampc__tensor_like(g, g->dtype);
         ampc__mem_kind_pop(prev);
-        int rc = c ? ampc__backend(c->device)->copy(g, c) : ampc_last_status();
+        int rc = c ? ampc__device(c->device)->copy(g, c) : ampc_last_status();
         ampc__release(g);
         if (rc < 0) {
             ampc__release(c);
@@ -159,12 +185,12 @@ static int accumulate_into(ampc_tensor **acc, ampc_tensor *g, ampc_mem_kind kind
     }
     int rc;
     if (ampc__grad_exclusive(a)) {
-        rc = ampc__backend(a->device)->binary(AMPC_BINARY_ADD, a, g, a);
+        rc = ampc__backend(a->device)->binary(AMPC_OP_ADD, a, g, a);
     } else {   /* someone else sees a: add out of place */
         ampc_mem_kind prev = ampc__mem_kind_push(kind);
         ampc_tensor *s = ampc__tensor_like(a, a->dtype);
         ampc__mem_kind_pop(prev);
-        rc = s ? ampc__backend(a->device)->binary(AMPC_BINARY_ADD, a, g, s) : ampc_last_status();
+        rc = s ? ampc__backend(a->device)->binary(AMPC_OP_ADD, a, g, s) : ampc_last_status();
         if (rc >= 0) {
             ampc__release(a);
             *acc = s;
@@ -336,7 +362,7 @@ int ampc_backward(ampc_tensor *loss) {
                          (long long)loss->numel);
     ampc_tensor *one = ampc__tensor_like(loss, loss->dtype);
     if (!one) return ampc_last_status();
-    int rc = ampc__backend(one->device)->fill(one, 1.0);
+    int rc = ampc__device(one->device)->fill(one, 1.0);
     if (rc >= 0) rc = ampc_backward_with_grad(loss, one);
     ampc__release(one);
     return rc;

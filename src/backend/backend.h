@@ -9,26 +9,18 @@
  *
  * CPU (src/backend/cpu): f32/f16/bf16 storage, f32 compute, oneDNN for matmul.
  * REF (src/backend/ref): f64 only, plain loops: the oracle of the tests.
+ * CUDA (src/backend/cuda): f32/f16/bf16 storage on an NVIDIA GPU, f32 compute, cuBLASLt for
+ * matmul, cuDNN for convolution, pooling and batch norm, ampc's kernels for the rest.
  */
 #ifndef AMPC_BACKEND_H
 #define AMPC_BACKEND_H
 
+#include "backend/optim_consts.h"
 #include "core/core.h"
 
-typedef enum {
-    AMPC_UNARY_RELU = 0,
-    AMPC_UNARY_GELU,      /* exact: x * Phi(x) */
-    AMPC_UNARY_TANH,
-    AMPC_UNARY_SIGMOID,
-    AMPC_UNARY_EXP,
-    AMPC_UNARY_LOG,
-    AMPC_UNARY_POW,       /* x^alpha */
-    AMPC_UNARY_SCALE,     /* alpha * x */
-    AMPC_UNARY_ADD_SCALAR,/* x + alpha */
-    AMPC_UNARY_COUNT
-} ampc_unary_op;
-
-typedef enum { AMPC_BINARY_ADD = 0, AMPC_BINARY_SUB, AMPC_BINARY_MUL, AMPC_BINARY_COUNT } ampc_binary_op;
+/* The elementwise kernels take an op of the op table (include/ampc.h): unary ones RELU, GELU,
+   TANH, SIGMOID, EXP, LOG, POW (x^alpha), MUL_SCALAR (alpha * x) and ADD_SCALAR (x + alpha);
+   binary ones ADD, SUB and MUL. An op a kernel does not have: AMPC_ERR_UNSUPPORTED. */
 
 /* C[b] = op(A[b]) @ op(B[b]) (+ bias over columns), b < batch; op = transpose if ta/tb.
    A is (M, K) or (K, M) when ta; B is (K, N) or (N, K) when tb; C is (M, N), all row-major.
@@ -103,9 +95,8 @@ typedef struct {
 #define AMPC_BN_RELU_STAT_ROWS 5
 
 typedef struct ampc_backend {
-    const char *name;
-    bool host_memory;          /* storage readable by the CPU (true for CPU and REF) */
-    bool dtypes[AMPC_DTYPE_COUNT];   /* storage dtypes this device holds */
+    /* memory, copy and fill: the part core uses, registered with it (ampc__device_register) */
+    ampc_device_ops device;
     /* conv2d, pooling and batch_norm (4-D) take channels-last tensors (ampc_tensor.format);
        elsewhere, and on backends without it, the ops convert them to contiguous first */
     bool channels_last;
@@ -113,20 +104,15 @@ typedef struct ampc_backend {
     bool (*computes)(ampc_dtype dt);
     /* ... on arithmetic units of dt's own width, faster than f32 (NULL: none) */
     bool (*native)(ampc_dtype dt);
-    void *(*raw_alloc)(size_t nbytes);   /* 64-byte aligned */
-    void (*raw_free)(void *p);
 
-    /* dst = src converted (same numel; any dtypes the device holds); when src and dst are
-       4-D of one shape in different memory formats, the elements are permuted too */
-    int (*copy)(const ampc_tensor *src, ampc_tensor *dst);
-    int (*fill)(ampc_tensor *t, double value);
     /* y = f(x); x and y may be the same tensor */
-    int (*unary)(ampc_unary_op op, const ampc_tensor *x, ampc_tensor *y, double alpha);
-    /* gx = gy * f'(x); y = f(x) is given too (sigmoid/tanh/exp use it); gx may be gy */
-    int (*unary_backward)(ampc_unary_op op, const ampc_tensor *x, const ampc_tensor *y,
+    int (*unary)(ampc_op op, const ampc_tensor *x, ampc_tensor *y, double alpha);
+    /* gx = gy * f'(x) from what the op's backward reads (ampc_op_backward_reads: x or
+       y = f(x); the other may be NULL); gx may be gy */
+    int (*unary_backward)(ampc_op op, const ampc_tensor *x, const ampc_tensor *y,
                           const ampc_tensor *gy, ampc_tensor *gx, double alpha);
     /* out = a op b with numpy broadcasting; out has the broadcast shape; same dtype */
-    int (*binary)(ampc_binary_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out);
+    int (*binary)(ampc_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out);
     /* out = alpha * (x summed down to out's shape): out's shape right-aligned against x's,
        each out dim 1 or equal; f32 accumulation (f64 on REF). out has x's dtype, or f32 when
        x is 16-bit (a bias gradient straight into the fp32 master's dtype: no rounding). */
@@ -217,21 +203,62 @@ typedef struct ampc_backend {
        (elements; same dtype): the slices of cat and of its backward */
     int (*copy_block)(const ampc_tensor *src, int64_t src_off, int64_t src_ld, ampc_tensor *dst,
                       int64_t dst_off, int64_t dst_ld, int64_t rows, int64_t cols);
-    void (*shutdown)(void);
 } ampc_backend;
 
 const ampc_backend *ampc__backend(ampc_device dev);
+
+// ---------------------------------------------------------------------------------------------
+// Kernel calls (dispatch.c), for the op layer and the autograd engine
+
+/* Kernel wrappers: new owned tensor or NULL with the error set. */
+ampc_tensor *ampc__k_cast(ampc_tensor *x, ampc_dtype dt);   /* same dtype: new ref to x */
+/* x in dtype dt and memory format fmt, in one pass (a new ref to x when both agree; a view
+   relabelled when the two formats order the elements alike: H * W == 1 or C == 1). */
+ampc_tensor *ampc__k_convert(ampc_tensor *x, ampc_dtype dt, ampc_memory_format fmt);
+ampc_tensor *ampc__k_unary(ampc_op op, ampc_tensor *x, double alpha);
+ampc_tensor *ampc__k_unary_backward(ampc_op op, ampc_tensor *x, ampc_tensor *y,
+                                    ampc_tensor *gy, double alpha);
+/* The same written over gy (which the caller must hold exclusively); returns a new ref to gy */
+ampc_tensor *ampc__k_unary_backward_over(ampc_op op, ampc_tensor *x, ampc_tensor *y, ampc_tensor *gy,
+                                         double alpha);
+ampc_tensor *ampc__k_binary(ampc_op op, ampc_tensor *a, ampc_tensor *b);
+/* x summed down to shape (broadcast-compatible), times alpha, in x's dtype */
+ampc_tensor *ampc__k_sum_to(ampc_tensor *x, int ndim, const int64_t *shape, double alpha);
+ampc_tensor *ampc__k_expand(ampc_tensor *x, int ndim, const int64_t *shape, double alpha);
+ampc_tensor *ampc__k_gemm(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b,
+                          ampc_tensor *bias, int ndim, const int64_t *out_shape);
+/* The same two with the output in out_dt (f32 from 16-bit operands: the unrounded accumulator) */
+ampc_tensor *ampc__k_gemm_as(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b, ampc_tensor *bias,
+                             ampc_dtype out_dt, int ndim, const int64_t *out_shape);
+ampc_tensor *ampc__k_sum_to_as(ampc_tensor *x, ampc_dtype out_dt, int ndim, const int64_t *shape, double alpha);
+/* numpy broadcast of two shapes into out (ndim_out receives the rank); error if incompatible */
+int ampc__broadcast_shapes(const ampc_tensor *a, const ampc_tensor *b, int *ndim_out, int64_t *out);
 
 /* For backends with host memory: cross_entropy's shapes and targets (i64 (N), each in [0, C) or
    equal to ignore_index); *count receives the number of targets not ignored. */
 int ampc__host_ce_targets(const ampc_tensor *logits, const ampc_tensor *targets, const ampc_cross_entropy_options *o,
                           int64_t *count);
+/* unary_backward's operands: keeps of *x and *y the one the op table's backward-reads column
+   names (the other becomes NULL); an error when that one is missing. who: "cpu", "ref". */
+int ampc__unary_backward_operands(ampc_op op, const ampc_tensor **x, const ampc_tensor **y, const char *who);
+/* The optimizer kernels' per-parameter constants (backend/optim_consts.h); step >= 1. */
+ampc_sgd_consts ampc__sgd_consts(const ampc_sgd_hparams *h);
+ampc_adam_consts ampc__adam_consts(const ampc_adam_hparams *h, int64_t step);
+/* copy_block's arguments (same dtype, the blocks inside both tensors): AMPC_OK to copy, 1 when
+   there is nothing to copy (rows or cols <= 0), else the error. */
+int ampc__check_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, const ampc_tensor *dst,
+                           int64_t dst_off, int64_t dst_ld, int64_t rows, int64_t cols);
+/* Layer norm's rows and cols of x from the statistics' length; who ("cpu ", "cuda ", "") and the
+   kernel's name k start the messages. */
+int ampc__layer_norm_dims(const ampc_tensor *x, const ampc_tensor *stat, const char *who, const char *k, int64_t *rows,
+                          int64_t *cols);
 /* An optimizer item's cast_out (may be NULL): f16/bf16, the parameter's numel and format. */
 int ampc__host_cast_out(const ampc_tensor *param, const ampc_tensor *out);
 
-/* Each backend file fills its table (called once from ampc_init). */
+/* Each backend file fills its table (called once, from src/backend/backend.c). */
 void ampc__cpu_backend_init(ampc_backend *be);
 void ampc__ref_backend_init(ampc_backend *be);
+void ampc__cuda_backend_init(ampc_backend *be);   /* src/backend/cuda, in builds with AMPC_CUDA */
 /* The CPU table is assembled from these, one per kernel file. */
 void ampc__cpu_register_elementwise(ampc_backend *be);  /* unary, binary, sum_to, expand */
 void ampc__cpu_register_loss(ampc_backend *be);         /* softmax, cross_entropy, dropout */

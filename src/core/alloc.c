@@ -11,7 +11,7 @@
  * any later request. In sanitizer builds each large block is followed by a poisoned red zone
  * and free segment space is poisoned, so overruns between carved blocks are still caught.
  */
-#include "backend/backend.h"
+#include "core/core.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -48,7 +48,9 @@ typedef struct lblock {
 
 #define NBUCKETS 1024   /* open-addressing table of size classes, per device */
 
-typedef struct { size_t size; void *head; size_t count; } bucket;
+/* A size class's free blocks: linked through their first bytes in host memory; for a device
+   whose memory the CPU cannot touch (CUDA), kept in a host-side stack (stack, cap) instead. */
+typedef struct { size_t size; void *head; size_t count; void **stack; size_t cap; } bucket;
 
 static struct {
     pthread_mutex_t lock;
@@ -132,6 +134,7 @@ static void free_list_remove(ampc_device dev, lblock *b) {
 static size_t live_slot(const void *p) { return (size_t)(((uintptr_t)p >> 12) * 0x9E3779B97F4A7C15ull >> 52); }
 
 static void empty_cache_locked(void);
+static void *bucket_pop(ampc_device dev, bucket *b);
 
 /* A block of exactly `size` bytes in use (NULL when no segment could be had). */
 static lblock *large_take(ampc_device dev, size_t size) {
@@ -139,7 +142,7 @@ static lblock *large_take(ampc_device dev, size_t size) {
     for (lblock *b = A.free_large[dev]; b; b = b->link)
         if (b->size >= size && (!best || b->size < best->size)) best = b;
     if (!best) {
-        const ampc_backend *be = ampc__backend(dev);
+        const ampc_device_ops *be = ampc__device(dev);
         size_t seg = size < SEG_BIG ? SEG_DEFAULT : round_up(size, SEG_ROUND);
         /* under a budget (a device of `limit` bytes holds in-use and cached blocks), a segment
            holds only what the request needs, and the cache goes first when even that is over */
@@ -214,7 +217,7 @@ static bool large_give_back(ampc_device dev, void *p) {
 
 /* Returns every wholly free segment to the system. */
 static void large_release_free_segments(ampc_device dev) {
-    const ampc_backend *be = ampc__backend(dev);
+    const ampc_device_ops *be = ampc__device(dev);
     lblock *b = A.free_large[dev];
     while (b) {
         lblock *nx = b->link;
@@ -235,18 +238,45 @@ static void large_release_free_segments(ampc_device dev) {
 static void empty_cache_locked(void) {
     for (int d = 0; d < AMPC_DEVICE_COUNT; d++) {
         large_release_free_segments((ampc_device)d);
-        const ampc_backend *be = ampc__backend((ampc_device)d);
+        const ampc_device_ops *be = ampc__device((ampc_device)d);
         for (size_t i = 0; i < NBUCKETS; i++) {
             bucket *b = &A.buckets[d][i];
-            while (b->head) {
-                void *p = b->head;
-                memcpy(&b->head, p, sizeof(void *));
+            for (void *p; (p = bucket_pop((ampc_device)d, b));) {
                 be->raw_free(p);
                 A.st.cached -= b->size;
             }
-            b->count = 0;
         }
     }
+}
+
+/* Takes a free block of b (NULL if none). */
+static void *bucket_pop(ampc_device dev, bucket *b) {
+    if (!ampc__device(dev)->host_memory) return b->count ? b->stack[--b->count] : NULL;
+    void *p = b->head;
+    if (p) {
+        memcpy(&b->head, p, sizeof(void *));
+        b->count--;
+    }
+    return p;
+}
+
+/* Gives p to b; false if it can't be kept (then the caller frees it). */
+static bool bucket_push(ampc_device dev, bucket *b, void *p) {
+    if (!ampc__device(dev)->host_memory) {
+        if (b->count == b->cap) {
+            size_t cap = b->cap ? 2 * b->cap : 16;
+            void **st = realloc(b->stack, cap * sizeof *st);
+            if (!st) return false;
+            b->stack = st;
+            b->cap = cap;
+        }
+        b->stack[b->count++] = p;
+        return true;
+    }
+    memcpy(p, &b->head, sizeof(void *));
+    b->head = p;
+    b->count++;
+    return true;
 }
 
 void *ampc__alloc(ampc_device dev, size_t nbytes, ampc_mem_kind kind, size_t *block_bytes) {
@@ -279,13 +309,10 @@ void *ampc__alloc(ampc_device dev, size_t nbytes, ampc_mem_kind kind, size_t *bl
         return lb->ptr;
     }
     bucket *b = find_bucket(dev, size, false);
-    if (b && b->head) {
-        p = b->head;
-        memcpy(&b->head, p, sizeof(void *));
-        b->count--;
+    if (b && (p = bucket_pop(dev, b))) {
         A.st.cached -= size;
     } else {
-        const ampc_backend *be = ampc__backend(dev);
+        const ampc_device_ops *be = ampc__device(dev);
         /* A device of `limit` bytes holds in-use and cached blocks: free the cache first. */
         if (A.st.limit && A.st.current_total + A.st.cached + size > A.st.limit) empty_cache_locked();
         p = be->raw_alloc(size);
@@ -316,13 +343,10 @@ void ampc__free(ampc_device dev, void *p, size_t block_bytes, ampc_mem_kind kind
         return;
     }
     bucket *b = find_bucket(dev, block_bytes, true);
-    if (b) {
-        memcpy(p, &b->head, sizeof(void *));
-        b->head = p;
-        b->count++;
+    if (b && bucket_push(dev, b, p)) {
         A.st.cached += block_bytes;
     } else {
-        ampc__backend(dev)->raw_free(p);   /* table full: don't cache this size */
+        ampc__device(dev)->raw_free(p);   /* table full: don't cache this size */
     }
     pthread_mutex_unlock(&A.lock);
 }

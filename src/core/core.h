@@ -176,6 +176,9 @@ static inline uint64_t ampc__version(const ampc_tensor *t) {
 /* Guards every tensor's shadow / shadow_version. */
 void ampc__shadow_lock(void);
 void ampc__shadow_unlock(void);
+/* Whether shadows are kept and refreshed (ampc_autocast_keep_weight_casts; default on). */
+bool ampc__shadows_on(void);
+void ampc__set_shadows_on(bool on);
 static inline size_t ampc__nbytes(const ampc_tensor *t) { return (size_t)t->numel * ampc__dt(t->dtype)->size; }
 
 /* New tensor with refcount 1 owned by the caller (in no scope), storage uninitialised. */
@@ -208,6 +211,15 @@ int64_t ampc__numel(int ndim, const int64_t *shape);
 bool ampc__same_shape(const ampc_tensor *a, const ampc_tensor *b);
 /* "(2, 3, 4)" into buf. */
 const char *ampc__shape_str(const ampc_tensor *t, char *buf, size_t n);
+/* t's values where the CPU can read them: a new reference to t on a host-memory device, else a
+   new CPU tensor of its dtype, shape and format (NULL with the error set on failure). */
+ampc_tensor *ampc__host_copy(const ampc_tensor *t);
+/* Writes n bytes from host memory into t's storage from its start, in storage order (a memcpy on
+   a host-memory device, else through a CPU tensor and one transfer). */
+int ampc__write_bytes(ampc_tensor *t, const void *bytes, size_t n);
+/* Moves t's values to device dev in place (new storage of the same memory kind there; the
+   handle stays): what ampc_module_to does to parameters and buffers. Drops t's 16-bit shadow. */
+int ampc__tensor_move(ampc_tensor *t, ampc_device dev);
 /* Converting copy between any dtypes/devices with the same numel. */
 int ampc__copy(const ampc_tensor *src, ampc_tensor *dst);
 ampc_device ampc__default_device(void);
@@ -232,5 +244,45 @@ int ampc__threads_for(int64_t n);
 /* *slot, a thread-local malloc'd buffer, is freed (and set to NULL) when the calling thread
    exits; call after each (re)allocation. */
 void ampc__free_at_thread_exit(void **slot);
+
+// ---------------------------------------------------------------------------------------------
+// Hooks: core names no layer above it; those layers register what core must call (init.c).
+
+/* What core needs of a device to hold tensors: its memory and the copy and fill that tensor
+   constructors use. The backend layer registers one per device when it starts (before main:
+   src/backend/backend.c); a device nobody registered holds nothing. */
+typedef struct {
+    const char *name;
+    bool host_memory;                  /* storage readable by the CPU (true for CPU and REF) */
+    bool dtypes[AMPC_DTYPE_COUNT];     /* storage dtypes this device holds */
+    void *(*raw_alloc)(size_t nbytes); /* 64-byte aligned */
+    void (*raw_free)(void *p);
+    /* dst = src converted (same numel; any dtypes the device holds); when src and dst are
+       4-D of one shape in different memory formats, the elements are permuted too */
+    int (*copy)(const ampc_tensor *src, ampc_tensor *dst);
+    int (*fill)(ampc_tensor *t, double value);
+    void (*shutdown)(void);            /* ampc_shutdown: release the device's caches (may be NULL) */
+    /* Devices whose memory the CPU cannot read (host_memory false) also have these: */
+    /* NULL when the device can be used, else why not ("no CUDA GPU found: ..."); may be NULL */
+    const char *(*available)(void);
+    /* bytes between this device and host memory: src and dst of one dtype, numel and memory
+       format, one of them on this device and the other on a host-memory device */
+    int (*transfer)(const ampc_tensor *src, ampc_tensor *dst);
+    int (*synchronize)(void);          /* waits for the device's queued work (may be NULL) */
+} ampc_device_ops;
+void ampc__device_register(ampc_device dev, const ampc_device_ops *ops);
+/* dev's table (never NULL: an unregistered or out-of-range device gets an empty one). */
+const ampc_device_ops *ampc__device(ampc_device dev);
+
+/* ampc_shutdown calls the RELEASE hooks first (they drop references: autocast's cast cache),
+   then clears scopes, shuts the devices down and empties the allocator's cache, then calls the
+   DRAIN hooks (pools of freed objects: autograd's nodes). Registering twice is harmless. */
+typedef enum { AMPC_SHUTDOWN_RELEASE = 0, AMPC_SHUTDOWN_DRAIN } ampc_shutdown_phase;
+void ampc__on_shutdown(ampc_shutdown_phase phase, void (*fn)(void));
+
+/* How a tensor's grad_fn is released (autograd registers it when it makes its first node, so
+   no tensor has a grad_fn before). */
+void ampc__set_grad_fn_release(void (*release)(ampc_node *node));
+void ampc__grad_fn_release(ampc_node *node);   /* NULL: nothing */
 
 #endif /* AMPC_CORE_H */

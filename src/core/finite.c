@@ -11,6 +11,12 @@ int64_t ampc_tensor_count_nonfinite(const ampc_tensor *t) {
     if (rc < 0) return rc;
     const ampc_dtype_traits *dt = ampc__dt(t->dtype);
     if (!dt->is_float || t->numel == 0) return 0;
+    if (!ampc__device(t->device)->host_memory) {   /* counted on a CPU copy */
+        ampc_tensor *h = ampc__host_copy(t);
+        int64_t n = h ? ampc_tensor_count_nonfinite(h) : ampc_last_status();
+        ampc__release(h);
+        return n;
+    }
     const char *p = ampc__data(t);
     double buf[1024];   /* f64 holds every float dtype's values exactly */
     int64_t bad = 0;

@@ -1,8 +1,7 @@
 /*
- * init.c - library start-up (CPU features, conversion dispatch, backend tables), shutdown,
- * threads.
+ * init.c - library start-up (CPU features, conversion dispatch), the hooks through which upper
+ * layers register what core calls (devices, shutdown, grad_fn release), shutdown, threads.
  */
-#include "backend/backend.h"
 #include "core/convert.h"
 
 #include <omp.h>
@@ -10,7 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static ampc_backend backends[AMPC_DEVICE_COUNT];
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 static char features[128];
 
@@ -27,8 +25,6 @@ static void do_init(void) {
         if (f[i].has && k < sizeof features)
             k += (size_t)snprintf(features + k, sizeof features - k, "%s%s", k ? " " : "", f[i].name);
     ampc__convert_init();
-    ampc__cpu_backend_init(&backends[AMPC_DEVICE_CPU]);
-    ampc__ref_backend_init(&backends[AMPC_DEVICE_REF]);
 }
 
 void ampc__ensure_init(void) { pthread_once(&init_once, do_init); }
@@ -38,29 +34,86 @@ int ampc_init(void) {
     return AMPC_OK;
 }
 
-const ampc_backend *ampc__backend(ampc_device dev) {
+// ---------------------------------------------------------------------------------------------
+// Hooks
+
+static const ampc_device_ops *_Atomic devices[AMPC_DEVICE_COUNT];
+static void no_free(void *p) { (void)p; }
+/* what an unregistered device offers: no dtypes and no memory (tensor constructors check) */
+static const ampc_device_ops no_device = {.name = "unregistered", .raw_alloc = NULL, .raw_free = no_free};
+
+void ampc__device_register(ampc_device dev, const ampc_device_ops *ops) {
+    if ((unsigned)dev < AMPC_DEVICE_COUNT) atomic_store(&devices[dev], ops);
+}
+
+const ampc_device_ops *ampc__device(ampc_device dev) {
     ampc__ensure_init();
-    return &backends[dev];
+    const ampc_device_ops *ops = (unsigned)dev < AMPC_DEVICE_COUNT ? atomic_load(&devices[dev]) : NULL;
+    return ops ? ops : &no_device;
+}
+
+#define MAX_HOOKS 8
+static void (*_Atomic shutdown_hooks[2][MAX_HOOKS])(void);
+
+void ampc__on_shutdown(ampc_shutdown_phase phase, void (*fn)(void)) {
+    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_HOOKS; i++) {
+        void (*h)(void) = atomic_load(&shutdown_hooks[phase][i]);
+        if (h == fn) break;
+        if (!h) {
+            atomic_store(&shutdown_hooks[phase][i], fn);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+}
+
+static void run_hooks(ampc_shutdown_phase phase) {
+    for (int i = 0; i < MAX_HOOKS; i++) {
+        void (*h)(void) = atomic_load(&shutdown_hooks[phase][i]);
+        if (h) h();
+    }
+}
+
+static void (*_Atomic grad_fn_release)(ampc_node *);
+
+void ampc__set_grad_fn_release(void (*release)(ampc_node *node)) { atomic_store(&grad_fn_release, release); }
+
+void ampc__grad_fn_release(ampc_node *node) {
+    void (*release)(ampc_node *) = atomic_load(&grad_fn_release);
+    if (node && release) release(node);
 }
 
 const char *ampc_device_name(ampc_device d) {
     switch (d) {
     case AMPC_DEVICE_CPU: return "cpu";
     case AMPC_DEVICE_REF: return "ref";
+    case AMPC_DEVICE_CUDA: return "cuda";
     default: return "?";
     }
 }
 
-bool ampc_dtype_supported(ampc_device dev, ampc_dtype dt) {
-    if ((unsigned)dev >= AMPC_DEVICE_COUNT || (unsigned)dt >= AMPC_DTYPE_COUNT || !ampc__dt(dt)->is_float) return false;
-    const ampc_backend *be = ampc__backend(dev);
-    return be->dtypes[dt] && (!be->computes || be->computes(dt));
+ampc_device ampc_device_from_name(const char *name) {
+    for (int d = 0; name && d < AMPC_DEVICE_COUNT; d++)
+        if (!strcmp(name, ampc_device_name((ampc_device)d))) return (ampc_device)d;
+    return AMPC_DEVICE_COUNT;
 }
 
-bool ampc_dtype_native(ampc_device dev, ampc_dtype dt) {
-    if (!ampc_dtype_supported(dev, dt)) return false;
-    const ampc_backend *be = ampc__backend(dev);
-    return be->native ? be->native(dt) : dt == AMPC_F32 || dt == AMPC_F64;
+const char *ampc_device_unavailable_reason(ampc_device dev) {
+    if ((unsigned)dev >= AMPC_DEVICE_COUNT) return "unknown device";
+    const ampc_device_ops *ops = ampc__device(dev);
+    const char *why = ops->available ? ops->available() : NULL;
+    return why || ops->raw_alloc ? why : "this build of ampc has no backend for it";
+}
+
+bool ampc_device_available(ampc_device dev) { return ampc_device_unavailable_reason(dev) == NULL; }
+
+int ampc_device_synchronize(ampc_device dev) {
+    const char *why = ampc_device_unavailable_reason(dev);
+    if (why) return ampc__err(AMPC_ERR_UNSUPPORTED, "device %s: %s", ampc_device_name(dev), why);
+    const ampc_device_ops *ops = ampc__device(dev);
+    return ops->synchronize ? ops->synchronize() : AMPC_OK;
 }
 
 const char *ampc_cpu_features(void) {
@@ -69,19 +122,17 @@ const char *ampc_cpu_features(void) {
 }
 
 void ampc__scopes_clear_all(void);
-void ampc__node_pool_drain(void);
-void ampc__autocast_clear_cache(void);
 
 void ampc_shutdown(void) {
     ampc__ensure_init();
-    ampc__autocast_clear_cache();
+    run_hooks(AMPC_SHUTDOWN_RELEASE);
     ampc__scopes_clear_all();
     for (int d = 0; d < AMPC_DEVICE_COUNT; d++)
-        if (backends[d].shutdown) backends[d].shutdown();
+        if (ampc__device((ampc_device)d)->shutdown) ampc__device((ampc_device)d)->shutdown();
     ampc_memory_empty_cache();
     /* tensor headers stay pooled (still reachable): a handle used after shutdown reads as
        stale instead of reading freed memory */
-    ampc__node_pool_drain();
+    run_hooks(AMPC_SHUTDOWN_DRAIN);
 }
 
 void ampc_set_num_threads(int n) {

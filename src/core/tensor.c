@@ -2,8 +2,7 @@
  * tensor.c - tensor headers (pooled), reference counting, scopes, views, converting copies,
  * accessors and random initialisation.
  */
-#include "autograd/autograd.h"
-#include "backend/backend.h"
+#include "core/core.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -164,7 +163,12 @@ int64_t ampc__numel(int ndim, const int64_t *shape) {
 static ampc_tensor *header_new(ampc_dtype dt, ampc_device dev, int ndim, const int64_t *shape) {
     if ((unsigned)dt >= AMPC_DTYPE_COUNT) return ampc__err_null(AMPC_ERR_DTYPE, "unknown dtype %d", (int)dt);
     if ((unsigned)dev >= AMPC_DEVICE_COUNT) return ampc__err_null(AMPC_ERR_INVALID, "unknown device %d", (int)dev);
-    if (!ampc__backend(dev)->dtypes[dt])
+    if (!ampc__device(dev)->raw_alloc)
+        return ampc__err_null(AMPC_ERR_UNSUPPORTED, "device %s has no backend registered (is libampc's backend layer linked?)",
+                              ampc_device_name(dev));
+    const char *why = ampc__device(dev)->available ? ampc__device(dev)->available() : NULL;
+    if (why) return ampc__err_null(AMPC_ERR_UNSUPPORTED, "device %s: %s", ampc_device_name(dev), why);
+    if (!ampc__device(dev)->dtypes[dt])
         return ampc__err_null(AMPC_ERR_DTYPE, "device %s does not hold %s tensors",
                               ampc_device_name(dev), ampc_dtype_name(dt));
     if (ndim < 0 || ndim > AMPC_MAX_DIMS)
@@ -234,7 +238,7 @@ ampc_tensor *ampc__retain(ampc_tensor *t) {
 
 void ampc__release(ampc_tensor *t) {
     if (!t || atomic_fetch_sub(&t->refcount, 1) != 1) return;
-    if (t->grad_fn) ampc__node_release(t->grad_fn);
+    ampc__grad_fn_release(t->grad_fn);
     if (t->grad) ampc__release(t->grad);
     if (t->shadow) ampc__release(t->shadow);
     ampc__storage_release(t->storage);
@@ -269,7 +273,7 @@ ampc_tensor *ampc_tensor_empty(ampc_dtype dt, int ndim, const int64_t *shape) {
 ampc_tensor *ampc_tensor_full(ampc_dtype dt, int ndim, const int64_t *shape, double value) {
     ampc_tensor *t = ampc__tensor_new(dt, ampc__default_device(), ndim, shape);
     if (!t) return NULL;
-    if (ampc__backend(t->device)->fill(t, value) < 0) {
+    if (ampc__device(t->device)->fill(t, value) < 0) {
         ampc__release(t);
         return NULL;
     }
@@ -278,6 +282,32 @@ ampc_tensor *ampc_tensor_full(ampc_dtype dt, int ndim, const int64_t *shape, dou
 
 ampc_tensor *ampc_tensor_zeros(ampc_dtype dt, int ndim, const int64_t *shape) {
     return ampc_tensor_full(dt, ndim, shape, 0.0);
+}
+
+static bool on_host(const ampc_tensor *t) { return ampc__device(t->device)->host_memory; }
+
+/* For t on a device the CPU cannot address: a CPU tensor of t's dtype, shape and format to fill
+   on the host and then move with finish_staged (one transfer). For a host t: t itself. */
+static ampc_tensor *staging_for(ampc_tensor *t) {
+    if (on_host(t)) return t;
+    return ampc__tensor_new_fmt(t->dtype, AMPC_DEVICE_CPU, t->ndim, t->shape, t->format);
+}
+/* Moves the staged values into t and frees the staging tensor; rc < 0 passes through. */
+static int finish_staged(ampc_tensor *staged, ampc_tensor *t, int rc) {
+    if (staged == t) return rc;
+    if (rc >= 0) rc = ampc__copy(staged, t);
+    ampc__release(staged);
+    return rc;
+}
+/* t's values on the host (a new reference: t itself on a host device, else a CPU copy). */
+ampc_tensor *ampc__host_copy(const ampc_tensor *t) {
+    if (on_host(t)) return ampc__retain((ampc_tensor *)t);
+    ampc_tensor *h = ampc__tensor_new_fmt(t->dtype, AMPC_DEVICE_CPU, t->ndim, t->shape, t->format);
+    if (h && ampc__copy(t, h) < 0) {
+        ampc__release(h);
+        return NULL;
+    }
+    return h;
 }
 
 ampc_tensor *ampc_tensor_from_f32(ampc_dtype dt, int ndim, const int64_t *shape, const float *data) {
@@ -293,14 +323,29 @@ ampc_tensor *ampc_tensor_from_f32(ampc_dtype dt, int ndim, const int64_t *shape,
 ampc_tensor *ampc_tensor_from_f64(ampc_dtype dt, int ndim, const int64_t *shape, const double *data) {
     ampc_tensor *t = ampc__tensor_new(dt, ampc__default_device(), ndim, shape);
     if (!t) return NULL;
-    ampc__dt(dt)->from_f64(data, ampc__data(t), (size_t)t->numel);
+    ampc_tensor *h = staging_for(t);
+    if (h) ampc__dt(dt)->from_f64(data, ampc__data(h), (size_t)t->numel);
+    if (finish_staged(h, t, h ? AMPC_OK : ampc_last_status()) < 0) {
+        ampc__release(t);
+        return NULL;
+    }
     return ampc__scope_adopt(t);
+}
+
+int ampc__write_bytes(ampc_tensor *t, const void *bytes, size_t n) {
+    if (!n) return AMPC_OK;
+    ampc_tensor *h = staging_for(t);
+    if (h) memcpy(ampc__data(h), bytes, n);
+    return finish_staged(h, t, h ? AMPC_OK : ampc_last_status());
 }
 
 ampc_tensor *ampc_tensor_from_i64(int ndim, const int64_t *shape, const int64_t *data) {
     ampc_tensor *t = ampc__tensor_new(AMPC_I64, ampc__default_device(), ndim, shape);
     if (!t) return NULL;
-    memcpy(ampc__data(t), data, ampc__nbytes(t));
+    if (ampc__write_bytes(t, data, ampc__nbytes(t)) < 0) {
+        ampc__release(t);
+        return NULL;
+    }
     return ampc__scope_adopt(t);
 }
 
@@ -341,7 +386,12 @@ static ampc_tensor *rand_common(ampc_dtype dt, int ndim, const int64_t *shape, i
         ampc__release(t);
         return ampc__err_null(AMPC_ERR_DTYPE, "random values need a float dtype, not %s", ampc_dtype_name(dt));
     }
-    fill_random(t, ampc__rng_reserve((uint64_t)t->numel * (normal ? 2 : 1)), normal, a, b);
+    ampc_tensor *h = staging_for(t);   /* the same numbers on every device */
+    if (h) fill_random(h, ampc__rng_reserve((uint64_t)t->numel * (normal ? 2 : 1)), normal, a, b);
+    if (finish_staged(h, t, h ? AMPC_OK : ampc_last_status()) < 0) {
+        ampc__release(t);
+        return NULL;
+    }
     return ampc__scope_adopt(t);
 }
 
@@ -359,9 +409,32 @@ int ampc__copy(const ampc_tensor *src, ampc_tensor *dst) {
     if (src->numel != dst->numel)
         return ampc__err(AMPC_ERR_SHAPE, "copy of %lld elements into %lld", (long long)src->numel, (long long)dst->numel);
     ampc__mark_written(dst);
-    if (src->device == dst->device) return ampc__backend(src->device)->copy(src, dst);
-    if (!ampc__backend(src->device)->host_memory || !ampc__backend(dst->device)->host_memory)
-        return ampc__err(AMPC_ERR_UNSUPPORTED, "copy between %s and %s", ampc_device_name(src->device), ampc_device_name(dst->device));
+    if (src->device == dst->device) return ampc__device(src->device)->copy(src, dst);
+    if (!on_host(src) || !on_host(dst)) {
+        /* one side on a device the CPU cannot address: its transfer moves bytes of one dtype
+           and format; conversions happen on a CPU tensor beside it */
+        const ampc_tensor *dev_side = on_host(src) ? dst : src;
+        const ampc_device_ops *ops = ampc__device(dev_side->device);
+        if (!on_host(src) && !on_host(dst))
+            return ampc__err(AMPC_ERR_UNSUPPORTED, "copy between %s and %s", ampc_device_name(src->device), ampc_device_name(dst->device));
+        if (!ops->transfer) return ampc__err(AMPC_ERR_UNSUPPORTED, "device %s has no transfer", ops->name);
+        if (src->dtype == dst->dtype && src->format == dst->format && src->ndim == dst->ndim &&
+            (src->device == AMPC_DEVICE_CPU || dst->device == AMPC_DEVICE_CPU))
+            return ops->transfer(src, dst);
+        int rc;
+        ampc_tensor *tmp;
+        if (on_host(src)) {   /* converted on the host, then uploaded */
+            tmp = ampc__tensor_new_fmt(dst->dtype, AMPC_DEVICE_CPU, dst->ndim, dst->shape, dst->format);
+            rc = tmp ? ampc__copy(src, tmp) : ampc_last_status();
+            if (rc >= 0) rc = ops->transfer(tmp, dst);
+        } else {              /* downloaded as it is, then converted on the host */
+            tmp = ampc__tensor_new_fmt(src->dtype, AMPC_DEVICE_CPU, src->ndim, src->shape, src->format);
+            rc = tmp ? ops->transfer(src, tmp) : ampc_last_status();
+            if (rc >= 0) rc = ampc__copy(tmp, dst);
+        }
+        ampc__release(tmp);
+        return rc;
+    }
     if (src->format != dst->format) {   /* across in src's format, then permuted on dst's device */
         ampc_tensor *tmp = ampc__tensor_new_fmt(dst->dtype, dst->device, src->ndim, src->shape, src->format);
         int rc = tmp ? ampc__copy(src, tmp) : ampc_last_status();
@@ -379,6 +452,30 @@ int ampc__copy(const ampc_tensor *src, ampc_tensor *dst) {
         td->from_f64(buf, d + (size_t)base * td->size, m);
     }
     return AMPC_OK;
+}
+
+int ampc__tensor_move(ampc_tensor *t, ampc_device dev) {
+    if (t->device == dev) return AMPC_OK;
+    ampc_mem_kind prev = ampc__mem_kind_push(t->storage ? t->storage->kind : ampc__current_mem_kind());
+    ampc_tensor *n = ampc__tensor_new_fmt(t->dtype, dev, t->ndim, t->shape, t->format);
+    ampc__mem_kind_pop(prev);
+    if (!n) return ampc_last_status();
+    int rc = ampc__copy(t, n);
+    if (rc >= 0) {   /* swap the storages: t gets the new one, n takes the old one away */
+        ampc_storage *old = t->storage;
+        t->storage = n->storage;
+        n->storage = old;
+        n->device = t->device;
+        t->device = dev;
+        ampc__mark_written(t);
+        ampc__shadow_lock();
+        ampc_tensor *shadow = t->shadow;
+        t->shadow = NULL;
+        ampc__shadow_unlock();
+        ampc__release(shadow);
+    }
+    ampc__release(n);
+    return rc;
 }
 
 ampc_tensor *ampc_tensor_to(const ampc_tensor *t, ampc_device dev, ampc_dtype dt) {
@@ -414,7 +511,12 @@ static int check_buffer(const ampc_tensor *t, const void *buf, size_t n, const c
 int ampc_tensor_to_f32(const ampc_tensor *t, float *dst, size_t n) {
     int rc = check_buffer(t, dst, n, "ampc_tensor_to_f32");
     if (rc < 0) return rc;
-    if (!ampc__backend(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not readable here");
+    if (!on_host(t)) {   /* through a CPU copy */
+        ampc_tensor *h = ampc__host_copy(t);
+        rc = h ? ampc_tensor_to_f32(h, dst, n) : ampc_last_status();
+        ampc__release(h);
+        return rc;
+    }
     if (ampc__is_cl(t)) {   /* values in the shape's (logical) order */
         ampc_tensor *c = logical(t);
         rc = c ? ampc_tensor_to_f32(c, dst, n) : ampc_last_status();
@@ -428,7 +530,12 @@ int ampc_tensor_to_f32(const ampc_tensor *t, float *dst, size_t n) {
 int ampc_tensor_to_f64(const ampc_tensor *t, double *dst, size_t n) {
     int rc = check_buffer(t, dst, n, "ampc_tensor_to_f64");
     if (rc < 0) return rc;
-    if (!ampc__backend(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not readable here");
+    if (!on_host(t)) {   /* through a CPU copy */
+        ampc_tensor *h = ampc__host_copy(t);
+        rc = h ? ampc_tensor_to_f64(h, dst, n) : ampc_last_status();
+        ampc__release(h);
+        return rc;
+    }
     if (ampc__is_cl(t)) {
         ampc_tensor *c = logical(t);
         rc = c ? ampc_tensor_to_f64(c, dst, n) : ampc_last_status();
@@ -442,8 +549,12 @@ int ampc_tensor_to_f64(const ampc_tensor *t, double *dst, size_t n) {
 int ampc_tensor_copy_from_f32(ampc_tensor *t, const float *src, size_t n) {
     int rc = check_buffer(t, src, n, "ampc_tensor_copy_from_f32");
     if (rc < 0) return rc;
-    if (!ampc__backend(t->device)->host_memory) return ampc__err(AMPC_ERR_UNSUPPORTED, "device memory is not writable here");
     ampc__mark_written(t);
+    if (!on_host(t)) {   /* through a CPU tensor */
+        ampc_tensor *h = staging_for(t);
+        rc = h ? ampc_tensor_copy_from_f32(h, src, n) : ampc_last_status();
+        return finish_staged(h, t, rc);
+    }
     if (ampc__is_cl(t)) {   /* src in logical order, permuted into place */
         ampc_tensor *c = ampc__tensor_new(t->dtype, t->device, t->ndim, t->shape);
         rc = c ? ampc_tensor_copy_from_f32(c, src, n) : ampc_last_status();
@@ -504,6 +615,10 @@ static pthread_mutex_t shadow_mutex = PTHREAD_MUTEX_INITIALIZER;
 void ampc__shadow_lock(void) { pthread_mutex_lock(&shadow_mutex); }
 void ampc__shadow_unlock(void) { pthread_mutex_unlock(&shadow_mutex); }
 
+static atomic_bool shadows_on = true;
+bool ampc__shadows_on(void) { return atomic_load(&shadows_on); }
+void ampc__set_shadows_on(bool on) { atomic_store(&shadows_on, on); }
+
 /* The caller may write through the pointer: copies made from the data so far are stale. */
 void *ampc_tensor_data(ampc_tensor *t) {
     CHECKED("ampc_tensor_data", NULL);
@@ -515,14 +630,6 @@ const void *ampc_tensor_cdata(const ampc_tensor *t) {
     return ampc__data(t);
 }
 
-int ampc_tensor_set_requires_grad(ampc_tensor *t, bool on) {
-    int rc = ampc__check_tensor(t, "ampc_tensor_set_requires_grad");
-    if (rc < 0) return rc;
-    if (t->grad_fn) return ampc__err(AMPC_ERR_STATE, "requires_grad can only be changed on leaf tensors (this one comes from %s)", t->grad_fn->name);
-    if (on && !ampc__dt(t->dtype)->is_float) return ampc__err(AMPC_ERR_DTYPE, "only float tensors can require grad, not %s", ampc_dtype_name(t->dtype));
-    t->requires_grad = on;
-    return AMPC_OK;
-}
 bool ampc_tensor_requires_grad(const ampc_tensor *t) {
     CHECKED("ampc_tensor_requires_grad", false);
     return t->requires_grad;
@@ -544,11 +651,6 @@ void ampc__tensor_zero_grad(ampc_tensor *t) {
     ampc__release(t->grad);
     t->grad = NULL;
 }
-const char *ampc_tensor_grad_fn_name(const ampc_tensor *t) {
-    CHECKED("ampc_tensor_grad_fn_name", NULL);
-    return t->grad_fn ? t->grad_fn->name : NULL;
-}
-
 ampc_tensor *ampc_tensor_detach(ampc_tensor *t) {
     CHECKED("ampc_tensor_detach", NULL);
     return ampc__scope_adopt(ampc__tensor_view(t, t->ndim, t->shape));

@@ -56,50 +56,50 @@ typedef struct {
 // Growing arrays of strings and labels
 
 typedef struct {
-    char **v;
-    int64_t *t;          /* a label per string, when used as an index */
+    char **strs;
+    int64_t *tags;       /* an integer per string: the class label in an index, a flag or mode in a scan */
     int64_t n, cap;
 } list;
 
 static void list_free(list *l) {
-    for (int64_t i = 0; i < l->n; i++) free(l->v[i]);
-    free(l->v);
-    free(l->t);
+    for (int64_t i = 0; i < l->n; i++) free(l->strs[i]);
+    free(l->strs);
+    free(l->tags);
     *l = (list){0};
 }
 
-/* Appends s (taken over: freed on failure too) with label t. */
+/* Appends s (taken over: freed on failure too) with tag t. */
 static int list_push(list *l, char *s, int64_t t) {
     if (!s) return ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
     if (l->n == l->cap) {
         int64_t cap = l->cap ? 2 * l->cap : 64;
-        char **v = realloc(l->v, (size_t)cap * sizeof *v);
-        if (v) l->v = v;
-        int64_t *tt = v ? realloc(l->t, (size_t)cap * sizeof *tt) : NULL;
-        if (tt) l->t = tt;
+        char **v = realloc(l->strs, (size_t)cap * sizeof *v);
+        if (v) l->strs = v;
+        int64_t *tt = v ? realloc(l->tags, (size_t)cap * sizeof *tt) : NULL;
+        if (tt) l->tags = tt;
         if (!v || !tt) {
             free(s);
             return ampc__err(AMPC_ERR_OOM, "image folder: out of memory for %lld entries", (long long)cap);
         }
         l->cap = cap;
     }
-    l->v[l->n] = s;
-    l->t[l->n++] = t;
+    l->strs[l->n] = s;
+    l->tags[l->n++] = t;
     return 0;
 }
 
-typedef struct { char *s; int64_t t; } entry;
+typedef struct { char *str; int64_t tag; } entry;
 
-static int cmp_entry(const void *a, const void *b) { return strcmp(((const entry *)a)->s, ((const entry *)b)->s); }
+static int cmp_entry(const void *a, const void *b) { return strcmp(((const entry *)a)->str, ((const entry *)b)->str); }
 
 /* Sorts the strings by bytes (Python's sorted()), each keeping its label. */
 static int list_sort(list *l) {
     if (l->n < 2) return 0;
     entry *e = malloc((size_t)l->n * sizeof *e);
     if (!e) return ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
-    for (int64_t i = 0; i < l->n; i++) e[i] = (entry){l->v[i], l->t[i]};
+    for (int64_t i = 0; i < l->n; i++) e[i] = (entry){l->strs[i], l->tags[i]};
     qsort(e, (size_t)l->n, sizeof *e, cmp_entry);
-    for (int64_t i = 0; i < l->n; i++) l->v[i] = e[i].s, l->t[i] = e[i].t;
+    for (int64_t i = 0; i < l->n; i++) l->strs[i] = e[i].str, l->tags[i] = e[i].tag;
     free(e);
     return 0;
 }
@@ -157,7 +157,7 @@ static int list_dir(const char *dir, list *dirs, list *files) {
 
 /* The folders taken so far, by (st_dev, st_ino): an open-addressing hash set. */
 typedef struct {
-    struct { uint64_t dev, ino; bool used; } *v;
+    struct { uint64_t dev, ino; bool used; } *slots;
     size_t n, cap;   /* cap: 0 or a power of two, at least twice n */
 } dir_set;
 
@@ -169,24 +169,24 @@ static size_t dir_hash(uint64_t dev, uint64_t ino, size_t cap) {
 /* 1: added, 0: already there, < 0: out of memory. */
 static int dir_set_add(dir_set *s, const struct stat *st) {
     if (2 * (s->n + 1) > s->cap) {
-        dir_set g = {calloc(s->cap ? 2 * s->cap : 64, sizeof *s->v), s->n, s->cap ? 2 * s->cap : 64};
-        if (!g.v) return ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+        dir_set g = {calloc(s->cap ? 2 * s->cap : 64, sizeof *s->slots), s->n, s->cap ? 2 * s->cap : 64};
+        if (!g.slots) return ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
         for (size_t i = 0; i < s->cap; i++) {
-            if (!s->v[i].used) continue;
-            size_t h = dir_hash(s->v[i].dev, s->v[i].ino, g.cap);
-            while (g.v[h].used) h = (h + 1) & (g.cap - 1);
-            g.v[h] = s->v[i];
+            if (!s->slots[i].used) continue;
+            size_t h = dir_hash(s->slots[i].dev, s->slots[i].ino, g.cap);
+            while (g.slots[h].used) h = (h + 1) & (g.cap - 1);
+            g.slots[h] = s->slots[i];
         }
-        free(s->v);
+        free(s->slots);
         *s = g;
     }
     uint64_t dev = (uint64_t)st->st_dev, ino = (uint64_t)st->st_ino;
     size_t h = dir_hash(dev, ino, s->cap);
-    for (; s->v[h].used; h = (h + 1) & (s->cap - 1))
-        if (s->v[h].dev == dev && s->v[h].ino == ino) return 0;
-    s->v[h].dev = dev;
-    s->v[h].ino = ino;
-    s->v[h].used = true;
+    for (; s->slots[h].used; h = (h + 1) & (s->cap - 1))
+        if (s->slots[h].dev == dev && s->slots[h].ino == ino) return 0;
+    s->slots[h].dev = dev;
+    s->slots[h].ino = ino;
+    s->slots[h].used = true;
     s->n++;
     return 1;
 }
@@ -243,8 +243,8 @@ static int walk_dir(walk *w, const char *rel, int64_t cls, int depth) {
     rc = list_dir(full, &dirs, &files);
     free(full);
     for (int64_t i = 0; rc == 0 && i < dirs.n; i++) {
-        char *sub = join(rel, dirs.v[i]);
-        if (dirs.t[i]) {
+        char *sub = join(rel, dirs.strs[i]);
+        if (dirs.tags[i]) {
             rc = list_push(&w->links, sub, cls);   /* takes sub over */
         } else {
             rc = sub ? enter(w, sub, cls, depth + 1, false) : ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
@@ -264,16 +264,16 @@ static int scan_class(const char *root, const char *cls, int64_t target, list *d
     int64_t found = 0;
     for (int64_t i = 0; rc == 0 && i < dirs->n; i++) {
         list sub = {0}, files = {0};
-        char *full = join(root, dirs->v[i]);
+        char *full = join(root, dirs->strs[i]);
         rc = full ? list_dir(full, &sub, &files) : ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
         for (int64_t k = 0; rc == 0 && k < files.n; k++) {
-            if (!is_image_name(files.v[k])) continue;
-            char *path = join(full, files.v[k]);
+            if (!is_image_name(files.strs[k])) continue;
+            char *path = join(full, files.strs[k]);
             if (!path) {
                 rc = ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
                 break;
             }
-            unsigned mode = (unsigned)files.t[k];
+            unsigned mode = (unsigned)files.tags[k];
             int prc = mode && !S_ISREG(mode)   /* a FIFO would block the probe: not opened at all */
                           ? ampc__err(AMPC_ERR_IO, "%s: %s, not a regular file", path, ampc__file_type_name(mode))
                           : ampc__image_probe_file(path, NULL, NULL);
@@ -287,7 +287,7 @@ static int scan_class(const char *root, const char *cls, int64_t target, list *d
             } else if (prc < 0) {
                 rc = prc;
             } else {
-                rc = list_push(idx, join(dirs->v[i], files.v[k]), target);
+                rc = list_push(idx, join(dirs->strs[i], files.strs[k]), target);
                 found++;
             }
         }
@@ -325,24 +325,24 @@ static int scan(const char *root, list *classes, list *idx, int64_t *skipped) {
        a folder reachable without links is never taken through one. */
     for (int link = 0; link < 2; link++)
         for (int64_t c = 0; rc == 0 && c < classes->n; c++) {
-            if (classes->t[c] != link) continue;
-            rc = enter(&w, classes->v[c], c, 1, link);
+            if (classes->tags[c] != link) continue;
+            rc = enter(&w, classes->strs[c], c, 1, link);
             if (rc == 0)
                 rc = ampc__err(AMPC_ERR_FORMAT, "image folder %s: class folder '%s' is a link to a folder already scanned",
-                               root, classes->v[c]);
+                               root, classes->strs[c]);
             else if (rc > 0)
                 rc = 0;
         }
     for (int64_t i = 0; rc >= 0 && i < w.links.n; i++) {
-        const char *rel = w.links.v[i];   /* the list may grow: the string stays */
-        rc = enter(&w, rel, w.links.t[i], depth_of(rel), true);
+        const char *rel = w.links.strs[i];   /* the list may grow: the string stays */
+        rc = enter(&w, rel, w.links.tags[i], depth_of(rel), true);
     }
     if (rc > 0) rc = 0;
-    for (int64_t c = 0; rc == 0 && c < classes->n; c++) rc = scan_class(root, classes->v[c], c, &w.dirs[c], idx, skipped);
+    for (int64_t c = 0; rc == 0 && c < classes->n; c++) rc = scan_class(root, classes->strs[c], c, &w.dirs[c], idx, skipped);
     for (int64_t c = 0; w.dirs && c < classes->n; c++) list_free(&w.dirs[c]);
     free(w.dirs);
     list_free(&w.links);
-    free(w.seen.v);
+    free(w.seen.slots);
     free(w.root_real);
     if (rc == 0 && *skipped > 0)
         fprintf(stderr, "ampc: image folder %s: skipped %lld file(s) that are not readable JPEG/PNG images\n", root,
@@ -382,8 +382,8 @@ static int write_index(const char *csv, const list *idx) {
     }
     fputs("image_path,target\n", f);
     for (int64_t i = 0; i < idx->n; i++) {
-        csv_field(f, idx->v[i]);
-        fprintf(f, ",%lld\n", (long long)idx->t[i]);
+        csv_field(f, idx->strs[i]);
+        fprintf(f, ",%lld\n", (long long)idx->tags[i]);
     }
     bool bad = ferror(f) != 0;
     int e = errno;
@@ -591,15 +591,15 @@ static int read_index(const char *csv, list *idx) {
 static int index_classes(const list *idx, list *classes) {
     int64_t k = 0;
     for (int64_t i = 0; i < idx->n; i++)
-        if (idx->t[i] + 1 > k) k = idx->t[i] + 1;
-    if (!(classes->v = calloc((size_t)k, sizeof *classes->v)))
+        if (idx->tags[i] + 1 > k) k = idx->tags[i] + 1;
+    if (!(classes->strs = calloc((size_t)k, sizeof *classes->strs)))
         return ampc__err(AMPC_ERR_OOM, "image folder: out of memory for %lld classes", (long long)k);
     classes->n = classes->cap = k;
     for (int64_t i = 0; i < idx->n; i++) {
-        const char *p = idx->v[i], *slash = strchr(p, '/');
-        int64_t t = idx->t[i];
-        if (classes->v[t] || !slash || p[0] == '/') continue;
-        if (!(classes->v[t] = strndup(p, (size_t)(slash - p))))
+        const char *p = idx->strs[i], *slash = strchr(p, '/');
+        int64_t t = idx->tags[i];
+        if (classes->strs[t] || !slash || p[0] == '/') continue;
+        if (!(classes->strs[t] = strndup(p, (size_t)(slash - p))))
             return ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
     }
     return 0;
@@ -693,7 +693,7 @@ ampc_dataset *ampc_dataset_folder_open(const char *root, const ampc_folder_optio
         if (!f->paths) rc = ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
     }
     for (int64_t i = 0; rc == 0 && i < idx.n; i++) {   /* full paths, so get() joins nothing */
-        f->paths[i] = idx.v[i][0] == '/' ? strdup(idx.v[i]) : join(root, idx.v[i]);
+        f->paths[i] = idx.strs[i][0] == '/' ? strdup(idx.strs[i]) : join(root, idx.strs[i]);
         if (!f->paths[i]) rc = ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
     }
     if (rc == 0 && have_index && access(f->paths[0], R_OK) != 0)   /* catches a wrong root early */
@@ -709,17 +709,17 @@ ampc_dataset *ampc_dataset_folder_open(const char *root, const ampc_folder_optio
         list_free(&idx);
         return NULL;
     }
-    f->targets = idx.t;   /* taken over */
+    f->targets = idx.tags;   /* taken over */
     f->skipped = skipped;
-    idx.t = NULL;
+    idx.tags = NULL;
     ds->impl = f;
     ds->size = idx.n;
     ds->num_classes = classes.n;
     ds->channels = channels;
     ds->height = o->height;
     ds->width = o->width;
-    ds->class_names = classes.v;   /* taken over; freed by ampc_dataset_free */
-    classes.v = NULL;
+    ds->class_names = classes.strs;   /* taken over; freed by ampc_dataset_free */
+    classes.strs = NULL;
     classes.n = 0;
     list_free(&classes);
     list_free(&idx);

@@ -262,12 +262,12 @@ static int probe_mem(const uint8_t *buf, size_t n, const char *name, int *w, int
     case AMPC_IMAGE_JPEG: {
         tjhandle tj = tjInitDecompress();
         if (!tj) return ampc__err(AMPC_ERR_BACKEND, "%s: tjInitDecompress: %s", name, tjGetErrorStr2(NULL));
-        int jw, jh, cs;
-        int rc = jpeg_header(tj, buf, n, name, &jw, &jh, &cs);
+        int width, height, colorspace;
+        int rc = jpeg_header(tj, buf, n, name, &width, &height, &colorspace);
         tjDestroy(tj);
         if (rc < 0) return rc;
-        if (w) *w = jw;
-        if (h) *h = jh;
+        if (w) *w = width;
+        if (h) *h = height;
         return 0;
     }
     case AMPC_IMAGE_PNG:

@@ -5,7 +5,6 @@
  */
 #include "nn/nn.h"
 #include "ops/ops.h"
-#include "backend/backend.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -72,10 +71,10 @@ ampc_module *ampc__conv2d_make(int64_t in_channels, int64_t out_channels, int ke
         ampc_module_free(m);
         return NULL;
     }
-    m->i[0] = in_channels;
-    m->i[1] = out_channels;
-    m->i[2] = kernel_size;
-    m->i[3] = o.groups;
+    m->config.conv2d.in_channels = in_channels;
+    m->config.conv2d.out_channels = out_channels;
+    m->config.conv2d.kernel_size = kernel_size;
+    m->config.conv2d.groups = o.groups;
     const int64_t k = kernel_size, cg = in_channels / o.groups;
     const int64_t wshape[4] = {out_channels, cg, k, k};
     /* PyTorch's reset_parameters: kaiming_uniform_(a=sqrt(5)) gives the bound 1/sqrt(fan_in),
@@ -107,27 +106,22 @@ ampc_module *ampc_conv2d_new(int64_t in_channels, int64_t out_channels, int kern
 
 // ---------------------------------------------------------------------------------------------
 // BatchNorm2d: weight/bias (C), buffers running_mean/running_var (C) and num_batches_tracked
-// (an int64 scalar); f[0] = momentum, f[1] = eps, i[0] = C.
+// (an int64 scalar); config.batchnorm2d: C, momentum, eps.
 
 ampc_tensor *ampc__batchnorm2d_forward(ampc_module *m, ampc_tensor *x, bool relu) {
     char buf[96];
     if (ampc_tensor_ndim(x) != 4)
-        return ampc__err_null(AMPC_ERR_SHAPE, "BatchNorm2d(%lld): expected 4D input (got %s)", (long long)m->i[0],
+        return ampc__err_null(AMPC_ERR_SHAPE, "BatchNorm2d(%lld): expected 4D input (got %s)", (long long)m->config.batchnorm2d.num_features,
                               shape_of(x, buf, sizeof buf));
     ampc_tensor *(*op)(ampc_tensor *, ampc_tensor *, ampc_tensor *, ampc_tensor *, ampc_tensor *, bool, double, double) =
         relu ? ampc__batch_norm2d_relu : ampc_batch_norm2d;
     ampc_tensor *y = op(x, ampc__module_param(m, "weight"), ampc__module_param(m, "bias"),
                         ampc__module_buffer(m, "running_mean"), ampc__module_buffer(m, "running_var"), m->training,
-                        m->f[0], m->f[1]);
+                        m->config.batchnorm2d.momentum, m->config.batchnorm2d.eps);
     if (y && m->training) {
-        /* PyTorch counts training forwards whatever the grad mode. The counter is read back
-           from the buffer (not kept in the module) so a loaded checkpoint continues from its
-           value; buffers live in host memory on CPU and REF. */
-        ampc_tensor *nbt = ampc__module_buffer(m, "num_batches_tracked");
-        if (!ampc__backend(nbt->device)->host_memory)
-            return ampc__err_null(AMPC_ERR_UNSUPPORTED, "BatchNorm2d: num_batches_tracked on device %s",
-                                  ampc_device_name(nbt->device));
-        ((int64_t *)ampc__data(nbt))[0] += 1;
+        /* the counter lives in the buffer (not the module) so a loaded checkpoint continues
+           from its value */
+        if (ampc__batch_norm_count(ampc__module_buffer(m, "num_batches_tracked")) < 0) return NULL;
     }
     return y;
 }
@@ -141,9 +135,9 @@ ampc_module *ampc_batchnorm2d_new(int64_t num_features) {
         return ampc__err_null(AMPC_ERR_INVALID, "BatchNorm2d(%lld): num_features must be positive", (long long)num_features);
     ampc_module *m = ampc__module_new(&batchnorm2d_vtable);
     if (!m) return NULL;
-    m->i[0] = num_features;
-    m->f[0] = 0.1;    /* momentum */
-    m->f[1] = 1e-5;   /* eps */
+    m->config.batchnorm2d.num_features = num_features;
+    m->config.batchnorm2d.momentum = 0.1;
+    m->config.batchnorm2d.eps = 1e-5;
     const ampc_dtype dt = ampc__param_dtype();
     const int64_t c[1] = {num_features};
     ampc_scope_begin();
@@ -162,12 +156,12 @@ ampc_module *ampc_batchnorm2d_new(int64_t num_features) {
 
 // ---------------------------------------------------------------------------------------------
 // Pooling: impl holds the ampc_pool2d_options (MaxPool2d, AvgPool2d); AdaptiveAvgPool2d keeps
-// its output size in i[0], i[1].
+// its output size in config.
 
 static ampc_tensor *maxpool2d_forward(ampc_module *m, ampc_tensor *x) { return ampc_max_pool2d(x, m->impl); }
 static ampc_tensor *avgpool2d_forward(ampc_module *m, ampc_tensor *x) { return ampc_avg_pool2d(x, m->impl); }
 static ampc_tensor *adaptive_avgpool2d_forward(ampc_module *m, ampc_tensor *x) {
-    return ampc_adaptive_avg_pool2d(x, (int)m->i[0], (int)m->i[1]);
+    return ampc_adaptive_avg_pool2d(x, m->config.adaptive_avgpool2d.out_h, m->config.adaptive_avgpool2d.out_w);
 }
 
 static const ampc_module_vtable maxpool2d_vtable = {"MaxPool2d", maxpool2d_forward, impl_free};
@@ -204,16 +198,18 @@ ampc_module *ampc_adaptive_avgpool2d_new(int out_h, int out_w) {
         return ampc__err_null(AMPC_ERR_INVALID, "AdaptiveAvgPool2d((%d, %d)): output size must be positive", out_h, out_w);
     ampc_module *m = ampc__module_new(&adaptive_avgpool2d_vtable);
     if (!m) return NULL;
-    m->i[0] = out_h;
-    m->i[1] = out_w;
+    m->config.adaptive_avgpool2d.out_h = out_h;
+    m->config.adaptive_avgpool2d.out_w = out_w;
     return m;
 }
 
 // ---------------------------------------------------------------------------------------------
-// LayerNorm over the last i[0] dims: weight (ones) and bias (zeros) of normalized_shape, f[0] = eps.
+// LayerNorm over the last config.layernorm.norm_ndim dims: weight (ones) and bias (zeros) of
+// normalized_shape.
 
 static ampc_tensor *layernorm_forward(ampc_module *m, ampc_tensor *x) {
-    return ampc_layer_norm(x, (int)m->i[0], ampc__module_param(m, "weight"), ampc__module_param(m, "bias"), m->f[0]);
+    return ampc_layer_norm(x, m->config.layernorm.norm_ndim, ampc__module_param(m, "weight"), ampc__module_param(m, "bias"),
+                           m->config.layernorm.eps);
 }
 
 static const ampc_module_vtable layernorm_vtable = {"LayerNorm", layernorm_forward, NULL};
@@ -227,8 +223,8 @@ ampc_module *ampc_layernorm_new(int norm_ndim, const int64_t *normalized_shape) 
                                   (long long)normalized_shape[d]);
     ampc_module *m = ampc__module_new(&layernorm_vtable);
     if (!m) return NULL;
-    m->i[0] = norm_ndim;
-    m->f[0] = 1e-5;
+    m->config.layernorm.norm_ndim = norm_ndim;
+    m->config.layernorm.eps = 1e-5;
     const ampc_dtype dt = ampc__param_dtype();
     ampc_scope_begin();
     int rc = ampc__module_add_param(m, "weight", param_full(dt, norm_ndim, normalized_shape, 1.0));

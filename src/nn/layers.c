@@ -21,8 +21,8 @@ ampc_module *ampc_linear_new(int64_t in_features, int64_t out_features, bool bia
                               (long long)out_features);
     ampc_module *m = ampc__module_new(&linear_vtable);
     if (!m) return NULL;
-    m->i[0] = in_features;
-    m->i[1] = out_features;
+    m->config.linear.in_features = in_features;
+    m->config.linear.out_features = out_features;
     /* PyTorch's reset_parameters: kaiming_uniform_(a=sqrt(5)) on the weight gives the bound
        gain * sqrt(3 / fan_in) with gain = sqrt(2 / (1 + 5)), that is 1/sqrt(fan_in); the bias
        uses the same bound. The weight draws come first, then the bias, as in PyTorch. */
@@ -43,25 +43,28 @@ ampc_module *ampc_linear_new(int64_t in_features, int64_t out_features, bool bia
 
 static ampc_tensor *relu_forward(ampc_module *m, ampc_tensor *x) { (void)m; return ampc_relu(x); }
 static ampc_tensor *gelu_forward(ampc_module *m, ampc_tensor *x) { (void)m; return ampc_gelu(x); }
+static ampc_tensor *silu_forward(ampc_module *m, ampc_tensor *x) { (void)m; return ampc_silu(x); }
 static ampc_tensor *tanh_forward(ampc_module *m, ampc_tensor *x) { (void)m; return ampc_tanh(x); }
 static ampc_tensor *sigmoid_forward(ampc_module *m, ampc_tensor *x) { (void)m; return ampc_sigmoid(x); }
 
 static const ampc_module_vtable relu_vtable = {"ReLU", relu_forward, NULL};
 static const ampc_module_vtable gelu_vtable = {"GELU", gelu_forward, NULL};
+static const ampc_module_vtable silu_vtable = {"SiLU", silu_forward, NULL};
 static const ampc_module_vtable tanh_vtable = {"Tanh", tanh_forward, NULL};
 static const ampc_module_vtable sigmoid_vtable = {"Sigmoid", sigmoid_forward, NULL};
 
 ampc_module *ampc_relu_new(void) { return ampc__module_new(&relu_vtable); }
 ampc_module *ampc_gelu_new(void) { return ampc__module_new(&gelu_vtable); }
+ampc_module *ampc_silu_new(void) { return ampc__module_new(&silu_vtable); }
 ampc_module *ampc_tanh_new(void) { return ampc__module_new(&tanh_vtable); }
 ampc_module *ampc_sigmoid_new(void) { return ampc__module_new(&sigmoid_vtable); }
 
 // ---------------------------------------------------------------------------------------------
-// Dropout (f[0] = p): the identity in eval mode, as PyTorch returns its input unchanged.
+// Dropout (config.dropout.p): the identity in eval mode, as PyTorch returns its input unchanged.
 
 static ampc_tensor *dropout_forward(ampc_module *m, ampc_tensor *x) {
-    if (!m->training || m->f[0] == 0.0) return x;
-    return ampc_dropout(x, m->f[0], true);
+    if (!m->training || m->config.dropout.p == 0.0) return x;
+    return ampc_dropout(x, m->config.dropout.p, true);
 }
 
 static const ampc_module_vtable dropout_vtable = {"Dropout", dropout_forward, NULL};
@@ -70,7 +73,7 @@ ampc_module *ampc_dropout_new(double p) {
     if (!(p >= 0.0 && p <= 1.0))
         return ampc__err_null(AMPC_ERR_INVALID, "Dropout probability has to be between 0 and 1, but got %g", p);
     ampc_module *m = ampc__module_new(&dropout_vtable);
-    if (m) m->f[0] = p;
+    if (m) m->config.dropout.p = p;
     return m;
 }
 

@@ -79,9 +79,10 @@ static const ampc_module_vtable identity_vtable = {"Identity", identity_forward,
 // dropout2, fc1, fc2 (state_dict: conv1.*, conv2.*, fc1.*, fc2.*). Its forward ends with
 // log_softmax; here the logits are returned, as the training program uses cross_entropy.
 
-/* The model's input in its memory format (i[0]: ampc_model_options.memory_format). */
+/* The model's input in its memory format (config.model: ampc_model_options.memory_format). */
 static ampc_tensor *model_input(ampc_module *m, ampc_tensor *x) {
-    return m->i[0] == AMPC_CHANNELS_LAST && x && x->ndim == 4 ? ampc_to_memory_format(x, AMPC_CHANNELS_LAST) : x;
+    bool cl = m->config.model.memory_format == AMPC_CHANNELS_LAST && x && x->ndim == 4;
+    return cl ? ampc_to_memory_format(x, AMPC_CHANNELS_LAST) : x;
 }
 
 static ampc_tensor *net_forward(ampc_module *m, ampc_tensor *x) {
@@ -240,6 +241,6 @@ ampc_module *ampc_model_new(const char *name, const ampc_model_options *opts) {
     bool bottleneck = !strcmp(name, "resnet50");
     ampc_module *m = !strcmp(name, "cnn") ? cnn_new(o.in_channels, o.num_classes)
                                           : resnet_new(bottleneck, bottleneck ? r50 : r18, o.in_channels, o.num_classes, o.small_input);
-    if (m) m->i[0] = o.memory_format;
+    if (m) m->config.model.memory_format = o.memory_format;
     return m;
 }

@@ -6,7 +6,6 @@
  * pull the op library in (layers live in layers.c).
  */
 #include "nn/nn.h"
-#include "backend/backend.h"
 
 #include <stdarg.h>
 #include <stdlib.h>
@@ -199,7 +198,7 @@ ampc_tensor *ampc__module_param(const ampc_module *m, const char *name) { return
 ampc_tensor *ampc__module_buffer(const ampc_module *m, const char *name) { return list_find(&m->buffers, name); }
 
 ampc_dtype ampc__param_dtype(void) {
-    return ampc__backend(ampc__default_device())->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64;
+    return ampc__device(ampc__default_device())->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64;
 }
 
 ampc_tensor *ampc__param_uniform(int ndim, const int64_t *shape, double bound) {
@@ -383,6 +382,20 @@ int ampc_module_replace(ampc_module *m, const char *path, ampc_module *replaceme
 
 int ampc_module_state_dict(ampc_module *m, ampc_tensor ***tensors, const char ***names) {
     return ampc__module_state_dict(m, tensors, names);
+}
+
+int ampc_module_to(ampc_module *m, ampc_device dev) {
+    int rc = check_module(m, "ampc_module_to");
+    if (rc < 0) return rc;
+    const char *why = ampc_device_unavailable_reason(dev);
+    if (why) return ampc__err(AMPC_ERR_UNSUPPORTED, "ampc_module_to: device %s: %s", ampc_device_name(dev), why);
+    ampc_tensor **ts;
+    int n = ampc__module_state_dict(m, &ts, NULL);
+    for (int i = 0; i < n && rc >= 0; i++) {
+        rc = ampc__tensor_move(ts[i], dev);
+        if (rc >= 0 && ts[i]->grad) rc = ampc__tensor_move(ts[i]->grad, dev);
+    }
+    return n < 0 ? n : rc;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@
  *   parameters by ampc__module_state_dict in PyTorch's order (a module's own parameters, then
  *   its own buffers, then each child's entries under "<child>.").
  * Conv2d/BatchNorm2d/ResNet blocks are more layers of this kind: a vtable, their parameters and
- * buffers, hyperparameters in f[]/i[] or in `impl`, and children for composite blocks.
+ * buffers, hyperparameters in `config` or in `impl`, and children for composite blocks.
  */
 #ifndef AMPC_NN_H
 #define AMPC_NN_H
@@ -56,8 +56,25 @@ struct ampc_module {
     ampc_named_list children;     /* ampc_module * */
     ampc_named_list params;       /* ampc_tensor *: this module's own parameters */
     ampc_named_list buffers;      /* ampc_tensor *: this module's own buffers (no grad) */
-    double f[4];                  /* hyperparameters of simple layers (dropout p, ...) */
-    int64_t i[4];                 /* (in_features, out_features, ...) */
+    union {                       /* hyperparameters: the member of the layer's type */
+        struct { int64_t in_features, out_features; } linear;
+        struct {
+            int64_t in_channels, out_channels;
+            int kernel_size, groups;   /* the rest of the options is in impl */
+        } conv2d;
+        struct {
+            int64_t num_features;      /* channels C */
+            double momentum;           /* running stats += momentum * (batch stats - running) */
+            double eps;                /* added to the variance */
+        } batchnorm2d;
+        struct {
+            int norm_ndim;             /* normalized over the last norm_ndim dims */
+            double eps;
+        } layernorm;
+        struct { double p; } dropout;  /* probability of zeroing an element */
+        struct { int out_h, out_w; } adaptive_avgpool2d;
+        struct { ampc_memory_format memory_format; } model;   /* zoo models: of the input */
+    } config;
     void *impl;                   /* layer-specific data, freed by vt->free */
     ampc_flat_list flat_params;   /* ampc_module_parameters */
     ampc_flat_list flat_state;    /* ampc__module_state_dict: parameters and buffers */

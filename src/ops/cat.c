@@ -26,9 +26,9 @@ static int copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, a
     return be->copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols);
 }
 
-/* i[0]: the dim */
+/* args.cat.dim: the dim */
 static int cat_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
-    int d = (int)n->i[0];
+    int d = n->args.cat.dim;
     int64_t outer, inner, off = 0;
     split(gy->ndim, gy->shape, d, &outer, &inner);
     int64_t total = gy->shape[d] * inner;
@@ -95,7 +95,7 @@ ampc_tensor *ampc_cat(ampc_tensor *const *xs, int n, int dim) {
     }
     if (ampc__needs_grad(c, n)) {
         if ((node = ampc__node_new("CatBackward", cat_backward, c, n))) {
-            node->i[0] = d;
+            node->args.cat.dim = d;
         } else {
             ampc__release(out);
             out = NULL;

@@ -1,5 +1,6 @@
 /*
- * common.c - the op front door, kernel wrappers, broadcasting, and the cast op.
+ * common.c - the op front door, the weight-gradient kernel calls, and the recorded one-input
+ * ops (cast, memory format, alias).
  */
 #include "ops/ops.h"
 
@@ -8,18 +9,12 @@
 // ---------------------------------------------------------------------------------------------
 // Front door
 
-/* The inputs each op takes in channels-last format (bit i: input i), where the backend has
-   channels-last kernels: elementwise ops (same shapes, one format: their kernels walk storage
-   in order), conv2d's input, pooling and batch norm. Every other op, input and backend gets a
-   channels-last tensor converted to contiguous first (a recorded conversion: gradients come
-   back in the caller's format), so no kernel ever reads a layout it was not written for. */
-static const unsigned cl_ok[AMPC_OP_COUNT] = {
-    [AMPC_OP_CAST] = 1, [AMPC_OP_ADD] = 3, [AMPC_OP_SUB] = 3, [AMPC_OP_MUL] = 3, [AMPC_OP_ADD_SCALAR] = 1,
-    [AMPC_OP_MUL_SCALAR] = 1, [AMPC_OP_RELU] = 1, [AMPC_OP_GELU] = 1, [AMPC_OP_TANH] = 1, [AMPC_OP_SIGMOID] = 1,
-    [AMPC_OP_EXP] = 1, [AMPC_OP_LOG] = 1, [AMPC_OP_POW] = 1, [AMPC_OP_DROPOUT] = 1, [AMPC_OP_CONV2D] = 1,
-    [AMPC_OP_MAX_POOL2D] = 1, [AMPC_OP_AVG_POOL2D] = 1, [AMPC_OP_ADAPTIVE_AVG_POOL2D] = 1, [AMPC_OP_BATCH_NORM] = 1,
-};
-
+/* Inputs the op table does not let stay channels-last (its channels-last column: kernels
+   exist for that layout), and every input on a backend without channels-last kernels, are
+   converted to contiguous first (a recorded conversion: gradients come back in the caller's
+   format), so no kernel ever reads a layout it was not written for. Elementwise ops take
+   channels-last only when every input has one shape and format (their kernels walk storage in
+   order). */
 static int channels_last_inputs(ampc_op op, ampc_op_args *a) {
     unsigned ok = 0, cl = 0;
     for (int i = 0; i < a->n; i++)
@@ -27,7 +22,7 @@ static int channels_last_inputs(ampc_op op, ampc_op_args *a) {
     if (!cl) return AMPC_OK;
     const ampc_tensor *first = NULL;
     if (ampc__backend(a->in[0] ? a->in[0]->device : AMPC_DEVICE_CPU)->channels_last) {
-        ok = cl_ok[op];
+        ok = ampc_op_channels_last_inputs(op);
         /* the elementwise ones: every input of one shape and format, or none stays */
         for (int i = 0; i < a->n && ok > 1; i++) {
             if (!a->in[i]) continue;
@@ -44,6 +39,10 @@ static int channels_last_inputs(ampc_op op, ampc_op_args *a) {
     }
     return AMPC_OK;
 }
+
+static _Atomic ampc_autocast_hook autocast_hook;
+
+void ampc__ops_set_autocast_hook(ampc_autocast_hook hook) { atomic_store(&autocast_hook, hook); }
 
 int ampc__op_prepare(ampc_op op, ampc_op_args *a, int n, ampc_tensor *const *inputs, unsigned optional_mask) {
     memset(a, 0, sizeof *a);
@@ -64,7 +63,8 @@ int ampc__op_prepare(ampc_op op, ampc_op_args *a, int n, ampc_tensor *const *inp
         if (!first) first = t;
     }
     for (int i = 0; i < n; i++) a->in[i] = ampc__retain(a->src[i] = inputs[i]);
-    int rc = ampc__autocast_apply(op, a->in, n);
+    ampc_autocast_hook autocast = atomic_load(&autocast_hook);
+    int rc = autocast ? autocast(op, a->in, n) : AMPC_OK;
     if (rc >= 0) rc = channels_last_inputs(op, a);
     if (rc < 0) ampc__op_args_release(a);
     return rc;
@@ -108,128 +108,6 @@ int ampc__check_float(const ampc_tensor *t, const char *op, const char *what) {
     return AMPC_OK;
 }
 
-int ampc__broadcast_shapes(const ampc_tensor *a, const ampc_tensor *b, int *ndim_out, int64_t *out) {
-    int nd = a->ndim > b->ndim ? a->ndim : b->ndim;
-    for (int i = 0; i < nd; i++) {
-        int ia = a->ndim - nd + i, ib = b->ndim - nd + i;
-        int64_t da = ia >= 0 ? a->shape[ia] : 1, db = ib >= 0 ? b->shape[ib] : 1;
-        if (da != db && da != 1 && db != 1) {
-            char s1[96], s2[96];
-            return ampc__err(AMPC_ERR_SHAPE, "shapes %s and %s do not broadcast (dim %d: %lld vs %lld)",
-                             ampc__shape_str(a, s1, sizeof s1), ampc__shape_str(b, s2, sizeof s2), i,
-                             (long long)da, (long long)db);
-        }
-        out[i] = da == 1 ? db : da;
-    }
-    *ndim_out = nd;
-    return AMPC_OK;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Kernel wrappers
-
-#define BACKEND_CALL(t, kernel, ...)                                                               \
-    (ampc__backend((t)->device)->kernel                                                            \
-         ? ampc__backend((t)->device)->kernel(__VA_ARGS__)                                         \
-         : ampc__err(AMPC_ERR_UNSUPPORTED, "%s on device %s", #kernel, ampc_device_name((t)->device)))
-
-static ampc_tensor *finish_kernel(ampc_tensor *out, int rc) {
-    if (rc < 0) {
-        ampc__release(out);
-        return NULL;
-    }
-    return out;
-}
-
-ampc_tensor *ampc__k_convert(ampc_tensor *x, ampc_dtype dt, ampc_memory_format fmt) {
-    if (x->dtype == dt && x->format == fmt) return ampc__retain(x);
-    /* (n, c, h, w) and (n, h, w, c) order alike when one of the two is a single element */
-    if (x->dtype == dt && x->ndim == 4 && (x->shape[1] == 1 || x->shape[2] * x->shape[3] == 1)) {
-        ampc_tensor *v = ampc__tensor_view(x, x->ndim, x->shape);   /* same storage, relabelled */
-        if (v) v->format = fmt;
-        return v;
-    }
-    ampc_tensor *y = ampc__tensor_new_fmt(dt, x->device, x->ndim, x->shape, fmt);
-    if (!y) return NULL;
-    return finish_kernel(y, BACKEND_CALL(x, copy, x, y));
-}
-
-ampc_tensor *ampc__k_cast(ampc_tensor *x, ampc_dtype dt) { return ampc__k_convert(x, dt, x->format); }
-
-ampc_tensor *ampc__k_unary(ampc_unary_op op, ampc_tensor *x, double alpha) {
-    ampc_tensor *y = ampc__tensor_like(x, x->dtype);
-    if (!y) return NULL;
-    return finish_kernel(y, BACKEND_CALL(x, unary, op, x, y, alpha));
-}
-
-ampc_tensor *ampc__k_unary_backward(ampc_unary_op op, ampc_tensor *x, ampc_tensor *y, ampc_tensor *gy, double alpha) {
-    ampc_tensor *gx = ampc__tensor_like(gy, gy->dtype);
-    if (!gx) return NULL;
-    return finish_kernel(gx, BACKEND_CALL(gy, unary_backward, op, x, y, gy, gx, alpha));
-}
-
-ampc_tensor *ampc__k_unary_backward_over(ampc_unary_op op, ampc_tensor *x, ampc_tensor *y, ampc_tensor *gy, double alpha) {
-    int rc = BACKEND_CALL(gy, unary_backward, op, x, y, gy, gy, alpha);
-    return rc < 0 ? NULL : ampc__retain(gy);
-}
-
-ampc_tensor *ampc__k_binary(ampc_binary_op op, ampc_tensor *a, ampc_tensor *b) {
-    int nd;
-    int64_t shape[AMPC_MAX_DIMS];
-    if (ampc__broadcast_shapes(a, b, &nd, shape) < 0) return NULL;
-    if (a->dtype != b->dtype) return ampc__err_null(AMPC_ERR_DTYPE, "binary kernel on %s and %s", ampc_dtype_name(a->dtype), ampc_dtype_name(b->dtype));
-    /* channels-last only elementwise over one shape and format (the kernel walks storage) */
-    bool cl = ampc__is_cl(a) || ampc__is_cl(b);
-    if (cl && (a->format != b->format || !ampc__same_shape(a, b)))
-        return ampc__err_null(AMPC_ERR_INVALID, "binary kernel on channels-last tensors of different shapes or formats");
-    ampc_tensor *out = ampc__tensor_new_fmt(a->dtype, a->device, nd, shape, a->format);
-    if (!out) return NULL;
-    return finish_kernel(out, BACKEND_CALL(a, binary, op, a, b, out));
-}
-
-/* A channels-last x changing shape is read in contiguous order (sum_to/expand index by shape);
-   one keeping its shape keeps its format. */
-static ampc_tensor *shape_walk(ampc_tensor *x, int ndim, const int64_t *shape, ampc_memory_format *out_fmt) {
-    bool same = ndim == x->ndim && !memcmp(shape, x->shape, sizeof(int64_t) * (size_t)ndim);
-    *out_fmt = same ? x->format : AMPC_CONTIGUOUS_FORMAT;
-    return same ? ampc__retain(x) : ampc__k_convert(x, x->dtype, AMPC_CONTIGUOUS_FORMAT);
-}
-
-static ampc_tensor *sum_to_in(ampc_tensor *x_, ampc_dtype out_dt, int ndim, const int64_t *shape, double alpha) {
-    ampc_memory_format fmt;
-    ampc_tensor *x = shape_walk(x_, ndim, shape, &fmt);
-    ampc_tensor *out = x ? ampc__tensor_new_fmt(out_dt, x->device, ndim, shape, fmt) : NULL;
-    if (out) out = finish_kernel(out, BACKEND_CALL(x, sum_to, x, out, alpha));
-    ampc__release(x);
-    return out;
-}
-ampc_tensor *ampc__k_expand(ampc_tensor *x_, int ndim, const int64_t *shape, double alpha) {
-    ampc_memory_format fmt;
-    ampc_tensor *x = shape_walk(x_, ndim, shape, &fmt);
-    ampc_tensor *out = x ? ampc__tensor_new_fmt(x->dtype, x->device, ndim, shape, fmt) : NULL;
-    if (out) out = finish_kernel(out, BACKEND_CALL(x, expand, x, out, alpha));
-    ampc__release(x);
-    return out;
-}
-
-ampc_tensor *ampc__k_sum_to(ampc_tensor *x, int ndim, const int64_t *shape, double alpha) {
-    return sum_to_in(x, x->dtype, ndim, shape, alpha);
-}
-
-static ampc_tensor *gemm_in(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b, ampc_tensor *bias,
-                            ampc_dtype out_dt, int ndim, const int64_t *out_shape) {
-    if (ampc__is_cl(a) || ampc__is_cl(b) || (bias && ampc__is_cl(bias)))
-        return ampc__err_null(AMPC_ERR_INVALID, "gemm on a channels-last tensor (the op must convert it)");
-    ampc_tensor *c = ampc__tensor_new(out_dt, a->device, ndim, out_shape);
-    if (!c) return NULL;
-    return finish_kernel(c, BACKEND_CALL(a, gemm, d, a, b, bias, c));
-}
-
-ampc_tensor *ampc__k_gemm(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b, ampc_tensor *bias, int ndim,
-                          const int64_t *out_shape) {
-    return gemm_in(d, a, b, bias, a->dtype, ndim, out_shape);
-}
-
 ampc_dtype ampc__wgrad_dtype(const ampc_node *n, int i, ampc_dtype compute) {
     bool narrow = compute == AMPC_BF16 || compute == AMPC_F16;
     return narrow && ampc__grad_dtype(n, i) == AMPC_F32 ? AMPC_F32 : compute;
@@ -238,14 +116,14 @@ ampc_dtype ampc__wgrad_dtype(const ampc_node *n, int i, ampc_dtype compute) {
 ampc_tensor *ampc__k_wgrad_gemm(const ampc_node *n, int i, const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b,
                                 int ndim, const int64_t *out_shape) {
     ampc_mem_kind prev = ampc__mem_kind_push(ampc__grad_kind(n, i));
-    ampc_tensor *c = gemm_in(d, a, b, NULL, ampc__wgrad_dtype(n, i, a->dtype), ndim, out_shape);
+    ampc_tensor *c = ampc__k_gemm_as(d, a, b, NULL, ampc__wgrad_dtype(n, i, a->dtype), ndim, out_shape);
     ampc__mem_kind_pop(prev);
     return c;
 }
 
 ampc_tensor *ampc__k_wgrad_sum_to(const ampc_node *n, int i, ampc_tensor *x, int ndim, const int64_t *shape) {
     ampc_mem_kind prev = ampc__mem_kind_push(ampc__grad_kind(n, i));
-    ampc_tensor *s = sum_to_in(x, ampc__wgrad_dtype(n, i, x->dtype), ndim, shape, 1.0);
+    ampc_tensor *s = ampc__k_sum_to_as(x, ampc__wgrad_dtype(n, i, x->dtype), ndim, shape, 1.0);
     ampc__mem_kind_pop(prev);
     return s;
 }
@@ -336,7 +214,7 @@ ampc_tensor *ampc_cast(ampc_tensor *x, ampc_dtype dt) {
         ampc__op_args_release(&a);
         return ampc__err_null(AMPC_ERR_DTYPE, "cast to unknown dtype %d", (int)dt);
     }
-    if (!ampc__backend(a.in[0]->device)->dtypes[dt]) {
+    if (!ampc__device(a.in[0]->device)->dtypes[dt]) {
         ampc__op_args_release(&a);
         return ampc__err_null(AMPC_ERR_DTYPE, "cast to %s on device %s", ampc_dtype_name(dt), ampc_device_name(x->device));
     }

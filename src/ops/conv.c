@@ -39,13 +39,6 @@ static int64_t out_size(int64_t in, int64_t k, int s, int p, int d) {
     return num < 0 ? 0 : num / s + 1;
 }
 
-/* Node parameters: i[0..2] pack (h << 32 | w) of stride, padding, dilation; i[3] = groups. */
-static int64_t pack(const int v[2]) { return (int64_t)v[0] << 32 | (uint32_t)v[1]; }
-static void unpack(int64_t p, int v[2]) {
-    v[0] = (int)(p >> 32);
-    v[1] = (int)(uint32_t)p;
-}
-
 static ampc_conv_desc make_desc(const int64_t *xs, const int64_t *ws, const ampc_conv2d_options *o) {
     ampc_conv_desc d = {.N = xs[0], .C = xs[1], .H = xs[2], .W = xs[3], .O = ws[0], .KH = ws[2], .KW = ws[3],
                         .groups = o->groups};
@@ -114,10 +107,7 @@ static int check_shapes(const ampc_tensor *x, const ampc_tensor *w, const ampc_t
 
 /* saved[0] = x (for gw), saved[1] = w (for gx) */
 static int conv2d_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
-    ampc_conv2d_options o = {.groups = (int)n->i[3]};
-    unpack(n->i[0], o.stride);
-    unpack(n->i[1], o.padding);
-    unpack(n->i[2], o.dilation);
+    ampc_conv2d_options o = n->args.conv;
     ampc_conv_desc d = make_desc(n->in[0].shape, n->in[1].shape, &o);
     d.channels_last = n->in[0].format == AMPC_CHANNELS_LAST;   /* gy arrives in it too */
     ampc_dtype dt = n->in[1].dtype;
@@ -128,7 +118,7 @@ static int conv2d_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
     if (n->next[0]) {   /* gx (N, C, H, W) from gy and w */
         gx[0] = ampc__tensor_new_fmt(dt, gy->device, 4, n->in[0].shape, n->in[0].format);
         if (!gx[0]) rc = ampc_last_status();
-        else if (!be->conv2d_backward_data) rc = ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d_backward_data on device %s", be->name);
+        else if (!be->conv2d_backward_data) rc = ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d_backward_data on device %s", be->device.name);
         else rc = be->conv2d_backward_data(&d, gy, n->saved[1], gx[0]);
     }
     if (rc >= 0 && n->next[1]) {   /* gw (and gb in the same pass) from x and gy */
@@ -141,7 +131,7 @@ static int conv2d_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
         if (n->next[2] && gx[1]) gx[2] = ampc__tensor_new(gdt, gy->device, 1, n->in[2].shape);
         ampc__mem_kind_pop(prev);
         if (!gx[1] || (n->next[2] && !gx[2])) rc = ampc_last_status();
-        else if (!be->conv2d_backward_weights) rc = ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d_backward_weights on device %s", be->name);
+        else if (!be->conv2d_backward_weights) rc = ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d_backward_weights on device %s", be->device.name);
         else {
             ampc_tensor *x = ampc__k_cast(n->saved[0], n->in[0].dtype);   /* saved uncast: ampc__input_to_save */
             rc = x ? be->conv2d_backward_weights(&d, x, gy, gx[1], gx[2]) : ampc_last_status();
@@ -175,7 +165,7 @@ ampc_tensor *ampc_conv2d(ampc_tensor *x, ampc_tensor *w, ampc_tensor *b, const a
     d.channels_last = ampc__is_cl(X);   /* the output keeps the input's memory format */
     const ampc_backend *be = ampc__backend(X->device);
     if (!be->conv2d) {
-        ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d on device %s", be->name);
+        ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d on device %s", be->device.name);
         return fail_args(&a);
     }
     ampc_tensor *y = ampc__tensor_new_fmt(X->dtype, X->device, 4, (int64_t[]){d.N, d.O, d.OH, d.OW}, X->format);
@@ -192,10 +182,7 @@ ampc_tensor *ampc_conv2d(ampc_tensor *x, ampc_tensor *w, ampc_tensor *b, const a
         }
         if (node->next[1]) ampc__node_save(node, 0, ampc__input_to_save(&a, 0));
         if (node->next[0]) ampc__node_save(node, 1, W);
-        node->i[0] = pack(o.stride);
-        node->i[1] = pack(o.padding);
-        node->i[2] = pack(o.dilation);
-        node->i[3] = o.groups;
+        node->args.conv = o;
     }
     return ampc__op_finish(&a, y, node);
 }

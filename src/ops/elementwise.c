@@ -3,8 +3,8 @@
  *
  * add/sub/mul broadcast like numpy and promote mixed float dtypes like PyTorch (f16 + f32 ->
  * f32, f16 + bf16 -> f32) through recorded casts, so each input's gradient comes back in its
- * own dtype. Each op saves only what its backward reads: add/sub nothing, mul the other
- * operand, relu/tanh/sigmoid/exp their output, gelu/log/pow their input.
+ * own dtype. Each op saves only what its backward reads (the op table's column): add/sub
+ * nothing, mul the other operand, relu/tanh/sigmoid/exp their output, gelu/log/pow their input.
  */
 #include "ops/ops.h"
 
@@ -30,11 +30,11 @@ static ampc_tensor *fail(ampc_op_args *a) {
 // ---------------------------------------------------------------------------------------------
 // add, sub, mul
 
-/* f[0]: the sign of b's gradient (1 add, -1 sub) */
+/* args.add.b_sign: the sign of b's gradient (1 add, -1 sub) */
 static int add_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
     for (int i = 0; i < 2; i++) {
         if (!n->next[i]) continue;
-        gx[i] = grad_for_input(n, i, gy, i ? n->f[0] : 1.0);
+        gx[i] = grad_for_input(n, i, gy, i ? n->args.add.b_sign : 1.0);
         if (!gx[i]) return ampc_last_status();
     }
     return AMPC_OK;
@@ -44,7 +44,7 @@ static int add_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
 static int mul_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
     for (int i = 0; i < 2; i++) {
         if (!n->next[i]) continue;
-        ampc_tensor *t = ampc__k_binary(AMPC_BINARY_MUL, gy, n->saved[1 - i]);
+        ampc_tensor *t = ampc__k_binary(AMPC_OP_MUL, gy, n->saved[1 - i]);
         if (!t) return ampc_last_status();
         gx[i] = grad_for_input(n, i, t, 1.0);
         ampc__release(t);
@@ -53,7 +53,7 @@ static int mul_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
     return AMPC_OK;
 }
 
-static ampc_tensor *binary_op(ampc_op op, ampc_binary_op bop, ampc_tensor *a_, ampc_tensor *b_) {
+static ampc_tensor *binary_op(ampc_op op, ampc_tensor *a_, ampc_tensor *b_) {
     ampc_op_args a;
     if (ampc__op_prepare(op, &a, 2, (ampc_tensor *[]){a_, b_}, 0) < 0) return NULL;
     const char *name = ampc_op_name(op);
@@ -66,20 +66,20 @@ static ampc_tensor *binary_op(ampc_op op, ampc_binary_op bop, ampc_tensor *a_, a
     ampc_dtype dt = ampc__promote(a.in[0]->dtype, a.in[1]->dtype);
     ampc_tensor *x = ampc__cast_record(a.in[0], dt);
     ampc_tensor *y = x ? ampc__cast_record(a.in[1], dt) : NULL;
-    ampc_tensor *out = y ? ampc__k_binary(bop, x, y) : NULL;
+    ampc_tensor *out = y ? ampc__k_binary(op, x, y) : NULL;
     ampc_node *node = NULL;
     ampc_tensor *xy[2] = {x, y};
     if (out && ampc__needs_grad(xy, 2)) {
-        static const char *names[] = {"AddBackward", "SubBackward", "MulBackward"};
-        node = ampc__node_new(names[bop], bop == AMPC_BINARY_MUL ? mul_backward : add_backward, xy, 2);
+        static const char *names[] = {[AMPC_OP_ADD] = "AddBackward", [AMPC_OP_SUB] = "SubBackward", [AMPC_OP_MUL] = "MulBackward"};
+        node = ampc__node_new(names[op], op == AMPC_OP_MUL ? mul_backward : add_backward, xy, 2);
         if (!node) {
             ampc__release(out);
             out = NULL;
-        } else if (bop == AMPC_BINARY_MUL) {
+        } else if (op == AMPC_OP_MUL) {
             if (node->next[0]) ampc__node_save(node, 1, y);
             if (node->next[1]) ampc__node_save(node, 0, x);
         } else {
-            node->f[0] = bop == AMPC_BINARY_SUB ? -1.0 : 1.0;
+            node->args.add.b_sign = op == AMPC_OP_SUB ? -1.0 : 1.0;
         }
     }
     ampc__release(x);
@@ -87,21 +87,19 @@ static ampc_tensor *binary_op(ampc_op op, ampc_binary_op bop, ampc_tensor *a_, a
     return ampc__op_finish(&a, out, node);
 }
 
-ampc_tensor *ampc_add(ampc_tensor *a, ampc_tensor *b) { return binary_op(AMPC_OP_ADD, AMPC_BINARY_ADD, a, b); }
-ampc_tensor *ampc_sub(ampc_tensor *a, ampc_tensor *b) { return binary_op(AMPC_OP_SUB, AMPC_BINARY_SUB, a, b); }
-ampc_tensor *ampc_mul(ampc_tensor *a, ampc_tensor *b) { return binary_op(AMPC_OP_MUL, AMPC_BINARY_MUL, a, b); }
+ampc_tensor *ampc_add(ampc_tensor *a, ampc_tensor *b) { return binary_op(AMPC_OP_ADD, a, b); }
+ampc_tensor *ampc_sub(ampc_tensor *a, ampc_tensor *b) { return binary_op(AMPC_OP_SUB, a, b); }
+ampc_tensor *ampc_mul(ampc_tensor *a, ampc_tensor *b) { return binary_op(AMPC_OP_MUL, a, b); }
 
 // ---------------------------------------------------------------------------------------------
 // Unary ops (and the scalar add/mul): y = f(x) in x's dtype
 
-enum { SAVE_NONE, SAVE_X, SAVE_Y };
-
-/* i[0]: the unary op, f[0]: its alpha; saved[0] = x or saved[1] = y */
+/* args.unary: the op and its alpha; saved[0] = x or saved[1] = y */
 static int unary_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
-    ampc_unary_op op = (ampc_unary_op)n->i[0];
-    double alpha = n->f[0];
-    if (op == AMPC_UNARY_ADD_SCALAR) gx[0] = ampc__retain(gy);
-    else if (op == AMPC_UNARY_SCALE) gx[0] = ampc__k_unary(AMPC_UNARY_SCALE, gy, alpha);
+    ampc_op op = n->args.unary.op;
+    double alpha = n->args.unary.alpha;
+    if (op == AMPC_OP_ADD_SCALAR) gx[0] = ampc__retain(gy);
+    else if (op == AMPC_OP_MUL_SCALAR) gx[0] = ampc__k_unary(AMPC_OP_MUL_SCALAR, gy, alpha);
     else if (ampc__grad_exclusive(gy) && gy->dtype == n->in[0].dtype) {
         /* nobody else sees gy: gx overwrites it (one activation-sized buffer less at the
            backward's peak) */
@@ -110,13 +108,13 @@ static int unary_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
     return gx[0] ? AMPC_OK : ampc_last_status();
 }
 
-static ampc_tensor *unary_op(ampc_op op, ampc_unary_op uop, double alpha, const char *grad_name, int save,
-                             ampc_tensor *x_) {
+/* saves what the op table says its backward reads */
+static ampc_tensor *unary_op(ampc_op op, double alpha, const char *grad_name, ampc_tensor *x_) {
     ampc_op_args a;
     if (ampc__op_prepare(op, &a, 1, &x_, 0) < 0) return NULL;
     ampc_tensor *x = a.in[0];
     if (ampc__check_float(x, ampc_op_name(op), "input") < 0) return fail(&a);
-    ampc_tensor *y = ampc__k_unary(uop, x, alpha);
+    ampc_tensor *y = ampc__k_unary(op, x, alpha);
     ampc_node *node = NULL;
     if (y && ampc__needs_grad(&x, 1)) {
         node = ampc__node_new(grad_name, unary_backward, &x, 1);
@@ -124,10 +122,11 @@ static ampc_tensor *unary_op(ampc_op op, ampc_unary_op uop, double alpha, const 
             ampc__release(y);
             y = NULL;
         } else {
-            node->i[0] = uop;
-            node->f[0] = alpha;
-            if (save == SAVE_X) ampc__node_save(node, 0, x);
-            if (save == SAVE_Y) {
+            node->args.unary.op = op;
+            node->args.unary.alpha = alpha;
+            ampc_backward_reads reads = ampc_op_backward_reads(op);
+            if (reads == AMPC_READS_X) ampc__node_save(node, 0, x);
+            if (reads == AMPC_READS_Y) {
                 /* a header of its own over y's storage: saving y itself would make y own its
                    node and the node own y, a cycle that leaks when backward never runs */
                 ampc_tensor *v = ampc__tensor_view(y, y->ndim, y->shape);
@@ -146,21 +145,22 @@ static ampc_tensor *unary_op(ampc_op op, ampc_unary_op uop, double alpha, const 
 }
 
 ampc_tensor *ampc_add_scalar(ampc_tensor *x, double s) {
-    return unary_op(AMPC_OP_ADD_SCALAR, AMPC_UNARY_ADD_SCALAR, s, "AddBackward", SAVE_NONE, x);
+    return unary_op(AMPC_OP_ADD_SCALAR, s, "AddBackward", x);
 }
 ampc_tensor *ampc_mul_scalar(ampc_tensor *x, double s) {
-    return unary_op(AMPC_OP_MUL_SCALAR, AMPC_UNARY_SCALE, s, "MulBackward", SAVE_NONE, x);
+    return unary_op(AMPC_OP_MUL_SCALAR, s, "MulBackward", x);
 }
-ampc_tensor *ampc_relu(ampc_tensor *x) { return unary_op(AMPC_OP_RELU, AMPC_UNARY_RELU, 0, "ReluBackward", SAVE_Y, x); }
-ampc_tensor *ampc_gelu(ampc_tensor *x) { return unary_op(AMPC_OP_GELU, AMPC_UNARY_GELU, 0, "GeluBackward", SAVE_X, x); }
-ampc_tensor *ampc_tanh(ampc_tensor *x) { return unary_op(AMPC_OP_TANH, AMPC_UNARY_TANH, 0, "TanhBackward", SAVE_Y, x); }
+ampc_tensor *ampc_relu(ampc_tensor *x) { return unary_op(AMPC_OP_RELU, 0, "ReluBackward", x); }
+ampc_tensor *ampc_gelu(ampc_tensor *x) { return unary_op(AMPC_OP_GELU, 0, "GeluBackward", x); }
+ampc_tensor *ampc_silu(ampc_tensor *x) { return unary_op(AMPC_OP_SILU, 0, "SiluBackward", x); }
+ampc_tensor *ampc_tanh(ampc_tensor *x) { return unary_op(AMPC_OP_TANH, 0, "TanhBackward", x); }
 ampc_tensor *ampc_sigmoid(ampc_tensor *x) {
-    return unary_op(AMPC_OP_SIGMOID, AMPC_UNARY_SIGMOID, 0, "SigmoidBackward", SAVE_Y, x);
+    return unary_op(AMPC_OP_SIGMOID, 0, "SigmoidBackward", x);
 }
-ampc_tensor *ampc_exp(ampc_tensor *x) { return unary_op(AMPC_OP_EXP, AMPC_UNARY_EXP, 0, "ExpBackward", SAVE_Y, x); }
-ampc_tensor *ampc_log(ampc_tensor *x) { return unary_op(AMPC_OP_LOG, AMPC_UNARY_LOG, 0, "LogBackward", SAVE_X, x); }
+ampc_tensor *ampc_exp(ampc_tensor *x) { return unary_op(AMPC_OP_EXP, 0, "ExpBackward", x); }
+ampc_tensor *ampc_log(ampc_tensor *x) { return unary_op(AMPC_OP_LOG, 0, "LogBackward", x); }
 ampc_tensor *ampc_pow(ampc_tensor *x, double exponent) {
-    return unary_op(AMPC_OP_POW, AMPC_UNARY_POW, exponent, "PowBackward", SAVE_X, x);
+    return unary_op(AMPC_OP_POW, exponent, "PowBackward", x);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -172,15 +172,15 @@ static void keep_shape(int ndim, const int64_t *shape, int d, int64_t *keep) {
     for (int i = 0; i < ndim; i++) keep[i] = d < 0 || i == d ? 1 : shape[i];
 }
 
-/* i[0]: the reduced dim (-1: all), f[0]: alpha (1 or 1/count). gy viewed with the reduced
+/* args.reduce: the reduced dim (-1: all) and alpha (1 or 1/count). gy viewed with the reduced
    dims kept is broadcast back over x's shape. */
 static int reduce_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
     const ampc_meta *m = &n->in[0];
     int64_t keep[AMPC_MAX_DIMS];
-    keep_shape(m->ndim, m->shape, (int)n->i[0], keep);
+    keep_shape(m->ndim, m->shape, n->args.reduce.dim, keep);
     ampc_tensor *g = ampc__tensor_view(gy, m->ndim, keep);
     if (!g) return ampc_last_status();
-    gx[0] = ampc__k_expand(g, m->ndim, m->shape, n->f[0]);
+    gx[0] = ampc__k_expand(g, m->ndim, m->shape, n->args.reduce.alpha);
     ampc__release(g);
     return gx[0] ? AMPC_OK : ampc_last_status();
 }
@@ -213,8 +213,8 @@ static ampc_tensor *reduce_op(ampc_op op, const char *grad_name, bool mean, ampc
             ampc__release(out);
             out = NULL;
         } else {
-            node->i[0] = d;
-            node->f[0] = alpha;
+            node->args.reduce.dim = d;
+            node->args.reduce.alpha = alpha;
         }
     }
     return ampc__op_finish(&a, out, node);

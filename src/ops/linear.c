@@ -54,9 +54,9 @@ static ampc_tensor *fail_args(ampc_op_args *a) {
 // ---------------------------------------------------------------------------------------------
 // linear: x (..., in) @ w (out, in)^T + b (out)
 
-/* saved[0] = x (for dw), saved[1] = w (for dx); i[0] = M (rows of x flattened) */
+/* saved[0] = x (for dw), saved[1] = w (for dx); args.linear.rows = M (rows of x flattened) */
 static int linear_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
-    int64_t out = n->in[1].shape[0], in = n->in[1].shape[1], M = n->i[0];
+    int64_t out = n->in[1].shape[0], in = n->in[1].shape[1], M = n->args.linear.rows;
     ampc_tensor *gy = grad_in(gy_in, n->in[1].dtype);
     if (!gy) return ampc_last_status();
     int rc = AMPC_OK;
@@ -119,7 +119,7 @@ ampc_tensor *ampc_linear(ampc_tensor *x, ampc_tensor *w, ampc_tensor *b) {
         }
         if (node->next[1]) ampc__node_save(node, 0, ampc__input_to_save(&a, 0));
         if (node->next[0]) ampc__node_save(node, 1, W);
-        node->i[0] = M;
+        node->args.linear.rows = M;
     }
     return ampc__op_finish(&a, y, node);
 }

@@ -34,13 +34,13 @@ static ampc_axis_desc axis_of(const ampc_tensor *x, int d) {
 
 static int softmax_backward_fn(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
     ampc_tensor *y = n->saved[0];
-    ampc_axis_desc ax = {n->i[0], n->i[1], n->i[2]};
+    ampc_axis_desc ax = {n->args.softmax.outer, n->args.softmax.dim, n->args.softmax.inner};
     const ampc_backend *be = ampc__backend(y->device);
     if (!be->softmax_backward)
         return ampc__err(AMPC_ERR_UNSUPPORTED, "softmax_backward on device %s", ampc_device_name(y->device));
     ampc_tensor *g = ampc__tensor_like(y, y->dtype);
     if (!g) return ampc_last_status();
-    int rc = be->softmax_backward(y, gy, g, ax, n->i[3] != 0);
+    int rc = be->softmax_backward(y, gy, g, ax, n->args.softmax.log);
     if (rc < 0) {
         ampc__release(g);
         return rc;
@@ -72,10 +72,10 @@ static ampc_tensor *softmax_common(ampc_tensor *x, int dim, bool is_log) {
         if (!saved) return fail(&a, y, node);
         ampc__node_save(node, 0, saved);
         ampc__release(saved);
-        node->i[0] = ax.outer;
-        node->i[1] = ax.dim;
-        node->i[2] = ax.inner;
-        node->i[3] = is_log;
+        node->args.softmax.outer = ax.outer;
+        node->args.softmax.dim = ax.dim;
+        node->args.softmax.inner = ax.inner;
+        node->args.softmax.log = is_log;
     }
     return ampc__op_finish(&a, y, node);
 }
@@ -95,25 +95,25 @@ static bool valid_reduction(ampc_reduction r) {
 static ampc_tensor *mse_diff(ampc_tensor *input, ampc_tensor *target) {
     ampc_dtype cdt = compute_dtype(input);
     ampc_tensor *i32 = ampc__k_cast(input, cdt), *t32 = i32 ? ampc__k_cast(target, cdt) : NULL;
-    ampc_tensor *d = t32 ? ampc__k_binary(AMPC_BINARY_SUB, i32, t32) : NULL;
+    ampc_tensor *d = t32 ? ampc__k_binary(AMPC_OP_SUB, i32, t32) : NULL;
     ampc__release(i32);
     ampc__release(t32);
     return d;
 }
 
 static int mse_backward_fn(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
-    ampc_reduction r = (ampc_reduction)n->i[0];
-    double numel = n->f[0];
+    ampc_reduction r = n->args.mse.reduction;
+    double numel = n->args.mse.count;
     ampc_tensor *d = mse_diff(n->saved[0], n->saved[1]);
     ampc_tensor *g = d ? ampc__k_cast(gy, d->dtype) : NULL;
-    ampc_tensor *g2 = g ? ampc__k_unary(AMPC_UNARY_SCALE, g, r == AMPC_REDUCTION_MEAN ? 2.0 / numel : 2.0) : NULL;
-    ampc_tensor *gi = g2 ? ampc__k_binary(AMPC_BINARY_MUL, d, g2) : NULL;   /* gy of a reduction broadcasts */
+    ampc_tensor *g2 = g ? ampc__k_unary(AMPC_OP_MUL_SCALAR, g, r == AMPC_REDUCTION_MEAN ? 2.0 / numel : 2.0) : NULL;
+    ampc_tensor *gi = g2 ? ampc__k_binary(AMPC_OP_MUL, d, g2) : NULL;   /* gy of a reduction broadcasts */
     ampc__release(d);
     ampc__release(g);
     ampc__release(g2);
     if (!gi) return ampc_last_status();
     if (n->next[1]) {
-        gx[1] = ampc__k_unary(AMPC_UNARY_SCALE, gi, -1.0);
+        gx[1] = ampc__k_unary(AMPC_OP_MUL_SCALAR, gi, -1.0);
         if (!gx[1]) {
             ampc__release(gi);
             return ampc_last_status();
@@ -141,7 +141,7 @@ ampc_tensor *ampc_mse_loss(ampc_tensor *input, ampc_tensor *target, ampc_reducti
         return fail(&a, NULL, NULL);
     }
     ampc_tensor *d = mse_diff(in, tg);
-    ampc_tensor *sq = d ? ampc__k_binary(AMPC_BINARY_MUL, d, d) : NULL;
+    ampc_tensor *sq = d ? ampc__k_binary(AMPC_OP_MUL, d, d) : NULL;
     ampc__release(d);
     if (!sq) return fail(&a, NULL, NULL);
     ampc_tensor *loss = sq;
@@ -164,8 +164,8 @@ ampc_tensor *ampc_mse_loss(ampc_tensor *input, ampc_tensor *target, ampc_reducti
         if (!node) return fail(&a, out, NULL);
         ampc__node_save(node, 0, in);
         ampc__node_save(node, 1, tg);
-        node->i[0] = r;
-        node->f[0] = (double)in->numel;
+        node->args.mse.reduction = r;
+        node->args.mse.count = (double)in->numel;
     }
     return ampc__op_finish(&a, out, node);
 }
@@ -178,20 +178,15 @@ ampc_cross_entropy_options ampc_cross_entropy_defaults(void) {
     return (ampc_cross_entropy_options){.reduction = AMPC_REDUCTION_MEAN, .label_smoothing = 0.0, .ignore_index = -100};
 }
 
-static ampc_cross_entropy_options ce_options_of(const ampc_node *n) {
-    return (ampc_cross_entropy_options){
-        .reduction = (ampc_reduction)n->i[0], .label_smoothing = n->f[1], .ignore_index = n->i[1]};
-}
-
 static int cross_entropy_backward_fn(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
     ampc_tensor *logits = n->saved[0], *targets = n->saved[1];
-    ampc_cross_entropy_options o = ce_options_of(n);
+    ampc_cross_entropy_options o = n->args.cross_entropy.opts;
     const ampc_backend *be = ampc__backend(logits->device);
     if (!be->cross_entropy_backward)
         return ampc__err(AMPC_ERR_UNSUPPORTED, "cross_entropy_backward on device %s", ampc_device_name(logits->device));
     ampc_tensor *g = ampc__tensor_like(logits, logits->dtype);
     if (!g) return ampc_last_status();
-    int rc = be->cross_entropy_backward(logits, targets, gy, &o, n->f[0], g);
+    int rc = be->cross_entropy_backward(logits, targets, gy, &o, n->args.cross_entropy.divisor, g);
     if (rc < 0) {
         ampc__release(g);
         return rc;
@@ -239,10 +234,8 @@ ampc_tensor *ampc_cross_entropy(ampc_tensor *logits, ampc_tensor *targets, const
         if (!node) return fail(&a, out, NULL);
         ampc__node_save(node, 0, x);
         ampc__node_save(node, 1, t);
-        node->f[0] = o.reduction == AMPC_REDUCTION_MEAN ? count : 1.0;   /* the backward's divisor */
-        node->f[1] = o.label_smoothing;
-        node->i[0] = o.reduction;
-        node->i[1] = o.ignore_index;
+        node->args.cross_entropy.divisor = o.reduction == AMPC_REDUCTION_MEAN ? count : 1.0;
+        node->args.cross_entropy.opts = o;
     }
     return ampc__op_finish(&a, out, node);
 }
@@ -256,7 +249,7 @@ static int dropout_backward_fn(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) 
         return ampc__err(AMPC_ERR_UNSUPPORTED, "dropout_backward on device %s", ampc_device_name(gy->device));
     ampc_tensor *g = ampc__tensor_like(gy, gy->dtype);
     if (!g) return ampc_last_status();
-    int rc = be->dropout_backward(gy, n->extra, n->f[0], g);
+    int rc = be->dropout_backward(gy, n->extra, n->args.dropout.p, g);
     if (rc < 0) {
         ampc__release(g);
         return rc;
@@ -283,7 +276,7 @@ ampc_tensor *ampc_dropout(ampc_tensor *x, double p, bool training) {
     }
     ampc_tensor *y = ampc__tensor_like(in, in->dtype);
     size_t mask_bytes = 0;
-    uint8_t *mask = y ? ampc__alloc(AMPC_DEVICE_CPU, (size_t)(in->numel ? in->numel : 1), AMPC_MEM_ACTIVATIONS,
+    uint8_t *mask = y ? ampc__alloc(in->device, (size_t)(in->numel ? in->numel : 1), AMPC_MEM_ACTIVATIONS,
                                     &mask_bytes)
                       : NULL;
     if (!mask) return fail(&a, y, NULL);
@@ -291,15 +284,16 @@ ampc_tensor *ampc_dropout(ampc_tensor *x, double p, bool training) {
     ampc_node *node = NULL;
     if (be->dropout(in, y, mask, p, st) < 0 ||
         (ampc__needs_grad(a.in, 1) && !(node = ampc__node_new("DropoutBackward", dropout_backward_fn, a.in, 1)))) {
-        ampc__free(AMPC_DEVICE_CPU, mask, mask_bytes, AMPC_MEM_ACTIVATIONS);
+        ampc__free(in->device, mask, mask_bytes, AMPC_MEM_ACTIVATIONS);
         return fail(&a, y, NULL);
     }
     if (node) {
         node->extra = mask;   /* the engine frees it after backward (or with the node) */
         node->extra_bytes = mask_bytes;
-        node->f[0] = p;
+        node->extra_device = in->device;
+        node->args.dropout.p = p;
     } else {
-        ampc__free(AMPC_DEVICE_CPU, mask, mask_bytes, AMPC_MEM_ACTIVATIONS);
+        ampc__free(in->device, mask, mask_bytes, AMPC_MEM_ACTIVATIONS);
     }
     return ampc__op_finish(&a, y, node);
 }

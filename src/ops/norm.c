@@ -27,7 +27,7 @@ static ampc_tensor *fail_args(ampc_op_args *a) {
 }
 
 /* Statistics dtype of a device: f32 where the device holds it (CPU), else f64 (REF). */
-static ampc_dtype stat_dtype(ampc_device dev) { return ampc__backend(dev)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64; }
+static ampc_dtype stat_dtype(ampc_device dev) { return ampc__device(dev)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64; }
 
 static int unsupported(const char *kernel, ampc_device dev) {
     return ampc__err(AMPC_ERR_UNSUPPORTED, "%s on device %s", kernel, ampc_device_name(dev));
@@ -55,11 +55,11 @@ static int hand_over(int rc, ampc_tensor *out[3], ampc_tensor **gx) {
 // ---------------------------------------------------------------------------------------------
 // Batch norm
 
-/* saved: x, weight (NULL if none), then mean, invstd, or with the fused ReLU (i[1]) the
-   statistics tensor of batch_norm_relu; i[0] = training */
+/* saved: x, weight (NULL if none), then mean, invstd, or with the fused ReLU (args.batch_norm.relu)
+   the statistics tensor of batch_norm_relu */
 static int batch_norm_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
     ampc_tensor *x = n->saved[0], *w = n->saved[1], *mean = n->saved[2], *invstd = n->saved[3];
-    bool relu = n->i[1] != 0;
+    bool relu = n->args.batch_norm.relu;
     const ampc_backend *be = ampc__backend(x->device);
     if (relu ? !be->batch_norm_relu_backward : !be->batch_norm_backward)
         return unsupported(relu ? "batch_norm_relu_backward" : "batch_norm_backward", x->device);
@@ -67,8 +67,8 @@ static int batch_norm_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **g
     if (!gy) return ampc_last_status();
     ampc_tensor *out[3] = {NULL, NULL, NULL};
     int rc = alloc_grads(n, x, out);
-    if (rc >= 0 && relu) rc = be->batch_norm_relu_backward(x, gy, w, mean, n->i[0] != 0, out[0], out[1], out[2]);
-    else if (rc >= 0) rc = be->batch_norm_backward(x, gy, w, mean, invstd, n->i[0] != 0, out[0], out[1], out[2]);
+    if (rc >= 0 && relu) rc = be->batch_norm_relu_backward(x, gy, w, mean, n->args.batch_norm.training, out[0], out[1], out[2]);
+    else if (rc >= 0) rc = be->batch_norm_backward(x, gy, w, mean, invstd, n->args.batch_norm.training, out[0], out[1], out[2]);
     ampc__release(gy);
     return hand_over(rc, out, gx);
 }
@@ -152,8 +152,8 @@ static ampc_tensor *batch_norm_op(ampc_tensor *x, ampc_tensor *weight, ampc_tens
             if (W) ampc__node_save(node, 1, W);
             ampc__node_save(node, 2, mean);
             if (invstd) ampc__node_save(node, 3, invstd);
-            node->i[0] = training;
-            node->i[1] = relu;
+            node->args.batch_norm.training = training;
+            node->args.batch_norm.relu = relu;
         } else {
             rc = ampc_last_status();
         }
@@ -258,4 +258,20 @@ ampc_tensor *ampc_layer_norm(ampc_tensor *x, int norm_ndim, ampc_tensor *weight,
         y = NULL;
     }
     return ampc__op_finish(&a, y, node);
+}
+
+int ampc__batch_norm_count(ampc_tensor *t) {
+    if (t->dtype != AMPC_I64 || t->numel != 1)
+        return ampc__err(AMPC_ERR_INVALID, "BatchNorm2d: num_batches_tracked must be one i64, not %lld %s",
+                         (long long)t->numel, ampc_dtype_name(t->dtype));
+    if (!ampc__device(t->device)->host_memory) {   /* counted where it lives: no copy, no wait */
+        const ampc_backend *be = ampc__backend(t->device);
+        int rc = be->unary ? be->unary(AMPC_OP_ADD_SCALAR, t, t, 1.0)
+                           : ampc__err(AMPC_ERR_UNSUPPORTED, "BatchNorm2d: num_batches_tracked on device %s", ampc_device_name(t->device));
+        if (rc >= 0) ampc__mark_written(t);
+        return rc;
+    }
+    ((int64_t *)ampc__data(t))[0] += 1;
+    ampc__mark_written(t);
+    return AMPC_OK;
 }

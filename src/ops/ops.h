@@ -1,6 +1,7 @@
 /*
- * ops.h - what every op file shares: the front door (NULL/device checks, autocast casts) and
- * owned-result kernel wrappers that forward and backward code call (no autograd, no autocast).
+ * ops.h - what every op file shares: the front door (NULL/device checks, autocast casts), the
+ * weight-gradient kernel calls and the recorded one-input ops. Kernels are called through
+ * backend.h's owned-result calls (ampc__k_*).
  *
  * An op reads:
  *     ampc_op_args a;
@@ -54,24 +55,7 @@ ampc_tensor *ampc__alias_record(ampc_tensor *x, int ndim, const int64_t *shape, 
    owned result; same format: a new reference to x. */
 ampc_tensor *ampc__format_record(ampc_tensor *x, ampc_memory_format fmt);
 
-/* Kernel wrappers: new owned tensor or NULL with the error set. */
-ampc_tensor *ampc__k_cast(ampc_tensor *x, ampc_dtype dt);   /* same dtype: new ref to x */
-/* x in dtype dt and memory format fmt, in one pass (a new ref to x when both agree; a view
-   relabelled when the two formats order the elements alike: H * W == 1 or C == 1). */
-ampc_tensor *ampc__k_convert(ampc_tensor *x, ampc_dtype dt, ampc_memory_format fmt);
-ampc_tensor *ampc__k_unary(ampc_unary_op op, ampc_tensor *x, double alpha);
-ampc_tensor *ampc__k_unary_backward(ampc_unary_op op, ampc_tensor *x, ampc_tensor *y,
-                                    ampc_tensor *gy, double alpha);
-/* The same written over gy (which the caller must hold exclusively); returns a new ref to gy */
-ampc_tensor *ampc__k_unary_backward_over(ampc_unary_op op, ampc_tensor *x, ampc_tensor *y, ampc_tensor *gy,
-                                         double alpha);
-ampc_tensor *ampc__k_binary(ampc_binary_op op, ampc_tensor *a, ampc_tensor *b);
-/* x summed down to shape (broadcast-compatible), times alpha, in x's dtype */
-ampc_tensor *ampc__k_sum_to(ampc_tensor *x, int ndim, const int64_t *shape, double alpha);
-ampc_tensor *ampc__k_expand(ampc_tensor *x, int ndim, const int64_t *shape, double alpha);
-ampc_tensor *ampc__k_gemm(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b,
-                          ampc_tensor *bias, int ndim, const int64_t *out_shape);
-/* The same two kernels producing the gradient of input i of node n (a weight or a bias): in
+/* ampc__k_gemm and ampc__k_sum_to (backend.h) producing the gradient of input i of node n (a weight or a bias): in
    ampc__wgrad_dtype (f32 straight from the accumulator under autocast) and allocated as the
    memory kind it ends as (ampc__grad_kind). */
 ampc_tensor *ampc__k_wgrad_gemm(const ampc_node *n, int i, const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b,
@@ -83,12 +67,14 @@ ampc_tensor *ampc__k_wgrad_sum_to(const ampc_node *n, int i, ampc_tensor *x, int
    their f32 accumulators unrounded), else compute (the engine casts it). */
 ampc_dtype ampc__wgrad_dtype(const ampc_node *n, int i, ampc_dtype compute);
 
-/* numpy broadcast of two shapes into out (ndim_out receives the rank); error if incompatible */
-int ampc__broadcast_shapes(const ampc_tensor *a, const ampc_tensor *b, int *ndim_out, int64_t *out);
 /* Normalises a possibly negative dim against ndim; error if out of range. */
 int ampc__norm_dim(int dim, int ndim, int *out);
 /* Float-dtype check for an op's input. */
 int ampc__check_float(const ampc_tensor *t, const char *op, const char *what);
+
+/* num_batches_tracked += 1: BatchNorm's counter of training forwards (an i64 scalar in host
+   memory; PyTorch counts them whatever the grad mode). */
+int ampc__batch_norm_count(ampc_tensor *num_batches_tracked);
 
 /* ampc_relu(ampc_batch_norm2d(...)) as one op, bit for bit the same output, gradients and
    running statistics (src/ops/norm.c); for the model code, not public API. */
@@ -96,10 +82,11 @@ ampc_tensor *ampc__batch_norm2d_relu(ampc_tensor *x, ampc_tensor *weight, ampc_t
                                      ampc_tensor *running_var, bool training, double momentum, double eps);
 
 // ---------------------------------------------------------------------------------------------
-// Autocast hooks (src/amp/autocast.c)
+// The autocast hook: the front door calls it with each op's inputs (owned refs), which it may
+// replace by their casts per the op's policy. The amp layer registers it when a program first
+// enters an autocast region (before that, no op can be under autocast); none: no casts.
 
-/* Replaces in[i] (owned refs) by their casts per op's policy when autocast is enabled. */
-int ampc__autocast_apply(ampc_op op, ampc_tensor **in, int n);
-void ampc__autocast_clear_cache(void);
+typedef int (*ampc_autocast_hook)(ampc_op op, ampc_tensor **in, int n);
+void ampc__ops_set_autocast_hook(ampc_autocast_hook hook);
 
 #endif /* AMPC_OPS_H */

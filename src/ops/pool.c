@@ -26,30 +26,18 @@ static int64_t out_size(int64_t in, int k, int s, int p, bool ceil_mode) {
     return o;
 }
 
-/* What a node keeps to rebuild the descriptor in backward (the shapes come from in[0] and gy). */
-typedef struct {
-    ampc_pool_kind kind;
-    int k[2], s[2], p[2];
-} pool_params;
-
-static ampc_pool_desc make_desc(const pool_params *pp, const int64_t *xs, int64_t oh, int64_t ow) {
+static ampc_pool_desc make_desc(const ampc_pool_args *pp, const int64_t *xs, int64_t oh, int64_t ow) {
     ampc_pool_desc d = {.kind = pp->kind, .N = xs[0], .C = xs[1], .H = xs[2], .W = xs[3], .OH = oh, .OW = ow};
     int64_t out[2] = {oh, ow};
     for (int i = 0; i < 2; i++) {
-        d.kernel[i] = pp->k[i];
-        d.stride[i] = pp->s[i];
-        d.pad_begin[i] = pp->p[i];
+        d.kernel[i] = pp->kernel[i];
+        d.stride[i] = pp->stride[i];
+        d.pad_begin[i] = pp->padding[i];
         /* what the last window needs past the input: more than p when ceil_mode added it */
-        int64_t need = (out[i] - 1) * pp->s[i] + pp->k[i] - xs[2 + i] - pp->p[i];
-        d.pad_end[i] = pp->kind == AMPC_POOL_ADAPTIVE_AVG || need < pp->p[i] ? pp->p[i] : (int)need;
+        int64_t need = (out[i] - 1) * pp->stride[i] + pp->kernel[i] - xs[2 + i] - pp->padding[i];
+        d.pad_end[i] = pp->kind == AMPC_POOL_ADAPTIVE_AVG || need < pp->padding[i] ? pp->padding[i] : (int)need;
     }
     return d;
-}
-
-static int64_t pack2(int a, int b) { return (int64_t)((uint64_t)(uint32_t)a << 32 | (uint32_t)b); }
-static void unpack2(int64_t v, int *out) {
-    out[0] = (int)(uint32_t)((uint64_t)v >> 32);
-    out[1] = (int)(uint32_t)v;
 }
 
 /* x: 4-D float with non-empty channel and spatial dims (the batch may be empty). */
@@ -65,13 +53,10 @@ static int check_input(const ampc_tensor *x, const char *op) {
 // ---------------------------------------------------------------------------------------------
 // Forward and backward shared by the three ops
 
-/* i[0]: kind, i[1..3]: kernel, stride, padding as (h, w) pairs; extra: the workspace */
+/* args.pool: what rebuilds the descriptor (the shapes come from in[0] and gy); extra: the workspace */
 static int pool_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
     const ampc_meta *m = &n->in[0];
-    pool_params pp = {.kind = (ampc_pool_kind)n->i[0]};
-    unpack2(n->i[1], pp.k);
-    unpack2(n->i[2], pp.s);
-    unpack2(n->i[3], pp.p);
+    ampc_pool_args pp = n->args.pool;
     ampc_tensor *gy = ampc__k_cast(gy_in, m->dtype);
     if (!gy) return ampc_last_status();
     ampc_pool_desc d = make_desc(&pp, m->shape, gy->shape[2], gy->shape[3]);
@@ -85,7 +70,7 @@ static int pool_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
 }
 
 /* Pools a->in[0] (checked) into (N, C, oh, ow), recording grad_name; consumes a. */
-static ampc_tensor *pool_run(ampc_op_args *a, const pool_params *pp, int64_t oh, int64_t ow, const char *grad_name) {
+static ampc_tensor *pool_run(ampc_op_args *a, const ampc_pool_args *pp, int64_t oh, int64_t ow, const char *grad_name) {
     ampc_tensor *x = a->in[0], *y = NULL;
     ampc_node *node = NULL;
     const ampc_backend *be = ampc__backend(x->device);
@@ -100,18 +85,16 @@ static ampc_tensor *pool_run(ampc_op_args *a, const pool_params *pp, int64_t oh,
     void *ws = NULL;
     if (ampc__needs_grad(&x, 1)) {
         if (!(node = ampc__node_new(grad_name, pool_backward, &x, 1))) goto fail;
-        node->i[0] = pp->kind;
-        node->i[1] = pack2(pp->k[0], pp->k[1]);
-        node->i[2] = pack2(pp->s[0], pp->s[1]);
-        node->i[3] = pack2(pp->p[0], pp->p[1]);
+        node->args.pool = *pp;
         size_t bytes = y->numel ? be->pool2d_workspace_size(&d, x->dtype) : 0;
         if (pp->kind == AMPC_POOL_MAX && y->numel && !bytes) {
-            ampc__err(AMPC_ERR_BACKEND, "%s: no workspace size from backend %s (%s)", ampc_op_name(a->op), be->name, ampc_last_error());
+            ampc__err(AMPC_ERR_BACKEND, "%s: no workspace size from backend %s (%s)", ampc_op_name(a->op), be->device.name, ampc_last_error());
             goto fail;
         }
         if (bytes) {
             /* freed by the engine once backward ran (or with the node) */
-            node->extra = ampc__alloc(AMPC_DEVICE_CPU, bytes, AMPC_MEM_ACTIVATIONS, &node->extra_bytes);
+            node->extra = ampc__alloc(x->device, bytes, AMPC_MEM_ACTIVATIONS, &node->extra_bytes);
+            node->extra_device = x->device;
             if (!node->extra) goto fail;
             ws = node->extra;
         }
@@ -133,34 +116,35 @@ static ampc_tensor *pool_op(ampc_op op, ampc_tensor *x_, const ampc_pool2d_optio
     if (ampc__op_prepare(op, &a, 1, &x_, 0) < 0) return NULL;
     const char *name = ampc_op_name(op);
     ampc_tensor *x = a.in[0];
-    pool_params pp = {.kind = max ? AMPC_POOL_MAX : o && o->exclude_pad ? AMPC_POOL_AVG_EXCLUDE_PAD : AMPC_POOL_AVG_INCLUDE_PAD};
+    ampc_pool_args pp = {.kind = max ? AMPC_POOL_MAX : o && o->exclude_pad ? AMPC_POOL_AVG_EXCLUDE_PAD : AMPC_POOL_AVG_INCLUDE_PAD};
     char buf[96];
     if (!o) {
         ampc__err(AMPC_ERR_INVALID, "%s: options with a kernel size are required", name);
         goto fail;
     }
     for (int i = 0; i < 2; i++) {
-        pp.k[i] = o->kernel[i];
-        pp.s[i] = o->stride[i] ? o->stride[i] : o->kernel[i];
-        pp.p[i] = o->padding[i];
+        pp.kernel[i] = o->kernel[i];
+        pp.stride[i] = o->stride[i] ? o->stride[i] : o->kernel[i];
+        pp.padding[i] = o->padding[i];
     }
-    if (pp.k[0] <= 0 || pp.k[1] <= 0 || pp.s[0] <= 0 || pp.s[1] <= 0 || pp.p[0] < 0 || pp.p[1] < 0) {
+    if (pp.kernel[0] <= 0 || pp.kernel[1] <= 0 || pp.stride[0] <= 0 || pp.stride[1] <= 0 || pp.padding[0] < 0 ||
+        pp.padding[1] < 0) {
         ampc__err(AMPC_ERR_INVALID, "%s: kernel (%d, %d) and stride (%d, %d) must be positive, padding (%d, %d) non-negative", name,
-                  pp.k[0], pp.k[1], o->stride[0], o->stride[1], pp.p[0], pp.p[1]);
+                  pp.kernel[0], pp.kernel[1], o->stride[0], o->stride[1], pp.padding[0], pp.padding[1]);
         goto fail;
     }
-    if (pp.p[0] > pp.k[0] / 2 || pp.p[1] > pp.k[1] / 2) {
-        ampc__err(AMPC_ERR_INVALID, "%s: padding (%d, %d) should be at most half of kernel size (%d, %d)", name, pp.p[0], pp.p[1],
-                  pp.k[0], pp.k[1]);
+    if (pp.padding[0] > pp.kernel[0] / 2 || pp.padding[1] > pp.kernel[1] / 2) {
+        ampc__err(AMPC_ERR_INVALID, "%s: padding (%d, %d) should be at most half of kernel size (%d, %d)", name,
+                  pp.padding[0], pp.padding[1], pp.kernel[0], pp.kernel[1]);
         goto fail;
     }
     if (check_input(x, name) < 0) goto fail;
-    int64_t oh = out_size(x->shape[2], pp.k[0], pp.s[0], pp.p[0], o->ceil_mode);
-    int64_t ow = out_size(x->shape[3], pp.k[1], pp.s[1], pp.p[1], o->ceil_mode);
+    int64_t oh = out_size(x->shape[2], pp.kernel[0], pp.stride[0], pp.padding[0], o->ceil_mode);
+    int64_t ow = out_size(x->shape[3], pp.kernel[1], pp.stride[1], pp.padding[1], o->ceil_mode);
     if (oh < 1 || ow < 1) {
         ampc__err(AMPC_ERR_SHAPE, "%s: input %s with kernel (%d, %d), stride (%d, %d), padding (%d, %d) gives output size (%lld, %lld): too small",
-                  name, ampc__shape_str(x, buf, sizeof buf), pp.k[0], pp.k[1], pp.s[0], pp.s[1], pp.p[0], pp.p[1], (long long)oh,
-                  (long long)ow);
+                  name, ampc__shape_str(x, buf, sizeof buf), pp.kernel[0], pp.kernel[1], pp.stride[0], pp.stride[1],
+                  pp.padding[0], pp.padding[1], (long long)oh, (long long)ow);
         goto fail;
     }
     return pool_run(&a, &pp, oh, ow, max ? "MaxPool2DWithIndicesBackward" : "AvgPool2DBackward");
@@ -191,12 +175,12 @@ ampc_tensor *ampc_adaptive_avg_pool2d(ampc_tensor *x_, int out_h, int out_w) {
         return NULL;
     }
     int64_t H = x->shape[2], W = x->shape[3];
-    pool_params pp = {.kind = AMPC_POOL_ADAPTIVE_AVG, .k = {1, 1}, .s = {1, 1}};
+    ampc_pool_args pp = {.kind = AMPC_POOL_ADAPTIVE_AVG, .kernel = {1, 1}, .stride = {1, 1}};
     if (out_h > 0 && out_w > 0 && H % out_h == 0 && W % out_w == 0) {
         /* the windows tile the input: a plain average pool, which oneDNN runs */
         pp.kind = AMPC_POOL_AVG_EXCLUDE_PAD;
-        pp.k[0] = pp.s[0] = (int)(H / out_h);
-        pp.k[1] = pp.s[1] = (int)(W / out_w);
+        pp.kernel[0] = pp.stride[0] = (int)(H / out_h);
+        pp.kernel[1] = pp.stride[1] = (int)(W / out_w);
     }
     return pool_run(&a, &pp, out_h, out_w, "AdaptiveAvgPool2DBackward");
 }

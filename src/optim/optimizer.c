@@ -68,7 +68,7 @@ static int check_adam(const ampc_adam_options *o, const char *name) {
 /* Master weights: fp32, or f64 on a device that holds no fp32 (REF, the oracle). */
 static int check_param(const ampc_tensor *p, ampc_optim_kind kind, int i) {
     if (!p) return ampc__err(AMPC_ERR_INVALID, "%s: parameter %d is NULL", kind_name(kind), i);
-    bool master = p->dtype == AMPC_F32 || (p->dtype == AMPC_F64 && !ampc__backend(p->device)->dtypes[AMPC_F32]);
+    bool master = p->dtype == AMPC_F32 || (p->dtype == AMPC_F64 && !ampc__device(p->device)->dtypes[AMPC_F32]);
     if (!master)
         return ampc__err(AMPC_ERR_DTYPE, "%s: parameter %d is %s; optimizers update fp32 master weights", kind_name(kind), i,
                          ampc_dtype_name(p->dtype));
@@ -196,7 +196,7 @@ static ampc_tensor *state_get(ampc_optimizer *opt, int s, int i) {
     ampc_tensor *t = ampc__tensor_like(p, p->dtype);
     ampc__mem_kind_pop(prev);
     if (!t) return NULL;
-    if (ampc__backend(t->device)->fill(t, 0.0) < 0) {
+    if (ampc__device(t->device)->fill(t, 0.0) < 0) {
         ampc__release(t);
         return NULL;
     }
@@ -210,7 +210,7 @@ static ampc_tensor *state_get(ampc_optimizer *opt, int s, int i) {
 static ampc_tensor *copy_to_refresh(ampc_tensor *p) {
     ampc__shadow_lock();
     ampc_tensor *c = p->shadow;
-    bool ok = c && ampc_autocast_keeps_weight_casts() && p->shadow_version == ampc__version(p) &&
+    bool ok = c && ampc__shadows_on() && p->shadow_version == ampc__version(p) &&
               atomic_load(&c->refcount) == 1 && atomic_load(&c->storage->refcount) == 1;
     if (c && !ok) p->shadow = NULL;
     ampc__shadow_unlock();

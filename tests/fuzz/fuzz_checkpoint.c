@@ -1,7 +1,9 @@
 /*
- * fuzz_checkpoint.c - safetensors checkpoints (src/io/checkpoint.c): ampc_checkpoint_read_meta,
- * ampc_checkpoint_meta_get on the metadata it returns, and ampc_checkpoint_load into a small
- * model with an Adam optimizer (amsgrad: three state slots) and an enabled grad scaler.
+ * fuzz_checkpoint.c - safetensors checkpoints (src/io/safetensors.c, src/io/checkpoint.c):
+ * ampc_checkpoint_read_meta, ampc_checkpoint_meta_get on the metadata it returns,
+ * ampc_checkpoint_list (the same validation: it succeeds exactly when read_meta does, and its
+ * tensors are sorted and lie inside the file), and ampc_checkpoint_load into a small model with
+ * an Adam optimizer (amsgrad: three state slots) and an enabled grad scaler.
  *
  * Input: the checkpoint file. The model (tests/fuzz/make_corpus.c saves the same one for the
  * seeds) is Sequential(Linear(4,3), ReLU, Linear(3,2), BatchNorm2d(2)): f32 weights and an i64
@@ -40,6 +42,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     free(meta);
     meta = NULL;
+
+    ampc_checkpoint_tensor *list = NULL;
+    int n = ampc_checkpoint_list(path, &list);
+    if ((n >= 0) != (rc_meta == 0) || (n <= 0 && list)) abort();
+    for (int i = 0; i < n; i++) {
+        if (i && strcmp(list[i - 1].name, list[i].name) >= 0) abort();
+        if (list[i].ndim < 0 || list[i].ndim > AMPC_MAX_DIMS || list[i].offset + list[i].nbytes > size) abort();
+    }
+    free(list);
 
     fuzz_model fm;
     if (fuzz_model_new(&fm) < 0) abort();

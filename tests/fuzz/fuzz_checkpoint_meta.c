@@ -1,5 +1,5 @@
 /*
- * fuzz_checkpoint_meta.c - ampc_checkpoint_meta_get on any text (src/io/checkpoint.c): the
+ * fuzz_checkpoint_meta.c - ampc_checkpoint_meta_get on any text (src/io/safetensors.c): the
  * metadata JSON a caller may keep and parse later, without the file around it.
  *
  * Input: "KEY\nJSON" when a newline comes in the first 64 bytes, else the whole input is the

@@ -1,17 +1,15 @@
 /*
- * fuzz_train_args.c - ampc-train's command line (tools/ampc-train.c: parse_args and the option
- * table's checks), reached by including the tool's source with its main renamed.
+ * fuzz_train_args.c - ampc-train's command line: parse_args (getopt_long) and the option table's
+ * checks, linked from tools/train/options.c and report.c (AMPC_FUZZ_SOURCES_train_args).
  *
  * Input: the arguments after the program name, separated by NUL bytes (at most 32). Besides the
  * sanitizers, the harness checks what the tool promises: a rejected command line has a message;
  * an accepted one holds only canonical values (canonical(v) == v, defaults included), since the
  * checkpoint stores them and --resume accepts nothing else.
  */
-#define main ampc_train_main
-#include "ampc-train.c"
-#undef main
-
 #include "fuzz_common.h"
+
+#include "train/train.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     fuzz_begin();
@@ -24,7 +22,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     argv[argc++] = (char *)PROG;
     for (char *p = buf; p <= buf + size && argc < 33; p += strlen(p) + 1) argv[argc++] = p;
     argv[argc] = NULL;
-    g_err[0] = '\0', g_err_status = 0, g_exit = 1, g_usage = false, g_interrupt = false;
+    error_reset();
     settings s;
     const char *cmp_a = NULL, *cmp_b = NULL;
     int rc = parse_args(argc, argv, &s, &cmp_a, &cmp_b);

@@ -106,16 +106,16 @@ static bool cpu_native(ampc_dtype dt) { return dt == AMPC_F32 || (dt == AMPC_BF1
 
 void ampc__cpu_backend_init(ampc_backend *be) {
     memset(be, 0, sizeof *be);
-    be->name = "cpu";
-    be->host_memory = true;
+    be->device.name = "cpu";
+    be->device.host_memory = true;
     be->channels_last = true;   /* conv (conv.c), pooling (pool.c) and batch norm (norm.c) take NHWC */
-    be->dtypes[AMPC_F32] = be->dtypes[AMPC_F16] = be->dtypes[AMPC_BF16] = be->dtypes[AMPC_I64] = true;
+    be->device.dtypes[AMPC_F32] = be->device.dtypes[AMPC_F16] = be->device.dtypes[AMPC_BF16] = be->device.dtypes[AMPC_I64] = true;
     be->computes = cpu_computes;
     be->native = cpu_native;
-    be->raw_alloc = cpu_alloc;
-    be->raw_free = cpu_free;
-    be->copy = cpu_copy;
-    be->fill = cpu_fill;
+    be->device.raw_alloc = cpu_alloc;
+    be->device.raw_free = cpu_free;
+    be->device.copy = cpu_copy;
+    be->device.fill = cpu_fill;
     ampc__cpu_register_elementwise(be);
     ampc__cpu_register_gemm(be);
     ampc__cpu_register_loss(be);

@@ -52,23 +52,32 @@ static float load_one(const ampc_tensor *t, int64_t off) {
 // ---------------------------------------------------------------------------------------------
 // Unary: y = f(x), and gx = gy * f'(x)
 
+/* the unary ops this file has kernels for */
+static bool unary_known(ampc_op op) {
+    switch (op) {
+    case AMPC_OP_RELU: case AMPC_OP_GELU: case AMPC_OP_TANH: case AMPC_OP_SIGMOID: case AMPC_OP_EXP:
+    case AMPC_OP_LOG: case AMPC_OP_POW: case AMPC_OP_MUL_SCALAR: case AMPC_OP_ADD_SCALAR: case AMPC_OP_SILU: return true;
+    default: return false;
+    }
+}
+
 /* ops with a register path (memory-bound); the others call libm per element */
-static bool simple_unary(ampc_unary_op op) {
-    return op == AMPC_UNARY_RELU || op == AMPC_UNARY_SCALE || op == AMPC_UNARY_ADD_SCALAR;
+static bool simple_unary(ampc_op op) {
+    return op == AMPC_OP_RELU || op == AMPC_OP_MUL_SCALAR || op == AMPC_OP_ADD_SCALAR;
 }
 
 /* relu, scale and add_scalar over f32 or bf16 storage; x and y may be the same array (every
    iteration reads x[i] before writing y[i]) */
-AMPC_CPU_INLINE void simple_body(ampc_unary_op op, const void *x, void *y, size_t n, float a, bool bf) {
+AMPC_CPU_INLINE void simple_body(ampc_op op, const void *x, void *y, size_t n, float a, bool bf) {
     switch (op) {
-    case AMPC_UNARY_RELU:   /* NaN stays NaN, like torch.relu */
+    case AMPC_OP_RELU:   /* NaN stays NaN, like torch.relu */
 #pragma omp simd
         for (size_t i = 0; i < n; i++) {
             float v = ampc__cpu_ld(x, i, bf);
             ampc__cpu_st(y, i, v < 0.0f ? 0.0f : v, bf);
         }
         break;
-    case AMPC_UNARY_SCALE:
+    case AMPC_OP_MUL_SCALAR:
 #pragma omp simd
         for (size_t i = 0; i < n; i++) ampc__cpu_st(y, i, a * ampc__cpu_ld(x, i, bf), bf);
         break;
@@ -78,10 +87,10 @@ AMPC_CPU_INLINE void simple_body(ampc_unary_op op, const void *x, void *y, size_
         break;
     }
 }
-AMPC_CPU_VEC static void simple_f32(ampc_unary_op op, const void *x, void *y, size_t n, float a) {
+AMPC_CPU_VEC static void simple_f32(ampc_op op, const void *x, void *y, size_t n, float a) {
     simple_body(op, x, y, n, a, false);
 }
-AMPC_CPU_VEC static void simple_bf16(ampc_unary_op op, const void *x, void *y, size_t n, float a) {
+AMPC_CPU_VEC static void simple_bf16(ampc_op op, const void *x, void *y, size_t n, float a) {
     simple_body(op, x, y, n, a, true);
 }
 
@@ -100,25 +109,28 @@ AMPC_CPU_VEC static void relu_bwd_bf16(const void *v, const void *gy, void *gx, 
 static const float inv_sqrt2 = 0.70710678118654752440f, inv_sqrt2pi = 0.39894228040143267794f;
 
 /* The other ops on f32 chunks; x and y may be the same array */
-static void unary_chunk(ampc_unary_op op, const float *x, float *y, size_t n, float a) {
+static void unary_chunk(ampc_op op, const float *x, float *y, size_t n, float a) {
     switch (op) {
-    case AMPC_UNARY_GELU:
+    case AMPC_OP_GELU:
 #pragma omp simd
         for (size_t i = 0; i < n; i++) y[i] = 0.5f * x[i] * (1.0f + erff(x[i] * inv_sqrt2));
         break;
-    case AMPC_UNARY_TANH:
+    case AMPC_OP_TANH:
         for (size_t i = 0; i < n; i++) y[i] = tanhf(x[i]);
         break;
-    case AMPC_UNARY_SIGMOID:
+    case AMPC_OP_SILU:
+        for (size_t i = 0; i < n; i++) y[i] = x[i] / (1.0f + expf(-x[i]));
+        break;
+    case AMPC_OP_SIGMOID:
         for (size_t i = 0; i < n; i++) y[i] = 1.0f / (1.0f + expf(-x[i]));
         break;
-    case AMPC_UNARY_EXP:
+    case AMPC_OP_EXP:
         for (size_t i = 0; i < n; i++) y[i] = expf(x[i]);
         break;
-    case AMPC_UNARY_LOG:
+    case AMPC_OP_LOG:
         for (size_t i = 0; i < n; i++) y[i] = logf(x[i]);
         break;
-    case AMPC_UNARY_POW:
+    case AMPC_OP_POW:
         for (size_t i = 0; i < n; i++) y[i] = powf(x[i], a);
         break;
     default:
@@ -127,9 +139,9 @@ static void unary_chunk(ampc_unary_op op, const float *x, float *y, size_t n, fl
     }
 }
 
-static int cpu_unary(ampc_unary_op op, const ampc_tensor *x, ampc_tensor *y, double alpha) {
+static int cpu_unary(ampc_op op, const ampc_tensor *x, ampc_tensor *y, double alpha) {
     if (check_float(x, "unary") < 0 || check_float(y, "unary") < 0) return ampc_last_status();
-    if ((unsigned)op >= AMPC_UNARY_COUNT) return ampc__err(AMPC_ERR_INVALID, "cpu unary: unknown op %d", (int)op);
+    if (!unary_known(op)) return ampc__err(AMPC_ERR_UNSUPPORTED, "cpu unary: no kernel for %s", ampc_op_name(op));
     if (x->numel != y->numel)
         return ampc__err(AMPC_ERR_SHAPE, "cpu unary: %lld inputs, %lld outputs", (long long)x->numel, (long long)y->numel);
     size_t n = (size_t)x->numel;
@@ -157,37 +169,43 @@ static int cpu_unary(ampc_unary_op op, const ampc_tensor *x, ampc_tensor *y, dou
 
 /* The derivatives on f32 chunks: x or y is NULL when the derivative does not read it; gx may
    be the same array as gy */
-static void unary_backward_chunk(ampc_unary_op op, const float *x, const float *y, const float *gy, float *gx, size_t n,
+static void unary_backward_chunk(ampc_op op, const float *x, const float *y, const float *gy, float *gx, size_t n,
                                  float a) {
     switch (op) {
-    case AMPC_UNARY_RELU:
+    case AMPC_OP_RELU:
         relu_bwd_f32(x ? x : y, gy, gx, n);
         break;
-    case AMPC_UNARY_GELU:   /* Phi(x) + x phi(x) */
+    case AMPC_OP_GELU:   /* Phi(x) + x phi(x) */
 #pragma omp simd
         for (size_t i = 0; i < n; i++)
             gx[i] = gy[i] * (0.5f * (1.0f + erff(x[i] * inv_sqrt2)) + x[i] * inv_sqrt2pi * expf(-0.5f * x[i] * x[i]));
         break;
-    case AMPC_UNARY_TANH:
+    case AMPC_OP_TANH:
 #pragma omp simd
         for (size_t i = 0; i < n; i++) gx[i] = gy[i] * (1.0f - y[i] * y[i]);
         break;
-    case AMPC_UNARY_SIGMOID:
+    case AMPC_OP_SILU:   /* s (1 + x (1 - s)), s = sigmoid(x) */
+        for (size_t i = 0; i < n; i++) {
+            float sg = 1.0f / (1.0f + expf(-x[i]));
+            gx[i] = gy[i] * (sg * (1.0f + x[i] * (1.0f - sg)));
+        }
+        break;
+    case AMPC_OP_SIGMOID:
 #pragma omp simd
         for (size_t i = 0; i < n; i++) gx[i] = gy[i] * (y[i] * (1.0f - y[i]));
         break;
-    case AMPC_UNARY_EXP:
+    case AMPC_OP_EXP:
 #pragma omp simd
         for (size_t i = 0; i < n; i++) gx[i] = gy[i] * y[i];
         break;
-    case AMPC_UNARY_LOG:
+    case AMPC_OP_LOG:
 #pragma omp simd
         for (size_t i = 0; i < n; i++) gx[i] = gy[i] / x[i];
         break;
-    case AMPC_UNARY_POW:
+    case AMPC_OP_POW:
         for (size_t i = 0; i < n; i++) gx[i] = gy[i] * (a * powf(x[i], a - 1.0f));
         break;
-    case AMPC_UNARY_SCALE:
+    case AMPC_OP_MUL_SCALAR:
 #pragma omp simd
         for (size_t i = 0; i < n; i++) gx[i] = gy[i] * a;
         break;
@@ -198,16 +216,11 @@ static void unary_backward_chunk(ampc_unary_op op, const float *x, const float *
     }
 }
 
-/* ReLU reads x when given, else y; GELU, log and pow read x; tanh, sigmoid and exp read y. */
-static int cpu_unary_backward(ampc_unary_op op, const ampc_tensor *x, const ampc_tensor *y, const ampc_tensor *gy,
+/* Reads x or y as the op table's backward-reads column says (the other is ignored). */
+static int cpu_unary_backward(ampc_op op, const ampc_tensor *x, const ampc_tensor *y, const ampc_tensor *gy,
                               ampc_tensor *gx, double alpha) {
-    if ((unsigned)op >= AMPC_UNARY_COUNT) return ampc__err(AMPC_ERR_INVALID, "cpu unary_backward: unknown op %d", (int)op);
-    bool need_x = op == AMPC_UNARY_GELU || op == AMPC_UNARY_LOG || op == AMPC_UNARY_POW || (op == AMPC_UNARY_RELU && !y);
-    bool need_y = op == AMPC_UNARY_TANH || op == AMPC_UNARY_SIGMOID || op == AMPC_UNARY_EXP || (op == AMPC_UNARY_RELU && !x);
-    if ((need_x && !x) || (need_y && !y))
-        return ampc__err(AMPC_ERR_INVALID, "cpu unary_backward of op %d needs its saved %s", (int)op, need_x ? "input" : "output");
-    if (!need_x) x = NULL;
-    if (!need_y) y = NULL;
+    if (!unary_known(op)) return ampc__err(AMPC_ERR_UNSUPPORTED, "cpu unary_backward: no kernel for %s", ampc_op_name(op));
+    if (ampc__unary_backward_operands(op, &x, &y, "cpu") < 0) return ampc_last_status();
     const ampc_tensor *ts[4] = {x, y, gy, gx};
     for (int k = 0; k < 4; k++) {
         if (check_float(ts[k], "unary_backward") < 0) return ampc_last_status();
@@ -216,7 +229,7 @@ static int cpu_unary_backward(ampc_unary_op op, const ampc_tensor *x, const ampc
     size_t n = (size_t)gx->numel;
     float a = (float)alpha;
     const ampc_tensor *v = x ? x : y;
-    if (op == AMPC_UNARY_RELU && ampc__cpu_direct(gx->dtype) && v->dtype == gx->dtype && gy->dtype == gx->dtype) {
+    if (op == AMPC_OP_RELU && ampc__cpu_direct(gx->dtype) && v->dtype == gx->dtype && gy->dtype == gx->dtype) {
         bool bf = gx->dtype == AMPC_BF16;
 #pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
         for (size_t base = 0; base < n; base += BLK) {
@@ -357,20 +370,20 @@ static void gather(const ampc_tensor *t, const bplan *p, int k, int64_t s, size_
 
 /* o = x op y over f32 or bf16 storage (the staged path passes f32 chunks); o may be the same
    array as x or y */
-AMPC_CPU_INLINE void binary_body(ampc_binary_op op, const void *x, float xs, const void *y, float ys, void *o, size_t n,
+AMPC_CPU_INLINE void binary_body(ampc_op op, const void *x, float xs, const void *y, float ys, void *o, size_t n,
                                  bool bf) {
     if (!x && !y) {   /* both scalars (single elements, or expand of one value) */
-        float v = op == AMPC_BINARY_ADD ? xs + ys : op == AMPC_BINARY_SUB ? xs - ys : xs * ys;
+        float v = op == AMPC_OP_ADD ? xs + ys : op == AMPC_OP_SUB ? xs - ys : xs * ys;
         BIN_LOOP(v);
         return;
     }
     switch (op) {
-    case AMPC_BINARY_ADD:
+    case AMPC_OP_ADD:
         if (!x) BIN_LOOP(xs + LY);
         else if (!y) BIN_LOOP(LX + ys);
         else BIN_LOOP(LX + LY);
         break;
-    case AMPC_BINARY_SUB:
+    case AMPC_OP_SUB:
         if (!x) BIN_LOOP(xs - LY);
         else if (!y) BIN_LOOP(LX - ys);
         else BIN_LOOP(LX - LY);
@@ -382,10 +395,10 @@ AMPC_CPU_INLINE void binary_body(ampc_binary_op op, const void *x, float xs, con
         break;
     }
 }
-AMPC_CPU_VEC static void binary_f32(ampc_binary_op op, const void *x, float xs, const void *y, float ys, void *o, size_t n) {
+AMPC_CPU_VEC static void binary_f32(ampc_op op, const void *x, float xs, const void *y, float ys, void *o, size_t n) {
     binary_body(op, x, xs, y, ys, o, n, false);
 }
-AMPC_CPU_VEC static void binary_bf16(ampc_binary_op op, const void *x, float xs, const void *y, float ys, void *o, size_t n) {
+AMPC_CPU_VEC static void binary_bf16(ampc_op op, const void *x, float xs, const void *y, float ys, void *o, size_t n) {
     binary_body(op, x, xs, y, ys, o, n, true);
 }
 #undef BIN_LOOP
@@ -405,11 +418,11 @@ static int64_t row_offset(const bplan *p, int k, int64_t r) {
 /* Register path of broadcast_run (all tensors f32, or all bf16). Operands dense or scalar
    everywhere: blocks of the flat index space. Otherwise the plan's rows (last dim, >= ROW_MIN
    long): in every row each operand is either contiguous or one value. */
-static void binary_direct(ampc_binary_op op, const ampc_tensor *const *t, const walk_kind *w, const float *sc,
+static void binary_direct(ampc_op op, const ampc_tensor *const *t, const walk_kind *w, const float *sc,
                           const bplan *p, ampc_tensor *out) {
     size_t n = (size_t)out->numel;
     bool bf = out->dtype == AMPC_BF16;
-    void (*kern)(ampc_binary_op, const void *, float, const void *, float, void *, size_t) = bf ? binary_bf16 : binary_f32;
+    void (*kern)(ampc_op, const void *, float, const void *, float, void *, size_t) = bf ? binary_bf16 : binary_f32;
     if ((w[0] == WALK_DENSE || w[0] == WALK_SCALAR) && (w[1] == WALK_DENSE || w[1] == WALK_SCALAR)) {
 #pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
         for (size_t base = 0; base < n; base += BLK) {
@@ -436,7 +449,7 @@ static void binary_direct(ampc_binary_op op, const ampc_tensor *const *t, const 
 }
 
 /* out = t[0] op t[1] over the broadcast plan of out's shape; t[1] NULL: the constant c1 */
-static int broadcast_run(ampc_binary_op op, const ampc_tensor *t0, const ampc_tensor *t1, float c1, ampc_tensor *out) {
+static int broadcast_run(ampc_op op, const ampc_tensor *t0, const ampc_tensor *t1, float c1, ampc_tensor *out) {
     const ampc_tensor *t[2] = {t0, t1};
     int nops = t1 ? 2 : 1;
     bplan p = {.nd = out->ndim};
@@ -492,16 +505,17 @@ static int broadcast_run(ampc_binary_op op, const ampc_tensor *t0, const ampc_te
     return AMPC_OK;
 }
 
-static int cpu_binary(ampc_binary_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out) {
+static int cpu_binary(ampc_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out) {
     if (check_float(a, "binary") < 0 || check_float(b, "binary") < 0 || check_float(out, "binary") < 0)
         return ampc_last_status();
-    if ((unsigned)op >= AMPC_BINARY_COUNT) return ampc__err(AMPC_ERR_INVALID, "cpu binary: unknown op %d", (int)op);
+    if (op != AMPC_OP_ADD && op != AMPC_OP_SUB && op != AMPC_OP_MUL)
+        return ampc__err(AMPC_ERR_UNSUPPORTED, "cpu binary: no kernel for %s", ampc_op_name(op));
     return broadcast_run(op, a, b, 0.0f, out);
 }
 
 static int cpu_expand(const ampc_tensor *x, ampc_tensor *out, double alpha) {
     if (check_float(x, "expand") < 0 || check_float(out, "expand") < 0) return ampc_last_status();
-    return broadcast_run(AMPC_BINARY_MUL, x, NULL, (float)alpha, out);
+    return broadcast_run(AMPC_OP_MUL, x, NULL, (float)alpha, out);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -696,7 +710,7 @@ static int cpu_sum_to(const ampc_tensor *x, ampc_tensor *out, double alpha) {
         p.shape[i] = j >= 0 ? x->shape[j] : 1;
     }
     if (bcast_strides(out, p.nd, p.shape, p.st[0]) < 0) return ampc_last_status();
-    if (x->numel == out->numel) return cpu_unary(AMPC_UNARY_SCALE, x, out, alpha);   /* nothing summed */
+    if (x->numel == out->numel) return cpu_unary(AMPC_OP_MUL_SCALAR, x, out, alpha);   /* nothing summed */
     float a = (float)alpha;
     plan_collapse(&p, 1);
     /* f32 results go straight into an f32 out (also for a 16-bit x: a bias gradient in fp32,

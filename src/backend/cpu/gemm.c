@@ -240,5 +240,5 @@ int ampc__cpu_gemm_impl(const ampc_gemm_desc *desc, ampc_dtype dt, bool has_bias
 
 void ampc__cpu_register_gemm(ampc_backend *be) {
     be->gemm = cpu_gemm;
-    be->shutdown = ampc__dnnl_shutdown;
+    be->device.shutdown = ampc__dnnl_shutdown;
 }

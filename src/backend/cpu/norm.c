@@ -1100,16 +1100,6 @@ AMPC_CPU_VEC static void ln_grad_apply(const float *g, const float *x, const flo
     for (size_t j = 0, i = (size_t)((r) * (cols)), len;                                            \
          j < (size_t)(cols) && (len = min_sz(CHUNK, (size_t)(cols) - j), 1); j += len, i += len)
 
-/* rows and cols of x from the statistics' length */
-static int ln_dims(const ampc_tensor *x, const ampc_tensor *stat, const char *k, int64_t *rows, int64_t *cols) {
-    if (!stat) return ampc__err(AMPC_ERR_INVALID, "cpu %s: mean/rstd missing", k);
-    *rows = stat->numel;
-    if (*rows == 0 ? x->numel != 0 : x->numel % *rows != 0)
-        return ampc__err(AMPC_ERR_SHAPE, "cpu %s: %lld elements do not make %lld rows", k, (long long)x->numel,
-                         (long long)*rows);
-    *cols = *rows ? x->numel / *rows : 0;
-    return AMPC_OK;
-}
 
 /* w and b (cols) as f32 arrays: the tensor's own f32 data, or converted into dst, or ones /
    zeros when absent. */
@@ -1126,7 +1116,7 @@ static int cpu_layer_norm(const ampc_tensor *x, const ampc_tensor *weight, const
     const char *k = "layer_norm";
     int64_t rows = 0, cols = 0;
     int rc;
-    if ((rc = ln_dims(x, mean, k, &rows, &cols)) < 0) return rc;
+    if ((rc = ampc__layer_norm_dims(x, mean, "cpu ", k, &rows, &cols)) < 0) return rc;
     if ((rc = check(x, x->numel, false, k, "x")) < 0 || (rc = check(y, x->numel, false, k, "y")) < 0 ||
         (rc = check(weight, cols, false, k, "weight")) < 0 || (rc = check(bias, cols, false, k, "bias")) < 0 ||
         (rc = check(mean, rows, true, k, "mean")) < 0 || (rc = check(rstd, rows, true, k, "rstd")) < 0)
@@ -1172,7 +1162,7 @@ static int cpu_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, 
     const char *k = "layer_norm_backward";
     int64_t rows = 0, cols = 0, n = x->numel;
     int rc;
-    if ((rc = ln_dims(x, mean, k, &rows, &cols)) < 0) return rc;
+    if ((rc = ampc__layer_norm_dims(x, mean, "cpu ", k, &rows, &cols)) < 0) return rc;
     if ((rc = check(x, n, false, k, "x")) < 0 || (rc = check(gy, n, false, k, "gy")) < 0 ||
         (rc = check(gx, n, false, k, "gx")) < 0 || (rc = check(weight, cols, false, k, "weight")) < 0 ||
         (rc = check(mean, rows, true, k, "mean")) < 0 || (rc = check(rstd, rows, true, k, "rstd")) < 0 ||

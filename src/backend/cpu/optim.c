@@ -47,31 +47,17 @@ typedef struct job job;
 typedef void (*block_fn)(const job *j, size_t base, size_t len);
 
 
-typedef struct {
-    float wd, m, keep, neg_lr;   /* weight decay, momentum, 1 - dampening, -lr */
-    float gs;                    /* the fused GradScaler unscale (bit 4 of the variant): g * gs is
-                                    rounded on its own (-std=c17: no FMA contraction), the same
-                                    bits as a separate unscale pass */
-} sgd_consts;
-
-typedef struct {
-    float decay;       /* 1 - lr * wd for AdamW, else 1 (exact identity) */
-    float l2;          /* wd for Adam, else 0 */
-    float b1, omb1, b2, omb2, eps, bc2_sqrt, neg_step_size;
-    float gs;          /* the fused GradScaler unscale, when `scaled` */
-} adam_consts;
-
 /* One parameter's update, resolved: streams, the loop for its option set, its constants. */
 struct job {
     block_fn run;
-    float *p, *s[3];
-    const float *g;
-    void *out;        /* the 16-bit copy, converted by nf; NULL: none */
-    narrow_fn nf;
+    float *param, *state[3];
+    const float *grad;
+    void *out;        /* the 16-bit copy, converted by narrow; NULL: none */
+    narrow_fn narrow;
     size_t n;
     int variant;
-    sgd_consts sc;
-    adam_consts ac;
+    ampc_sgd_consts sgd;
+    ampc_adam_consts adam;
 };
 
 /* Runs the jobs' blocks in one parallel region. */
@@ -84,7 +70,7 @@ static void run_jobs(const job *jobs, int nj) {
         size_t base, len;
         const job *j = &jobs[ampc__cpu_block_at(first, nj, b, BLK, n, &base, &len)];
         j->run(j, base, len);
-        if (j->nf) j->nf(j->p + base, (uint16_t *)j->out + base, len);
+        if (j->narrow) j->narrow(j->param + base, (uint16_t *)j->out + base, len);
     }
 }
 
@@ -93,10 +79,10 @@ static int job_init(job *j, const ampc_optim_item *it) {
     memset(j, 0, sizeof *j);
     if (check_f32(it->param, "parameter") < 0 || check_f32(it->grad, "grad") < 0) return ampc_last_status();
     if (it->grad->numel != it->param->numel) return ampc__err(AMPC_ERR_SHAPE, "optimizer step: grad and parameter sizes differ");
-    if (cast_out_fn(it->param, it->cast_out, &j->nf) < 0) return ampc_last_status();
-    j->p = ampc__data(it->param);
-    j->g = (const float *)ampc__data(it->grad);
-    j->out = j->nf ? ampc__data(it->cast_out) : NULL;
+    if (cast_out_fn(it->param, it->cast_out, &j->narrow) < 0) return ampc_last_status();
+    j->param = ampc__data(it->param);
+    j->grad = (const float *)ampc__data(it->grad);
+    j->out = j->narrow ? ampc__data(it->cast_out) : NULL;
     j->n = (size_t)it->param->numel;
     return AMPC_OK;
 }
@@ -127,7 +113,7 @@ static int run_items(const ampc_optim_item *items, int n, int (*make)(job *, con
 
 /* The SGD update of n elements, one pass; has_wd, has_m, first and nesterov are constants in
    every caller, so each gets a branch-free loop. */
-AMPC_CPU_INLINE void sgd_body(float *restrict p, const float *restrict g, float *restrict buf, size_t n, sgd_consts c,
+AMPC_CPU_INLINE void sgd_body(float *restrict p, const float *restrict g, float *restrict buf, size_t n, ampc_sgd_consts c,
                               bool has_wd, bool has_m, bool first, bool nesterov, bool scaled) {
 #pragma omp simd
     for (size_t i = 0; i < n; i++) {
@@ -145,21 +131,21 @@ AMPC_CPU_INLINE void sgd_body(float *restrict p, const float *restrict g, float 
 /* One clone set per option combination: bits 0 wd, 1 momentum, 2 first step, 3 nesterov
    (the last two only with momentum), 4 scaled gradient (the fused GradScaler unscale). */
 #define SGD_FN(k)                                                                                  \
-    AMPC_CPU_VEC static void sgd_##k(float *p, const float *g, float *buf, size_t n, sgd_consts c) { \
+    AMPC_CPU_VEC static void sgd_##k(float *p, const float *g, float *buf, size_t n, ampc_sgd_consts c) { \
         sgd_body(p, g, buf, n, c, (k) & 1, (k) & 2, (k) & 4, (k) & 8, (k) & 16);                    \
     }
 SGD_FN(0) SGD_FN(1) SGD_FN(2) SGD_FN(3) SGD_FN(6) SGD_FN(7) SGD_FN(10) SGD_FN(11) SGD_FN(14) SGD_FN(15)
 SGD_FN(16) SGD_FN(17) SGD_FN(18) SGD_FN(19) SGD_FN(22) SGD_FN(23) SGD_FN(26) SGD_FN(27) SGD_FN(30) SGD_FN(31)
 #undef SGD_FN
 
-typedef void (*sgd_fn)(float *, const float *, float *, size_t, sgd_consts);
+typedef void (*sgd_fn)(float *, const float *, float *, size_t, ampc_sgd_consts);
 static const sgd_fn sgd_fns[32] = {[0] = sgd_0,   [1] = sgd_1,   [2] = sgd_2,   [3] = sgd_3,   [6] = sgd_6,
                                    [7] = sgd_7,   [10] = sgd_10, [11] = sgd_11, [14] = sgd_14, [15] = sgd_15,
                                    [16] = sgd_16, [17] = sgd_17, [18] = sgd_18, [19] = sgd_19, [22] = sgd_22,
                                    [23] = sgd_23, [26] = sgd_26, [27] = sgd_27, [30] = sgd_30, [31] = sgd_31};
 
 static void sgd_block(const job *j, size_t base, size_t len) {
-    sgd_fns[j->variant](j->p + base, j->g + base, j->s[0] ? j->s[0] + base : NULL, len, j->sc);
+    sgd_fns[j->variant](j->param + base, j->grad + base, j->state[0] ? j->state[0] + base : NULL, len, j->sgd);
 }
 
 static int sgd_job(job *j, const ampc_optim_item *it, const void *hp) {
@@ -169,9 +155,8 @@ static int sgd_job(job *j, const ampc_optim_item *it, const void *hp) {
     if (has_m && (!it->state[0] || check_f32(it->state[0], "momentum buffer") < 0))
         return it->state[0] ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "SGD with momentum needs a buffer");
     j->run = sgd_block;
-    j->s[0] = has_m ? ampc__data(it->state[0]) : NULL;
-    j->sc = (sgd_consts){(float)h->weight_decay, (float)h->momentum, (float)(1.0 - h->dampening), (float)-h->lr,
-                         h->grad_scale};
+    j->state[0] = has_m ? ampc__data(it->state[0]) : NULL;
+    j->sgd = ampc__sgd_consts(h);
     j->variant = (h->weight_decay != 0) | has_m << 1 | (has_m && it->first) << 2 | (has_m && h->nesterov) << 3 |
                  (h->grad_scale != 0) << 4;
     return AMPC_OK;
@@ -193,7 +178,7 @@ static int cpu_sgd_step(const ampc_optim_item *items, int n, const ampc_sgd_hpar
 
 /* The Adam update of n elements, one pass (vmax only with amsgrad, a constant in each caller) */
 AMPC_CPU_INLINE void adam_body(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
-                               float *restrict vmax, size_t n, const adam_consts *c, bool amsgrad, bool scaled) {
+                               float *restrict vmax, size_t n, const ampc_adam_consts *c, bool amsgrad, bool scaled) {
 #pragma omp simd
     for (size_t i = 0; i < n; i++) {
         float pi = p[i] * c->decay;
@@ -213,19 +198,19 @@ AMPC_CPU_INLINE void adam_body(float *restrict p, const float *restrict g, float
 }
 #define ADAM_FN(name, ams, scaled)                                                                \
     AMPC_CPU_VEC static void name(float *p, const float *g, float *m, float *v, float *vmax, size_t n, \
-                                  const adam_consts *c) {                                          \
+                                  const ampc_adam_consts *c) {                                          \
         adam_body(p, g, m, v, vmax, n, c, ams, scaled);                                            \
     }
 ADAM_FN(adam_plain, false, false) ADAM_FN(adam_amsgrad, true, false)
 ADAM_FN(adam_plain_scaled, false, true) ADAM_FN(adam_amsgrad_scaled, true, true)
 #undef ADAM_FN
 
-typedef void (*adam_fn)(float *, const float *, float *, float *, float *, size_t, const adam_consts *);
+typedef void (*adam_fn)(float *, const float *, float *, float *, float *, size_t, const ampc_adam_consts *);
 static const adam_fn adam_fns[4] = {adam_plain, adam_amsgrad, adam_plain_scaled, adam_amsgrad_scaled};
 
 static void adam_block(const job *j, size_t base, size_t len) {
-    adam_fns[j->variant](j->p + base, j->g + base, j->s[0] + base, j->s[1] + base, j->s[2] ? j->s[2] + base : NULL, len,
-                         &j->ac);
+    adam_fns[j->variant](j->param + base, j->grad + base, j->state[0] + base, j->state[1] + base,
+                         j->state[2] ? j->state[2] + base : NULL, len, &j->adam);
 }
 
 static int adam_job(job *j, const ampc_optim_item *it, const void *hp) {
@@ -236,17 +221,9 @@ static int adam_job(job *j, const ampc_optim_item *it, const void *hp) {
     if (h->amsgrad && (!it->state[2] || check_f32(it->state[2], "max_exp_avg_sq") < 0))
         return it->state[2] ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "amsgrad needs max_exp_avg_sq");
     if (it->step < 1) return ampc__err(AMPC_ERR_INVALID, "Adam step %lld (steps count from 1)", (long long)it->step);
-    double bc1 = 1.0 - pow(h->beta1, (double)it->step), bc2 = 1.0 - pow(h->beta2, (double)it->step);
-    j->ac = (adam_consts){
-        .decay = h->decoupled ? (float)(1.0 - h->lr * h->weight_decay) : 1.0f,
-        .l2 = h->decoupled ? 0.0f : (float)h->weight_decay,
-        .b1 = (float)h->beta1, .omb1 = (float)(1.0 - h->beta1),
-        .b2 = (float)h->beta2, .omb2 = (float)(1.0 - h->beta2),
-        .eps = (float)h->eps, .bc2_sqrt = (float)sqrt(bc2), .neg_step_size = (float)(-h->lr / bc1),
-        .gs = h->grad_scale,
-    };
+    j->adam = ampc__adam_consts(h, it->step);
     j->run = adam_block;
-    for (int k = 0; k < 3; k++) j->s[k] = it->state[k] && (k < 2 || h->amsgrad) ? ampc__data(it->state[k]) : NULL;
+    for (int k = 0; k < 3; k++) j->state[k] = it->state[k] && (k < 2 || h->amsgrad) ? ampc__data(it->state[k]) : NULL;
     j->variant = h->amsgrad | (h->grad_scale != 0) << 1;
     return AMPC_OK;
 }

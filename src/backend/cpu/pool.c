@@ -125,7 +125,7 @@ typedef struct {
     int32_t alg;        /* dnnl_alg_kind_t */
     int32_t training;   /* max pooling that writes (forward) or reads (backward) a workspace */
     int32_t nthr;
-    int32_t cl;         /* NHWC tensors */
+    int32_t channels_last;   /* NHWC tensors */
     int64_t N, C, H, W, OH, OW;
     int64_t kernel[2], stride[2], pad_l[2], pad_r[2];
 } pool_key;
@@ -139,7 +139,7 @@ static pool_key make_key(const ampc_pool_desc *d, ampc_dtype dt, bool training) 
                                                     : dnnl_pooling_avg_include_padding;
     k.training = training && d->kind == AMPC_POOL_MAX;
     k.nthr = omp_get_max_threads();
-    k.cl = d->channels_last;
+    k.channels_last = d->channels_last;
     k.N = d->N, k.C = d->C, k.H = d->H, k.W = d->W, k.OH = d->OH, k.OW = d->OW;
     for (int i = 0; i < 2; i++) {
         k.kernel[i] = d->kernel[i];
@@ -152,7 +152,7 @@ static pool_key make_key(const ampc_pool_desc *d, ampc_dtype dt, bool training) 
 
 static dnnl_status_t key_mds(const pool_key *k, dnnl_memory_desc_t *src, dnnl_memory_desc_t *dst) {
     dnnl_dims_t sd = {k->N, k->C, k->H, k->W}, dd = {k->N, k->C, k->OH, k->OW};
-    dnnl_format_tag_t tag = k->cl ? dnnl_nhwc : dnnl_nchw;
+    dnnl_format_tag_t tag = k->channels_last ? dnnl_nhwc : dnnl_nchw;
     dnnl_status_t st = dnnl_memory_desc_init_by_tag(src, 4, sd, k->dt, tag);
     return st != dnnl_success ? st : dnnl_memory_desc_init_by_tag(dst, 4, dd, k->dt, tag);
 }
@@ -418,12 +418,8 @@ static int cpu_pool2d_backward(const ampc_pool_desc *d, const ampc_tensor *gy, a
 
 static int cpu_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, ampc_tensor *dst, int64_t dst_off,
                           int64_t dst_ld, int64_t rows, int64_t cols) {
-    if (src->dtype != dst->dtype)
-        return ampc__err(AMPC_ERR_DTYPE, "copy_block between %s and %s", ampc_dtype_name(src->dtype), ampc_dtype_name(dst->dtype));
-    if (rows <= 0 || cols <= 0) return AMPC_OK;
-    if (src_off < 0 || dst_off < 0 || src_off + (rows - 1) * src_ld + cols > src->numel ||
-        dst_off + (rows - 1) * dst_ld + cols > dst->numel)
-        return ampc__err(AMPC_ERR_INVALID, "copy_block of %lld x %lld outside its tensors", (long long)rows, (long long)cols);
+    int rc = ampc__check_copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols);
+    if (rc != AMPC_OK) return rc < 0 ? rc : AMPC_OK;
     size_t sz = ampc__dt(src->dtype)->size, row = (size_t)cols * sz;
     const char *s = (const char *)ampc__data(src) + (size_t)src_off * sz;
     char *t = (char *)ampc__data(dst) + (size_t)dst_off * sz;

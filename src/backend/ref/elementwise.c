@@ -66,24 +66,25 @@ static const double *cdat(const ampc_tensor *t) { return t ? (const double *)amp
 
 static const double inv_sqrt2 = 0.70710678118654752440, inv_sqrt2pi = 0.39894228040143267794;
 
-static double unary_f(ampc_unary_op op, double x, double a) {
+static double unary_f(ampc_op op, double x, double a) {
     switch (op) {
-    case AMPC_UNARY_RELU: return x < 0 ? 0.0 : x;   /* NaN stays NaN, like torch.relu */
-    case AMPC_UNARY_GELU: return 0.5 * x * (1.0 + erf(x * inv_sqrt2));
-    case AMPC_UNARY_TANH: return tanh(x);
-    case AMPC_UNARY_SIGMOID: return 1.0 / (1.0 + exp(-x));
-    case AMPC_UNARY_EXP: return exp(x);
-    case AMPC_UNARY_LOG: return log(x);
-    case AMPC_UNARY_POW: return pow(x, a);
-    case AMPC_UNARY_SCALE: return a * x;
-    case AMPC_UNARY_ADD_SCALAR: return x + a;
+    case AMPC_OP_RELU: return x < 0 ? 0.0 : x;   /* NaN stays NaN, like torch.relu */
+    case AMPC_OP_GELU: return 0.5 * x * (1.0 + erf(x * inv_sqrt2));
+    case AMPC_OP_TANH: return tanh(x);
+    case AMPC_OP_SILU: return x / (1.0 + exp(-x));
+    case AMPC_OP_SIGMOID: return 1.0 / (1.0 + exp(-x));
+    case AMPC_OP_EXP: return exp(x);
+    case AMPC_OP_LOG: return log(x);
+    case AMPC_OP_POW: return pow(x, a);
+    case AMPC_OP_MUL_SCALAR: return a * x;
+    case AMPC_OP_ADD_SCALAR: return x + a;
     default: return NAN;
     }
 }
 
-static int ref_unary(ampc_unary_op op, const ampc_tensor *x, ampc_tensor *y, double alpha) {
+static int ref_unary(ampc_op op, const ampc_tensor *x, ampc_tensor *y, double alpha) {
     if (check_f64(x, "unary") < 0 || check_f64(y, "unary") < 0) return ampc_last_status();
-    if ((unsigned)op >= AMPC_UNARY_COUNT) return ampc__err(AMPC_ERR_INVALID, "ref unary: unknown op %d", (int)op);
+    if (isnan(unary_f(op, 1.0, 1.0))) return ampc__err(AMPC_ERR_UNSUPPORTED, "ref unary: no kernel for %s", ampc_op_name(op));   /* NaN: no formula */
     if (x->numel != y->numel) return ampc__err(AMPC_ERR_SHAPE, "ref unary: %lld inputs, %lld outputs", (long long)x->numel, (long long)y->numel);
     const double *xp = cdat(x);
     double *yp = ampc__data(y);
@@ -92,29 +93,31 @@ static int ref_unary(ampc_unary_op op, const ampc_tensor *x, ampc_tensor *y, dou
 }
 
 /* f'(x) (or in terms of y = f(x) where that is how PyTorch computes it) */
-static double unary_df(ampc_unary_op op, double x, double y, double a) {
+static double unary_df(ampc_op op, double x, double y, double a) {
     switch (op) {
-    case AMPC_UNARY_RELU: return x > 0 ? 1.0 : 0.0;
-    case AMPC_UNARY_GELU: return 0.5 * (1.0 + erf(x * inv_sqrt2)) + x * inv_sqrt2pi * exp(-0.5 * x * x);
-    case AMPC_UNARY_TANH: return 1.0 - y * y;
-    case AMPC_UNARY_SIGMOID: return y * (1.0 - y);
-    case AMPC_UNARY_EXP: return y;
-    case AMPC_UNARY_LOG: return 1.0 / x;
-    case AMPC_UNARY_POW: return a * pow(x, a - 1.0);
-    case AMPC_UNARY_SCALE: return a;
-    default: return 1.0;   /* ADD_SCALAR */
+    case AMPC_OP_RELU: return x > 0 ? 1.0 : 0.0;
+    case AMPC_OP_GELU: return 0.5 * (1.0 + erf(x * inv_sqrt2)) + x * inv_sqrt2pi * exp(-0.5 * x * x);
+    case AMPC_OP_TANH: return 1.0 - y * y;
+    case AMPC_OP_SILU: {
+        double sg = 1.0 / (1.0 + exp(-x));
+        return sg * (1.0 + x * (1.0 - sg));
+    }
+    case AMPC_OP_SIGMOID: return y * (1.0 - y);
+    case AMPC_OP_EXP: return y;
+    case AMPC_OP_LOG: return 1.0 / x;
+    case AMPC_OP_POW: return a * pow(x, a - 1.0);
+    case AMPC_OP_MUL_SCALAR: return a;
+    case AMPC_OP_ADD_SCALAR: return 1.0;
+    default: return NAN;   /* no kernel */
     }
 }
 
-/* GELU, log and pow read x; tanh, sigmoid and exp read y; ReLU reads x when given, else y
-   (y > 0 exactly when x > 0), so an op may save whichever it keeps anyway. */
-static int ref_unary_backward(ampc_unary_op op, const ampc_tensor *x, const ampc_tensor *y, const ampc_tensor *gy,
+/* Reads x or y as the op table's backward-reads column says (the other is ignored). */
+static int ref_unary_backward(ampc_op op, const ampc_tensor *x, const ampc_tensor *y, const ampc_tensor *gy,
                               ampc_tensor *gx, double alpha) {
-    if ((unsigned)op >= AMPC_UNARY_COUNT) return ampc__err(AMPC_ERR_INVALID, "ref unary_backward: unknown op %d", (int)op);
-    bool need_x = op == AMPC_UNARY_GELU || op == AMPC_UNARY_LOG || op == AMPC_UNARY_POW || (op == AMPC_UNARY_RELU && !y);
-    bool need_y = op == AMPC_UNARY_TANH || op == AMPC_UNARY_SIGMOID || op == AMPC_UNARY_EXP || (op == AMPC_UNARY_RELU && !x);
-    if ((need_x && !x) || (need_y && !y))
-        return ampc__err(AMPC_ERR_INVALID, "ref unary_backward of op %d needs its saved %s", (int)op, need_x ? "input" : "output");
+    if (isnan(unary_df(op, 1.0, 1.0, 1.0)))
+        return ampc__err(AMPC_ERR_UNSUPPORTED, "ref unary_backward: no kernel for %s", ampc_op_name(op));
+    if (ampc__unary_backward_operands(op, &x, &y, "ref") < 0) return ampc_last_status();
     const ampc_tensor *ts[4] = {x, y, gy, gx};
     for (int k = 0; k < 4; k++) {
         if (check_f64(ts[k], "unary_backward") < 0) return ampc_last_status();
@@ -122,9 +125,8 @@ static int ref_unary_backward(ampc_unary_op op, const ampc_tensor *x, const ampc
     }
     const double *xp = cdat(x), *yp = cdat(y), *gp = cdat(gy);
     double *out = ampc__data(gx);
-    if (op == AMPC_UNARY_RELU) {
-        const double *v = x ? xp : yp;
-        for (int64_t i = 0; i < gx->numel; i++) out[i] = v[i] > 0 ? gp[i] : 0.0;
+    if (op == AMPC_OP_RELU) {   /* y > 0 exactly when x > 0 */
+        for (int64_t i = 0; i < gx->numel; i++) out[i] = yp[i] > 0 ? gp[i] : 0.0;
         return AMPC_OK;
     }
     for (int64_t i = 0; i < gx->numel; i++)
@@ -135,9 +137,10 @@ static int ref_unary_backward(ampc_unary_op op, const ampc_tensor *x, const ampc
 // ---------------------------------------------------------------------------------------------
 // Binary with broadcasting
 
-static int ref_binary(ampc_binary_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out) {
+static int ref_binary(ampc_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out) {
     if (check_f64(a, "binary") < 0 || check_f64(b, "binary") < 0 || check_f64(out, "binary") < 0) return ampc_last_status();
-    if ((unsigned)op >= AMPC_BINARY_COUNT) return ampc__err(AMPC_ERR_INVALID, "ref binary: unknown op %d", (int)op);
+    if (op != AMPC_OP_ADD && op != AMPC_OP_SUB && op != AMPC_OP_MUL)
+        return ampc__err(AMPC_ERR_UNSUPPORTED, "ref binary: no kernel for %s", ampc_op_name(op));
     int64_t st[2][AMPC_MAX_DIMS], off[2] = {0, 0};
     if (bcast_strides(a, out->ndim, out->shape, st[0]) < 0 || bcast_strides(b, out->ndim, out->shape, st[1]) < 0)
         return ampc_last_status();
@@ -148,7 +151,7 @@ static int ref_binary(ampc_binary_op op, const ampc_tensor *a, const ampc_tensor
     /* out may alias a (same shape): element i of a is read before out[i] is written */
     for (int64_t i = 0; i < out->numel; i++) {
         double x = ap[off[0]], y = bp[off[1]];
-        op_[i] = op == AMPC_BINARY_ADD ? x + y : op == AMPC_BINARY_SUB ? x - y : x * y;
+        op_[i] = op == AMPC_OP_ADD ? x + y : op == AMPC_OP_SUB ? x - y : x * y;
         odo_next(&o, 2, off, st);
     }
     return AMPC_OK;

@@ -194,22 +194,12 @@ static int ref_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor 
 // ---------------------------------------------------------------------------------------------
 // Layer norm
 
-/* rows and cols of x from the statistics' length (rows) */
-static int ln_dims(const ampc_tensor *x, const ampc_tensor *stat, const char *k, int64_t *rows, int64_t *cols) {
-    if (!stat) return ampc__err(AMPC_ERR_INVALID, "%s: mean/rstd missing", k);
-    *rows = stat->numel;
-    if (*rows == 0 ? x->numel != 0 : x->numel % *rows != 0)
-        return ampc__err(AMPC_ERR_SHAPE, "%s: %lld elements do not make %lld rows", k, (long long)x->numel, (long long)*rows);
-    *cols = *rows ? x->numel / *rows : 0;
-    return AMPC_OK;
-}
-
 static int ref_layer_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias, ampc_tensor *y,
                           ampc_tensor *mean, ampc_tensor *rstd, double eps) {
     const char *k = "layer_norm";
     int64_t rows = 0, cols = 0;
     int rc;
-    if ((rc = ln_dims(x, mean, k, &rows, &cols)) < 0) return rc;
+    if ((rc = ampc__layer_norm_dims(x, mean, "", k, &rows, &cols)) < 0) return rc;
     const ampc_tensor *ts[] = {x, weight, bias, y, mean, rstd};
     const char *names[] = {"x", "weight", "bias", "y", "mean", "rstd"};
     if ((rc = check_all(ts, names, (int64_t[]){x->numel, cols, cols, x->numel, rows, rows}, 6, k)) < 0) return rc;
@@ -235,7 +225,7 @@ static int ref_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, 
     const char *k = "layer_norm_backward";
     int64_t rows = 0, cols = 0;
     int rc;
-    if ((rc = ln_dims(x, mean, k, &rows, &cols)) < 0) return rc;
+    if ((rc = ampc__layer_norm_dims(x, mean, "", k, &rows, &cols)) < 0) return rc;
     const ampc_tensor *ts[] = {x, gy, weight, mean, rstd, gx, gw, gb};
     const char *names[] = {"x", "gy", "weight", "mean", "rstd", "gx", "gw", "gb"};
     int64_t n = x->numel;

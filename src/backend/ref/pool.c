@@ -117,12 +117,8 @@ static int ref_pool2d_backward(const ampc_pool_desc *d, const ampc_tensor *gy, a
 
 static int ref_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, ampc_tensor *dst, int64_t dst_off,
                           int64_t dst_ld, int64_t rows, int64_t cols) {
-    if (src->dtype != dst->dtype) return ampc__err(AMPC_ERR_DTYPE, "copy_block between %s and %s", ampc_dtype_name(src->dtype),
-                                                   ampc_dtype_name(dst->dtype));
-    if (rows <= 0 || cols <= 0) return AMPC_OK;
-    if (src_off < 0 || dst_off < 0 || src_off + (rows - 1) * src_ld + cols > src->numel ||
-        dst_off + (rows - 1) * dst_ld + cols > dst->numel)
-        return ampc__err(AMPC_ERR_INVALID, "copy_block of %lld x %lld outside its tensors", (long long)rows, (long long)cols);
+    int rc = ampc__check_copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols);
+    if (rc != AMPC_OK) return rc < 0 ? rc : AMPC_OK;
     if (src->dtype == AMPC_I64) {
         const int64_t *s = ampc__data(src);
         int64_t *t = ampc__data(dst);

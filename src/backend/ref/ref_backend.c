@@ -54,13 +54,13 @@ static int ref_fill(ampc_tensor *t, double value) {
 
 void ampc__ref_backend_init(ampc_backend *be) {
     memset(be, 0, sizeof *be);
-    be->name = "ref";
-    be->host_memory = true;
-    be->dtypes[AMPC_F64] = be->dtypes[AMPC_I64] = true;
-    be->raw_alloc = ref_alloc;
-    be->raw_free = ref_free;
-    be->copy = ref_copy;
-    be->fill = ref_fill;
+    be->device.name = "ref";
+    be->device.host_memory = true;
+    be->device.dtypes[AMPC_F64] = be->device.dtypes[AMPC_I64] = true;
+    be->device.raw_alloc = ref_alloc;
+    be->device.raw_free = ref_free;
+    be->device.copy = ref_copy;
+    be->device.fill = ref_fill;
     ampc__ref_register_elementwise(be);
     ampc__ref_register_gemm(be);
     ampc__ref_register_loss(be);

@@ -1,5 +1,7 @@
 /*
- * plot.c - training curves as PNG files, drawn with PLplot's pngcairo device (headless).
+ * plot.c - training curves as PNG files, drawn with PLplot's pngcairo device (headless), for
+ * ampc-train (the library itself draws nothing and does not link PLplot). Errors are recorded
+ * as the library records its own (ampc_last_error), through its internal core.h.
  *
  * PLplot keeps global state (a current stream) and ends the process on fatal errors (plexit
  * calls exit), so this file is careful:
@@ -11,6 +13,8 @@
  * - axis ranges are always non-empty and finite, so no call aborts on its arguments.
  * The PNG goes to "<path>.tmp.<pid>", is checked (signature and IEND chunk), then renamed.
  */
+#include "plot.h"
+
 #include "core/core.h"
 
 #include <errno.h>
@@ -101,7 +105,7 @@ static bool png_complete(const char *path) {
 }
 
 /* The corner of the viewport with the fewest points near it, for the legend. */
-static PLINT legend_corner(const ampc_plot_series *series, int n_series, double x0, double x1, double y0, double y1) {
+static PLINT legend_corner(const plot_series *series, int n_series, double x0, double x1, double y0, double y1) {
     int count[4] = {0, 0, 0, 0};   /* top-right, top-left, bottom-right, bottom-left */
     for (int s = 0; s < n_series; s++)
         for (int i = 0; i < series[s].n; i++) {
@@ -130,7 +134,7 @@ typedef struct {
     PLFLT *px, *py;   /* scratch for one run of finite points */
 } plot_texts;
 
-static void draw(const ampc_plot_series *series, int n_series, const plot_texts *t, double x0, double x1, double y0,
+static void draw(const plot_series *series, int n_series, const plot_texts *t, double x0, double x1, double y0,
                  double y1) {
     pladv(0);
     plvsta();
@@ -143,7 +147,7 @@ static void draw(const ampc_plot_series *series, int n_series, const plot_texts 
     pllab(t->xlabel, t->ylabel, t->title);
 
     for (int s = 0; s < n_series; s++) {
-        const ampc_plot_series *sr = &series[s];
+        const plot_series *sr = &series[s];
         plcol0(2 + s % 10);
         plwidth(2.0);
         int run = 0;
@@ -201,15 +205,15 @@ static void draw(const ampc_plot_series *series, int n_series, const plot_texts 
 // ---------------------------------------------------------------------------------------------
 // API
 
-int ampc_plot_curves(const char *png_path, const char *title, const char *xlabel, const char *ylabel,
-                     const ampc_plot_series *series, int n_series) {
+int plot_curves(const char *png_path, const char *title, const char *xlabel, const char *ylabel,
+                const plot_series *series, int n_series) {
     ampc__ensure_init();
     if (!png_path || !series || n_series < 1)
         return ampc__err(AMPC_ERR_INVALID, "plot: need a path and at least one series (got %d)", n_series);
     int max_n = 1;
     double x0 = INFINITY, x1 = -INFINITY, y0 = INFINITY, y1 = -INFINITY;
     for (int s = 0; s < n_series; s++) {
-        const ampc_plot_series *sr = &series[s];
+        const plot_series *sr = &series[s];
         if (sr->n < 0 || (sr->n > 0 && (!sr->x || !sr->y)))
             return ampc__err(AMPC_ERR_INVALID, "plot '%s': series %d ('%s') has %d points and %s data", png_path, s,
                              sr->name ? sr->name : "", sr->n, sr->x && sr->y ? "its" : "NULL");

@@ -1,0 +1,51 @@
+/*
+ * backend.c - the backend tables: filled once, each device's memory part registered with core
+ * (before main, so core can make tensors before any op runs), and handed to the layers above.
+ */
+#include "backend/backend.h"
+
+#include <pthread.h>
+
+static ampc_backend backends[AMPC_DEVICE_COUNT];
+static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
+
+#ifndef AMPC_HAVE_CUDA
+static const char *no_cuda(void) { return "this build of ampc has no CUDA backend (configure with -DAMPC_CUDA=on where CUDA is installed)"; }
+#endif
+
+static _Atomic bool allow_tf32 = false;
+void ampc_set_allow_tf32(bool on) { allow_tf32 = on; }
+bool ampc_allow_tf32(void) { return allow_tf32; }
+
+static void fill_tables(void) {
+    ampc__ensure_init();   /* CPU features and conversions first: the kernels use them */
+    ampc__cpu_backend_init(&backends[AMPC_DEVICE_CPU]);
+    ampc__ref_backend_init(&backends[AMPC_DEVICE_REF]);
+#ifdef AMPC_HAVE_CUDA
+    ampc__cuda_backend_init(&backends[AMPC_DEVICE_CUDA]);
+#else
+    backends[AMPC_DEVICE_CUDA].device.name = "cuda";
+    backends[AMPC_DEVICE_CUDA].device.available = no_cuda;
+#endif
+    for (int d = 0; d < AMPC_DEVICE_COUNT; d++) ampc__device_register((ampc_device)d, &backends[d].device);
+}
+
+/* Any program that runs an op links this file (ops call ampc__backend), hence the tables. */
+__attribute__((constructor)) static void register_devices(void) { pthread_once(&tables_once, fill_tables); }
+
+const ampc_backend *ampc__backend(ampc_device dev) {
+    pthread_once(&tables_once, fill_tables);
+    return &backends[(unsigned)dev < AMPC_DEVICE_COUNT ? dev : AMPC_DEVICE_CPU];
+}
+
+bool ampc_dtype_supported(ampc_device dev, ampc_dtype dt) {
+    if ((unsigned)dev >= AMPC_DEVICE_COUNT || (unsigned)dt >= AMPC_DTYPE_COUNT || !ampc__dt(dt)->is_float) return false;
+    const ampc_backend *be = ampc__backend(dev);
+    return be->device.dtypes[dt] && (!be->computes || be->computes(dt));
+}
+
+bool ampc_dtype_native(ampc_device dev, ampc_dtype dt) {
+    if (!ampc_dtype_supported(dev, dt)) return false;
+    const ampc_backend *be = ampc__backend(dev);
+    return be->native ? be->native(dt) : dt == AMPC_F32 || dt == AMPC_F64;
+}

@@ -1,0 +1,162 @@
+/*
+ * cuda_backend.c - the CUDA device: start-up, memory, copies between dtypes and layouts,
+ * transfers to and from the host, and the table of kernels (filled by the other files here).
+ */
+#include "backend/cuda/cuda.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+static struct {
+    pthread_once_t once;
+    int status;               /* AMPC_OK once started */
+    char why[256];            /* why not, else "" */
+    cudaStream_t stream;
+    int sm_count;
+} G = {.once = PTHREAD_ONCE_INIT};
+
+static void start(void) {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0) {
+        snprintf(G.why, sizeof G.why, "no CUDA GPU found (%s)", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+        G.status = AMPC_ERR_UNSUPPORTED;
+        return;
+    }
+    if ((e = cudaSetDevice(0)) == cudaSuccess) e = cudaStreamCreateWithFlags(&G.stream, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&G.sm_count, cudaDevAttrMultiProcessorCount, 0);
+    if (e != cudaSuccess) {
+        snprintf(G.why, sizeof G.why, "the CUDA GPU could not be started (%s)", cudaGetErrorString(e));
+        G.status = AMPC_ERR_BACKEND;
+        return;
+    }
+    G.status = AMPC_OK;
+}
+
+static const char *cu_available(void) {
+    pthread_once(&G.once, start);
+    return G.status == AMPC_OK ? NULL : G.why;
+}
+
+int ampc__cu_ready(void) {
+    const char *why = cu_available();
+    return why ? ampc__err(G.status, "device cuda: %s", why) : AMPC_OK;
+}
+
+cudaStream_t ampc__cu_stream(void) { return G.stream; }
+int ampc__cu_sm_count(void) { return G.sm_count; }
+
+int ampc__cu_check(cudaError_t e, const char *what) {
+    if (e == cudaSuccess) return AMPC_OK;
+    cudaGetLastError();   /* clears a non-sticky error */
+    return ampc__err(e == cudaErrorMemoryAllocation ? AMPC_ERR_OOM : AMPC_ERR_BACKEND, "cuda: %s: %s", what,
+                     cudaGetErrorString(e));
+}
+
+int ampc__cu_on_device(const ampc_tensor *t, const char *who) {
+    if (t && t->device != AMPC_DEVICE_CUDA)
+        return ampc__err(AMPC_ERR_INVALID, "%s on cuda: a tensor on device %s", who, ampc_device_name(t->device));
+    return AMPC_OK;
+}
+
+void *ampc__cu_scratch(size_t nbytes, size_t *block_bytes) {
+    return ampc__alloc(AMPC_DEVICE_CUDA, nbytes ? nbytes : 1, AMPC_MEM_WORKSPACE, block_bytes);
+}
+
+void ampc__cu_scratch_free(void *p, size_t block_bytes) {
+    if (p) ampc__free(AMPC_DEVICE_CUDA, p, block_bytes, AMPC_MEM_WORKSPACE);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory, copies, fill
+
+static void *cu_alloc(size_t nbytes) {
+    if (ampc__cu_ready() < 0) return NULL;
+    void *p = NULL;
+    if (cudaMalloc(&p, nbytes) != cudaSuccess) {
+        cudaGetLastError();
+        return NULL;   /* core's allocator reports AMPC_ERR_OOM */
+    }
+    return p;
+}
+
+static void cu_free(void *p) {
+    if (p) cudaFree(p);   /* synchronises the device: blocks are only freed when the cache is emptied */
+}
+
+static int cu_copy(const ampc_tensor *src, ampc_tensor *dst) {
+    int rc = ampc__cu_ready();
+    if (rc < 0) return rc;
+    if (src->numel == 0) return AMPC_OK;
+    if (src->format != dst->format && src->ndim == 4 && dst->ndim == 4) {
+        int64_t N = src->shape[0], C = src->shape[1], HW = src->shape[2] * src->shape[3];
+        return ampc__cu_check(ampc_cu_convert_permute(ampc__data(src), src->dtype, ampc__data(dst), dst->dtype, N, C, HW,
+                                                      dst->format == AMPC_CHANNELS_LAST, G.stream),
+                              "copy with a layout change");
+    }
+    if (src->dtype == dst->dtype)
+        return ampc__cu_check(cudaMemcpyAsync(ampc__data(dst), ampc__data(src), ampc__nbytes(src), cudaMemcpyDeviceToDevice, G.stream),
+                              "device copy");
+    return ampc__cu_check(ampc_cu_convert(ampc__data(src), src->dtype, ampc__data(dst), dst->dtype, src->numel, G.stream),
+                          "dtype conversion");
+}
+
+static int cu_fill(ampc_tensor *t, double value) {
+    int rc = ampc__cu_ready();
+    if (rc < 0) return rc;
+    return ampc__cu_check(ampc_cu_fill(ampc__data(t), t->dtype, t->numel, value, G.stream), "fill");
+}
+
+/* One of src, dst on the host, the other here; same dtype, format and numel (core checks). */
+static int cu_transfer(const ampc_tensor *src, ampc_tensor *dst) {
+    int rc = ampc__cu_ready();
+    if (rc < 0) return rc;
+    if (src->dtype != dst->dtype || src->format != dst->format || src->numel != dst->numel)
+        return ampc__err(AMPC_ERR_INVALID, "cuda transfer between unlike tensors");
+    size_t n = ampc__nbytes(src);
+    if (n == 0) return AMPC_OK;
+    if (dst->device == AMPC_DEVICE_CUDA) {
+        /* from pageable memory the copy is staged by the driver and the call returns once the
+           source was read: the caller may reuse its buffer at once */
+        return ampc__cu_check(cudaMemcpyAsync(ampc__data(dst), ampc__data(src), n, cudaMemcpyHostToDevice, G.stream), "copy to the GPU");
+    }
+    rc = ampc__cu_check(cudaMemcpyAsync(ampc__data(dst), ampc__data(src), n, cudaMemcpyDeviceToHost, G.stream), "copy from the GPU");
+    if (rc >= 0) rc = ampc__cu_check(cudaStreamSynchronize(G.stream), "copy from the GPU (a kernel queued before it failed)");
+    return rc;
+}
+
+static int cu_synchronize(void) {
+    int rc = ampc__cu_ready();
+    return rc < 0 ? rc : ampc__cu_check(cudaStreamSynchronize(G.stream), "synchronize");
+}
+
+static void cu_shutdown(void) {
+    if (G.status == AMPC_OK && G.stream) cudaStreamSynchronize(G.stream);
+}
+
+/* tensor cores for every float dtype: matmuls and convolutions compute in any of them */
+static bool cu_computes(ampc_dtype dt) { return dt == AMPC_F32 || dt == AMPC_F16 || dt == AMPC_BF16; }
+static bool cu_native(ampc_dtype dt) { return cu_computes(dt); }
+
+void ampc__cuda_backend_init(ampc_backend *be) {
+    memset(be, 0, sizeof *be);
+    be->device.name = "cuda";
+    be->device.host_memory = false;
+    be->device.dtypes[AMPC_F32] = be->device.dtypes[AMPC_F16] = be->device.dtypes[AMPC_BF16] = be->device.dtypes[AMPC_I64] = true;
+    be->device.raw_alloc = cu_alloc;
+    be->device.raw_free = cu_free;
+    be->device.copy = cu_copy;
+    be->device.fill = cu_fill;
+    be->device.shutdown = cu_shutdown;
+    be->device.available = cu_available;
+    be->device.transfer = cu_transfer;
+    be->device.synchronize = cu_synchronize;
+    be->computes = cu_computes;
+    be->native = cu_native;
+    ampc__cuda_register_elementwise(be);
+    ampc__cuda_register_loss(be);
+    ampc__cuda_register_gemm(be);
+    ampc__cuda_register_optim(be);
+    ampc__cuda_register_dnn(be);
+}

@@ -1,0 +1,242 @@
+/*
+ * dnn.c - the CUDA backend's pooling and batch norm (own kernels, dnn.cu) and the dnn part of
+ * the table (convolution on cuDNN: conv.c). The checks mirror the CPU backend's.
+ *
+ * Why own kernels rather than cuDNN's pooling and batch norm: they take every ampc_pool_desc
+ * (PyTorch's include-pad divisor under ceil_mode, adaptive windows, NaN propagation and ties to
+ * the first maximum, which cuDNN's pooling does not promise), f16 and bf16 activations with f32
+ * statistics, the unbiased running variance, the fused ReLU's exact mask, and they run on NHWC
+ * and NCHW alike. Both are memory bound: one read of x per statistics pass.
+ */
+#include "backend/cuda/dnn.h"
+
+#include <limits.h>
+
+int ampc__cu_chan_scratch(ampc_cu_chan_scratch *s, const ampc_cu_chan_geom *g, int passes, int64_t floats) {
+    s->P = ampc_cu_chan_parts(g, ampc__cu_sm_count());
+    size_t nd = (size_t)passes * 2 * (size_t)s->P * (size_t)g->C;
+    s->p = ampc__cu_scratch(nd * sizeof(double) + (size_t)floats * sizeof(float), &s->bytes);
+    if (!s->p) return ampc_last_status();
+    s->part = s->p;
+    s->f = (float *)(s->part + nd);
+    return AMPC_OK;
+}
+
+void ampc__cu_chan_scratch_free(ampc_cu_chan_scratch *s) {
+    ampc__cu_scratch_free(s->p, s->bytes);
+    s->p = NULL;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pooling
+
+static int pool_check(const ampc_pool_desc *d, const ampc_tensor *x, const ampc_tensor *y, const char *what) {
+    int rc;
+    if ((rc = ampc__cu_on_device(x, what)) < 0 || (rc = ampc__cu_on_device(y, what)) < 0) return rc;
+    if (x->dtype != y->dtype || !ampc__cu_is_float(x->dtype))
+        return ampc__err(AMPC_ERR_DTYPE, "cuda %s on %s and %s", what, ampc_dtype_name(x->dtype), ampc_dtype_name(y->dtype));
+    if (x->numel != d->N * d->C * d->H * d->W || y->numel != d->N * d->C * d->OH * d->OW)
+        return ampc__err(AMPC_ERR_INVALID, "cuda %s: tensor sizes do not match the descriptor", what);
+    if (ampc__is_cl(x) != d->channels_last || ampc__is_cl(y) != d->channels_last)
+        return ampc__err(AMPC_ERR_INVALID, "cuda %s: tensor memory formats do not match the descriptor", what);
+    if (d->kind != AMPC_POOL_ADAPTIVE_AVG &&
+        (d->stride[0] < 1 || d->stride[1] < 1 || d->kernel[0] < 1 || d->kernel[1] < 1 || d->pad_begin[0] < 0 || d->pad_begin[1] < 0))
+        return ampc__err(AMPC_ERR_INVALID, "cuda %s: kernel %dx%d, stride %dx%d, padding %dx%d: kernel and stride must be >= 1, "
+                         "padding >= 0", what, d->kernel[0], d->kernel[1], d->stride[0], d->stride[1], d->pad_begin[0], d->pad_begin[1]);
+    if (d->H * d->W > INT32_MAX)
+        return ampc__err(AMPC_ERR_UNSUPPORTED, "cuda %s: planes of %lld x %lld elements: the argmax is 32-bit, at most 2^31 - 1 "
+                         "per plane", what, (long long)d->H, (long long)d->W);
+    return ampc__cu_ready();
+}
+
+static ampc_cu_pool_geom pool_geom(const ampc_pool_desc *d) {
+    ampc_cu_pool_geom g = {
+        .kind = d->kind == AMPC_POOL_MAX ? AMPC_CU_POOL_MAX
+                : d->kind == AMPC_POOL_AVG_INCLUDE_PAD ? AMPC_CU_POOL_AVG_INCLUDE_PAD
+                : d->kind == AMPC_POOL_AVG_EXCLUDE_PAD ? AMPC_CU_POOL_AVG_EXCLUDE_PAD
+                                                        : AMPC_CU_POOL_ADAPTIVE_AVG,
+        .N = d->N, .C = d->C, .H = d->H, .W = d->W, .OH = d->OH, .OW = d->OW, .cl = d->channels_last};
+    for (int i = 0; i < 2; i++) {
+        g.kernel[i] = d->kernel[i];
+        g.stride[i] = d->stride[i];
+        g.pad_begin[i] = d->pad_begin[i];
+    }
+    return g;
+}
+
+/* max pooling: the argmax, an int32 per output (its index in the (H, W) plane) */
+static size_t cu_pool2d_workspace_size(const ampc_pool_desc *d, ampc_dtype dt) {
+    (void)dt;
+    return d->kind == AMPC_POOL_MAX ? (size_t)(d->N * d->C * d->OH * d->OW) * sizeof(int32_t) : 0;
+}
+
+static int cu_pool2d(const ampc_pool_desc *d, const ampc_tensor *x, ampc_tensor *y, void *ws) {
+    int rc = pool_check(d, x, y, "pool2d");
+    if (rc < 0 || y->numel == 0) return rc;
+    ampc_cu_pool_geom g = pool_geom(d);
+    return ampc__cu_check(ampc_cu_pool_fwd(&g, x->dtype, ampc__data(x), ampc__data(y), d->kind == AMPC_POOL_MAX ? ws : NULL,
+                                           ampc__cu_stream()),
+                          "pool2d");
+}
+
+static int cu_pool2d_backward(const ampc_pool_desc *d, const ampc_tensor *gy, ampc_tensor *gx, const void *ws) {
+    int rc = pool_check(d, gx, gy, "pool2d_backward");
+    if (rc < 0 || gx->numel == 0) return rc;
+    if (d->kind == AMPC_POOL_MAX && !ws && gy->numel > 0)
+        return ampc__err(AMPC_ERR_INVALID, "max pool backward without the forward's workspace");
+    ampc_cu_pool_geom g = pool_geom(d);
+    /* with gy empty no window holds an element: the kernel writes zeros */
+    return ampc__cu_check(ampc_cu_pool_bwd(&g, gy->dtype, ampc__data(gy), ampc__data(gx), ws, ampc__cu_stream()),
+                          "pool2d_backward");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Batch norm
+
+/* t (NULL allowed) on the GPU with n elements, f32 (stat) or the activation dtype act. */
+static int bn_check(const ampc_tensor *t, int64_t n, bool stat, ampc_dtype act, const char *k, const char *what) {
+    if (!t) return AMPC_OK;
+    int rc = ampc__cu_on_device(t, k);
+    if (rc < 0) return rc;
+    if (stat ? t->dtype != AMPC_F32 : t->dtype != act)
+        return ampc__err(AMPC_ERR_DTYPE, "cuda %s: %s is %s, expected %s", k, what, ampc_dtype_name(t->dtype),
+                         ampc_dtype_name(stat ? AMPC_F32 : act));
+    if (t->numel != n)
+        return ampc__err(AMPC_ERR_SHAPE, "cuda %s: %s has %lld elements, expected %lld", k, what, (long long)t->numel,
+                         (long long)n);
+    return AMPC_OK;
+}
+
+/* x (N, C, S...) as the kernels' geometry (channels-last: 4-D x stored N, H, W, C) */
+static int bn_geom(const ampc_tensor *x, const char *k, ampc_cu_chan_geom *g) {
+    if (x->ndim < 2) return ampc__err(AMPC_ERR_SHAPE, "cuda %s: x needs at least 2 dimensions (N, C, ...)", k);
+    if (!ampc__cu_is_float(x->dtype))
+        return ampc__err(AMPC_ERR_DTYPE, "cuda %s: x is %s, expected f32/f16/bf16", k, ampc_dtype_name(x->dtype));
+    g->N = x->shape[0];
+    g->C = x->shape[1];
+    g->S = 1;
+    for (int i = 2; i < x->ndim; i++) g->S *= x->shape[i];
+    g->cl = ampc__is_cl(x);
+    return ampc__cu_on_device(x, k);
+}
+
+static float *f32_or_null(const ampc_tensor *t) { return t ? (float *)ampc__data(t) : NULL; }
+
+/* The forward once the statistics outputs (save_mean, save_invstd, coef: device f32 (C) / (3, C),
+   each may be NULL) were checked. */
+static int bn_forward(const char *k, const ampc_cu_chan_geom *g, const ampc_tensor *x, const ampc_tensor *weight,
+                      const ampc_tensor *bias, ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y,
+                      float *save_mean, float *save_invstd, float *coef, bool relu, bool training, double momentum, double eps) {
+    int64_t C = g->C, M = g->N * g->S;
+    int rc;
+    if ((rc = bn_check(y, x->numel, false, x->dtype, k, "y")) < 0 || (rc = bn_check(weight, C, true, x->dtype, k, "weight")) < 0 ||
+        (rc = bn_check(bias, C, true, x->dtype, k, "bias")) < 0 ||
+        (rc = bn_check(running_mean, C, true, x->dtype, k, "running_mean")) < 0 ||
+        (rc = bn_check(running_var, C, true, x->dtype, k, "running_var")) < 0)
+        return rc;
+    if (!training && (!running_mean || !running_var))
+        return ampc__err(AMPC_ERR_INVALID, "cuda %s: evaluation needs running_mean and running_var", k);
+    if (training && M < 1) return ampc__err(AMPC_ERR_INVALID, "cuda %s: no values per channel", k);
+    if (ampc__is_cl(x) != ampc__is_cl(y)) return ampc__err(AMPC_ERR_INVALID, "cuda %s: x and y in different memory formats", k);
+    if ((rc = ampc__cu_ready()) < 0 || C == 0) return rc;
+    ampc_cu_chan_scratch s;
+    if ((rc = ampc__cu_chan_scratch(&s, g, training ? 2 : 0, coef ? 0 : 3 * C)) < 0) return rc;
+    ampc_cu_bn_fwd_args a = {.training = training, .relu = relu, .momentum = momentum, .eps = eps,
+                             .w = f32_or_null(weight), .b = f32_or_null(bias), .rm = f32_or_null(running_mean),
+                             .rv = f32_or_null(running_var), .save_mean = save_mean, .save_invstd = save_invstd,
+                             .coef = coef ? coef : s.f, .part = s.part, .P = s.P};
+    rc = ampc__cu_check(ampc_cu_bn_forward(g, x->dtype, ampc__data(x), ampc__data(y), &a, ampc__cu_stream()), k);
+    ampc__cu_chan_scratch_free(&s);
+    return rc;
+}
+
+static int cu_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias, ampc_tensor *running_mean,
+                         ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *save_mean, ampc_tensor *save_invstd,
+                         bool training, double momentum, double eps) {
+    const char *k = "batch_norm";
+    ampc_cu_chan_geom g;
+    int rc;
+    if ((rc = bn_geom(x, k, &g)) < 0 || (rc = bn_check(save_mean, g.C, true, x->dtype, k, "save_mean")) < 0 ||
+        (rc = bn_check(save_invstd, g.C, true, x->dtype, k, "save_invstd")) < 0)
+        return rc;
+    return bn_forward(k, &g, x, weight, bias, running_mean, running_var, y, f32_or_null(save_mean), f32_or_null(save_invstd),
+                      NULL, false, training, momentum, eps);
+}
+
+/* stats rows: mean, invstd, then the f32 m, scale, shift the normalisation applied
+   (y = fma(x - m, scale, shift)), which the backward's mask recomputes exactly */
+static int cu_batch_norm_relu(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
+                              ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *stats,
+                              bool training, double momentum, double eps) {
+    const char *k = "batch_norm_relu";
+    ampc_cu_chan_geom g;
+    int rc;
+    if ((rc = bn_geom(x, k, &g)) < 0 || (rc = bn_check(stats, AMPC_BN_RELU_STAT_ROWS * g.C, true, x->dtype, k, "stats")) < 0)
+        return rc;
+    float *s = f32_or_null(stats);
+    return bn_forward(k, &g, x, weight, bias, running_mean, running_var, y, s, s ? s + g.C : NULL, s ? s + 2 * g.C : NULL, true,
+                      training, momentum, eps);
+}
+
+/* The backward once the statistics were checked (rc: the fused ReLU's coefficients, or NULL). */
+static int bn_backward(const char *k, const ampc_cu_chan_geom *g, const ampc_tensor *x, const ampc_tensor *gy,
+                       const ampc_tensor *weight, const float *mean, const float *invstd, const float *rc_coef, bool training,
+                       ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
+    int64_t C = g->C, n = x->numel;
+    int rc;
+    if ((rc = bn_check(gy, n, false, x->dtype, k, "gy")) < 0 || (rc = bn_check(gx, n, false, x->dtype, k, "gx")) < 0 ||
+        (rc = bn_check(weight, C, true, x->dtype, k, "weight")) < 0 || (rc = bn_check(gw, C, true, x->dtype, k, "gw")) < 0 ||
+        (rc = bn_check(gb, C, true, x->dtype, k, "gb")) < 0)
+        return rc;
+    if (ampc__is_cl(x) != ampc__is_cl(gy) || (gx && ampc__is_cl(x) != ampc__is_cl(gx)))
+        return ampc__err(AMPC_ERR_INVALID, "cuda %s: x, gy and gx in different memory formats", k);
+    if ((rc = ampc__cu_ready()) < 0 || C == 0) return rc;
+    ampc_cu_chan_scratch s;
+    if ((rc = ampc__cu_chan_scratch(&s, g, 1, 3 * C)) < 0) return rc;
+    ampc_cu_bn_bwd_args a = {.training = training, .w = f32_or_null(weight), .mean = mean, .invstd = invstd, .rc = rc_coef,
+                             .gw = f32_or_null(gw), .gb = f32_or_null(gb), .kab = s.f, .part = s.part, .P = s.P};
+    rc = ampc__cu_check(ampc_cu_bn_backward(g, x->dtype, ampc__data(x), ampc__data(gy), gx ? ampc__data(gx) : NULL, &a,
+                                            ampc__cu_stream()),
+                        k);
+    ampc__cu_chan_scratch_free(&s);
+    return rc;
+}
+
+static int cu_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                                  const ampc_tensor *save_mean, const ampc_tensor *save_invstd, bool training, ampc_tensor *gx,
+                                  ampc_tensor *gw, ampc_tensor *gb) {
+    const char *k = "batch_norm_backward";
+    ampc_cu_chan_geom g;
+    int rc;
+    if ((rc = bn_geom(x, k, &g)) < 0 || (rc = bn_check(save_mean, g.C, true, x->dtype, k, "save_mean")) < 0 ||
+        (rc = bn_check(save_invstd, g.C, true, x->dtype, k, "save_invstd")) < 0)
+        return rc;
+    if (!save_mean || !save_invstd) return ampc__err(AMPC_ERR_INVALID, "cuda %s: statistics missing", k);
+    return bn_backward(k, &g, x, gy, weight, ampc__data(save_mean), ampc__data(save_invstd), NULL, training, gx, gw, gb);
+}
+
+static int cu_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                                       const ampc_tensor *stats, bool training, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
+    const char *k = "batch_norm_relu_backward";
+    ampc_cu_chan_geom g;
+    int rc;
+    if ((rc = bn_geom(x, k, &g)) < 0 || (rc = bn_check(stats, AMPC_BN_RELU_STAT_ROWS * g.C, true, x->dtype, k, "stats")) < 0)
+        return rc;
+    if (!stats) return ampc__err(AMPC_ERR_INVALID, "cuda %s: statistics missing", k);
+    const float *s = ampc__data(stats);
+    return bn_backward(k, &g, x, gy, weight, s, s + g.C, s + 2 * g.C, training, gx, gw, gb);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+void ampc__cuda_register_dnn(ampc_backend *be) {
+    be->channels_last = true;
+    ampc__cuda_register_conv(be);
+    be->pool2d_workspace_size = cu_pool2d_workspace_size;
+    be->pool2d = cu_pool2d;
+    be->pool2d_backward = cu_pool2d_backward;
+    be->batch_norm = cu_batch_norm;
+    be->batch_norm_backward = cu_batch_norm_backward;
+    be->batch_norm_relu = cu_batch_norm_relu;
+    be->batch_norm_relu_backward = cu_batch_norm_relu_backward;
+}

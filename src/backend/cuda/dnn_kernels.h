@@ -1,0 +1,89 @@
+/*
+ * dnn_kernels.h - the launchers of dnn.cu: pooling, batch norm and the per-channel sums and bias
+ * add of convolution, callable from dnn.c / conv.c (plain C types; read by gcc and nvcc).
+ *
+ * Every launcher queues its work on stream s and returns cudaGetLastError(). Tensors are dense,
+ * NCHW-like (N, C, S) or channels-last (N, S, C) per `cl`; 64-bit element counts.
+ */
+#ifndef AMPC_CUDA_DNN_KERNELS_H
+#define AMPC_CUDA_DNN_KERNELS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#include "ampc.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Pooling geometry: the fields of ampc_pool_desc (kind: AMPC_CU_POOL_*). */
+enum { AMPC_CU_POOL_MAX = 0, AMPC_CU_POOL_AVG_INCLUDE_PAD, AMPC_CU_POOL_AVG_EXCLUDE_PAD, AMPC_CU_POOL_ADAPTIVE_AVG };
+typedef struct {
+    int kind;
+    int64_t N, C, H, W, OH, OW;
+    int kernel[2], stride[2], pad_begin[2];
+    bool cl;
+} ampc_cu_pool_geom;
+
+/* y (N, C, OH, OW) from x (N, C, H, W). Max: PyTorch's rule (a value wins if greater than the
+   running maximum or NaN: ties to the first, NaN propagates); argmax (one int32 per output, the
+   winner's index h * W + w in its plane) written when not NULL. Averages summed in f32 in window
+   order, divided by the window's count. H * W must fit in int32. */
+cudaError_t ampc_cu_pool_fwd(const ampc_cu_pool_geom *g, ampc_dtype dt, const void *x, void *y, int32_t *argmax,
+                             cudaStream_t s);
+/* gx (every element written) from gy: each input element gathers the outputs whose windows
+   hold it, in output order (f32 sums, one rounding). Max reads argmax. */
+cudaError_t ampc_cu_pool_bwd(const ampc_cu_pool_geom *g, ampc_dtype dt, const void *gy, void *gx, const int32_t *argmax,
+                             cudaStream_t s);
+
+/* Per-channel geometry: x (N, C, S) planar, or (N, S, C) when cl. */
+typedef struct {
+    int64_t N, C, S;
+    bool cl;
+} ampc_cu_chan_geom;
+
+/* P, the partial rows of the per-channel reductions below (fixed by the shape and sm_count:
+   the results do not depend on anything else); each reduction pass needs 2 * P * C doubles. */
+int ampc_cu_chan_parts(const ampc_cu_chan_geom *g, int sm_count);
+/* out[c] = sum of x over N and S (f64 accumulation), stored in out_dt (any float dtype);
+   part: 2 * P * C doubles of scratch. */
+cudaError_t ampc_cu_chan_sum(const ampc_cu_chan_geom *g, ampc_dtype dt, const void *x, double *part, int P, void *out,
+                             ampc_dtype out_dt, cudaStream_t s);
+/* y[n, c, s] += b[c] (y and b in dt; f32 add, one rounding) */
+cudaError_t ampc_cu_bias_add(const ampc_cu_chan_geom *g, ampc_dtype dt, void *y, const void *b, cudaStream_t s);
+
+/* Batch norm forward. Device pointers: w, b, rm, rv, save_mean, save_invstd (C floats, each may
+   be NULL; rm and rv required in evaluation), coef (3 * C floats, required: the f32 m, scale,
+   shift applied, y = fma(x - m, scale, shift)), part (4 * P * C doubles, training only). */
+typedef struct {
+    bool training, relu;
+    double momentum, eps;
+    const float *w, *b;
+    float *rm, *rv, *save_mean, *save_invstd, *coef;
+    double *part;
+    int P;
+} ampc_cu_bn_fwd_args;
+cudaError_t ampc_cu_bn_forward(const ampc_cu_chan_geom *g, ampc_dtype dt, const void *x, void *y, const ampc_cu_bn_fwd_args *a,
+                               cudaStream_t s);
+
+/* Batch norm backward: gx (may be NULL), gw, gb (C floats, may be NULL) from x, gy and the
+   saved mean / invstd; rc (3 * C floats: the forward's coef) masks gy by the fused ReLU's
+   recomputed output when not NULL. kab: 3 * C floats of scratch; part: 2 * P * C doubles. */
+typedef struct {
+    bool training;
+    const float *w, *mean, *invstd, *rc;
+    float *gw, *gb, *kab;
+    double *part;
+    int P;
+} ampc_cu_bn_bwd_args;
+cudaError_t ampc_cu_bn_backward(const ampc_cu_chan_geom *g, ampc_dtype dt, const void *x, const void *gy, void *gx,
+                                const ampc_cu_bn_bwd_args *a, cudaStream_t s);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* AMPC_CUDA_DNN_KERNELS_H */

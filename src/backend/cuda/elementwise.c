@@ -1,0 +1,270 @@
+/*
+ * elementwise.c - the CUDA table's unary ops and derivatives, broadcasting binary ops,
+ * sum_to, expand, copy_block and dropout: argument checks and broadcast plans here, the
+ * kernels in elementwise.cu. Semantics are the CPU backend's (src/backend/cpu/elementwise.c):
+ * f32 compute, one rounding on store, sums in f32.
+ */
+#include "backend/cuda/cuda.h"
+#include "backend/cuda/ew_kernels.h"
+
+#include <math.h>
+#include <string.h>
+
+static bool is_float(ampc_dtype dt) { return dt == AMPC_F32 || dt == AMPC_F16 || dt == AMPC_BF16; }
+
+/* t (NULL allowed) is on the GPU and holds f32/f16/bf16 */
+static int check_float(const ampc_tensor *t, const char *kernel) {
+    if (!t) return AMPC_OK;
+    int rc = ampc__cu_on_device(t, kernel);
+    if (rc < 0) return rc;
+    if (!is_float(t->dtype)) return ampc__err(AMPC_ERR_DTYPE, "cuda %s on %s", kernel, ampc_dtype_name(t->dtype));
+    return AMPC_OK;
+}
+
+/* A 4-D channels-last tensor whose storage order differs from the contiguous one (C > 1 and
+   H * W > 1): its elements can only be walked together with tensors of its shape and format. */
+static bool cl_order(const ampc_tensor *t) {
+    return t && t->ndim == 4 && t->format == AMPC_CHANNELS_LAST && t->shape[1] > 1 && t->shape[2] * t->shape[3] > 1;
+}
+
+static bool same_walk(const ampc_tensor *a, const ampc_tensor *b) {
+    return ampc__same_shape(a, b) && (a->format == b->format || (!cl_order(a) && !cl_order(b)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Unary
+
+static bool unary_known(ampc_op op) {
+    switch (op) {
+    case AMPC_OP_RELU: case AMPC_OP_GELU: case AMPC_OP_TANH: case AMPC_OP_SIGMOID: case AMPC_OP_EXP:
+    case AMPC_OP_LOG: case AMPC_OP_POW: case AMPC_OP_MUL_SCALAR: case AMPC_OP_ADD_SCALAR: case AMPC_OP_SILU: return true;
+    default: return false;
+    }
+}
+
+static int cu_unary(ampc_op op, const ampc_tensor *x, ampc_tensor *y, double alpha) {
+    int rc;
+    if ((rc = ampc__cu_ready()) < 0) return rc;
+    if (!unary_known(op)) return ampc__err(AMPC_ERR_UNSUPPORTED, "cuda unary: no kernel for %s", ampc_op_name(op));
+    if (x->numel != y->numel)
+        return ampc__err(AMPC_ERR_SHAPE, "cuda unary: %lld inputs, %lld outputs", (long long)x->numel, (long long)y->numel);
+    if (op == AMPC_OP_ADD_SCALAR && x->dtype == AMPC_I64 && y->dtype == AMPC_I64) {   /* a counter on the GPU */
+        if ((rc = ampc__cu_on_device(x, "unary")) < 0 || (rc = ampc__cu_on_device(y, "unary")) < 0) return rc;
+        return ampc__cu_check(ampc_cu_add_scalar_i64(ampc__data(x), ampc__data(y), x->numel, (int64_t)alpha, ampc__cu_stream()),
+                              "add_scalar on i64");
+    }
+    if ((rc = check_float(x, "unary")) < 0 || (rc = check_float(y, "unary")) < 0) return rc;
+    return ampc__cu_check(ampc_cu_unary(op, ampc__data(x), x->dtype, ampc__data(y), y->dtype, x->numel, (float)alpha,
+                                        ampc__cu_stream()),
+                          ampc_op_name(op));
+}
+
+static int cu_unary_backward(ampc_op op, const ampc_tensor *x, const ampc_tensor *y, const ampc_tensor *gy,
+                             ampc_tensor *gx, double alpha) {
+    int rc;
+    if ((rc = ampc__cu_ready()) < 0) return rc;
+    if (!unary_known(op)) return ampc__err(AMPC_ERR_UNSUPPORTED, "cuda unary_backward: no kernel for %s", ampc_op_name(op));
+    if ((rc = ampc__unary_backward_operands(op, &x, &y, "cuda")) < 0) return rc;
+    const ampc_tensor *ts[4] = {x, y, gy, gx};
+    for (int k = 0; k < 4; k++) {
+        if ((rc = check_float(ts[k], "unary_backward")) < 0) return rc;
+        if (ts[k] && ts[k]->numel != gx->numel) return ampc__err(AMPC_ERR_SHAPE, "cuda unary_backward: sizes differ");
+    }
+    if (gx->dtype != gy->dtype)
+        return ampc__err(AMPC_ERR_DTYPE, "cuda unary_backward: gx is %s but gy %s (the gradient keeps its dtype)",
+                         ampc_dtype_name(gx->dtype), ampc_dtype_name(gy->dtype));
+    const ampc_tensor *v = x ? x : y;
+    return ampc__cu_check(ampc_cu_unary_backward(op, v ? ampc__data(v) : NULL, v ? v->dtype : gy->dtype, ampc__data(gy),
+                                                 ampc__data(gx), gx->dtype, gx->numel, (float)alpha, ampc__cu_stream()),
+                          "unary_backward");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Broadcast plans over the output's dims, adjacent dims merged where every operand allows
+
+/* Strides of t along the nd dims of shape (right-aligned), 0 where t has size 1 or lacks the dim. */
+static int plan_strides(const ampc_tensor *t, int nd, const int64_t *shape, int64_t *st) {
+    for (int j = 0; j < t->ndim - nd; j++)
+        if (t->shape[j] != 1) return ampc__err(AMPC_ERR_SHAPE, "cuda: tensor of %d dims does not broadcast to %d dims", t->ndim, nd);
+    int64_t step = 1;
+    for (int i = nd - 1; i >= 0; i--) {
+        int j = t->ndim - nd + i;
+        int64_t d = j >= 0 ? t->shape[j] : 1;
+        if (d != 1 && d != shape[i])
+            return ampc__err(AMPC_ERR_SHAPE, "cuda: size %lld does not broadcast to %lld in dim %d", (long long)d,
+                             (long long)shape[i], i);
+        st[i] = d == 1 ? 0 : step;
+        step *= d;
+    }
+    return AMPC_OK;
+}
+
+/* Drops size-1 dims; merges a dim into the previous one where, for every operand, the outer
+   stride is the inner stride times the inner size. At least one dim remains. */
+static void plan_merge(ampc_cu_bplan *p, int nops) {
+    int m = 0;
+    for (int i = 0; i < p->nd; i++) {
+        if (p->shape[i] == 1) continue;
+        bool join = m > 0;
+        for (int k = 0; k < nops && join; k++) join = p->st[k][m - 1] == p->st[k][i] * p->shape[i];
+        int at = join ? m - 1 : m++;
+        p->shape[at] = join ? p->shape[at] * p->shape[i] : p->shape[i];
+        for (int k = 0; k < nops; k++) p->st[k][at] = p->st[k][i];
+    }
+    if (m == 0) {
+        p->shape[0] = 1;
+        for (int k = 0; k < nops; k++) p->st[k][0] = 0;
+        m = 1;
+    }
+    p->nd = m;
+}
+
+/* out = t0 op t1 (t1 NULL: the constant c1) broadcast to out's shape */
+static int broadcast_run(const char *kernel, ampc_op op, const ampc_tensor *t0, const ampc_tensor *t1, float c1,
+                         ampc_tensor *out) {
+    const ampc_tensor *t[2] = {t0, t1};
+    int nops = t1 ? 2 : 1, rc;
+    for (int k = 0; k < nops; k++) {
+        if (t[k]->dtype != out->dtype)
+            return ampc__err(AMPC_ERR_DTYPE, "cuda %s: operand %s, output %s (one dtype)", kernel,
+                             ampc_dtype_name(t[k]->dtype), ampc_dtype_name(out->dtype));
+        if ((cl_order(t[k]) || cl_order(out)) && !same_walk(t[k], out))
+            return ampc__err(AMPC_ERR_INVALID, "cuda %s on channels-last tensors of different shapes or formats", kernel);
+    }
+    ampc_cu_bplan p = {.nd = out->ndim};
+    memcpy(p.shape, out->shape, sizeof(int64_t) * (size_t)out->ndim);
+    for (int k = 0; k < nops; k++)
+        if ((rc = plan_strides(t[k], out->ndim, out->shape, p.st[k])) < 0) return rc;
+    if (out->numel == 0) return AMPC_OK;
+    plan_merge(&p, nops);
+    return ampc__cu_check(ampc_cu_binary(op, &p, ampc__data(t0), t1 ? ampc__data(t1) : NULL, c1, ampc__data(out), out->dtype,
+                                         out->numel, ampc__cu_stream()),
+                          kernel);
+}
+
+static int cu_binary(ampc_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out) {
+    int rc;
+    if ((rc = ampc__cu_ready()) < 0) return rc;
+    if ((rc = check_float(a, "binary")) < 0 || (rc = check_float(b, "binary")) < 0 || (rc = check_float(out, "binary")) < 0)
+        return rc;
+    if (op != AMPC_OP_ADD && op != AMPC_OP_SUB && op != AMPC_OP_MUL)
+        return ampc__err(AMPC_ERR_UNSUPPORTED, "cuda binary: no kernel for %s", ampc_op_name(op));
+    return broadcast_run("binary", op, a, b, 0.0f, out);
+}
+
+static int cu_expand(const ampc_tensor *x, ampc_tensor *out, double alpha) {
+    int rc;
+    if ((rc = ampc__cu_ready()) < 0) return rc;
+    if ((rc = check_float(x, "expand")) < 0 || (rc = check_float(out, "expand")) < 0) return rc;
+    return broadcast_run("expand", AMPC_OP_MUL, x, NULL, (float)alpha, out);
+}
+
+// ---------------------------------------------------------------------------------------------
+// sum_to: x's shape walked with out's strides (0 along summed dims), merged, then split into
+// kept and reduced dims with x's own (contiguous) strides.
+
+static int cu_sum_to(const ampc_tensor *x, ampc_tensor *out, double alpha) {
+    int rc;
+    if ((rc = ampc__cu_ready()) < 0) return rc;
+    if ((rc = check_float(x, "sum_to")) < 0 || (rc = check_float(out, "sum_to")) < 0) return rc;
+    if (out->dtype != x->dtype && out->dtype != AMPC_F32)
+        return ampc__err(AMPC_ERR_DTYPE, "cuda sum_to: %s into %s (the output is x's dtype or f32)", ampc_dtype_name(x->dtype),
+                         ampc_dtype_name(out->dtype));
+    /* p.st[0]: out's strides over x's shape; p.st[1]: x's own */
+    ampc_cu_bplan p = {.nd = x->ndim > out->ndim ? x->ndim : out->ndim};
+    for (int i = 0; i < p.nd; i++) {
+        int j = x->ndim - p.nd + i;
+        p.shape[i] = j >= 0 ? x->shape[j] : 1;
+    }
+    if ((rc = plan_strides(out, p.nd, p.shape, p.st[0])) < 0) return rc;
+    if ((cl_order(x) || cl_order(out)) && !same_walk(x, out))
+        return ampc__err(AMPC_ERR_INVALID, "cuda sum_to: a channels-last tensor changing shape (the op converts it first)");
+    if (x->numel == out->numel) return cu_unary(AMPC_OP_MUL_SCALAR, x, out, alpha);   /* nothing summed */
+    float a = (float)alpha;
+    if (x->numel == 0)   /* empty sums are 0 (times alpha: the mean of nothing is NaN) */
+        return ampc__cu_check(ampc_cu_fill(ampc__data(out), out->dtype, out->numel, (double)(0.0f * a), ampc__cu_stream()),
+                              "sum_to of nothing");
+    int64_t step = 1;
+    for (int i = p.nd - 1; i >= 0; i--) {
+        p.st[1][i] = step;
+        step *= p.shape[i];
+    }
+    plan_merge(&p, 2);
+    ampc_cu_rplan r = {.nout = 1, .nred = 1};
+    for (int i = 0; i < p.nd; i++) {
+        bool kept = p.st[0][i] != 0;
+        int64_t *shape = kept ? r.kshape : r.rshape, *st = kept ? r.kst : r.rst;
+        int *n = kept ? &r.nk : &r.nr;
+        shape[*n] = p.shape[i];
+        st[(*n)++] = p.st[1][i];
+        *(kept ? &r.nout : &r.nred) *= p.shape[i];
+    }
+    int64_t splits = ampc_cu_sum_to_splits(&r, ampc__cu_sm_count());
+    size_t block = 0;
+    float *part = NULL;
+    if (splits > 1 && !(part = ampc__cu_scratch((size_t)(splits * r.nout) * sizeof(float), &block))) return ampc_last_status();
+    rc = ampc__cu_check(ampc_cu_sum_to(&r, ampc__data(x), x->dtype, ampc__data(out), out->dtype, a, splits, part, ampc__cu_stream()),
+                        "sum_to");
+    ampc__cu_scratch_free(part, block);
+    return rc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// copy_block: rows of cols elements between strided places, one 2-D copy
+
+static int cu_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, ampc_tensor *dst, int64_t dst_off,
+                         int64_t dst_ld, int64_t rows, int64_t cols) {
+    int rc;
+    if ((rc = ampc__cu_ready()) < 0) return rc;
+    if ((rc = ampc__cu_on_device(src, "copy_block")) < 0 || (rc = ampc__cu_on_device(dst, "copy_block")) < 0) return rc;
+    if ((rc = ampc__check_copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols)) != AMPC_OK) return rc < 0 ? rc : AMPC_OK;
+    size_t sz = ampc__dt(src->dtype)->size, width = (size_t)cols * sz;
+    const char *s = (const char *)ampc__data(src) + (size_t)src_off * sz;
+    char *d = (char *)ampc__data(dst) + (size_t)dst_off * sz;
+    if (rows == 1 || (src_ld == cols && dst_ld == cols))
+        return ampc__cu_check(cudaMemcpyAsync(d, s, width * (size_t)rows, cudaMemcpyDeviceToDevice, ampc__cu_stream()), "copy_block");
+    if (src_ld < cols || dst_ld < cols)
+        return ampc__err(AMPC_ERR_INVALID, "cuda copy_block: rows of %lld overlap (strides %lld, %lld)", (long long)cols,
+                         (long long)src_ld, (long long)dst_ld);
+    return ampc__cu_check(cudaMemcpy2DAsync(d, (size_t)dst_ld * sz, s, (size_t)src_ld * sz, width, (size_t)rows,
+                                            cudaMemcpyDeviceToDevice, ampc__cu_stream()),
+                          "copy_block");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dropout: the mask (numel bytes of device memory) from the Philox stream of the CPU and REF
+// kernels, so every device drops the same elements for the same rng state.
+
+static float drop_scale(double p) { return p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.0f; }
+
+static int cu_dropout(const ampc_tensor *x, ampc_tensor *y, uint8_t *mask, double p, ampc_rng_state rng) {
+    int rc;
+    if ((rc = ampc__cu_ready()) < 0) return rc;
+    if ((rc = check_float(x, "dropout")) < 0 || (rc = check_float(y, "dropout")) < 0) return rc;
+    if (x->numel != y->numel) return ampc__err(AMPC_ERR_SHAPE, "cuda dropout: sizes differ");
+    uint32_t thr = (uint32_t)ceil(p * 0x1p24);   /* kept iff the draw's 24 bits >= p * 2^24 */
+    return ampc__cu_check(ampc_cu_dropout(ampc__data(x), x->dtype, ampc__data(y), y->dtype, mask, x->numel, rng.seed, rng.offset,
+                                          thr, drop_scale(p), ampc__cu_stream()),
+                          "dropout");
+}
+
+static int cu_dropout_backward(const ampc_tensor *gy, const uint8_t *mask, double p, ampc_tensor *gx) {
+    int rc;
+    if ((rc = ampc__cu_ready()) < 0) return rc;
+    if ((rc = check_float(gy, "dropout_backward")) < 0 || (rc = check_float(gx, "dropout_backward")) < 0) return rc;
+    if (gy->numel != gx->numel) return ampc__err(AMPC_ERR_SHAPE, "cuda dropout_backward: sizes differ");
+    return ampc__cu_check(ampc_cu_dropout_backward(ampc__data(gy), gy->dtype, mask, ampc__data(gx), gx->dtype, gy->numel,
+                                                   drop_scale(p), ampc__cu_stream()),
+                          "dropout_backward");
+}
+
+void ampc__cuda_register_elementwise(ampc_backend *be) {
+    be->unary = cu_unary;
+    be->unary_backward = cu_unary_backward;
+    be->binary = cu_binary;
+    be->sum_to = cu_sum_to;
+    be->expand = cu_expand;
+    be->copy_block = cu_copy_block;
+    be->dropout = cu_dropout;
+    be->dropout_backward = cu_dropout_backward;
+}

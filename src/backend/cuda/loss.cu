@@ -1,0 +1,396 @@
+/*
+ * loss.cu - CUDA kernels of softmax / log-softmax, fused cross-entropy and layer norm: the CPU
+ * backend's formulas (src/backend/cpu/loss.c, norm.c) in f32, one rounding on store.
+ *
+ * Rows (softmax with inner == 1, cross-entropy, layer norm) run a warp or a block per row
+ * (reduce.cuh: row_shape), reducing with warp shuffles and one shared-memory step; softmax
+ * along a middle axis runs a thread per column, reading along contiguous memory. Column sums
+ * (layer norm's weight and bias gradients) cut the rows into slices whose partial sums are
+ * added in order by a last kernel: no atomics, results independent of timing.
+ */
+#include <limits.h>
+
+#include "backend/cuda/reduce.cuh"
+
+using namespace ampc_cu;
+
+// ---------------------------------------------------------------------------------------------
+// Softmax: max-subtracted; softmax y = exp(x - m) / s, log-softmax y = (x - m) - log(s).
+
+template <bool BLOCK, class TI, class TO>
+__global__ void softmax_rows_kernel(const TI *x, TO *y, int64_t rows, int64_t n, bool lg) {
+    __shared__ float sh[32];
+    AMPC_CU_ROWS(BLOCK, r, t, nt, rows) {
+        const TI *xr = x + r * n;
+        TO *yr = y + r * n;
+        float m = -INFINITY, s = 0.0f;
+        for (int64_t i = t; i < n; i += nt) m = max_nan_ignored(m, to_f<TI>(xr[i]));
+        m = row_max<BLOCK>(m, sh);
+        for (int64_t i = t; i < n; i += nt) s += expf(to_f<TI>(xr[i]) - m);
+        s = row_sum<BLOCK>(s, sh);
+        if (lg) {
+            float ls = logf(s);
+            for (int64_t i = t; i < n; i += nt) yr[i] = from_f<TO>((to_f<TI>(xr[i]) - m) - ls);
+        } else {
+            for (int64_t i = t; i < n; i += nt) yr[i] = from_f<TO>(expf(to_f<TI>(xr[i]) - m) / s);
+        }
+    }
+}
+
+template <class TI, class TO>
+__global__ void softmax_cols_kernel(const TI *x, TO *y, int64_t outer, int64_t dim, int64_t inner, bool lg) {
+    AMPC_CU_LOOP(c, outer * inner) {
+        int64_t base = (c / inner) * dim * inner + c % inner;
+        const TI *xc = x + base;
+        TO *yc = y + base;
+        float m = -INFINITY, s = 0.0f;
+        for (int64_t d = 0; d < dim; d++) m = max_nan_ignored(m, to_f<TI>(xc[d * inner]));
+        for (int64_t d = 0; d < dim; d++) s += expf(to_f<TI>(xc[d * inner]) - m);
+        if (lg) {
+            float ls = logf(s);
+            for (int64_t d = 0; d < dim; d++) yc[d * inner] = from_f<TO>((to_f<TI>(xc[d * inner]) - m) - ls);
+        } else {
+            for (int64_t d = 0; d < dim; d++) yc[d * inner] = from_f<TO>(expf(to_f<TI>(xc[d * inner]) - m) / s);
+        }
+    }
+}
+
+extern "C" cudaError_t ampc_cu_softmax(const void *x, ampc_dtype xdt, void *y, ampc_dtype ydt, int64_t outer, int64_t dim,
+                                      int64_t inner, bool lg, cudaStream_t s) {
+    if (outer <= 0 || dim <= 0 || inner <= 0) return cudaSuccess;
+    if (inner == 1) {
+        row_launch l = row_shape(outer, dim);
+        AMPC_CU_FLOAT_TYPES(xdt, TI, AMPC_CU_FLOAT_TYPES(ydt, TO,
+            if (l.block) softmax_rows_kernel<true, TI, TO><<<l.grid, l.threads, 0, s>>>((const TI *)x, (TO *)y, outer, dim, lg);
+            else softmax_rows_kernel<false, TI, TO><<<l.grid, l.threads, 0, s>>>((const TI *)x, (TO *)y, outer, dim, lg)));
+    } else {
+        AMPC_CU_FLOAT_TYPES(xdt, TI, AMPC_CU_FLOAT_TYPES(ydt, TO, softmax_cols_kernel<TI, TO><<<blocks_for(outer * inner), 256, 0, s>>>(
+            (const TI *)x, (TO *)y, outer, dim, inner, lg)));
+    }
+    return cudaGetLastError();
+}
+
+/* softmax: gx = y (g - sum(g y)); log-softmax: gx = g - exp(y) sum(g). gx (y's dtype) may be
+   gy's array: every element is read and written by one thread, after the sums. */
+template <bool BLOCK, class TY, class TG>
+__global__ void softmax_bwd_rows_kernel(const TY *y, const TG *gy, TY *gx, int64_t rows, int64_t n, bool lg) {
+    __shared__ float sh[32];
+    AMPC_CU_ROWS(BLOCK, r, t, nt, rows) {
+        const TY *yr = y + r * n;
+        const TG *gr = gy + r * n;
+        TY *xr = gx + r * n;
+        float s = 0.0f;
+        for (int64_t i = t; i < n; i += nt) s += lg ? to_f<TG>(gr[i]) : to_f<TG>(gr[i]) * to_f<TY>(yr[i]);
+        s = row_sum<BLOCK>(s, sh);
+        for (int64_t i = t; i < n; i += nt) {
+            float g = to_f<TG>(gr[i]), v = to_f<TY>(yr[i]);
+            xr[i] = from_f<TY>(lg ? g - expf(v) * s : v * (g - s));
+        }
+    }
+}
+
+template <class TY, class TG>
+__global__ void softmax_bwd_cols_kernel(const TY *y, const TG *gy, TY *gx, int64_t outer, int64_t dim, int64_t inner, bool lg) {
+    AMPC_CU_LOOP(c, outer * inner) {
+        int64_t base = (c / inner) * dim * inner + c % inner;
+        float s = 0.0f;
+        for (int64_t d = 0; d < dim; d++) {
+            int64_t i = base + d * inner;
+            s += lg ? to_f<TG>(gy[i]) : to_f<TG>(gy[i]) * to_f<TY>(y[i]);
+        }
+        for (int64_t d = 0; d < dim; d++) {
+            int64_t i = base + d * inner;
+            float g = to_f<TG>(gy[i]), v = to_f<TY>(y[i]);
+            gx[i] = from_f<TY>(lg ? g - expf(v) * s : v * (g - s));
+        }
+    }
+}
+
+extern "C" cudaError_t ampc_cu_softmax_backward(const void *y, ampc_dtype ydt, const void *gy, ampc_dtype gdt, void *gx,
+                                               int64_t outer, int64_t dim, int64_t inner, bool lg, cudaStream_t s) {
+    if (outer <= 0 || dim <= 0 || inner <= 0) return cudaSuccess;
+    if (inner == 1) {
+        row_launch l = row_shape(outer, dim);
+        AMPC_CU_FLOAT_TYPES(ydt, TY, AMPC_CU_FLOAT_TYPES(gdt, TG,
+            if (l.block) softmax_bwd_rows_kernel<true, TY, TG><<<l.grid, l.threads, 0, s>>>((const TY *)y, (const TG *)gy, (TY *)gx, outer, dim, lg);
+            else softmax_bwd_rows_kernel<false, TY, TG><<<l.grid, l.threads, 0, s>>>((const TY *)y, (const TG *)gy, (TY *)gx, outer, dim, lg)));
+    } else {
+        AMPC_CU_FLOAT_TYPES(ydt, TY, AMPC_CU_FLOAT_TYPES(gdt, TG, softmax_bwd_cols_kernel<TY, TG><<<blocks_for(outer * inner), 256, 0, s>>>(
+            (const TY *)y, (const TG *)gy, (TY *)gx, outer, dim, inner, lg)));
+    }
+    return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-entropy: per row (1 - eps) nll + eps mean_c(-logp_c), logp = (x - m) - log(s); the
+// backward recomputes the softmax from the logits.
+
+__device__ __forceinline__ bool target_ok(int64_t t, int64_t C) { return t >= 0 && t < C; }
+
+template <bool BLOCK, class T, class TO>
+__global__ void ce_rows_kernel(const T *x, const int64_t *tg, int64_t N, int64_t C, int64_t ignore, float eps, TO *out,
+                               float *loss) {
+    __shared__ float sh[32];
+    AMPC_CU_ROWS(BLOCK, r, t, nt, N) {
+        int64_t target = tg[r];   /* the same for every thread of the row: branches stay uniform */
+        float v = 0.0f;
+        if (target != ignore && !target_ok(target, C)) {
+            v = NAN;
+        } else if (target != ignore) {
+            const T *xr = x + r * C;
+            float m = -INFINITY, se = 0.0f, sd = 0.0f;
+            for (int64_t c = t; c < C; c += nt) m = max_nan_ignored(m, to_f<T>(xr[c]));
+            m = row_max<BLOCK>(m, sh);
+            for (int64_t c = t; c < C; c += nt) {
+                float d = to_f<T>(xr[c]) - m;
+                se += expf(d);
+                sd += d;
+            }
+            se = row_sum<BLOCK>(se, sh);
+            float ls = logf(se), nll = ls - (to_f<T>(xr[target]) - m);
+            if (eps > 0.0f) {
+                sd = row_sum<BLOCK>(sd, sh);
+                v = (1.0f - eps) * nll + eps * (ls - sd / (float)C);
+            } else {
+                v = nll;
+            }
+        }
+        if (t == 0) {
+            if (out) out[r] = from_f<TO>(v);
+            else loss[r] = v;
+        }
+    }
+}
+
+/* One block: the count of targets not ignored, the first out-of-range one, and for MEAN/SUM
+   the sum of the row losses in f64, rounded once into out[0]. */
+#define CE_FINISH_THREADS 1024
+__global__ void ce_finish_kernel(const int64_t *tg, int64_t N, int64_t C, int64_t ignore, const float *loss, bool mean,
+                                 void *out, ampc_dtype odt, int64_t *info) {
+    __shared__ double ssum[32];
+    __shared__ long long scnt[32], sbad[32];
+    double sum = 0.0;
+    long long cnt = 0, bad = LLONG_MAX;
+    for (int64_t i = threadIdx.x; i < N; i += blockDim.x) {
+        int64_t t = tg[i];
+        if (t == ignore) continue;
+        if (!target_ok(t, C)) {
+            bad = i < bad ? i : bad;
+            continue;
+        }
+        cnt++;
+        if (loss) sum += loss[i];
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+        long long b = __shfl_xor_sync(0xffffffffu, bad, o);
+        bad = b < bad ? b : bad;
+    }
+    unsigned lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (lane == 0) {
+        ssum[w] = sum;
+        scnt[w] = cnt;
+        sbad[w] = bad;
+    }
+    __syncthreads();
+    if (threadIdx.x) return;
+    for (unsigned k = 1; k < (blockDim.x >> 5); k++) {
+        sum += ssum[k];
+        cnt += scnt[k];
+        bad = sbad[k] < bad ? sbad[k] : bad;
+    }
+    info[0] = cnt;
+    info[1] = bad == LLONG_MAX ? -1 : bad;
+    info[2] = bad == LLONG_MAX ? 0 : tg[bad];
+    if (loss) store_any_f64(out, odt, 0, mean ? (cnt ? sum / (double)cnt : (double)NAN) : sum);   /* PyTorch: 0/0 */
+}
+
+extern "C" cudaError_t ampc_cu_cross_entropy(const void *logits, ampc_dtype dt, const int64_t *targets, int64_t N, int64_t C,
+                                            ampc_reduction red, int64_t ignore_index, float eps, void *out, ampc_dtype odt,
+                                            float *loss, int64_t *info, cudaStream_t s) {
+    bool none = red == AMPC_REDUCTION_NONE;
+    if (N > 0) {
+        row_launch l = row_shape(N, C);
+        AMPC_CU_FLOAT_TYPES(dt, T, AMPC_CU_FLOAT_TYPES(none ? odt : AMPC_F32, TO,
+            TO *o = none ? (TO *)out : NULL;
+            if (l.block) ce_rows_kernel<true, T, TO><<<l.grid, l.threads, 0, s>>>((const T *)logits, targets, N, C, ignore_index, eps, o, loss);
+            else ce_rows_kernel<false, T, TO><<<l.grid, l.threads, 0, s>>>((const T *)logits, targets, N, C, ignore_index, eps, o, loss)));
+        cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess) return e;
+    }
+    ce_finish_kernel<<<1, CE_FINISH_THREADS, 0, s>>>(targets, N, C, ignore_index, none ? NULL : loss,
+                                                     red == AMPC_REDUCTION_MEAN, out, odt, info);
+    return cudaGetLastError();
+}
+
+/* gx = (softmax(x) - q) g, q = eps/C off the target and 1 - eps + eps/C on it, g = gy / weight;
+   every element is read and written by one thread (gx may be x's array) */
+template <bool BLOCK, class T, class TO>
+__global__ void ce_bwd_rows_kernel(const T *x, const int64_t *tg, int64_t N, int64_t C, const void *gy, ampc_dtype gdt,
+                                   bool per_row, double weight, int64_t ignore, float eps, TO *gx) {
+    __shared__ float sh[32];
+    AMPC_CU_ROWS(BLOCK, r, t, nt, N) {
+        int64_t target = tg[r];
+        const T *xr = x + r * C;
+        TO *gr = gx + r * C;
+        if (target == ignore || !target_ok(target, C)) {
+            float v = target == ignore ? 0.0f : NAN;
+            for (int64_t c = t; c < C; c += nt) gr[c] = from_f<TO>(v);
+            continue;
+        }
+        float g = (float)((double)load_any(gy, gdt, per_row ? r : 0) / weight);
+        float m = -INFINITY, se = 0.0f;
+        for (int64_t c = t; c < C; c += nt) m = max_nan_ignored(m, to_f<T>(xr[c]));
+        m = row_max<BLOCK>(m, sh);
+        for (int64_t c = t; c < C; c += nt) se += expf(to_f<T>(xr[c]) - m);
+        se = row_sum<BLOCK>(se, sh);
+        float q_off = eps / (float)C, q_on = (1.0f - eps) + q_off;
+        for (int64_t c = t; c < C; c += nt) gr[c] = from_f<TO>((expf(to_f<T>(xr[c]) - m) / se - (c == target ? q_on : q_off)) * g);
+    }
+}
+
+extern "C" cudaError_t ampc_cu_cross_entropy_backward(const void *logits, ampc_dtype dt, const int64_t *targets, int64_t N,
+                                                     int64_t C, const void *gy, ampc_dtype gdt, bool per_row, double weight,
+                                                     int64_t ignore_index, float eps, void *gx, ampc_dtype odt, cudaStream_t s) {
+    if (N <= 0 || C <= 0) return cudaSuccess;
+    row_launch l = row_shape(N, C);
+    AMPC_CU_FLOAT_TYPES(dt, T, AMPC_CU_FLOAT_TYPES(odt, TO,
+        if (l.block) ce_bwd_rows_kernel<true, T, TO><<<l.grid, l.threads, 0, s>>>((const T *)logits, targets, N, C, gy, gdt, per_row, weight, ignore_index, eps, (TO *)gx);
+        else ce_bwd_rows_kernel<false, T, TO><<<l.grid, l.threads, 0, s>>>((const T *)logits, targets, N, C, gy, gdt, per_row, weight, ignore_index, eps, (TO *)gx)));
+    return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layer norm of x (rows, cols): mean and variance per row (two passes), y = ((x - mh) - ml) r w
+// + b with the mean as a float mh plus its remainder ml, as the CPU kernel applies it.
+
+template <bool BLOCK, class TX, class TY>
+__global__ void layer_norm_kernel(const TX *x, const float *w, const float *b, TY *y, float *mean, float *rstd, int64_t rows,
+                                  int64_t cols, double eps) {
+    __shared__ float sh[32];
+    AMPC_CU_ROWS(BLOCK, r, t, nt, rows) {
+        const TX *xr = x + r * cols;
+        TY *yr = y + r * cols;
+        float sx = 0.0f, q = 0.0f;
+        for (int64_t i = t; i < cols; i += nt) sx += to_f<TX>(xr[i]);
+        double mu = (double)row_sum<BLOCK>(sx, sh) / (double)cols;
+        float mh = (float)mu, ml = (float)(mu - (double)mh);
+        for (int64_t i = t; i < cols; i += nt) {
+            float d = (to_f<TX>(xr[i]) - mh) - ml;
+            q += d * d;
+        }
+        double rs = 1.0 / sqrt((double)row_sum<BLOCK>(q, sh) / (double)cols + eps);
+        float rf = (float)rs;
+        if (t == 0) {
+            mean[r] = mh;
+            if (rstd) rstd[r] = rf;
+        }
+        for (int64_t i = t; i < cols; i += nt)
+            yr[i] = from_f<TY>(((to_f<TX>(xr[i]) - mh) - ml) * rf * (w ? w[i] : 1.0f) + (b ? b[i] : 0.0f));
+    }
+}
+
+extern "C" cudaError_t ampc_cu_layer_norm(const void *x, ampc_dtype xdt, const float *w, const float *b, void *y, ampc_dtype ydt,
+                                         float *mean, float *rstd, int64_t rows, int64_t cols, double eps, cudaStream_t s) {
+    if (rows <= 0 || cols <= 0) return cudaSuccess;
+    row_launch l = row_shape(rows, cols);
+    AMPC_CU_FLOAT_TYPES(xdt, TX, AMPC_CU_FLOAT_TYPES(ydt, TY,
+        if (l.block) layer_norm_kernel<true, TX, TY><<<l.grid, l.threads, 0, s>>>((const TX *)x, w, b, (TY *)y, mean, rstd, rows, cols, eps);
+        else layer_norm_kernel<false, TX, TY><<<l.grid, l.threads, 0, s>>>((const TX *)x, w, b, (TY *)y, mean, rstd, rows, cols, eps)));
+    return cudaGetLastError();
+}
+
+/* gx = r w g + A (x - m) + B with A = -r^2 sum(g w xhat) / cols, B = -r sum(g w) / cols;
+   gx may be gy's array (each element read and written by one thread, after the sums) */
+template <bool BLOCK, class T>
+__global__ void layer_norm_bwd_kernel(const T *x, const T *gy, const float *w, const float *mean, const float *rstd, T *gx,
+                                      int64_t rows, int64_t cols) {
+    __shared__ float sh[32];
+    AMPC_CU_ROWS(BLOCK, r, t, nt, rows) {
+        const T *xr = x + r * cols, *gr = gy + r * cols;
+        T *or_ = gx + r * cols;
+        float m = mean[r], rs = rstd[r], sa = 0.0f, sb = 0.0f;
+        for (int64_t i = t; i < cols; i += nt) {
+            float gw = to_f<T>(gr[i]) * (w ? w[i] : 1.0f);
+            sa += gw;
+            sb += gw * ((to_f<T>(xr[i]) - m) * rs);
+        }
+        double a = row_sum<BLOCK>(sa, sh), bsum = row_sum<BLOCK>(sb, sh);
+        float A = (float)(-(double)rs * rs * bsum / (double)cols), B = (float)(-(double)rs * a / (double)cols);
+        for (int64_t i = t; i < cols; i += nt)
+            or_[i] = from_f<T>(rs * (w ? w[i] : 1.0f) * to_f<T>(gr[i]) + A * (to_f<T>(xr[i]) - m) + B);
+    }
+}
+
+/* Partial column sums over slice blockIdx.y of the rows: part[(slice * 2) * cols + j] = sum g
+   xhat, part[(slice * 2 + 1) * cols + j] = sum g */
+#define LN_COL_ROWS 8
+template <class T>
+__global__ void layer_norm_cols_kernel(const T *x, const T *gy, const float *mean, const float *rstd, int64_t rows,
+                                       int64_t cols, int64_t splits, float *part) {
+    __shared__ float sw[LN_COL_ROWS][33], sb[LN_COL_ROWS][33];
+    int64_t j = (int64_t)blockIdx.x * 32 + threadIdx.x, len = (rows + splits - 1) / splits;
+    int64_t r0 = blockIdx.y * len, r1 = r0 + len < rows ? r0 + len : rows;
+    float aw = 0.0f, ab = 0.0f;
+    if (j < cols) {
+        for (int64_t r = r0 + threadIdx.y; r < r1; r += LN_COL_ROWS) {
+            float g = to_f<T>(gy[r * cols + j]);
+            aw += g * ((to_f<T>(x[r * cols + j]) - mean[r]) * rstd[r]);
+            ab += g;
+        }
+    }
+    sw[threadIdx.y][threadIdx.x] = aw;
+    sb[threadIdx.y][threadIdx.x] = ab;
+    __syncthreads();
+    if (threadIdx.y || j >= cols) return;
+    aw = ab = 0.0f;
+    for (int k = 0; k < LN_COL_ROWS; k++) {
+        aw += sw[k][threadIdx.x];
+        ab += sb[k][threadIdx.x];
+    }
+    part[(blockIdx.y * 2) * cols + j] = aw;
+    part[(blockIdx.y * 2 + 1) * cols + j] = ab;
+}
+
+__global__ void layer_norm_cols_finish_kernel(const float *part, int64_t splits, int64_t cols, void *gw, ampc_dtype gwdt,
+                                              void *gb, ampc_dtype gbdt) {
+    AMPC_CU_LOOP(j, cols) {
+        float aw = 0.0f, ab = 0.0f;
+        for (int64_t sl = 0; sl < splits; sl++) {
+            aw += part[(sl * 2) * cols + j];
+            ab += part[(sl * 2 + 1) * cols + j];
+        }
+        if (gw) store_any(gw, gwdt, j, aw);
+        if (gb) store_any(gb, gbdt, j, ab);
+    }
+}
+
+extern "C" int64_t ampc_cu_layer_norm_splits(int64_t rows, int64_t cols, int sm_count) {
+    int64_t blocks = (cols + 31) / 32, want = (int64_t)sm_count * 8 / (blocks > 0 ? blocks : 1), cap = rows / 64;
+    int64_t k = want < cap ? want : cap;
+    return k < 1 ? 1 : k > 1024 ? 1024 : k;
+}
+
+extern "C" cudaError_t ampc_cu_layer_norm_backward(const void *x, const void *gy, ampc_dtype dt, const float *w, const float *mean,
+                                                  const float *rstd, void *gx, void *gw, ampc_dtype gwdt, void *gb,
+                                                  ampc_dtype gbdt, int64_t rows, int64_t cols, int64_t splits, float *scratch,
+                                                  cudaStream_t s) {
+    if (cols <= 0) return cudaSuccess;
+    if (gw || gb) {   /* first: gx may be written over gy */
+        dim3 grid((unsigned)((cols + 31) / 32), (unsigned)splits), block(32, LN_COL_ROWS);
+        AMPC_CU_FLOAT_TYPES(dt, T, layer_norm_cols_kernel<T><<<grid, block, 0, s>>>((const T *)x, (const T *)gy, mean, rstd,
+                                                                                  rows, cols, splits, scratch));
+        cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess) return e;
+        layer_norm_cols_finish_kernel<<<blocks_for(cols), 256, 0, s>>>(scratch, splits, cols, gw, gwdt, gb, gbdt);
+        if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    }
+    if (gx && rows > 0) {
+        row_launch l = row_shape(rows, cols);
+        AMPC_CU_FLOAT_TYPES(dt, T,
+            if (l.block) layer_norm_bwd_kernel<true, T><<<l.grid, l.threads, 0, s>>>((const T *)x, (const T *)gy, w, mean, rstd, (T *)gx, rows, cols);
+            else layer_norm_bwd_kernel<false, T><<<l.grid, l.threads, 0, s>>>((const T *)x, (const T *)gy, w, mean, rstd, (T *)gx, rows, cols));
+    }
+    return cudaGetLastError();
+}

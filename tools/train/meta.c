@@ -1,0 +1,271 @@
+/*
+ * meta.c - the checkpoint's metadata, "ampc_train.*" keys (the library reserves "ampc.*"): written
+ * with every checkpoint (the epoch, the step a signal stopped at and that epoch's totals, every
+ * O_SAVE option, the data's sizes and the metrics history), and read back on --resume, where
+ * every value is checked before use and the flags that define the run must agree with it.
+ */
+#include "train.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+
+#define META_PREFIX "ampc_train."
+
+// ---------------------------------------------------------------------------------------------
+// The metrics history: one row per finished epoch
+
+const char *const COLS[N_COLS] = {"epoch",   "train_loss",    "train_acc", "val_loss",      "val_acc",
+                                  "seconds", "samples_per_s", "scale",     "skipped_steps", "data_wait"};
+
+int history_push(history *h, const double *row) {
+    if (h->n == h->cap) {
+        int cap = h->cap ? 2 * h->cap : 16;
+        void *p = realloc(h->rows, (size_t)cap * sizeof *h->rows);
+        if (!p) return fail("out of memory");
+        h->rows = p;
+        h->cap = cap;
+    }
+    memcpy(h->rows[h->n++], row, sizeof *h->rows);
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writing
+
+typedef struct {
+    char **kv;   /* key, value, ..., NULL */
+    int n, cap;
+} kv_list;
+
+static int kv_add(kv_list *l, const char *key, const char *val) {
+    if (l->n + 3 > l->cap) {
+        int cap = l->cap ? 2 * l->cap : 64;
+        void *p = realloc(l->kv, (size_t)cap * sizeof *l->kv);
+        if (!p) return fail("out of memory");
+        l->kv = p;
+        l->cap = cap;
+    }
+    l->kv[l->n] = strdup(key);
+    l->kv[l->n + 1] = strdup(val);
+    l->n += 2;
+    l->kv[l->n] = NULL;
+    if (!l->kv[l->n - 2] || !l->kv[l->n - 1]) return fail("out of memory");
+    return 0;
+}
+
+static void kv_free(kv_list *l) {
+    for (int i = 0; i < l->n; i++) free(l->kv[i]);
+    free(l->kv);
+    memset(l, 0, sizeof *l);
+}
+
+/* Records the checkpoint a diverging run falls back to: path, after epochs_done epochs and `step`
+   steps of the next one. */
+static void set_last_good(run *r, const char *path, int64_t epochs_done, int64_t step) {
+    if (step > 0) snprintf(r->last_good, sizeof r->last_good, "%s (in epoch %" PRId64 ", after step %" PRId64 ")", path, epochs_done + 1, step);
+    else snprintf(r->last_good, sizeof r->last_good, "%s (after epoch %" PRId64 ")", path, epochs_done);
+}
+
+/* The run after epochs_done epochs and, when a signal stopped epoch epochs_done + 1, `step` of its
+   training steps (its batch count: training done, validation not) with the totals so far in
+   *partial and the epoch's wall time so far. */
+int checkpoint_save(run *r, int64_t epochs_done, int64_t step, const pass_stats *partial, double epoch_seconds) {
+    kv_list kv = {0};
+    char key[128], buf[64];
+    int rc = kv_add(&kv, META_PREFIX "version", "1");
+    snprintf(buf, sizeof buf, "%" PRId64, epochs_done);
+    rc = rc < 0 ? rc : kv_add(&kv, META_PREFIX "epoch", buf);
+    snprintf(buf, sizeof buf, "%" PRId64, step);
+    rc = rc < 0 ? rc : kv_add(&kv, META_PREFIX "step", buf);
+    if (rc == 0 && step > 0) {   /* the interrupted epoch's totals, each read back exactly */
+        char text[512], v[7][40];
+        fmt_real(partial->loss_sum, v[0], sizeof v[0]);
+        snprintf(v[1], sizeof v[1], "%" PRId64, partial->correct);
+        snprintf(v[2], sizeof v[2], "%" PRId64, partial->samples);
+        fmt_real(partial->data_seconds, v[3], sizeof v[3]);
+        fmt_real(partial->seconds, v[4], sizeof v[4]);
+        snprintf(v[5], sizeof v[5], "%" PRId64, ampc_scaler_steps_skipped(r->scaler) - r->epoch_skipped0);
+        fmt_real(epoch_seconds, v[6], sizeof v[6]);
+        snprintf(text, sizeof text, "%s,%s,%s,%s,%s,%s,%s", v[0], v[1], v[2], v[3], v[4], v[5], v[6]);
+        rc = kv_add(&kv, META_PREFIX "partial", text);
+    }
+    for (int i = 0; i < OPT_COUNT && rc == 0; i++) {
+        if (!(OPTS[i].flags & O_SAVE)) continue;
+        snprintf(key, sizeof key, META_PREFIX "config.%s", OPTS[i].name);
+        rc = kv_add(&kv, key, r->s->val[i]);
+    }
+    snprintf(buf, sizeof buf, "%" PRId64, ampc_dataset_size(r->d.train));
+    rc = rc < 0 ? rc : kv_add(&kv, META_PREFIX "train_size", buf);
+    snprintf(buf, sizeof buf, "%" PRId64, ampc_dataset_size(r->d.val));
+    rc = rc < 0 ? rc : kv_add(&kv, META_PREFIX "val_size", buf);
+    snprintf(buf, sizeof buf, "%" PRId64, r->d.num_classes);
+    rc = rc < 0 ? rc : kv_add(&kv, META_PREFIX "num_classes", buf);
+    for (int c = 0; c < N_COLS && rc == 0; c++) {   /* "0.51,0.32,0.29" per column */
+        size_t cap = (size_t)r->hist.n * 26 + 1, at = 0;
+        char *text = malloc(cap);
+        if (!text) {
+            rc = fail("out of memory");
+            break;
+        }
+        text[0] = '\0';
+        for (int e = 0; e < r->hist.n; e++) at += (size_t)snprintf(text + at, cap - at, "%s%s", e ? "," : "", fmt_real(r->hist.rows[e][c], buf, sizeof buf));
+        snprintf(key, sizeof key, META_PREFIX "history.%s", COLS[c]);
+        rc = kv_add(&kv, key, text);
+        free(text);
+    }
+    if (rc == 0 && ampc_checkpoint_save(r->ckpt_path, r->net, r->opt, r->scaler, (const char *const *)kv.kv) < 0)
+        rc = fail_lib("saving the checkpoint");
+    kv_free(&kv);
+    if (rc == 0) set_last_good(r, r->ckpt_path, epochs_done, step);
+    return rc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading back on --resume: every value is checked before use
+
+static int meta_get(const char *meta, const char *path, const char *key, char **out) {
+    int len = ampc_checkpoint_meta_get(meta, key, NULL, 0);
+    if (len < 0) {
+        if (ampc_last_status() == AMPC_ERR_INVALID)
+            return fail("--resume '%s': not a checkpoint of " PROG " (its metadata lacks '%s')", path, key);
+        return fail_lib("--resume");
+    }
+    *out = malloc((size_t)len + 1);
+    if (!*out) return fail("out of memory");
+    ampc_checkpoint_meta_get(meta, key, *out, (size_t)len + 1);
+    return 0;
+}
+
+/* An integer in [lo, hi]: every number read from a checkpoint is range-checked before use. */
+static int meta_int(const char *meta, const char *path, const char *key, int64_t lo, int64_t hi, int64_t *v) {
+    char *t;
+    if (meta_get(meta, path, key, &t) < 0) return -1;
+    char *end;
+    errno = 0;
+    long long x = strtoll(t, &end, 10);
+    bool ok = *t && !*end && !errno && x >= lo && x <= hi;
+    if (!ok) fail("--resume '%s': bad metadata '%s' = '%.40s' (want an integer in [%" PRId64 ", %" PRId64 "])", path, key, t, lo, hi);
+    free(t);
+    if (!ok) return -1;
+    *v = x;
+    return 0;
+}
+
+/* "v1,v2,...": the number of values (commas + 1; 0 for ""). */
+static int64_t count_values(const char *text) {
+    if (!*text) return 0;
+    int64_t n = 1;
+    for (const char *p = text; *p; p++) n += *p == ',';
+    return n;
+}
+
+/* The totals of an epoch a signal interrupted after `step` training steps: "loss_sum, correct,
+   samples, data_seconds, seconds, skipped, epoch_seconds", each checked against the data. */
+static int resume_partial(run *r, const char *meta, const char *path) {
+    char *text;
+    if (meta_get(meta, path, META_PREFIX "partial", &text) < 0) return -1;
+    double v[7];
+    int n = 0;
+    bool ok = true;
+    for (char *p = text; *p && ok;) {
+        char *end;
+        double x = strtod(p, &end);
+        ok = end != p && (*end == ',' || !*end) && n < 7 && isfinite(x) && x >= 0;
+        if (ok) v[n++] = x;
+        p = *end ? end + 1 : end;
+    }
+    free(text);
+    int64_t bs = ival(r->s, OPT_BATCH_SIZE), n_train = ampc_dataset_size(r->d.train);
+    int64_t want = r->resume_step * bs < n_train ? r->resume_step * bs : n_train;
+    if (!ok || n != 7 || v[2] != (double)want || v[1] > v[2] || v[1] != floor(v[1]) || v[5] != floor(v[5]) || v[5] > (double)r->resume_step)
+        return fail("--resume '%s': bad metadata '" META_PREFIX "partial' for step %" PRId64, path, r->resume_step);
+    r->resume_train = (pass_stats){.loss_sum = v[0], .correct = (int64_t)v[1], .samples = (int64_t)v[2], .data_seconds = v[3],
+                                   .seconds = v[4], .steps = r->resume_step};
+    r->epoch_skipped0 = ampc_scaler_steps_skipped(r->scaler) - (int64_t)v[5];
+    r->resume_epoch_seconds = v[6];
+    return 0;
+}
+
+/* A flag given on the command line must agree with the checkpoint where it defines the run. */
+int resume_settings(settings *s) {
+    const char *path = sval(s, OPT_RESUME);
+    char *meta = NULL, *v = NULL, key[128], canon[4096];
+    if (ampc_checkpoint_read_meta(path, &meta) < 0) return fail_lib("--resume");
+    int rc = meta_get(meta, path, META_PREFIX "version", &v);
+    if (rc == 0 && strcmp(v, "1") != 0) rc = fail("--resume '%s': unknown " PROG " checkpoint version '%s'", path, v);
+    free(v);
+    for (int i = 0; i < OPT_COUNT && rc == 0; i++) {
+        if (!(OPTS[i].flags & (O_RUN | O_RESTORE))) continue;
+        snprintf(key, sizeof key, META_PREFIX "config.%s", OPTS[i].name);
+        if ((rc = meta_get(meta, path, key, &v)) < 0) break;
+        /* what the checkpoint says must itself be a valid value */
+        char why[256];
+        if (canonical(i, v, canon, sizeof canon, why, sizeof why) < 0 || strcmp(canon, v) != 0 || strcmp(v, "auto") == 0) {
+            rc = fail("--resume '%s': bad metadata '%s' = '%s'", path, key, v);
+        } else if (s->given[i] && (OPTS[i].flags & O_RUN) && strcmp(s->val[i], v) != 0 &&
+                   !(strcmp(s->val[i], "auto") == 0)) {
+            rc = fail("--%s %s differs from the checkpoint's --%s %s (a resumed run keeps its configuration)", OPTS[i].name,
+                      s->val[i], OPTS[i].name, v);
+        } else if (!s->given[i] || (OPTS[i].flags & O_RUN)) {
+            rc = set_val(s, i, v);
+        }
+        free(v);
+    }
+    free(meta);
+    return rc;
+}
+
+int resume_state(run *r) {
+    const char *path = sval(r->s, OPT_RESUME);
+    char *meta = NULL, key[128];
+    if (ampc_checkpoint_load(path, r->net, r->opt, r->scaler, &meta) < 0) return fail_lib("--resume");
+    int64_t n_train, n_val, n_classes;
+    const int64_t max_epochs = (int64_t)OPTS[OPT_EPOCHS].hi, max_size = INT64_C(1) << 48;
+    int rc = meta_int(meta, path, META_PREFIX "epoch", 0, max_epochs, &r->epoch0);
+    if (rc == 0) rc = meta_int(meta, path, META_PREFIX "train_size", 0, max_size, &n_train);
+    if (rc == 0) rc = meta_int(meta, path, META_PREFIX "val_size", 0, max_size, &n_val);
+    if (rc == 0) rc = meta_int(meta, path, META_PREFIX "num_classes", 0, max_size, &n_classes);
+    r->resume_step = 0;   /* checkpoints written at an epoch's end before signals were handled have no step */
+    if (rc == 0 && ampc_checkpoint_meta_get(meta, META_PREFIX "step", NULL, 0) != AMPC_ERR_INVALID)
+        rc = meta_int(meta, path, META_PREFIX "step", 0, ampc_loader_num_batches(r->train_ld), &r->resume_step);
+    if (rc == 0 && (n_train != ampc_dataset_size(r->d.train) || n_val != ampc_dataset_size(r->d.val) || n_classes != r->d.num_classes))
+        rc = fail("--resume '%s' was trained on %" PRId64 " + %" PRId64 " samples of %" PRId64 " classes, but the data has %" PRId64
+                  " + %" PRId64 " of %" PRId64,
+                  path, n_train, n_val, n_classes, ampc_dataset_size(r->d.train), ampc_dataset_size(r->d.val), r->d.num_classes);
+    if (rc == 0 && r->resume_step > 0) rc = resume_partial(r, meta, path);
+    /* the history has one value per finished epoch: count them before trusting the epoch number */
+    char *first = NULL;
+    snprintf(key, sizeof key, META_PREFIX "history.%s", COLS[0]);
+    if (rc == 0 && (rc = meta_get(meta, path, key, &first)) == 0 && count_values(first) != r->epoch0)
+        rc = fail("--resume '%s': metadata '%s' has %" PRId64 " values for %" PRId64 " epochs", path, key, count_values(first), r->epoch0);
+    free(first);
+    double (*cols)[N_COLS] = NULL;
+    if (rc == 0 && r->epoch0 > 0 && !(cols = calloc((size_t)r->epoch0, sizeof *cols))) rc = fail("out of memory");
+    for (int c = 0; c < N_COLS && rc == 0; c++) {
+        char *text;
+        snprintf(key, sizeof key, META_PREFIX "history.%s", COLS[c]);
+        if (c == COL_DATA_WAIT && ampc_checkpoint_meta_get(meta, key, NULL, 0) == AMPC_ERR_INVALID) {   /* older checkpoint: not measured */
+            for (int64_t e = 0; e < r->epoch0; e++) cols[e][c] = NAN;
+            continue;
+        }
+        if ((rc = meta_get(meta, path, key, &text)) < 0) break;
+        int64_t n = 0;
+        for (char *p = text; *p && rc == 0;) {
+            char *end;
+            double v = strtod(p, &end);
+            if (end == p || (*end && *end != ',') || n >= r->epoch0) rc = fail("--resume '%s': bad metadata '%s'", path, key);
+            else cols[n++][c] = v;
+            p = *end ? end + 1 : end;
+        }
+        if (rc == 0 && n != r->epoch0)
+            rc = fail("--resume '%s': metadata '%s' has %" PRId64 " values for %" PRId64 " epochs", path, key, n, r->epoch0);
+        free(text);
+    }
+    for (int64_t e = 0; e < r->epoch0 && rc == 0; e++) rc = history_push(&r->hist, cols[e]);
+    free(cols);
+    free(meta);
+    if (rc == 0) set_last_good(r, path, r->epoch0, r->resume_step);
+    return rc;
+}

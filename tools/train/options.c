@@ -1,0 +1,335 @@
+/*
+ * options.c - ampc-train's options: one table (OPTS) drives parsing, defaults, --help, the printed
+ * configuration, the checkpoint's metadata (meta.c) and the checks of --resume. A value is kept
+ * as canonical text ("yes", "0.001", "536870912"), the form the checkpoint stores; getopt_long
+ * reads the command line ('--flag value' or '--flag=value'; exact names only, as before).
+ */
+#include "train.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <strings.h>
+
+// ---------------------------------------------------------------------------------------------
+// The table
+
+#define INT_FLAG_MAX 9.2e18   /* the bound of the unbounded integer flags: under INT64_MAX */
+const opt_def OPTS[OPT_COUNT] = {
+    [OPT_MODEL] = {"model", V_CHOICE, "cnn", "mlp|cnn|resnet18|resnet50", 0, 0, false, O_SAVE | O_RUN, "NAME",
+                   "mlp, cnn (PyTorch's MNIST example net), resnet18 or resnet50 (torchvision's)"},
+    [OPT_DATA] = {"data", V_TEXT, "", NULL, 0, 0, false, O_SAVE | O_RESTORE, "DIR",
+                  "a folder with IDX files ({train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]) or an image folder "
+                  "(one subfolder of .jpg/.png images per class); default: Fashion-MNIST from Debian's "
+                  "dataset-fashion-mnist (or $AMPC_FASHION_MNIST_DIR)"},
+    [OPT_BATCH_SIZE] = {"batch-size", V_INT, "64", NULL, 1, 1 << 20, false, O_SAVE | O_RUN, "N", "samples per step"},
+    [OPT_USE_AMP] = {"use-amp", V_YESNO, "yes", NULL, 0, 0, false, O_SAVE | O_RUN, "yes|no",
+                     "automatic mixed precision (autocast) for training and validation"},
+    [OPT_AMP_DTYPE] = {"amp-dtype", V_CHOICE, "auto", "bf16|fp16", 0, 0, false, O_SAVE | O_RUN | O_AUTO, "bf16|fp16",
+                       "autocast's lower precision (auto: bf16 where the CPU has bf16 arithmetic, AVX512-BF16 or AMX; "
+                       "fp16 elsewhere)"},
+    [OPT_GRAD_SCALER] = {"grad-scaler", V_YESNO, "auto", NULL, 0, 0, false, O_SAVE | O_RUN | O_AUTO, "yes|no",
+                         "loss scaling (auto: yes for fp16 autocast, no for bf16 and fp32)"},
+    [OPT_EPOCHS] = {"epochs", V_INT, "5", NULL, 0, 1e9, false, O_SAVE | O_RESTORE, "N",
+                    "epochs in all (with --resume: the total, including the finished ones; 0: print the setup "
+                    "and stop)"},
+    [OPT_LR] = {"lr", V_REAL, "auto", NULL, 0, 1e6, true, O_SAVE | O_RUN | O_AUTO, "X",
+                "learning rate (auto: 0.01 for sgd, 0.001 for adam/adamw)"},
+    [OPT_OPTIMIZER] = {"optimizer", V_CHOICE, "adam", "sgd|adam|adamw", 0, 0, false, O_SAVE | O_RUN, "NAME",
+                       "sgd (with --momentum), adam or adamw"},
+    [OPT_MOMENTUM] = {"momentum", V_REAL, "0.9", NULL, 0, 1, false, O_SAVE | O_RUN, "X", "SGD momentum, in [0, 1)"},
+    [OPT_WEIGHT_DECAY] = {"weight-decay", V_REAL, "auto", NULL, 0, 1e6, false, O_SAVE | O_RUN | O_AUTO, "X",
+                          "L2 penalty (auto: 0, or 0.01 for adamw as in PyTorch)"},
+    [OPT_SEED] = {"seed", V_INT, "1", NULL, 0, INT_FLAG_MAX, false, O_SAVE | O_RUN, "N",
+                  "seeds initialisation, dropout, shuffling and the validation split"},
+    [OPT_VAL_SPLIT] = {"val-split", V_REAL, "0.1", NULL, 0, 1, true, O_SAVE | O_RUN, "X",
+                       "fraction held out for validation when the data has no test set (image folders)"},
+    [OPT_IMAGE_SIZE] = {"image-size", V_INT, "auto", NULL, 8, 4096, false, O_SAVE | O_RUN | O_AUTO, "N",
+                        "images are resized to N x N (auto: 28 for IDX data and for mlp/cnn, 64 for ResNets on "
+                        "folders; ResNets use the small-input stem for N <= 64)"},
+    [OPT_INDEX_CSV] = {"index-csv", V_TEXT, "", NULL, 0, 0, false, O_SAVE | O_RESTORE, "FILE",
+                       "image folders: CSV index (image_path,target) read instead of scanning; written after "
+                       "the scan when FILE does not exist (the usual preprocess step)"},
+    [OPT_LIMIT_TRAIN] = {"limit-train", V_INT, "0", NULL, 0, INT_FLAG_MAX, false, O_SAVE | O_RUN, "N",
+                         "use only the first N training samples (0: all)"},
+    [OPT_LIMIT_VAL] = {"limit-val", V_INT, "0", NULL, 0, INT_FLAG_MAX, false, O_SAVE | O_RUN, "N",
+                       "use only the first N validation samples (0: all)"},
+    [OPT_THREADS] = {"threads", V_INT, "auto", NULL, 1, 1024, false, O_SAVE | O_AUTO, "N",
+                     "compute threads (auto: OpenMP's default, $OMP_NUM_THREADS or the cores)"},
+    [OPT_DEVICE] = {"device", V_CHOICE, "cpu", "cpu|cuda", 0, 0, false, O_SAVE, "NAME",
+                    "where the model trains: cpu, or cuda (the first NVIDIA GPU; in builds with AMPC_CUDA)"},
+    [OPT_NUM_WORKERS] = {"num-workers", V_INT, "auto", NULL, 0, 64, false, O_SAVE | O_AUTO, "N",
+                         "data loader threads (auto: 0 for IDX data, 2 for image folders)"},
+    [OPT_MAX_MEMORY] = {"max-memory", V_SIZE, "none", NULL, 0, 0, false, O_SAVE, "SIZE",
+                        "memory budget emulating a device of that size, e.g. 512M, 2G, 1.5GiB (K, M, G, T are "
+                        "powers of 1024; none: no limit)"},
+    [OPT_OUT] = {"out", V_TEXT, "runs/latest", NULL, 0, 0, false, O_SAVE, "DIR",
+                 "output folder, created if needed (with --resume: the checkpoint's folder)"},
+    [OPT_RESUME] = {"resume", V_TEXT, "", NULL, 0, 0, false, 0, "FILE", "continue the run saved in this checkpoint"},
+    [OPT_PROGRESS] = {"progress", V_CHOICE, "auto", "auto|bar|lines|off", 0, 0, false, 0, "MODE",
+                      "progress display (auto: a bar on a terminal, a line per 10% otherwise)"},
+    [OPT_CHANNELS_LAST] = {"channels-last", V_YESNO, "yes", NULL, 0, 0, false, O_SAVE, "yes|no",
+                           "cnn/ResNet activations in channels-last memory format (faster: no layout reorders "
+                           "around the convolutions; the same results up to summation order)"},
+    [OPT_KEEP_CASTS] = {"keep-casts", V_YESNO, "yes", NULL, 0, 0, false, O_SAVE, "yes|no",
+                        "keep autocast's 16-bit weight copies across steps, rewritten by the optimizer's pass "
+                        "(faster, bit-identical results; no: recast every step as PyTorch does, 2 bytes per "
+                        "parameter less while the optimizer steps)"},
+    [OPT_MAX_SKIPPED] = {"max-skipped-steps", V_INT, "30", NULL, 0, 1e9, false, O_SAVE, "N",
+                         "stop as diverged when the grad scaler skips N steps in a row (inf/NaN gradients at every "
+                         "scale it tried; 0: never)"},
+    [OPT_MAX_LOSS] = {"max-loss", V_REAL, "1e+04", NULL, 0, 1e300, true, O_SAVE, "X",
+                      "stop as diverged when a training step's loss exceeds X (cross-entropy starts near ln(classes))"},
+};
+
+
+// ---------------------------------------------------------------------------------------------
+// Settings: the canonical text of every option
+
+void settings_free(settings *s) {
+    for (int i = 0; i < OPT_COUNT; i++) free(s->val[i]);
+    memset(s, 0, sizeof *s);
+}
+
+int set_val(settings *s, int i, const char *text) {
+    char *c = strdup(text);
+    if (!c) return fail("out of memory");
+    free(s->val[i]);
+    s->val[i] = c;
+    return 0;
+}
+
+int settings_copy(settings *dst, const settings *src) {
+    memset(dst, 0, sizeof *dst);
+    for (int i = 0; i < OPT_COUNT; i++)
+        if (set_val(dst, i, src->val[i]) < 0) return -1;
+    memcpy(dst->given, src->given, sizeof dst->given);
+    dst->compare = src->compare;
+    return 0;
+}
+
+/* "512M" -> bytes; K, M, G, T (optionally followed by "iB" or "B") are powers of 1024. */
+static bool parse_size(const char *s, double *bytes) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (end == s || errno || !isfinite(v) || v < 0) return false;
+    double mul = 1;
+    static const char units[] = "KMGT";
+    const char *u = *end ? strchr(units, toupper((unsigned char)*end)) : NULL;
+    if (u) {
+        mul = pow(1024, (double)(u - units) + 1);
+        end++;
+        if (strcasecmp(end, "iB") == 0) end += 2;
+    }
+    if (strcasecmp(end, "B") == 0) end++;
+    if (*end) return false;
+    *bytes = floor(v * mul);
+    return *bytes < 9.0e18;
+}
+
+int canonical(int i, const char *text, char *out, size_t n, char *err, size_t errn) {
+    const opt_def *o = &OPTS[i];
+    if ((o->flags & O_AUTO) && strcmp(text, "auto") == 0) {
+        snprintf(out, n, "auto");
+        return 0;
+    }
+    switch (o->kind) {
+    case V_CHOICE: {
+        size_t len = strlen(text);
+        for (const char *c = o->choices; *c;) {
+            const char *bar = strchr(c, '|');
+            size_t l = bar ? (size_t)(bar - c) : strlen(c);
+            if (l == len && strncmp(c, text, l) == 0) {
+                snprintf(out, n, "%s", text);
+                return 0;
+            }
+            c += l + (bar ? 1 : 0);
+        }
+        return snprintf(err, errn, "--%s takes %s, not '%s'", o->name, o->choices, text), -1;
+    }
+    case V_YESNO:
+        if (!strcmp(text, "yes") || !strcmp(text, "true") || !strcmp(text, "on") || !strcmp(text, "1")) snprintf(out, n, "yes");
+        else if (!strcmp(text, "no") || !strcmp(text, "false") || !strcmp(text, "off") || !strcmp(text, "0")) snprintf(out, n, "no");
+        else return snprintf(err, errn, "--%s takes yes or no, not '%s'", o->name, text), -1;
+        return 0;
+    case V_INT: {
+        char *end;
+        errno = 0;
+        long long v = strtoll(text, &end, 10);
+        if (!*text || *end || errno || (double)v < o->lo || (double)v > o->hi)
+            return snprintf(err, errn, "--%s takes an integer in [%.0f, %.0f], not '%s'", o->name, o->lo, o->hi, text), -1;
+        snprintf(out, n, "%lld", v);
+        return 0;
+    }
+    case V_REAL: {
+        char *end;
+        errno = 0;
+        double v = strtod(text, &end);
+        bool ok = *text && !*end && !errno && isfinite(v) && (o->lo_open ? v > o->lo : v >= o->lo) &&
+                  (i == OPT_MOMENTUM || i == OPT_VAL_SPLIT ? v < o->hi : v <= o->hi);
+        if (!ok) {
+            char lo[32], hi[32];
+            bool hi_open = i == OPT_MOMENTUM || i == OPT_VAL_SPLIT;
+            return snprintf(err, errn, "--%s takes a number in %c%s, %s%c, not '%s'", o->name, o->lo_open ? '(' : '[',
+                               fmt_real(o->lo, lo, sizeof lo), fmt_real(o->hi, hi, sizeof hi), hi_open ? ')' : ']', text), -1;
+        }
+        fmt_real(v, out, n);
+        return 0;
+    }
+    case V_SIZE: {
+        double b;
+        if (strcmp(text, "none") == 0 || strcmp(text, "0") == 0) {
+            snprintf(out, n, "none");
+            return 0;
+        }
+        if (!parse_size(text, &b) || b < 1)
+            return snprintf(err, errn, "--%s takes a size like 512M, 2G or 1.5GiB (or none), not '%s'", o->name, text), -1;
+        snprintf(out, n, "%.0f", b);
+        return 0;
+    }
+    case V_TEXT:
+        if (i != OPT_DATA && i != OPT_INDEX_CSV && !*text) return snprintf(err, errn, "--%s needs a value", o->name), -1;
+        snprintf(out, n, "%s", text);
+        return 0;
+    }
+    return snprintf(err, errn, "--%s: internal error", o->name), -1;
+}
+
+/* "  --flag METAVAR   help text" with the text wrapped at 100 columns under its first line. */
+static void print_option(const char *flag, const char *text) {
+    printf("  %-26s ", flag);
+    int col = 29;
+    for (const char *w = text; *w;) {
+        while (*w == ' ') w++;
+        size_t len = strcspn(w, " ");
+        if (col > 29 && col + 1 + (int)len > 100) {
+            printf("\n%29s", "");
+            col = 29;
+        }
+        printf("%s%.*s", col > 29 ? " " : "", (int)len, w);
+        col += (col > 29) + (int)len;
+        w += len;
+    }
+    printf("\n");
+}
+
+void print_help(void) {
+    printf("usage: " PROG " [options]\n"
+           "Trains an image classifier with automatic mixed precision: the cnn on Fashion-MNIST by default.\n\n");
+    for (int i = 0; i < OPT_COUNT; i++) {
+        const opt_def *o = &OPTS[i];
+        char flag[64], text[1024];
+        snprintf(flag, sizeof flag, "--%s %s", o->name, o->metavar);
+        snprintf(text, sizeof text, "%s%s%s%s", o->help, *o->def && strcmp(o->def, "auto") != 0 ? " [default: " : "",
+                 *o->def && strcmp(o->def, "auto") != 0 ? o->def : "", *o->def && strcmp(o->def, "auto") != 0 ? "]" : "");
+        print_option(flag, text);
+    }
+    print_option("--compare", "train twice, fp32 then AMP (--amp-dtype), into <out>/fp32 and <out>/amp, and print both "
+                              "side by side (make demo)");
+    print_option("--compare-checkpoints A B", "exit 0 if the two checkpoints hold bit-identical tensors (weights, "
+                                              "buffers and optimizer state), 1 if not");
+    print_option("--help", "this text");
+    printf("\nDefaults: the cnn, Adam lr 0.001, batch 64 (PyTorch's MNIST example's batch), 5 epochs, bf16 autocast:\n"
+           "about 91-92%% test accuracy on Fashion-MNIST. Data is normalised (Fashion-MNIST's or MNIST's mean/std;\n"
+           "ImageNet's for image folders, whose training images are also mirrored at random).\n"
+           "\nEach epoch prints one line: losses and accuracies, the epoch's and the training loop's wall time,\n"
+           "the training throughput, the mean time per step and the data wait, the share of the training loop's\n"
+           "time spent getting batches from the data loader (decoding them with --num-workers 0, waiting for the\n"
+           "workers otherwise).\n"
+           "\nOutputs in --out: metrics.csv (per epoch: epoch, train_loss, train_acc, val_loss, val_acc, seconds,\n"
+           "samples_per_s, scale, skipped_steps, data_wait; accuracies are fractions, seconds the epoch's wall\n"
+           "time, samples_per_s the training throughput, scale and skipped_steps the grad scaler's scale at the\n"
+           "end of the epoch and the steps it skipped in it, data_wait the data wait as a fraction; nan for\n"
+           "epochs resumed from a checkpoint that did not record it), loss.png, accuracy.png,\n"
+           "checkpoint.safetensors (replaced after every epoch). Flags take '--flag value' or '--flag=value'.\n"
+           "Errors print one line \"" PROG ": error: ...\" on stderr; exit status 1 (2: bad command line, 3: the run\n"
+           "diverged). SIGINT/SIGTERM save a checkpoint at the next step and exit 128 + signal (130, 143).\n");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The command line
+
+enum { LONG_COMPARE = 256 + OPT_COUNT, LONG_COMPARE_CHECKPOINTS, LONG_HELP };   /* past the options' 256 + id */
+
+/* The option in longopts named exactly like the argument "--name[=value]", or NULL (getopt_long
+   also takes unambiguous abbreviations, which ampc-train never did). */
+static const struct option *exact_option(const struct option *longopts, const char *arg, size_t *len) {
+    *len = strcspn(arg + 2, "=");
+    for (const struct option *o = longopts; o->name; o++)
+        if (strlen(o->name) == *len && strncmp(o->name, arg + 2, *len) == 0) return o;
+    return NULL;
+}
+
+int parse_args(int argc, char **argv, settings *s, const char **cmp_a, const char **cmp_b) {
+    memset(s, 0, sizeof *s);
+    for (int i = 0; i < OPT_COUNT; i++)
+        if (set_val(s, i, OPTS[i].def) < 0) return -1;
+    struct option longopts[OPT_COUNT + 4];
+    for (int i = 0; i < OPT_COUNT; i++) longopts[i] = (struct option){OPTS[i].name, required_argument, NULL, 256 + i};
+    longopts[OPT_COUNT] = (struct option){"compare", no_argument, NULL, LONG_COMPARE};
+    longopts[OPT_COUNT + 1] = (struct option){"compare-checkpoints", no_argument, NULL, LONG_COMPARE_CHECKPOINTS};
+    longopts[OPT_COUNT + 2] = (struct option){"help", no_argument, NULL, LONG_HELP};
+    longopts[OPT_COUNT + 3] = (struct option){0};
+    /* "-": other arguments come back in order (as 1), so the error reported is the first in the
+       line; ":": a missing value comes back as ':'. Messages are ampc-train's own (opterr = 0) and
+       keep today's rules: exact names, "-h" only alone, "--" is no end of options but an unknown
+       one. optind = 0 makes glibc start over (the fuzz harness parses many lines). */
+    opterr = 0;
+    optind = 0;
+    char canon[4096];
+    for (;;) {
+        int at = optind ? optind : 1;   /* the argument getopt_long reads next */
+        int c = getopt_long(argc, argv, "-:h", longopts, NULL);
+        if (c == -1) {
+            if (at < argc && strcmp(argv[at], "--") == 0) return usage_error("unknown option '--'");
+            return 0;
+        }
+        const char *arg = argv[at];
+        if (c == 1 || (c == 'h' && strcmp(arg, "-h") != 0) || (c == '?' && strncmp(arg, "--", 2) != 0))
+            return usage_error("unexpected argument '%s'", arg);
+        if (c == 'h') return 1;
+        size_t len;
+        const struct option *o = exact_option(longopts, arg, &len);
+        if (!o || c == '?') return usage_error("unknown option '%.*s'", (int)(len + 2), arg);
+        if (c == ':') return usage_error("--%s needs a value (%s)", o->name, OPTS[o->val - 256].metavar);
+        if (c == LONG_HELP) return 1;
+        if (c == LONG_COMPARE) {
+            s->compare = true;
+        } else if (c == LONG_COMPARE_CHECKPOINTS) {   /* two values: getopt_long takes one at most */
+            if (optind + 1 >= argc) return usage_error("--compare-checkpoints needs two files");
+            *cmp_a = argv[optind];
+            *cmp_b = argv[optind + 1];
+            optind += 2;
+        } else {
+            int id = c - 256;
+            if (s->given[id]) return usage_error("--%s given twice", OPTS[id].name);
+            char why[256];
+            if (canonical(id, optarg, canon, sizeof canon, why, sizeof why) < 0) return usage_error("%s", why);
+            if (set_val(s, id, canon) < 0) return -1;
+            s->given[id] = true;
+        }
+    }
+}
+
+void print_config(const settings *s, const char *data_desc, bool use_amp) {
+    char b1[32], b2[32], b3[64];
+    printf("configuration:\n");
+    for (int i = 0; i < OPT_COUNT; i++) {
+        if (i == OPT_PROGRESS) continue;
+        const char *v = s->val[i];
+        if (i == OPT_DATA) v = data_desc;
+        if (i == OPT_RESUME && !*v) v = "no";
+        if (i == OPT_MAX_MEMORY && strcmp(v, "none") != 0) {
+            snprintf(b3, sizeof b3, "%s (%s bytes)", fmt_bytes(strtod(v, NULL), b1, sizeof b1), fmt_count(ival(s, i), b2, sizeof b2));
+            v = b3;
+        }
+        const char *note = "";
+        if (i == OPT_MOMENTUM && strcmp(sval(s, OPT_OPTIMIZER), "sgd") != 0) note = "  (unused: not sgd)";
+        if (i == OPT_AMP_DTYPE && !use_amp) note = "  (unused: --use-amp no)";
+        if ((i == OPT_LIMIT_TRAIN || i == OPT_LIMIT_VAL) && ival(s, i) == 0) v = "all";
+        printf("  %-14s %s%s\n", OPTS[i].name, v, note);
+    }
+}

@@ -1,0 +1,138 @@
+/*
+ * setup.c - a run built from its settings: the "auto" values resolved for this CPU, data and
+ * optimizer (--amp-dtype, --grad-scaler, --lr, --weight-decay, --threads), then the data, the
+ * model (checked against the images before any training), the optimizer, the grad scaler and the
+ * loaders; and the setup printed before the first epoch.
+ */
+#include "train.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+
+void run_free(run *r) {
+    ampc_loader_free(r->train_ld);
+    ampc_loader_free(r->val_ld);
+    ampc_metrics_close(r->metrics);
+    ampc_scaler_free(r->scaler);
+    ampc_optimizer_free(r->opt);
+    ampc_module_free(r->net);
+    data_free(&r->d);
+    free(r->hist.rows);
+    free(r->out);
+    free(r->ckpt_path);
+    free(r->logits_buf);
+    memset(r, 0, sizeof *r);
+}
+
+void print_setup(run *r) {
+    print_config(r->s, r->d.desc, r->use_amp);
+    printf("  %-14s %s, %d threads\n", "cpu", ampc_cpu_features(), ampc_get_num_threads());
+    int64_t ntr = ampc_dataset_size(r->d.train), nva = ampc_dataset_size(r->d.val);
+    char c1[32], c2[32], c3[32], c4[32];
+    printf("data: %s training samples", fmt_count(ntr, c1, sizeof c1));
+    if (ntr != r->d.full_train) printf(" (first of %s)", fmt_count(r->d.full_train, c3, sizeof c3));
+    printf(", %s validation samples (%s", fmt_count(nva, c2, sizeof c2), r->d.val_name);
+    if (nva != r->d.full_val) printf(", first of %s", fmt_count(r->d.full_val, c4, sizeof c4));
+    printf("); %" PRId64 " classes, %" PRId64 "x%" PRId64 "x%" PRId64 " images\n", r->d.num_classes, r->d.c, r->d.h, r->d.w);
+    printf("%s total parameters.\n", fmt_count(ampc_module_num_parameters(r->net, false), c1, sizeof c1));
+    printf("%s trainable parameters.\n", fmt_count(ampc_module_num_parameters(r->net, true), c1, sizeof c1));
+    fflush(stdout);
+}
+
+/* The images fit the model: one forward pass of a batch of one before any training, in eval mode,
+   without autograd and in fp32 (no random draws, no weight casts: the run is unchanged). */
+static int check_model_input(run *r) {
+    const int64_t shape[4] = {1, r->d.c, r->d.h, r->d.w};
+    ampc_scope_begin();
+    ampc_no_grad_enter();
+    ampc_module_train(r->net, false);
+    ampc_tensor *x = ampc_tensor_zeros(AMPC_F32, 4, shape);
+    ampc_tensor *y = x ? ampc_module_forward(r->net, x) : NULL;
+    int rc = 0;
+    if (!y)
+        rc = ampc_last_status() == AMPC_ERR_OOM
+                 ? fail_lib("building the model")
+                 : fail("--model %s does not take the data's %" PRId64 "x%" PRId64 "x%" PRId64 " images: %s", sval(r->s, OPT_MODEL),
+                        r->d.c, r->d.h, r->d.w, ampc_last_error());
+    else if (ampc_tensor_ndim(y) != 2 || ampc_tensor_dim(y, 0) != 1 || ampc_tensor_dim(y, 1) != r->d.num_classes)
+        rc = fail("--model %s gives %d-dimensional outputs for %" PRId64 " classes", sval(r->s, OPT_MODEL), ampc_tensor_ndim(y),
+                  r->d.num_classes);
+    ampc_no_grad_exit();
+    ampc_scope_end();
+    return rc;
+}
+
+int run_build(run *r) {
+    settings *s = r->s;
+    const char *model = sval(s, OPT_MODEL), *optname = sval(s, OPT_OPTIMIZER);
+    bool sgd = strcmp(optname, "sgd") == 0;
+    r->use_amp = yes(s, OPT_USE_AMP);
+    r->device = ampc_device_from_name(sval(s, OPT_DEVICE));
+    if (!ampc_device_available(r->device))
+        return fail("--device %s: %s", sval(s, OPT_DEVICE), ampc_device_unavailable_reason(r->device));
+    bool bf16_ok = ampc_dtype_supported(r->device, AMPC_BF16), bf16_fast = ampc_dtype_native(r->device, AMPC_BF16);
+    bool auto_dtype = is_auto(s, OPT_AMP_DTYPE);
+    if (auto_dtype && set_val(s, OPT_AMP_DTYPE, bf16_fast ? "bf16" : "fp16") < 0) return -1;
+    r->amp_dtype = strcmp(sval(s, OPT_AMP_DTYPE), "fp16") == 0 ? AMPC_F16 : AMPC_BF16;
+    if (r->use_amp && r->amp_dtype == AMPC_BF16 && !bf16_ok)
+        return fail("--amp-dtype bf16: this CPU has no bf16 kernels (oneDNN's need AVX-512; cpu: %s%s): use --amp-dtype fp16 "
+                    "(the default here) or --use-amp no", ampc_cpu_features(),
+                    getenv("ONEDNN_MAX_CPU_ISA") ? ", ONEDNN_MAX_CPU_ISA set" : "");
+    if (r->use_amp && r->amp_dtype == AMPC_BF16 && !bf16_fast)
+        warn("bf16 is emulated on this CPU (no AVX512-BF16): expect it several times slower than fp32; --amp-dtype fp16 "
+             "(the default here) or --use-amp no run faster");
+    if (r->use_amp && auto_dtype && !bf16_fast)
+        printf("note: --amp-dtype fp16, since this CPU has no bf16 arithmetic (AVX512-BF16); fp16 is computed in fp32 here\n");
+    if (is_auto(s, OPT_GRAD_SCALER) && set_val(s, OPT_GRAD_SCALER, r->use_amp && r->amp_dtype == AMPC_F16 ? "yes" : "no") < 0) return -1;
+    if (is_auto(s, OPT_LR) && set_val(s, OPT_LR, sgd ? "0.01" : "0.001") < 0) return -1;
+    if (is_auto(s, OPT_WEIGHT_DECAY) && set_val(s, OPT_WEIGHT_DECAY, strcmp(optname, "adamw") == 0 ? "0.01" : "0") < 0) return -1;
+    if (is_auto(s, OPT_THREADS)) {
+        char t[16];
+        snprintf(t, sizeof t, "%d", ampc_get_num_threads());
+        if (set_val(s, OPT_THREADS, t) < 0) return -1;
+    } else {
+        ampc_set_num_threads((int)ival(s, OPT_THREADS));
+    }
+    if (data_open(s, &r->d) < 0) return -1;
+
+    g_oom_hint = "the model and its optimizer state need more than --max-memory: raise it or choose a smaller --model";
+    ampc_manual_seed((uint64_t)ival(s, OPT_SEED));
+    ampc_model_options mo = {.num_classes = r->d.num_classes, .in_channels = r->d.c,
+                             .small_input = strncmp(model, "resnet", 6) == 0 && r->d.h <= 64 && r->d.w <= 64,
+                             .memory_format = yes(s, OPT_CHANNELS_LAST) ? AMPC_CHANNELS_LAST : AMPC_CONTIGUOUS_FORMAT};
+    ampc_set_default_device(r->device);   /* the model's tensors are made there (same values as on the CPU) */
+    if (!(r->net = ampc_model_new(model, &mo))) return fail_lib("--model");
+    if (check_model_input(r) < 0) return -1;
+    double lr = rval(s, OPT_LR), wd = rval(s, OPT_WEIGHT_DECAY);
+    if (sgd) {
+        ampc_sgd_options o = ampc_sgd_defaults();
+        o.lr = lr;
+        o.momentum = rval(s, OPT_MOMENTUM);
+        o.weight_decay = wd;
+        r->opt = ampc_sgd_new(r->net, &o);
+    } else {
+        bool w = strcmp(optname, "adamw") == 0;
+        ampc_adam_options o = w ? ampc_adamw_defaults() : ampc_adam_defaults();
+        o.lr = lr;
+        o.weight_decay = wd;
+        r->opt = w ? ampc_adamw_new(r->net, &o) : ampc_adam_new(r->net, &o);
+    }
+    if (!r->opt) return fail_lib("--optimizer");
+    ampc_scaler_options so = ampc_scaler_defaults();
+    so.enabled = yes(s, OPT_GRAD_SCALER);
+    if (!(r->scaler = ampc_scaler_new(&so))) return fail_lib("grad scaler");
+
+    int64_t bs = ival(s, OPT_BATCH_SIZE);
+    ampc_loader_options lo = ampc_loader_defaults();
+    lo.batch_size = bs;
+    lo.seed = (uint64_t)ival(s, OPT_SEED);
+    lo.num_workers = (int)ival(s, OPT_NUM_WORKERS);
+    lo.shuffle = true;
+    lo.transforms = r->d.tf_train;
+    if (!(r->train_ld = ampc_loader_new(r->d.train, &lo))) return fail_lib("data loader");
+    lo.shuffle = false;
+    lo.transforms = r->d.tf_val;
+    if (!(r->val_ld = ampc_loader_new(r->d.val, &lo))) return fail_lib("data loader");
+    if (!(r->logits_buf = malloc((size_t)(bs * r->d.num_classes) * sizeof *r->logits_buf))) return fail("out of memory");
+    return 0;
+}

@@ -1,0 +1,210 @@
+/*
+ * train.h - what the files of ampc-train share (internal to the tool; see main.c for the program).
+ *
+ *     report.c    the one error line, warnings, number formatting
+ *     options.c   the option table: values, getopt_long parsing, --help, the printed configuration
+ *     datasets.c  --data: IDX files or an image folder, transforms, splits and limits
+ *     meta.c      the checkpoint's "ampc_train.*" metadata: written after each epoch, read on --resume
+ *     setup.c     a run built from the settings: model, optimizer, scaler, loaders
+ *     trainer.c   the epoch loop: passes, divergence, signals, out-of-memory advice, outputs
+ *     main.c      main, --compare and --compare-checkpoints
+ */
+#ifndef AMPC_TRAIN_H
+#define AMPC_TRAIN_H
+
+#include "ampc.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PROG "ampc-train"
+
+// ---------------------------------------------------------------------------------------------
+// Errors (report.c): the first one is kept and printed once, by main, as the program's only error line
+
+extern char g_err[2048];
+extern int g_err_status;   /* ampc status of a library failure (AMPC_ERR_OOM gets a hint), or 0 */
+extern int g_exit;         /* the exit status of the error: 1, 2 (a usage error), 3 (diverged), 128 + signal */
+extern bool g_usage;       /* the error is about the command line: point at --help */
+extern bool g_interrupt;   /* not an error: a signal stopped the run after saving ("interrupted: ...") */
+extern const char *g_oom_hint;   /* what to try after running out of memory, by phase */
+
+/* Keeps the first error ("fmt" made one line) and returns -1. */
+int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* A library call failed: "what: <ampc_last_error()>". */
+int fail_lib(const char *what);
+/* A bad command line: exit status 2, and the message points at --help. */
+int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Forgets the error (the fuzz harness between inputs; a warning that replaced an error). */
+void error_reset(void);
+void warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+const char *fmt_count(int64_t v, char *buf, size_t n);   /* 25557032 -> "25,557,032" */
+const char *fmt_bytes(double b, char *buf, size_t n);    /* "1.5 MiB" */
+const char *fmt_real(double v, char *buf, size_t n);     /* the shortest text that reads back as v */
+
+// ---------------------------------------------------------------------------------------------
+// Options (options.c): one table drives parsing, defaults, --help, the printed configuration,
+// the checkpoint's metadata and the checks of --resume.
+
+typedef enum { V_CHOICE, V_YESNO, V_INT, V_REAL, V_SIZE, V_TEXT } vkind;
+
+enum {
+    O_SAVE = 1,      /* written to the checkpoint's metadata (the full configuration) */
+    O_RUN = 2,       /* defines the run: on --resume it comes from the checkpoint; given, it must agree */
+    O_RESTORE = 4,   /* on --resume, taken from the checkpoint unless given (may differ) */
+    O_AUTO = 8,      /* accepts "auto": resolved once the data and model are known */
+};
+
+typedef enum {
+    OPT_MODEL, OPT_DATA, OPT_BATCH_SIZE, OPT_USE_AMP, OPT_AMP_DTYPE, OPT_GRAD_SCALER, OPT_EPOCHS, OPT_LR,
+    OPT_OPTIMIZER, OPT_MOMENTUM, OPT_WEIGHT_DECAY, OPT_SEED, OPT_VAL_SPLIT, OPT_IMAGE_SIZE, OPT_INDEX_CSV, OPT_LIMIT_TRAIN,
+    OPT_LIMIT_VAL, OPT_THREADS, OPT_DEVICE, OPT_NUM_WORKERS, OPT_MAX_MEMORY, OPT_OUT, OPT_RESUME, OPT_PROGRESS, OPT_CHANNELS_LAST,
+    OPT_KEEP_CASTS, OPT_MAX_SKIPPED, OPT_MAX_LOSS, OPT_COUNT
+} opt_id;
+
+typedef struct {
+    const char *name;      /* the flag without "--"; the metadata key "ampc_train.config.<name>" */
+    vkind kind;
+    const char *def;       /* default text */
+    const char *choices;   /* V_CHOICE: "a|b|c" */
+    double lo, hi;         /* V_INT/V_REAL: allowed range (inclusive; V_REAL lo exclusive if lo_open) */
+    bool lo_open;
+    unsigned flags;
+    const char *metavar, *help;
+} opt_def;
+
+extern const opt_def OPTS[OPT_COUNT];
+
+typedef struct {
+    char *val[OPT_COUNT];   /* canonical text of each option (malloc'd) */
+    bool given[OPT_COUNT];  /* on the command line */
+    bool compare;           /* --compare: fp32 then AMP, side by side */
+} settings;
+
+void settings_free(settings *s);
+int set_val(settings *s, int i, const char *text);
+int settings_copy(settings *dst, const settings *src);
+/* Checks text against option i and writes its canonical form to out; on a bad value, -1 and the
+   reason in err. */
+int canonical(int i, const char *text, char *out, size_t n, char *err, size_t errn);
+/* Command line -> settings (defaults for what is not given). Returns 0, 1 for --help, or -1
+   (usage_error). Callable any number of times: it resets getopt_long's state. */
+int parse_args(int argc, char **argv, settings *s, const char **cmp_a, const char **cmp_b);
+void print_help(void);
+/* "configuration:" and one line per option (the data's description in place of --data). */
+void print_config(const settings *s, const char *data_desc, bool use_amp);
+
+static inline const char *sval(const settings *s, int i) { return s->val[i]; }
+static inline bool is_auto(const settings *s, int i) { return strcmp(s->val[i], "auto") == 0; }
+static inline int64_t ival(const settings *s, int i) { return strtoll(s->val[i], NULL, 10); }
+static inline double rval(const settings *s, int i) { return strtod(s->val[i], NULL); }
+static inline bool yes(const settings *s, int i) { return strcmp(s->val[i], "yes") == 0; }
+
+// ---------------------------------------------------------------------------------------------
+// Datasets (datasets.c)
+
+typedef struct {
+    ampc_dataset *train, *val;
+    char desc[512];          /* "Fashion-MNIST (/usr/share/datasets/fashion-mnist)" */
+    const char *val_name;    /* "t10k test set" or "held-out split" */
+    bool folder;
+    int64_t c, h, w;         /* sample shape after transforms */
+    int64_t num_classes;
+    int64_t full_train, full_val;   /* before --limit-* */
+    ampc_transforms *tf_train, *tf_val;
+} data;
+
+/* Resolves --image-size and --num-workers ("auto") for the kind of data, then opens it. */
+int data_open(settings *s, data *d);
+void data_free(data *d);
+
+// ---------------------------------------------------------------------------------------------
+// Metrics history: one row per finished epoch, kept in the checkpoint to redraw the plots
+
+/* New columns go at the end (scripts read columns by position); one that checkpoints of an
+   older ampc-train lack reads back as NaN on --resume (see resume_state). */
+enum { COL_EPOCH, COL_TRAIN_LOSS, COL_TRAIN_ACC, COL_VAL_LOSS, COL_VAL_ACC, COL_SECONDS, COL_SPS, COL_SCALE, COL_SKIPPED,
+       COL_DATA_WAIT, N_COLS };
+extern const char *const COLS[N_COLS];
+
+typedef struct {
+    double (*rows)[N_COLS];
+    int n, cap;
+} history;
+
+int history_push(history *h, const double *row);
+
+// ---------------------------------------------------------------------------------------------
+// A training run: everything one run owns
+
+typedef struct {
+    double seconds, train_seconds, samples_per_s, peak_total, peak[AMPC_MEM_KIND_COUNT];
+    double data_seconds;   /* of train_seconds, the time spent waiting for the training loader */
+    double train_loss, train_acc, val_loss, val_acc, scale;
+    int64_t skipped, epochs_run, samples;
+    bool ok;
+} run_result;
+
+/* One pass's running totals; a pass interrupted by a signal saves them in the checkpoint so a
+   resumed run prints and records the same epoch. */
+typedef struct {
+    double loss, acc, seconds;
+    double data_seconds;   /* of seconds, the time spent in ampc_loader_next (waiting for a batch) */
+    double loss_sum;       /* sum of per-sample losses */
+    int64_t correct, samples, steps;
+} pass_stats;
+
+typedef struct {
+    settings *s;
+    data d;
+    ampc_module *net;
+    ampc_optimizer *opt;
+    ampc_scaler *scaler;
+    ampc_loader *train_ld, *val_ld;
+    ampc_metrics *metrics;
+    history hist;
+    int64_t epoch0;          /* epochs finished before this session (from --resume) */
+    bool use_amp;
+    ampc_dtype amp_dtype;
+    ampc_device device;   /* --device: the model and each batch live there (the loader works on the CPU) */
+    char *out;               /* output folder */
+    char *ckpt_path;
+    float *logits_buf;       /* (batch, classes) f32 copy of the logits, to count correct answers */
+    /* --resume of a checkpoint written mid-epoch (after a signal): epoch epoch0 + 1 continues at
+       training step resume_step (== its batch count: only validation is left) with these totals */
+    int64_t resume_step;
+    pass_stats resume_train;
+    double resume_epoch_seconds;
+    /* divergence checks: the scaler's skipped-step count last seen, and the run of skips */
+    int64_t skipped_seen, skipped_in_a_row;
+    int64_t epoch_skipped0;   /* the scaler's skipped-step count when the current epoch began */
+    char last_good[4200];    /* "<path> (after epoch N)" of the last checkpoint written or resumed, or "" */
+} run;
+
+// Checkpoint metadata (meta.c)
+
+/* Writes r's checkpoint after epochs_done epochs and, when a signal stopped epoch epochs_done + 1,
+   `step` of its training steps with the totals so far in *partial and the epoch's wall time. */
+int checkpoint_save(run *r, int64_t epochs_done, int64_t step, const pass_stats *partial, double epoch_seconds);
+/* --resume, before anything is built: the run's settings from the checkpoint's metadata. */
+int resume_settings(settings *s);
+/* --resume, once built: model, optimizer, scaler and RNG, the epoch counter and the history. */
+int resume_state(run *r);
+
+// Setting up (setup.c)
+
+/* Resolves the "auto" values and builds data, model, optimizer, scaler and loaders. */
+int run_build(run *r);
+void run_free(run *r);
+void print_setup(run *r);
+
+// Training (trainer.c)
+
+/* A whole run: build, optionally resume, train the remaining epochs, write the outputs. */
+int train_run(settings *s, run_result *res);
+
+#endif

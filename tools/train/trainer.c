@@ -1,0 +1,525 @@
+/*
+ * trainer.c - the epoch loop. Each epoch trains under autocast with one GradScaler for the whole
+ * run, validates in eval mode under no-grad and autocast, then replaces the checkpoint (before the
+ * metrics row: metrics.csv never runs ahead of it) and redraws the plots. Around it: divergence
+ * (a run training on garbage stops with status 3 and keeps its last good checkpoint), signals
+ * (SIGINT/SIGTERM save where training stands and exit 128 + signal) and, after running out of
+ * memory under --max-memory, measured advice on what fits.
+ */
+#include "plot.h"
+#include "train.h"
+#include "progress.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+// ---------------------------------------------------------------------------------------------
+// Signals: SIGINT/SIGTERM stop the run at the next step boundary with a checkpoint that resumes
+// exactly; a second one stops at once (the signal's default action). Handlers are installed only
+// while epochs run: during the setup there is nothing to save.
+
+static volatile sig_atomic_t g_signal;
+
+static void on_stop_signal(int sig) {
+    if (g_signal) {   /* the second: at once */
+        signal(sig, SIG_DFL);
+        raise(sig);
+        return;
+    }
+    g_signal = sig;
+    static const char msg[] = "\n" PROG ": stopping at the end of this step to save a checkpoint (signal again to stop at once)\n";
+    ssize_t w = write(STDERR_FILENO, msg, sizeof msg - 1);
+    (void)w;
+}
+
+static void stop_signals_install(bool on) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on ? on_stop_signal : SIG_DFL;
+    sa.sa_flags = SA_RESTART;   /* reads, writes and fsync in flight go on */
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Divergence: a run that trains on garbage stops instead of overwriting its good checkpoint
+
+#define EXIT_DIVERGED 3
+#define MIN_LOSS_SCALE 5.9604644775390625e-08   /* 2^-24: below it every fp16 gradient of a loss <= 1 underflows */
+
+static int diverged(run *r, int64_t epoch, int64_t step, int64_t n_steps, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+static int diverged(run *r, int64_t epoch, int64_t step, int64_t n_steps, const char *fmt, ...) {
+    char why[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    char where[96] = "";
+    if (step > 0) snprintf(where, sizeof where, " at step %" PRId64 " of %" PRId64, step, n_steps);
+    fail("training diverged in epoch %" PRId64 "%s: %s; stopped without saving: %s%s (try a lower --lr)", epoch + 1, where, why,
+         r->last_good[0] ? "the last good checkpoint is " : "no checkpoint was written", r->last_good);
+    g_exit = EXIT_DIVERGED;
+    return -1;
+}
+
+/* After a training step: the loss, and the grad scaler's skips and scale. x is the step's batch. */
+static int check_step(run *r, int64_t epoch, int64_t step, int64_t n_steps, double loss, ampc_tensor *x) {
+    int64_t sk = ampc_scaler_steps_skipped(r->scaler);
+    r->skipped_in_a_row = sk > r->skipped_seen ? r->skipped_in_a_row + (sk - r->skipped_seen) : 0;
+    r->skipped_seen = sk;
+    bool scaled = ampc_scaler_is_enabled(r->scaler);
+    if (!isfinite(loss)) {
+        int64_t bad = ampc_tensor_count_nonfinite(x);
+        if (bad > 0)
+            return fail("the training batch of epoch %" PRId64 ", step %" PRId64 " holds %" PRId64 " NaN/inf input value(s): the data "
+                        "is corrupt", epoch + 1, step, bad);
+        if (!scaled) return diverged(r, epoch, step, n_steps, "the loss is %g", loss);
+    } else if (loss > rval(r->s, OPT_MAX_LOSS)) {
+        return diverged(r, epoch, step, n_steps, "the loss %g exceeds --max-loss %s", loss, sval(r->s, OPT_MAX_LOSS));
+    }
+    if (!scaled) return 0;
+    int64_t max_skip = ival(r->s, OPT_MAX_SKIPPED);
+    float scale = ampc_scaler_get_scale(r->scaler);
+    if (max_skip > 0 && r->skipped_in_a_row >= max_skip)
+        return diverged(r, epoch, step, n_steps, "the grad scaler skipped %" PRId64 " steps in a row (inf/NaN gradients down to scale %g; "
+                        "--max-skipped-steps %" PRId64 ")", r->skipped_in_a_row, (double)scale, max_skip);
+    if (scale < MIN_LOSS_SCALE)
+        return diverged(r, epoch, step, n_steps, "the loss scale collapsed to %g (below 2^-24, where every fp16 gradient underflows)",
+                        (double)scale);
+    return 0;
+}
+
+/* Before a checkpoint replaces the last one: no NaN/inf in the weights, buffers or optimizer state
+   (epoch: the 0-based epoch that made them, for the message). */
+static int check_finite_state(run *r, int64_t epoch) {
+    ampc_tensor **sd;
+    int n = ampc_module_state_dict(r->net, &sd, NULL);
+    if (n < 0) return fail_lib("checking the weights");
+    int64_t model = 0;
+    for (int i = 0; i < n; i++) {
+        int64_t b = ampc_tensor_count_nonfinite(sd[i]);
+        if (b < 0) return fail_lib("checking the weights");
+        model += b;
+    }
+    int64_t opt = ampc_optimizer_count_nonfinite(r->opt);
+    if (opt < 0) return fail_lib("checking the optimizer state");
+    if (model == 0 && opt == 0) return 0;
+    return diverged(r, epoch, 0, 0, "the weights and buffers hold %" PRId64 " NaN/inf value(s) (with the optimizer's state: %" PRId64 ")",
+                    model, opt);
+}
+
+/* The checkpoint replaces the last one (meta.c) unless the weights or optimizer state hold NaN/inf
+   (diverged): the epoch just trained is checked. */
+static int save_checkpoint(run *r, int64_t epochs_done, int64_t step, const pass_stats *partial, double epoch_seconds) {
+    if (check_finite_state(r, step > 0 || epochs_done == 0 ? epochs_done : epochs_done - 1) < 0) return -1;
+    return checkpoint_save(r, epochs_done, step, partial, epoch_seconds);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Training and validation
+
+/* Number of rows of logits (B, C) whose argmax (the first maximum) equals the label. */
+static int count_correct(run *r, ampc_tensor *logits, ampc_tensor *labels, int64_t *correct) {
+    int64_t b = ampc_tensor_dim(logits, 0), c = ampc_tensor_dim(logits, 1);
+    if (ampc_tensor_to_f32(logits, r->logits_buf, (size_t)(b * c)) < 0) return fail_lib("reading the logits");
+    const int64_t *y = ampc_tensor_cdata(labels);
+    for (int64_t i = 0; i < b; i++) {
+        const float *row = r->logits_buf + i * c;
+        int64_t best = 0;
+        for (int64_t k = 1; k < c; k++)
+            if (row[k] > row[best]) best = k;
+        *correct += best == y[i];
+    }
+    return 0;
+}
+
+/* One pass over a loader: training (autocast forward, scaled backward, scaler step) or
+   validation (eval mode, no-grad, autocast, no scaler). A training pass may continue one that a
+   signal stopped (first_batch > 0, totals in *carry). Returns 0 at the end of the pass, 1 when a
+   signal stopped it (st holds the totals so far), -1 on an error. */
+static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, int64_t first_batch, const pass_stats *carry) {
+    ampc_loader *ld = training ? r->train_ld : r->val_ld;
+    int64_t n_epochs = ival(r->s, OPT_EPOCHS);
+    char label[64];
+    snprintf(label, sizeof label, "epoch %" PRId64 "/%" PRId64 " %s", epoch + 1, n_epochs, training ? "train" : "val  ");
+    memset(st, 0, sizeof *st);
+    if (carry) *st = *carry;
+    ampc_module_train(r->net, training);
+    if (ampc_loader_start_epoch_at(ld, epoch, first_batch) < 0) return fail_lib("data loader");
+    int64_t n_batches = ampc_loader_num_batches(ld), done = first_batch;
+    double t0 = progress_now() - st->seconds;
+    progress p;
+    progress_begin(&p, label, n_batches);
+    if (!training && p.mode == PROGRESS_LINES) p.mode = PROGRESS_OFF;   /* a log gets the epoch's line only */
+    if (!training) ampc_no_grad_enter();
+    int depth = ampc_scope_depth(), rc = 0;
+    for (;;) {
+        if (g_signal) {
+            rc = 1;
+            break;
+        }
+        ampc_scope_begin();   /* the step's tensors are released at its end */
+        ampc_tensor *x, *y;
+        double tw = progress_now();
+        int more = ampc_loader_next(ld, &x, &y);
+        st->data_seconds += progress_now() - tw;   /* the loader's cost as the step sees it: decode or wait */
+        if (more <= 0) {
+            if (more < 0) rc = fail_lib("data loader");
+            break;
+        }
+        ampc_tensor *y_cpu = y;   /* the labels stay readable here for counting */
+        if (r->device != AMPC_DEVICE_CPU && (!(x = ampc_tensor_to(x, r->device, AMPC_F32)) || !(y = ampc_tensor_to(y, r->device, AMPC_I64)))) {
+            rc = fail_lib("copying the batch to the device");
+            break;
+        }
+        ampc_autocast_enter(r->amp_dtype, r->use_amp);
+        ampc_tensor *logits = ampc_module_forward(r->net, x);
+        ampc_tensor *loss = ampc_cross_entropy(logits, y, NULL);
+        ampc_autocast_exit();
+        if (!loss) {
+            rc = fail_lib(training ? "training (forward)" : "validation");
+            break;
+        }
+        if (training) {
+            if (ampc_backward(ampc_scaler_scale(r->scaler, loss)) < 0) {
+                rc = fail_lib("training (backward)");
+                break;
+            }
+            if (ampc_scaler_step(r->scaler, r->opt) < 0 || ampc_scaler_update(r->scaler) < 0) {
+                rc = fail_lib("training (optimizer step)");
+                break;
+            }
+            ampc_optimizer_zero_grad(r->opt);
+        }
+        int64_t b = ampc_tensor_dim(y, 0);
+        double lv = ampc_tensor_item(loss);
+        if (training && (rc = check_step(r, epoch, done + 1, n_batches, lv, x)) < 0) break;
+        st->loss_sum += lv * (double)b;
+        if ((rc = count_correct(r, logits, y_cpu, &st->correct)) < 0) break;
+        st->samples += b;
+        ampc_scope_end();
+        done++;
+        /* a bar keeps room for its cells on an 80-column terminal: the running loss only */
+        double run_loss = st->loss_sum / (double)st->samples, run_acc = 100.0 * (double)st->correct / (double)st->samples;
+        if (p.mode == PROGRESS_BAR) progress_update(&p, done, "loss=%.4f", run_loss);
+        else progress_update(&p, done, "loss=%.4f acc=%.2f%%", run_loss, run_acc);
+    }
+    while (ampc_scope_depth() > depth) ampc_scope_end();
+    if (!training) ampc_no_grad_exit();
+    if (rc != 0 && p.mode == PROGRESS_BAR) fputc('\n', p.out);   /* the next line starts on its own line */
+    if (rc < 0) return rc;
+    if (rc == 0) progress_end(&p);
+    st->seconds = progress_now() - t0;
+    st->steps = done;
+    st->loss = st->samples ? st->loss_sum / (double)st->samples : NAN;
+    st->acc = st->samples ? (double)st->correct / (double)st->samples : NAN;
+    return rc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Outputs: the --out folder, metrics.csv, loss.png, accuracy.png
+
+static int mkdir_p(const char *path) {
+    char *p = strdup(path);
+    if (!p) return fail("out of memory");
+    for (char *c = p + 1;; c++) {
+        if (*c == '/' || *c == '\0') {
+            char save = *c;
+            *c = '\0';
+            if (mkdir(p, 0777) != 0 && errno != EEXIST) {
+                int e = errno;
+                free(p);
+                return fail("--out: can't create '%s': %s", path, strerror(e));
+            }
+            *c = save;
+            if (!save) break;
+        }
+    }
+    free(p);
+    struct stat st;
+    if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode)) return fail("--out '%s' is not a folder", path);
+    return 0;
+}
+
+static char *path_join(const char *dir, const char *name) {
+    char *p = NULL;
+    if (asprintf(&p, "%s/%s", dir, name) < 0) {
+        fail("out of memory");
+        return NULL;
+    }
+    return p;
+}
+
+static int draw_plots(run *r) {
+    int n = r->hist.n;
+    double *x = malloc((size_t)(n ? n : 1) * 5 * sizeof *x);
+    if (!x) return fail("out of memory");
+    double *tl = x + n, *vl = x + 2 * n, *ta = x + 3 * n, *va = x + 4 * n;
+    for (int e = 0; e < n; e++) {
+        x[e] = r->hist.rows[e][COL_EPOCH];
+        tl[e] = r->hist.rows[e][COL_TRAIN_LOSS];
+        vl[e] = r->hist.rows[e][COL_VAL_LOSS];
+        ta[e] = 100 * r->hist.rows[e][COL_TRAIN_ACC];
+        va[e] = 100 * r->hist.rows[e][COL_VAL_ACC];
+    }
+    char title[256];
+    const char *prec = r->use_amp ? (r->amp_dtype == AMPC_BF16 ? "AMP bf16" : "AMP fp16") : "fp32";
+    const char *what = r->d.folder ? "image folder" : strstr(r->d.desc, "Fashion") ? "Fashion-MNIST" : "IDX data";
+    int rc = 0;
+    char *loss_png = path_join(r->out, "loss.png"), *acc_png = path_join(r->out, "accuracy.png");
+    if (!loss_png || !acc_png) rc = -1;
+    snprintf(title, sizeof title, "%s on %s (%s): loss", sval(r->s, OPT_MODEL), what, prec);
+    plot_series ls[2] = {{"train", x, tl, n}, {"validation", x, vl, n}};
+    if (rc == 0 && plot_curves(loss_png, title, "epoch", "cross-entropy loss", ls, 2) < 0) rc = fail_lib("loss.png");
+    snprintf(title, sizeof title, "%s on %s (%s): accuracy", sval(r->s, OPT_MODEL), what, prec);
+    plot_series as[2] = {{"train", x, ta, n}, {"validation", x, va, n}};
+    if (rc == 0 && plot_curves(acc_png, title, "epoch", "accuracy (%)", as, 2) < 0) rc = fail_lib("accuracy.png");
+    if (rc < 0 && g_err_status == AMPC_ERR_UNSUPPORTED) {   /* no pngcairo driver: keep training */
+        warn("no plots: %s", g_err);
+        error_reset();
+        rc = 0;
+    }
+    free(loss_png);
+    free(acc_png);
+    free(x);
+    return rc;
+}
+
+/* metrics.csv with the header and the history so far: on --resume the rows of the finished
+   epochs come from the checkpoint, so the file matches the weights even if it was lost. */
+static int open_metrics(run *r) {
+    char *path = path_join(r->out, "metrics.csv");
+    if (!path) return -1;
+    r->metrics = ampc_metrics_open(path, COLS, N_COLS, false);
+    free(path);
+    if (!r->metrics) return fail_lib("metrics.csv");
+    for (int e = 0; e < r->hist.n; e++)
+        if (ampc_metrics_row(r->metrics, r->hist.rows[e]) < 0) return fail_lib("metrics.csv");
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Out of memory under --max-memory: what took the memory, and the largest batch that fits
+
+/* Bytes above the fixed state (weights, optimizer state, weight casts) at the peak of one forward
+   and backward pass of a batch of b zero images, with the run's autocast setting. */
+static double probe_step_bytes(run *r, int64_t b, double grad_bytes) {
+    ampc_optimizer_zero_grad(r->opt);
+    ampc_memory_stats_t m0 = ampc_memory_stats();
+    double fixed = (double)(m0.current[AMPC_MEM_PARAMETERS] + m0.current[AMPC_MEM_OPTIMIZER] + m0.current[AMPC_MEM_CASTS]);
+    ampc_memory_reset_peak();
+    ampc_scope_begin();
+    ampc_tensor *x = ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){b, r->d.c, r->d.h, r->d.w});
+    ampc_tensor *y = ampc_tensor_zeros(AMPC_I64, 1, (int64_t[]){b});
+    ampc_autocast_enter(r->amp_dtype, r->use_amp);
+    ampc_tensor *loss = x && y ? ampc_cross_entropy(ampc_module_forward(r->net, x), y, NULL) : NULL;
+    ampc_autocast_exit();
+    int rc = loss ? ampc_backward(loss) : -1;
+    ampc_scope_end();
+    ampc_memory_stats_t m1 = ampc_memory_stats();
+    ampc_optimizer_zero_grad(r->opt);
+    /* the casts a forward pass makes are fixed state too (kept across steps) */
+    fixed += (double)(m1.current[AMPC_MEM_CASTS] - m0.current[AMPC_MEM_CASTS]);
+    return rc < 0 ? -1 : (double)m1.peak_total - fixed - grad_bytes;
+}
+
+/* After an out-of-memory error in training under a limit: measure a step's activations at two
+   batch sizes (limit lifted for the probe; the run is over anyway), then name the fixed state and
+   the largest batch that fits. */
+static void oom_advice(run *r, double limit) {
+    static char advice[1024];   /* g_oom_hint points here once measured */
+    const char *optname = sval(r->s, OPT_OPTIMIZER);
+    double P = 4.0 * (double)ampc_module_num_parameters(r->net, true);
+    double opt = strcmp(optname, "sgd") == 0 ? (rval(r->s, OPT_MOMENTUM) > 0 ? P : 0) : 2 * P;
+    ampc_memory_set_limit(0);
+    double cast0 = (double)ampc_memory_stats().current[AMPC_MEM_CASTS];
+    double t2 = probe_step_bytes(r, 2, P), t4 = probe_step_bytes(r, 4, P);
+    double casts = (double)ampc_memory_stats().current[AMPC_MEM_CASTS];
+    if (casts < cast0) casts = cast0;
+    ampc_memory_set_limit((size_t)limit);
+    if (t2 < 0 || t4 <= t2) return;   /* no measurement: keep the plain hint */
+    double per = (t4 - t2) / 2, base = t2 - 2 * per, fixed = 2 * P + opt + casts;
+    double room = limit - fixed - base;
+    int64_t fit = room > 0 ? (int64_t)floor(room / per) : 0;
+    char a[32], b[32], c[32], d[32], e[32], f[32];
+    int n = snprintf(advice, sizeof advice,
+                     "of --max-memory %s, the weights take %s, their gradients %s, %s's state %s%s%s, and each sample about %s of "
+                     "activations (measured)",
+                     fmt_bytes(limit, a, sizeof a), fmt_bytes(P, b, sizeof b), fmt_bytes(P, c, sizeof c), optname,
+                     fmt_bytes(opt, d, sizeof d), casts > 0 ? ", autocast's weight copies " : "", casts > 0 ? fmt_bytes(casts, e, sizeof e) : "",
+                     fmt_bytes(per, f, sizeof f));
+    if (n < 0 || (size_t)n >= sizeof advice) return;
+    if (fit >= 1)
+        snprintf(advice + n, sizeof advice - (size_t)n, ": the largest batch that fits is about %" PRId64 " (--batch-size %" PRId64 ")%s",
+                 fit, fit, r->use_amp ? "" : ", or more with --use-amp yes (16-bit activations)");
+    else
+        snprintf(advice + n, sizeof advice - (size_t)n, ": not even a batch of 1 fits; %s",
+                 opt >= P && opt > 0 ? "the optimizer's state is the largest part: try --optimizer sgd --momentum 0 (no state), or raise --max-memory"
+                                     : "raise --max-memory or choose a smaller --model");
+    g_oom_hint = advice;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The run
+
+/* A signal stopped the run after its checkpoint was saved: one line saying where, and how to go on;
+   exit status 128 + the signal's number, as a shell reports a process the signal ended. */
+static int interrupted(run *r) {
+    const int sig = g_signal;
+    fail("%s: saved %s; continue with: " PROG " --resume %s", sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "signal",
+         r->last_good, r->ckpt_path);
+    g_interrupt = true;
+    g_exit = 128 + sig;
+    return -1;
+}
+
+static void print_memory(const ampc_memory_stats_t *ms, const char *indent) {
+    char b[32];
+    printf("%speak memory: %s (", indent, fmt_bytes((double)ms->peak_total, b, sizeof b));
+    for (int k = 0; k < AMPC_MEM_KIND_COUNT; k++)
+        printf("%s%s %s", k ? ", " : "", ampc_mem_kind_name((ampc_mem_kind)k), fmt_bytes((double)ms->peak[k], b, sizeof b));
+    printf(")\n");
+}
+
+int train_run(settings *s, run_result *res) {
+    memset(res, 0, sizeof *res);
+    run r = {.s = s};
+    int rc = 0;
+    if (*sval(s, OPT_RESUME) && (rc = resume_settings(s)) < 0) goto done;
+    if ((rc = run_build(&r)) < 0) goto done;
+    if (*sval(s, OPT_RESUME) && (rc = resume_state(&r)) < 0) goto done;
+    g_oom_hint = "try a smaller --batch-size or --use-amp yes";
+    print_setup(&r);
+    int64_t n_epochs = ival(s, OPT_EPOCHS);
+    if (*sval(s, OPT_RESUME)) {
+        if (r.resume_step > 0)
+            printf("resumed from %s in epoch %" PRId64 " after step %" PRId64 " of %" PRId64 "\n", sval(s, OPT_RESUME), r.epoch0 + 1,
+                   r.resume_step, ampc_loader_num_batches(r.train_ld));
+        else
+            printf("resumed from %s after epoch %" PRId64 "\n", sval(s, OPT_RESUME), r.epoch0);
+        if (n_epochs > 0 && n_epochs < r.epoch0 + (r.resume_step > 0)) {
+            rc = r.resume_step > 0 ? fail("--epochs %" PRId64 ": the checkpoint is in epoch %" PRId64 " already", n_epochs, r.epoch0 + 1)
+                                   : fail("--epochs %" PRId64 ": the checkpoint has finished %" PRId64 " epochs already", n_epochs, r.epoch0);
+            goto done;
+        }
+    }
+    if (n_epochs == 0) {
+        res->ok = true;
+        goto done;
+    }
+    if (!(r.out = strdup(sval(s, OPT_OUT)))) {
+        rc = fail("out of memory");
+        goto done;
+    }
+    if ((rc = mkdir_p(r.out)) < 0) goto done;
+    if (!(r.ckpt_path = path_join(r.out, "checkpoint.safetensors")) || (rc = open_metrics(&r)) < 0) {
+        rc = -1;
+        goto done;
+    }
+    ampc_checkpoint_remove_stale_temps(r.ckpt_path);   /* a kill mid-save left it: never renamed */
+    printf("outputs: %s/{metrics.csv,loss.png,accuracy.png,checkpoint.safetensors}\n", r.out);
+    fflush(stdout);
+
+    ampc_memory_reset_peak();
+    double t0 = progress_now();
+    r.skipped_seen = ampc_scaler_steps_skipped(r.scaler);
+    stop_signals_install(true);
+    for (int64_t e = r.epoch0; e < n_epochs; e++) {
+        bool cont = e == r.epoch0 && r.resume_step > 0;   /* an epoch a signal interrupted */
+        double te = progress_now() - (cont ? r.resume_epoch_seconds : 0);
+        if (!cont) r.epoch_skipped0 = ampc_scaler_steps_skipped(r.scaler);
+        pass_stats tr, va;
+        int pr = run_pass(&r, true, e, &tr, cont ? r.resume_step : 0, cont ? &r.resume_train : NULL);
+        if (pr == 0) pr = run_pass(&r, false, e, &va, 0, NULL);
+        if (pr < 0) {
+            if (g_err_status == AMPC_ERR_OOM && strcmp(sval(s, OPT_MAX_MEMORY), "none") != 0) oom_advice(&r, rval(s, OPT_MAX_MEMORY));
+            rc = -1;
+            goto done;
+        }
+        if (pr > 0) {   /* a signal: save where training stands (validation is redone on resume) */
+            if ((rc = save_checkpoint(&r, e, tr.steps, &tr, progress_now() - te)) == 0) rc = interrupted(&r);
+            goto done;
+        }
+        double secs = progress_now() - te;
+        double row[N_COLS] = {[COL_EPOCH] = (double)(e + 1),
+                              [COL_TRAIN_LOSS] = tr.loss,
+                              [COL_TRAIN_ACC] = tr.acc,
+                              [COL_VAL_LOSS] = va.loss,
+                              [COL_VAL_ACC] = va.acc,
+                              [COL_SECONDS] = secs,
+                              [COL_SPS] = tr.seconds > 0 ? (double)tr.samples / tr.seconds : 0,
+                              [COL_SCALE] = ampc_scaler_get_scale(r.scaler),
+                              [COL_SKIPPED] = (double)(ampc_scaler_steps_skipped(r.scaler) - r.epoch_skipped0),
+                              [COL_DATA_WAIT] = tr.seconds > 0 ? tr.data_seconds / tr.seconds : 0};
+        char c1[32];
+        printf("epoch %" PRId64 "/%" PRId64 ": train loss %.4f acc %.2f%% | val loss %.4f acc %.2f%% | %.1f s (train %.1f s, %s samples/s, "
+               "%.1f ms/step, data wait %.1f%%)",
+               e + 1, n_epochs, tr.loss, 100 * tr.acc, va.loss, 100 * va.acc, secs, tr.seconds, fmt_count((int64_t)row[COL_SPS], c1, sizeof c1),
+               tr.steps ? 1e3 * tr.seconds / (double)tr.steps : 0.0, 100 * row[COL_DATA_WAIT]);
+        if (ampc_scaler_is_enabled(r.scaler)) printf(" | scale %g, %.0f skipped", row[COL_SCALE], row[COL_SKIPPED]);
+        printf("\n");
+        fflush(stdout);
+        /* the checkpoint first: after a kill between the two, resume rewrites metrics.csv from the
+           checkpoint's history, so the file never runs ahead of what resume continues from */
+        if ((rc = history_push(&r.hist, row)) < 0 || (rc = save_checkpoint(&r, e + 1, 0, NULL, 0)) < 0) goto done;
+        if (ampc_metrics_row(r.metrics, row) < 0) {
+            rc = fail_lib("metrics.csv");
+            goto done;
+        }
+        if ((rc = draw_plots(&r)) < 0) goto done;
+        res->epochs_run++;
+        res->samples += tr.samples;
+        res->train_seconds += tr.seconds;
+        res->data_seconds += tr.data_seconds;
+        if (g_signal && e + 1 < n_epochs) {   /* arrived during the save: it is done */
+            rc = interrupted(&r);
+            goto done;
+        }
+    }
+    if (r.epoch0 >= n_epochs) {   /* nothing left to train: rewrite the outputs from the checkpoint */
+        printf("nothing to train: the checkpoint has finished %" PRId64 " of %" PRId64 " epochs\n", r.epoch0, n_epochs);
+        if ((rc = draw_plots(&r)) < 0 || (rc = save_checkpoint(&r, r.epoch0, 0, NULL, 0)) < 0) goto done;
+    }
+    res->seconds = progress_now() - t0;
+    ampc_memory_stats_t ms = ampc_memory_stats();
+    res->peak_total = (double)ms.peak_total;
+    for (int k = 0; k < AMPC_MEM_KIND_COUNT; k++) res->peak[k] = (double)ms.peak[k];
+    res->scale = ampc_scaler_get_scale(r.scaler);
+    res->skipped = ampc_scaler_steps_skipped(r.scaler);
+    res->samples_per_s = res->train_seconds > 0 ? (double)res->samples / res->train_seconds : 0;
+    if (r.hist.n) {
+        const double *last = r.hist.rows[r.hist.n - 1];
+        res->train_loss = last[COL_TRAIN_LOSS];
+        res->train_acc = last[COL_TRAIN_ACC];
+        res->val_loss = last[COL_VAL_LOSS];
+        res->val_acc = last[COL_VAL_ACC];
+    }
+
+    char t[32], c1[32];
+    printf("summary: %" PRId64 " epoch(s) in %s (%.1f s/epoch), %s training samples/s, data wait %.1f%%\n", res->epochs_run,
+           progress_format_time(res->seconds, t, sizeof t), res->epochs_run ? res->seconds / (double)res->epochs_run : 0.0,
+           fmt_count((int64_t)res->samples_per_s, c1, sizeof c1),
+           res->train_seconds > 0 ? 100 * res->data_seconds / res->train_seconds : 0.0);
+    print_memory(&ms, "  ");
+    if (ampc_scaler_is_enabled(r.scaler))
+        printf("  grad scaler: %" PRId64 " skipped steps of %" PRId64 ", final scale %g\n", ampc_scaler_steps_skipped(r.scaler),
+               ampc_scaler_steps_applied(r.scaler) + ampc_scaler_steps_skipped(r.scaler), (double)res->scale);
+    else
+        printf("  grad scaler: off (0 skipped steps, scale 1)\n");
+    printf("  final: train loss %.4f acc %.2f%% | validation loss %.4f acc %.2f%%\n", res->train_loss, 100 * res->train_acc,
+           res->val_loss, 100 * res->val_acc);
+    printf("  outputs: %s\n", r.out);
+    res->ok = true;
+done:
+    stop_signals_install(false);
+    run_free(&r);
+    return rc;
+}
+
