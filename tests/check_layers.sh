@@ -11,7 +11,7 @@
 # Then it shows that both checks fail: on a planted upward include and a planted upward call.
 set -u
 export LC_ALL=C   # join and sort agree on the order
-LAYERS=(core backend autograd ops nn optim amp data io)   # bottom to top
+LAYERS=(core backend autograd ops nn optim amp dist data io)   # bottom to top
 declare -A RANK
 for i in "${!LAYERS[@]}"; do RANK[${LAYERS[$i]}]=$i; done
 # layers a layer may not include although they are below it

@@ -44,6 +44,10 @@
  * ampc_scaler_new, not lazily at the first scale() as in PyTorch, so unscale/step/update do not
  * require a prior scale() call.
  *
+ * Data-parallel models (ampc/dist.h): when some parameter of the optimizer is a replica, the
+ * inf check's result is the maximum over all ranks, so every rank skips the same steps and
+ * holds the same scale.
+ *
  * ampc_scaler_found_inf(opt) reports the last unscale of opt and stays readable after update().
  *
  * Per-optimizer states live in an array keyed by the optimizer pointer, and the grad list in
@@ -215,6 +219,17 @@ static int unscale_grads(ampc_scaler *s, ampc_optimizer *opt, opt_state *st, boo
         if (rc < 0) return rc;
         found_inf += dev_found_inf;
         recorded = true;
+    }
+    /* a data-parallel model's ranks must step or skip together and keep one scale: agree on
+       found_inf (a maximum over ranks; one float, a blocking all-reduce, once per step) even
+       where the averaged gradients would not carry a rank's overflow to the others (a step
+       inside a no-sync region, gradients that were never all-reduced) */
+    const ampc_comm_ops *comm = ampc__comm();
+    bool replicated = false;
+    for (int i = 0; i < opt->n && comm->size > 1 && !replicated; i++) replicated = opt->params[i] && opt->params[i]->replicated;
+    if (replicated) {
+        int rc = comm->allreduce(&found_inf, 1, AMPC_F32, AMPC_COMM_MAX);
+        if (rc < 0) return rc;
     }
     st->found_inf = found_inf;
     st->recorded = recorded;

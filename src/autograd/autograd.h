@@ -114,4 +114,23 @@ bool ampc__grad_exclusive(const ampc_tensor *g);
 /* Gradient accumulation into a leaf's .grad (fp32 for fp32 leaves), used by AccumulateGrad. */
 int ampc__accumulate_grad(ampc_tensor *leaf, ampc_tensor *g);
 
+/* What an upper layer (the dist layer's gradient all-reduce) runs inside ampc_backward. The
+   engine runs nodes one at a time on the calling thread and calls, for every registered set:
+     leaf_ready(ctx, leaf)  once leaf->grad holds everything this backward adds to it (its
+                            AccumulateGrad node ran: every path into it is done);
+     node_done(ctx)         after each node: a point at which communication can progress;
+     finish(ctx, rc)        after the last node (also after a failed one, rc < 0), before
+                            ampc_backward returns; its status becomes backward's.
+   A negative status from leaf_ready or node_done ends the backward pass (finish still runs).
+   Returns AMPC_OK, or AMPC_ERR_STATE when AMPC_BACKWARD_MAX_HOOKS sets are registered. */
+#define AMPC_BACKWARD_MAX_HOOKS 8
+typedef struct {
+    int (*leaf_ready)(void *ctx, ampc_tensor *leaf);
+    int (*node_done)(void *ctx);
+    int (*finish)(void *ctx, int rc);
+    void *ctx;
+} ampc_backward_hooks;
+int ampc__backward_hooks_add(const ampc_backward_hooks *h);
+void ampc__backward_hooks_remove(void *ctx);   /* every set registered with ctx */
+
 #endif /* AMPC_AUTOGRAD_H */

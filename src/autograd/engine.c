@@ -209,6 +209,53 @@ int ampc__accumulate_grad(ampc_tensor *leaf, ampc_tensor *g) {
 // ---------------------------------------------------------------------------------------------
 // Backward
 
+static ampc_backward_hooks hooks[AMPC_BACKWARD_MAX_HOOKS];
+static int n_hooks;
+static pthread_mutex_t hooks_lock = PTHREAD_MUTEX_INITIALIZER;
+
+int ampc__backward_hooks_add(const ampc_backward_hooks *h) {
+    pthread_mutex_lock(&hooks_lock);
+    int rc = AMPC_OK;
+    if (n_hooks == AMPC_BACKWARD_MAX_HOOKS)
+        rc = ampc__err(AMPC_ERR_STATE, "backward hooks: all %d places are taken (free a distributed model first)",
+                       AMPC_BACKWARD_MAX_HOOKS);
+    else
+        hooks[n_hooks++] = *h;
+    pthread_mutex_unlock(&hooks_lock);
+    return rc;
+}
+
+void ampc__backward_hooks_remove(void *ctx) {
+    pthread_mutex_lock(&hooks_lock);
+    int k = 0;
+    for (int i = 0; i < n_hooks; i++)
+        if (hooks[i].ctx != ctx) hooks[k++] = hooks[i];
+    n_hooks = k;
+    pthread_mutex_unlock(&hooks_lock);
+}
+
+/* The hooks are registered and removed between steps (wrapping a model, freeing it), never
+   while a backward pass runs, so the passes read them without the lock. */
+static int hooks_leaf_ready(ampc_tensor *leaf) {
+    for (int i = 0; i < n_hooks; i++) {
+        int rc = hooks[i].leaf_ready ? hooks[i].leaf_ready(hooks[i].ctx, leaf) : AMPC_OK;
+        if (rc < 0) return rc;
+    }
+    return AMPC_OK;
+}
+static int hooks_node_done(void) {
+    for (int i = 0; i < n_hooks; i++) {
+        int rc = hooks[i].node_done ? hooks[i].node_done(hooks[i].ctx) : AMPC_OK;
+        if (rc < 0) return rc;
+    }
+    return AMPC_OK;
+}
+static int hooks_finish(int rc) {
+    for (int i = 0; i < n_hooks; i++)
+        if (hooks[i].finish) rc = hooks[i].finish(hooks[i].ctx, rc);
+    return rc;
+}
+
 typedef struct { ampc_node **v; size_t n, cap; } node_vec;
 static _Thread_local node_vec visited, stack, ready;
 
@@ -267,7 +314,10 @@ static int run_node(ampc_node *n) {
     if (!gy) return AMPC_OK;   /* no gradient flowed here (e.g. unused output) */
     /* a leaf takes the engine's reference: a gradient nobody else holds becomes .grad without
        a copy */
-    if (n->leaf) return accumulate_into(&n->leaf->grad, gy, AMPC_MEM_GRADIENTS);
+    if (n->leaf) {
+        int rc = accumulate_into(&n->leaf->grad, gy, AMPC_MEM_GRADIENTS);
+        return rc < 0 ? rc : hooks_leaf_ready(n->leaf);
+    }
     if (n->released && !n->leaf) {
         ampc__release(gy);
         return ampc__err(AMPC_ERR_STATE, "backward through %s a second time: its saved tensors were already freed", n->name);
@@ -335,14 +385,15 @@ int ampc_backward_with_grad(ampc_tensor *out, ampc_tensor *grad) {
     if (!out->grad_fn) {   /* a leaf: its gradient is the given one */
         int rc = ampc__accumulate_grad(out, g);
         ampc__release(g);
-        return rc;
+        if (rc >= 0) rc = hooks_leaf_ready(out);
+        return hooks_finish(rc);
     }
     ampc_node *root = out->grad_fn;
     int rc = count_deps(root);
     if (rc < 0) {
         ampc__release(g);
         cleanup();
-        return rc;
+        return hooks_finish(rc);
     }
     root->grad = g;
     ready.n = 0;
@@ -350,8 +401,10 @@ int ampc_backward_with_grad(ampc_tensor *out, ampc_tensor *grad) {
     while (ready.n && rc >= 0) {
         ampc_node *n = ready.v[--ready.n];
         rc = run_node(n);
+        if (rc >= 0 && n_hooks) rc = hooks_node_done();
     }
     cleanup();
+    rc = hooks_finish(rc);
     return rc < 0 ? rc : AMPC_OK;
 }
 

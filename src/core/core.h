@@ -150,6 +150,9 @@ struct ampc_tensor {
     ampc_memory_format format;   /* CHANNELS_LAST only for 4-D tensors */
     atomic_int refcount;
     bool requires_grad;
+    /* a parameter of a data-parallel model (the dist layer): every rank holds a replica, so
+       the GradScaler agrees on its gradient's non-finite check across ranks */
+    bool replicated;
     bool user_owned;          /* ampc_tensor_own took it out of its scope: the user holds the
                                  reference that ampc_tensor_free drops */
     ampc_node *grad_fn;       /* owning ref; NULL for leaves */
@@ -284,5 +287,32 @@ void ampc__on_shutdown(ampc_shutdown_phase phase, void (*fn)(void));
    no tensor has a grad_fn before). */
 void ampc__set_grad_fn_release(void (*release)(ampc_node *node));
 void ampc__grad_fn_release(ampc_node *node);   /* NULL: nothing */
+
+// ---------------------------------------------------------------------------------------------
+// Collectives: the one seam between ampc and a communication library (core/comm.c). The dist
+// layer registers MPI's (src/dist/mpi.c); a GPU library (NCCL) would register its own table
+// the same way. Without a registration every call sees a world of one process: size 1, rank 0,
+// reductions and broadcasts leave the buffer as it is.
+
+typedef enum { AMPC_COMM_SUM = 0, AMPC_COMM_MAX } ampc_comm_op;
+/* A collective in flight (ampc_comm_ops.iallreduce); owned by the table that made it. */
+typedef struct ampc_comm_req ampc_comm_req;
+typedef struct {
+    const char *name;            /* "mpi" */
+    int rank, size;
+    /* In place over count elements of host memory: F32, F64 and I64 with op; BF16 and F16
+       (SUM only) are added in f32 and rounded once per addition. Blocking. */
+    int (*allreduce)(void *buf, int64_t count, ampc_dtype dt, ampc_comm_op op);
+    /* The same, non-blocking: *req receives the collective, completed by test or wait. buf must
+       not be touched until then. Progress happens inside test and wait calls. */
+    int (*iallreduce)(void *buf, int64_t count, ampc_dtype dt, ampc_comm_op op, ampc_comm_req **req);
+    int (*test)(ampc_comm_req *req, bool *done);   /* *done: complete (req is then freed) */
+    int (*wait)(ampc_comm_req *req);               /* completes and frees req */
+    int (*broadcast)(void *buf, size_t nbytes, int root);
+    int (*barrier)(void);
+} ampc_comm_ops;
+/* ops NULL: back to one process. The table must outlive its registration. */
+void ampc__comm_register(const ampc_comm_ops *ops);
+const ampc_comm_ops *ampc__comm(void);   /* never NULL */
 
 #endif /* AMPC_CORE_H */

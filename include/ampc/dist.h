@@ -1,0 +1,106 @@
+/*
+ * ampc/dist.h - data-parallel training across processes and machines (PyTorch's
+ * DistributedDataParallel), on MPI.
+ *
+ * ampc starts no process and opens no connection: a launcher does (Open MPI's `mpirun -np 4
+ * prog`, with a hostfile for several machines, or Slurm's srun), and MPI carries the bytes.
+ * Every process runs the same program on its own shard of the data:
+ *
+ *     ampc_dist_init(&argc, &argv);                       // or ampc_dist_adopt(&my_comm)
+ *     ampc_module *model = ampc_model_new("resnet18", &mo);
+ *     ampc_ddp *ddp = ampc_ddp_new(model, NULL);          // rank 0's weights everywhere
+ *     ... loader with .shard_rank = ampc_dist_rank(), .shard_count = ampc_dist_world_size()
+ *     for each batch:
+ *         loss = ...forward...;
+ *         ampc_backward(ampc_scaler_scale(scaler, loss)); // gradients averaged over ranks
+ *         ampc_scaler_step(scaler, opt); ampc_scaler_update(scaler);
+ *     ampc_ddp_free(ddp); ampc_dist_finalize();
+ *
+ * Without a launcher the same program is one process of a world of one: ampc_dist_init then
+ * reports rank 0 of 1 and every collective returns at once.
+ */
+#ifndef AMPC_DIST_H
+#define AMPC_DIST_H
+
+#include "ampc.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Processes
+
+/* Whether this build has MPI (CMake AMPC_MPI); without it ampc_dist_init fails when launched by
+   mpirun, and works as a world of one process otherwise. */
+bool ampc_dist_available(void);
+/* Whether a launcher started this process as one of several (Open MPI, PMIx, PMI or Slurm set
+   the rank in the environment). ampc-train initialises MPI only then. */
+bool ampc_dist_launched(void);
+/* Initialises MPI (MPI_Init_thread, MPI_THREAD_FUNNELED: ampc calls MPI from the thread that
+   called this), unless the program already did, and makes MPI_COMM_WORLD ampc's world.
+   argc/argv may be NULL. Calling it again is harmless. */
+int ampc_dist_init(int *argc, char ***argv);
+/* Makes a duplicate of the program's own communicator ampc's world (mpi_comm points to an
+   MPI_Comm; MPI must be initialised with at least MPI_THREAD_FUNNELED). */
+int ampc_dist_adopt(const void *mpi_comm);
+/* Frees ampc's communicator; finalizes MPI when ampc_dist_init initialised it. Models wrapped
+   with ampc_ddp_new must be freed first. */
+int ampc_dist_finalize(void);
+int ampc_dist_rank(void);         /* 0 without a world */
+int ampc_dist_world_size(void);   /* 1 without a world */
+/* Ends every process of the world (MPI_Abort) with exit status code; returns only without one. */
+void ampc_dist_abort(int code);
+/* Sums n doubles over all ranks, in place (validation totals). */
+int ampc_dist_allreduce_sum_f64(double *values, int64_t n);
+int ampc_dist_max_f64(double *values, int64_t n);   /* element-wise maximum, in place */
+int ampc_dist_broadcast(void *buf, size_t nbytes, int root);
+int ampc_dist_barrier(void);
+
+// ---------------------------------------------------------------------------------------------
+// Data-parallel models
+
+typedef struct {
+    /* Gradients are all-reduced in buckets of about this many bytes (fp32), each started as soon
+       as its gradients are final so that communication overlaps the rest of backward. Default
+       25 MiB, and 1 MiB for the first bucket (the last layers' gradients, ready first), as
+       PyTorch. */
+    size_t bucket_bytes;
+    size_t first_bucket_bytes;
+    /* The gradients' type on the wire: AMPC_F32 (default), or AMPC_BF16 / AMPC_F16 (half the
+       bytes; each addition done in f32 and rounded once; PyTorch's bf16/fp16 compression
+       hooks). Gradients are divided by the world size before they are sent, as PyTorch does. */
+    ampc_dtype comm_dtype;
+} ampc_ddp_options;
+ampc_ddp_options ampc_ddp_defaults(void);
+
+typedef struct ampc_ddp ampc_ddp;
+/* Wraps model (which stays the caller's): broadcasts its parameters and buffers from rank 0
+   (collective: every rank calls it, with the same architecture; a different parameter count or
+   shape on any rank is an error on every rank) and from then on averages the gradients of its
+   trainable parameters across ranks inside every ampc_backward. Frozen parameters
+   (requires_grad false when wrapped) are left out. NULL + error on failure. */
+ampc_ddp *ampc_ddp_new(ampc_module *model, const ampc_ddp_options *opts);
+void ampc_ddp_free(ampc_ddp *ddp);
+/* sync false: a no-sync region (PyTorch's ddp.no_sync()): backward accumulates gradients
+   locally; the first backward with sync on again averages everything accumulated. */
+int ampc_ddp_set_sync(ampc_ddp *ddp, bool sync);
+/* Copies rank 0's buffers (BatchNorm running statistics) to every rank, as PyTorch's DDP does
+   before each forward (broadcast_buffers=True). Collective. */
+int ampc_ddp_sync_buffers(ampc_ddp *ddp);
+
+typedef struct {
+    int64_t buckets;              /* buckets per backward */
+    int64_t allreduces;           /* collectives started since ampc_ddp_new */
+    int64_t started_in_backward;  /* of those, started as their last gradient became final (not by
+                                     the end of backward, which starts the ones left over) */
+    int64_t bytes_sent;           /* bytes reduced (per rank, wire dtype) since ampc_ddp_new */
+    double exposed_seconds;       /* time backward waited for collectives after its last node */
+    double copy_seconds;          /* time copying gradients into and out of the buckets */
+} ampc_ddp_stats;
+int ampc_ddp_get_stats(const ampc_ddp *ddp, ampc_ddp_stats *stats);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* AMPC_DIST_H */

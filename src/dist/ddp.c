@@ -1,0 +1,406 @@
+/*
+ * ddp.c - data-parallel models (PyTorch's DistributedDataParallel): gradients averaged across
+ * ranks during backward, in buckets whose all-reduce overlaps the rest of backward.
+ *
+ * Buckets. The trainable parameters, in reverse state_dict order (backward produces the last
+ * layers' gradients first), are packed into buckets of about bucket_bytes of fp32 (the first,
+ * the last layers, smaller: first_bucket_bytes). Each bucket owns a flat f32 buffer (and a
+ * 16-bit one for a 16-bit wire), allocated once when the model is wrapped.
+ *
+ * One backward. The engine calls leaf_ready when a parameter's gradient is final (its
+ * AccumulateGrad node ran); the gradient, divided by the world size, is copied into its slot.
+ * When a bucket's last slot is filled the bucket is ready, and ready buckets start their
+ * non-blocking all-reduce strictly in bucket order, so every rank issues the same collectives
+ * in the same order whatever order its gradients arrive in (MPI requires it). finish (after
+ * the last node) starts the buckets not yet started (a parameter that got no gradient on this
+ * rank sends zeros), waits for all of them, and writes the averages into the parameters'
+ * .grad (creating a zero .grad first where there is none, so every rank's optimizer sees the
+ * same set of gradients).
+ *
+ * Progress. Open MPI (like most MPIs without an asynchronous progress thread) advances a
+ * non-blocking collective only inside MPI calls made by the program. The engine calls node_done
+ * after every backward node, and node_done tests every collective in flight (MPI_Test): the
+ * bytes of a started bucket move between two nodes of backward, a few milliseconds apart,
+ * while the kernels of the next node compute. No extra thread competes with the kernels' cores.
+ *
+ * The hooks act only on the thread that wrapped the model (the thread MPI was initialised
+ * for); backward passes of other graphs or on other threads pass through untouched.
+ */
+#include "ampc/dist.h"
+#include "autograd/autograd.h"
+#include "core/core.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef struct {
+    ampc_tensor *p;     /* the module's (not owned) */
+    int bucket;
+    int64_t offset;     /* elements into the bucket */
+    bool ready;         /* its gradient is in the bucket (this backward) */
+} ddp_param;
+
+typedef struct {
+    float *buf;         /* count f32 */
+    uint16_t *wire;     /* count 16-bit for a 16-bit wire, else NULL */
+    int64_t count;
+    int first, n;       /* its parameters: params[first .. first+n) */
+    int pending;        /* parameters not ready this backward */
+    ampc_comm_req *req;
+    bool started, done;
+} ddp_bucket;
+
+struct ampc_ddp {
+    ampc_module *model;
+    ampc_ddp_options o;
+    const ampc_comm_ops *comm;
+    pthread_t owner;
+    ddp_param *params;
+    int n_params;
+    int *by_ptr;        /* param indices sorted by tensor address: leaf_ready's lookup */
+    ddp_bucket *buckets;
+    int n_buckets;
+    int next_start;     /* buckets start in order: the next one to start */
+    int any_ready;      /* parameters ready this backward */
+    bool sync;
+    ampc_ddp_stats stats;
+};
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+ampc_ddp_options ampc_ddp_defaults(void) {
+    return (ampc_ddp_options){.bucket_bytes = (size_t)25 << 20, .first_bucket_bytes = (size_t)1 << 20, .comm_dtype = AMPC_F32};
+}
+
+static bool model_alive(const ampc_ddp *d) { return d->n_params == 0 || ampc__owner_alive(d->params[0].p); }
+
+static int check_ddp(const ampc_ddp *d, const char *call) {
+    if (!d) return ampc__err(AMPC_ERR_INVALID, "%s: NULL model wrapper", call);
+    if (!model_alive(d)) return ampc__err(AMPC_ERR_STATE, "%s: the wrapped model was freed (free the wrapper first)", call);
+    return AMPC_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Buckets
+
+static int start_bucket(ampc_ddp *d, ddp_bucket *b) {
+    for (int i = b->first; i < b->first + b->n; i++) {   /* no gradient on this rank: zeros */
+        ddp_param *q = &d->params[i];
+        if (!q->ready) memset(b->buf + q->offset, 0, (size_t)q->p->numel * sizeof(float));
+    }
+    int rc;
+    if (b->wire) {
+        ampc__dt(d->o.comm_dtype)->from_f32(b->buf, b->wire, (size_t)b->count);
+        rc = d->comm->iallreduce(b->wire, b->count, d->o.comm_dtype, AMPC_COMM_SUM, &b->req);
+    } else {
+        rc = d->comm->iallreduce(b->buf, b->count, AMPC_F32, AMPC_COMM_SUM, &b->req);
+    }
+    if (rc < 0) return rc;
+    b->started = true;
+    b->done = b->req == NULL;   /* a one-process world completes at once */
+    d->stats.allreduces++;
+    d->stats.bytes_sent += b->count * (int64_t)(b->wire ? 2 : 4);
+    return AMPC_OK;
+}
+
+/* Starts every ready bucket that is next in order. */
+static int start_ready(ampc_ddp *d) {
+    while (d->next_start < d->n_buckets && d->buckets[d->next_start].pending == 0) {
+        int rc = start_bucket(d, &d->buckets[d->next_start]);
+        if (rc < 0) return rc;
+        d->next_start++;
+    }
+    return AMPC_OK;
+}
+
+static int progress(ampc_ddp *d) {
+    for (int k = 0; k < d->next_start; k++) {
+        ddp_bucket *b = &d->buckets[k];
+        if (b->done) continue;
+        int rc = d->comm->test(b->req, &b->done);
+        if (rc < 0) return rc;
+    }
+    return AMPC_OK;
+}
+
+/* Copies the bucket's averages into its parameters' grads. */
+static int bucket_out(ampc_ddp *d, ddp_bucket *b) {
+    if (b->wire) ampc__dt(d->o.comm_dtype)->to_f32(b->wire, b->buf, (size_t)b->count);
+    for (int i = b->first; i < b->first + b->n; i++) {
+        ampc_tensor *p = d->params[i].p;
+        if (!p->grad) {
+            ampc_mem_kind prev = ampc__mem_kind_push(AMPC_MEM_GRADIENTS);
+            p->grad = ampc__tensor_like(p, AMPC_F32);
+            ampc__mem_kind_pop(prev);
+            if (!p->grad) return ampc_last_status();
+        }
+        int rc = ampc__write_bytes(p->grad, b->buf + d->params[i].offset, (size_t)p->numel * sizeof(float));
+        if (rc < 0) return rc;
+        ampc__mark_written(p->grad);
+    }
+    return AMPC_OK;
+}
+
+static void reset_backward(ampc_ddp *d) {
+    for (int i = 0; i < d->n_params; i++) d->params[i].ready = false;
+    for (int k = 0; k < d->n_buckets; k++) {
+        ddp_bucket *b = &d->buckets[k];
+        b->pending = b->n;
+        b->req = NULL;
+        b->started = b->done = false;
+    }
+    d->next_start = 0;
+    d->any_ready = 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The engine's hooks
+
+static bool ours(const ampc_ddp *d) { return d->sync && pthread_equal(pthread_self(), d->owner) && model_alive(d); }
+
+static int find_param(const ampc_ddp *d, const ampc_tensor *leaf) {
+    int lo = 0, hi = d->n_params - 1;
+    while (lo <= hi) {
+        int mid = (lo + hi) / 2;
+        const ampc_tensor *p = d->params[d->by_ptr[mid]].p;
+        if (p == leaf) return d->by_ptr[mid];
+        if ((uintptr_t)p < (uintptr_t)leaf) lo = mid + 1;
+        else hi = mid - 1;
+    }
+    return -1;
+}
+
+static int on_leaf_ready(void *ctx, ampc_tensor *leaf) {
+    ampc_ddp *d = ctx;
+    if (!ours(d)) return AMPC_OK;
+    int i = find_param(d, leaf);
+    if (i < 0 || d->params[i].ready) return AMPC_OK;
+    ddp_param *q = &d->params[i];
+    ddp_bucket *b = &d->buckets[q->bucket];
+    if (b->started)   /* a second backward through the parameter before finish: cannot happen */
+        return ampc__err(AMPC_ERR_STATE, "data-parallel: gradient of a parameter whose bucket was already sent");
+    double t0 = now();
+    ampc_tensor *g = leaf->grad;
+    if (!g || g->dtype != AMPC_F32 || g->numel != leaf->numel)
+        return ampc__err(AMPC_ERR_DTYPE, "data-parallel: parameter gradient must be fp32 with the parameter's shape");
+    ampc_tensor *h = ampc__host_copy(g);
+    if (!h) return ampc_last_status();
+    const float *src = ampc__data(h);
+    float *dst = b->buf + q->offset;
+    const float world = (float)d->comm->size;
+    for (int64_t k = 0; k < g->numel; k++) dst[k] = src[k] / world;
+    ampc__release(h);
+    d->stats.copy_seconds += now() - t0;
+    q->ready = true;
+    d->any_ready++;
+    b->pending--;
+    int64_t before = d->stats.allreduces;
+    int rc = start_ready(d);
+    d->stats.started_in_backward += d->stats.allreduces - before;
+    return rc < 0 ? rc : progress(d);
+}
+
+static int on_node_done(void *ctx) {
+    ampc_ddp *d = ctx;
+    if (!ours(d) || !d->any_ready) return AMPC_OK;
+    return progress(d);
+}
+
+static int on_finish(void *ctx, int rc) {
+    ampc_ddp *d = ctx;
+    if (!ours(d) || !d->any_ready) return rc;
+    /* the rest of the buckets (parameters this rank got no gradient for send zeros) */
+    for (int k = d->next_start; k < d->n_buckets && rc >= 0; k++) d->buckets[k].pending = 0;
+    if (rc >= 0) rc = start_ready(d);
+    double t0 = now();
+    int wrc = AMPC_OK;
+    for (int k = 0; k < d->next_start; k++) {   /* started ones complete even after an error */
+        ddp_bucket *b = &d->buckets[k];
+        if (b->done) continue;
+        int r = d->comm->wait(b->req);
+        if (r < 0 && wrc >= 0) wrc = r;
+        b->done = true;
+    }
+    d->stats.exposed_seconds += now() - t0;
+    if (rc >= 0) rc = wrc;
+    double t1 = now();
+    for (int k = 0; k < d->n_buckets && rc >= 0; k++) rc = bucket_out(d, &d->buckets[k]);
+    d->stats.copy_seconds += now() - t1;
+    reset_backward(d);
+    return rc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Wrapping
+
+static const ampc_ddp *sort_ctx;
+static int by_address(const void *a, const void *b) {
+    uintptr_t x = (uintptr_t)sort_ctx->params[*(const int *)a].p, y = (uintptr_t)sort_ctx->params[*(const int *)b].p;
+    return x < y ? -1 : x > y;
+}
+
+static void ddp_release(ampc_ddp *d) {
+    for (int k = 0; k < d->n_buckets; k++) {
+        free(d->buckets[k].buf);
+        free(d->buckets[k].wire);
+    }
+    free(d->buckets);
+    free(d->params);
+    free(d->by_ptr);
+    free(d);
+}
+
+/* Every rank must hold the same architecture: compare counts and shapes with rank 0's. */
+static int check_same_model(ampc_ddp *d, ampc_tensor **st, const char **names, int n) {
+    /* a fingerprint: count, then per tensor its dtype, ndim and shape, hashed in order */
+    uint64_t h = 1469598103934665603ull;
+    for (int i = 0; i < n; i++) {
+        uint64_t v[2 + AMPC_MAX_DIMS] = {(uint64_t)st[i]->dtype, (uint64_t)st[i]->ndim};
+        for (int k = 0; k < st[i]->ndim; k++) v[2 + k] = (uint64_t)st[i]->shape[k];
+        for (int k = 0; k < 2 + AMPC_MAX_DIMS; k++) h = (h ^ v[k]) * 1099511628211ull;
+    }
+    double mine[2] = {(double)n, (double)(h >> 11)}, theirs[2] = {mine[0], mine[1]};
+    int rc = d->comm->broadcast(theirs, sizeof theirs, 0);
+    if (rc < 0) return rc;
+    double bad = mine[0] != theirs[0] || mine[1] != theirs[1];
+    rc = d->comm->allreduce(&bad, 1, AMPC_F64, AMPC_COMM_MAX);
+    if (rc < 0) return rc;
+    (void)names;
+    if (bad != 0)
+        return ampc__err(AMPC_ERR_SHAPE, "data-parallel: rank %d's model differs from rank 0's (%d state tensors here, %.0f there, "
+                                         "or another shape): every rank must build the same architecture",
+                         d->comm->rank, n, theirs[0]);
+    return AMPC_OK;
+}
+
+static int broadcast_tensors(ampc_ddp *d, ampc_tensor **st, int n, bool buffers_only) {
+    for (int i = 0; i < n; i++) {
+        if (buffers_only && st[i]->requires_grad) continue;
+        ampc_tensor *h = ampc__host_copy(st[i]);
+        if (!h) return ampc_last_status();
+        int rc = d->comm->broadcast(ampc__data(h), ampc__nbytes(h), 0);
+        if (rc >= 0 && d->comm->rank != 0) {
+            rc = h == st[i] ? AMPC_OK : ampc__write_bytes(st[i], ampc__data(h), ampc__nbytes(h));
+            ampc__mark_written(st[i]);
+        }
+        ampc__release(h);
+        if (rc < 0) return rc;
+    }
+    return AMPC_OK;
+}
+
+ampc_ddp *ampc_ddp_new(ampc_module *model, const ampc_ddp_options *opts) {
+    ampc_ddp_options o = opts ? *opts : ampc_ddp_defaults();
+    if (o.comm_dtype != AMPC_F32 && o.comm_dtype != AMPC_BF16 && o.comm_dtype != AMPC_F16)
+        return ampc__err_null(AMPC_ERR_DTYPE, "ddp_new: gradients travel as f32, bf16 or f16, not %s", ampc_dtype_name(o.comm_dtype));
+    if (o.bucket_bytes < 4 || o.first_bucket_bytes < 4)
+        return ampc__err_null(AMPC_ERR_INVALID, "ddp_new: bucket sizes must be at least 4 bytes (got %zu and %zu)", o.bucket_bytes,
+                              o.first_bucket_bytes);
+    ampc_tensor **params = NULL, **st = NULL;
+    const char **st_names = NULL;
+    int n_all = model ? ampc_module_parameters(model, &params, NULL) : ampc__err(AMPC_ERR_INVALID, "ddp_new: NULL model");
+    if (n_all < 0) return NULL;
+    int n_st = ampc_module_state_dict(model, &st, &st_names);
+    if (n_st < 0) return NULL;
+    ampc_ddp *d = calloc(1, sizeof *d);
+    if (!d) return ampc__err_null(AMPC_ERR_OOM, "ddp_new");
+    d->model = model;
+    d->o = o;
+    d->comm = ampc__comm();
+    d->owner = pthread_self();
+    d->sync = true;
+    int n = 0;
+    for (int i = 0; i < n_all; i++) n += params[i]->requires_grad;
+    d->params = calloc((size_t)(n ? n : 1), sizeof *d->params);
+    d->by_ptr = calloc((size_t)(n ? n : 1), sizeof *d->by_ptr);
+    d->buckets = calloc((size_t)(n ? n : 1), sizeof *d->buckets);
+    if (!d->params || !d->by_ptr || !d->buckets) {
+        ddp_release(d);
+        return ampc__err_null(AMPC_ERR_OOM, "ddp_new: parameter lists");
+    }
+    /* reverse order: the last layers' gradients come first in backward */
+    for (int i = n_all - 1; i >= 0; i--) {
+        if (!params[i]->requires_grad) continue;
+        if (params[i]->dtype != AMPC_F32) {
+            ddp_release(d);
+            return ampc__err_null(AMPC_ERR_DTYPE, "ddp_new: parameter %d is %s; data-parallel models keep fp32 parameters "
+                                                  "(autocast makes the 16-bit copies)", i, ampc_dtype_name(params[i]->dtype));
+        }
+        d->params[d->n_params++].p = params[i];
+    }
+    int rc = check_same_model(d, st, st_names, n_st);
+    /* buckets: fill up to the cap, the first one to the smaller cap */
+    for (int i = 0; i < d->n_params && rc >= 0; i++) {
+        ddp_bucket *b = &d->buckets[d->n_buckets ? d->n_buckets - 1 : 0];
+        size_t cap = d->n_buckets <= 1 ? o.first_bucket_bytes : o.bucket_bytes;
+        if (!d->n_buckets || (size_t)b->count * 4 >= cap) {
+            b = &d->buckets[d->n_buckets++];
+            b->first = i;
+        }
+        d->params[i].bucket = (int)(b - d->buckets);
+        d->params[i].offset = b->count;
+        b->count += d->params[i].p->numel;
+        b->n++;
+    }
+    for (int k = 0; k < d->n_buckets && rc >= 0; k++) {
+        ddp_bucket *b = &d->buckets[k];
+        size_t bytes = ((size_t)b->count * 4 + 63) / 64 * 64;
+        b->buf = aligned_alloc(64, bytes ? bytes : 64);
+        if (o.comm_dtype != AMPC_F32) b->wire = aligned_alloc(64, ((size_t)b->count * 2 + 63) / 64 * 64 + 64);
+        if (!b->buf || (o.comm_dtype != AMPC_F32 && !b->wire))
+            rc = ampc__err(AMPC_ERR_OOM, "ddp_new: %lld-element gradient bucket", (long long)b->count);
+    }
+    d->stats.buckets = d->n_buckets;
+    for (int i = 0; i < d->n_params; i++) d->by_ptr[i] = i;
+    sort_ctx = d;
+    qsort(d->by_ptr, (size_t)d->n_params, sizeof *d->by_ptr, by_address);
+    if (rc >= 0) rc = broadcast_tensors(d, st, n_st, false);
+    if (rc >= 0) {
+        reset_backward(d);
+        rc = ampc__backward_hooks_add(&(ampc_backward_hooks){on_leaf_ready, on_node_done, on_finish, d});
+    }
+    if (rc < 0) {
+        ddp_release(d);
+        return NULL;
+    }
+    for (int i = 0; i < d->n_params; i++) d->params[i].p->replicated = d->comm->size > 1;
+    return d;
+}
+
+void ampc_ddp_free(ampc_ddp *d) {
+    if (!d) return;
+    ampc__backward_hooks_remove(d);
+    if (model_alive(d))
+        for (int i = 0; i < d->n_params; i++) d->params[i].p->replicated = false;
+    ddp_release(d);
+}
+
+int ampc_ddp_set_sync(ampc_ddp *d, bool sync) {
+    int rc = check_ddp(d, "ddp_set_sync");
+    if (rc < 0) return rc;
+    d->sync = sync;
+    return AMPC_OK;
+}
+
+int ampc_ddp_sync_buffers(ampc_ddp *d) {
+    int rc = check_ddp(d, "ddp_sync_buffers");
+    if (rc < 0 || d->comm->size == 1) return rc;
+    ampc_tensor **st = NULL;
+    int n = ampc_module_state_dict(d->model, &st, NULL);
+    if (n < 0) return n;
+    return broadcast_tensors(d, st, n, true);
+}
+
+int ampc_ddp_get_stats(const ampc_ddp *d, ampc_ddp_stats *s) {
+    int rc = check_ddp(d, "ddp_get_stats");
+    if (rc < 0) return rc;
+    if (!s) return ampc__err(AMPC_ERR_INVALID, "ddp_get_stats: NULL stats");
+    *s = d->stats;
+    return AMPC_OK;
+}

@@ -1,0 +1,454 @@
+/*
+ * test_dist.c - data-parallel training (ampc/dist.h) against single-process training.
+ *
+ * Run alone it is one process of a world of one; ctest also runs it as `mpirun -np 2`
+ * (test_dist_mpi2). Every rank builds the reference itself: the same model trained in one process
+ * on the whole global batch of 64, to which DDP training with 64/world samples per rank must
+ * come. An assertion that fails on one rank ends the whole job (MPI_Abort) so that no rank waits
+ * in a collective for a rank that left.
+ */
+#include "testutil.h"
+
+#include "ampc/dist.h"
+#include "core/core.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { GLOBAL = 64, PIX = 28 * 28, STEPS = 4 };
+#define LR 0.05
+static int rank, world;
+
+#define D_ASSERT(cond, ...)                                                                        \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "rank %d: %s:%d: %s: ", rank, __FILE__, __LINE__, #cond);              \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fprintf(stderr, " (%s)\n", ampc_last_error());                                         \
+            if (world > 1) ampc_dist_abort(1);                                                     \
+            fail();                                                                                \
+        }                                                                                          \
+    } while (0)
+
+typedef enum { FP32, BF16, FP16 } mode;
+static const char *MODE_NAMES[] = {"fp32", "amp-bf16", "amp-fp16"};
+
+/* Rows [lo, hi) of step's global batch: pixels U(-1, 1), labels 0..9, both from the step alone
+   (xorshift, not the library's generator); `poison` puts 1e30 into the first pixel (inf in
+   fp16, so the scaled gradients overflow). */
+static void batch(int step, int lo, int hi, bool poison, ampc_tensor **x, ampc_tensor **y) {
+    double *v = malloc(sizeof(double) * GLOBAL * PIX);
+    tu_fill_uniform(v, (size_t)GLOBAL * PIX, 1000 + (uint64_t)step, -1, 1);
+    float *xf = malloc(sizeof(float) * (size_t)(hi - lo) * PIX);
+    int64_t lab[GLOBAL];
+    uint64_t s = 77 + (uint64_t)step;
+    for (int i = 0; i < GLOBAL; i++) lab[i] = (int64_t)tu_uniform(&s, 0, 10) % 10;
+    for (int64_t i = 0; i < (int64_t)(hi - lo) * PIX; i++) xf[i] = (float)v[(int64_t)lo * PIX + i];
+    if (poison) xf[0] = 1e30f;
+    *x = ampc_tensor_from_f32(AMPC_F32, 4, (int64_t[]){hi - lo, 1, 28, 28}, xf);
+    *y = ampc_tensor_from_i64(1, (int64_t[]){hi - lo}, lab + lo);
+    free(v);
+    free(xf);
+}
+
+typedef struct {
+    ampc_module *net;
+    ampc_optimizer *opt;
+    ampc_scaler *sc;
+    ampc_ddp *ddp;
+} run;
+
+static const ampc_ddp_options *dflt(void) {
+    static ampc_ddp_options o;
+    o = ampc_ddp_defaults();
+    return &o;
+}
+
+static run run_new(const char *model, mode m, const ampc_ddp_options *ddp) {
+    run r = {0};
+    ampc_manual_seed(7);
+    r.net = ampc_model_new(model, &(ampc_model_options){0});
+    ampc_module_train(r.net, false);   /* no dropout: its masks depend on which rank draws them */
+    r.opt = ampc_sgd_new(r.net, &(ampc_sgd_options){.lr = LR, .momentum = 0.9});
+    ampc_scaler_options so = ampc_scaler_defaults();
+    so.enabled = m == FP16;
+    so.growth_interval = 2;   /* the scale moves during the run */
+    r.sc = ampc_scaler_new(&so);
+    D_ASSERT(r.net && r.opt && r.sc, "model");
+    if (ddp) {
+        r.ddp = ampc_ddp_new(r.net, ddp);
+        D_ASSERT(r.ddp, "ddp_new");
+    }
+    return r;
+}
+
+static void run_free(run *r) {
+    ampc_ddp_free(r->ddp);
+    ampc_scaler_free(r->sc);
+    ampc_optimizer_free(r->opt);
+    ampc_module_free(r->net);
+}
+
+/* forward + backward of rows [lo, hi) of step's batch, the loss times factor */
+static void backward(run *r, mode m, int step, int lo, int hi, double factor, bool poison) {
+    ampc_scope_begin();
+    ampc_tensor *x, *y;
+    batch(step, lo, hi, poison, &x, &y);
+    ampc_autocast_enter(m == BF16 ? AMPC_BF16 : AMPC_F16, m != FP32);
+    ampc_tensor *loss = ampc_cross_entropy(ampc_module_forward(r->net, x), y, NULL);
+    ampc_autocast_exit();
+    if (factor != 1) loss = ampc_mul_scalar(loss, factor);
+    D_ASSERT(loss, "forward");
+    D_ASSERT(ampc_backward(ampc_scaler_scale(r->sc, loss)) == AMPC_OK, "backward");
+    ampc_scope_end();
+}
+
+static int step(run *r) {
+    int applied = ampc_scaler_step(r->sc, r->opt);
+    D_ASSERT(applied >= 0, "step");
+    D_ASSERT(ampc_scaler_update(r->sc) == AMPC_OK, "update");
+    ampc_optimizer_zero_grad(r->opt);
+    return applied;
+}
+
+static int my_lo(void) { return rank * GLOBAL / world; }
+static int my_hi(void) { return (rank + 1) * GLOBAL / world; }
+
+/* All parameters, flattened (caller frees) */
+static float *weights(ampc_module *net, int64_t *n) {
+    ampc_tensor **p;
+    int np = ampc_module_parameters(net, &p, NULL);
+    int64_t total = 0;
+    for (int i = 0; i < np; i++) total += ampc_tensor_numel(p[i]);
+    float *w = malloc(sizeof(float) * (size_t)total), *at = w;
+    for (int i = 0; i < np; i++) {
+        D_ASSERT(ampc_tensor_to_f32(p[i], at, (size_t)ampc_tensor_numel(p[i])) == AMPC_OK, "weights");
+        at += ampc_tensor_numel(p[i]);
+    }
+    *n = total;
+    return w;
+}
+
+/* Every rank holds rank 0's weights bit for bit. */
+static void assert_replicas_equal(ampc_module *net) {
+    int64_t n;
+    float *w = weights(net, &n);
+    float *w0 = malloc(sizeof(float) * (size_t)n);
+    memcpy(w0, w, sizeof(float) * (size_t)n);
+    D_ASSERT(ampc_dist_broadcast(w0, sizeof(float) * (size_t)n, 0) == AMPC_OK, "broadcast");
+    D_ASSERT(memcmp(w, w0, sizeof(float) * (size_t)n) == 0, "rank %d's weights differ from rank 0's", rank);
+    free(w);
+    free(w0);
+}
+
+/* max |a - b| over max |b - init| (the size of what training changed) */
+static double rel_update_diff(ampc_module *a, ampc_module *b, const float *init) {
+    int64_t n, m;
+    float *wa = weights(a, &n), *wb = weights(b, &m);
+    D_ASSERT(n == m, "parameter counts");
+    double diff = 0, upd = 0;
+    for (int64_t i = 0; i < n; i++) {
+        diff = fmax(diff, fabs((double)wa[i] - wb[i]));
+        upd = fmax(upd, fabs((double)wb[i] - init[i]));
+    }
+    free(wa);
+    free(wb);
+    return diff / upd;
+}
+
+/* The scale is the same on every rank. */
+static void assert_same_scale(const ampc_scaler *sc) {
+    double v[2] = {ampc_scaler_get_scale(sc), -ampc_scaler_get_scale(sc)};
+    D_ASSERT(ampc_dist_max_f64(v, 2) == AMPC_OK, "max");
+    D_ASSERT(v[0] == -v[1], "the scale differs between ranks (%g .. %g)", -v[1], v[0]);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/* STEPS steps of DDP (64/world per rank) against one process on all 64. Bound on the difference,
+   relative to the change training made: fp32: the batch's gradient is summed in another order
+   (two halves, then their average) - a few ulps of fp32 per gradient, which the steps carry
+   linearly: 1e-4 of the update leaves room for 2^-24 x the ~10^2 terms' condition. Under
+   autocast the 16-bit roundings of activations can flip where an fp32 sum differed by an ulp:
+   one rounding of the 16-bit type (2^-8, 2^-11) in a few elements; bounded by 4u. With one
+   rank the runs are the same computation: equal bit for bit. */
+static double equivalence(const char *model, mode m, ampc_ddp_options o) {
+    run ref = run_new(model, m, NULL), dd = run_new(model, m, &o);
+    int64_t n;
+    float *init = weights(ref.net, &n);
+    for (int s = 0; s < STEPS; s++) {
+        backward(&ref, m, s, 0, GLOBAL, 1, false);
+        int a = step(&ref);
+        backward(&dd, m, s, my_lo(), my_hi(), 1, false);
+        int b = step(&dd);
+        D_ASSERT(a == b, "%s %s step %d: applied %d vs %d", model, MODE_NAMES[m], s, a, b);
+        assert_same_scale(dd.sc);
+    }
+    assert_replicas_equal(dd.net);
+    double d = rel_update_diff(dd.net, ref.net, init);
+    free(init);
+    run_free(&ref);
+    run_free(&dd);
+    return d;
+}
+
+static void test_equivalence(void **state) {
+    (void)state;
+    const char *models[] = {"mlp", "cnn"};
+    for (int k = 0; k < 2; k++)
+        for (int m = FP32; m <= FP16; m++) {
+            double d = equivalence(models[k], (mode)m, ampc_ddp_defaults());
+            double tol = world == 1 ? 0 : m == FP32 ? 1e-4 : 4 * tu_eps(m == BF16 ? AMPC_BF16 : AMPC_F16);
+            if (rank == 0) print_message("%d ranks x %d vs 1 x %d: %s %s: weights differ by %.3g of the update (bound %.3g)\n",
+                                         world, GLOBAL / world, GLOBAL, models[k], MODE_NAMES[m], d, tol);
+            D_ASSERT(d <= tol, "%s %s: %.3g > %.3g", models[k], MODE_NAMES[m], d, tol);
+        }
+}
+
+/* Small buckets (many all-reduces, started during backward) give the same bits as one bucket:
+   a sum of two ranks' values does not depend on how the elements are grouped. */
+static void test_buckets(void **state) {
+    (void)state;
+    ampc_ddp_options small = ampc_ddp_defaults();
+    small.bucket_bytes = small.first_bucket_bytes = 4096;
+    run a = run_new("mlp", FP32, &small), b = run_new("mlp", FP32, NULL);
+    ampc_ddp_options big = ampc_ddp_defaults();
+    big.bucket_bytes = big.first_bucket_bytes = (size_t)1 << 30;
+    b.ddp = ampc_ddp_new(b.net, &big);
+    D_ASSERT(b.ddp, "ddp_new");
+    for (int s = 0; s < STEPS; s++) {
+        backward(&a, FP32, s, my_lo(), my_hi(), 1, false);
+        step(&a);
+        backward(&b, FP32, s, my_lo(), my_hi(), 1, false);
+        step(&b);
+    }
+    ampc_ddp_stats sa, sb;
+    D_ASSERT(ampc_ddp_get_stats(a.ddp, &sa) == AMPC_OK && ampc_ddp_get_stats(b.ddp, &sb) == AMPC_OK, "stats");
+    /* mlp, last layer first: 10 + 1280 floats pass 4 KiB (1024 floats) and close the first
+       bucket, 128 + 100352 the second */
+    D_ASSERT(sb.buckets == 1 && sa.buckets == 2, "buckets %lld and %lld", (long long)sa.buckets, (long long)sb.buckets);
+    D_ASSERT(sa.allreduces == STEPS * sa.buckets, "%lld all-reduces", (long long)sa.allreduces);
+    /* every bucket started as its gradients became final, none left for the end of backward */
+    D_ASSERT(sa.started_in_backward == sa.allreduces, "%lld of %lld started in backward", (long long)sa.started_in_backward,
+             (long long)sa.allreduces);
+    if (world <= 2) {
+        int64_t n;
+        float *wa = weights(a.net, &n), *wb = weights(b.net, &n);
+        D_ASSERT(memcmp(wa, wb, sizeof(float) * (size_t)n) == 0, "bucket sizes changed the result");
+        free(wa);
+        free(wb);
+    }
+    run_free(&a);
+    run_free(&b);
+}
+
+/* Gradient accumulation: two micro-batches per rank, the first inside a no-sync region, each
+   loss halved, reach the single-process run on the whole batch (bound as fp32 above). */
+static void test_no_sync_accumulation(void **state) {
+    (void)state;
+    run ref = run_new("mlp", FP32, NULL), dd = run_new("mlp", FP32, dflt());
+    int64_t n;
+    float *init = weights(ref.net, &n);
+    ampc_ddp_stats st;
+    for (int s = 0; s < STEPS; s++) {
+        backward(&ref, FP32, s, 0, GLOBAL, 1, false);
+        step(&ref);
+        int lo = my_lo(), hi = my_hi(), mid = (lo + hi) / 2;
+        D_ASSERT(ampc_ddp_set_sync(dd.ddp, false) == AMPC_OK, "no_sync");
+        backward(&dd, FP32, s, lo, mid, 0.5, false);
+        D_ASSERT(ampc_ddp_get_stats(dd.ddp, &st) == AMPC_OK && st.allreduces == s, "no-sync backward communicated");
+        D_ASSERT(ampc_ddp_set_sync(dd.ddp, true) == AMPC_OK, "sync");
+        backward(&dd, FP32, s, mid, hi, 0.5, false);
+        step(&dd);
+    }
+    assert_replicas_equal(dd.net);
+    double d = rel_update_diff(dd.net, ref.net, init);
+    if (rank == 0) print_message("no-sync accumulation: differs by %.3g of the update\n", d);
+    D_ASSERT(d <= (world == 1 ? 1e-6 : 1e-4), "accumulation: %.3g", d);
+    free(init);
+    run_free(&ref);
+    run_free(&dd);
+}
+
+/* fp16 AMP with a GradScaler: an input that overflows on the last rank only makes every rank
+   skip that step and back off, with one scale everywhere at every step: in a synchronised
+   step, inside a no-sync accumulation, and in a step taken inside a no-sync region (where no
+   gradient was averaged: the scaler's own agreement decides). */
+static void test_scaler_agrees(void **state) {
+    (void)state;
+    run r = run_new("mlp", FP16, dflt());
+    bool last = rank == world - 1;
+    for (int s = 0; s < 8; s++) {
+        float before = ampc_scaler_get_scale(r.sc);
+        int kind = s % 4;   /* 0 clean; 1 poisoned; 2 poisoned inside no-sync, then clean; 3 step inside no-sync */
+        if (kind == 2 || kind == 3) D_ASSERT(ampc_ddp_set_sync(r.ddp, false) == AMPC_OK, "no_sync");
+        backward(&r, FP16, s, my_lo(), my_hi(), 1, kind != 0 && last);
+        if (kind == 2) {
+            D_ASSERT(ampc_ddp_set_sync(r.ddp, true) == AMPC_OK, "sync");
+            backward(&r, FP16, s + 100, my_lo(), my_hi(), 1, false);
+        }
+        int applied = step(&r);
+        if (kind == 3) D_ASSERT(ampc_ddp_set_sync(r.ddp, true) == AMPC_OK, "sync");
+        D_ASSERT(applied == (kind == 0), "step %d (case %d): applied %d on rank %d", s, kind, applied, rank);
+        if (kind != 0) D_ASSERT(ampc_scaler_get_scale(r.sc) == before / 2, "step %d: no backoff", s);
+        assert_same_scale(r.sc);
+    }
+    D_ASSERT(ampc_scaler_steps_skipped(r.sc) == 6, "%lld skipped", (long long)ampc_scaler_steps_skipped(r.sc));
+    assert_replicas_equal(r.net);
+    run_free(&r);
+}
+
+/* Gradients sent as bf16 or fp16: half the bytes; each gradient rounded once to 16 bits
+   before the sum and the sum once after: within 2 u of the f32 wire's update. */
+static void test_16bit_wire(void **state) {
+    (void)state;
+    const ampc_dtype wires[] = {AMPC_BF16, AMPC_F16};
+    for (int k = 0; k < 2; k++) {
+        ampc_dtype wire = wires[k];
+        ampc_ddp_options o = ampc_ddp_defaults();
+        o.comm_dtype = wire;
+        run ref = run_new("mlp", FP32, dflt()), dd = run_new("mlp", FP32, &o);
+        int64_t n;
+        float *init = weights(ref.net, &n);
+        for (int s = 0; s < STEPS; s++) {
+            backward(&ref, FP32, s, my_lo(), my_hi(), 1, false);
+            step(&ref);
+            backward(&dd, FP32, s, my_lo(), my_hi(), 1, false);
+            step(&dd);
+        }
+        ampc_ddp_stats a, b;
+        D_ASSERT(ampc_ddp_get_stats(ref.ddp, &a) == AMPC_OK && ampc_ddp_get_stats(dd.ddp, &b) == AMPC_OK, "stats");
+        D_ASSERT(2 * b.bytes_sent == a.bytes_sent, "bytes %lld vs %lld", (long long)b.bytes_sent, (long long)a.bytes_sent);
+        assert_replicas_equal(dd.net);
+        double d = rel_update_diff(dd.net, ref.net, init), tol = 2 * tu_eps(wire);
+        if (rank == 0) print_message("%s wire: differs by %.3g of the update (bound %.3g)\n", ampc_dtype_name(wire), d, tol);
+        D_ASSERT(d > 0 && d <= tol, "%s wire: %.3g", ampc_dtype_name(wire), d);
+        free(init);
+        run_free(&ref);
+        run_free(&dd);
+    }
+}
+
+/* The seam's 16-bit sums: rank r contributes v_r(i); two ranks' sum is round16(f32(a) + f32(b)),
+   computed here from the dtype's own conversions (one rank: the values unchanged). */
+static void test_allreduce_16bit(void **state) {
+    (void)state;
+    enum { N = 4099 };   /* not a multiple of the conversion chunk */
+    const ampc_dtype dts[] = {AMPC_BF16, AMPC_F16};
+    for (int k = 0; k < 2; k++) {
+        double v[2][N];
+        for (int r = 0; r < 2; r++) tu_fill_uniform(v[r], N, 5 + (uint64_t)r, -100, 100);
+        float f[2][N];
+        for (int r = 0; r < 2; r++)
+            for (int i = 0; i < N; i++) f[r][i] = (float)v[r][i];
+        /* each rank's values rounded to the 16-bit dtype through a tensor, and back */
+        uint16_t mine[N], other[N];
+        ampc_scope_begin();
+        for (int r = 0; r < 2; r++) {
+            ampc_tensor *t = ampc_tensor_from_f32(dts[k], 1, (int64_t[]){N}, f[r]);
+            D_ASSERT(t, "tensor");
+            memcpy(r == rank % 2 ? mine : other, ampc_tensor_data(t), sizeof mine);
+        }
+        uint16_t got[N];
+        memcpy(got, mine, sizeof got);
+        D_ASSERT(ampc__comm()->allreduce(got, N, dts[k], AMPC_COMM_SUM) == AMPC_OK, "allreduce");
+        if (world == 1) {
+            D_ASSERT(memcmp(got, mine, sizeof got) == 0, "a world of one changed the values");
+        } else if (world == 2) {
+            float a[N], b[N];
+            ampc_tensor *ta = ampc_tensor_from_f32(dts[k], 1, (int64_t[]){N}, f[0]);
+            ampc_tensor *tb = ampc_tensor_from_f32(dts[k], 1, (int64_t[]){N}, f[1]);
+            D_ASSERT(ampc_tensor_to_f32(ta, a, N) == AMPC_OK && ampc_tensor_to_f32(tb, b, N) == AMPC_OK, "to_f32");
+            for (int i = 0; i < N; i++) a[i] += b[i];
+            ampc_tensor *sum = ampc_tensor_from_f32(dts[k], 1, (int64_t[]){N}, a);
+            D_ASSERT(memcmp(got, ampc_tensor_data(sum), sizeof got) == 0, "%s sums differ", ampc_dtype_name(dts[k]));
+        }
+        (void)other;
+        ampc_scope_end();
+    }
+}
+
+/* Buffers: BatchNorm's running statistics follow each rank's own batches (as DDP without
+   SyncBatchNorm) until ampc_ddp_sync_buffers copies rank 0's to every rank. */
+static void test_sync_buffers(void **state) {
+    (void)state;
+    ampc_manual_seed(3);
+    ampc_module *net = ampc_sequential(2, ampc_conv2d_new(1, 4, 3, NULL, false), ampc_batchnorm2d_new(4));
+    D_ASSERT(net, "model");
+    ampc_ddp *ddp = ampc_ddp_new(net, NULL);
+    D_ASSERT(ddp, "ddp_new");
+    ampc_scope_begin();
+    ampc_tensor *x, *y;
+    batch(0, my_lo(), my_hi(), false, &x, &y);
+    D_ASSERT(ampc_module_forward(net, x), "forward");
+    ampc_tensor *mean = NULL;
+    ampc_tensor **st;
+    const char **names;
+    int n = ampc_module_state_dict(net, &st, &names);
+    for (int i = 0; i < n; i++)
+        if (!strcmp(names[i], "1.running_mean")) mean = st[i];
+    D_ASSERT(mean, "running_mean");
+    float m[4], m0[4];
+    D_ASSERT(ampc_tensor_to_f32(mean, m, 4) == AMPC_OK, "to_f32");
+    memcpy(m0, m, sizeof m);
+    D_ASSERT(ampc_dist_broadcast(m0, sizeof m0, 0) == AMPC_OK, "broadcast");
+    if (world > 1 && rank > 0) D_ASSERT(memcmp(m, m0, sizeof m) != 0, "ranks' batches gave the same statistics");
+    D_ASSERT(ampc_ddp_sync_buffers(ddp) == AMPC_OK, "sync_buffers");
+    D_ASSERT(ampc_tensor_to_f32(mean, m, 4) == AMPC_OK, "to_f32");
+    D_ASSERT(memcmp(m, m0, sizeof m) == 0, "rank %d's running_mean is not rank 0's after sync_buffers", rank);
+    ampc_scope_end();
+    ampc_ddp_free(ddp);
+    ampc_module_free(net);
+}
+
+/* Wrapping: every rank starts from rank 0's weights; a rank with another architecture makes
+   ampc_ddp_new fail on every rank with a message naming it; bad options are refused. */
+static void test_wrap(void **state) {
+    (void)state;
+    ampc_manual_seed(100 + (uint64_t)rank);   /* different initial weights per rank */
+    ampc_module *net = ampc_model_new("mlp", NULL);
+    ampc_ddp *ddp = ampc_ddp_new(net, NULL);
+    D_ASSERT(ddp, "ddp_new");
+    assert_replicas_equal(net);
+    ampc_ddp_free(ddp);
+    ampc_module_free(net);
+    if (world > 1) {
+        net = ampc_model_new(rank == world - 1 ? "cnn" : "mlp", NULL);
+        ddp = ampc_ddp_new(net, NULL);
+        D_ASSERT(!ddp && strstr(ampc_last_error(), "differs from rank 0"), "a different model was accepted");
+        ampc_clear_error();
+        ampc_module_free(net);
+    }
+    net = ampc_model_new("mlp", NULL);
+    ampc_ddp_options o = ampc_ddp_defaults();
+    o.comm_dtype = AMPC_F64;
+    tu_expect_error(ampc_ddp_new(net, &o), AMPC_ERR_DTYPE, "f32, bf16 or f16");
+    o = ampc_ddp_defaults();
+    o.bucket_bytes = 0;
+    tu_expect_error(ampc_ddp_new(net, &o), AMPC_ERR_INVALID, "bucket sizes");
+    tu_expect_error(ampc_ddp_new(NULL, NULL), AMPC_ERR_INVALID, "NULL model");
+    ampc_module_free(net);
+}
+
+int main(int argc, char **argv) {
+    if (ampc_dist_launched() && ampc_dist_init(&argc, &argv) < 0) {
+        fprintf(stderr, "dist_init: %s\n", ampc_last_error());
+        return 1;
+    }
+    rank = ampc_dist_rank();
+    world = ampc_dist_world_size();
+    if (GLOBAL % world) {
+        fprintf(stderr, "test_dist needs a world size dividing %d\n", GLOBAL);
+        return 1;
+    }
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_wrap),          cmocka_unit_test(test_allreduce_16bit), cmocka_unit_test(test_equivalence),
+        cmocka_unit_test(test_buckets),       cmocka_unit_test(test_no_sync_accumulation),
+        cmocka_unit_test(test_scaler_agrees), cmocka_unit_test(test_16bit_wire),      cmocka_unit_test(test_sync_buffers),
+    };
+    int failed = cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
+    ampc_dist_finalize();
+    return failed;
+}
