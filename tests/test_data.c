@@ -1,7 +1,8 @@
 /*
  * test_data.c - the data layer: IDX files (plain and gzip, and every kind of corruption),
  * subsets and splits, transforms against independent double-precision references, and the
- * loader (coverage, order, bit-identical output for any worker count, errors, early free);
+ * loader (coverage, order, bit-identical output for any worker count, errors, early free,
+ * shards for data-parallel ranks and resuming on another number of them);
  * then Debian's Fashion-MNIST when it is installed.
  */
 #include "testutil.h"
@@ -816,6 +817,380 @@ static void test_loader_start_at(void **state) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Loader shards (data-parallel ranks)
+
+enum { SH_MAX_BATCHES = 128, SH_PER = 9 };   /* samples are 1 x 3 x 3 */
+
+/* The batches one loader handed out, concatenated, with each batch's rows and the epoch
+   position after it. */
+typedef struct {
+    int64_t nb, n, cap;
+    int64_t rows[SH_MAX_BATCHES], pos[SH_MAX_BATCHES];
+    float *imgs;      /* (n, SH_PER) */
+    int64_t *labs;    /* (n): the sample's index (num_classes is above the dataset size) */
+} taken;
+
+static void taken_init(taken *t, int64_t cap) {
+    memset(t, 0, sizeof *t);
+    t->cap = cap;
+    t->imgs = malloc((size_t)(cap > 0 ? cap : 1) * SH_PER * sizeof(float));
+    t->labs = malloc((size_t)(cap > 0 ? cap : 1) * sizeof(int64_t));
+}
+
+static void taken_free(taken *t) { free(t->imgs), free(t->labs); }
+
+/* Appends up to max batches of ld (max < 0: to the end of the epoch) to t. */
+static void take(ampc_loader *ld, int64_t max, taken *t) {
+    ampc_tensor *x, *y;
+    int rc = 1;
+    ampc_scope_begin();
+    while ((max < 0 || max-- > 0) && (rc = ampc_loader_next(ld, &x, &y)) == 1) {
+        int64_t rows = ampc_tensor_dim(y, 0);
+        assert_true(t->nb < SH_MAX_BATCHES && t->n + rows <= t->cap);
+        assert_int_equal(ampc_tensor_numel(x), rows * SH_PER);
+        memcpy(t->imgs + t->n * SH_PER, ampc_tensor_data(x), (size_t)(rows * SH_PER) * sizeof(float));
+        memcpy(t->labs + t->n, ampc_tensor_data(y), (size_t)rows * sizeof(int64_t));
+        t->rows[t->nb] = rows;
+        t->pos[t->nb++] = ampc_loader_epoch_position(ld);
+        t->n += rows;
+        ampc_scope_end();
+        ampc_scope_begin();
+    }
+    ampc_scope_end();
+    if (rc < 0) fail_msg("loader_next: %s", ampc_last_error());
+}
+
+static ampc_dataset *shard_dataset(int64_t n) {
+    ampc_dataset *ds = synth_new(n, 1, 3, 3, -1);
+    ds->num_classes = 1 << 20;   /* label = sample index */
+    return ds;
+}
+
+static ampc_loader *shard_loader(ampc_dataset *ds, const ampc_transforms *tf, int64_t batch, bool drop_last,
+                                 int workers, int rank, int count) {
+    ampc_loader_options o = ampc_loader_defaults();
+    o.batch_size = batch;
+    o.drop_last = drop_last;
+    o.seed = 21;
+    o.num_workers = workers;
+    o.transforms = tf;
+    o.shard_rank = rank;
+    o.shard_count = count;
+    ampc_loader *ld = ampc_loader_new(ds, &o);
+    ASSERT_NOT_NULL_MSG(ld);
+    return ld;
+}
+
+/* One whole epoch of a single-process loader with batch size `batch`. */
+static void single_epoch(ampc_dataset *ds, const ampc_transforms *tf, int64_t batch, bool drop_last, int64_t epoch,
+                         taken *t) {
+    ampc_loader *ld = shard_loader(ds, tf, batch, drop_last, 0, 0, 1);
+    taken_init(t, ampc_dataset_size(ds));
+    ASSERT_OK(ampc_loader_start_epoch(ld, epoch));
+    take(ld, -1, t);
+    ampc_loader_free(ld);
+}
+
+/* The epoch's permutation and every sample's transformed image, in that order (batch size 1). */
+static void epoch_perm(ampc_dataset *ds, const ampc_transforms *tf, int64_t epoch, taken *perm) {
+    single_epoch(ds, tf, 1, false, epoch, perm);
+    const int64_t n = ampc_dataset_size(ds);
+    assert_int_equal(perm->n, n);
+    int *seen = calloc((size_t)n + 1, sizeof *seen);
+    for (int64_t k = 0; k < n; k++) seen[perm->labs[k]]++;
+    for (int64_t i = 0; i < n; i++) assert_int_equal(seen[i], 1);
+    free(seen);
+}
+
+/* Batches this rank should get, from the rules written out again: full global batches of
+   W * B, then the rest R split in rank order unless drop_last or R < W. */
+static int64_t expected_batches(int64_t left, int w, int64_t b, bool drop_last) {
+    const int64_t g = w * b, rest = left % g;
+    return left / g + (rest > 0 && !drop_last && rest >= w);
+}
+
+/* Rows of rank r in global batch s when the epoch has `left` samples. */
+static int64_t expected_rows(int64_t left, int w, int64_t b, int64_t s, int r) {
+    const int64_t g = w * b, rest = left - s * g;
+    return rest >= g ? b : rest / w + (r < rest % w);
+}
+
+/* Walks global batches 0..nb of w ranks (tk[r]), rank after rank, checking each batch's size
+   against the rules, each sample (label and image, bit for bit) against ref's sample stream
+   from position at, and the epoch position after each batch (start: the epoch's first sample).
+   Returns the position in ref after the last sample. */
+static int64_t check_concat(const taken *tk, int w, int64_t b, int64_t start, int64_t n, const taken *ref, int64_t at) {
+    const int64_t nb = tk[0].nb;
+    int64_t off[8] = {0};
+    for (int64_t s = 0; s < nb; s++) {
+        const int64_t pos = start + (s + 1) * w * b < n ? start + (s + 1) * w * b : n;
+        for (int r = 0; r < w; r++) {
+            assert_int_equal(tk[r].nb, nb);
+            assert_int_equal(tk[r].rows[s], expected_rows(n - start, w, b, s, r));
+            assert_int_equal(tk[r].pos[s], pos);
+            const int64_t rows = tk[r].rows[s];
+            assert_true(at + rows <= ref->n);
+            assert_memory_equal(tk[r].labs + off[r], ref->labs + at, (size_t)rows * sizeof(int64_t));
+            assert_memory_equal(tk[r].imgs + off[r] * SH_PER, ref->imgs + at * SH_PER, (size_t)(rows * SH_PER) * sizeof(float));
+            off[r] += rows;
+            at += rows;
+        }
+    }
+    for (int r = 0; r < w; r++) assert_int_equal(off[r], tk[r].n);
+    return at;
+}
+
+/* Runs w ranks of batch b over one epoch of a dataset of n samples and checks them against a
+   single-process loader of batch w * b and against the permutation. cover counts the cases met:
+   n % G == 0, R >= W, 0 < R < W, n < G. */
+static void check_shards(int64_t n, int w, int64_t b, bool drop_last, int workers, const ampc_transforms *tf,
+                         int cover[4]) {
+    ampc_dataset *ds = shard_dataset(n);
+    const int64_t epoch = 2, g = w * b, rest = n % g, nb = expected_batches(n, w, b, drop_last);
+    cover[0] += rest == 0, cover[1] += rest >= w, cover[2] += rest > 0 && rest < w, cover[3] += n < g;
+    taken perm, big, tk[8];
+    epoch_perm(ds, tf, epoch, &perm);
+    single_epoch(ds, tf, g, drop_last, epoch, &big);
+    for (int r = 0; r < w; r++) {
+        ampc_loader *ld = shard_loader(ds, tf, b, drop_last, workers, r, w);
+        assert_int_equal(ampc_loader_num_batches(ld), nb);
+        assert_int_equal(ampc_loader_epoch_position(ld), 0);
+        taken_init(&tk[r], n);
+        ASSERT_OK(ampc_loader_start_epoch(ld, epoch));
+        take(ld, -1, &tk[r]);
+        assert_int_equal(tk[r].nb, nb);
+        ampc_loader_free(ld);
+    }
+    /* ranks' batch s in rank order = the single-process batch s of size G, bit for bit */
+    const int64_t kept = check_concat(tk, w, b, 0, n, &big, 0);
+    for (int64_t s = 0; s < nb; s++) {
+        int64_t sum = 0;
+        for (int r = 0; r < w; r++) sum += tk[r].rows[s];
+        assert_int_equal(big.rows[s], sum);
+    }
+    /* every sample once, except the permutation's tail the rules drop */
+    assert_int_equal(kept, n / g * g + (rest > 0 && !drop_last && rest >= w ? rest : 0));
+    int *seen = calloc((size_t)n, sizeof *seen);
+    for (int r = 0; r < w; r++)
+        for (int64_t k = 0; k < tk[r].n; k++) seen[tk[r].labs[k]]++;
+    for (int64_t k = 0; k < n; k++) assert_int_equal(seen[perm.labs[k]], k < kept);
+    free(seen);
+    for (int r = 0; r < w; r++) taken_free(&tk[r]);
+    taken_free(&perm), taken_free(&big);
+    ampc_dataset_free(ds);
+}
+
+static ampc_transforms *shard_transforms(void) {
+    ampc_transforms *t = ampc_transforms_new();
+    ASSERT_OK(ampc_transforms_add_hflip(t, 0.5));
+    ASSERT_OK(ampc_transforms_add_affine(t, 0.2, 0.9, 1.1, 20.0));
+    return t;
+}
+
+static void test_loader_shards(void **state) {
+    (void)state;
+    ampc_transforms *tf = shard_transforms();
+    const int64_t ns[] = {1, 2, 7, 12, 23, 30, 31, 60}, bs[] = {1, 3, 4};
+    int cover[4] = {0};
+    for (int w = 1; w <= 5; w++)
+        for (size_t bi = 0; bi < sizeof bs / sizeof bs[0]; bi++)
+            for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++)
+                for (int drop = 0; drop <= 1; drop++)
+                    for (int workers = 0; workers <= 2; workers += 2)
+                        check_shards(ns[ni], w, bs[bi], drop, workers, tf, cover);
+    for (int k = 0; k < 4; k++) assert_true(cover[k] > 0);
+    ampc_transforms_free(tf);
+}
+
+/* shard_count 1 (and rank 0) is the loader as it was: the same batches as the defaults and
+   as NULL options, batch b = permutation positions [b*B, b*B + B), the short last batch kept. */
+static void test_loader_shard_one(void **state) {
+    (void)state;
+    ampc_dataset *ds = shard_dataset(29);
+    taken perm, tk[3];
+    epoch_perm(ds, NULL, 0, &perm);
+    ampc_loader_options o = ampc_loader_defaults();
+    assert_int_equal(o.shard_rank, 0);
+    assert_int_equal(o.shard_count, 1);
+    o.seed = 21;
+    o.batch_size = 8;
+    ampc_loader *lds[3] = {ampc_loader_new(ds, &o), shard_loader(ds, NULL, 8, false, 0, 0, 1),
+                           shard_loader(ds, NULL, 8, false, 2, 0, 1)};
+    for (int v = 0; v < 3; v++) {
+        ASSERT_NOT_NULL_MSG(lds[v]);
+        assert_int_equal(ampc_loader_num_batches(lds[v]), 4);
+        taken_init(&tk[v], 29);
+        take(lds[v], -1, &tk[v]);   /* epoch 0 implied */
+        assert_int_equal(tk[v].nb, 4);
+        assert_int_equal(tk[v].rows[3], 5);
+        assert_int_equal(tk[v].n, 29);
+        assert_memory_equal(tk[v].labs, perm.labs, 29 * sizeof(int64_t));
+        assert_memory_equal(tk[v].imgs, perm.imgs, 29 * SH_PER * sizeof(float));
+        ampc_loader_free(lds[v]);
+        taken_free(&tk[v]);
+    }
+    /* NULL options: batch 64, seed 0, one batch of all 29 */
+    ampc_loader *ld = ampc_loader_new(ds, NULL);
+    taken t;
+    taken_init(&t, 29);
+    take(ld, -1, &t);
+    assert_int_equal(t.nb, 1);
+    assert_int_equal(t.n, 29);
+    assert_int_equal(ampc_loader_epoch_position(ld), 29);
+    ampc_loader_free(ld);
+    taken_free(&t), taken_free(&perm);
+    ampc_dataset_free(ds);
+}
+
+/* w1 ranks take k batches each; their common epoch position resumes the epoch on w2 ranks:
+   before and after together are the permutation in order, each sample once, up to the tail
+   the rules drop after the resume. */
+static void check_resume(int64_t n, int64_t b, int w1, int w2, int64_t k, bool drop_last, int workers,
+                         const ampc_transforms *tf) {
+    ampc_dataset *ds = shard_dataset(n);
+    const int64_t epoch = 5;
+    taken perm, pre[8], post[8];
+    epoch_perm(ds, tf, epoch, &perm);
+    int64_t pos = -1;
+    for (int r = 0; r < w1; r++) {
+        ampc_loader *ld = shard_loader(ds, tf, b, drop_last, workers, r, w1);
+        taken_init(&pre[r], n);
+        ASSERT_OK(ampc_loader_start_epoch(ld, epoch));
+        assert_int_equal(ampc_loader_epoch_position(ld), 0);
+        take(ld, k, &pre[r]);
+        int64_t p = ampc_loader_epoch_position(ld);
+        if (r == 0) pos = p;
+        assert_int_equal(p, pos);   /* the same on every rank */
+        ampc_loader_free(ld);
+    }
+    const int64_t taken_k = pre[0].nb, full = taken_k * w1 * b;
+    assert_int_equal(taken_k, k < expected_batches(n, w1, b, drop_last) ? k : expected_batches(n, w1, b, drop_last));
+    assert_int_equal(pos, full < n ? full : n);
+    assert_int_equal(check_concat(pre, w1, b, 0, n, &perm, 0), pos);   /* before: exactly perm[0, pos) */
+
+    const int64_t nb2 = expected_batches(n - pos, w2, b, drop_last);
+    for (int r = 0; r < w2; r++) {
+        ampc_loader *ld = shard_loader(ds, tf, b, drop_last, workers, r, w2);
+        taken_init(&post[r], n);
+        ASSERT_OK(ampc_loader_start_epoch_at_sample(ld, epoch, pos));
+        assert_int_equal(ampc_loader_num_batches(ld), nb2);
+        assert_int_equal(ampc_loader_epoch_position(ld), pos);
+        take(ld, -1, &post[r]);
+        assert_int_equal(post[r].nb, nb2);
+        ampc_loader_free(ld);
+    }
+    const int64_t rest = (n - pos) % (w2 * b);
+    const int64_t at = check_concat(post, w2, b, pos, n, &perm, pos);
+    assert_int_equal(at, n - rest + (rest > 0 && !drop_last && rest >= w2 ? rest : 0));
+    for (int r = 0; r < w1; r++) taken_free(&pre[r]);
+    for (int r = 0; r < w2; r++) taken_free(&post[r]);
+    taken_free(&perm);
+    ampc_dataset_free(ds);
+}
+
+static void test_loader_shard_resume(void **state) {
+    (void)state;
+    ampc_transforms *tf = shard_transforms();
+    const int pairs[][2] = {{2, 1}, {1, 2}, {3, 2}, {2, 3}, {4, 3}, {1, 5}};
+    const int64_t ns[] = {31, 40, 17};
+    for (size_t p = 0; p < sizeof pairs / sizeof pairs[0]; p++)
+        for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++)
+            for (int64_t k = 0; k <= 6; k++)
+                for (int drop = 0; drop <= 1; drop++)
+                    for (int workers = 0; workers <= 2; workers += 2)
+                        check_resume(ns[ni], 3, pairs[p][0], pairs[p][1], k, drop, workers, tf);
+    ampc_transforms_free(tf);
+}
+
+/* Prefetching workers run ahead, but the position counts only the batches handed out: the same
+   as without workers after every batch, and after a start_epoch_at. */
+static void test_loader_shard_position_workers(void **state) {
+    (void)state;
+    ampc_dataset *ds = shard_dataset(101);
+    int64_t pos[2][40];
+    for (int v = 0; v < 2; v++) {
+        ampc_loader_options o = ampc_loader_defaults();
+        o.batch_size = 4;
+        o.shard_rank = 1;
+        o.shard_count = 3;
+        o.num_workers = 2 * v;
+        o.prefetch = 6 * v;
+        ampc_loader *ld = ampc_loader_new(ds, &o);
+        ASSERT_NOT_NULL_MSG(ld);
+        assert_int_equal(ampc_loader_num_batches(ld), 9);   /* 8 x 12, then 5 split 2 2 1 */
+        ampc_tensor *x, *y;
+        ampc_scope_begin();
+        ASSERT_OK(ampc_loader_start_epoch(ld, 1));
+        for (int k = 0; k < 3; k++) assert_int_equal(ampc_loader_next(ld, &x, &y), 1);
+        usleep(20000);   /* let the workers fill every slot */
+        int64_t k = 0;
+        pos[v][k++] = ampc_loader_epoch_position(ld);
+        int rc;
+        while ((rc = ampc_loader_next(ld, &x, &y)) == 1) pos[v][k++] = ampc_loader_epoch_position(ld);
+        assert_int_equal(rc, 0);
+        assert_int_equal(k, 7);
+        ampc_scope_end();
+        ASSERT_OK(ampc_loader_start_epoch_at(ld, 1, 4));
+        pos[v][k++] = ampc_loader_epoch_position(ld);
+        ampc_loader_free(ld);
+    }
+    assert_memory_equal(pos[0], pos[1], 8 * sizeof(int64_t));
+    const int64_t want[8] = {36, 48, 60, 72, 84, 96, 101, 48};
+    assert_memory_equal(pos[0], want, sizeof want);
+    ampc_dataset_free(ds);
+}
+
+/* Bad shard options and resume positions: a clear error naming the value, no crash. */
+static void test_loader_shard_errors(void **state) {
+    (void)state;
+    ampc_dataset *ds = shard_dataset(20);
+    const int bad[][2] = {{2, 2}, {5, 3}, {-1, 2}, {0, 0}, {0, -3}};
+    const char *words[] = {"shard_rank 2 not in [0, 2)", "shard_rank 5 not in [0, 3)", "shard_rank -1 not in [0, 2)",
+                           "shard_count 0 < 1", "shard_count -3 < 1"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        ampc_loader_options o = ampc_loader_defaults();
+        o.shard_rank = bad[i][0];
+        o.shard_count = bad[i][1];
+        ampc_clear_error();
+        assert_null(ampc_loader_new(ds, &o));
+        assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+        if (!strstr(ampc_last_error(), words[i])) fail_msg("'%s' lacks '%s'", ampc_last_error(), words[i]);
+    }
+    ampc_loader_options o = ampc_loader_defaults();
+    o.batch_size = INT64_MAX / 2;
+    o.shard_count = 3;
+    assert_null(ampc_loader_new(ds, &o));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+
+    ampc_loader *ld = shard_loader(ds, NULL, 3, false, 2, 1, 2);   /* 20 = 3 x 6 + 2: 4 batches */
+    assert_int_equal(ampc_loader_num_batches(ld), 4);
+    const int64_t bad_sample[] = {-1, 21, INT64_MAX};
+    for (size_t i = 0; i < 3; i++) {
+        assert_int_equal(ampc_loader_start_epoch_at_sample(ld, 0, bad_sample[i]), AMPC_ERR_INVALID);
+        char want[64];
+        snprintf(want, sizeof want, "first sample %lld not in [0, 20]", (long long)bad_sample[i]);
+        if (!strstr(ampc_last_error(), want)) fail_msg("'%s' lacks '%s'", ampc_last_error(), want);
+    }
+    assert_int_equal(ampc_loader_start_epoch_at_sample(ld, -1, 0), AMPC_ERR_INVALID);
+    assert_int_equal(ampc_loader_start_epoch_at_sample(NULL, 0, 0), AMPC_ERR_INVALID);
+    /* a short epoch does not shorten what start_epoch_at accepts */
+    ASSERT_OK(ampc_loader_start_epoch_at_sample(ld, 0, 13));
+    assert_int_equal(ampc_loader_num_batches(ld), 1);   /* 7 left: 6, then 1 < 2 ranks dropped */
+    ASSERT_OK(ampc_loader_start_epoch_at(ld, 0, 4));
+    assert_int_equal(ampc_loader_num_batches(ld), 4);
+    assert_int_equal(ampc_loader_epoch_position(ld), 20);
+    assert_int_equal(ampc_loader_start_epoch_at(ld, 0, 5), AMPC_ERR_INVALID);
+    ASSERT_OK(ampc_loader_start_epoch_at_sample(ld, 0, 20));
+    assert_int_equal(ampc_loader_num_batches(ld), 0);
+    ampc_tensor *x, *y;
+    assert_int_equal(ampc_loader_next(ld, &x, &y), 0);
+    assert_int_equal(ampc_loader_epoch_position(ld), 20);
+    ampc_loader_free(ld);
+    assert_int_equal(ampc_loader_epoch_position(NULL), 0);
+    ampc_dataset_free(ds);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Debian's Fashion-MNIST (dataset-fashion-mnist)
 
 static void test_fashion_mnist(void **state) {
@@ -860,6 +1235,11 @@ int main(void) {
         cmocka_unit_test(test_loader_early_free_and_restart),
         cmocka_unit_test(test_loader_errors),
         cmocka_unit_test(test_loader_start_at),
+        cmocka_unit_test(test_loader_shards),
+        cmocka_unit_test(test_loader_shard_one),
+        cmocka_unit_test(test_loader_shard_resume),
+        cmocka_unit_test(test_loader_shard_position_workers),
+        cmocka_unit_test(test_loader_shard_errors),
         cmocka_unit_test(test_fashion_mnist),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

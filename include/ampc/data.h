@@ -100,15 +100,29 @@ int ampc_transforms_apply(const ampc_transforms *t, int64_t c, int64_t h, int64_
 //         if (rc < 0) fail(ampc_last_error());
 //     }
 //     ampc_loader_free(ld);
+//
+// Data-parallel training (DistributedSampler): each of W ranks makes a loader with the same
+// options and dataset plus shard_rank = its rank, shard_count = W. Every rank shuffles the same
+// permutation of (seed, epoch); global batch s is its next W * batch_size samples, and rank r
+// takes the r-th batch_size of them, so the ranks' batches s, concatenated in rank order, are
+// batch s of one loader with batch_size W * batch_size. The last global batch of R < W *
+// batch_size samples is dropped with drop_last; otherwise it is split in rank order as evenly
+// as possible (the first R % W ranks get R / W + 1 samples, the others R / W), except that when
+// R < W those R samples are dropped, as every rank needs a sample in every step. So every rank
+// has the same number of batches. Random transforms depend on the sample, not on its rank.
+// To checkpoint mid-epoch, store ampc_loader_epoch_position and resume, on any number of
+// ranks, with ampc_loader_start_epoch_at_sample.
 
 typedef struct {
-    int64_t batch_size;    /* default 64 */
+    int64_t batch_size;    /* default 64; per rank when sharded */
     bool shuffle;          /* default true: order from (seed, epoch) */
     bool drop_last;        /* default false: the last batch may be smaller */
     uint64_t seed;         /* default 0: shuffling and random transforms */
     int num_workers;       /* default 0: batches made on the calling thread in ampc_loader_next */
     int prefetch;          /* batches made ahead by workers; default (0) 2 per worker */
     const ampc_transforms *transforms;   /* default NULL; copied by ampc_loader_new */
+    int shard_rank;        /* default 0: this rank, in [0, shard_count) */
+    int shard_count;       /* default 1 (no sharding: every sample here): the number of ranks */
 } ampc_loader_options;
 typedef struct ampc_loader ampc_loader;
 
@@ -119,13 +133,28 @@ ampc_loader *ampc_loader_new(ampc_dataset *ds, const ampc_loader_options *o);
    num_workers. Abandons the rest of a running epoch. ampc_loader_next starts epoch 0 itself if no
    epoch was started. */
 int ampc_loader_start_epoch(ampc_loader *ld, int64_t epoch);
-/* The same, continuing epoch `epoch` at batch first_batch (0..num_batches): the batches handed
-   out are exactly those an uninterrupted epoch hands out from there (resuming mid-epoch). */
+/* The same, continuing epoch `epoch` at batch first_batch (0..num_batches of a whole epoch):
+   the batches handed out are exactly those an uninterrupted epoch hands out from there
+   (resuming mid-epoch on the same shard_count; it is start_epoch_at_sample at sample
+   first_batch * shard_count * batch_size, but num_batches stays that of a whole epoch). */
 int ampc_loader_start_epoch_at(ampc_loader *ld, int64_t epoch, int64_t first_batch);
+/* Continues epoch `epoch` at global sample first_sample (0..dataset size): the samples all
+   ranks together took so far, as ampc_loader_epoch_position returned them, on any shard_count.
+   The remaining samples of the permutation are split into global batches as in a whole epoch
+   (so the batches taken before and after are the epoch's samples, each once, up to the drops
+   at its end described above); num_batches becomes those of this shortened epoch. */
+int ampc_loader_start_epoch_at_sample(ampc_loader *ld, int64_t epoch, int64_t first_sample);
+/* Global sample position in the current epoch after the batches ampc_loader_next has returned
+   (all ranks together: the epoch's first sample + batches handed * shard_count * batch_size,
+   at most the dataset size); prefetching workers do not move it, and it is the same on every
+   rank after the same number of batches. 0 before any epoch starts. */
+int64_t ampc_loader_epoch_position(const ampc_loader *ld);
 /* Next batch: 1 and two new tensors in the caller's current scope; 0 at the end of the epoch
    (and on every call after it until the next start_epoch); < 0 on error (a dataset or transform
    error, also one from a worker thread, with its message), sticky until the next start_epoch. */
 int ampc_loader_next(ampc_loader *ld, ampc_tensor **images, ampc_tensor **labels);
+/* This rank's batches in the current epoch, the same on every rank: set by ampc_loader_new to
+   those of a whole epoch, and by each start_epoch call (start_epoch_at_sample: the rest only). */
 int64_t ampc_loader_num_batches(const ampc_loader *ld);
 /* Output shape of each sample (after transforms). */
 void ampc_loader_sample_shape(const ampc_loader *ld, int64_t *c, int64_t *h, int64_t *w);

@@ -3,9 +3,14 @@
  * made on the calling thread (num_workers = 0) or by background pthreads ahead of use.
  *
  * Determinism: the epoch's order is a Philox permutation of (seed, epoch) made in
- * start_epoch, batch b is always positions [b*B, b*B + B) of it, and a sample's random
+ * start_epoch, batch b is always the same positions of it (batch_span), and a sample's random
  * transforms depend on (seed, epoch, sample index) only. So which worker makes which batch,
  * and in what order they finish, cannot change a single bit of the output.
+ *
+ * Shards (data-parallel ranks; this file knows no MPI): with W = shard_count ranks of B samples
+ * each, global batch s is positions [start + s*W*B, start + (s+1)*W*B) of the permutation and
+ * rank r takes the r-th slice of it, so the ranks' batches s, concatenated in rank order, are
+ * the batch s of one loader with batch size W*B. W = 1 is the single-process loader.
  *
  * Threads: `prefetch` slots, each a batch buffer malloc'd once (no allocation per batch).
  * Batch b lives in slot b % prefetch. A worker claims the next batch number under the mutex
@@ -49,7 +54,10 @@ struct ampc_loader {
     ampc_transforms *tf;         /* our copy, or NULL */
     int64_t c, h, w;             /* dataset sample shape */
     int64_t oc, oh, ow;          /* after transforms */
-    int64_t n, n_batches;
+    int64_t n, n_batches;        /* n_batches: this rank's batches of the current epoch */
+    int64_t full_batches;        /* this rank's batches of a whole epoch */
+    int64_t global_batch;        /* shard_count * batch_size */
+    int64_t start;               /* the epoch's first sample (position in perm) */
     int64_t *perm;               /* (n) this epoch's order */
     int64_t epoch;
     bool started;
@@ -73,7 +81,8 @@ struct ampc_loader {
 
 ampc_loader_options ampc_loader_defaults(void) {
     return (ampc_loader_options){.batch_size = 64, .shuffle = true, .drop_last = false, .seed = 0,
-                                 .num_workers = 0, .prefetch = 0, .transforms = NULL};
+                                 .num_workers = 0, .prefetch = 0, .transforms = NULL, .shard_rank = 0,
+                                 .shard_count = 1};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -86,18 +95,36 @@ static const char *bare_message(int status) {
     return strncmp(m, p, k) == 0 && m[k] == ':' && m[k + 1] == ' ' ? m + k + 2 : m;
 }
 
-static int64_t batch_rows(const ampc_loader *ld, int64_t b) {
-    int64_t left = ld->n - b * ld->o.batch_size;
-    return left < ld->o.batch_size ? left : ld->o.batch_size;
+/* This rank's batches in an epoch whose samples start at position `start`: the full global
+   batches, plus the last partial one unless drop_last or it has fewer samples than ranks. */
+static int64_t count_batches(const ampc_loader *ld, int64_t start) {
+    const int64_t left = ld->n - start, full = left / ld->global_batch, rest = left - full * ld->global_batch;
+    return full + (rest > 0 && !ld->o.drop_last && rest >= ld->o.shard_count);
+}
+
+/* Batch b of this rank is perm[*first, *first + *rows). The last partial global batch of R
+   samples is split in rank order: the first R % W ranks get R / W + 1, the others R / W. */
+static void batch_span(const ampc_loader *ld, int64_t b, int64_t *first, int64_t *rows) {
+    const int64_t g = ld->start + b * ld->global_batch, left = ld->n - g, r = ld->o.shard_rank;
+    if (left >= ld->global_batch) {
+        *first = g + r * ld->o.batch_size;
+        *rows = ld->o.batch_size;
+        return;
+    }
+    const int64_t q = left / ld->o.shard_count, m = left % ld->o.shard_count;
+    *first = g + r * q + (r < m ? r : m);
+    *rows = q + (r < m);
 }
 
 /* Fills batch b into images/labels. gen >= 0: give up (return 1) once the generation moves on. */
 static int fill_batch(ampc_loader *ld, worker_buf *wb, int64_t b, float *images, int64_t *labels, int gen) {
-    const int64_t rows = batch_rows(ld, b), per = ld->oc * ld->oh * ld->ow;
+    const int64_t per = ld->oc * ld->oh * ld->ow;
+    int64_t first, rows;
+    batch_span(ld, b, &first, &rows);
     ampc_dataset *ds = ld->ds;
     for (int64_t k = 0; k < rows; k++) {
         if (gen >= 0 && atomic_load_explicit(&ld->gen, memory_order_relaxed) != gen) return 1;
-        int64_t idx = ld->perm[b * ld->o.batch_size + k];
+        int64_t idx = ld->perm[first + k];
         float *dst = images + k * per;
         int rc = ds->vt->get(ds, idx, ld->tf ? wb->raw : dst, &labels[k]);
         if (rc >= 0 && ld->tf)
@@ -208,6 +235,15 @@ ampc_loader *ampc_loader_new(ampc_dataset *ds, const ampc_loader_options *opts) 
         return ampc__err_null(AMPC_ERR_INVALID, "loader_new: num_workers %d not in [0, %d]", o.num_workers,
                               LOADER_MAX_WORKERS);
     if (o.prefetch < 0) return ampc__err_null(AMPC_ERR_INVALID, "loader_new: prefetch %d < 0", o.prefetch);
+    if (o.shard_count < 1)
+        return ampc__err_null(AMPC_ERR_INVALID, "loader_new: shard_count %d < 1 (the number of ranks; 1 without sharding)",
+                              o.shard_count);
+    if (o.shard_rank < 0 || o.shard_rank >= o.shard_count)
+        return ampc__err_null(AMPC_ERR_INVALID, "loader_new: shard_rank %d not in [0, %d) (shard_count %d)", o.shard_rank,
+                              o.shard_count, o.shard_count);
+    if (o.batch_size > INT64_MAX / o.shard_count)
+        return ampc__err_null(AMPC_ERR_INVALID, "loader_new: batch_size %lld times shard_count %d overflows",
+                              (long long)o.batch_size, o.shard_count);
     int64_t oc, oh, ow;
     if (ampc_transforms_output_shape(o.transforms, ds->channels, ds->height, ds->width, &oc, &oh, &ow) < 0) return NULL;
 
@@ -228,7 +264,8 @@ ampc_loader *ampc_loader_new(ampc_dataset *ds, const ampc_loader_options *opts) 
     ld->oh = oh;
     ld->ow = ow;
     ld->n = ds->size;
-    ld->n_batches = o.drop_last ? ld->n / o.batch_size : (ld->n + o.batch_size - 1) / o.batch_size;
+    ld->global_batch = o.batch_size * o.shard_count;
+    ld->n_batches = ld->full_batches = count_batches(ld, 0);
     ld->n_workers = o.num_workers;
     ld->n_slots = o.num_workers == 0 ? 0 : o.prefetch > 0 ? o.prefetch : 2 * o.num_workers;
 
@@ -265,14 +302,9 @@ ampc_loader *ampc_loader_new(ampc_dataset *ds, const ampc_loader_options *opts) 
     return ld;
 }
 
-int ampc_loader_start_epoch(ampc_loader *ld, int64_t epoch) { return ampc_loader_start_epoch_at(ld, epoch, 0); }
-
-int ampc_loader_start_epoch_at(ampc_loader *ld, int64_t epoch, int64_t first_batch) {
-    if (!ld) return ampc__err(AMPC_ERR_INVALID, "loader_start_epoch: NULL loader");
-    if (epoch < 0) return ampc__err(AMPC_ERR_INVALID, "loader_start_epoch: epoch %lld < 0", (long long)epoch);
-    if (first_batch < 0 || first_batch > ld->n_batches)
-        return ampc__err(AMPC_ERR_INVALID, "loader_start_epoch: first batch %lld not in [0, %lld]", (long long)first_batch,
-                         (long long)ld->n_batches);
+/* Starts epoch `epoch` with its samples from position start, handing out batch first_batch
+   next (arguments checked by the callers). */
+static int start_epoch(ampc_loader *ld, int64_t epoch, int64_t start, int64_t first_batch) {
     if (ld->n_workers) {
         pthread_mutex_lock(&ld->mu);
         quiesce_locked(ld);
@@ -283,6 +315,8 @@ int ampc_loader_start_epoch_at(ampc_loader *ld, int64_t epoch, int64_t first_bat
         for (int64_t i = 0; i < ld->n; i++) ld->perm[i] = i;
     ld->epoch = epoch;
     ld->started = true;
+    ld->start = start;
+    ld->n_batches = count_batches(ld, start);
     ld->cur = first_batch;
     ld->failed = 0;
     if (ld->n_workers) {
@@ -295,7 +329,34 @@ int ampc_loader_start_epoch_at(ampc_loader *ld, int64_t epoch, int64_t first_bat
     return AMPC_OK;
 }
 
+int ampc_loader_start_epoch(ampc_loader *ld, int64_t epoch) { return ampc_loader_start_epoch_at(ld, epoch, 0); }
+
+int ampc_loader_start_epoch_at(ampc_loader *ld, int64_t epoch, int64_t first_batch) {
+    if (!ld) return ampc__err(AMPC_ERR_INVALID, "loader_start_epoch: NULL loader");
+    if (epoch < 0) return ampc__err(AMPC_ERR_INVALID, "loader_start_epoch: epoch %lld < 0", (long long)epoch);
+    if (first_batch < 0 || first_batch > ld->full_batches)
+        return ampc__err(AMPC_ERR_INVALID, "loader_start_epoch: first batch %lld not in [0, %lld]", (long long)first_batch,
+                         (long long)ld->full_batches);
+    return start_epoch(ld, epoch, 0, first_batch);
+}
+
+int ampc_loader_start_epoch_at_sample(ampc_loader *ld, int64_t epoch, int64_t first_sample) {
+    if (!ld) return ampc__err(AMPC_ERR_INVALID, "loader_start_epoch_at_sample: NULL loader");
+    if (epoch < 0) return ampc__err(AMPC_ERR_INVALID, "loader_start_epoch_at_sample: epoch %lld < 0", (long long)epoch);
+    if (first_sample < 0 || first_sample > ld->n)
+        return ampc__err(AMPC_ERR_INVALID,
+                         "loader_start_epoch_at_sample: first sample %lld not in [0, %lld] (the dataset's size)",
+                         (long long)first_sample, (long long)ld->n);
+    return start_epoch(ld, epoch, first_sample, 0);
+}
+
 int64_t ampc_loader_num_batches(const ampc_loader *ld) { return ld ? ld->n_batches : 0; }
+
+int64_t ampc_loader_epoch_position(const ampc_loader *ld) {
+    if (!ld || !ld->started) return 0;
+    const int64_t left = ld->n - ld->start;   /* cur * G, capped: the last global batch may be short */
+    return ld->start + (ld->cur > left / ld->global_batch ? left : ld->cur * ld->global_batch);
+}
 
 void ampc_loader_sample_shape(const ampc_loader *ld, int64_t *c, int64_t *h, int64_t *w) {
     if (c) *c = ld ? ld->oc : 0;
@@ -317,7 +378,9 @@ int ampc_loader_next(ampc_loader *ld, ampc_tensor **images, ampc_tensor **labels
     if (ld->failed) return ampc__err(ld->failed, "%s", ld->failed_msg);
     if (ld->cur >= ld->n_batches) return 0;
 
-    const int64_t b = ld->cur, rows = batch_rows(ld, b);
+    const int64_t b = ld->cur;
+    int64_t first, rows;
+    batch_span(ld, b, &first, &rows);
     const int64_t xs[4] = {rows, ld->oc, ld->oh, ld->ow}, ys[1] = {rows};
     ampc_tensor *x = ampc__tensor_new(AMPC_F32, AMPC_DEVICE_CPU, 4, xs);
     ampc_tensor *y = x ? ampc__tensor_new(AMPC_I64, AMPC_DEVICE_CPU, 1, ys) : NULL;
