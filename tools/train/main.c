@@ -30,6 +30,13 @@
  * stops at once. The checkpoint is written before the metrics row, so after a kill metrics.csv
  * (rebuilt from the checkpoint on resume) never runs ahead of it.
  *
+ * Data-parallel: started by an MPI launcher (`mpirun -np 4 ampc-train ...`, a hostfile for several
+ * machines) every process trains one replica on its shard of each epoch (--batch-size per
+ * process), gradients averaged during backward (ampc/dist.h). Rank 0 alone prints, draws and
+ * writes checkpoints and metrics.csv; the other ranks print only their errors, prefixed with their
+ * rank. An error on any rank ends the whole job (MPI_Abort) with that rank's exit status.
+ * Without a launcher nothing of MPI is touched.
+ *
  * This file: main, --compare and --compare-checkpoints; train.h lists the other files of tools/train/.
  */
 #include "train.h"
@@ -93,6 +100,12 @@ static int compare_checkpoints(const char *pa, const char *pb) {
 // ---------------------------------------------------------------------------------------------
 
 int main(int argc, char **argv) {
+    if (ampc_dist_launched() && ampc_dist_init(&argc, &argv) < 0) {
+        fprintf(stderr, PROG ": error: starting MPI: %s\n", ampc_last_error());
+        return 1;
+    }
+    const int rank = ampc_dist_rank(), world = ampc_dist_world_size();
+    if (rank > 0 && !freopen("/dev/null", "w", stdout)) return 1;   /* rank 0 speaks for the job */
     settings s;
     const char *cmp_a = NULL, *cmp_b = NULL;
     int prc = parse_args(argc, argv, &s, &cmp_a, &cmp_b), rc = prc < 0 ? -1 : 0;
@@ -104,7 +117,10 @@ int main(int argc, char **argv) {
     if (rc == 0 && ampc_init() < 0) rc = fail_lib("init");
     if (rc == 0) {
         const char *pm = sval(&s, OPT_PROGRESS);
-        progress_set_mode(!strcmp(pm, "bar") ? PROGRESS_BAR : !strcmp(pm, "lines") ? PROGRESS_LINES : !strcmp(pm, "off") ? PROGRESS_OFF : PROGRESS_AUTO);
+        progress_set_mode(rank > 0 || !strcmp(pm, "off") ? PROGRESS_OFF
+                          : !strcmp(pm, "bar")           ? PROGRESS_BAR
+                          : !strcmp(pm, "lines")         ? PROGRESS_LINES
+                                                         : PROGRESS_AUTO);
         if (strcmp(sval(&s, OPT_MAX_MEMORY), "none") != 0) ampc_memory_set_limit((size_t)strtod(sval(&s, OPT_MAX_MEMORY), NULL));
         ampc_autocast_keep_weight_casts(yes(&s, OPT_KEEP_CASTS));
     }
@@ -133,13 +149,22 @@ int main(int argc, char **argv) {
     ampc_shutdown();
     if (rc < 0) {
         fflush(stdout);
-        if (g_interrupt)
-            fprintf(stderr, PROG ": interrupted by %s\n", g_err);
-        else if (g_err_status == AMPC_ERR_OOM || strstr(g_err, "out of memory"))
-            fprintf(stderr, PROG ": error: %s; %s\n", g_err, g_oom_hint);
-        else
-            fprintf(stderr, PROG ": error: %s%s\n", g_err, g_usage ? " (see --help)" : "");
+        char who[32] = "";
+        if (world > 1) snprintf(who, sizeof who, "rank %d: ", rank);
+        if (g_interrupt) {
+            if (rank == 0) fprintf(stderr, PROG ": interrupted by %s\n", g_err);
+        } else if (g_err_status == AMPC_ERR_OOM || strstr(g_err, "out of memory")) {
+            fprintf(stderr, PROG ": %serror: %s; %s\n", who, g_err, g_oom_hint);
+        } else {
+            fprintf(stderr, PROG ": %serror: %s%s\n", who, g_err, g_usage ? " (see --help)" : "");
+        }
+        fflush(stderr);
+        /* a signal stops every rank at the same step (they agree), so they leave together;
+           an error on one rank ends the others, wherever they wait */
+        if (world > 1 && !g_interrupt) ampc_dist_abort(g_exit);
+        ampc_dist_finalize();
         return g_exit;
     }
+    ampc_dist_finalize();
     return 0;
 }

@@ -79,6 +79,8 @@ int checkpoint_save(run *r, int64_t epochs_done, int64_t step, const pass_stats 
     rc = rc < 0 ? rc : kv_add(&kv, META_PREFIX "epoch", buf);
     snprintf(buf, sizeof buf, "%" PRId64, step);
     rc = rc < 0 ? rc : kv_add(&kv, META_PREFIX "step", buf);
+    snprintf(buf, sizeof buf, "%d", r->world);   /* data-parallel: the processes that wrote it */
+    rc = rc < 0 ? rc : kv_add(&kv, META_PREFIX "world_size", buf);
     if (rc == 0 && step > 0) {   /* the interrupted epoch's totals, each read back exactly */
         char text[512], v[7][40];
         fmt_real(partial->loss_sum, v[0], sizeof v[0]);
@@ -177,7 +179,8 @@ static int resume_partial(run *r, const char *meta, const char *path) {
         p = *end ? end + 1 : end;
     }
     free(text);
-    int64_t bs = ival(r->s, OPT_BATCH_SIZE), n_train = ampc_dataset_size(r->d.train);
+    /* data-parallel: the totals are the job's, world_size ranks of batch bs per step */
+    int64_t bs = ival(r->s, OPT_BATCH_SIZE) * r->world, n_train = ampc_dataset_size(r->d.train);
     int64_t want = r->resume_step * bs < n_train ? r->resume_step * bs : n_train;
     if (!ok || n != 7 || v[2] != (double)want || v[1] > v[2] || v[1] != floor(v[1]) || v[5] != floor(v[5]) || v[5] > (double)r->resume_step)
         return fail("--resume '%s': bad metadata '" META_PREFIX "partial' for step %" PRId64, path, r->resume_step);
@@ -234,6 +237,15 @@ int resume_state(run *r) {
         rc = fail("--resume '%s' was trained on %" PRId64 " + %" PRId64 " samples of %" PRId64 " classes, but the data has %" PRId64
                   " + %" PRId64 " of %" PRId64,
                   path, n_train, n_val, n_classes, ampc_dataset_size(r->d.train), ampc_dataset_size(r->d.val), r->d.num_classes);
+    int64_t saved_world = 1;   /* checkpoints from before data-parallel training: one process */
+    if (rc == 0 && ampc_checkpoint_meta_get(meta, META_PREFIX "world_size", NULL, 0) != AMPC_ERR_INVALID)
+        rc = meta_int(meta, path, META_PREFIX "world_size", 1, INT32_MAX, &saved_world);
+    /* an epoch's end resumes on any number of processes; the middle of one (a signal) on as many
+       as wrote it, whose shards it continues */
+    if (rc == 0 && r->resume_step > 0 && saved_world != r->world)
+        rc = fail("--resume '%s' stopped in the middle of epoch %" PRId64 " on %" PRId64 " process(es): resume it on %" PRId64
+                  " (this run has %d), or from a checkpoint written at an epoch's end",
+                  path, r->epoch0 + 1, saved_world, saved_world, r->world);
     if (rc == 0 && r->resume_step > 0) rc = resume_partial(r, meta, path);
     /* the history has one value per finished epoch: count them before trusting the epoch number */
     char *first = NULL;

@@ -59,6 +59,7 @@ void error_reset(void) {
 }
 
 void warn(const char *fmt, ...) {
+    if (ampc_dist_rank() > 0) return;   /* data-parallel: rank 0 speaks for the job */
     va_list ap;
     va_start(ap, fmt);
     fflush(stdout);

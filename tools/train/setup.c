@@ -10,6 +10,7 @@
 #include <stdio.h>
 
 void run_free(run *r) {
+    ampc_ddp_free(r->ddp);
     ampc_loader_free(r->train_ld);
     ampc_loader_free(r->val_ld);
     ampc_metrics_close(r->metrics);
@@ -27,6 +28,9 @@ void run_free(run *r) {
 void print_setup(run *r) {
     print_config(r->s, r->d.desc, r->use_amp);
     printf("  %-14s %s, %d threads\n", "cpu", ampc_cpu_features(), ampc_get_num_threads());
+    if (r->world > 1)
+        printf("  %-14s %d processes (MPI), batch %" PRId64 " each: global batch %" PRId64 "\n", "world", r->world,
+               ival(r->s, OPT_BATCH_SIZE), r->world * ival(r->s, OPT_BATCH_SIZE));
     int64_t ntr = ampc_dataset_size(r->d.train), nva = ampc_dataset_size(r->d.val);
     char c1[32], c2[32], c3[32], c4[32];
     printf("data: %s training samples", fmt_count(ntr, c1, sizeof c1));
@@ -129,6 +133,8 @@ int run_build(run *r) {
     lo.num_workers = (int)ival(s, OPT_NUM_WORKERS);
     lo.shuffle = true;
     lo.transforms = r->d.tf_train;
+    lo.shard_rank = r->rank = ampc_dist_rank();   /* data-parallel: each rank its shard of every epoch */
+    lo.shard_count = r->world = ampc_dist_world_size();
     if (!(r->train_ld = ampc_loader_new(r->d.train, &lo))) return fail_lib("data loader");
     lo.shuffle = false;
     lo.transforms = r->d.tf_val;

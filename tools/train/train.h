@@ -13,6 +13,7 @@
 #define AMPC_TRAIN_H
 
 #include "ampc.h"
+#include "ampc/dist.h"
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -165,6 +166,8 @@ typedef struct {
     ampc_optimizer *opt;
     ampc_scaler *scaler;
     ampc_loader *train_ld, *val_ld;
+    ampc_ddp *ddp;           /* data-parallel (under mpirun): gradients averaged over the ranks */
+    int rank, world;         /* this process's rank and the number of processes (0, 1 alone) */
     ampc_metrics *metrics;
     history hist;
     int64_t epoch0;          /* epochs finished before this session (from --resume) */

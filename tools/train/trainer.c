@@ -119,6 +119,7 @@ static int check_finite_state(run *r, int64_t epoch) {
    (diverged): the epoch just trained is checked. */
 static int save_checkpoint(run *r, int64_t epochs_done, int64_t step, const pass_stats *partial, double epoch_seconds) {
     if (check_finite_state(r, step > 0 || epochs_done == 0 ? epochs_done : epochs_done - 1) < 0) return -1;
+    if (r->rank > 0) return 0;   /* data-parallel: rank 0 writes, the replicas are the same */
     return checkpoint_save(r, epochs_done, step, partial, epoch_seconds);
 }
 
@@ -161,6 +162,14 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, int64_
     if (!training) ampc_no_grad_enter();
     int depth = ampc_scope_depth(), rc = 0;
     for (;;) {
+        if (r->world > 1) {   /* every rank stops at the same step: a signal seen by any of them counts */
+            double sig = g_signal;
+            if (ampc_dist_max_f64(&sig, 1) < 0) {
+                rc = fail_lib("agreeing on a stop");
+                break;
+            }
+            if (sig > 0 && !g_signal) g_signal = (int)sig;
+        }
         if (g_signal) {
             rc = 1;
             break;
@@ -177,6 +186,10 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, int64_
         ampc_tensor *y_cpu = y;   /* the labels stay readable here for counting */
         if (r->device != AMPC_DEVICE_CPU && (!(x = ampc_tensor_to(x, r->device, AMPC_F32)) || !(y = ampc_tensor_to(y, r->device, AMPC_I64)))) {
             rc = fail_lib("copying the batch to the device");
+            break;
+        }
+        if (training && r->ddp && ampc_ddp_sync_buffers(r->ddp) < 0) {   /* rank 0's BatchNorm statistics, as DDP */
+            rc = fail_lib("data-parallel buffers");
             break;
         }
         ampc_autocast_enter(r->amp_dtype, r->use_amp);
@@ -215,6 +228,14 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, int64_
     if (!training) ampc_no_grad_exit();
     if (rc != 0 && p.mode == PROGRESS_BAR) fputc('\n', p.out);   /* the next line starts on its own line */
     if (rc < 0) return rc;
+    if (r->world > 1) {   /* the pass's figures are the job's: every rank's samples summed */
+        pass_stats c0 = carry ? *carry : (pass_stats){0};
+        double v[3] = {st->loss_sum - c0.loss_sum, (double)(st->correct - c0.correct), (double)(st->samples - c0.samples)};
+        if (ampc_dist_allreduce_sum_f64(v, 3) < 0) return fail_lib("summing the ranks' figures");
+        st->loss_sum = c0.loss_sum + v[0];
+        st->correct = c0.correct + (int64_t)v[1];
+        st->samples = c0.samples + (int64_t)v[2];
+    }
     if (rc == 0) progress_end(&p);
     st->seconds = progress_now() - t0;
     st->steps = done;
@@ -258,6 +279,7 @@ static char *path_join(const char *dir, const char *name) {
 }
 
 static int draw_plots(run *r) {
+    if (r->rank > 0) return 0;
     int n = r->hist.n;
     double *x = malloc((size_t)(n ? n : 1) * 5 * sizeof *x);
     if (!x) return fail("out of memory");
@@ -295,6 +317,7 @@ static int draw_plots(run *r) {
 /* metrics.csv with the header and the history so far: on --resume the rows of the finished
    epochs come from the checkpoint, so the file matches the weights even if it was lost. */
 static int open_metrics(run *r) {
+    if (r->rank > 0) return 0;
     char *path = path_join(r->out, "metrics.csv");
     if (!path) return -1;
     r->metrics = ampc_metrics_open(path, COLS, N_COLS, false);
@@ -395,6 +418,11 @@ int train_run(settings *s, run_result *res) {
     if (*sval(s, OPT_RESUME) && (rc = resume_settings(s)) < 0) goto done;
     if ((rc = run_build(&r)) < 0) goto done;
     if (*sval(s, OPT_RESUME) && (rc = resume_state(&r)) < 0) goto done;
+    /* data-parallel: rank 0's weights and buffers everywhere, and gradients averaged from here on */
+    if (r.world > 1 && !(r.ddp = ampc_ddp_new(r.net, NULL))) {
+        rc = fail_lib("data-parallel model");
+        goto done;
+    }
     g_oom_hint = "try a smaller --batch-size or --use-amp yes";
     print_setup(&r);
     int64_t n_epochs = ival(s, OPT_EPOCHS);
@@ -418,12 +446,12 @@ int train_run(settings *s, run_result *res) {
         rc = fail("out of memory");
         goto done;
     }
-    if ((rc = mkdir_p(r.out)) < 0) goto done;
+    if (r.rank == 0 && (rc = mkdir_p(r.out)) < 0) goto done;
     if (!(r.ckpt_path = path_join(r.out, "checkpoint.safetensors")) || (rc = open_metrics(&r)) < 0) {
         rc = -1;
         goto done;
     }
-    ampc_checkpoint_remove_stale_temps(r.ckpt_path);   /* a kill mid-save left it: never renamed */
+    if (r.rank == 0) ampc_checkpoint_remove_stale_temps(r.ckpt_path);   /* a kill mid-save left it: never renamed */
     printf("outputs: %s/{metrics.csv,loss.png,accuracy.png,checkpoint.safetensors}\n", r.out);
     fflush(stdout);
 
@@ -469,7 +497,7 @@ int train_run(settings *s, run_result *res) {
         /* the checkpoint first: after a kill between the two, resume rewrites metrics.csv from the
            checkpoint's history, so the file never runs ahead of what resume continues from */
         if ((rc = history_push(&r.hist, row)) < 0 || (rc = save_checkpoint(&r, e + 1, 0, NULL, 0)) < 0) goto done;
-        if (ampc_metrics_row(r.metrics, row) < 0) {
+        if (r.rank == 0 && ampc_metrics_row(r.metrics, row) < 0) {
             rc = fail_lib("metrics.csv");
             goto done;
         }
