@@ -64,13 +64,20 @@ fi
 "${MPI[@]}" -np 2 "$TRAIN" "${SMALL[@]}" --epochs 1000 --out "$W/kill" >"$W/kill.out" 2>"$W/kill.err" &
 job=$!
 for _ in $(seq 600); do [ -s "$W/kill/checkpoint.safetensors" ] && break; sleep 0.1; done
-victim=$(pgrep -f -- "--out $W/kill" | while read -r p; do
-    [ "$(tr '\0' '\n' </proc/"$p"/environ 2>/dev/null | grep -x 'OMPI_COMM_WORLD_RANK=1')" ] && echo "$p"; done | head -1)
+# the job's processes (mpirun, ranks) by their command line, from /proc (no procps needed)
+job_pids() {
+    local d
+    for d in /proc/[0-9]*; do
+        tr '\0' ' ' <"$d/cmdline" 2>/dev/null | grep -q -- "--out $W/kill" && echo "${d#/proc/}"
+    done
+}
+victim=$(for p in $(job_pids); do
+    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=1' && echo "$p"; done | head -1)
 t0=$SECONDS
 if [ -n "$victim" ]; then kill -9 "$victim"; fi
 for _ in $(seq 600); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
 if kill -0 "$job" 2>/dev/null; then
-    bad "SIGKILL of rank 1: the job still runs after 60 s"; kill -9 "$job"; pkill -9 -f -- "--out $W/kill"
+    bad "SIGKILL of rank 1: the job still runs after 60 s"; kill -9 "$job" $(job_pids)
 fi
 wait "$job"
 rc=$?
