@@ -9,8 +9,10 @@ set -u
 TRAIN=${1:?usage: e2e_dist.sh AMPC_TRAIN MPIRUN}
 MPIRUN=${2:?usage: e2e_dist.sh AMPC_TRAIN MPIRUN}
 . "$(dirname "$0")/e2e_lib.sh" e2e_dist
-# Open MPI refuses root unless told so; a 2-core machine needs --oversubscribe for 2 ranks
+# Open MPI refuses root unless told so; a 2-core machine needs --oversubscribe for 2 ranks;
+# containers often forbid the cross-process copies (CMA) of its shared-memory transport
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+export OMPI_MCA_btl_vader_single_copy_mechanism=none
 MPI=("$MPIRUN" --oversubscribe)
 SMALL=(--limit-train 1024 --limit-val 256 --batch-size 32 --threads 1 --progress off --use-amp no)
 
