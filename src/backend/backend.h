@@ -252,8 +252,13 @@ int ampc__check_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_
    kernel's name k start the messages. */
 int ampc__layer_norm_dims(const ampc_tensor *x, const ampc_tensor *stat, const char *who, const char *k, int64_t *rows,
                           int64_t *cols);
-/* An optimizer item's cast_out (may be NULL): f16/bf16, the parameter's numel and format. */
-int ampc__host_cast_out(const ampc_tensor *param, const ampc_tensor *out);
+/* An SGD or Adam item's tensors, for kernels that update parameters of dtype dt (f32: CPU and
+   CUDA; f64: REF): param and grad of dt and one size, the state the hyperparameters call for
+   present and of dt, an Adam step >= 1, and a cast_out (may be NULL) of f16/bf16 with the
+   parameter's numel and format. `kernels` ends the message of a wrong dtype ("the CPU kernels
+   update fp32 master weights"). Where the tensors live is the backend's own check. */
+int ampc__check_sgd_item(const ampc_optim_item *it, const ampc_sgd_hparams *h, ampc_dtype dt, const char *kernels);
+int ampc__check_adam_item(const ampc_optim_item *it, const ampc_adam_hparams *h, ampc_dtype dt, const char *kernels);
 
 /* Each backend file fills its table (called once, from src/backend/backend.c). */
 void ampc__cpu_backend_init(ampc_backend *be);

@@ -1,8 +1,8 @@
 /*
  * host_checks.c - what the backends share on the host side: checks of kernel arguments
- * (copy_block's blocks, layer norm's shape; for the backends whose memory the CPU reads, the
- * data-dependent validation that must look at tensor contents and the check of a parameter's
- * 16-bit copy), which saved tensor a unary backward reads, and the optimizers' constants.
+ * (copy_block's blocks, layer norm's shape, the optimizer items' tensors; for the backends whose
+ * memory the CPU reads, the data-dependent validation that must look at tensor contents), which
+ * saved tensor a unary backward reads, and the optimizers' constants.
  */
 #include "backend/backend.h"
 
@@ -66,12 +66,42 @@ int ampc__host_ce_targets(const ampc_tensor *logits, const ampc_tensor *targets,
     return AMPC_OK;
 }
 
-int ampc__host_cast_out(const ampc_tensor *param, const ampc_tensor *out) {
+static int check_dtype(const ampc_tensor *t, const char *what, ampc_dtype dt, const char *kernels) {
+    if (t->dtype != dt)
+        return ampc__err(AMPC_ERR_DTYPE, "optimizer step: %s is %s, %s", what, ampc_dtype_name(t->dtype), kernels);
+    return AMPC_OK;
+}
+
+/* What every item needs: param, grad and the 16-bit copy. */
+static int check_item(const ampc_optim_item *it, ampc_dtype dt, const char *kernels) {
+    if (check_dtype(it->param, "parameter", dt, kernels) < 0 || check_dtype(it->grad, "grad", dt, kernels) < 0)
+        return ampc_last_status();
+    if (it->grad->numel != it->param->numel) return ampc__err(AMPC_ERR_SHAPE, "optimizer step: grad and parameter sizes differ");
+    const ampc_tensor *out = it->cast_out;
     if (!out) return AMPC_OK;
     if (out->dtype != AMPC_BF16 && out->dtype != AMPC_F16)
         return ampc__err(AMPC_ERR_DTYPE, "optimizer step: the parameter's copy is %s, not f16/bf16", ampc_dtype_name(out->dtype));
-    if (out->numel != param->numel || out->format != param->format)
+    if (out->numel != it->param->numel || out->format != it->param->format)
         return ampc__err(AMPC_ERR_SHAPE, "optimizer step: the parameter's 16-bit copy has another shape or format");
+    return AMPC_OK;
+}
+
+int ampc__check_sgd_item(const ampc_optim_item *it, const ampc_sgd_hparams *h, ampc_dtype dt, const char *kernels) {
+    int rc = check_item(it, dt, kernels);
+    if (rc < 0 || h->momentum == 0) return rc;
+    if (!it->state[0]) return ampc__err(AMPC_ERR_INVALID, "SGD with momentum needs a buffer");
+    return check_dtype(it->state[0], "momentum buffer", dt, kernels);
+}
+
+int ampc__check_adam_item(const ampc_optim_item *it, const ampc_adam_hparams *h, ampc_dtype dt, const char *kernels) {
+    int rc = check_item(it, dt, kernels);
+    if (rc < 0) return rc;
+    if (!it->state[0] || !it->state[1]) return ampc__err(AMPC_ERR_INVALID, "Adam needs exp_avg and exp_avg_sq");
+    if (check_dtype(it->state[0], "exp_avg", dt, kernels) < 0 || check_dtype(it->state[1], "exp_avg_sq", dt, kernels) < 0)
+        return ampc_last_status();
+    if (h->amsgrad && !it->state[2]) return ampc__err(AMPC_ERR_INVALID, "amsgrad needs max_exp_avg_sq");
+    if (h->amsgrad && check_dtype(it->state[2], "max_exp_avg_sq", dt, kernels) < 0) return ampc_last_status();
+    if (it->step < 1) return ampc__err(AMPC_ERR_INVALID, "Adam step %lld (steps count from 1)", (long long)it->step);
     return AMPC_OK;
 }
 

@@ -23,22 +23,11 @@
 #define BLK 16384   /* elements per call of an update loop (threads take whole blocks) */
 #define GROUP 64    /* parameters per parallel region (the per-call tables live on the stack) */
 
-static int check_f32(const ampc_tensor *t, const char *what) {
-    if (t->dtype != AMPC_F32)
-        return ampc__err(AMPC_ERR_DTYPE, "optimizer step: %s is %s, the CPU kernels update fp32 master weights", what,
-                         ampc_dtype_name(t->dtype));
-    return AMPC_OK;
-}
+#define KERNELS "the CPU kernels update fp32 master weights"
 
 /* The converter for the optional 16-bit copy of the parameter (NULL: none): the dtype's own,
    the one every cast from f32 goes through. */
 typedef void (*narrow_fn)(const float *, void *, size_t);
-static int cast_out_fn(const ampc_tensor *param, const ampc_tensor *out, narrow_fn *f) {
-    *f = NULL;
-    if (ampc__host_cast_out(param, out) < 0) return ampc_last_status();
-    if (out) *f = ampc__dt(out->dtype)->from_f32;
-    return AMPC_OK;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Many parameters in one region
@@ -75,16 +64,14 @@ static void run_jobs(const job *jobs, int nj) {
 }
 
 /* The common part of a job: its parameter, gradient and 16-bit copy, checked. */
-static int job_init(job *j, const ampc_optim_item *it) {
+/* The item's streams (checked by the caller). */
+static void job_init(job *j, const ampc_optim_item *it) {
     memset(j, 0, sizeof *j);
-    if (check_f32(it->param, "parameter") < 0 || check_f32(it->grad, "grad") < 0) return ampc_last_status();
-    if (it->grad->numel != it->param->numel) return ampc__err(AMPC_ERR_SHAPE, "optimizer step: grad and parameter sizes differ");
-    if (cast_out_fn(it->param, it->cast_out, &j->narrow) < 0) return ampc_last_status();
+    j->narrow = it->cast_out ? ampc__dt(it->cast_out->dtype)->from_f32 : NULL;
     j->param = ampc__data(it->param);
     j->grad = (const float *)ampc__data(it->grad);
     j->out = j->narrow ? ampc__data(it->cast_out) : NULL;
     j->n = (size_t)it->param->numel;
-    return AMPC_OK;
 }
 
 /* Validates every item into jobs, then runs them GROUP at a time; nothing is written unless
@@ -150,10 +137,9 @@ static void sgd_block(const job *j, size_t base, size_t len) {
 
 static int sgd_job(job *j, const ampc_optim_item *it, const void *hp) {
     const ampc_sgd_hparams *h = hp;
-    if (job_init(j, it) < 0) return ampc_last_status();
+    if (ampc__check_sgd_item(it, h, AMPC_F32, KERNELS) < 0) return ampc_last_status();
+    job_init(j, it);
     bool has_m = h->momentum != 0;
-    if (has_m && (!it->state[0] || check_f32(it->state[0], "momentum buffer") < 0))
-        return it->state[0] ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "SGD with momentum needs a buffer");
     j->run = sgd_block;
     j->state[0] = has_m ? ampc__data(it->state[0]) : NULL;
     j->sgd = ampc__sgd_consts(h);
@@ -215,12 +201,8 @@ static void adam_block(const job *j, size_t base, size_t len) {
 
 static int adam_job(job *j, const ampc_optim_item *it, const void *hp) {
     const ampc_adam_hparams *h = hp;
-    if (job_init(j, it) < 0) return ampc_last_status();
-    if (!it->state[0] || !it->state[1]) return ampc__err(AMPC_ERR_INVALID, "Adam needs exp_avg and exp_avg_sq");
-    if (check_f32(it->state[0], "exp_avg") < 0 || check_f32(it->state[1], "exp_avg_sq") < 0) return ampc_last_status();
-    if (h->amsgrad && (!it->state[2] || check_f32(it->state[2], "max_exp_avg_sq") < 0))
-        return it->state[2] ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "amsgrad needs max_exp_avg_sq");
-    if (it->step < 1) return ampc__err(AMPC_ERR_INVALID, "Adam step %lld (steps count from 1)", (long long)it->step);
+    if (ampc__check_adam_item(it, h, AMPC_F32, KERNELS) < 0) return ampc_last_status();
+    job_init(j, it);
     j->adam = ampc__adam_consts(h, it->step);
     j->run = adam_block;
     for (int k = 0; k < 3; k++) j->state[k] = it->state[k] && (k < 2 || h->amsgrad) ? ampc__data(it->state[k]) : NULL;

@@ -10,38 +10,33 @@
 
 #include <string.h>
 
-static int check_f32(const ampc_tensor *t, const char *what) {
-    if (ampc__cu_on_device(t, "optimizer step") < 0) return ampc_last_status();
-    if (t->dtype != AMPC_F32)
-        return ampc__err(AMPC_ERR_DTYPE, "optimizer step: %s is %s, the CUDA kernels update fp32 master weights", what,
-                         ampc_dtype_name(t->dtype));
+#define KERNELS "the CUDA kernels update fp32 master weights"
+
+/* Every tensor of the item is in this device's memory (the rest is ampc__check_*_item's). */
+static int on_device(const ampc_optim_item *it) {
+    const ampc_tensor *t[] = {it->param, it->grad, it->state[0], it->state[1], it->state[2], it->cast_out};
+    for (size_t k = 0; k < sizeof t / sizeof *t; k++)
+        if (t[k] && ampc__cu_on_device(t[k], "optimizer step") < 0) return ampc_last_status();
     return AMPC_OK;
 }
 
-static int job_init(ampc_cu_optim_job *j, const ampc_optim_item *it) {
+/* The item's streams (checked by the caller). */
+static void job_init(ampc_cu_optim_job *j, const ampc_optim_item *it) {
     memset(j, 0, sizeof *j);
-    if (check_f32(it->param, "parameter") < 0 || check_f32(it->grad, "grad") < 0) return ampc_last_status();
-    if (it->grad->numel != it->param->numel) return ampc__err(AMPC_ERR_SHAPE, "optimizer step: grad and parameter sizes differ");
     if (it->cast_out) {
-        const ampc_tensor *o = it->cast_out;
-        if (ampc__cu_on_device(o, "optimizer step") < 0) return ampc_last_status();
-        if ((o->dtype != AMPC_F16 && o->dtype != AMPC_BF16) || o->numel != it->param->numel || o->format != it->param->format)
-            return ampc__err(AMPC_ERR_INVALID, "optimizer step: the 16-bit copy must be f16/bf16 of the parameter's size and format");
-        j->out = ampc__data(o);
-        j->out_dtype = o->dtype;
+        j->out = ampc__data(it->cast_out);
+        j->out_dtype = it->cast_out->dtype;
     }
     j->param = ampc__data(it->param);
     j->grad = ampc__data(it->grad);
     j->n = it->param->numel;
-    return AMPC_OK;
 }
 
 static int sgd_job(ampc_cu_optim_job *j, const ampc_optim_item *it, const void *hp) {
     const ampc_sgd_hparams *h = hp;
-    if (job_init(j, it) < 0) return ampc_last_status();
+    if (on_device(it) < 0 || ampc__check_sgd_item(it, h, AMPC_F32, KERNELS) < 0) return ampc_last_status();
+    job_init(j, it);
     bool has_m = h->momentum != 0;
-    if (has_m && (!it->state[0] || check_f32(it->state[0], "momentum buffer") < 0))
-        return it->state[0] ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "SGD with momentum needs a buffer");
     j->state[0] = has_m ? ampc__data(it->state[0]) : NULL;
     j->c.sgd = ampc__sgd_consts(h);
     j->variant = (h->weight_decay != 0) | has_m << 1 | (has_m && it->first) << 2 | (has_m && h->nesterov) << 3 |
@@ -51,12 +46,8 @@ static int sgd_job(ampc_cu_optim_job *j, const ampc_optim_item *it, const void *
 
 static int adam_job(ampc_cu_optim_job *j, const ampc_optim_item *it, const void *hp) {
     const ampc_adam_hparams *h = hp;
-    if (job_init(j, it) < 0) return ampc_last_status();
-    if (!it->state[0] || !it->state[1]) return ampc__err(AMPC_ERR_INVALID, "Adam needs exp_avg and exp_avg_sq");
-    if (check_f32(it->state[0], "exp_avg") < 0 || check_f32(it->state[1], "exp_avg_sq") < 0) return ampc_last_status();
-    if (h->amsgrad && (!it->state[2] || check_f32(it->state[2], "max_exp_avg_sq") < 0))
-        return it->state[2] ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "amsgrad needs max_exp_avg_sq");
-    if (it->step < 1) return ampc__err(AMPC_ERR_INVALID, "Adam step %lld (steps count from 1)", (long long)it->step);
+    if (on_device(it) < 0 || ampc__check_adam_item(it, h, AMPC_F32, KERNELS) < 0) return ampc_last_status();
+    job_init(j, it);
     j->c.adam = ampc__adam_consts(h, it->step);
     j->variant = h->amsgrad | (h->grad_scale != 0) << 1;
     for (int k = 0; k < 3; k++) j->state[k] = it->state[k] && (k < 2 || h->amsgrad) ? ampc__data(it->state[k]) : NULL;
