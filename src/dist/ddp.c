@@ -239,9 +239,9 @@ static int on_finish(void *ctx, int rc) {
 // ---------------------------------------------------------------------------------------------
 // Wrapping
 
-static const ampc_ddp *sort_ctx;
-static int by_address(const void *a, const void *b) {
-    uintptr_t x = (uintptr_t)sort_ctx->params[*(const int *)a].p, y = (uintptr_t)sort_ctx->params[*(const int *)b].p;
+static int by_address(const void *a, const void *b, void *ctx) {
+    const ampc_ddp *d = ctx;
+    uintptr_t x = (uintptr_t)d->params[*(const int *)a].p, y = (uintptr_t)d->params[*(const int *)b].p;
     return x < y ? -1 : x > y;
 }
 
@@ -257,7 +257,7 @@ static void ddp_release(ampc_ddp *d) {
 }
 
 /* Every rank must hold the same architecture: compare counts and shapes with rank 0's. */
-static int check_same_model(ampc_ddp *d, ampc_tensor **st, const char **names, int n) {
+static int check_same_model(ampc_ddp *d, ampc_tensor **st, int n) {
     /* a fingerprint: count, then per tensor its dtype, ndim and shape, hashed in order */
     uint64_t h = 1469598103934665603ull;
     for (int i = 0; i < n; i++) {
@@ -271,7 +271,6 @@ static int check_same_model(ampc_ddp *d, ampc_tensor **st, const char **names, i
     double bad = mine[0] != theirs[0] || mine[1] != theirs[1];
     rc = d->comm->allreduce(&bad, 1, AMPC_F64, AMPC_COMM_MAX);
     if (rc < 0) return rc;
-    (void)names;
     if (bad != 0)
         return ampc__err(AMPC_ERR_SHAPE, "data-parallel: rank %d's model differs from rank 0's (%d state tensors here, %.0f there, "
                                          "or another shape): every rank must build the same architecture",
@@ -303,10 +302,9 @@ ampc_ddp *ampc_ddp_new(ampc_module *model, const ampc_ddp_options *opts) {
         return ampc__err_null(AMPC_ERR_INVALID, "ddp_new: bucket sizes must be at least 4 bytes (got %zu and %zu)", o.bucket_bytes,
                               o.first_bucket_bytes);
     ampc_tensor **params = NULL, **st = NULL;
-    const char **st_names = NULL;
     int n_all = model ? ampc_module_parameters(model, &params, NULL) : ampc__err(AMPC_ERR_INVALID, "ddp_new: NULL model");
     if (n_all < 0) return NULL;
-    int n_st = ampc_module_state_dict(model, &st, &st_names);
+    int n_st = ampc_module_state_dict(model, &st, NULL);
     if (n_st < 0) return NULL;
     ampc_ddp *d = calloc(1, sizeof *d);
     if (!d) return ampc__err_null(AMPC_ERR_OOM, "ddp_new");
@@ -334,7 +332,7 @@ ampc_ddp *ampc_ddp_new(ampc_module *model, const ampc_ddp_options *opts) {
         }
         d->params[d->n_params++].p = params[i];
     }
-    int rc = check_same_model(d, st, st_names, n_st);
+    int rc = check_same_model(d, st, n_st);
     /* buckets: fill up to the cap, the first one to the smaller cap */
     for (int i = 0; i < d->n_params && rc >= 0; i++) {
         ddp_bucket *b = &d->buckets[d->n_buckets ? d->n_buckets - 1 : 0];
@@ -358,8 +356,7 @@ ampc_ddp *ampc_ddp_new(ampc_module *model, const ampc_ddp_options *opts) {
     }
     d->stats.buckets = d->n_buckets;
     for (int i = 0; i < d->n_params; i++) d->by_ptr[i] = i;
-    sort_ctx = d;
-    qsort(d->by_ptr, (size_t)d->n_params, sizeof *d->by_ptr, by_address);
+    qsort_r(d->by_ptr, (size_t)d->n_params, sizeof *d->by_ptr, by_address, d);
     if (rc >= 0) rc = broadcast_tensors(d, st, n_st, false);
     if (rc >= 0) {
         reset_backward(d);

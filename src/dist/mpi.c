@@ -90,6 +90,11 @@ static int mpi_allreduce(void *buf, int64_t count, ampc_dtype dt, ampc_comm_op o
     return e == MPI_SUCCESS ? AMPC_OK : mpi_err(e, "MPI_Allreduce");
 }
 
+static void req_put(ampc_comm_req *r) {
+    r->next_free = w.free_reqs;
+    w.free_reqs = r;
+}
+
 static int mpi_iallreduce(void *buf, int64_t count, ampc_dtype dt, ampc_comm_op op, ampc_comm_req **req) {
     MPI_Datatype type;
     MPI_Op mop;
@@ -101,17 +106,11 @@ static int mpi_iallreduce(void *buf, int64_t count, ampc_dtype dt, ampc_comm_op 
     else if (!(r = calloc(1, sizeof *r))) return ampc__err(AMPC_ERR_OOM, "all-reduce request");
     int e = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, type, mop, w.comm, &r->req);
     if (e != MPI_SUCCESS) {
-        r->next_free = w.free_reqs;
-        w.free_reqs = r;
+        req_put(r);
         return mpi_err(e, "MPI_Iallreduce");
     }
     *req = r;
     return AMPC_OK;
-}
-
-static void req_put(ampc_comm_req *r) {
-    r->next_free = w.free_reqs;
-    w.free_reqs = r;
 }
 
 static int mpi_test(ampc_comm_req *r, bool *done) {
