@@ -359,6 +359,15 @@ ampc_tensor *ampc_adaptive_avg_pool2d(ampc_tensor *x, int out_h, int out_w);
 ampc_tensor *ampc_batch_norm2d(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias,
                                ampc_tensor *running_mean, ampc_tensor *running_var,
                                bool training, double momentum, double eps);
+/* ampc_batch_norm2d with the batch statistics of every process of the job (PyTorch's
+   SyncBatchNorm; see ampc/dist.h): in training, the mean and variance are those of all
+   processes' batches together (and so are the running statistics' updates), and the backward
+   exchanges its per-channel sums likewise, so N processes with batch B normalise as one with
+   batch N*B. Every process must call it at the same point of its step. Evaluation, or a job
+   of one process: exactly ampc_batch_norm2d. CPU and REF devices. */
+ampc_tensor *ampc_sync_batch_norm2d(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias,
+                                    ampc_tensor *running_mean, ampc_tensor *running_var,
+                                    bool training, double momentum, double eps);
 /* Normalises over the last norm_ndim dims; weight/bias have those dims' shape or are NULL. */
 ampc_tensor *ampc_layer_norm(ampc_tensor *x, int norm_ndim, ampc_tensor *weight, ampc_tensor *bias,
                              double eps);
@@ -526,6 +535,11 @@ void ampc_module_free(ampc_module *m);
    the handles stay valid, their storage moves; optimizer state made before the move does not
    (make the optimizer after moving the model). */
 int ampc_module_to(ampc_module *m, ampc_device dev);
+/* PyTorch's nn.SyncBatchNorm.convert_sync_batchnorm, in place: every BatchNorm2d in m becomes a
+   SyncBatchNorm (ampc_sync_batch_norm2d: batch statistics of all processes), with the same
+   parameters, buffers and state_dict names. Returns how many were converted, or a negative
+   status. */
+int ampc_module_convert_sync_batchnorm(ampc_module *m);
 
 /* Convolutional layers (PyTorch's default initialisation: kaiming_uniform(a=sqrt(5)) weights,
    U(+-1/sqrt(fan_in)) bias; BatchNorm: weight 1, bias 0, running_mean 0, running_var 1). */

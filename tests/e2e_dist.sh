@@ -99,5 +99,16 @@ else
     bad "resume after the kill: exit $rc1, $rc2"; tail -5 "$W/kr.err" "$W/kr2.err"
 fi
 
+# 5. --sync-bn: ResNet-18's 20 BatchNorms become SyncBatchNorm and the job trains
+"${MPI[@]}" -np 2 "$TRAIN" --model resnet18 --sync-bn --limit-train 64 --limit-val 32 --batch-size 8 --epochs 1 --threads 1 \
+    --progress off --out "$W/sbn" >"$W/sbn.out" 2>"$W/sbn.err"
+rc=$?
+if [ $rc -eq 0 ] && grep -q "sync-bn        20 BatchNorm layers with the statistics of all 2 processes' batches" "$W/sbn.out" &&
+    grep -q "^epoch 1/1" "$W/sbn.out"; then
+    ok "--sync-bn: resnet18 trains with its 20 BatchNorms synchronised"
+else
+    bad "--sync-bn: exit $rc"; tail -5 "$W/sbn.out" "$W/sbn.err"
+fi
+
 echo "e2e_dist: $FAILS failure(s) in $((SECONDS - T0)) s"
 [ "$FAILS" -eq 0 ]

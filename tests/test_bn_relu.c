@@ -153,13 +153,13 @@ static void test_tiny_negatives(void **state) {
 // ResNet-18
 
 static int (*saved_bn_relu)(const ampc_tensor *, const ampc_tensor *, const ampc_tensor *, ampc_tensor *, ampc_tensor *,
-                            ampc_tensor *, ampc_tensor *, bool, double, double);
+                            ampc_tensor *, ampc_tensor *, bool, double, double, bool);
 static int bn_relu_calls;
 
 static int counting_bn_relu(const ampc_tensor *x, const ampc_tensor *w, const ampc_tensor *b, ampc_tensor *rm,
-                            ampc_tensor *rv, ampc_tensor *y, ampc_tensor *st, bool tr, double mom, double eps) {
+                            ampc_tensor *rv, ampc_tensor *y, ampc_tensor *st, bool tr, double mom, double eps, bool sync) {
     bn_relu_calls++;
-    return saved_bn_relu(x, w, b, rm, rv, y, st, tr, mom, eps);
+    return saved_bn_relu(x, w, b, rm, rv, y, st, tr, mom, eps, sync);
 }
 
 /* The CPU table is a writable static (see tools/bench_profile.c); patched only while no kernel runs. */

@@ -118,8 +118,8 @@ static bn_out run_bn(ampc_device dev, ampc_dtype dt, const int64_t *sh, bool cl,
     ampc_tensor *rm = mk(dev, sdt, 1, &C, false, rm0), *rv = mk(dev, sdt, 1, &C, false, rv0);
     ampc_tensor *sm = mk(dev, sdt, 1, &C, false, NULL), *si = mk(dev, sdt, 1, &C, false, NULL);
     ampc_tensor *gw = mk(dev, sdt, 1, &C, false, NULL), *gb = mk(dev, sdt, 1, &C, false, NULL);
-    ASSERT_OK(be->batch_norm(xt, wt, bt, rm, rv, y, sm, si, cfg->training, 0.1, 1e-5));
-    ASSERT_OK(be->batch_norm_backward(xt, gyt, wt, sm, si, cfg->training, gx, gw, gb));
+    ASSERT_OK(be->batch_norm(xt, wt, bt, rm, rv, y, sm, si, cfg->training, 0.1, 1e-5, false));
+    ASSERT_OK(be->batch_norm_backward(xt, gyt, wt, sm, si, cfg->training, false, gx, gw, gb));
     bn_out o = {vals(y), vals(gx), {vals(sm), vals(si), vals(rm), vals(rv), vals(gw), vals(gb)}};
     ampc_scope_end();
     free(rm0), free(rv0);
@@ -259,7 +259,7 @@ static void test_batch_norm_cl_offset(void **state) {
     ampc_tensor *xt = mk(AMPC_DEVICE_CPU, AMPC_F32, 4, sh, true, x), *y = mk(AMPC_DEVICE_CPU, AMPC_F32, 4, sh, true, NULL);
     ampc_tensor *rm = mk(AMPC_DEVICE_CPU, AMPC_F32, 1, &C, false, NULL), *rv = mk(AMPC_DEVICE_CPU, AMPC_F32, 1, &C, false, NULL);
     /* momentum 1: the buffers receive the batch mean and unbiased variance */
-    ASSERT_OK(be->batch_norm(xt, NULL, NULL, rm, rv, y, NULL, NULL, true, 1.0, 0.0));
+    ASSERT_OK(be->batch_norm(xt, NULL, NULL, rm, rv, y, NULL, NULL, true, 1.0, 0.0, false));
     double *gm = vals(rm), *gv = vals(rv), *gy = vals(y), *want = malloc((size_t)n * sizeof *want);
     for (int64_t i = 0; i < n; i++) want[i] = (x[i] - want_m[i / HW % C]) / sqrt(want_vb[i / HW % C]);
     tu_assert_close("cl offset running_mean", gm, want_m, (size_t)C, 0, 8 * U32);
@@ -304,9 +304,9 @@ static void test_batch_norm_cl_mixed_formats(void **state) {
     ampc_scope_begin();
     ampc_tensor *x = mk(AMPC_DEVICE_CPU, AMPC_F32, 4, sh, true, NULL), *y = mk(AMPC_DEVICE_CPU, AMPC_F32, 4, sh, false, NULL);
     ampc_tensor *sm = mk(AMPC_DEVICE_CPU, AMPC_F32, 1, &C, false, NULL), *si = mk(AMPC_DEVICE_CPU, AMPC_F32, 1, &C, false, NULL);
-    assert_int_equal(be->batch_norm(x, NULL, NULL, NULL, NULL, y, sm, si, true, 0.1, 1e-5), AMPC_ERR_INVALID);
+    assert_int_equal(be->batch_norm(x, NULL, NULL, NULL, NULL, y, sm, si, true, 0.1, 1e-5, false), AMPC_ERR_INVALID);
     ampc_clear_error();
-    assert_int_equal(be->batch_norm_backward(x, y, NULL, sm, si, true, x, NULL, NULL), AMPC_ERR_INVALID);
+    assert_int_equal(be->batch_norm_backward(x, y, NULL, sm, si, true, false, x, NULL, NULL), AMPC_ERR_INVALID);
     ampc_clear_error();
     ampc_scope_end();
 }

@@ -11,6 +11,7 @@
 
 #include "ampc/dist.h"
 #include "core/core.h"
+#include "ops/ops.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -66,11 +67,23 @@ static const ampc_ddp_options *dflt(void) {
     return &o;
 }
 
+/* "bn": two conv + BatchNorm + ReLU stages and a linear head; the BatchNorms as
+   SyncBatchNorm when sync_bn. In training mode (it has no dropout). */
+static ampc_module *bn_model(bool sync_bn) {
+    const ampc_conv2d_options s2 = {.stride = {2, 2}};
+    ampc_module *m = ampc_sequential(8, ampc_conv2d_new(1, 8, 3, &s2, false), ampc_batchnorm2d_new(8), ampc_relu_new(),
+                                     ampc_conv2d_new(8, 16, 3, &s2, false), ampc_batchnorm2d_new(16), ampc_relu_new(),
+                                     ampc_flatten_new(), ampc_linear_new(16 * 6 * 6, 10, true));
+    if (m && sync_bn) D_ASSERT(ampc_module_convert_sync_batchnorm(m) == 2, "convert_sync_batchnorm");
+    return m;
+}
+
 static run run_new(const char *model, mode m, const ampc_ddp_options *ddp) {
     run r = {0};
     ampc_manual_seed(7);
-    r.net = ampc_model_new(model, &(ampc_model_options){0});
-    ampc_module_train(r.net, false);   /* no dropout: its masks depend on which rank draws them */
+    bool bn = !strncmp(model, "bn", 2);   /* "bn" (per-process statistics) or "bn-sync" */
+    r.net = bn ? bn_model(!strcmp(model, "bn-sync")) : ampc_model_new(model, &(ampc_model_options){0});
+    ampc_module_train(r.net, bn);   /* no dropout: its masks depend on which rank draws them */
     r.opt = ampc_sgd_new(r.net, &(ampc_sgd_options){.lr = LR, .momentum = 0.9});
     ampc_scaler_options so = ampc_scaler_defaults();
     so.enabled = m == FP16;
@@ -167,6 +180,13 @@ static void assert_same_scale(const ampc_scaler *sc) {
 
 // ---------------------------------------------------------------------------------------------
 
+/* max |a - b| / max |b| over n values */
+static double rel_max_diff(const double *a, const double *b, size_t n) {
+    double d = 0, m = 0;
+    for (size_t i = 0; i < n; i++) d = fmax(d, fabs(a[i] - b[i])), m = fmax(m, fabs(b[i]));
+    return m > 0 ? d / m : d;
+}
+
 /* STEPS steps of DDP (64/world per rank) against one process on all 64. Bound on the difference,
    relative to the change training made: fp32: the batch's gradient is summed in another order
    (two halves, then their average) - a few ulps of fp32 per gradient, which the steps carry
@@ -174,14 +194,15 @@ static void assert_same_scale(const ampc_scaler *sc) {
    autocast the 16-bit roundings of activations can flip where an fp32 sum differed by an ulp:
    one rounding of the 16-bit type (2^-8, 2^-11) in a few elements; bounded by 4u. With one
    rank the runs are the same computation: equal bit for bit. */
-static double equivalence(const char *model, mode m, ampc_ddp_options o) {
-    run ref = run_new(model, m, NULL), dd = run_new(model, m, &o);
+static double equivalence_steps(const char *model, mode m, ampc_ddp_options o, int steps, bool replicated) {
+    /* the reference of a SyncBatchNorm model: BatchNorm over the whole batch in one process */
+    run ref = run_new(strcmp(model, "bn-sync") ? model : "bn", m, NULL), dd = run_new(model, m, &o);
     int64_t n;
     float *init = weights(ref.net, &n);
-    for (int s = 0; s < STEPS; s++) {
+    for (int s = 0; s < steps; s++) {
         backward(&ref, m, s, 0, GLOBAL, 1, false);
         int a = step(&ref);
-        backward(&dd, m, s, my_lo(), my_hi(), 1, false);
+        backward(&dd, m, s, replicated ? 0 : my_lo(), replicated ? GLOBAL : my_hi(), 1, false);
         int b = step(&dd);
         D_ASSERT(a == b, "%s %s step %d: applied %d vs %d", model, MODE_NAMES[m], s, a, b);
         assert_same_scale(dd.sc);
@@ -194,6 +215,8 @@ static double equivalence(const char *model, mode m, ampc_ddp_options o) {
     return d;
 }
 
+static double equivalence(const char *model, mode m, ampc_ddp_options o) { return equivalence_steps(model, m, o, STEPS, false); }
+
 static void test_equivalence(void **state) {
     (void)state;
     const char *models[] = {"mlp", "cnn"};
@@ -204,6 +227,123 @@ static void test_equivalence(void **state) {
             if (rank == 0) print_message("%d ranks x %d vs 1 x %d: %s %s: weights differ by %.3g of the update (bound %.3g)\n",
                                          world, GLOBAL / world, GLOBAL, models[k], MODE_NAMES[m], d, tol);
             D_ASSERT(d <= tol, "%s %s: %.3g > %.3g", models[k], MODE_NAMES[m], d, tol);
+        }
+}
+
+/* A BatchNorm model: with SyncBatchNorm, DDP normalises each layer with the statistics of the
+   whole global batch, as one process does. Bounds as above, after STEPS steps in fp32 and bf16
+   AMP. In fp16 AMP the first step is within them too (measured 4e-6 of the update), but in this
+   model the split batch's rounding differences then grow step by step (1e-4 after two steps,
+   6e-3 after four) where bf16 and fp32 stay at 1e-6: the exchange is not the cause, as every
+   rank given the whole batch shows - then all three modes train exactly one process's weights,
+   bit for bit, for STEPS steps (the statistics of world copies of a batch are the batch's own,
+   and every exchanged sum is a sum of equal values). With per-process BatchNorm each rank
+   normalises with its own batch's statistics, which trains another model: far outside the
+   bound (the comparison can fail). */
+static void test_sync_bn_equivalence(void **state) {
+    (void)state;
+    for (int m = FP32; m <= FP16; m++) {
+        double tol = world == 1 ? 0 : m == FP32 ? 1e-4 : 4 * tu_eps(m == BF16 ? AMPC_BF16 : AMPC_F16);
+        int k = m == FP16 ? 1 : STEPS;
+        double d = equivalence_steps("bn-sync", (mode)m, ampc_ddp_defaults(), k, false);
+        double r = equivalence_steps("bn-sync", (mode)m, ampc_ddp_defaults(), STEPS, true);
+        if (rank == 0)
+            print_message("%d ranks x %d vs 1 x %d: bn %s with SyncBatchNorm: %.3g of the update after %d step%s (bound %.3g); "
+                          "whole batch on every rank: %.3g\n",
+                          world, GLOBAL / world, GLOBAL, MODE_NAMES[m], d, k, k > 1 ? "s" : "", tol, r);
+        D_ASSERT(d <= tol, "bn %s: %.3g > %.3g", MODE_NAMES[m], d, tol);
+        D_ASSERT(r == 0, "bn %s, whole batch on every rank: %.3g, not the same weights", MODE_NAMES[m], r);
+        if (m != FP32) continue;
+        double local = equivalence("bn", (mode)m, ampc_ddp_defaults());
+        if (rank == 0) print_message("  (per-process BatchNorm instead: %.3g)\n", local);
+        if (world > 1) D_ASSERT(local > 100 * tol, "per-process statistics trained the same model (%.3g)", local);
+    }
+}
+
+/* One batch norm in training (SyncBatchNorm when sync) forward + backward over rows [lo, hi) of
+   a global batch (NB, C, H, W), upstream gradient G: out = y and gx of those rows, then gw, gb,
+   running mean and running var (C each). dev REF computes in f64. */
+enum { NB = 8, BN_C = 3 };
+static size_t bn_case(ampc_device dev, ampc_dtype dt, int hw, bool cl, bool relu, bool sync, int lo, int hi, double *out) {
+    const int64_t C = BN_C, per = C * hw * hw, sh[4] = {hi - lo, C, hw, hw};
+    double *x = malloc(sizeof(double) * NB * (size_t)per), *g = malloc(sizeof(double) * NB * (size_t)per), prm[4 * BN_C];
+    tu_fill_uniform(x, (size_t)(NB * per), 5 + (uint64_t)hw, -1, 2);   /* mean 0.5: the centring matters */
+    for (int64_t i = 0; i < NB * per; i++) x[i] += 0.25 * (double)(i / per);   /* each sample shifted: ranks' means differ */
+    tu_fill_uniform(g, (size_t)(NB * per), 6 + (uint64_t)hw, -1, 1);
+    tu_fill_uniform(prm, 4 * BN_C, 7, 0.5, 1.5);   /* weight, bias, running mean, running var */
+    /* made on the CPU (f32 for REF, then moved and widened) */
+    bool ref = dev == AMPC_DEVICE_REF;
+    ampc_dtype sdt = ref ? AMPC_F64 : AMPC_F32, adt = ref ? AMPC_F64 : dt, hdt = ref ? AMPC_F32 : dt;
+    ampc_scope_begin();
+    ampc_tensor *xt = ampc_tensor_to(ampc_tensor_from_f64(hdt, 4, sh, x + lo * per), dev, adt);
+    ampc_tensor *gt = ampc_tensor_to(ampc_tensor_from_f64(hdt, 4, sh, g + lo * per), dev, adt);
+    ampc_tensor *p[4];
+    for (int i = 0; i < 4; i++) p[i] = ampc_tensor_to(ampc_tensor_from_f64(AMPC_F32, 1, &C, prm + i * BN_C), dev, sdt);
+    D_ASSERT(xt && gt && p[0] && p[1] && p[2] && p[3], "tensors");
+    D_ASSERT(ampc_tensor_set_requires_grad(xt, true) == AMPC_OK && ampc_tensor_set_requires_grad(p[0], true) == AMPC_OK &&
+                 ampc_tensor_set_requires_grad(p[1], true) == AMPC_OK,
+             "requires_grad");
+    ampc_tensor *xin = cl ? ampc_to_memory_format(xt, AMPC_CHANNELS_LAST) : xt;
+    ampc_tensor *y = ampc__batch_norm2d_ex(xin, p[0], p[1], p[2], p[3], true, 0.1, 1e-5, relu, sync);
+    D_ASSERT(y, "batch_norm");
+    D_ASSERT(ampc_backward_with_grad(y, cl ? ampc_to_memory_format(gt, AMPC_CHANNELS_LAST) : gt) == AMPC_OK, "backward");
+    size_t n = (size_t)((hi - lo) * per);
+    const ampc_tensor *res[6] = {y, ampc_tensor_grad(xt), ampc_tensor_grad(p[0]), ampc_tensor_grad(p[1]), p[2], p[3]};
+    size_t at = 0;
+    for (int i = 0; i < 6; i++) {
+        double *v = tu_values(res[i]);
+        size_t k = i < 2 ? n : (size_t)C;
+        memcpy(out + at, v, k * sizeof *v);
+        at += k;
+        free(v);
+    }
+    ampc_scope_end();
+    free(x);
+    free(g);
+    return at;
+}
+
+/* SyncBatchNorm, op by op: each rank's y and gx equal the rows of one batch norm over the whole
+   batch (gx is the gradient of the sum of all ranks' losses, as PyTorch's SyncBatchNorm), the
+   running statistics equal that batch norm's on every rank, and gw, gb are each rank's own
+   share (summed over the ranks: the whole batch's). Every walk of the CPU kernels (a channel's
+   runs: H*W >= 32; columns: small H*W; channels-last), with and without the fused ReLU, f32 and
+   bf16, and the REF kernels in f64. Bounds: f64: 1e-12; f32: 1e-5 of the largest value (sums in
+   another order); bf16 y and gx: one rounding of bf16 (2^-7 relative) where the f32 values
+   before it differ in the last bits; bf16 statistics as f32. Without sync the outputs differ
+   by far more (checked: the comparison can fail). */
+static void test_sync_bn_op(void **state) {
+    (void)state;
+    const struct { ampc_device dev; ampc_dtype dt; int hw; bool cl; } cs[] = {
+        {AMPC_DEVICE_CPU, AMPC_F32, 12, false}, {AMPC_DEVICE_CPU, AMPC_F32, 2, false}, {AMPC_DEVICE_CPU, AMPC_F32, 6, true},
+        {AMPC_DEVICE_CPU, AMPC_BF16, 12, false}, {AMPC_DEVICE_CPU, AMPC_BF16, 2, false}, {AMPC_DEVICE_CPU, AMPC_BF16, 6, true},
+        {AMPC_DEVICE_CPU, AMPC_F16, 12, false}, {AMPC_DEVICE_CPU, AMPC_F16, 2, false}, {AMPC_DEVICE_CPU, AMPC_F16, 6, true},
+        {AMPC_DEVICE_REF, AMPC_F64, 5, false},
+    };
+    int lo = rank * NB / world, hi = (rank + 1) * NB / world;
+    for (size_t k = 0; k < sizeof cs / sizeof cs[0]; k++)
+        for (int relu = 0; relu < 2; relu++) {
+            size_t per = (size_t)(BN_C * cs[k].hw * cs[k].hw), cap = NB * per * 2 + 4 * BN_C;
+            double *full = malloc(cap * sizeof(double)), *mine = malloc(cap * sizeof(double)), *loc = malloc(cap * sizeof(double));
+            bn_case(cs[k].dev, cs[k].dt, cs[k].hw, cs[k].cl, relu, false, 0, NB, full);
+            size_t nm = bn_case(cs[k].dev, cs[k].dt, cs[k].hw, cs[k].cl, relu, true, lo, hi, mine);
+            bn_case(cs[k].dev, cs[k].dt, cs[k].hw, cs[k].cl, relu, false, lo, hi, loc);
+            size_t n = (size_t)(hi - lo) * per, NF = NB * per;
+            D_ASSERT(nm == 2 * n + 4 * BN_C, "sizes");
+            double *fy = full + lo * per, *fgx = full + NF + lo * per, *fst = full + 2 * NF, *st = mine + 2 * n;
+            D_ASSERT(ampc_dist_allreduce_sum_f64(st, 2 * BN_C) == AMPC_OK, "allreduce");   /* gw, gb */
+            double tol = cs[k].dt == AMPC_F64 ? 1e-12 : 1e-5, tol16 = cs[k].dt == AMPC_BF16 || cs[k].dt == AMPC_F16 ? 2 * tu_eps(cs[k].dt) : tol;
+            double dy = rel_max_diff(mine, fy, n), dgx = rel_max_diff(mine + n, fgx, n);
+            double dst = rel_max_diff(st, fst, 4 * BN_C), dloc = rel_max_diff(loc, fy, n);
+            if (rank == 0 && relu)
+                print_message("sync batch_norm %s %s %dx%d%s: y %.2g, gx %.2g, gw/gb/running %.2g (bound %.2g/%.2g); "
+                              "per-process y %.2g\n",
+                              ampc_device_name(cs[k].dev), ampc_dtype_name(cs[k].dt), cs[k].hw, cs[k].hw,
+                              cs[k].cl ? " channels-last" : "", dy, dgx, dst, tol16, tol, dloc);
+            D_ASSERT(dy <= tol16 && dgx <= tol16 && dst <= tol, "case %zu relu %d: y %.3g gx %.3g stats %.3g", k, relu, dy, dgx,
+                     dst);
+            if (world > 1) D_ASSERT(dloc > 10 * tol16, "case %zu: per-process statistics gave the whole batch's", k);
+            free(full), free(mine), free(loc);
         }
 }
 
@@ -447,6 +587,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_wrap),          cmocka_unit_test(test_allreduce_16bit), cmocka_unit_test(test_equivalence),
         cmocka_unit_test(test_buckets),       cmocka_unit_test(test_no_sync_accumulation),
         cmocka_unit_test(test_scaler_agrees), cmocka_unit_test(test_16bit_wire),      cmocka_unit_test(test_sync_buffers),
+        cmocka_unit_test(test_sync_bn_op),    cmocka_unit_test(test_sync_bn_equivalence),
     };
     int failed = cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
     ampc_dist_finalize();

@@ -499,8 +499,8 @@ static void test_mixed_storage(void **state) {
             y[p] = ampc_tensor_empty(AMPC_F32, 4, sh), gx[p] = ampc_tensor_empty(AMPC_F32, 4, sh);
             sm[p] = ampc_tensor_empty(AMPC_F32, 1, &C), sv[p] = ampc_tensor_empty(AMPC_F32, 1, &C);
             gw[p] = ampc_tensor_empty(AMPC_F32, 1, &C), gb[p] = ampc_tensor_empty(AMPC_F32, 1, &C);
-            ASSERT_OK(be->batch_norm(x, w, b, NULL, NULL, y[p], sm[p], sv[p], true, 0.1, 1e-5));
-            ASSERT_OK(be->batch_norm_backward(x, g, w, sm[p], sv[p], true, gx[p], gw[p], gb[p]));
+            ASSERT_OK(be->batch_norm(x, w, b, NULL, NULL, y[p], sm[p], sv[p], true, 0.1, 1e-5, false));
+            ASSERT_OK(be->batch_norm_backward(x, g, w, sm[p], sv[p], true, false, gx[p], gw[p], gb[p]));
         }
         double *xv = tu_values(x32), *gv = tu_values(g), *wv = tu_values(w), *bv = tu_values(b);
         double *ya = tu_values(y[0]), *yb = tu_values(y[1]), *gxa = tu_values(gx[0]), *gxb = tu_values(gx[1]);

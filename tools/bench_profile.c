@@ -170,22 +170,26 @@ static int w_pool2d_backward(const ampc_pool_desc *d, const ampc_tensor *gy, amp
     TIMED("pool2d_backward", d->kind, gy->dtype, NULL, NULL, false, 0, saved.pool2d_backward(d, gy, gx, ws));
 }
 static int w_batch_norm(const ampc_tensor *x, const ampc_tensor *w, const ampc_tensor *b, ampc_tensor *rm,
-                        ampc_tensor *rv, ampc_tensor *y, ampc_tensor *sm, ampc_tensor *si, bool tr, double mom, double eps) {
-    TIMED("batch_norm", -1, x->dtype, NULL, NULL, false, 0, saved.batch_norm(x, w, b, rm, rv, y, sm, si, tr, mom, eps));
+                        ampc_tensor *rv, ampc_tensor *y, ampc_tensor *sm, ampc_tensor *si, bool tr, double mom, double eps,
+                        bool sync) {
+    TIMED("batch_norm", -1, x->dtype, NULL, NULL, false, 0, saved.batch_norm(x, w, b, rm, rv, y, sm, si, tr, mom, eps, sync));
 }
 static int w_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *w, const ampc_tensor *sm,
-                                 const ampc_tensor *si, bool tr, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
+                                 const ampc_tensor *si, bool tr, bool sync, ampc_tensor *gx, ampc_tensor *gw,
+                                 ampc_tensor *gb) {
     TIMED("batch_norm_backward", -1, x->dtype, NULL, NULL, false, 0,
-          saved.batch_norm_backward(x, gy, w, sm, si, tr, gx, gw, gb));
+          saved.batch_norm_backward(x, gy, w, sm, si, tr, sync, gx, gw, gb));
 }
 static int w_batch_norm_relu(const ampc_tensor *x, const ampc_tensor *w, const ampc_tensor *b, ampc_tensor *rm,
-                             ampc_tensor *rv, ampc_tensor *y, ampc_tensor *st, bool tr, double mom, double eps) {
-    TIMED("batch_norm_relu", -1, x->dtype, NULL, NULL, false, 0, saved.batch_norm_relu(x, w, b, rm, rv, y, st, tr, mom, eps));
+                             ampc_tensor *rv, ampc_tensor *y, ampc_tensor *st, bool tr, double mom, double eps,
+                             bool sync) {
+    TIMED("batch_norm_relu", -1, x->dtype, NULL, NULL, false, 0, saved.batch_norm_relu(x, w, b, rm, rv, y, st, tr, mom, eps, sync));
 }
 static int w_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *w,
-                                      const ampc_tensor *st, bool tr, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
+                                      const ampc_tensor *st, bool tr, bool sync, ampc_tensor *gx, ampc_tensor *gw,
+                                      ampc_tensor *gb) {
     TIMED("batch_norm_relu_backward", -1, x->dtype, NULL, NULL, false, 0,
-          saved.batch_norm_relu_backward(x, gy, w, st, tr, gx, gw, gb));
+          saved.batch_norm_relu_backward(x, gy, w, st, tr, sync, gx, gw, gb));
 }
 
 // ---------------------------------------------------------------------------------------------

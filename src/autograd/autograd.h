@@ -56,7 +56,7 @@ struct ampc_node {
         struct { int64_t rows; } linear; /* rows of x with its leading dims flattened (M) */
         ampc_conv2d_options conv;        /* with the defaults filled in */
         ampc_pool_args pool;
-        struct { bool training, relu; } batch_norm;   /* batch statistics used; ReLU fused */
+        struct { bool training, relu, sync; } batch_norm;   /* batch statistics used; ReLU fused; SyncBatchNorm */
         struct {
             int64_t outer, dim, inner;   /* x viewed as (outer, dim, inner), softmax along dim */
             bool log;                    /* log-softmax */

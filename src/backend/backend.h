@@ -167,16 +167,21 @@ typedef struct ampc_backend {
     /* Batch norm of x (N, C, spatial...) per channel (x, y, gx, gy channels-last when x is). Training: batch statistics into
        save_mean/save_invstd (C, f32; f64 on REF) and running stats updated with momentum
        (unbiased variance); else running stats used (and copied into save_mean and
-       1/sqrt(var+eps) into save_invstd). weight/bias (C) f32 or NULL; save_* may be NULL. */
+       1/sqrt(var+eps) into save_invstd). weight/bias (C) f32 or NULL; save_* may be NULL.
+       sync (training only; SyncBatchNorm): the statistics are those of the values of every
+       process of the collectives seam (ampc__bn_sync_stats), and so are the running stats'
+       updates; the backward's sums likewise (ampc__bn_sync_sums) for gx, while gw and gb stay
+       this process's own (data-parallel training averages them as any other gradient). A
+       backend that cannot returns AMPC_ERR_UNSUPPORTED. */
     int (*batch_norm)(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                       ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y,
                       ampc_tensor *save_mean, ampc_tensor *save_invstd, bool training,
-                      double momentum, double eps);
+                      double momentum, double eps, bool sync);
     /* gx, gw, gb (each may be NULL) from gy, x and the saved statistics (training mode, or
        evaluation when training is false: then save_* are the running mean and 1/sqrt(var+eps)) */
     int (*batch_norm_backward)(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                const ampc_tensor *save_mean, const ampc_tensor *save_invstd,
-                               bool training, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb);
+                               bool training, bool sync, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb);
     /* Batch norm followed by ReLU in one pass: y = relu(batch_norm(x)), bit for bit the
        composite (the normalised value rounded once to y's dtype, then relu with NaN kept), and
        its backward, which masks gy where that output was not positive (relu's backward: gy
@@ -188,9 +193,9 @@ typedef struct ampc_backend {
        forward's pre-activation exactly (CPU: the f32 mean, scale and shift it applied). */
     int (*batch_norm_relu)(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                            ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y,
-                           ampc_tensor *stats, bool training, double momentum, double eps);
+                           ampc_tensor *stats, bool training, double momentum, double eps, bool sync);
     int (*batch_norm_relu_backward)(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
-                                    const ampc_tensor *stats, bool training, ampc_tensor *gx,
+                                    const ampc_tensor *stats, bool training, bool sync, ampc_tensor *gx,
                                     ampc_tensor *gw, ampc_tensor *gb);
     /* Layer norm of x viewed as (rows, cols); mean/rstd (rows) f32 (f64 on REF); weight/bias
        (cols) in any float dtype or NULL. Backward: gx, gw, gb each may be NULL. */
@@ -259,6 +264,16 @@ int ampc__layer_norm_dims(const ampc_tensor *x, const ampc_tensor *stat, const c
    update fp32 master weights"). Where the tensors live is the backend's own check. */
 int ampc__check_sgd_item(const ampc_optim_item *it, const ampc_sgd_hparams *h, ampc_dtype dt, const char *kernels);
 int ampc__check_adam_item(const ampc_optim_item *it, const ampc_adam_hparams *h, ampc_dtype dt, const char *kernels);
+/* SyncBatchNorm's exchanges (src/backend/bn_sync.c), on host arrays, through the collectives
+   seam (ampc__comm): the same calls in the same order on every process.
+   st (3C + 1 doubles): in, this process's per-channel mean (st[0..C)), its count of values per
+   channel (st[C]) and sum of squared deviations from that mean (st[C+1..2C+1)); out, the same
+   for the values of all processes; st[2C+1..3C+1) is scratch. Two all-reduces: the sums (with the count), then each
+   process's squared deviations moved to the world's mean, q + n (mean - world mean)^2 (Chan's
+   identity: no cancellation). */
+int ampc__bn_sync_stats(int64_t C, double *st);
+/* The backward's per-channel sums (n doubles) summed over all processes. */
+int ampc__bn_sync_sums(double *sums, int64_t n);
 
 /* Each backend file fills its table (called once, from src/backend/backend.c). */
 void ampc__cpu_backend_init(ampc_backend *be);

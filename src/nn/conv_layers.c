@@ -113,11 +113,10 @@ ampc_tensor *ampc__batchnorm2d_forward(ampc_module *m, ampc_tensor *x, bool relu
     if (ampc_tensor_ndim(x) != 4)
         return ampc__err_null(AMPC_ERR_SHAPE, "BatchNorm2d(%lld): expected 4D input (got %s)", (long long)m->config.batchnorm2d.num_features,
                               shape_of(x, buf, sizeof buf));
-    ampc_tensor *(*op)(ampc_tensor *, ampc_tensor *, ampc_tensor *, ampc_tensor *, ampc_tensor *, bool, double, double) =
-        relu ? ampc__batch_norm2d_relu : ampc_batch_norm2d;
-    ampc_tensor *y = op(x, ampc__module_param(m, "weight"), ampc__module_param(m, "bias"),
-                        ampc__module_buffer(m, "running_mean"), ampc__module_buffer(m, "running_var"), m->training,
-                        m->config.batchnorm2d.momentum, m->config.batchnorm2d.eps);
+    ampc_tensor *y = ampc__batch_norm2d_ex(x, ampc__module_param(m, "weight"), ampc__module_param(m, "bias"),
+                                           ampc__module_buffer(m, "running_mean"), ampc__module_buffer(m, "running_var"),
+                                           m->training, m->config.batchnorm2d.momentum, m->config.batchnorm2d.eps, relu,
+                                           m->config.batchnorm2d.sync);
     if (y && m->training) {
         /* the counter lives in the buffer (not the module) so a loaded checkpoint continues
            from its value */
@@ -129,6 +128,24 @@ ampc_tensor *ampc__batchnorm2d_forward(ampc_module *m, ampc_tensor *x, bool relu
 static ampc_tensor *batchnorm2d_forward(ampc_module *m, ampc_tensor *x) { return ampc__batchnorm2d_forward(m, x, false); }
 
 static const ampc_module_vtable batchnorm2d_vtable = {"BatchNorm2d", batchnorm2d_forward, NULL};
+/* PyTorch's class name for what convert_sync_batchnorm makes; the same parameters and buffers */
+static const ampc_module_vtable sync_batchnorm_vtable = {"SyncBatchNorm", batchnorm2d_forward, NULL};
+
+int ampc_module_convert_sync_batchnorm(ampc_module *m) {
+    if (!ampc_module_type(m)) return ampc__err(AMPC_ERR_INVALID, "ampc_module_convert_sync_batchnorm: no module (NULL or freed)");
+    int n = 0;
+    if (m->vt == &batchnorm2d_vtable) {
+        m->vt = &sync_batchnorm_vtable;
+        m->config.batchnorm2d.sync = true;
+        n++;
+    }
+    for (int i = 0; i < m->children.n; i++) {
+        int rc = ampc_module_convert_sync_batchnorm(m->children.items[i]);
+        if (rc < 0) return rc;
+        n += rc;
+    }
+    return n;
+}
 
 ampc_module *ampc_batchnorm2d_new(int64_t num_features) {
     if (num_features <= 0)

@@ -10,7 +10,7 @@
  *
  * relu(bn(x)) (the ResNet stem, and bn1/bn2 of the blocks) runs as one fused op,
  * ampc__batch_norm2d_relu, when the two children are still the library's BatchNorm2d and ReLU
- * (checked at each forward by type name): the same bits as the two modules, without the ReLU's
+ * (or SyncBatchNorm; checked at each forward by type name): the same bits as the two modules, without the ReLU's
  * own passes over the activation (forward and backward).
  */
 #include "nn/nn.h"
@@ -62,7 +62,8 @@ bool ampc__fuse_bn_relu = true;
    (either replaced, or the switch off) the two modules' forwards. */
 static ampc_tensor *bn_relu(ampc_module *m, const char *bn_name, ampc_tensor *x) {
     ampc_module *bn = ampc__module_get_child(m, bn_name), *relu = ampc__module_get_child(m, "relu");
-    if (!x || !ampc__fuse_bn_relu || !bn || !relu || strcmp(bn->vt->type, "BatchNorm2d") || strcmp(relu->vt->type, "ReLU"))
+    bool std_bn = bn && (!strcmp(bn->vt->type, "BatchNorm2d") || !strcmp(bn->vt->type, "SyncBatchNorm"));
+    if (!x || !ampc__fuse_bn_relu || !std_bn || !relu || strcmp(relu->vt->type, "ReLU"))
         return fwd(m, "relu", fwd(m, bn_name, x));   /* the modules' own errors, too */
     return ampc__batchnorm2d_forward(bn, x, true);
 }

@@ -66,6 +66,7 @@ struct ampc_module {
             int64_t num_features;      /* channels C */
             double momentum;           /* running stats += momentum * (batch stats - running) */
             double eps;                /* added to the variance */
+            bool sync;                 /* SyncBatchNorm: statistics of all processes */
         } batchnorm2d;
         struct {
             int norm_ndim;             /* normalized over the last norm_ndim dims */

@@ -59,7 +59,7 @@ static int hand_over(int rc, ampc_tensor *out[3], ampc_tensor **gx) {
    the statistics tensor of batch_norm_relu */
 static int batch_norm_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
     ampc_tensor *x = n->saved[0], *w = n->saved[1], *mean = n->saved[2], *invstd = n->saved[3];
-    bool relu = n->args.batch_norm.relu;
+    bool relu = n->args.batch_norm.relu, sync = n->args.batch_norm.sync, training = n->args.batch_norm.training;
     const ampc_backend *be = ampc__backend(x->device);
     if (relu ? !be->batch_norm_relu_backward : !be->batch_norm_backward)
         return unsupported(relu ? "batch_norm_relu_backward" : "batch_norm_backward", x->device);
@@ -67,8 +67,8 @@ static int batch_norm_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **g
     if (!gy) return ampc_last_status();
     ampc_tensor *out[3] = {NULL, NULL, NULL};
     int rc = alloc_grads(n, x, out);
-    if (rc >= 0 && relu) rc = be->batch_norm_relu_backward(x, gy, w, mean, n->args.batch_norm.training, out[0], out[1], out[2]);
-    else if (rc >= 0) rc = be->batch_norm_backward(x, gy, w, mean, invstd, n->args.batch_norm.training, out[0], out[1], out[2]);
+    if (rc >= 0 && relu) rc = be->batch_norm_relu_backward(x, gy, w, mean, training, sync, out[0], out[1], out[2]);
+    else if (rc >= 0) rc = be->batch_norm_backward(x, gy, w, mean, invstd, training, sync, out[0], out[1], out[2]);
     ampc__release(gy);
     return hand_over(rc, out, gx);
 }
@@ -90,9 +90,11 @@ static int check_channel_param(const ampc_tensor *x, const ampc_tensor *p, const
     return AMPC_OK;
 }
 
-/* ampc_batch_norm2d, followed by ReLU in the same kernels when relu */
-static ampc_tensor *batch_norm_op(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
-                                  ampc_tensor *running_var, bool training, double momentum, double eps, bool relu) {
+/* ampc_batch_norm2d, followed by ReLU in the same kernels when relu, with the statistics of all
+   processes when sync */
+ampc_tensor *ampc__batch_norm2d_ex(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
+                                   ampc_tensor *running_var, bool training, double momentum, double eps, bool relu,
+                                   bool sync) {
     ampc_op_args a;
     if (ampc__op_prepare(AMPC_OP_BATCH_NORM, &a, 3, (ampc_tensor *[]){x, weight, bias}, 6u) < 0) return NULL;
     ampc_tensor *X = a.in[0], *W = a.in[1], *B = a.in[2];
@@ -126,6 +128,7 @@ static ampc_tensor *batch_norm_op(ampc_tensor *x, ampc_tensor *weight, ampc_tens
         ampc__err(AMPC_ERR_INVALID, "batch_norm2d: eps %g must be >= 0 and momentum %g in [0, 1]", eps, momentum);
         return fail_args(&a);
     }
+    sync = sync && training && ampc__comm()->size > 1;   /* else nothing to exchange: the plain kernels */
     const ampc_backend *be = ampc__backend(X->device);
     if (relu ? !be->batch_norm_relu : !be->batch_norm) {
         unsupported(relu ? "batch_norm_relu" : "batch_norm", X->device);
@@ -143,8 +146,8 @@ static ampc_tensor *batch_norm_op(ampc_tensor *x, ampc_tensor *weight, ampc_tens
         invstd = mean ? ampc__tensor_new(sdt, X->device, 1, &C) : NULL;
         if (!invstd) rc = ampc_last_status();
     }
-    if (rc >= 0 && relu) rc = be->batch_norm_relu(X, W, B, running_mean, running_var, y, mean, training, momentum, eps);
-    else if (rc >= 0) rc = be->batch_norm(X, W, B, running_mean, running_var, y, mean, invstd, training, momentum, eps);
+    if (rc >= 0 && relu) rc = be->batch_norm_relu(X, W, B, running_mean, running_var, y, mean, training, momentum, eps, sync);
+    else if (rc >= 0) rc = be->batch_norm(X, W, B, running_mean, running_var, y, mean, invstd, training, momentum, eps, sync);
     if (rc >= 0 && grad) {
         node = ampc__node_new(relu ? "NativeBatchNormReluBackward" : "NativeBatchNormBackward", batch_norm_backward, a.in, 3);
         if (node) {
@@ -154,6 +157,7 @@ static ampc_tensor *batch_norm_op(ampc_tensor *x, ampc_tensor *weight, ampc_tens
             if (invstd) ampc__node_save(node, 3, invstd);
             node->args.batch_norm.training = training;
             node->args.batch_norm.relu = relu;
+            node->args.batch_norm.sync = sync;
         } else {
             rc = ampc_last_status();
         }
@@ -169,12 +173,17 @@ static ampc_tensor *batch_norm_op(ampc_tensor *x, ampc_tensor *weight, ampc_tens
 
 ampc_tensor *ampc_batch_norm2d(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
                                ampc_tensor *running_var, bool training, double momentum, double eps) {
-    return batch_norm_op(x, weight, bias, running_mean, running_var, training, momentum, eps, false);
+    return ampc__batch_norm2d_ex(x, weight, bias, running_mean, running_var, training, momentum, eps, false, false);
+}
+
+ampc_tensor *ampc_sync_batch_norm2d(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
+                                    ampc_tensor *running_var, bool training, double momentum, double eps) {
+    return ampc__batch_norm2d_ex(x, weight, bias, running_mean, running_var, training, momentum, eps, false, true);
 }
 
 ampc_tensor *ampc__batch_norm2d_relu(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
                                      ampc_tensor *running_var, bool training, double momentum, double eps) {
-    return batch_norm_op(x, weight, bias, running_mean, running_var, training, momentum, eps, true);
+    return ampc__batch_norm2d_ex(x, weight, bias, running_mean, running_var, training, momentum, eps, true, false);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -80,6 +80,10 @@ int ampc__batch_norm_count(ampc_tensor *num_batches_tracked);
    running statistics (src/ops/norm.c); for the model code, not public API. */
 ampc_tensor *ampc__batch_norm2d_relu(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
                                      ampc_tensor *running_var, bool training, double momentum, double eps);
+/* The four batch norms in one call: ReLU fused (relu), statistics of all processes (sync). */
+ampc_tensor *ampc__batch_norm2d_ex(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
+                                   ampc_tensor *running_var, bool training, double momentum, double eps, bool relu,
+                                   bool sync);
 
 // ---------------------------------------------------------------------------------------------
 // The autocast hook: the front door calls it with each op's inputs (owned refs), which it may

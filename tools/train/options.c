@@ -82,6 +82,13 @@ const opt_def OPTS[OPT_COUNT] = {
                          "scale it tried; 0: never)"},
     [OPT_MAX_LOSS] = {"max-loss", V_REAL, "1e+04", NULL, 0, 1e300, true, O_SAVE, "X",
                       "stop as diverged when a training step's loss exceeds X (cross-entropy starts near ln(classes))"},
+    [OPT_SYNC_BN] = {"sync-bn", V_YESNO, "no", NULL, 0, 0, false, O_SAVE, "[yes|no]",
+                     "under mpirun: BatchNorm with the batch statistics of all processes (SyncBatchNorm; alone: yes); "
+                     "no: each process normalises with its own batch's, as DDP",
+                     .bare = true},
+    [OPT_ZERO] = {"zero", V_INT, "0", NULL, 0, 1, false, O_SAVE, "0|1",
+                  "under mpirun: 1 shards the optimizer state across the processes (ZeRO stage 1: each steps its "
+                  "share of the fp32 weights and moments, then all gather the weights); 0: every process holds it all"},
 };
 
 
@@ -268,7 +275,8 @@ int parse_args(int argc, char **argv, settings *s, const char **cmp_a, const cha
     for (int i = 0; i < OPT_COUNT; i++)
         if (set_val(s, i, OPTS[i].def) < 0) return -1;
     struct option longopts[OPT_COUNT + 4];
-    for (int i = 0; i < OPT_COUNT; i++) longopts[i] = (struct option){OPTS[i].name, required_argument, NULL, 256 + i};
+    for (int i = 0; i < OPT_COUNT; i++)
+        longopts[i] = (struct option){OPTS[i].name, OPTS[i].bare ? optional_argument : required_argument, NULL, 256 + i};
     longopts[OPT_COUNT] = (struct option){"compare", no_argument, NULL, LONG_COMPARE};
     longopts[OPT_COUNT + 1] = (struct option){"compare-checkpoints", no_argument, NULL, LONG_COMPARE_CHECKPOINTS};
     longopts[OPT_COUNT + 2] = (struct option){"help", no_argument, NULL, LONG_HELP};
@@ -306,8 +314,13 @@ int parse_args(int argc, char **argv, settings *s, const char **cmp_a, const cha
         } else {
             int id = c - 256;
             if (s->given[id]) return usage_error("--%s given twice", OPTS[id].name);
+            const char *val = optarg;
+            if (!val && optind < argc && (!strcmp(argv[optind], "yes") || !strcmp(argv[optind], "no")))
+                val = argv[optind++];   /* a bare flag's value after a space: "--sync-bn no" */
+            else if (!val)
+                val = "yes";
             char why[256];
-            if (canonical(id, optarg, canon, sizeof canon, why, sizeof why) < 0) return usage_error("%s", why);
+            if (canonical(id, val, canon, sizeof canon, why, sizeof why) < 0) return usage_error("%s", why);
             if (set_val(s, id, canon) < 0) return -1;
             s->given[id] = true;
         }

@@ -31,6 +31,8 @@ void print_setup(run *r) {
     if (r->world > 1)
         printf("  %-14s %d processes (MPI), batch %" PRId64 " each: global batch %" PRId64 "\n", "world", r->world,
                ival(r->s, OPT_BATCH_SIZE), r->world * ival(r->s, OPT_BATCH_SIZE));
+    if (r->sync_bn > 0)
+        printf("  %-14s %d BatchNorm layers with the statistics of all %d processes' batches\n", "sync-bn", r->sync_bn, r->world);
     int64_t ntr = ampc_dataset_size(r->d.train), nva = ampc_dataset_size(r->d.val);
     char c1[32], c2[32], c3[32], c4[32];
     printf("data: %s training samples", fmt_count(ntr, c1, sizeof c1));
@@ -107,6 +109,8 @@ int run_build(run *r) {
     ampc_set_default_device(r->device);   /* the model's tensors are made there (same values as on the CPU) */
     if (!(r->net = ampc_model_new(model, &mo))) return fail_lib("--model");
     if (check_model_input(r) < 0) return -1;
+    if (yes(s, OPT_SYNC_BN) && (r->sync_bn = ampc_module_convert_sync_batchnorm(r->net)) < 0) return fail_lib("--sync-bn");
+    if (yes(s, OPT_SYNC_BN) && r->sync_bn == 0) warn("--sync-bn: --model %s has no BatchNorm layers", model);
     double lr = rval(s, OPT_LR), wd = rval(s, OPT_WEIGHT_DECAY);
     if (sgd) {
         ampc_sgd_options o = ampc_sgd_defaults();

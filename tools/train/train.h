@@ -64,7 +64,7 @@ typedef enum {
     OPT_MODEL, OPT_DATA, OPT_BATCH_SIZE, OPT_USE_AMP, OPT_AMP_DTYPE, OPT_GRAD_SCALER, OPT_EPOCHS, OPT_LR,
     OPT_OPTIMIZER, OPT_MOMENTUM, OPT_WEIGHT_DECAY, OPT_SEED, OPT_VAL_SPLIT, OPT_IMAGE_SIZE, OPT_INDEX_CSV, OPT_LIMIT_TRAIN,
     OPT_LIMIT_VAL, OPT_THREADS, OPT_DEVICE, OPT_NUM_WORKERS, OPT_MAX_MEMORY, OPT_OUT, OPT_RESUME, OPT_PROGRESS, OPT_CHANNELS_LAST,
-    OPT_KEEP_CASTS, OPT_MAX_SKIPPED, OPT_MAX_LOSS, OPT_COUNT
+    OPT_KEEP_CASTS, OPT_MAX_SKIPPED, OPT_MAX_LOSS, OPT_SYNC_BN, OPT_ZERO, OPT_COUNT
 } opt_id;
 
 typedef struct {
@@ -76,6 +76,7 @@ typedef struct {
     bool lo_open;
     unsigned flags;
     const char *metavar, *help;
+    bool bare;             /* V_YESNO that may stand alone for yes ("--sync-bn") */
 } opt_def;
 
 extern const opt_def OPTS[OPT_COUNT];
@@ -168,6 +169,7 @@ typedef struct {
     ampc_loader *train_ld, *val_ld;
     ampc_ddp *ddp;           /* data-parallel (under mpirun): gradients averaged over the ranks */
     int rank, world;         /* this process's rank and the number of processes (0, 1 alone) */
+    int sync_bn;             /* --sync-bn: BatchNorm layers made SyncBatchNorm */
     ampc_metrics *metrics;
     history hist;
     int64_t epoch0;          /* epochs finished before this session (from --resume) */

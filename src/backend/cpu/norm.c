@@ -397,6 +397,7 @@ static const float *f32_or_null(const ampc_tensor *t) { return t ? (const float 
 
 typedef struct {
     int64_t N, C, S, M;   /* M = N * S values per channel */
+    int64_t Ms;           /* values per channel the statistics cover: M, or the world's with sync */
     const float *w, *b;   /* (C) or NULL */
     float *rm, *rv, *save_mean, *save_invstd;
     double momentum, eps;
@@ -404,6 +405,14 @@ typedef struct {
     bool relu;              /* the fused ReLU */
     float *save_coef;       /* forward with relu: (3, C) the m, scale, shift applied, or NULL */
     const float *rc;        /* backward with relu: those (3, C) coefficients */
+    /* SyncBatchNorm's two passes (bn_forward_sync, bn_backward_sync). The statistics pass of
+       the forward writes this process's mean and squared deviations (the layout of
+       ampc__bn_sync_stats) into stats_out and stops; the normalisation pass takes the world's
+       from stats_in. The backward's first pass writes sum(gy), sum(gy (x - mean)) into
+       sums_out (2, C) with gw and gb, the second makes gx from the world's sums_in. */
+    bool sync;   /* backward: with the world's sums */
+    double *stats_out, *sums_out;
+    const double *stats_in, *sums_in;
 } bn_ctx;
 
 /* The fused ReLU on the staged path: relu of the n values just stored into t from element i
@@ -444,6 +453,7 @@ static int bn_dims(const ampc_tensor *x, const char *k, bn_ctx *c) {
     c->S = 1;
     for (int i = 2; i < x->ndim; i++) c->S *= x->shape[i];
     c->M = c->N * c->S;
+    c->Ms = c->M;
     return AMPC_OK;
 }
 
@@ -452,13 +462,24 @@ typedef struct {
     float m, scale, shift;
 } bn_coef;
 
-/* Channel ch with batch mean and sum of squared deviations q (training) or its running stats:
-   saves the statistics, updates the running ones, returns the normalisation's coefficients. */
+/* This process's statistics of channel ch into stats_out when this is the statistics pass of a
+   sync forward (true: the pass ends there for the channel). */
+static bool bn_stats_only(const bn_ctx *c, int64_t ch, double mean, double q) {
+    if (!c->stats_out) return false;
+    c->stats_out[ch] = mean;
+    c->stats_out[c->C + 1 + ch] = q;
+    return true;
+}
+
+/* Channel ch with batch mean and sum of squared deviations q (training; the world's from
+   stats_in with sync) or its running stats: saves the statistics, updates the running ones,
+   returns the normalisation's coefficients. */
 static bn_coef bn_finish_channel(const bn_ctx *c, int64_t ch, double mean, double q) {
     double var;
     if (c->training) {
-        var = q / (double)c->M;
-        double unbiased = c->M > 1 ? q / (double)(c->M - 1) : NAN;   /* the op refuses M == 1 */
+        if (c->stats_in) mean = c->stats_in[ch], q = c->stats_in[c->C + 1 + ch];
+        var = q / (double)c->Ms;
+        double unbiased = c->Ms > 1 ? q / (double)(c->Ms - 1) : NAN;   /* the op refuses M == 1 */
         if (c->rm) c->rm[ch] = (float)((1 - c->momentum) * c->rm[ch] + c->momentum * mean);
         if (c->rv) c->rv[ch] = (float)((1 - c->momentum) * c->rv[ch] + c->momentum * unbiased);
     } else {
@@ -475,14 +496,14 @@ static bn_coef bn_finish_channel(const bn_ctx *c, int64_t ch, double mean, doubl
     return r;
 }
 
-/* Backward coefficients of a channel from sg = sum(gy), sgx = sum(gy * (x - mean)):
-   gx = k * gy + a * (x - mean) + b; gw = sgx * invstd, gb = sg. */
-static void bn_grad_coefs(int64_t M, bool training, double w, double invstd, double sg, double sgx, float *k, float *a,
-                          float *b) {
-    double kk = w * invstd, aa = 0, bb = 0;
-    if (training) {   /* gx = w invstd (gy - sg/M - xhat sum(gy xhat)/M) */
-        aa = -kk * invstd * invstd * sgx / (double)M;
-        bb = -kk * sg / (double)M;
+/* Backward coefficients of channel ch from sg = sum(gy), sgx = sum(gy * (x - mean)) (the
+   world's from sums_in with sync): gx = k * gy + a * (x - mean) + b; gw = sgx * invstd, gb = sg. */
+static void bn_grad_coefs(const bn_ctx *c, int64_t ch, double invstd, double sg, double sgx, float *k, float *a, float *b) {
+    double kk = (c->w ? c->w[ch] : 1) * invstd, aa = 0, bb = 0;
+    if (c->sums_in) sg = c->sums_in[ch], sgx = c->sums_in[c->C + ch];
+    if (c->training) {   /* gx = w invstd (gy - sg/M - xhat sum(gy xhat)/M) */
+        aa = -kk * invstd * invstd * sgx / (double)c->Ms;
+        bb = -kk * sg / (double)c->Ms;
     }
     *k = (float)kk;
     *a = (float)aa;
@@ -509,7 +530,7 @@ static void bn_fwd_channels(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *
         double mean = 0, q = 0;
         const void *xc = d ? ampc__cpu_at(x, (size_t)(ch * S)) : NULL;
         void *yc = d ? ampc__cpu_at(y, (size_t)(ch * S)) : NULL;
-        if (c->training) {
+        if (c->training && !c->stats_in) {
             double s = 0;
             if (d) s = d->sum(xc, N, CS, S);
             else FOR_CHANNEL_CHUNKS(c, ch, i, len) s += f->sum(ampc__cpu_load(x, i, len, bx), 1, 0, (int64_t)len);
@@ -517,6 +538,7 @@ static void bn_fwd_channels(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *
             if (d) q = d->sq_dev(xc, N, CS, S, mean);
             else FOR_CHANNEL_CHUNKS(c, ch, i, len) q += f->sq_dev(ampc__cpu_load(x, i, len, bx), 1, 0, (int64_t)len, mean);
         }
+        if (bn_stats_only(c, ch, mean, q)) continue;
         bn_coef k = bn_finish_channel(c, ch, mean, q);
         if (d) {
             d->affine(xc, yc, N, CS, S, k.m, k.scale, k.shift);
@@ -534,7 +556,7 @@ static void bn_fwd_channels(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *
 static void bn_bwd_channels(const bn_ctx *c, const ampc_tensor *x, const ampc_tensor *gy, const float *mean,
                             const float *invstd, ampc_tensor *gx, float *gw, float *gb) {
     int nt = threads_for_items(c->C, x->numel);
-    bool sums = gw || gb || (gx && c->training);
+    bool sums = !c->sums_in && (gw || gb || (gx && c->training));
     const vec_fns *d = direct_fns(x, gy, gx, c->rc != NULL), *f = &fns_f32;
     const int64_t N = c->N, S = c->S, C = c->C, CS = C * S;
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -556,8 +578,9 @@ static void bn_bwd_channels(const bn_ctx *c, const ampc_tensor *x, const ampc_te
         }
         if (gw) gw[ch] = (float)(sgx * is);
         if (gb) gb[ch] = (float)sg;
-        if (!gx) continue;
-        bn_grad_coefs(c->M, c->training, c->w ? c->w[ch] : 1, is, sg, sgx, &k, &a, &b);
+        if (c->sums_out) c->sums_out[ch] = sg, c->sums_out[C + ch] = sgx;
+        if (!gx || c->sums_out) continue;
+        bn_grad_coefs(c, ch, is, sg, sgx, &k, &a, &b);
         if (d) {
             d->affine2(ampc__cpu_at(gy, first), ampc__cpu_at(x, first), ampc__cpu_at(gx, first), N, CS, S, k, mean[ch], a, b,
                        r1);
@@ -660,18 +683,24 @@ static int bn_fwd_columns(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *y)
     if (!part) return ampc_last_status();
     double *mexp = part + nb * CS, *stat = mexp + CS;
     float *Mc = (float *)(stat + C), *A = Mc + CS, *B = A + CS;
-    if (c->training) {
+    bool own = c->training && !c->stats_in;   /* this pass computes the statistics */
+    if (own) {
         col_sums(x, c->N, CS, nb, NULL, part);
         col_reduce(part, nb, C, S, stat);
         for (int64_t j = 0; j < CS; j++) mexp[j] = stat[j / S] / (double)c->M;
         col_sums(x, c->N, CS, nb, mexp, part);
         col_reduce(part, nb, C, S, stat);   /* now sum of squared deviations */
     }
+    bool stats_only = false;
     for (int64_t ch = 0; ch < C; ch++) {
-        bn_coef f = bn_finish_channel(c, ch, c->training ? mexp[ch * S] : 0, c->training ? stat[ch] : 0);
+        if (c->stats_out) {
+            stats_only = bn_stats_only(c, ch, mexp[ch * S], stat[ch]);
+            continue;
+        }
+        bn_coef f = bn_finish_channel(c, ch, own ? mexp[ch * S] : 0, own ? stat[ch] : 0);
         for (int64_t i = 0; i < S; i++) Mc[ch * S + i] = f.m, A[ch * S + i] = f.scale, B[ch * S + i] = f.shift;
     }
-    col_apply(NULL, x, y, c->N, CS, NULL, Mc, A, B, c->relu, (bn_rcv){0});
+    if (!stats_only) col_apply(NULL, x, y, c->N, CS, NULL, Mc, A, B, c->relu, (bn_rcv){0});
     ws_put(&w);
     return AMPC_OK;
 }
@@ -679,7 +708,7 @@ static int bn_fwd_columns(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *y)
 static int bn_bwd_columns(const bn_ctx *c, const ampc_tensor *x, const ampc_tensor *gy, const float *mean,
                           const float *invstd, ampc_tensor *gx, float *gw, float *gb) {
     int64_t C = c->C, S = c->S, CS = C * S, nb = c->N < ROW_BLOCKS ? (c->N > 0 ? c->N : 1) : ROW_BLOCKS;
-    bool sums = gw || gb || (gx && c->training);
+    bool sums = !c->sums_in && (gw || gb || (gx && c->training));
     ws_block w = {0};
     /* part_g, part_gx (nb, CS) | sg, sgx (C) doubles, then Mc, K, A, B (CS) floats, and with
        the fused ReLU its coefficients RM, RA, RB (CS) */
@@ -719,13 +748,13 @@ static int bn_bwd_columns(const bn_ctx *c, const ampc_tensor *x, const ampc_tens
     for (int64_t ch = 0; ch < C; ch++) {
         if (gw) gw[ch] = (float)(sgx[ch] * invstd[ch]);
         if (gb) gb[ch] = (float)sg[ch];
-        if (!gx) continue;
+        if (c->sums_out) c->sums_out[ch] = sg[ch], c->sums_out[C + ch] = sgx[ch];
+        if (!gx || c->sums_out) continue;
         float k, a, b;
-        bn_grad_coefs(c->M, c->training, c->w ? c->w[ch] : 1, invstd[ch], sums ? sg[ch] : 0, sums ? sgx[ch] : 0, &k, &a,
-                      &b);
+        bn_grad_coefs(c, ch, invstd[ch], sums ? sg[ch] : 0, sums ? sgx[ch] : 0, &k, &a, &b);
         for (int64_t i = 0; i < S; i++) K[ch * S + i] = k, A[ch * S + i] = a, B[ch * S + i] = b;
     }
-    if (gx) col_apply(gy, x, gx, c->N, CS, K, Mc, A, B, c->rc != NULL, rc);
+    if (gx && !c->sums_out) col_apply(gy, x, gx, c->N, CS, K, Mc, A, B, c->rc != NULL, rc);
     ws_put(&w);
     return AMPC_OK;
 }
@@ -822,13 +851,14 @@ static int bn_fwd_cl(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *y) {
     if (!blk) return ampc_last_status();
     double *scr = blk + 2 * nb * C;
     float *Mc = (float *)(scr + 2 * nt * C), *A = Mc + C, *B = A + C;
+    const bool own = c->training && !c->stats_in;   /* this pass computes the statistics */
 #pragma omp parallel num_threads(nt)
     {
         float bx[CHUNK], by[CHUNK];
         int64_t b0, b1, lo, hi, unused;
         thread_blocks(nb, &b0, &b1);
         double *s = scr + 2 * C * omp_get_thread_num(), *q = s + C;
-        for (int64_t bi = b0; c->training && bi < b1; bi++) {
+        for (int64_t bi = b0; own && bi < b1; bi++) {
             double *mean = blk + 2 * C * bi, *m2 = mean + C, n = 0;
             int64_t r0, r1;
             row_block(M, nb, bi, &r0, &r1);
@@ -849,20 +879,21 @@ static int bn_fwd_cl(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *y) {
 #pragma omp single
         {
             double *mean = blk, *m2 = blk + C;   /* block 0, then the others merged in order */
-            for (int64_t bi = 1; c->training && bi < nb; bi++) {
+            for (int64_t bi = 1; own && bi < nb; bi++) {
                 int64_t r0, r1;
                 row_block(M, nb, bi, &r0, &r1);   /* r0 rows merged so far */
                 chan_merge((double)r0, mean, m2, (double)(r1 - r0), blk + 2 * C * bi, blk + 2 * C * bi + C, C);
             }
             for (int64_t ch = 0; ch < C; ch++) {
-                bn_coef k = bn_finish_channel(c, ch, c->training ? mean[ch] : 0, c->training ? m2[ch] : 0);
+                if (c->stats_out && bn_stats_only(c, ch, mean[ch], m2[ch])) continue;
+                bn_coef k = bn_finish_channel(c, ch, own ? mean[ch] : 0, own ? m2[ch] : 0);
                 Mc[ch] = k.m, A[ch] = k.scale, B[ch] = k.shift;
             }
         }
         row_block(M, nb, b0, &lo, &unused);
         row_block(M, nb, b1 > b0 ? b1 - 1 : b0, &unused, &hi);
         const int64_t RA = cl_apply_rows(x, C);
-        for (int64_t t1 = hi; b0 < b1 && t1 > lo; t1 -= RA) {   /* backwards: the cached tiles first */
+        for (int64_t t1 = hi; !c->stats_out && b0 < b1 && t1 > lo; t1 -= RA) {   /* backwards: the cached tiles first */
             int64_t t0 = t1 - RA > lo ? t1 - RA : lo;
             FOR_CL_PIECES(p, t0, t1, C, d) {
                 size_t i = CL_AT(p, C);
@@ -886,7 +917,7 @@ static bn_rcv cl_rc(const bn_ctx *c, int64_t col) {
 static int bn_bwd_cl(const bn_ctx *c, const ampc_tensor *x, const ampc_tensor *gy, const float *mean, const float *invstd,
                      ampc_tensor *gx, float *gw, float *gb) {
     const int64_t M = c->M, C = c->C, nb = M < ROW_BLOCKS ? (M > 0 ? M : 1) : ROW_BLOCKS;
-    bool sums = gw || gb || (gx && c->training);
+    bool sums = !c->sums_in && (gw || gb || (gx && c->training));
     const vec_fns *d = direct_fns(x, gy, gx, c->rc != NULL), *f = d ? d : &fns_f32;
     int nt = threads_for_items(nb, x->numel);
     ws_block w = {0};
@@ -924,13 +955,14 @@ static int bn_bwd_cl(const bn_ctx *c, const ampc_tensor *x, const ampc_tensor *g
                 double g0 = sums ? sg[ch] : 0, g1 = sums ? sgx[ch] : 0;
                 if (gw) gw[ch] = (float)(g1 * invstd[ch]);
                 if (gb) gb[ch] = (float)g0;
-                bn_grad_coefs(M, c->training, c->w ? c->w[ch] : 1, invstd[ch], g0, g1, &K[ch], &A[ch], &B[ch]);
+                if (c->sums_out) c->sums_out[ch] = g0, c->sums_out[C + ch] = g1;
+                bn_grad_coefs(c, ch, invstd[ch], g0, g1, &K[ch], &A[ch], &B[ch]);
             }
         }
         row_block(M, nb, b0, &lo, &unused);
         row_block(M, nb, b1 > b0 ? b1 - 1 : b0, &unused, &hi);
         const int64_t RA = cl_apply_rows(x, C);
-        for (int64_t t1 = hi; gx && b0 < b1 && t1 > lo; t1 -= RA) {   /* backwards: the cached tiles first */
+        for (int64_t t1 = hi; gx && !c->sums_out && b0 < b1 && t1 > lo; t1 -= RA) {   /* backwards: the cached tiles first */
             int64_t t0 = t1 - RA > lo ? t1 - RA : lo;
             FOR_CL_PIECES(p, t0, t1, C, d) {
                 size_t i = CL_AT(p, C), n = CL_N(p);
@@ -952,6 +984,16 @@ static int bn_bwd_cl(const bn_ctx *c, const ampc_tensor *x, const ampc_tensor *g
 // Batch norm kernels
 
 /* The forward after the statistics outputs were checked and set in c (with c->relu). */
+/* The walk that suits x's layout and size. */
+static int bn_fwd_walk(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *y) {
+    if (ampc__is_cl(x)) return bn_fwd_cl(c, x, y);
+    if (c->S >= BN_COLS_BELOW) {
+        bn_fwd_channels(c, x, y);
+        return AMPC_OK;
+    }
+    return bn_fwd_columns(c, x, y);
+}
+
 static int bn_forward(const char *k, bn_ctx *c, const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                       ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y) {
     int64_t C = c->C;
@@ -969,17 +1011,33 @@ static int bn_forward(const char *k, bn_ctx *c, const ampc_tensor *x, const ampc
     c->rm = running_mean ? ampc__data(running_mean) : NULL;
     c->rv = running_var ? ampc__data(running_var) : NULL;
     if (ampc__is_cl(x) != ampc__is_cl(y)) return ampc__err(AMPC_ERR_INVALID, "cpu %s: x and y in different memory formats", k);
-    if (ampc__is_cl(x)) return bn_fwd_cl(c, x, y);
-    if (c->S >= BN_COLS_BELOW) {
-        bn_fwd_channels(c, x, y);
-        return AMPC_OK;
+    return bn_fwd_walk(c, x, y);
+}
+
+/* bn_forward with the statistics of all processes (sync, training): this process's statistics
+   pass, the exchange, then the normalisation with the world's. */
+static int bn_forward_sync(const char *k, bn_ctx *c, const ampc_tensor *x, const ampc_tensor *weight,
+                           const ampc_tensor *bias, ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y) {
+    ws_block w = {0};
+    double *st = ws_get(&w, (size_t)(3 * c->C + 1) * sizeof(double));
+    if (!st) return ampc_last_status();
+    c->stats_out = st;
+    int rc = bn_forward(k, c, x, weight, bias, running_mean, running_var, y);
+    st[c->C] = (double)c->M;
+    c->stats_out = NULL;
+    if (rc >= 0) rc = ampc__bn_sync_stats(c->C, st);
+    if (rc >= 0) {
+        c->stats_in = st;
+        c->Ms = (int64_t)st[c->C];
+        rc = bn_fwd_walk(c, x, y);
     }
-    return bn_fwd_columns(c, x, y);
+    ws_put(&w);
+    return rc;
 }
 
 static int cpu_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                           ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *save_mean,
-                          ampc_tensor *save_invstd, bool training, double momentum, double eps) {
+                          ampc_tensor *save_invstd, bool training, double momentum, double eps, bool sync) {
     const char *k = "batch_norm";
     bn_ctx c = {.training = training, .momentum = momentum, .eps = eps};
     int rc;
@@ -988,13 +1046,13 @@ static int cpu_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const
         return rc;
     c.save_mean = save_mean ? ampc__data(save_mean) : NULL;
     c.save_invstd = save_invstd ? ampc__data(save_invstd) : NULL;
-    return bn_forward(k, &c, x, weight, bias, running_mean, running_var, y);
+    return (sync && training ? bn_forward_sync : bn_forward)(k, &c, x, weight, bias, running_mean, running_var, y);
 }
 
 /* stats rows: mean, invstd, then the m, scale, shift the normalisation applied (bn_finish_channel) */
 static int cpu_batch_norm_relu(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                                ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *stats,
-                               bool training, double momentum, double eps) {
+                               bool training, double momentum, double eps, bool sync) {
     const char *k = "batch_norm_relu";
     bn_ctx c = {.training = training, .momentum = momentum, .eps = eps, .relu = true};
     int rc;
@@ -1005,10 +1063,22 @@ static int cpu_batch_norm_relu(const ampc_tensor *x, const ampc_tensor *weight, 
         c.save_invstd = s + c.C;
         c.save_coef = s + 2 * c.C;
     }
-    return bn_forward(k, &c, x, weight, bias, running_mean, running_var, y);
+    return (sync && training ? bn_forward_sync : bn_forward)(k, &c, x, weight, bias, running_mean, running_var, y);
 }
 
-/* The backward after the statistics were checked and set (c->rc with the fused ReLU). */
+/* The backward walk that suits x's layout and size. */
+static int bn_bwd_walk(const bn_ctx *c, const ampc_tensor *x, const ampc_tensor *gy, const float *mean, const float *invstd,
+                       ampc_tensor *gx, float *gw, float *gb) {
+    if (ampc__is_cl(x)) return bn_bwd_cl(c, x, gy, mean, invstd, gx, gw, gb);
+    if (c->S >= BN_COLS_BELOW) {
+        bn_bwd_channels(c, x, gy, mean, invstd, gx, gw, gb);
+        return AMPC_OK;
+    }
+    return bn_bwd_columns(c, x, gy, mean, invstd, gx, gw, gb);
+}
+
+/* The backward after the statistics were checked and set (c->rc with the fused ReLU; with
+   c->sync in training, c->Ms the world's count). */
 static int bn_backward(const char *k, bn_ctx *c, const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                        const float *mean, const float *invstd, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
     int64_t C = c->C, n = x->numel;
@@ -1021,19 +1091,30 @@ static int bn_backward(const char *k, bn_ctx *c, const ampc_tensor *x, const amp
     float *gwp = gw ? ampc__data(gw) : NULL, *gbp = gb ? ampc__data(gb) : NULL;
     if (ampc__is_cl(x) != ampc__is_cl(gy) || (gx && ampc__is_cl(x) != ampc__is_cl(gx)))
         return ampc__err(AMPC_ERR_INVALID, "cpu %s: x, gy and gx in different memory formats", k);
-    if (ampc__is_cl(x)) return bn_bwd_cl(c, x, gy, mean, invstd, gx, gwp, gbp);
-    if (c->S >= BN_COLS_BELOW) {
-        bn_bwd_channels(c, x, gy, mean, invstd, gx, gwp, gbp);
-        return AMPC_OK;
+    if (!c->sync || !gx) return bn_bwd_walk(c, x, gy, mean, invstd, gx, gwp, gbp);
+    /* sync: this process's sums (and its gw, gb), the exchange, then gx from the world's */
+    ws_block w = {0};
+    double *sums = ws_get(&w, (size_t)(2 * C + 1) * sizeof(double));
+    if (!sums) return ampc_last_status();
+    c->sums_out = sums;
+    rc = bn_bwd_walk(c, x, gy, mean, invstd, gx, gwp, gbp);
+    c->sums_out = NULL;
+    sums[2 * C] = (double)c->M;   /* and the world's count with the sums */
+    if (rc >= 0) rc = ampc__bn_sync_sums(sums, 2 * C + 1);
+    if (rc >= 0) {
+        c->sums_in = sums;
+        c->Ms = (int64_t)sums[2 * C];
+        rc = bn_bwd_walk(c, x, gy, mean, invstd, gx, NULL, NULL);
     }
-    return bn_bwd_columns(c, x, gy, mean, invstd, gx, gwp, gbp);
+    ws_put(&w);
+    return rc;
 }
 
 static int cpu_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                    const ampc_tensor *save_mean, const ampc_tensor *save_invstd, bool training,
-                                   ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
+                                   bool sync, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
     const char *k = "batch_norm_backward";
-    bn_ctx c = {.training = training};
+    bn_ctx c = {.training = training, .sync = sync && training};
     int rc;
     if ((rc = bn_dims(x, k, &c)) < 0 || (rc = check(save_mean, c.C, true, k, "save_mean")) < 0 ||
         (rc = check(save_invstd, c.C, true, k, "save_invstd")) < 0)
@@ -1043,10 +1124,10 @@ static int cpu_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, 
 }
 
 static int cpu_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
-                                        const ampc_tensor *stats, bool training, ampc_tensor *gx, ampc_tensor *gw,
-                                        ampc_tensor *gb) {
+                                        const ampc_tensor *stats, bool training, bool sync, ampc_tensor *gx,
+                                        ampc_tensor *gw, ampc_tensor *gb) {
     const char *k = "batch_norm_relu_backward";
-    bn_ctx c = {.training = training};
+    bn_ctx c = {.training = training, .sync = sync && training};
     int rc;
     if ((rc = bn_dims(x, k, &c)) < 0 || (rc = check(stats, AMPC_BN_RELU_STAT_ROWS * c.C, true, k, "stats")) < 0)
         return rc;

@@ -150,13 +150,22 @@ static int bn_forward(const char *k, const ampc_cu_chan_geom *g, const ampc_tens
     return rc;
 }
 
+/* SyncBatchNorm's exchange of statistics is not done on this device yet (its kernels compute the
+   statistics and normalise in one launch sequence; the exchange would sit between them). */
+static int no_sync(const char *k, bool sync, bool training) {
+    return sync && training ? ampc__err(AMPC_ERR_UNSUPPORTED, "cuda %s: synchronised batch norm (--sync-bn) runs on the CPU only "
+                                                              "for now; train without it on cuda",
+                                        k)
+                            : AMPC_OK;
+}
+
 static int cu_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias, ampc_tensor *running_mean,
                          ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *save_mean, ampc_tensor *save_invstd,
-                         bool training, double momentum, double eps) {
+                         bool training, double momentum, double eps, bool sync) {
     const char *k = "batch_norm";
     ampc_cu_chan_geom g;
     int rc;
-    if ((rc = bn_geom(x, k, &g)) < 0 || (rc = bn_check(save_mean, g.C, true, x->dtype, k, "save_mean")) < 0 ||
+    if ((rc = no_sync(k, sync, training)) < 0 || (rc = bn_geom(x, k, &g)) < 0 || (rc = bn_check(save_mean, g.C, true, x->dtype, k, "save_mean")) < 0 ||
         (rc = bn_check(save_invstd, g.C, true, x->dtype, k, "save_invstd")) < 0)
         return rc;
     return bn_forward(k, &g, x, weight, bias, running_mean, running_var, y, f32_or_null(save_mean), f32_or_null(save_invstd),
@@ -167,11 +176,11 @@ static int cu_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const 
    (y = fma(x - m, scale, shift)), which the backward's mask recomputes exactly */
 static int cu_batch_norm_relu(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                               ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *stats,
-                              bool training, double momentum, double eps) {
+                              bool training, double momentum, double eps, bool sync) {
     const char *k = "batch_norm_relu";
     ampc_cu_chan_geom g;
     int rc;
-    if ((rc = bn_geom(x, k, &g)) < 0 || (rc = bn_check(stats, AMPC_BN_RELU_STAT_ROWS * g.C, true, x->dtype, k, "stats")) < 0)
+    if ((rc = no_sync(k, sync, training)) < 0 || (rc = bn_geom(x, k, &g)) < 0 || (rc = bn_check(stats, AMPC_BN_RELU_STAT_ROWS * g.C, true, x->dtype, k, "stats")) < 0)
         return rc;
     float *s = f32_or_null(stats);
     return bn_forward(k, &g, x, weight, bias, running_mean, running_var, y, s, s ? s + g.C : NULL, s ? s + 2 * g.C : NULL, true,
@@ -203,12 +212,12 @@ static int bn_backward(const char *k, const ampc_cu_chan_geom *g, const ampc_ten
 }
 
 static int cu_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
-                                  const ampc_tensor *save_mean, const ampc_tensor *save_invstd, bool training, ampc_tensor *gx,
-                                  ampc_tensor *gw, ampc_tensor *gb) {
+                                  const ampc_tensor *save_mean, const ampc_tensor *save_invstd, bool training, bool sync,
+                                  ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
     const char *k = "batch_norm_backward";
     ampc_cu_chan_geom g;
     int rc;
-    if ((rc = bn_geom(x, k, &g)) < 0 || (rc = bn_check(save_mean, g.C, true, x->dtype, k, "save_mean")) < 0 ||
+    if ((rc = no_sync(k, sync, training)) < 0 || (rc = bn_geom(x, k, &g)) < 0 || (rc = bn_check(save_mean, g.C, true, x->dtype, k, "save_mean")) < 0 ||
         (rc = bn_check(save_invstd, g.C, true, x->dtype, k, "save_invstd")) < 0)
         return rc;
     if (!save_mean || !save_invstd) return ampc__err(AMPC_ERR_INVALID, "cuda %s: statistics missing", k);
@@ -216,11 +225,12 @@ static int cu_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, c
 }
 
 static int cu_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
-                                       const ampc_tensor *stats, bool training, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
+                                       const ampc_tensor *stats, bool training, bool sync, ampc_tensor *gx, ampc_tensor *gw,
+                                       ampc_tensor *gb) {
     const char *k = "batch_norm_relu_backward";
     ampc_cu_chan_geom g;
     int rc;
-    if ((rc = bn_geom(x, k, &g)) < 0 || (rc = bn_check(stats, AMPC_BN_RELU_STAT_ROWS * g.C, true, x->dtype, k, "stats")) < 0)
+    if ((rc = no_sync(k, sync, training)) < 0 || (rc = bn_geom(x, k, &g)) < 0 || (rc = bn_check(stats, AMPC_BN_RELU_STAT_ROWS * g.C, true, x->dtype, k, "stats")) < 0)
         return rc;
     if (!stats) return ampc__err(AMPC_ERR_INVALID, "cuda %s: statistics missing", k);
     const float *s = ampc__data(stats);

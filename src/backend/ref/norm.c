@@ -49,6 +49,14 @@ static int bn_dims(const ampc_tensor *x, const char *kernel, int64_t *N, int64_t
 
 static double at_or(const ampc_tensor *t, int64_t i, double dflt) { return t ? ((const double *)ampc__data(t))[i] : dflt; }
 
+/* n doubles of workspace on the REF device (released with ws_put) */
+static double *ws_get(int64_t n, size_t *bytes) {
+    return ampc__alloc(AMPC_DEVICE_REF, (size_t)(n > 0 ? n : 1) * sizeof(double), AMPC_MEM_WORKSPACE, bytes);
+}
+static void ws_put(double *p, size_t bytes) {
+    if (p) ampc__free(AMPC_DEVICE_REF, p, bytes, AMPC_MEM_WORKSPACE);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Batch norm
 
@@ -57,7 +65,8 @@ static double at_or(const ampc_tensor *t, int64_t i, double dflt) { return t ? (
    needs to recompute the pre-activation: the same f64 operations) */
 static int ref_bn(const char *k, const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                   ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *save_mean,
-                  ampc_tensor *save_invstd, bool relu, ampc_tensor *stats, bool training, double momentum, double eps) {
+                  ampc_tensor *save_invstd, bool relu, ampc_tensor *stats, bool training, double momentum, double eps,
+                  bool sync) {
     int64_t N = 0, C = 0, S = 0;
     int rc;
     if ((rc = bn_dims(x, k, &N, &C, &S)) < 0) return rc;
@@ -72,18 +81,35 @@ static int ref_bn(const char *k, const ampc_tensor *x, const ampc_tensor *weight
     if (training && M < 1) return ampc__err(AMPC_ERR_INVALID, "%s: no values per channel", k);
     const double *xp = ampc__data(x);
     double *yp = ampc__data(y);
+    size_t ws_bytes = 0;
+    double *bs = training ? ws_get(3 * C + 1, &ws_bytes) : NULL;   /* batch statistics, ampc__bn_sync_stats's layout */
+    if (training && !bs) return ampc_last_status();
+    for (int64_t c = 0; training && c < C; c++) {
+        double s = 0, q = 0;
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t i = 0; i < S; i++) s += xp[(n * C + c) * S + i];
+        double mean = s / (double)M;
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t i = 0; i < S; i++) {
+                double d = xp[(n * C + c) * S + i] - mean;
+                q += d * d;
+            }
+        bs[c] = mean;
+        bs[C + 1 + c] = q;
+    }
+    if (training) {
+        bs[C] = (double)M;
+        if (sync && (rc = ampc__bn_sync_stats(C, bs)) < 0) {
+            ws_put(bs, ws_bytes);
+            return rc;
+        }
+        M = (int64_t)bs[C];   /* the world's count with sync */
+    }
     for (int64_t c = 0; c < C; c++) {
         double mean, var;
         if (training) {
-            double s = 0, q = 0;
-            for (int64_t n = 0; n < N; n++)
-                for (int64_t i = 0; i < S; i++) s += xp[(n * C + c) * S + i];
-            mean = s / (double)M;
-            for (int64_t n = 0; n < N; n++)
-                for (int64_t i = 0; i < S; i++) {
-                    double d = xp[(n * C + c) * S + i] - mean;
-                    q += d * d;
-                }
+            double q = bs[C + 1 + c];
+            mean = bs[c];
             var = q / (double)M;
             double unbiased = M > 1 ? q / (double)(M - 1) : NAN;   /* the op refuses M == 1 */
             if (running_mean) {
@@ -109,21 +135,22 @@ static int ref_bn(const char *k, const ampc_tensor *x, const ampc_tensor *weight
                 yp[j] = relu && v < 0 ? 0.0 : v;   /* NaN stays NaN, like ampc_relu */
             }
     }
+    ws_put(bs, ws_bytes);
     return AMPC_OK;
 }
 
 static int ref_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                           ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *save_mean,
-                          ampc_tensor *save_invstd, bool training, double momentum, double eps) {
+                          ampc_tensor *save_invstd, bool training, double momentum, double eps, bool sync) {
     return ref_bn("batch_norm", x, weight, bias, running_mean, running_var, y, save_mean, save_invstd, false, NULL,
-                  training, momentum, eps);
+                  training, momentum, eps, sync);
 }
 
 static int ref_batch_norm_relu(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                                ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *stats,
-                               bool training, double momentum, double eps) {
+                               bool training, double momentum, double eps, bool sync) {
     return ref_bn("batch_norm_relu", x, weight, bias, running_mean, running_var, y, NULL, NULL, true, stats, training,
-                  momentum, eps);
+                  momentum, eps, sync);
 }
 
 /* With the fused ReLU, stats (the forward's mean, invstd, w, b): gy is first masked where the
@@ -131,7 +158,7 @@ static int ref_batch_norm_relu(const ampc_tensor *x, const ampc_tensor *weight, 
    Else save_mean / save_invstd. */
 static int ref_bn_backward(const char *k, const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                            const ampc_tensor *save_mean, const ampc_tensor *save_invstd, const ampc_tensor *stats,
-                           bool training, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
+                           bool training, bool sync, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
     int64_t N = 0, C = 0, S = 0;
     int rc;
     if ((rc = bn_dims(x, k, &N, &C, &S)) < 0) return rc;
@@ -141,16 +168,20 @@ static int ref_bn_backward(const char *k, const ampc_tensor *x, const ampc_tenso
     if ((rc = check_all(ts, names, (int64_t[]){n, n, C, C, C, n, C, C, AMPC_BN_RELU_STAT_ROWS * C}, 9, k)) < 0) return rc;
     if (!stats && (!save_mean || !save_invstd)) return ampc__err(AMPC_ERR_INVALID, "%s: statistics missing", k);
     const double *xp = ampc__data(x), *gin = ampc__data(gy), *st = stats ? ampc__data(stats) : NULL;
-    double *gm = NULL;   /* the masked gy */
-    size_t gm_bytes = 0;
-    if (st && !(gm = ampc__alloc(x->device, (size_t)(n ? n : 1) * sizeof *gm, AMPC_MEM_WORKSPACE, &gm_bytes)))
+    size_t gm_bytes = 0, ws_bytes = 0;
+    double *gm = st ? ws_get(n, &gm_bytes) : NULL;   /* the masked gy */
+    double *sums = ws_get(2 * C + 1, &ws_bytes);      /* sum(gy), sum(gy * xhat) per channel, the count */
+    if ((st && !gm) || !sums) {
+        ws_put(gm, gm_bytes);
+        ws_put(sums, ws_bytes);
         return ampc_last_status();
+    }
     const double *g = st ? gm : gin;
-    double M = (double)(N * S);
+#define MEAN_INVSTD(c)                                                                          \
+    double mean = st ? st[c] : at_or(save_mean, c, 0), invstd = st ? st[C + (c)] : at_or(save_invstd, c, 1)
     for (int64_t c = 0; c < C; c++) {
-        double mean = st ? st[c] : at_or(save_mean, c, 0), invstd = st ? st[C + c] : at_or(save_invstd, c, 1);
-        double w = at_or(weight, c, 1);
-        double sg = 0, sgx = 0;   /* sum(gy), sum(gy * xhat) */
+        MEAN_INVSTD(c);
+        double sg = 0, sgx = 0;
         for (int64_t n = 0; st && n < N; n++)
             for (int64_t i = 0; i < S; i++) {
                 int64_t j = (n * C + c) * S + i;
@@ -162,10 +193,17 @@ static int ref_bn_backward(const char *k, const ampc_tensor *x, const ampc_tenso
                 sg += g[j];
                 sgx += g[j] * (xp[j] - mean) * invstd;
             }
-        if (gw) ((double *)ampc__data(gw))[c] = sgx;
+        if (gw) ((double *)ampc__data(gw))[c] = sgx;   /* this process's own, with sync too */
         if (gb) ((double *)ampc__data(gb))[c] = sg;
-        if (!gx) continue;
-        double *o = ampc__data(gx);
+        sums[c] = sg;
+        sums[C + c] = sgx;
+    }
+    sums[2 * C] = (double)(N * S);
+    rc = sync && training && gx ? ampc__bn_sync_sums(sums, 2 * C + 1) : AMPC_OK;
+    double M = sums[2 * C];
+    for (int64_t c = 0; rc >= 0 && gx && c < C; c++) {
+        MEAN_INVSTD(c);
+        double w = at_or(weight, c, 1), sg = sums[c], sgx = sums[C + c], *o = ampc__data(gx);
         for (int64_t n = 0; n < N; n++)
             for (int64_t i = 0; i < S; i++) {
                 int64_t j = (n * C + c) * S + i;
@@ -174,21 +212,23 @@ static int ref_bn_backward(const char *k, const ampc_tensor *x, const ampc_tenso
                 o[j] = training ? w * invstd / M * (M * g[j] - sg - xhat * sgx) : g[j] * w * invstd;
             }
     }
-    if (gm) ampc__free(x->device, gm, gm_bytes, AMPC_MEM_WORKSPACE);
-    return AMPC_OK;
+#undef MEAN_INVSTD
+    ws_put(gm, gm_bytes);
+    ws_put(sums, ws_bytes);
+    return rc;
 }
 
 static int ref_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                    const ampc_tensor *save_mean, const ampc_tensor *save_invstd, bool training,
-                                   ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
-    return ref_bn_backward("batch_norm_backward", x, gy, weight, save_mean, save_invstd, NULL, training, gx, gw, gb);
+                                   bool sync, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
+    return ref_bn_backward("batch_norm_backward", x, gy, weight, save_mean, save_invstd, NULL, training, sync, gx, gw, gb);
 }
 
 static int ref_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
-                                        const ampc_tensor *stats, bool training, ampc_tensor *gx, ampc_tensor *gw,
-                                        ampc_tensor *gb) {
+                                        const ampc_tensor *stats, bool training, bool sync, ampc_tensor *gx,
+                                        ampc_tensor *gw, ampc_tensor *gb) {
     if (!stats) return ampc__err(AMPC_ERR_INVALID, "batch_norm_relu_backward: statistics missing");
-    return ref_bn_backward("batch_norm_relu_backward", x, gy, weight, NULL, NULL, stats, training, gx, gw, gb);
+    return ref_bn_backward("batch_norm_relu_backward", x, gy, weight, NULL, NULL, stats, training, sync, gx, gw, gb);
 }
 
 // ---------------------------------------------------------------------------------------------
