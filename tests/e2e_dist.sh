@@ -110,5 +110,20 @@ else
     bad "--sync-bn: exit $rc"; tail -5 "$W/sbn.out" "$W/sbn.err"
 fi
 
+# 6. --zero 1: the optimizer state sharded over the ranks trains the same run: its checkpoint (the
+# state gathered on rank 0) is identical to the unsharded job's, weights and optimizer state
+"${MPI[@]}" -np 2 "$TRAIN" "${SMALL[@]}" --epochs 1 --zero 1 --out "$W/zero" >"$W/zero.out" 2>"$W/zero.err"
+rc=$?
+"${MPI[@]}" -np 2 "$TRAIN" "${SMALL[@]}" --epochs 1 --out "$W/nozero" >"$W/nozero.out" 2>"$W/nozero.err"
+rc2=$?
+"$TRAIN" --compare-checkpoints "$W/zero/checkpoint.safetensors" "$W/nozero/checkpoint.safetensors" >"$W/zcmp.out" 2>&1
+rc3=$?
+if [ $rc -eq 0 ] && [ $rc2 -eq 0 ] && [ $rc3 -eq 0 ] && grep -q "^identical" "$W/zcmp.out" &&
+    grep -q "zero           optimizer state shared out by parameter over 2 processes" "$W/zero.out"; then
+    ok "--zero 1: the same checkpoint as unsharded training ($(grep -o 'optimizer state shared.*' "$W/zero.out"))"
+else
+    bad "--zero 1: exit $rc, $rc2, compare $rc3"; cat "$W/zcmp.out"; tail -5 "$W/zero.err"
+fi
+
 echo "e2e_dist: $FAILS failure(s) in $((SECONDS - T0)) s"
 [ "$FAILS" -eq 0 ]

@@ -12,6 +12,7 @@
 #include "ampc/dist.h"
 #include "core/core.h"
 #include "ops/ops.h"
+#include "optim/optim.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -347,6 +348,88 @@ static void test_sync_bn_op(void **state) {
         }
 }
 
+/* Bytes of optimizer state this rank holds. */
+static int64_t held_state(const ampc_optimizer *opt) {
+    int64_t b = 0;
+    for (int s = 0; s < 3; s++)
+        for (int i = 0; i < opt->n; i++)
+            if (opt->state[s][i]) b += opt->state[s][i]->numel * (int64_t)ampc__dt(opt->state[s][i]->dtype)->size;
+    return b;
+}
+
+/* ZeRO-1: DDP with the optimizer state sharded reaches the weights of DDP without it bit for
+   bit (the same averaged gradients, each parameter updated by the same kernel on its owner, then
+   broadcast), for SGD with momentum and Adam, fp32 and fp16 AMP with the GradScaler (which
+   skips or steps on all ranks together). Each rank holds only its share of the state (measured
+   against the unsharded optimizer's; whole parameters are shared out, so the cnn, whose fc1
+   holds 96% of the parameters, cannot be split evenly: the bound is the average share plus the
+   largest parameter's state), and ampc_zero_consolidate gathers on rank 0
+   a state equal to the unsharded optimizer's, step counts included. */
+static void test_zero(void **state) {
+    (void)state;
+    for (int adam = 0; adam < 2; adam++)
+        for (int m = FP32; m <= FP16; m += FP16 - FP32) {
+            run a = run_new("cnn", (mode)m, dflt()), b = run_new("cnn", (mode)m, dflt());
+            if (adam) {
+                ampc_optimizer_free(a.opt);
+                ampc_optimizer_free(b.opt);
+                ampc_adam_options o = ampc_adam_defaults();
+                a.opt = ampc_adam_new(a.net, &o);
+                b.opt = ampc_adam_new(b.net, &o);
+                D_ASSERT(a.opt && b.opt, "adam");
+            }
+            int64_t here = -1, all = -1;
+            D_ASSERT(ampc_zero_shard(b.opt, &here, &all) == AMPC_OK, "zero_shard");
+            for (int s = 0; s < STEPS; s++) {
+                backward(&a, (mode)m, s, my_lo(), my_hi(), 1, s == 1 && rank == world - 1 && m == FP16);
+                backward(&b, (mode)m, s, my_lo(), my_hi(), 1, s == 1 && rank == world - 1 && m == FP16);
+                int ra = step(&a), rb = step(&b);
+                D_ASSERT(ra == rb, "step %d applied %d vs %d", s, ra, rb);
+            }
+            int64_t n;
+            float *wa = weights(a.net, &n), *wb = weights(b.net, &n);
+            D_ASSERT(memcmp(wa, wb, sizeof(float) * (size_t)n) == 0, "%s %s: sharded weights differ", adam ? "adam" : "sgd",
+                     MODE_NAMES[m]);
+            assert_replicas_equal(b.net);
+            int64_t full = held_state(a.opt), mine = held_state(b.opt), sum = mine;
+            double v = (double)mine;
+            D_ASSERT(ampc_dist_allreduce_sum_f64(&v, 1) == AMPC_OK, "allreduce");
+            sum = (int64_t)v;
+            if (rank == 0)
+                print_message("zero-1 %s %s: weights equal to unsharded DDP; optimizer state %.2f MiB on rank 0, %.2f MiB "
+                              "unsharded\n",
+                              adam ? "adam" : "sgd", MODE_NAMES[m], (double)mine / 1048576, (double)full / 1048576);
+            D_ASSERT(mine == here && all == full && sum == full, "state bytes %lld (said %lld), all %lld (said %lld, full %lld)",
+                     (long long)mine, (long long)here, (long long)sum, (long long)all, (long long)full);
+            /* whole parameters: a greedy largest-first share is at most the average plus the largest parameter's state */
+            int64_t largest = 0;
+            for (int i = 0; i < a.opt->n; i++)
+                for (int k = 0; k < 3; k++)
+                    if (a.opt->state[k][i]) largest = a.opt->state[k][i]->numel * 4 > largest ? a.opt->state[k][i]->numel * 4 : largest;
+            largest *= ampc__optimizer_slots_used(a.opt);
+            D_ASSERT(mine <= full / world + largest, "rank %d holds %lld of %lld (largest %lld)", rank, (long long)mine,
+                     (long long)full, (long long)largest);
+            D_ASSERT(ampc_zero_consolidate(b.opt) == AMPC_OK, "consolidate");
+            if (rank == 0) {
+                D_ASSERT(held_state(b.opt) == full, "consolidated %lld of %lld", (long long)held_state(b.opt), (long long)full);
+                for (int i = 0; i < a.opt->n; i++) {
+                    D_ASSERT(a.opt->steps[i] == b.opt->steps[i], "steps of %d", i);
+                    for (int k = 0; k < 3; k++) {
+                        ampc_tensor *x = a.opt->state[k][i], *y = b.opt->state[k][i];
+                        D_ASSERT(!x == !y, "state %d of %d", k, i);
+                        if (x)
+                            D_ASSERT(memcmp(ampc__data(x), ampc__data(y), (size_t)x->numel * 4) == 0,
+                                     "consolidated state %d of parameter %d differs", k, i);
+                    }
+                }
+            }
+            D_ASSERT(ampc_zero_shard(b.opt, NULL, NULL) == AMPC_OK && held_state(b.opt) == mine, "re-shard");
+            free(wa), free(wb);
+            run_free(&a);
+            run_free(&b);
+        }
+}
+
 /* Small buckets (many all-reduces, started during backward) give the same bits as one bucket:
    a sum of two ranks' values does not depend on how the elements are grouped. */
 static void test_buckets(void **state) {
@@ -587,7 +670,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_wrap),          cmocka_unit_test(test_allreduce_16bit), cmocka_unit_test(test_equivalence),
         cmocka_unit_test(test_buckets),       cmocka_unit_test(test_no_sync_accumulation),
         cmocka_unit_test(test_scaler_agrees), cmocka_unit_test(test_16bit_wire),      cmocka_unit_test(test_sync_buffers),
-        cmocka_unit_test(test_sync_bn_op),    cmocka_unit_test(test_sync_bn_equivalence),
+        cmocka_unit_test(test_sync_bn_op),    cmocka_unit_test(test_sync_bn_equivalence), cmocka_unit_test(test_zero),
     };
     int failed = cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
     ampc_dist_finalize();

@@ -100,6 +100,24 @@ typedef struct {
 } ampc_ddp_stats;
 int ampc_ddp_get_stats(const ampc_ddp *ddp, ampc_ddp_stats *stats);
 
+// ---------------------------------------------------------------------------------------------
+// Sharded optimizer state (ZeRO stage 1, as PyTorch's ZeroRedundancyOptimizer)
+
+/* Shards opt's state over the ranks (collective; call it after ampc_ddp_new, with the same
+   optimizer settings everywhere): each parameter gets one owning rank (greedy by size, the
+   largest first, each to the rank with the fewest bytes so far), which alone keeps its state
+   (momentum, Adam's moments: the state of the others is released now) and steps it; after
+   every step (ampc_optimizer_step or the GradScaler's) each updated parameter is broadcast from
+   its owner, so every rank holds the same weights, bit for bit those of unsharded training.
+   Gradients stay whole on every rank (DDP's all-reduce). Host memory (CPU) only. Calling it
+   again re-shards the same way (releasing what ampc_zero_consolidate gathered). *bytes_here and
+   *bytes_all (may be NULL): the state bytes this rank will hold and all ranks together. */
+int ampc_zero_shard(ampc_optimizer *opt, int64_t *bytes_here, int64_t *bytes_all);
+/* Gathers the whole optimizer state (and step counts) on rank 0, as PyTorch's
+   consolidate_state_dict(to=0), for a checkpoint that any number of ranks can resume.
+   Collective. Rank 0 then holds the unsharded state until ampc_zero_shard is called again. */
+int ampc_zero_consolidate(ampc_optimizer *opt);
+
 #ifdef __cplusplus
 }
 #endif

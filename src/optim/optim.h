@@ -25,6 +25,11 @@ struct ampc_optimizer {
     int *item_param;             /* the parameter of items[k] */
     ampc_sgd_options sgd;
     ampc_adam_options adam;
+    /* ZeRO stage 1 (ampc__optimizer_shard): owner[i] is the rank that keeps the state of
+       parameter i and steps it; after a step every parameter is broadcast from its owner. NULL:
+       this process steps all. */
+    int *owner;
+    int shard_rank;
 };
 
 /* How many state slots this optimizer's settings use (state[0..n)): PyTorch keeps no SGD buffer
@@ -41,5 +46,14 @@ int ampc__optimizer_check(const ampc_optimizer *opt, const char *call);
    (the GradScaler's unscale fused into the step; the grads themselves are left as they are).
    0: no scaling. */
 int ampc__optimizer_step_scaled(ampc_optimizer *opt, float grad_scale);
+
+/* ZeRO stage 1 over the processes of the collectives seam (src/dist/zero.c decides owner, one
+   rank per parameter, n entries, copied): from here on this process steps only the parameters it
+   owns and keeps only their state (the state of the others is released now), and every step ends
+   with each stepped parameter broadcast from its owner (host memory only). owner NULL: back to
+   stepping everything (the state of the parameters this process did not own starts empty). */
+int ampc__optimizer_shard(ampc_optimizer *opt, const int *owner, int rank);
+/* State slot s of parameter i, allocated zero-filled if absent (NULL + error on OOM). */
+ampc_tensor *ampc__optimizer_state(ampc_optimizer *opt, int s, int i);
 
 #endif /* AMPC_OPTIM_H */

@@ -116,6 +116,8 @@ static ampc_optimizer *optimizer_new(ampc_optim_kind kind, ampc_tensor **params,
     }
     o->kind = kind;
     o->n = n;
+    o->owner = NULL;
+    o->shard_rank = 0;
     for (int i = 0; i < n; i++) o->params[i] = ampc__retain(params[i]);
     return o;
 }
@@ -181,12 +183,20 @@ void ampc_optimizer_free(ampc_optimizer *opt) {
     free(opt->steps);
     free(opt->items);
     free(opt->item_param);
+    free(opt->owner);
+    opt->owner = NULL;
     opt->gen = 0;
     ampc__handle_pool_put(&optimizer_pool, opt);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Step
+
+static ampc_tensor *state_get(ampc_optimizer *opt, int s, int i);
+/* This process steps parameter i (always, unless ZeRO gave it to another rank). */
+static bool owned(const ampc_optimizer *opt, int i) { return !opt->owner || opt->owner[i] == opt->shard_rank; }
+
+ampc_tensor *ampc__optimizer_state(ampc_optimizer *opt, int s, int i) { return state_get(opt, s, i); }
 
 /* State slot s of parameter i, allocated zero-filled on first use (optimizer memory). */
 static ampc_tensor *state_get(ampc_optimizer *opt, int s, int i) {
@@ -275,7 +285,7 @@ static int step_device(ampc_optimizer *opt, ampc_device dev, float grad_scale) {
     int *idx = opt->item_param, n = 0, rc = AMPC_OK;
     for (int i = 0; i < opt->n && rc >= 0; i++) {
         ampc_tensor *p = opt->params[i];
-        if (!p->grad || p->device != dev) continue;
+        if (!p->grad || p->device != dev || !owned(opt, i)) continue;
         idx[n] = i;
         rc = make_item(opt, i, &items[n]);
         if (rc >= 0 || items[n].first) n++;   /* a failed item's new state is dropped below too */
@@ -304,6 +314,47 @@ static int step_device(ampc_optimizer *opt, ampc_device dev, float grad_scale) {
     return AMPC_OK;
 }
 
+/* ZeRO-1: every parameter that was stepped (it has a grad: the same set on every rank, whose
+   DDP gives every parameter a grad) broadcast from its owner, in parameter order on every rank.
+   Blocking: the next forward reads them. A kernel that wrote the memory marks it written, so
+   autocast's kept 16-bit copy of a parameter updated elsewhere is recast. */
+static int publish(ampc_optimizer *opt) {
+    const ampc_comm_ops *comm = ampc__comm();
+    for (int i = 0; i < opt->n; i++) {
+        ampc_tensor *p = opt->params[i];
+        if (!p->grad) continue;
+        int rc = comm->broadcast(ampc__data(p), (size_t)p->numel * ampc__dt(p->dtype)->size, opt->owner[i]);
+        if (rc < 0) return rc;
+        if (!owned(opt, i)) ampc__mark_written(p);
+    }
+    return AMPC_OK;
+}
+
+int ampc__optimizer_shard(ampc_optimizer *opt, const int *owner, int rank) {
+    int rc = ampc__optimizer_check(opt, "ampc_zero_shard");
+    if (rc < 0) return rc;
+    int *o = NULL;
+    if (owner) {
+        for (int i = 0; i < opt->n; i++)
+            if (!ampc__device(opt->params[i]->device)->host_memory)
+                return ampc__err(AMPC_ERR_UNSUPPORTED, "ZeRO: parameter %d is on device %s; sharded optimizer state "
+                                 "needs parameters in host memory (CPU)", i, ampc_device_name(opt->params[i]->device));
+        if (!(o = malloc((size_t)(opt->n ? opt->n : 1) * sizeof *o))) return ampc__err(AMPC_ERR_OOM, "ZeRO: out of memory");
+        memcpy(o, owner, (size_t)opt->n * sizeof *o);
+    }
+    free(opt->owner);
+    opt->owner = o;
+    opt->shard_rank = rank;
+    for (int i = 0; i < opt->n; i++) {
+        if (owned(opt, i)) continue;
+        for (int s = 0; s < 3; s++) {   /* another rank keeps it */
+            ampc__release(opt->state[s][i]);
+            opt->state[s][i] = NULL;
+        }
+    }
+    return AMPC_OK;
+}
+
 /* The step of ampc_optimizer_step (call names the entry point in errors). */
 static int step(ampc_optimizer *opt, float grad_scale, const char *call) {
     if (!opt) return ampc__err(AMPC_ERR_INVALID, "%s: optimizer is NULL", call);
@@ -315,7 +366,7 @@ static int step(ampc_optimizer *opt, float grad_scale, const char *call) {
         int rc = step_device(opt, (ampc_device)d, grad_scale);
         if (rc < 0) return rc;
     }
-    return AMPC_OK;
+    return opt->owner ? publish(opt) : AMPC_OK;
 }
 
 int ampc__optimizer_step_scaled(ampc_optimizer *opt, float grad_scale) { return step(opt, grad_scale, "ampc_scaler_step"); }

@@ -31,6 +31,11 @@ void print_setup(run *r) {
     if (r->world > 1)
         printf("  %-14s %d processes (MPI), batch %" PRId64 " each: global batch %" PRId64 "\n", "world", r->world,
                ival(r->s, OPT_BATCH_SIZE), r->world * ival(r->s, OPT_BATCH_SIZE));
+    if (r->zero_all > 0) {
+        char b1[32], b2[32];
+        printf("  %-14s optimizer state shared out by parameter over %d processes: %s on rank 0 of %s\n", "zero", r->world,
+               fmt_bytes((double)r->zero_here, b1, sizeof b1), fmt_bytes((double)r->zero_all, b2, sizeof b2));
+    }
     if (r->sync_bn > 0)
         printf("  %-14s %d BatchNorm layers with the statistics of all %d processes' batches\n", "sync-bn", r->sync_bn, r->world);
     int64_t ntr = ampc_dataset_size(r->d.train), nva = ampc_dataset_size(r->d.val);

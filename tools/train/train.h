@@ -170,6 +170,7 @@ typedef struct {
     ampc_ddp *ddp;           /* data-parallel (under mpirun): gradients averaged over the ranks */
     int rank, world;         /* this process's rank and the number of processes (0, 1 alone) */
     int sync_bn;             /* --sync-bn: BatchNorm layers made SyncBatchNorm */
+    int64_t zero_here, zero_all;   /* --zero 1: optimizer state bytes this rank keeps, all ranks (0: unsharded) */
     ampc_metrics *metrics;
     history hist;
     int64_t epoch0;          /* epochs finished before this session (from --resume) */

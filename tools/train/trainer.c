@@ -119,8 +119,12 @@ static int check_finite_state(run *r, int64_t epoch) {
    (diverged): the epoch just trained is checked. */
 static int save_checkpoint(run *r, int64_t epochs_done, int64_t step, const pass_stats *partial, double epoch_seconds) {
     if (check_finite_state(r, step > 0 || epochs_done == 0 ? epochs_done : epochs_done - 1) < 0) return -1;
-    if (r->rank > 0) return 0;   /* data-parallel: rank 0 writes, the replicas are the same */
-    return checkpoint_save(r, epochs_done, step, partial, epoch_seconds);
+    /* --zero 1: the whole optimizer state on rank 0 for the file (any number of ranks resumes it) */
+    if (r->zero_all > 0 && ampc_zero_consolidate(r->opt) < 0) return fail_lib("gathering the sharded optimizer state");
+    /* data-parallel: rank 0 writes, the replicas are the same */
+    int rc = r->rank > 0 ? 0 : checkpoint_save(r, epochs_done, step, partial, epoch_seconds);
+    if (r->zero_all > 0 && ampc_zero_shard(r->opt, NULL, NULL) < 0 && rc == 0) rc = fail_lib("sharding the optimizer state");
+    return rc;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -421,6 +425,11 @@ int train_run(settings *s, run_result *res) {
     /* data-parallel: rank 0's weights and buffers everywhere, and gradients averaged from here on */
     if (r.world > 1 && !(r.ddp = ampc_ddp_new(r.net, NULL))) {
         rc = fail_lib("data-parallel model");
+        goto done;
+    }
+    if (ival(s, OPT_ZERO) == 1 && r.world == 1) warn("--zero 1: one process, nothing to shard");
+    if (ival(s, OPT_ZERO) == 1 && r.world > 1 && ampc_zero_shard(r.opt, &r.zero_here, &r.zero_all) < 0) {
+        rc = fail_lib("--zero 1");
         goto done;
     }
     g_oom_hint = "try a smaller --batch-size or --use-amp yes";
