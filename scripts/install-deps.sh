@@ -3,7 +3,7 @@
 #   bash scripts/install-deps.sh        build and test (gcc)
 #   bash scripts/install-deps.sh fuzz   the same plus clang 14 and libFuzzer (`make fuzz`)
 set -euo pipefail
-PKGS=(build-essential cmake pkg-config openmpi-bin libopenmpi-dev libdnnl-dev libcmocka-dev zlib1g-dev dataset-fashion-mnist libturbojpeg0-dev libpng-dev libjansson-dev libplplot-dev plplot-driver-cairo)
+PKGS=(build-essential cmake pkg-config openmpi-bin libopenmpi-dev iproute2 libdnnl-dev libcmocka-dev zlib1g-dev dataset-fashion-mnist libturbojpeg0-dev libpng-dev libjansson-dev libplplot-dev plplot-driver-cairo)
 # clang's OpenMP runtime (libomp) is what clang's -fopenmp links; libclang-rt has libFuzzer
 FUZZ_PKGS=(clang-14 libclang-rt-14-dev libomp-14-dev)
 case "${1:-}" in
