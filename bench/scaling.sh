@@ -16,7 +16,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS
 export OMPI_MCA_btl_vader_single_copy_mechanism=none
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
-echo "scaling: $(date -u +%Y-%m-%dT%H:%MZ), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), $STEPS steps"
+echo "scaling: $(date -u +%Y-%m-%dT%H:%MZ), $(nproc --all) cores, load $(cut -d' ' -f1-3 /proc/loadavg), $STEPS steps"
 printf "%-9s %-9s %7s %12s %12s %10s %14s\n" workload mode batch "1 proc s/s" "2 procs s/s" efficiency "exposed comm"
 for w in mlp cnn resnet18; do
     for m in fp32 amp-bf16; do

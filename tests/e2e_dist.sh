@@ -25,7 +25,7 @@ if [ $rc -eq 0 ] && sanitizer_clean "$W/two.err" && grep -q "world          2 pr
     [ "$(grep -c '^epoch ' "$W/two.out")" -eq 2 ] && [ "$(wc -l <"$W/two/metrics.csv")" -eq 3 ] && [ -s "$W/two/checkpoint.safetensors" ]; then
     ok "2 ranks: trained 2 epochs, configuration names the world, rank 0 wrote the outputs"
 else
-    bad "2 ranks: exit $rc"; tail -20 "$W/two.out" "$W/two.err"
+    bad "2 ranks: exit $rc"; tail -n 20 "$W/two.out" "$W/two.err"
 fi
 # the printed figures are the job's: 1024 training samples per epoch over 16 steps of 64
 if grep -q "summary: 2 epoch(s)" "$W/two.out" && ! grep -q "rank 1" "$W/two.err"; then
@@ -40,7 +40,7 @@ rc=$?
 if [ $rc -eq 0 ] && grep -q "resumed from .* after epoch 2" "$W/r21.out" && grep -q "^epoch 3/3" "$W/r21.out"; then
     ok "resume 2 -> 1 ranks"
 else
-    bad "resume 2 -> 1: exit $rc"; tail -5 "$W/r21.err"
+    bad "resume 2 -> 1: exit $rc"; tail -n 5 "$W/r21.err"
 fi
 "$TRAIN" "${SMALL[@]}" --epochs 1 --out "$W/one" >"$W/one.out" 2>"$W/one.err" &&
     "${MPI[@]}" -np 2 "$TRAIN" --resume "$W/one/checkpoint.safetensors" --epochs 2 --threads 1 --progress off >"$W/r12.out" 2>"$W/r12.err"
@@ -48,7 +48,7 @@ rc=$?
 if [ $rc -eq 0 ] && grep -q "world          2 processes" "$W/r12.out" && grep -q "^epoch 2/2" "$W/r12.out"; then
     ok "resume 1 -> 2 ranks"
 else
-    bad "resume 1 -> 2: exit $rc"; tail -5 "$W/r12.err"
+    bad "resume 1 -> 2: exit $rc"; tail -n 5 "$W/r12.err"
 fi
 
 # 3. an error on one rank (only rank 1's file is missing) ends the job: one error naming the rank
@@ -59,7 +59,7 @@ rc=$?
 if [ $rc -ne 0 ] && grep -q "ampc-train: rank 1: error: .*nonexistent" "$W/err.err" && [ $((SECONDS - t0)) -lt 60 ]; then
     ok "error on rank 1 ended the job (exit $rc, $((SECONDS - t0)) s)"
 else
-    bad "error on rank 1: exit $rc after $((SECONDS - t0)) s"; tail -5 "$W/err.err"
+    bad "error on rank 1: exit $rc after $((SECONDS - t0)) s"; tail -n 5 "$W/err.err"
 fi
 
 # 4. SIGKILL of rank 1 once the first checkpoint is written: the job ends, non-zero, within 60 s
@@ -86,7 +86,7 @@ rc=$?
 if [ -n "$victim" ] && [ $rc -ne 0 ] && [ $((SECONDS - t0)) -lt 60 ]; then
     ok "SIGKILL of rank 1 (pid $victim) ended the job in $((SECONDS - t0)) s with exit $rc"
 else
-    bad "SIGKILL of rank 1: victim '$victim', exit $rc"; tail -5 "$W/kill.err"
+    bad "SIGKILL of rank 1: victim '$victim', exit $rc"; tail -n 5 "$W/kill.err"
 fi
 "${MPI[@]}" -np 2 "$TRAIN" --resume "$W/kill/checkpoint.safetensors" --epochs 0 --threads 1 --progress off >"$W/kr.out" 2>"$W/kr.err"
 rc1=$?
@@ -96,7 +96,7 @@ rc2=$?
 if [ $rc1 -eq 0 ] && [ $rc2 -eq 0 ] && grep -q "^epoch $((last + 1))/" "$W/kr2.out"; then
     ok "the killed job's checkpoint (after epoch $last) loads and --resume completes"
 else
-    bad "resume after the kill: exit $rc1, $rc2"; tail -5 "$W/kr.err" "$W/kr2.err"
+    bad "resume after the kill: exit $rc1, $rc2"; tail -n 5 "$W/kr.err" "$W/kr2.err"
 fi
 
 # 5. --sync-bn: ResNet-18's 20 BatchNorms become SyncBatchNorm and the job trains
@@ -107,7 +107,7 @@ if [ $rc -eq 0 ] && grep -q "sync-bn        20 BatchNorm layers with the statist
     grep -q "^epoch 1/1" "$W/sbn.out"; then
     ok "--sync-bn: resnet18 trains with its 20 BatchNorms synchronised"
 else
-    bad "--sync-bn: exit $rc"; tail -5 "$W/sbn.out" "$W/sbn.err"
+    bad "--sync-bn: exit $rc"; tail -n 5 "$W/sbn.out" "$W/sbn.err"
 fi
 
 # 6. --zero 1: the optimizer state sharded over the ranks trains the same run: its checkpoint (the
@@ -122,7 +122,7 @@ if [ $rc -eq 0 ] && [ $rc2 -eq 0 ] && [ $rc3 -eq 0 ] && grep -q "^identical" "$W
     grep -q "zero           optimizer state shared out by parameter over 2 processes" "$W/zero.out"; then
     ok "--zero 1: the same checkpoint as unsharded training ($(grep -o 'optimizer state shared.*' "$W/zero.out"))"
 else
-    bad "--zero 1: exit $rc, $rc2, compare $rc3"; cat "$W/zcmp.out"; tail -5 "$W/zero.err"
+    bad "--zero 1: exit $rc, $rc2, compare $rc3"; cat "$W/zcmp.out"; tail -n 5 "$W/zero.err"
 fi
 
 echo "e2e_dist: $FAILS failure(s) in $((SECONDS - T0)) s"
