@@ -84,8 +84,7 @@ const opt_def OPTS[OPT_COUNT] = {
                       "stop as diverged when a training step's loss exceeds X (cross-entropy starts near ln(classes))"},
     [OPT_SYNC_BN] = {"sync-bn", V_YESNO, "no", NULL, 0, 0, false, O_SAVE, "[yes|no]",
                      "under mpirun: BatchNorm with the batch statistics of all processes (SyncBatchNorm; alone: yes); "
-                     "no: each process normalises with its own batch's, as DDP",
-                     .bare = true},
+                     "no: each process normalises with its own batch's, as DDP"},
     [OPT_ZERO] = {"zero", V_INT, "0", NULL, 0, 1, false, O_SAVE, "0|1",
                   "under mpirun: 1 shards the optimizer state across the processes (ZeRO stage 1: each steps its "
                   "share of the fp32 weights and moments, then all gather the weights); 0: every process holds it all"},
@@ -270,13 +269,16 @@ static const struct option *exact_option(const struct option *longopts, const ch
     return NULL;
 }
 
+/* A yes/no flag that may stand alone for yes ("--sync-bn"). */
+static bool bare(int id) { return id == OPT_SYNC_BN; }
+
 int parse_args(int argc, char **argv, settings *s, const char **cmp_a, const char **cmp_b) {
     memset(s, 0, sizeof *s);
     for (int i = 0; i < OPT_COUNT; i++)
         if (set_val(s, i, OPTS[i].def) < 0) return -1;
     struct option longopts[OPT_COUNT + 4];
     for (int i = 0; i < OPT_COUNT; i++)
-        longopts[i] = (struct option){OPTS[i].name, OPTS[i].bare ? optional_argument : required_argument, NULL, 256 + i};
+        longopts[i] = (struct option){OPTS[i].name, bare(i) ? optional_argument : required_argument, NULL, 256 + i};
     longopts[OPT_COUNT] = (struct option){"compare", no_argument, NULL, LONG_COMPARE};
     longopts[OPT_COUNT + 1] = (struct option){"compare-checkpoints", no_argument, NULL, LONG_COMPARE_CHECKPOINTS};
     longopts[OPT_COUNT + 2] = (struct option){"help", no_argument, NULL, LONG_HELP};

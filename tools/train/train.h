@@ -76,7 +76,6 @@ typedef struct {
     bool lo_open;
     unsigned flags;
     const char *metavar, *help;
-    bool bare;             /* V_YESNO that may stand alone for yes ("--sync-bn") */
 } opt_def;
 
 extern const opt_def OPTS[OPT_COUNT];
