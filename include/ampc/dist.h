@@ -103,8 +103,8 @@ int ampc_ddp_get_stats(const ampc_ddp *ddp, ampc_ddp_stats *stats);
 // ---------------------------------------------------------------------------------------------
 // Sharded optimizer state (ZeRO stage 1, as PyTorch's ZeroRedundancyOptimizer)
 
-/* Shards opt's state over the ranks (collective; call it after ampc_ddp_new, with the same
-   optimizer settings everywhere): each parameter gets one owning rank (greedy by size, the
+/* Shards opt's state over the ranks (every rank calls it, after ampc_ddp_new, with the same
+   optimizer settings; no communication: the partition is computed alike everywhere): each parameter gets one owning rank (greedy by size, the
    largest first, each to the rank with the fewest bytes so far), which alone keeps its state
    (momentum, Adam's moments: the state of the others is released now) and steps it; after
    every step (ampc_optimizer_step or the GradScaler's) each updated parameter is broadcast from

@@ -192,14 +192,11 @@ void ampc_optimizer_free(ampc_optimizer *opt) {
 // ---------------------------------------------------------------------------------------------
 // Step
 
-static ampc_tensor *state_get(ampc_optimizer *opt, int s, int i);
 /* This process steps parameter i (always, unless ZeRO gave it to another rank). */
 static bool owned(const ampc_optimizer *opt, int i) { return !opt->owner || opt->owner[i] == opt->shard_rank; }
 
-ampc_tensor *ampc__optimizer_state(ampc_optimizer *opt, int s, int i) { return state_get(opt, s, i); }
-
 /* State slot s of parameter i, allocated zero-filled on first use (optimizer memory). */
-static ampc_tensor *state_get(ampc_optimizer *opt, int s, int i) {
+ampc_tensor *ampc__optimizer_state(ampc_optimizer *opt, int s, int i) {
     if (opt->state[s][i]) return opt->state[s][i];
     ampc_tensor *p = opt->params[i];
     ampc_mem_kind prev = ampc__mem_kind_push(AMPC_MEM_OPTIMIZER);
@@ -265,7 +262,7 @@ static int make_item(ampc_optimizer *opt, int i, ampc_optim_item *it) {
     it->grad = p->grad;
     it->first = opt->state[0][i] == NULL;
     for (int s = 0; s < ampc__optimizer_slots_used(opt); s++)
-        if (!(it->state[s] = state_get(opt, s, i))) return ampc_last_status();
+        if (!(it->state[s] = ampc__optimizer_state(opt, s, i))) return ampc_last_status();
     it->step = opt->steps[i] + 1;
     return AMPC_OK;
 }

@@ -410,7 +410,6 @@ typedef struct {
        ampc__bn_sync_stats) into stats_out and stops; the normalisation pass takes the world's
        from stats_in. The backward's first pass writes sum(gy), sum(gy (x - mean)) into
        sums_out (2, C) with gw and gb, the second makes gx from the world's sums_in. */
-    bool sync;   /* backward: with the world's sums */
     double *stats_out, *sums_out;
     const double *stats_in, *sums_in;
 } bn_ctx;
@@ -691,16 +690,13 @@ static int bn_fwd_columns(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *y)
         col_sums(x, c->N, CS, nb, mexp, part);
         col_reduce(part, nb, C, S, stat);   /* now sum of squared deviations */
     }
-    bool stats_only = false;
     for (int64_t ch = 0; ch < C; ch++) {
-        if (c->stats_out) {
-            stats_only = bn_stats_only(c, ch, mexp[ch * S], stat[ch]);
-            continue;
-        }
-        bn_coef f = bn_finish_channel(c, ch, own ? mexp[ch * S] : 0, own ? stat[ch] : 0);
+        double mean = own ? mexp[ch * S] : 0, q = own ? stat[ch] : 0;
+        if (bn_stats_only(c, ch, mean, q)) continue;
+        bn_coef f = bn_finish_channel(c, ch, mean, q);
         for (int64_t i = 0; i < S; i++) Mc[ch * S + i] = f.m, A[ch * S + i] = f.scale, B[ch * S + i] = f.shift;
     }
-    if (!stats_only) col_apply(NULL, x, y, c->N, CS, NULL, Mc, A, B, c->relu, (bn_rcv){0});
+    if (!c->stats_out) col_apply(NULL, x, y, c->N, CS, NULL, Mc, A, B, c->relu, (bn_rcv){0});
     ws_put(&w);
     return AMPC_OK;
 }
@@ -885,8 +881,9 @@ static int bn_fwd_cl(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *y) {
                 chan_merge((double)r0, mean, m2, (double)(r1 - r0), blk + 2 * C * bi, blk + 2 * C * bi + C, C);
             }
             for (int64_t ch = 0; ch < C; ch++) {
-                if (c->stats_out && bn_stats_only(c, ch, mean[ch], m2[ch])) continue;
-                bn_coef k = bn_finish_channel(c, ch, own ? mean[ch] : 0, own ? m2[ch] : 0);
+                double m = own ? mean[ch] : 0, q = own ? m2[ch] : 0;
+                if (bn_stats_only(c, ch, m, q)) continue;
+                bn_coef k = bn_finish_channel(c, ch, m, q);
                 Mc[ch] = k.m, A[ch] = k.scale, B[ch] = k.shift;
             }
         }
@@ -983,7 +980,6 @@ static int bn_bwd_cl(const bn_ctx *c, const ampc_tensor *x, const ampc_tensor *g
 // ---------------------------------------------------------------------------------------------
 // Batch norm kernels
 
-/* The forward after the statistics outputs were checked and set in c (with c->relu). */
 /* The walk that suits x's layout and size. */
 static int bn_fwd_walk(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *y) {
     if (ampc__is_cl(x)) return bn_fwd_cl(c, x, y);
@@ -994,6 +990,7 @@ static int bn_fwd_walk(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *y) {
     return bn_fwd_columns(c, x, y);
 }
 
+/* The forward after the statistics outputs were checked and set in c (with c->relu). */
 static int bn_forward(const char *k, bn_ctx *c, const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                       ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y) {
     int64_t C = c->C;
@@ -1077,8 +1074,7 @@ static int bn_bwd_walk(const bn_ctx *c, const ampc_tensor *x, const ampc_tensor 
     return bn_bwd_columns(c, x, gy, mean, invstd, gx, gw, gb);
 }
 
-/* The backward after the statistics were checked and set (c->rc with the fused ReLU; with
-   c->sync in training, c->Ms the world's count). */
+/* The backward after the statistics were checked and set (c->rc with the fused ReLU). */
 static int bn_backward(const char *k, bn_ctx *c, const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                        const float *mean, const float *invstd, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
     int64_t C = c->C, n = x->numel;
@@ -1091,13 +1087,20 @@ static int bn_backward(const char *k, bn_ctx *c, const ampc_tensor *x, const amp
     float *gwp = gw ? ampc__data(gw) : NULL, *gbp = gb ? ampc__data(gb) : NULL;
     if (ampc__is_cl(x) != ampc__is_cl(gy) || (gx && ampc__is_cl(x) != ampc__is_cl(gx)))
         return ampc__err(AMPC_ERR_INVALID, "cpu %s: x, gy and gx in different memory formats", k);
-    if (!c->sync || !gx) return bn_bwd_walk(c, x, gy, mean, invstd, gx, gwp, gbp);
-    /* sync: this process's sums (and its gw, gb), the exchange, then gx from the world's */
+    return bn_bwd_walk(c, x, gy, mean, invstd, gx, gwp, gbp);
+}
+
+/* bn_backward with the sums of all processes (sync, training): this process's sums (and its own
+   gw, gb), the exchange, then gx from the world's. Without gx there is nothing to exchange. */
+static int bn_backward_sync(const char *k, bn_ctx *c, const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                            const float *mean, const float *invstd, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
+    if (!gx) return bn_backward(k, c, x, gy, weight, mean, invstd, gx, gw, gb);
+    const int64_t C = c->C;
     ws_block w = {0};
     double *sums = ws_get(&w, (size_t)(2 * C + 1) * sizeof(double));
     if (!sums) return ampc_last_status();
     c->sums_out = sums;
-    rc = bn_bwd_walk(c, x, gy, mean, invstd, gx, gwp, gbp);
+    int rc = bn_backward(k, c, x, gy, weight, mean, invstd, gx, gw, gb);
     c->sums_out = NULL;
     sums[2 * C] = (double)c->M;   /* and the world's count with the sums */
     if (rc >= 0) rc = ampc__bn_sync_sums(sums, 2 * C + 1);
@@ -1114,27 +1117,28 @@ static int cpu_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, 
                                    const ampc_tensor *save_mean, const ampc_tensor *save_invstd, bool training,
                                    bool sync, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
     const char *k = "batch_norm_backward";
-    bn_ctx c = {.training = training, .sync = sync && training};
+    bn_ctx c = {.training = training};
     int rc;
     if ((rc = bn_dims(x, k, &c)) < 0 || (rc = check(save_mean, c.C, true, k, "save_mean")) < 0 ||
         (rc = check(save_invstd, c.C, true, k, "save_invstd")) < 0)
         return rc;
     if (!save_mean || !save_invstd) return ampc__err(AMPC_ERR_INVALID, "cpu %s: statistics missing", k);
-    return bn_backward(k, &c, x, gy, weight, ampc__data(save_mean), ampc__data(save_invstd), gx, gw, gb);
+    return (sync && training ? bn_backward_sync : bn_backward)(k, &c, x, gy, weight, ampc__data(save_mean),
+                                                              ampc__data(save_invstd), gx, gw, gb);
 }
 
 static int cpu_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                         const ampc_tensor *stats, bool training, bool sync, ampc_tensor *gx,
                                         ampc_tensor *gw, ampc_tensor *gb) {
     const char *k = "batch_norm_relu_backward";
-    bn_ctx c = {.training = training, .sync = sync && training};
+    bn_ctx c = {.training = training};
     int rc;
     if ((rc = bn_dims(x, k, &c)) < 0 || (rc = check(stats, AMPC_BN_RELU_STAT_ROWS * c.C, true, k, "stats")) < 0)
         return rc;
     if (!stats) return ampc__err(AMPC_ERR_INVALID, "cpu %s: statistics missing", k);
     const float *s = ampc__data(stats);
     c.rc = s + 2 * c.C;
-    return bn_backward(k, &c, x, gy, weight, s, s + c.C, gx, gw, gb);
+    return (sync && training ? bn_backward_sync : bn_backward)(k, &c, x, gy, weight, s, s + c.C, gx, gw, gb);
 }
 
 // ---------------------------------------------------------------------------------------------
