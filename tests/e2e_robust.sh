@@ -206,6 +206,19 @@ if timeout "$LIMIT" "$TRAIN" "${SIG[@]}" --out "$W/sref" >/dev/null 2>&1; then
             bad "SIG$sig: resume failed: $(tail -2 "$d.res" | tr '\n' ' ')"
         fi
     done
+    # --stop-after-steps: the same stop at a known step (epoch 2, step 5 of 16), exit 0; in two
+    # sessions the bits of the uninterrupted run, and the metrics' rows
+    d="$W/ssteps"
+    if timeout "$LIMIT" "$TRAIN" "${SIG[@]}" --stop-after-steps 21 --out "$d" >"$d.out" 2>&1 &&
+        grep -q "^stopped after 21 training step(s) (--stop-after-steps): saved .* (in epoch 2, after step 5)" "$d.out" &&
+        timeout "$LIMIT" "$TRAIN" --resume "$d/checkpoint.safetensors" >"$d.res" 2>&1 &&
+        grep -q "resumed from .* in epoch 2 after step 5 of 16 (sample 160 of 512)" "$d.res" &&
+        "$TRAIN" --compare-checkpoints "$W/sref/checkpoint.safetensors" "$d/checkpoint.safetensors" >"$d.cmp" &&
+        cmp -s <(cut -d, -f1-5,8,9 "$W/sref/metrics.csv") <(cut -d, -f1-5,8,9 "$d/metrics.csv"); then
+        ok "--stop-after-steps 21 + resume == uninterrupted: $(tail -1 "$d.cmp")"
+    else
+        bad "--stop-after-steps: $(tail -n 2 "$d.out" "$d.res" "$d.cmp" 2>&1 | tr '\n' ' ')"
+    fi
     # a second signal stops at once: no checkpoint of the interrupted epoch
     d="$W/s2"
     "$TRAIN" "${SIG[@]}" --out "$d" >"$d.out" 2>"$d.err" &

@@ -1072,6 +1072,7 @@ static void check_resume(int64_t n, int64_t b, int w1, int w2, int64_t k, bool d
     for (int r = 0; r < w2; r++) {
         ampc_loader *ld = shard_loader(ds, tf, b, drop_last, workers, r, w2);
         taken_init(&post[r], n);
+        assert_int_equal(ampc_loader_count_batches(ld, pos), nb2);   /* told before the start */
         ASSERT_OK(ampc_loader_start_epoch_at_sample(ld, epoch, pos));
         assert_int_equal(ampc_loader_num_batches(ld), nb2);
         assert_int_equal(ampc_loader_epoch_position(ld), pos);
@@ -1170,7 +1171,10 @@ static void test_loader_shard_errors(void **state) {
         char want[64];
         snprintf(want, sizeof want, "first sample %lld not in [0, 20]", (long long)bad_sample[i]);
         if (!strstr(ampc_last_error(), want)) fail_msg("'%s' lacks '%s'", ampc_last_error(), want);
+        assert_int_equal(ampc_loader_count_batches(ld, bad_sample[i]), -1);
+        if (!strstr(ampc_last_error(), want)) fail_msg("'%s' lacks '%s'", ampc_last_error(), want);
     }
+    assert_int_equal(ampc_loader_count_batches(NULL, 0), -1);
     assert_int_equal(ampc_loader_start_epoch_at_sample(ld, -1, 0), AMPC_ERR_INVALID);
     assert_int_equal(ampc_loader_start_epoch_at_sample(NULL, 0, 0), AMPC_ERR_INVALID);
     /* a short epoch does not shorten what start_epoch_at accepts */

@@ -1162,9 +1162,15 @@ static void test_compare(void **state) {
     ampc_tensor **sd;
     int n_sd = ampc_module_state_dict(v.m, &sd, NULL);
     assert_true(n_sd == 4);
-    ((float *)ampc_tensor_data(sd[0]))[5] += 1.0f;
+    float *w = ampc_tensor_data(sd[0]), before = w[5];
+    double amax = 0;   /* a's largest magnitude: the relative difference's denominator */
+    for (int i = 0; i < 32; i++) amax = fmax(amax, fabs((double)w[i]));
+    w[5] += 1.0f;
     ASSERT_OK(ampc_checkpoint_save(b, v.m, v.o, v.s, NULL));
-    expect_compare(a, b, 1, "differ: tensor '0.weight': ", " of 128 bytes differ\ncheckpoints differ: 1 tensor(s)\n");
+    char diff[128];
+    const double d = fabs((double)w[5] - (double)before);
+    snprintf(diff, sizeof diff, " of 128 bytes differ, max |a-b| %.3g (relative %.3g)\ncheckpoints differ: 1 tensor(s)\n", d, d / amax);
+    expect_compare(a, b, 1, "differ: tensor '0.weight': ", diff);
     /* tensors missing (no optimizer state), another shape */
     ASSERT_OK(ampc_checkpoint_save(b, v.m, NULL, NULL, NULL));
     expect_compare(a, b, 1, "differ: tensor 'optimizer.0.bias.momentum_buffer' is only in ", "checkpoints differ: 5 tensor(s)\n");

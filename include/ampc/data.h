@@ -156,6 +156,10 @@ int ampc_loader_next(ampc_loader *ld, ampc_tensor **images, ampc_tensor **labels
 /* This rank's batches in the current epoch, the same on every rank: set by ampc_loader_new to
    those of a whole epoch, and by each start_epoch call (start_epoch_at_sample: the rest only). */
 int64_t ampc_loader_num_batches(const ampc_loader *ld);
+/* This rank's batches in an epoch that starts at global sample first_sample (0..dataset size;
+   0: a whole epoch), as start_epoch_at_sample would set num_batches, without starting anything;
+   -1 + error on a NULL loader or a sample out of range. */
+int64_t ampc_loader_count_batches(const ampc_loader *ld, int64_t first_sample);
 /* Output shape of each sample (after transforms). */
 void ampc_loader_sample_shape(const ampc_loader *ld, int64_t *c, int64_t *h, int64_t *w);
 /* Stops and joins the workers (also mid-epoch) and frees everything the loader owns. */

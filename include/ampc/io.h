@@ -94,7 +94,7 @@ int ampc_checkpoint_list(const char *path, ampc_checkpoint_tensor **out);
 /* Are the tensors of two checkpoints (weights, buffers, optimizer state; by name, dtype, shape
    and bytes) identical? Both files are validated as by a load; the metadata is not compared.
    Writes to report (NULL: nothing) one line per differing tensor ("differ: tensor 'x': ...", the
-   first 20), then "checkpoints differ: N tensor(s)" or "identical: N tensors, B bytes of tensor
+   first 20; a floating-point one ends ", max |a-b| D (relative R)", R = D / max |a|), then "checkpoints differ: N tensor(s)" or "identical: N tensors, B bytes of tensor
    data". Returns 0 identical, 1 different, or a negative status (a file missing or invalid);
    nothing is retained after the call. */
 int ampc_checkpoint_compare(const char *path_a, const char *path_b, FILE *report);

@@ -352,6 +352,19 @@ int ampc_loader_start_epoch_at_sample(ampc_loader *ld, int64_t epoch, int64_t fi
 
 int64_t ampc_loader_num_batches(const ampc_loader *ld) { return ld ? ld->n_batches : 0; }
 
+int64_t ampc_loader_count_batches(const ampc_loader *ld, int64_t first_sample) {
+    if (!ld) {
+        ampc__err(AMPC_ERR_INVALID, "loader_count_batches: NULL loader");
+        return -1;
+    }
+    if (first_sample < 0 || first_sample > ld->n) {
+        ampc__err(AMPC_ERR_INVALID, "loader_count_batches: first sample %lld not in [0, %lld] (the dataset's size)",
+                  (long long)first_sample, (long long)ld->n);
+        return -1;
+    }
+    return count_batches(ld, first_sample);
+}
+
 int64_t ampc_loader_epoch_position(const ampc_loader *ld) {
     if (!ld || !ld->started) return 0;
     const int64_t left = ld->n - ld->start;   /* cur * G, capped: the last global batch may be short */

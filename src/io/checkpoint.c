@@ -553,6 +553,44 @@ static void entry_desc(const st_entry *e, char *buf, size_t n) {
     snprintf(buf, n, "%s %s", st_dtypes[e->dtype].name, st_fmt_shape(e->ndim, e->shape, sh, sizeof sh));
 }
 
+/* Element t of floating-point tensor data as a double (unaligned reads); false for other dtypes. */
+static bool float_at(const unsigned char *p, int st_dtype, uint64_t t, double *v) {
+    uint16_t h;
+    float f;
+    switch (st_dtypes[st_dtype].ampc) {
+    case AMPC_F16:
+    case AMPC_BF16:
+        memcpy(&h, p + 2 * t, 2);
+        (st_dtypes[st_dtype].ampc == AMPC_F16 ? ampc__f16_to_f32_c : ampc__bf16_to_f32_c)(&h, &f, 1);
+        *v = f;
+        return true;
+    case AMPC_F32:
+        memcpy(&f, p + 4 * t, 4);
+        *v = f;
+        return true;
+    case AMPC_F64:
+        memcpy(v, p + 8 * t, 8);
+        return true;
+    default:
+        return false;
+    }
+}
+
+/* For a floating-point tensor that differs: ", max |a-b| D (relative R: D over max |a|)". */
+static void float_diff(const unsigned char *p, const unsigned char *q, int st_dtype, uint64_t n_bytes, char *buf, size_t n) {
+    double d = 0, m = 0, x, y;
+    buf[0] = '\0';
+    uint64_t count = n_bytes / st_dtypes[st_dtype].size;
+    for (uint64_t t = 0; t < count; t++) {
+        if (!float_at(p, st_dtype, t, &x) || !float_at(q, st_dtype, t, &y)) return;
+        double e = x == y ? 0 : fabs(x - y);   /* inf == inf: no difference; NaN anywhere: NaN */
+        d = isnan(e) || e > d ? e : d;
+        m = fmax(m, fabs(x));
+        if (isnan(d)) break;
+    }
+    snprintf(buf, n, ", max |a-b| %.3g (relative %.3g)", d, m > 0 ? d / m : d);
+}
+
 int ampc_checkpoint_compare(const char *path_a, const char *path_b, FILE *report) {
     ampc__ensure_init();
     if (!path_a || !path_b) return ampc__err(AMPC_ERR_INVALID, "checkpoint compare: NULL path");
@@ -588,7 +626,10 @@ int ampc_checkpoint_compare(const char *path_a, const char *path_b, FILE *report
         if (n && memcmp(p, q, (size_t)n) != 0) {
             uint64_t nd = 0;
             for (uint64_t t = 0; t < n; t++) nd += p[t] != q[t];
-            if (diffs++ < 20 && report) fprintf(report, "differ: tensor '%s': %" PRIu64 " of %" PRIu64 " bytes differ\n", x->name, nd, n);
+            char fd[96];
+            float_diff(p, q, x->dtype, n, fd, sizeof fd);
+            if (diffs++ < 20 && report)
+                fprintf(report, "differ: tensor '%s': %" PRIu64 " of %" PRIu64 " bytes differ%s\n", x->name, nd, n, fd);
         }
         bytes += n;
     }

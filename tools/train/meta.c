@@ -179,10 +179,12 @@ static int resume_partial(run *r, const char *meta, const char *path) {
         p = *end ? end + 1 : end;
     }
     free(text);
-    /* data-parallel: the totals are the job's, world_size ranks of batch bs per step */
-    int64_t bs = ival(r->s, OPT_BATCH_SIZE) * r->world, n_train = ampc_dataset_size(r->d.train);
-    int64_t want = r->resume_step * bs < n_train ? r->resume_step * bs : n_train;
-    if (!ok || n != 7 || v[2] != (double)want || v[1] > v[2] || v[1] != floor(v[1]) || v[5] != floor(v[5]) || v[5] > (double)r->resume_step)
+    /* data-parallel: the totals are the job's, all ranks' samples: the sample the epoch goes on
+       from, on any number of ranks. Each step took at least one; the steps before a change of
+       the number of ranks took more per step than those after or fewer, so nothing tighter holds */
+    const double n_train = (double)ampc_dataset_size(r->d.train);
+    if (!ok || n != 7 || v[2] > n_train || v[2] != floor(v[2]) || v[2] < (double)r->resume_step || v[1] > v[2] || v[1] != floor(v[1]) ||
+        v[5] != floor(v[5]) || v[5] > (double)r->resume_step)
         return fail("--resume '%s': bad metadata '" META_PREFIX "partial' for step %" PRId64, path, r->resume_step);
     r->resume_train = (pass_stats){.loss_sum = v[0], .correct = (int64_t)v[1], .samples = (int64_t)v[2], .data_seconds = v[3],
                                    .seconds = v[4], .steps = r->resume_step};
@@ -199,6 +201,9 @@ int resume_settings(settings *s) {
     int rc = meta_get(meta, path, META_PREFIX "version", &v);
     if (rc == 0 && strcmp(v, "1") != 0) rc = fail("--resume '%s': unknown " PROG " checkpoint version '%s'", path, v);
     free(v);
+    int64_t saved_world = 1;   /* checkpoints from before data-parallel training: one process */
+    if (rc == 0 && ampc_checkpoint_meta_get(meta, META_PREFIX "world_size", NULL, 0) != AMPC_ERR_INVALID)
+        rc = meta_int(meta, path, META_PREFIX "world_size", 1, INT32_MAX, &saved_world);
     for (int i = 0; i < OPT_COUNT && rc == 0; i++) {
         if (!(OPTS[i].flags & (O_RUN | O_RESTORE))) continue;
         snprintf(key, sizeof key, META_PREFIX "config.%s", OPTS[i].name);
@@ -207,10 +212,20 @@ int resume_settings(settings *s) {
         char why[256];
         if (canonical(i, v, canon, sizeof canon, why, sizeof why) < 0 || strcmp(canon, v) != 0 || strcmp(v, "auto") == 0) {
             rc = fail("--resume '%s': bad metadata '%s' = '%s'", path, key, v);
+        } else if (i == OPT_BATCH_SIZE && s->given[i] && strcmp(s->val[i], v) != 0 &&
+                   strtoll(s->val[i], NULL, 10) * ampc_dist_world_size() == strtoll(v, NULL, 10) * saved_world) {
+            /* on another number of processes, the per-process batch that keeps the global batch
+               (2 x 32 -> 1 x 64) goes on with the same steps, up to the reduction order */
+            rc = 0;
         } else if (s->given[i] && (OPTS[i].flags & O_RUN) && strcmp(s->val[i], v) != 0 &&
                    !(strcmp(s->val[i], "auto") == 0)) {
-            rc = fail("--%s %s differs from the checkpoint's --%s %s (a resumed run keeps its configuration)", OPTS[i].name,
-                      s->val[i], OPTS[i].name, v);
+            char hint[160] = "";
+            const int64_t global = strtoll(v, NULL, 10) * saved_world, world = ampc_dist_world_size();
+            if (i == OPT_BATCH_SIZE && global % world == 0)
+                snprintf(hint, sizeof hint, "; on %" PRId64 " process(es), --batch-size %" PRId64 " keeps its global batch of %" PRId64,
+                         world, global / world, global);
+            rc = fail("--%s %s differs from the checkpoint's --%s %s (a resumed run keeps its configuration%s)", OPTS[i].name,
+                      s->val[i], OPTS[i].name, v, hint);
         } else if (!s->given[i] || (OPTS[i].flags & O_RUN)) {
             rc = set_val(s, i, v);
         }
@@ -232,20 +247,18 @@ int resume_state(run *r) {
     if (rc == 0) rc = meta_int(meta, path, META_PREFIX "num_classes", 0, max_size, &n_classes);
     r->resume_step = 0;   /* checkpoints written at an epoch's end before signals were handled have no step */
     if (rc == 0 && ampc_checkpoint_meta_get(meta, META_PREFIX "step", NULL, 0) != AMPC_ERR_INVALID)
-        rc = meta_int(meta, path, META_PREFIX "step", 0, ampc_loader_num_batches(r->train_ld), &r->resume_step);
+        rc = meta_int(meta, path, META_PREFIX "step", 0, ampc_dataset_size(r->d.train), &r->resume_step);
     if (rc == 0 && (n_train != ampc_dataset_size(r->d.train) || n_val != ampc_dataset_size(r->d.val) || n_classes != r->d.num_classes))
         rc = fail("--resume '%s' was trained on %" PRId64 " + %" PRId64 " samples of %" PRId64 " classes, but the data has %" PRId64
                   " + %" PRId64 " of %" PRId64,
                   path, n_train, n_val, n_classes, ampc_dataset_size(r->d.train), ampc_dataset_size(r->d.val), r->d.num_classes);
-    int64_t saved_world = 1;   /* checkpoints from before data-parallel training: one process */
+    /* the global batch the checkpoint's processes took, for the note when it changes */
+    int64_t saved_bs = 0;
+    r->saved_world = 1;   /* checkpoints from before data-parallel training: one process */
     if (rc == 0 && ampc_checkpoint_meta_get(meta, META_PREFIX "world_size", NULL, 0) != AMPC_ERR_INVALID)
-        rc = meta_int(meta, path, META_PREFIX "world_size", 1, INT32_MAX, &saved_world);
-    /* an epoch's end resumes on any number of processes; the middle of one (a signal) on as many
-       as wrote it, whose shards it continues */
-    if (rc == 0 && r->resume_step > 0 && saved_world != r->world)
-        rc = fail("--resume '%s' stopped in the middle of epoch %" PRId64 " on %" PRId64 " process(es): resume it on %" PRId64
-                  " (this run has %d), or from a checkpoint written at an epoch's end",
-                  path, r->epoch0 + 1, saved_world, saved_world, r->world);
+        rc = meta_int(meta, path, META_PREFIX "world_size", 1, INT32_MAX, &r->saved_world);
+    if (rc == 0) rc = meta_int(meta, path, META_PREFIX "config.batch-size", 1, INT32_MAX, &saved_bs);
+    r->saved_global_batch = saved_bs * r->saved_world;
     if (rc == 0 && r->resume_step > 0) rc = resume_partial(r, meta, path);
     /* the history has one value per finished epoch: count them before trusting the epoch number */
     char *first = NULL;

@@ -88,6 +88,9 @@ const opt_def OPTS[OPT_COUNT] = {
     [OPT_ZERO] = {"zero", V_INT, "0", NULL, 0, 1, false, O_SAVE, "0|1",
                   "under mpirun: 1 shards the optimizer state across the processes (ZeRO stage 1: each steps its "
                   "share of the fp32 weights and moments, then all gather the weights); 0: every process holds it all"},
+    [OPT_STOP_AFTER_STEPS] = {"stop-after-steps", V_INT, "0", NULL, 0, INT_FLAG_MAX, false, 0, "N",
+                              "train N steps in this session, then save a checkpoint and stop as SIGTERM does, with "
+                              "exit status 0 (a run cut into time-limited jobs; 0: no limit)"},
 };
 
 

@@ -64,7 +64,7 @@ typedef enum {
     OPT_MODEL, OPT_DATA, OPT_BATCH_SIZE, OPT_USE_AMP, OPT_AMP_DTYPE, OPT_GRAD_SCALER, OPT_EPOCHS, OPT_LR,
     OPT_OPTIMIZER, OPT_MOMENTUM, OPT_WEIGHT_DECAY, OPT_SEED, OPT_VAL_SPLIT, OPT_IMAGE_SIZE, OPT_INDEX_CSV, OPT_LIMIT_TRAIN,
     OPT_LIMIT_VAL, OPT_THREADS, OPT_DEVICE, OPT_NUM_WORKERS, OPT_MAX_MEMORY, OPT_OUT, OPT_RESUME, OPT_PROGRESS, OPT_CHANNELS_LAST,
-    OPT_KEEP_CASTS, OPT_MAX_SKIPPED, OPT_MAX_LOSS, OPT_SYNC_BN, OPT_ZERO, OPT_COUNT
+    OPT_KEEP_CASTS, OPT_MAX_SKIPPED, OPT_MAX_LOSS, OPT_SYNC_BN, OPT_ZERO, OPT_STOP_AFTER_STEPS, OPT_COUNT
 } opt_id;
 
 typedef struct {
@@ -179,9 +179,13 @@ typedef struct {
     char *out;               /* output folder */
     char *ckpt_path;
     float *logits_buf;       /* (batch, classes) f32 copy of the logits, to count correct answers */
-    /* --resume of a checkpoint written mid-epoch (after a signal): epoch epoch0 + 1 continues at
-       training step resume_step (== its batch count: only validation is left) with these totals */
+    /* --resume of a checkpoint written mid-epoch (after a signal): epoch epoch0 + 1 continues
+       after training step resume_step at global sample resume_train.samples (the dataset's size
+       or its last drop: only validation is left) with these totals, on any number of ranks */
     int64_t resume_step;
+    int64_t steps_run;       /* training steps in this session, for --stop-after-steps */
+    bool stop_asked;         /* --stop-after-steps reached: the pass stopped as for a signal */
+    int64_t saved_world, saved_global_batch;   /* --resume: the processes that wrote it, their global batch */
     pass_stats resume_train;
     double resume_epoch_seconds;
     /* divergence checks: the scaler's skipped-step count last seen, and the run of skips */

@@ -147,9 +147,10 @@ static int count_correct(run *r, ampc_tensor *logits, ampc_tensor *labels, int64
 
 /* One pass over a loader: training (autocast forward, scaled backward, scaler step) or
    validation (eval mode, no-grad, autocast, no scaler). A training pass may continue one that a
-   signal stopped (first_batch > 0, totals in *carry). Returns 0 at the end of the pass, 1 when a
-   signal stopped it (st holds the totals so far), -1 on an error. */
-static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, int64_t first_batch, const pass_stats *carry) {
+   signal stopped (the totals so far in *carry): at sample carry->samples of the epoch, which all
+   ranks together had taken in carry->steps steps, on this or any other number of ranks. Returns 0
+   at the end of the pass, 1 when a signal stopped it (st holds the totals so far), -1 on an error. */
+static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const pass_stats *carry) {
     ampc_loader *ld = training ? r->train_ld : r->val_ld;
     int64_t n_epochs = ival(r->s, OPT_EPOCHS);
     char label[64];
@@ -157,8 +158,9 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, int64_
     memset(st, 0, sizeof *st);
     if (carry) *st = *carry;
     ampc_module_train(r->net, training);
-    if (ampc_loader_start_epoch_at(ld, epoch, first_batch) < 0) return fail_lib("data loader");
-    int64_t n_batches = ampc_loader_num_batches(ld), done = first_batch;
+    if ((carry ? ampc_loader_start_epoch_at_sample(ld, epoch, carry->samples) : ampc_loader_start_epoch(ld, epoch)) < 0)
+        return fail_lib("data loader");
+    int64_t done = carry ? carry->steps : 0, n_batches = done + ampc_loader_num_batches(ld);
     double t0 = progress_now() - st->seconds;
     progress p;
     progress_begin(&p, label, n_batches);
@@ -175,6 +177,12 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, int64_
             if (sig > 0 && !g_signal) g_signal = (int)sig;
         }
         if (g_signal) {
+            rc = 1;
+            break;
+        }
+        /* every rank takes the same steps: they stop together without a word */
+        if (training && ival(r->s, OPT_STOP_AFTER_STEPS) > 0 && r->steps_run >= ival(r->s, OPT_STOP_AFTER_STEPS)) {
+            r->stop_asked = true;
             rc = 1;
             break;
         }
@@ -223,6 +231,7 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, int64_
         st->samples += b;
         ampc_scope_end();
         done++;
+        r->steps_run += training;
         /* a bar keeps room for its cells on an 80-column terminal: the running loss only */
         double run_loss = st->loss_sum / (double)st->samples, run_acc = 100.0 * (double)st->correct / (double)st->samples;
         if (p.mode == PROGRESS_BAR) progress_update(&p, done, "loss=%.4f", run_loss);
@@ -407,6 +416,14 @@ static int interrupted(run *r) {
     return -1;
 }
 
+/* --stop-after-steps: the same checkpoint as for a signal, and a clean exit. */
+static int stopped(run *r) {
+    printf("stopped after %" PRId64 " training step(s) (--stop-after-steps): saved %s; continue with: " PROG " --resume %s\n",
+           r->steps_run, r->last_good, r->ckpt_path);
+    fflush(stdout);
+    return 0;
+}
+
 static void print_memory(const ampc_memory_stats_t *ms, const char *indent) {
     char b[32];
     printf("%speak memory: %s (", indent, fmt_bytes((double)ms->peak_total, b, sizeof b));
@@ -437,10 +454,21 @@ int train_run(settings *s, run_result *res) {
     int64_t n_epochs = ival(s, OPT_EPOCHS);
     if (*sval(s, OPT_RESUME)) {
         if (r.resume_step > 0)
-            printf("resumed from %s in epoch %" PRId64 " after step %" PRId64 " of %" PRId64 "\n", sval(s, OPT_RESUME), r.epoch0 + 1,
-                   r.resume_step, ampc_loader_num_batches(r.train_ld));
+            printf("resumed from %s in epoch %" PRId64 " after step %" PRId64 " of %" PRId64 " (sample %" PRId64 " of %" PRId64 ")\n",
+                   sval(s, OPT_RESUME), r.epoch0 + 1, r.resume_step,
+                   r.resume_step + ampc_loader_count_batches(r.train_ld, r.resume_train.samples), r.resume_train.samples,
+                   ampc_dataset_size(r.d.train));
         else
             printf("resumed from %s after epoch %" PRId64 "\n", sval(s, OPT_RESUME), r.epoch0);
+        int64_t global = ival(s, OPT_BATCH_SIZE) * r.world;
+        if (global != r.saved_global_batch) {
+            char hint[96] = "";
+            if (r.saved_global_batch % r.world == 0)
+                snprintf(hint, sizeof hint, " (--batch-size %" PRId64 " keeps it)", r.saved_global_batch / r.world);
+            printf("note: global batch %" PRId64 " on %d process(es), the checkpoint's was %" PRId64 " on %" PRId64
+                   ": the steps from here are not those the run took so far%s\n",
+                   global, r.world, r.saved_global_batch, r.saved_world, hint);
+        }
         if (n_epochs > 0 && n_epochs < r.epoch0 + (r.resume_step > 0)) {
             rc = r.resume_step > 0 ? fail("--epochs %" PRId64 ": the checkpoint is in epoch %" PRId64 " already", n_epochs, r.epoch0 + 1)
                                    : fail("--epochs %" PRId64 ": the checkpoint has finished %" PRId64 " epochs already", n_epochs, r.epoch0);
@@ -473,15 +501,15 @@ int train_run(settings *s, run_result *res) {
         double te = progress_now() - (cont ? r.resume_epoch_seconds : 0);
         if (!cont) r.epoch_skipped0 = ampc_scaler_steps_skipped(r.scaler);
         pass_stats tr, va;
-        int pr = run_pass(&r, true, e, &tr, cont ? r.resume_step : 0, cont ? &r.resume_train : NULL);
-        if (pr == 0) pr = run_pass(&r, false, e, &va, 0, NULL);
+        int pr = run_pass(&r, true, e, &tr, cont ? &r.resume_train : NULL);
+        if (pr == 0) pr = run_pass(&r, false, e, &va, NULL);
         if (pr < 0) {
             if (g_err_status == AMPC_ERR_OOM && strcmp(sval(s, OPT_MAX_MEMORY), "none") != 0) oom_advice(&r, rval(s, OPT_MAX_MEMORY));
             rc = -1;
             goto done;
         }
         if (pr > 0) {   /* a signal: save where training stands (validation is redone on resume) */
-            if ((rc = save_checkpoint(&r, e, tr.steps, &tr, progress_now() - te)) == 0) rc = interrupted(&r);
+            if ((rc = save_checkpoint(&r, e, tr.steps, &tr, progress_now() - te)) == 0) rc = r.stop_asked ? stopped(&r) : interrupted(&r);
             goto done;
         }
         double secs = progress_now() - te;
