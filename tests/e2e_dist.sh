@@ -119,7 +119,7 @@ rc2=$?
 "$TRAIN" --compare-checkpoints "$W/zero/checkpoint.safetensors" "$W/nozero/checkpoint.safetensors" >"$W/zcmp.out" 2>&1
 rc3=$?
 if [ $rc -eq 0 ] && [ $rc2 -eq 0 ] && [ $rc3 -eq 0 ] && grep -q "^identical" "$W/zcmp.out" &&
-    grep -q "zero           optimizer state shared out by parameter over 2 processes" "$W/zero.out"; then
+    grep -q "zero           optimizer state shared out by element over 2 processes" "$W/zero.out"; then
     ok "--zero 1: the same checkpoint as unsharded training ($(grep -o 'optimizer state shared.*' "$W/zero.out"))"
 else
     bad "--zero 1: exit $rc, $rc2, compare $rc3"; cat "$W/zcmp.out"; tail -n 5 "$W/zero.err"

@@ -632,6 +632,75 @@ static void test_many_params_one_call(void **state) {
     ampc_scope_end();
 }
 
+/* ZeRO's parts (ampc_optim_item begin/count): a parameter stepped in three parts, each with its
+   own 1-D state, is bit for bit the parameter stepped whole, and its parts' state the slices of
+   the whole state, on the CPU (f32) and REF (f64) kernels, SGD and Adam; a part out of range,
+   a state of another size and a 16-bit copy for a part are refused before anything is written. */
+static void test_parts(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    const int64_t n = 1000, cut[4] = {0, 304, 700, 1000};
+    ampc_sgd_hparams hs = {.lr = 0.1, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01, .nesterov = true, .grad_scale = 0.5f};
+    ampc_adam_hparams ha = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01, .amsgrad = true,
+                            .grad_scale = 0.25f};
+    for (int dev = AMPC_DEVICE_CPU; dev <= AMPC_DEVICE_REF; dev++)
+        for (int adam = 0; adam < 2; adam++) {
+            const ampc_backend *be = ampc__backend((ampc_device)dev);
+            const ampc_dtype dt = dev == AMPC_DEVICE_REF ? AMPC_F64 : AMPC_F32;
+            const size_t es = ampc__dt(dt)->size;
+            float *v = malloc((size_t)n * sizeof(float));
+            ampc_tensor *whole[5], *split[2], *part_state[3][3];   /* [p, g, s0, s1, s2]; param and grad of the parts */
+            for (int k = 0; k < 5; k++) {
+                fill_f32(v, (size_t)n, 300 + (uint64_t)k, k >= 3 ? 0 : -1, k >= 3 ? 1e-2 : 1);
+                whole[k] = ampc__tensor_new(dt, (ampc_device)dev, 1, &n);
+                ampc__dt(dt)->from_f32(v, ampc__data(whole[k]), (size_t)n);
+                if (k < 2) {
+                    split[k] = ampc__tensor_new(dt, (ampc_device)dev, 1, &n);
+                    memcpy(ampc__data(split[k]), ampc__data(whole[k]), (size_t)n * es);
+                } else {
+                    for (int q = 0; q < 3; q++) {
+                        int64_t c = cut[q + 1] - cut[q];
+                        part_state[q][k - 2] = ampc__tensor_new(dt, (ampc_device)dev, 1, &c);
+                        memcpy(ampc__data(part_state[q][k - 2]), (char *)ampc__data(whole[k]) + cut[q] * es, (size_t)c * es);
+                    }
+                }
+            }
+            free(v);
+            ampc_optim_item w = {.param = whole[0], .grad = whole[1], .state = {whole[2], whole[3], whole[4]}, .step = 3}, parts[3];
+            for (int q = 0; q < 3; q++)
+                parts[q] = (ampc_optim_item){.param = split[0], .grad = split[1], .state = {part_state[q][0], part_state[q][1], part_state[q][2]},
+                                             .step = 3, .begin = cut[q], .count = cut[q + 1] - cut[q]};
+            /* refused: out of range, a state of the whole's size, a 16-bit copy */
+            ampc_optim_item bad = parts[2];
+            bad.count = 301;
+            assert_int_equal(adam ? be->adam_step(&bad, 1, &ha) : be->sgd_step(&bad, 1, &hs), AMPC_ERR_SHAPE);
+            bad = parts[1];
+            bad.state[0] = whole[2];
+            assert_int_equal(adam ? be->adam_step(&bad, 1, &ha) : be->sgd_step(&bad, 1, &hs), AMPC_ERR_SHAPE);
+            if (dev == AMPC_DEVICE_CPU) {   /* REF tensors are f64 only */
+                bad = parts[0];
+                bad.cast_out = ampc__tensor_new(AMPC_BF16, (ampc_device)dev, 1, &n);
+                assert_non_null(bad.cast_out);
+                assert_int_equal(adam ? be->adam_step(&bad, 1, &ha) : be->sgd_step(&bad, 1, &hs), AMPC_ERR_INVALID);
+                ampc__release(bad.cast_out);
+            }
+            assert_memory_equal(ampc__data(split[0]), ampc__data(whole[0]), (size_t)n * es);
+            ampc_clear_error();
+            ASSERT_OK(adam ? be->adam_step(&w, 1, &ha) : be->sgd_step(&w, 1, &hs));
+            ASSERT_OK(adam ? be->adam_step(parts, 3, &ha) : be->sgd_step(parts, 3, &hs));
+            assert_memory_equal(ampc__data(split[0]), ampc__data(whole[0]), (size_t)n * es);
+            for (int q = 0; q < 3; q++)
+                for (int k = 0; k < (adam ? 3 : 1); k++)
+                    assert_memory_equal(ampc__data(part_state[q][k]), (char *)ampc__data(whole[k + 2]) + cut[q] * es,
+                                        (size_t)(cut[q + 1] - cut[q]) * es);
+            for (int k = 0; k < 5; k++) ampc__release(whole[k]);
+            for (int k = 0; k < 2; k++) ampc__release(split[k]);
+            for (int q = 0; q < 3; q++)
+                for (int k = 0; k < 3; k++) ampc__release(part_state[q][k]);
+        }
+    ampc_scope_end();
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sgd_variants),         cmocka_unit_test(test_adam_variants),
@@ -639,7 +708,7 @@ int main(void) {
         cmocka_unit_test(test_errors),               cmocka_unit_test(test_holds_params),
         cmocka_unit_test(test_sgd_kernel_matches_fp32_replay), cmocka_unit_test(test_adam_kernel_matches_fp32_replay),
         cmocka_unit_test(test_many_params_one_call),
-        cmocka_unit_test(test_count_nonfinite),
+        cmocka_unit_test(test_count_nonfinite),      cmocka_unit_test(test_parts),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
 }

@@ -101,20 +101,24 @@ typedef struct {
 int ampc_ddp_get_stats(const ampc_ddp *ddp, ampc_ddp_stats *stats);
 
 // ---------------------------------------------------------------------------------------------
-// Sharded optimizer state (ZeRO stage 1, as PyTorch's ZeroRedundancyOptimizer)
+// Sharded optimizer state (ZeRO stage 1, partitioned by element as DeepSpeed and llm.c)
 
 /* Shards opt's state over the ranks (every rank calls it, after ampc_ddp_new, with the same
-   optimizer settings; no communication: the partition is computed alike everywhere): each parameter gets one owning rank (greedy by size, the
-   largest first, each to the rank with the fewest bytes so far), which alone keeps its state
-   (momentum, Adam's moments: the state of the others is released now) and steps it; after
-   every step (ampc_optimizer_step or the GradScaler's) each updated parameter is broadcast from
-   its owner, so every rank holds the same weights, bit for bit those of unsharded training.
-   Gradients stay whole on every rank (DDP's all-reduce). Host memory (CPU) only. Calling it
-   again re-shards the same way (releasing what ampc_zero_consolidate gathered). *bytes_here and
-   *bytes_all (may be NULL): the state bytes this rank will hold and all ranks together. */
+   optimizer settings; no communication: the partition is computed alike everywhere). The
+   trainable parameters' elements, laid end to end in the optimizer's order, are cut into one
+   contiguous range per rank (boundaries on 16 elements), so each rank keeps 1/world of the state
+   (momentum, Adam's moments) whatever the tensors' sizes, a tensor across a boundary in parts.
+   Each rank steps its range only; after every step (ampc_optimizer_step or the GradScaler's)
+   each rank's part of every updated parameter is broadcast from it, so every rank holds the same
+   weights, bit for bit those of unsharded training. Gradients stay whole on every rank (DDP's
+   all-reduce). Host memory (CPU) only. Whole state present (a checkpoint loaded before, or
+   rank 0's after ampc_zero_consolidate) is cut down to this rank's part; calling it again after
+   a consolidate re-shards the same way. *bytes_here and *bytes_all (may be NULL): the state
+   bytes this rank will hold and all ranks together. A sharded optimizer's state is not saved
+   (consolidate first) nor loaded into (load before sharding). */
 int ampc_zero_shard(ampc_optimizer *opt, int64_t *bytes_here, int64_t *bytes_all);
-/* Gathers the whole optimizer state (and step counts) on rank 0, as PyTorch's
-   consolidate_state_dict(to=0), for a checkpoint that any number of ranks can resume.
+/* Gathers the whole optimizer state on rank 0, as PyTorch's consolidate_state_dict(to=0), for
+   a checkpoint that any number of ranks can resume (the step counts agree on every rank).
    Collective. Rank 0 then holds the unsharded state until ampc_zero_shard is called again. */
 int ampc_zero_consolidate(ampc_optimizer *opt);
 

@@ -64,7 +64,13 @@ typedef struct {
     ampc_tensor *cast_out;
     bool first;      /* SGD: the buffer's first step (it starts as the gradient) */
     int64_t step;    /* Adam: this parameter's step count including this one (>= 1) */
+    /* ZeRO: only elements [begin, begin + count) of param and grad are updated, and the state
+       tensors hold those count elements (no cast_out then); count 0: the whole parameter */
+    int64_t begin, count;
 } ampc_optim_item;
+
+/* The elements an item updates: its part, or the whole parameter. */
+static inline int64_t ampc__item_count(const ampc_optim_item *it) { return it->count ? it->count : it->param->numel; }
 
 /* 2-D convolution of x (N, C, H, W) with w (O, C/groups, KH, KW) into y (N, O, OH, OW), NCHW
    as the user sees it (a backend may compute in another layout and reorder inside). */

@@ -77,8 +77,17 @@ static int check_item(const ampc_optim_item *it, ampc_dtype dt, const char *kern
     if (check_dtype(it->param, "parameter", dt, kernels) < 0 || check_dtype(it->grad, "grad", dt, kernels) < 0)
         return ampc_last_status();
     if (it->grad->numel != it->param->numel) return ampc__err(AMPC_ERR_SHAPE, "optimizer step: grad and parameter sizes differ");
+    if (it->begin < 0 || it->count < 0 || it->begin > it->param->numel - it->count || (it->count == 0 && it->begin != 0))
+        return ampc__err(AMPC_ERR_SHAPE, "optimizer step: part [%lld, +%lld) of a parameter of %lld elements", (long long)it->begin,
+                         (long long)it->count, (long long)it->param->numel);
+    const int64_t n = ampc__item_count(it);
+    for (int k = 0; k < 3; k++)
+        if (it->state[k] && it->state[k]->numel != n)
+            return ampc__err(AMPC_ERR_SHAPE, "optimizer step: state %d has %lld elements for %lld", k, (long long)it->state[k]->numel,
+                             (long long)n);
     const ampc_tensor *out = it->cast_out;
     if (!out) return AMPC_OK;
+    if (it->count) return ampc__err(AMPC_ERR_INVALID, "optimizer step: a part of a parameter has no 16-bit copy to write");
     if (out->dtype != AMPC_BF16 && out->dtype != AMPC_F16)
         return ampc__err(AMPC_ERR_DTYPE, "optimizer step: the parameter's copy is %s, not f16/bf16", ampc_dtype_name(out->dtype));
     if (out->numel != it->param->numel || out->format != it->param->format)

@@ -1,14 +1,18 @@
 /*
  * zero.c - sharded optimizer state (ZeRO stage 1; ampc/dist.h), on the optimizer's sharding
- * (src/optim: ampc__optimizer_shard steps only the owned parameters and broadcasts every
- * parameter from its owner after the step).
+ * (src/optim: ampc__optimizer_shard steps only this rank's range of the parameters and
+ * broadcasts every rank's range after the step).
  *
- * Ownership is by whole parameter, as PyTorch's ZeroRedundancyOptimizer: the gradients are
- * already whole on every rank (DDP's all-reduce), each rank updates its parameters' fp32 weights
- * with their state, and the updated weights travel by one broadcast per parameter from its
- * owner - the all-gather of ZeRO, without a flat copy of the weights. (llm.c's form shards every
- * tensor and reduce-scatters the gradients instead of all-reducing them: half the gradient
- * traffic, at the price of flat buffers that split tensors across ranks.)
+ * The partition is by element, as DeepSpeed's and llm.c's: the trainable parameters laid end to
+ * end in the optimizer's order are cut into one contiguous range per rank (boundaries on 16
+ * elements, a 64-byte line), so every rank keeps 1/W of the state whatever the sizes of the
+ * tensors; a tensor that straddles a boundary is stepped in parts by two ranks. The gradients
+ * are whole on every rank (DDP's all-reduce), each rank updates its range of the fp32 weights
+ * with its state, and the updated weights travel by one broadcast per part from its rank - the
+ * all-gather of ZeRO without a flat copy of the weights. (llm.c also reduce-scatters the
+ * gradients instead of all-reducing them, half the gradient traffic; here DDP's overlapped
+ * all-reduce stays, so that the GradScaler's inf check and the gradients every rank reads after
+ * the step are those of unsharded training.)
  */
 #include "ampc/dist.h"
 #include "optim/optim.h"
@@ -16,82 +20,74 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Bytes of state per byte of parameter: SGD's momentum buffer, Adam's two (three) moments. */
-static int64_t state_bytes(const ampc_optimizer *opt, int i) {
-    const ampc_tensor *p = opt->params[i];
-    return ampc__optimizer_slots_used(opt) * p->numel * (int64_t)ampc__dt(p->dtype)->size;
-}
-
-typedef struct {
-    int64_t bytes;
-    int i;
-} by_size;
-
-static int larger_first(const void *a, const void *b) {
-    const by_size *x = a, *y = b;
-    if (x->bytes != y->bytes) return x->bytes > y->bytes ? -1 : 1;
-    return x->i - y->i;
-}
+#define ALIGN 16   /* elements: range boundaries on 64-byte lines of f32 */
 
 int ampc_zero_shard(ampc_optimizer *opt, int64_t *bytes_here, int64_t *bytes_all) {
     int rc = ampc__optimizer_check(opt, "ampc_zero_shard");
     if (rc < 0) return rc;
     const ampc_comm_ops *comm = ampc__comm();
-    int W = comm->size, n = opt->n;
-    int *owner = malloc((size_t)(n ? n : 1) * sizeof *owner);
-    by_size *order = malloc((size_t)(n ? n : 1) * sizeof *order);
-    int64_t *load = calloc((size_t)W, sizeof *load);
-    if (!owner || !order || !load) {
-        free(owner), free(order), free(load);
+    const int W = comm->size, n = opt->n;
+    int64_t *flat = malloc((size_t)(n + 1) * sizeof *flat), *bounds = malloc((size_t)(W + 1) * sizeof *bounds);
+    if (!flat || !bounds) {
+        free(flat), free(bounds);
         return ampc__err(AMPC_ERR_OOM, "ampc_zero_shard: out of memory");
     }
-    for (int i = 0; i < n; i++) order[i] = (by_size){state_bytes(opt, i), i};
-    qsort(order, (size_t)n, sizeof *order, larger_first);
-    int64_t all = 0;
-    for (int k = 0; k < n; k++) {
-        int best = 0;
-        for (int r = 1; r < W; r++)
-            if (load[r] < load[best]) best = r;
-        owner[order[k].i] = best;
-        load[best] += order[k].bytes;
-        all += order[k].bytes;
+    /* the trainable parameters: a frozen one has no state and is not partitioned */
+    flat[0] = 0;
+    for (int i = 0; i < n; i++) flat[i + 1] = flat[i] + (opt->params[i]->requires_grad ? opt->params[i]->numel : 0);
+    const int64_t total = flat[n];
+    bounds[0] = 0;
+    for (int r = 1; r < W; r++) {
+        int64_t b = (int64_t)((double)total * r / W) / ALIGN * ALIGN;   /* exact below 2^53 elements */
+        bounds[r] = b < bounds[r - 1] ? bounds[r - 1] : b;
     }
-    rc = ampc__optimizer_shard(opt, owner, comm->rank);
-    if (bytes_here) *bytes_here = load[comm->rank];
-    if (bytes_all) *bytes_all = all;
-    free(owner), free(order), free(load);
+    bounds[W] = total;
+    rc = ampc__optimizer_shard(opt, flat, bounds, W, comm->rank);
+    const int64_t per = ampc__optimizer_slots_used(opt) * (int64_t)sizeof(float);   /* the state's f32 slots */
+    if (bytes_here) *bytes_here = per * (bounds[comm->rank + 1] - bounds[comm->rank]);
+    if (bytes_all) *bytes_all = per * total;
+    free(flat), free(bounds);
     return rc;
 }
 
 int ampc_zero_consolidate(ampc_optimizer *opt) {
     int rc = ampc__optimizer_check(opt, "ampc_zero_consolidate");
-    if (rc < 0 || !opt->owner) return rc;
+    if (rc < 0 || !opt->flat) return rc;
     const ampc_comm_ops *comm = ampc__comm();
     const int me = comm->rank, slots = ampc__optimizer_slots_used(opt);
     void *scratch = NULL;
     size_t scratch_bytes = 0;
     for (int i = 0; i < opt->n && rc >= 0; i++) {
-        const int from = opt->owner[i];
-        /* the owner's step count and whether it has state yet (no step taken: none) */
-        int64_t head[2] = {opt->steps[i], opt->state[0][i] != NULL};
-        if ((rc = comm->broadcast(head, sizeof head, from)) < 0) break;
-        opt->steps[i] = head[0];
-        if (!head[1] || from == 0) continue;   /* nothing to move, or rank 0 has it */
+        if (opt->flat[i] == opt->flat[i + 1]) continue;   /* whole on every rank already */
         ampc_tensor *p = opt->params[i];
-        size_t nb = (size_t)p->numel * ampc__dt(p->dtype)->size;
+        const size_t es = ampc__dt(p->dtype)->size;
+        int first = 0;   /* the first rank with a part says whether there is state yet (no step: none) */
+        int64_t lo, count;
+        for (;; first++) {
+            ampc__optimizer_part(opt, i, first, &lo, &count);
+            if (count) break;
+        }
+        int64_t has = first == me && opt->state[0][i] != NULL;
+        if ((rc = comm->broadcast(&has, sizeof has, first)) < 0 || !has) continue;
         for (int s = 0; s < slots && rc >= 0; s++) {
-            void *buf;
-            if (me == from) {
-                buf = ampc__data(opt->state[s][i]);
-            } else if (me == 0) {
-                ampc_tensor *t = ampc__optimizer_state(opt, s, i);
-                if (!t) {
+            ampc_tensor *whole = NULL;
+            if (me == 0) {   /* the parameter's shape, this rank's part in place */
+                ampc_mem_kind prev = ampc__mem_kind_push(AMPC_MEM_OPTIMIZER);
+                whole = ampc__tensor_like(p, p->dtype);
+                ampc__mem_kind_pop(prev);
+                if (!whole) {
                     rc = ampc_last_status();
                     break;
                 }
-                buf = ampc__data(t);
-            } else {   /* a bystander of the broadcast */
-                if (nb > scratch_bytes) {
+                ampc__optimizer_part(opt, i, 0, &lo, &count);
+                if (count) memcpy((char *)ampc__data(whole) + lo * es, ampc__data(opt->state[s][i]), (size_t)count * es);
+            }
+            for (int r = 1; r < opt->shard_world && rc >= 0; r++) {
+                ampc__optimizer_part(opt, i, r, &lo, &count);
+                if (!count) continue;
+                const size_t nb = (size_t)count * es;
+                void *buf = me == r ? ampc__data(opt->state[s][i]) : me == 0 ? (char *)ampc__data(whole) + lo * es : NULL;
+                if (!buf && nb > scratch_bytes) {   /* a bystander of the broadcast */
                     void *q = realloc(scratch, nb);
                     if (!q) {
                         rc = ampc__err(AMPC_ERR_OOM, "ampc_zero_consolidate: out of memory");
@@ -100,9 +96,14 @@ int ampc_zero_consolidate(ampc_optimizer *opt) {
                     scratch = q;
                     scratch_bytes = nb;
                 }
-                buf = scratch;
+                rc = comm->broadcast(buf ? buf : scratch, nb, r);
             }
-            rc = comm->broadcast(buf, nb, from);
+            if (me == 0 && rc >= 0) {
+                ampc__release(opt->state[s][i]);
+                opt->state[s][i] = whole;
+            } else {
+                ampc__release(whole);
+            }
         }
     }
     free(scratch);

@@ -232,6 +232,11 @@ int ampc_checkpoint_save(const char *path, ampc_module *m, ampc_optimizer *opt, 
     const char **names;
     int n_sd = ampc_module_state_dict(m, &sd, &names);
     if (n_sd < 0) return n_sd;
+    for (int i = 0; opt && i < opt->n; i++)   /* ZeRO: this rank's parts are not the state */
+        for (int k = 0; k < 3; k++)
+            if (opt->state[k][i] && opt->state[k][i]->numel != opt->params[i]->numel)
+                return ampc__err(AMPC_ERR_INVALID, "checkpoint save: the optimizer's state is sharded over the ranks (ZeRO): "
+                                 "gather it with ampc_zero_consolidate, then save on rank 0");
 
     const char *const *slots = NULL;
     int n_slots = opt ? opt_slots(opt, &slots) : 0, n_opt = opt ? opt->n : 0, n = 0, rc = AMPC_OK;
@@ -414,6 +419,9 @@ int ampc_checkpoint_load(const char *path, ampc_module *m, ampc_optimizer *opt, 
     ampc__ensure_init();
     if (meta_json_out) *meta_json_out = NULL;
     if (!path || !m) return ampc__err(AMPC_ERR_INVALID, "checkpoint load: NULL %s", path ? "module" : "path");
+    if (opt && opt->flat)   /* ZeRO: the file holds whole state; the shard cuts it into parts */
+        return ampc__err(AMPC_ERR_INVALID, "checkpoint load: the optimizer's state is sharded over the ranks (ZeRO): load "
+                         "before ampc_zero_shard");
     ampc_tensor **sd;
     const char **names;
     int n_sd = ampc_module_state_dict(m, &sd, &names);

@@ -25,11 +25,14 @@ struct ampc_optimizer {
     int *item_param;             /* the parameter of items[k] */
     ampc_sgd_options sgd;
     ampc_adam_options adam;
-    /* ZeRO stage 1 (ampc__optimizer_shard): owner[i] is the rank that keeps the state of
-       parameter i and steps it; after a step every parameter is broadcast from its owner. NULL:
-       this process steps all. */
-    int *owner;
-    int shard_rank;
+    /* ZeRO stage 1 (ampc__optimizer_shard): the partitioned parameters' elements, laid end to
+       end in parameter order (parameter i at flat[i] .. flat[i + 1]; flat[n]: the total; an
+       unpartitioned parameter has flat[i] == flat[i + 1] and is stepped whole on every rank),
+       are cut into one contiguous range per rank, bounds[r] .. bounds[r + 1]. This rank keeps
+       the state of its range only (1-D tensors of that part of each parameter) and steps only
+       it; after a step every rank's parts are broadcast from it. NULL: this process steps all. */
+    int64_t *flat, *bounds;
+    int shard_rank, shard_world;
 };
 
 /* How many state slots this optimizer's settings use (state[0..n)): PyTorch keeps no SGD buffer
@@ -47,13 +50,19 @@ int ampc__optimizer_check(const ampc_optimizer *opt, const char *call);
    0: no scaling. */
 int ampc__optimizer_step_scaled(ampc_optimizer *opt, float grad_scale);
 
-/* ZeRO stage 1 over the processes of the collectives seam (src/dist/zero.c decides owner, one
-   rank per parameter, n entries, copied): from here on this process steps only the parameters it
-   owns and keeps only their state (the state of the others is released now), and every step ends
-   with each stepped parameter broadcast from its owner (host memory only). owner NULL: back to
-   stepping everything (the state of the parameters this process did not own starts empty). */
-int ampc__optimizer_shard(ampc_optimizer *opt, const int *owner, int rank);
-/* State slot s of parameter i, allocated zero-filled if absent (NULL + error on OOM). */
+/* ZeRO stage 1 over the processes of the collectives seam (src/dist/zero.c decides the
+   partition: flat, n + 1 entries, and bounds, world + 1, as in struct ampc_optimizer; copied):
+   from here on this process steps only its range and keeps only its state (a whole parameter's
+   state, as a checkpoint load or ampc_zero_consolidate leaves it, is cut down to this rank's
+   part; state of another size is released), and every step ends with each stepped parameter's
+   parts broadcast from their ranks (host memory only). flat NULL: back to stepping everything
+   (state that is not whole is released). */
+int ampc__optimizer_shard(ampc_optimizer *opt, const int64_t *flat, const int64_t *bounds, int world, int rank);
+/* Rank r's part of parameter i: elements [*lo, *lo + *count) (*count 0: none); the whole
+   parameter when unsharded or when i is not partitioned. */
+void ampc__optimizer_part(const ampc_optimizer *opt, int i, int r, int64_t *lo, int64_t *count);
+/* State slot s of parameter i, allocated zero-filled if absent (NULL + error on OOM): the
+   parameter's shape, or under ZeRO a 1-D tensor of this rank's part. */
 ampc_tensor *ampc__optimizer_state(ampc_optimizer *opt, int s, int i);
 
 #endif /* AMPC_OPTIM_H */

@@ -116,8 +116,9 @@ static ampc_optimizer *optimizer_new(ampc_optim_kind kind, ampc_tensor **params,
     }
     o->kind = kind;
     o->n = n;
-    o->owner = NULL;
+    o->flat = o->bounds = NULL;
     o->shard_rank = 0;
+    o->shard_world = 1;
     for (int i = 0; i < n; i++) o->params[i] = ampc__retain(params[i]);
     return o;
 }
@@ -183,8 +184,9 @@ void ampc_optimizer_free(ampc_optimizer *opt) {
     free(opt->steps);
     free(opt->items);
     free(opt->item_param);
-    free(opt->owner);
-    opt->owner = NULL;
+    free(opt->flat);
+    free(opt->bounds);
+    opt->flat = opt->bounds = NULL;
     opt->gen = 0;
     ampc__handle_pool_put(&optimizer_pool, opt);
 }
@@ -192,15 +194,27 @@ void ampc_optimizer_free(ampc_optimizer *opt) {
 // ---------------------------------------------------------------------------------------------
 // Step
 
-/* This process steps parameter i (always, unless ZeRO gave it to another rank). */
-static bool owned(const ampc_optimizer *opt, int i) { return !opt->owner || opt->owner[i] == opt->shard_rank; }
+void ampc__optimizer_part(const ampc_optimizer *opt, int i, int r, int64_t *lo, int64_t *count) {
+    const int64_t f0 = opt->flat ? opt->flat[i] : 0, f1 = opt->flat ? opt->flat[i + 1] : 0;
+    if (f0 == f1) {   /* unsharded, or not partitioned: whole everywhere */
+        *lo = 0;
+        *count = opt->params[i]->numel;
+        return;
+    }
+    const int64_t a = f0 > opt->bounds[r] ? f0 : opt->bounds[r], b = f1 < opt->bounds[r + 1] ? f1 : opt->bounds[r + 1];
+    *lo = a - f0;
+    *count = b > a ? b - a : 0;
+}
 
-/* State slot s of parameter i, allocated zero-filled on first use (optimizer memory). */
+/* State slot s of parameter i, allocated zero-filled on first use (optimizer memory): the
+   parameter's shape, or a 1-D tensor of this rank's part under ZeRO. */
 ampc_tensor *ampc__optimizer_state(ampc_optimizer *opt, int s, int i) {
     if (opt->state[s][i]) return opt->state[s][i];
     ampc_tensor *p = opt->params[i];
+    int64_t lo, count;
+    ampc__optimizer_part(opt, i, opt->shard_rank, &lo, &count);
     ampc_mem_kind prev = ampc__mem_kind_push(AMPC_MEM_OPTIMIZER);
-    ampc_tensor *t = ampc__tensor_like(p, p->dtype);
+    ampc_tensor *t = count == p->numel ? ampc__tensor_like(p, p->dtype) : ampc__tensor_new(p->dtype, p->device, 1, &count);
     ampc__mem_kind_pop(prev);
     if (!t) return NULL;
     if (ampc__device(t->device)->fill(t, 0.0) < 0) {
@@ -260,6 +274,8 @@ static int make_item(ampc_optimizer *opt, int i, ampc_optim_item *it) {
     memset(it, 0, sizeof *it);
     it->param = p;
     it->grad = p->grad;
+    ampc__optimizer_part(opt, i, opt->shard_rank, &it->begin, &it->count);
+    if (it->count == p->numel) it->count = 0;   /* the whole parameter */
     it->first = opt->state[0][i] == NULL;
     for (int s = 0; s < ampc__optimizer_slots_used(opt); s++)
         if (!(it->state[s] = ampc__optimizer_state(opt, s, i))) return ampc_last_status();
@@ -282,13 +298,17 @@ static int step_device(ampc_optimizer *opt, ampc_device dev, float grad_scale) {
     int *idx = opt->item_param, n = 0, rc = AMPC_OK;
     for (int i = 0; i < opt->n && rc >= 0; i++) {
         ampc_tensor *p = opt->params[i];
-        if (!p->grad || p->device != dev || !owned(opt, i)) continue;
+        int64_t lo, count;
+        ampc__optimizer_part(opt, i, opt->shard_rank, &lo, &count);
+        if (!p->grad || p->device != dev || count == 0) continue;
         idx[n] = i;
         rc = make_item(opt, i, &items[n]);
         if (rc >= 0 || items[n].first) n++;   /* a failed item's new state is dropped below too */
     }
     if (rc >= 0 && n == 0) return AMPC_OK;
-    for (int k = 0; k < n && rc >= 0; k++) items[k].cast_out = copy_to_refresh(items[k].param);
+    /* the 16-bit copy is rewritten in the step's pass when the whole parameter is stepped here;
+       a part (ZeRO) leaves it to be recast */
+    for (int k = 0; k < n && rc >= 0; k++) items[k].cast_out = items[k].count ? NULL : copy_to_refresh(items[k].param);
     if (rc >= 0) {
         const ampc_backend *be = ampc__backend(dev);
         if (opt->kind == AMPC_OPTIM_SGD) {
@@ -307,48 +327,110 @@ static int step_device(ampc_optimizer *opt, ampc_device dev, float grad_scale) {
         drop_new_state(opt, items, idx, n);
         return rc;
     }
-    for (int k = 0; k < n; k++) opt->steps[idx[k]]++;
+    /* every parameter with a grad counts the step, its part here or not (ZeRO): the counts agree */
+    for (int i = 0; i < opt->n; i++)
+        if (opt->params[i]->grad && opt->params[i]->device == dev) opt->steps[i]++;
     return AMPC_OK;
 }
 
-/* ZeRO-1: every parameter that was stepped (it has a grad: the same set on every rank, whose
-   DDP gives every parameter a grad) broadcast from its owner, in parameter order on every rank.
-   Blocking: the next forward reads them. A kernel that wrote the memory marks it written, so
-   autocast's kept 16-bit copy of a parameter updated elsewhere is recast. */
+/* ZeRO-1: every stepped parameter (it has a grad: the same set on every rank, whose DDP gives
+   every parameter a grad) has each rank's part broadcast from that rank, in parameter order on
+   every rank. Blocking: the next forward reads them. Memory another rank wrote is marked written,
+   so autocast's kept 16-bit copy of the parameter is recast. */
 static int publish(ampc_optimizer *opt) {
     const ampc_comm_ops *comm = ampc__comm();
     for (int i = 0; i < opt->n; i++) {
         ampc_tensor *p = opt->params[i];
-        if (!p->grad) continue;
-        int rc = comm->broadcast(ampc__data(p), (size_t)p->numel * ampc__dt(p->dtype)->size, opt->owner[i]);
-        if (rc < 0) return rc;
-        if (!owned(opt, i)) ampc__mark_written(p);
+        if (!p->grad || opt->flat[i] == opt->flat[i + 1]) continue;
+        const size_t es = ampc__dt(p->dtype)->size;
+        for (int r = 0; r < opt->shard_world; r++) {
+            int64_t lo, count;
+            ampc__optimizer_part(opt, i, r, &lo, &count);
+            if (count == 0) continue;
+            int rc = comm->broadcast((char *)ampc__data(p) + lo * es, (size_t)count * es, r);
+            if (rc < 0) return rc;
+        }
+        int64_t lo, mine;
+        ampc__optimizer_part(opt, i, opt->shard_rank, &lo, &mine);
+        if (mine != p->numel) ampc__mark_written(p);
     }
     return AMPC_OK;
 }
 
-int ampc__optimizer_shard(ampc_optimizer *opt, const int *owner, int rank) {
+static bool same_partition(const ampc_optimizer *opt, const int64_t *flat, const int64_t *bounds, int world) {
+    return opt->flat && flat && opt->shard_world == world && !memcmp(opt->flat, flat, (size_t)(opt->n + 1) * sizeof *flat) &&
+           !memcmp(opt->bounds, bounds, (size_t)(world + 1) * sizeof *bounds);
+}
+
+int ampc__optimizer_shard(ampc_optimizer *opt, const int64_t *flat, const int64_t *bounds, int world, int rank) {
     int rc = ampc__optimizer_check(opt, "ampc_zero_shard");
     if (rc < 0) return rc;
-    int *o = NULL;
-    if (owner) {
+    if (flat && (world < 1 || rank < 0 || rank >= world))
+        return ampc__err(AMPC_ERR_INVALID, "ZeRO: rank %d of a world of %d", rank, world);
+    bool same = same_partition(opt, flat, bounds, world);
+    int64_t *f = NULL, *b = NULL;
+    if (flat) {
         for (int i = 0; i < opt->n; i++)
             if (!ampc__device(opt->params[i]->device)->host_memory)
                 return ampc__err(AMPC_ERR_UNSUPPORTED, "ZeRO: parameter %d is on device %s; sharded optimizer state "
                                  "needs parameters in host memory (CPU)", i, ampc_device_name(opt->params[i]->device));
-        if (!(o = malloc((size_t)(opt->n ? opt->n : 1) * sizeof *o))) return ampc__err(AMPC_ERR_OOM, "ZeRO: out of memory");
-        memcpy(o, owner, (size_t)opt->n * sizeof *o);
+        /* a part kept from another partition would be another part of the parameter */
+        for (int i = 0; i < opt->n && !same; i++)
+            for (int k = 0; k < 3; k++)
+                if (opt->state[k][i] && opt->state[k][i]->numel != opt->params[i]->numel)
+                    return ampc__err(AMPC_ERR_INVALID, "ZeRO: parameter %d's state is a part of another partition; "
+                                     "gather it with ampc_zero_consolidate before sharding anew", i);
+        f = malloc((size_t)(opt->n + 1) * sizeof *f);
+        b = malloc((size_t)(world + 1) * sizeof *b);
+        if (!f || !b) {
+            free(f), free(b);
+            return ampc__err(AMPC_ERR_OOM, "ZeRO: out of memory");
+        }
+        memcpy(f, flat, (size_t)(opt->n + 1) * sizeof *f);
+        memcpy(b, bounds, (size_t)(world + 1) * sizeof *b);
     }
-    free(opt->owner);
-    opt->owner = o;
-    opt->shard_rank = rank;
-    for (int i = 0; i < opt->n; i++) {
-        if (owned(opt, i)) continue;
-        for (int s = 0; s < 3; s++) {   /* another rank keeps it */
-            ampc__release(opt->state[s][i]);
-            opt->state[s][i] = NULL;
+    /* whole state is cut down to this rank's part under the new partition: every part is
+       allocated first, so that a failure changes nothing */
+    ampc_optimizer next = *opt;
+    next.flat = f, next.bounds = b, next.shard_rank = flat ? rank : 0, next.shard_world = flat ? world : 1;
+    ampc_tensor **cut = calloc((size_t)(3 * opt->n + 1), sizeof *cut);
+    if (!cut) rc = ampc__err(AMPC_ERR_OOM, "ZeRO: out of memory");
+    for (int i = 0; i < opt->n && rc >= 0; i++) {
+        ampc_tensor *p = opt->params[i];
+        int64_t lo, count;
+        ampc__optimizer_part(&next, i, next.shard_rank, &lo, &count);
+        for (int k = 0; k < 3 && rc >= 0; k++) {
+            ampc_tensor *t = opt->state[k][i];
+            if (!t || t->numel == count || count == 0 || t->numel != p->numel) continue;
+            ampc_mem_kind prev = ampc__mem_kind_push(AMPC_MEM_OPTIMIZER);
+            if (!(cut[3 * i + k] = ampc__tensor_new(p->dtype, p->device, 1, &count))) rc = ampc_last_status();
+            ampc__mem_kind_pop(prev);
         }
     }
+    if (rc < 0) {
+        for (int k = 0; cut && k < 3 * opt->n; k++) ampc__release(cut[k]);
+        free(cut), free(f), free(b);
+        return rc;
+    }
+    for (int i = 0; i < opt->n; i++) {
+        int64_t lo, count;
+        ampc__optimizer_part(&next, i, next.shard_rank, &lo, &count);
+        for (int k = 0; k < 3; k++) {
+            ampc_tensor *t = opt->state[k][i], *part = cut[3 * i + k];
+            if (!t || t->numel == count) continue;   /* nothing, or already this part */
+            if (part) {
+                const size_t es = ampc__dt(t->dtype)->size;
+                memcpy(ampc__data(part), (const char *)ampc__data(t) + lo * es, (size_t)count * es);
+            }
+            /* else another rank's part, or one that cannot be whole again: released */
+            ampc__release(t);
+            opt->state[k][i] = part;
+        }
+    }
+    free(cut);
+    free(opt->flat);
+    free(opt->bounds);
+    opt->flat = f, opt->bounds = b, opt->shard_rank = next.shard_rank, opt->shard_world = next.shard_world;
     return AMPC_OK;
 }
 
@@ -363,7 +445,7 @@ static int step(ampc_optimizer *opt, float grad_scale, const char *call) {
         int rc = step_device(opt, (ampc_device)d, grad_scale);
         if (rc < 0) return rc;
     }
-    return opt->owner ? publish(opt) : AMPC_OK;
+    return opt->flat ? publish(opt) : AMPC_OK;
 }
 
 int ampc__optimizer_step_scaled(ampc_optimizer *opt, float grad_scale) { return step(opt, grad_scale, "ampc_scaler_step"); }

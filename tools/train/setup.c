@@ -33,7 +33,7 @@ void print_setup(run *r) {
                ival(r->s, OPT_BATCH_SIZE), r->world * ival(r->s, OPT_BATCH_SIZE));
     if (r->zero_all > 0) {
         char b1[32], b2[32];
-        printf("  %-14s optimizer state shared out by parameter over %d processes: %s on rank 0 of %s\n", "zero", r->world,
+        printf("  %-14s optimizer state shared out by element over %d processes: %s on rank 0 of %s\n", "zero", r->world,
                fmt_bytes((double)r->zero_here, b1, sizeof b1), fmt_bytes((double)r->zero_all, b2, sizeof b2));
     }
     if (r->sync_bn > 0)

@@ -68,10 +68,10 @@ static void run_jobs(const job *jobs, int nj) {
 static void job_init(job *j, const ampc_optim_item *it) {
     memset(j, 0, sizeof *j);
     j->narrow = it->cast_out ? ampc__dt(it->cast_out->dtype)->from_f32 : NULL;
-    j->param = ampc__data(it->param);
-    j->grad = (const float *)ampc__data(it->grad);
-    j->out = j->narrow ? ampc__data(it->cast_out) : NULL;
-    j->n = (size_t)it->param->numel;
+    j->param = (float *)ampc__data(it->param) + it->begin;
+    j->grad = (const float *)ampc__data(it->grad) + it->begin;
+    j->out = j->narrow ? ampc__data(it->cast_out) : NULL;   /* the whole parameter only */
+    j->n = (size_t)ampc__item_count(it);
 }
 
 /* Validates every item into jobs, then runs them GROUP at a time; nothing is written unless

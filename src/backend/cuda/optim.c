@@ -27,9 +27,9 @@ static void job_init(ampc_cu_optim_job *j, const ampc_optim_item *it) {
         j->out = ampc__data(it->cast_out);
         j->out_dtype = it->cast_out->dtype;
     }
-    j->param = ampc__data(it->param);
-    j->grad = ampc__data(it->grad);
-    j->n = it->param->numel;
+    j->param = (float *)ampc__data(it->param) + it->begin;
+    j->grad = (const float *)ampc__data(it->grad) + it->begin;
+    j->n = ampc__item_count(it);
 }
 
 static int sgd_job(ampc_cu_optim_job *j, const ampc_optim_item *it, const void *hp) {

@@ -14,9 +14,9 @@
 static void ref_sgd_one(const ampc_optim_item *it, const ampc_sgd_hparams *h) {
     ampc_tensor *param = it->param, *momentum_buf = it->state[0];
     const ampc_tensor *grad = it->grad;
-    double *p = ampc__data(param), *buf = momentum_buf ? ampc__data(momentum_buf) : NULL;
-    const double *g = ampc__data(grad);
-    for (int64_t i = 0; i < param->numel; i++) {
+    double *p = (double *)ampc__data(param) + it->begin, *buf = momentum_buf ? ampc__data(momentum_buf) : NULL;
+    const double *g = (const double *)ampc__data(grad) + it->begin;
+    for (int64_t i = 0; i < ampc__item_count(it); i++) {
         double d = h->grad_scale != 0 ? g[i] * (double)h->grad_scale : g[i];
         if (h->weight_decay != 0) d += h->weight_decay * p[i];
         if (h->momentum != 0) {
@@ -32,10 +32,10 @@ static void ref_adam_one(const ampc_optim_item *it, const ampc_adam_hparams *h) 
     const ampc_tensor *grad = it->grad;
     double bc1 = 1.0 - pow(h->beta1, (double)it->step), bc2 = 1.0 - pow(h->beta2, (double)it->step);
     double step_size = h->lr / bc1, bc2_sqrt = sqrt(bc2);
-    double *p = ampc__data(param), *m = ampc__data(exp_avg), *v = ampc__data(exp_avg_sq);
+    double *p = (double *)ampc__data(param) + it->begin, *m = ampc__data(exp_avg), *v = ampc__data(exp_avg_sq);
     double *vmax = h->amsgrad ? ampc__data(max_exp_avg_sq) : NULL;
-    const double *g = ampc__data(grad);
-    for (int64_t i = 0; i < param->numel; i++) {
+    const double *g = (const double *)ampc__data(grad) + it->begin;
+    for (int64_t i = 0; i < ampc__item_count(it); i++) {
         double gi = h->grad_scale != 0 ? g[i] * (double)h->grad_scale : g[i];
         if (h->decoupled) p[i] *= 1.0 - h->lr * h->weight_decay;
         else if (h->weight_decay != 0) gi += h->weight_decay * p[i];
