@@ -629,10 +629,12 @@ double ampc_clip_grad_norm(ampc_optimizer *opt, double max_norm);
 
 typedef struct ampc_scaler ampc_scaler;
 typedef struct {
-    float init_scale, growth_factor, backoff_factor;
+    /* doubles, as PyTorch's Python floats: the scale itself is a float (init_scale rounded to
+       float once), and each growth or backoff is computed in double and rounded to float */
+    double init_scale, growth_factor, backoff_factor;
     int growth_interval;
     bool enabled;
-    float min_scale, max_scale;   /* clamp the scale when backing off / growing */
+    double min_scale, max_scale;   /* clamp the scale when backing off / growing */
     int hysteresis;   /* DeepSpeed-style (non-consecutive): a counter starts at hysteresis; an
                          overflowing update with counter > 1 only decrements it (step skipped,
                          growth tracker reset, scale kept), one with counter <= 1 backs off;
@@ -649,6 +651,9 @@ int ampc_scaler_unscale(ampc_scaler *s, ampc_optimizer *opt);   /* once per step
    scaled; after ampc_scaler_unscale they are the unscaled ones. */
 int ampc_scaler_step(ampc_scaler *s, ampc_optimizer *opt);
 int ampc_scaler_update(ampc_scaler *s);                         /* <0: no step recorded */
+/* The options in force: those given to ampc_scaler_new, with the growth and backoff factors
+   and the growth interval a checkpoint restored (as GradScaler.load_state_dict). */
+ampc_scaler_options ampc_scaler_get_options(const ampc_scaler *s);
 void ampc_scaler_set_scale(ampc_scaler *s, float new_scale);
 float ampc_scaler_get_scale(const ampc_scaler *s);     /* 1.0 when disabled */
 int ampc_scaler_growth_tracker(const ampc_scaler *s);

@@ -542,6 +542,8 @@ static void test_v1_checkpoint_loads(void **state) {
     assert_true(ampc_optimizer_get_lr(o) == 0.005);
     /* the scaler, the RNG and the caller's keys */
     assert_true(ampc_scaler_get_scale(s) == 2048.0f);
+    ampc_scaler_options so = ampc_scaler_get_options(s);   /* not in the v1 file: the scaler's own */
+    assert_true(so.growth_factor == 2.0 && so.backoff_factor == 0.5 && so.growth_interval == 2000);
     assert_int_equal(ampc_scaler_steps_applied(s), V1_STEPS);
     assert_int_equal(ampc_scaler_steps_skipped(s), 0);
     uint64_t seed, offset;
@@ -1052,6 +1054,52 @@ static void expect_bad_values(victim v, const char *good, const char *key, const
     }
 }
 
+/* The scaler's growth and backoff factors and growth interval travel with the checkpoint and
+   are restored on load, as GradScaler.load_state_dict restores them, into a scaler made with
+   other options (exactly: 1.1 and 0.37 are doubles); the restored scaler then goes on as the
+   saved one. The v1 fixture (test_v1_checkpoint_loads), saved before they were, keeps the
+   loading scaler's options. */
+static void test_scaler_options_restored(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    ampc_scaler_options so = ampc_scaler_defaults();
+    so.init_scale = 1024.0;
+    so.growth_factor = 1.1;
+    so.backoff_factor = 0.37;
+    so.growth_interval = 3;
+    victim v = {mlp(81, 3), NULL, ampc_scaler_new(&so)};
+    ASSERT_NOT_NULL_MSG(v.s);
+    v.o = optimizer(v.m, OPT_SGD);
+    ampc_tensor *x = data_tensor(82, BATCH, D_IN), *y = data_tensor(83, BATCH, 3);
+    for (int i = 0; i < 4; i++) train_step(v.m, v.o, v.s, x, y);
+    const char *path = tpath("scaler_options.safetensors");
+    ASSERT_OK(ampc_checkpoint_save(path, v.m, v.o, v.s, NULL));
+    char *meta = NULL, val[64];
+    ASSERT_OK(ampc_checkpoint_read_meta(path, &meta));
+    assert_true(ampc_checkpoint_meta_get(meta, "scaler.growth_factor", val, sizeof val) > 0 && strtod(val, NULL) == 1.1);
+    assert_true(ampc_checkpoint_meta_get(meta, "scaler.backoff_factor", val, sizeof val) > 0 && strtod(val, NULL) == 0.37);
+    assert_true(ampc_checkpoint_meta_get(meta, "scaler.growth_interval", val, sizeof val) > 0 && strcmp(val, "3") == 0);
+    free(meta);
+    ampc_module *m = mlp(84, 3);
+    ampc_optimizer *o = optimizer(m, OPT_SGD);
+    ampc_scaler *s = ampc_scaler_new(NULL);   /* defaults: 2.0, 0.5, 2000 */
+    ASSERT_OK(ampc_checkpoint_load(path, m, o, s, NULL));
+    ampc_scaler_options got = ampc_scaler_get_options(s);
+    assert_true(got.growth_factor == 1.1 && got.backoff_factor == 0.37 && got.growth_interval == 3);
+    assert_true(ampc_scaler_get_scale(s) == ampc_scaler_get_scale(v.s));
+    assert_int_equal(ampc_scaler_growth_tracker(s), ampc_scaler_growth_tracker(v.s));
+    for (int i = 0; i < 6; i++) {   /* the same steps: the same scales */
+        train_step(v.m, v.o, v.s, x, y);
+        train_step(m, o, s, x, y);
+        assert_true(ampc_scaler_get_scale(s) == ampc_scaler_get_scale(v.s));
+    }
+    ampc_scaler_free(s);
+    ampc_optimizer_free(o);
+    ampc_module_free(m);
+    victim_free(v);
+    ampc_scope_end();
+}
+
 static void test_hostile_values(void **state) {
     (void)state;
     ampc_scope_begin();
@@ -1084,6 +1132,14 @@ static void test_hostile_values(void **state) {
     static const char *const applied[] = {"-1", "9007199254740993", "9223372036854775807", NULL};
     expect_bad_values(v, good, "scaler.steps_applied", applied, "scaler");
     expect_bad_values(v, good, "scaler.steps_skipped", applied, "scaler");
+    /* the options GradScaler.state_dict holds: a growth factor <= 1, a backoff outside (0, 1),
+       an interval < 1, text */
+    static const char *const growths[] = {"1", "0.5", "-2", "nan", "inf", "1e400", "", "2x", NULL};
+    expect_bad_values(v, good, "scaler.growth_factor", growths, "growth");
+    static const char *const backoffs[] = {"1", "0", "1.5", "-0.5", "nan", "", NULL};
+    expect_bad_values(v, good, "scaler.backoff_factor", backoffs, "backoff");
+    static const char *const intervals[] = {"0", "-1", "2147483648", "1.5", NULL};
+    expect_bad_values(v, good, "scaler.growth_interval", intervals, "growth");
 
     /* missing state: a moment of a parameter that has taken steps; max_exp_avg_sq is needed
        only by amsgrad */
@@ -1499,7 +1555,7 @@ int main(void) {
         cmocka_unit_test(test_mismatched_checkpoints),
         cmocka_unit_test(test_fifo_and_device),
         cmocka_unit_test(test_large_headers),
-        cmocka_unit_test(test_hostile_values),
+        cmocka_unit_test(test_hostile_values), cmocka_unit_test(test_scaler_options_restored),
         cmocka_unit_test(test_compare),
         cmocka_unit_test(test_list),
         cmocka_unit_test(test_failed_save_keeps_previous),

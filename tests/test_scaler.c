@@ -12,6 +12,7 @@
 #include "testutil.h"
 
 #include <float.h>
+#include <libgen.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -115,7 +116,7 @@ static void test_defaults(void **state) {
 // Scale/tracker sequence against PyTorch's rule
 
 /* One run: n_steps steps with a deterministic pattern of injected non-finite values. */
-static void run_sequence(float init_scale, float growth, float backoff, int interval, double p_inf, int n_steps,
+static void run_sequence(double init_scale, double growth, double backoff, int interval, double p_inf, int n_steps,
                          uint64_t seed) {
     ampc_scope_begin();
     enum { NP = 3 };
@@ -134,7 +135,7 @@ static void run_sequence(float init_scale, float growth, float backoff, int inte
     so.growth_interval = interval;
     ampc_scaler *s = ampc_scaler_new(&so);
     ASSERT_NOT_NULL_MSG(s);
-    torch_scaler ref = {init_scale, 0};
+    torch_scaler ref = {(float)init_scale, 0};
     uint64_t rng = seed;
     int64_t applied = 0, skipped = 0;
     int n_inf_steps = 0, n_growths = 0;
@@ -184,9 +185,69 @@ static void run_sequence(float init_scale, float growth, float backoff, int inte
 static void test_sequence_matches_pytorch(void **state) {
     (void)state;
     run_sequence(65536.0f, 2.0f, 0.5f, 3, 0.15, 400, 1);        /* grows every 3 clean steps */
-    run_sequence(1000.0f, 1.7f, 0.3f, 2, 0.3, 300, 2);          /* factors that round in float */
+    run_sequence(1000.0, 1.7, 0.3, 2, 0.3, 300, 2);             /* factors that round in float */
     run_sequence(3.0f, 2.0f, 0.5f, 1, 0.05, 200, 3);            /* grows at every clean step */
     run_sequence(0x1p120f, 2.0f, 0.5f, 3, 0.02, 200, 4);        /* reaches 2^127: growth stops short of inf */
+}
+
+/* tests/fixtures/scaler_sequence.txt (made by make_scaler_sequence.py with torch): PyTorch's scale
+   and growth tracker after each of 300 updates with random overflows, for factors that are not
+   floats (1.1, 0.37, 1.7, 0.3, 1.3, 0.9) and an init_scale that rounds to float: the same bits
+   at every update. With the factors rounded to float first, as ampc did before, 1.1/0.37 part
+   from PyTorch's sequence within a few dozen updates. */
+static void test_sequence_matches_pytorch_fixture(void **state) {
+    (void)state;
+    char path[512], dir[512];
+    snprintf(dir, sizeof dir, "%s", __FILE__);
+    snprintf(path, sizeof path, "%s/fixtures/scaler_sequence.txt", dirname(dir));
+    FILE *f = fopen(path, "r");
+    if (!f) fail_msg("can't open %s", path);
+    ampc_scope_begin();
+    ampc_tensor *p = new_param(8, 1.0f);
+    ampc_optimizer *opt = new_sgd(&p, 1);
+    ampc_scaler *s = NULL;
+    char line[256];
+    int configs = 0, updates = 0, overflows = 0, step = 0;
+    float g[8];
+    while (fgets(line, sizeof line, f)) {
+        char init[64], growth[64], backoff[64];
+        int interval, found, tracker;
+        char scale_hex[64];
+        if (sscanf(line, "config %63s %63s %63s %d", init, growth, backoff, &interval) == 4) {
+            ampc_scaler_free(s);
+            ampc_scaler_options so = ampc_scaler_defaults();
+            so.init_scale = strtod(init, NULL);
+            so.growth_factor = strtod(growth, NULL);
+            so.backoff_factor = strtod(backoff, NULL);
+            so.growth_interval = interval;
+            s = ampc_scaler_new(&so);
+            ASSERT_NOT_NULL_MSG(s);
+            configs++;
+            step = 0;
+            continue;
+        }
+        if (sscanf(line, "%d %63s %d", &found, scale_hex, &tracker) != 3 || !s) fail_msg("bad fixture line '%s'", line);
+        for (int j = 0; j < 8; j++) g[j] = 0.25f * (float)(j + 1);
+        if (found) g[step % 8] = INFINITY;
+        set_grad(p, g);
+        assert_int_equal(ampc_scaler_step(s, opt), found ? 0 : 1);
+        ASSERT_OK(ampc_scaler_update(s));
+        const float want = (float)strtod(scale_hex, NULL);   /* a float's value: exact */
+        if (!same_bits(ampc_scaler_get_scale(s), want) || ampc_scaler_growth_tracker(s) != tracker)
+            fail_msg("config %d update %d: scale %a tracker %d, PyTorch %a tracker %d", configs, step, (double)ampc_scaler_get_scale(s),
+                     ampc_scaler_growth_tracker(s), (double)want, tracker);
+        overflows += found;
+        updates++;
+        step++;
+    }
+    fclose(f);
+    assert_int_equal(configs, 3);
+    assert_int_equal(updates, 900);
+    assert_true(overflows > 100 && overflows < 800);
+    ampc_scaler_free(s);
+    ampc_optimizer_free(opt);
+    ampc_tensor_free(p);
+    ampc_scope_end();
 }
 
 static void test_growth_never_reaches_inf(void **state) {
@@ -1003,7 +1064,7 @@ static void test_fused_unscale_step(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults),
-        cmocka_unit_test(test_sequence_matches_pytorch),
+        cmocka_unit_test(test_sequence_matches_pytorch), cmocka_unit_test(test_sequence_matches_pytorch_fixture),
         cmocka_unit_test(test_growth_never_reaches_inf),
         cmocka_unit_test(test_min_max_clamps),
         cmocka_unit_test(test_hysteresis),

@@ -15,6 +15,11 @@ enum {
     AMPC_SCALER_STATE_HYSTERESIS,      /* overflows still absorbed before a backoff */
     AMPC_SCALER_STATE_APPLIED,         /* optimizer steps applied */
     AMPC_SCALER_STATE_SKIPPED,         /* optimizer steps skipped */
+    /* the options GradScaler.state_dict holds; NaN on import: absent (an older checkpoint),
+       the scaler keeps its own */
+    AMPC_SCALER_STATE_GROWTH_FACTOR,
+    AMPC_SCALER_STATE_BACKOFF_FACTOR,
+    AMPC_SCALER_STATE_GROWTH_INTERVAL,
     AMPC_SCALER_STATE_COUNT
 };
 
@@ -22,8 +27,9 @@ enum {
    when n is too small. */
 int ampc__scaler_export(const ampc_scaler *s, double *v, int n);
 /* Validates v (as exported; the enabled entry is not restored) and, unless dry_run, sets the
-   state from it: the tracker and hysteresis counter are clamped to this scaler's growth
-   interval and hysteresis options, and every optimizer is READY again (as after update()).
+   state from it: the growth and backoff factors and the growth interval (when present), the
+   tracker and hysteresis counter clamped to the growth interval and hysteresis then in force,
+   and every optimizer is READY again (as after update()).
    Returns 0 or a negative status with nothing changed. */
 int ampc__scaler_import(ampc_scaler *s, const double *v, int n, bool dry_run);
 

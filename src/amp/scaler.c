@@ -85,12 +85,12 @@ struct ampc_scaler {
 
 ampc_scaler_options ampc_scaler_defaults(void) {
     return (ampc_scaler_options){
-        .init_scale = 65536.0f,
-        .growth_factor = 2.0f,
-        .backoff_factor = 0.5f,
+        .init_scale = 65536.0,
+        .growth_factor = 2.0,
+        .backoff_factor = 0.5,
         .growth_interval = 2000,
         .enabled = true,
-        .min_scale = 0.0f,
+        .min_scale = 0.0,
         .max_scale = INFINITY,
         .hysteresis = 1,
     };
@@ -98,17 +98,17 @@ ampc_scaler_options ampc_scaler_defaults(void) {
 
 static int check_options(const ampc_scaler_options *o) {
     if (!o->enabled) return AMPC_OK;   /* PyTorch checks factors only when enabled */
-    if (!(o->growth_factor > 1.0f))
-        return ampc__err(AMPC_ERR_INVALID, "scaler: the growth factor must be > 1.0, not %g", (double)o->growth_factor);
-    if (!(o->backoff_factor < 1.0f && o->backoff_factor > 0.0f))
-        return ampc__err(AMPC_ERR_INVALID, "scaler: the backoff factor must be in (0, 1), not %g", (double)o->backoff_factor);
+    if (!(o->growth_factor > 1.0 && o->growth_factor <= FLT_MAX))
+        return ampc__err(AMPC_ERR_INVALID, "scaler: the growth factor must be > 1.0 (and finite), not %g", o->growth_factor);
+    if (!(o->backoff_factor < 1.0 && o->backoff_factor > 0.0))
+        return ampc__err(AMPC_ERR_INVALID, "scaler: the backoff factor must be in (0, 1), not %g", o->backoff_factor);
     if (o->growth_interval < 1)
         return ampc__err(AMPC_ERR_INVALID, "scaler: growth_interval must be >= 1, not %d", o->growth_interval);
-    if (!(o->init_scale > 0.0f && isfinite(o->init_scale)))
-        return ampc__err(AMPC_ERR_INVALID, "scaler: init_scale must be positive and finite, not %g", (double)o->init_scale);
-    if (!(o->min_scale >= 0.0f) || !(o->max_scale >= o->min_scale))
-        return ampc__err(AMPC_ERR_INVALID, "scaler: need 0 <= min_scale <= max_scale, got min %g max %g",
-                         (double)o->min_scale, (double)o->max_scale);
+    if (!(o->init_scale > 0.0 && (float)o->init_scale > 0.0f && isfinite((float)o->init_scale)))
+        return ampc__err(AMPC_ERR_INVALID, "scaler: init_scale must be a positive finite float, not %g", o->init_scale);
+    if (!(o->min_scale >= 0.0 && o->min_scale <= FLT_MAX) || !(o->max_scale >= o->min_scale))
+        return ampc__err(AMPC_ERR_INVALID, "scaler: need 0 <= min_scale <= max_scale (min_scale a finite float), got min %g max %g",
+                         o->min_scale, o->max_scale);
     if (o->hysteresis < 1)
         return ampc__err(AMPC_ERR_INVALID, "scaler: hysteresis must be >= 1, not %d", o->hysteresis);
     return AMPC_OK;
@@ -121,7 +121,7 @@ ampc_scaler *ampc_scaler_new(const ampc_scaler_options *opts) {
     ampc_scaler *s = calloc(1, sizeof *s);
     if (!s) return ampc__err_null(AMPC_ERR_OOM, "scaler: out of memory");
     s->o = o;
-    s->scale = o.init_scale;
+    s->scale = (float)o.init_scale;   /* PyTorch: torch.full((1,), init_scale, dtype=float32) */
     s->hyst = o.hysteresis;
     return s;
 }
@@ -291,8 +291,8 @@ int ampc_scaler_step(ampc_scaler *s, ampc_optimizer *opt) {
 // update
 
 static void backoff(ampc_scaler *s) {
-    float v = (float)((double)s->scale * (double)s->o.backoff_factor);
-    s->scale = v < s->o.min_scale ? s->o.min_scale : v;
+    float v = (float)((double)s->scale * s->o.backoff_factor);
+    s->scale = v < s->o.min_scale ? (float)s->o.min_scale : v;
     s->tracker = 0;
 }
 
@@ -308,8 +308,8 @@ static void update_scale(ampc_scaler *s, bool found_inf) {
     }
     int successful = s->tracker + 1;
     if (successful == s->o.growth_interval) {
-        float g = (float)((double)s->scale * (double)s->o.growth_factor);
-        if (isfinite(g)) s->scale = g > s->o.max_scale ? s->o.max_scale : g;   /* never grow to inf */
+        float g = (float)((double)s->scale * s->o.growth_factor);
+        if (isfinite(g)) s->scale = g > s->o.max_scale ? (float)s->o.max_scale : g;   /* never grow to inf */
         s->tracker = 0;
         s->hyst = s->o.hysteresis;
     } else {
@@ -352,6 +352,8 @@ void ampc_scaler_set_scale(ampc_scaler *s, float new_scale) {
     s->scale = new_scale;
 }
 
+ampc_scaler_options ampc_scaler_get_options(const ampc_scaler *s) { return s ? s->o : ampc_scaler_defaults(); }
+
 float ampc_scaler_get_scale(const ampc_scaler *s) { return s && s->o.enabled ? s->scale : 1.0f; }
 int ampc_scaler_growth_tracker(const ampc_scaler *s) { return s && s->o.enabled ? s->tracker : 0; }
 bool ampc_scaler_is_enabled(const ampc_scaler *s) { return s && s->o.enabled; }
@@ -376,6 +378,9 @@ int ampc__scaler_export(const ampc_scaler *s, double *v, int n) {
     v[AMPC_SCALER_STATE_HYSTERESIS] = (double)s->hyst;
     v[AMPC_SCALER_STATE_APPLIED] = (double)s->applied;
     v[AMPC_SCALER_STATE_SKIPPED] = (double)s->skipped;
+    v[AMPC_SCALER_STATE_GROWTH_FACTOR] = s->o.growth_factor;
+    v[AMPC_SCALER_STATE_BACKOFF_FACTOR] = s->o.backoff_factor;
+    v[AMPC_SCALER_STATE_GROWTH_INTERVAL] = (double)s->o.growth_interval;
     return AMPC_SCALER_STATE_COUNT;
 }
 
@@ -395,7 +400,25 @@ int ampc__scaler_import(ampc_scaler *s, const double *v, int n, bool dry_run) {
     if (!is_count(v[AMPC_SCALER_STATE_APPLIED], max_count) || !is_count(v[AMPC_SCALER_STATE_SKIPPED], max_count))
         return ampc__err(AMPC_ERR_FORMAT, "scaler state: bad step counts %.17g applied, %.17g skipped",
                          v[AMPC_SCALER_STATE_APPLIED], v[AMPC_SCALER_STATE_SKIPPED]);
+    /* the options of GradScaler.state_dict, checked as ampc_scaler_new checks them */
+    ampc_scaler_options o = s->o;
+    const double gf = v[AMPC_SCALER_STATE_GROWTH_FACTOR], bf = v[AMPC_SCALER_STATE_BACKOFF_FACTOR],
+                 gi = v[AMPC_SCALER_STATE_GROWTH_INTERVAL];
+    if (!isnan(gf)) o.growth_factor = gf;
+    if (!isnan(bf)) o.backoff_factor = bf;
+    if (!isnan(gi) && !is_count(gi, max_int))
+        return ampc__err(AMPC_ERR_FORMAT, "scaler state: bad growth interval %.17g", gi);
+    if (!isnan(gi)) o.growth_interval = (int)gi;
+    o.enabled = true;
+    if (check_options(&o) < 0) {
+        char msg[256];
+        snprintf(msg, sizeof msg, "%s", ampc_last_error());
+        return ampc__err(AMPC_ERR_FORMAT, "scaler state: %s", msg);
+    }
     if (dry_run) return AMPC_OK;
+    s->o.growth_factor = o.growth_factor;
+    s->o.backoff_factor = o.backoff_factor;
+    s->o.growth_interval = o.growth_interval;
     s->scale = (float)scale;
     int tracker = (int)v[AMPC_SCALER_STATE_GROWTH_TRACKER], hyst = (int)v[AMPC_SCALER_STATE_HYSTERESIS];
     /* a run resumed with a shorter interval or less hysteresis: keep the state meaningful */

@@ -12,7 +12,9 @@
  *     optimizer.type ("SGD", "Adam", "AdamW"), optimizer.lr, optimizer.num_params,
  *     optimizer.<param name>.step             steps taken (Adam's bias correction)
  *     scaler.enabled, scaler.scale, scaler.growth_tracker, scaler.hysteresis_counter,
- *     scaler.steps_applied, scaler.steps_skipped
+ *     scaler.steps_applied, scaler.steps_skipped, scaler.growth_factor, scaler.backoff_factor,
+ *     scaler.growth_interval                  (GradScaler.state_dict's options; absent before
+ *                                              2026-11-25: the loading scaler keeps its own)
  *     rng.seed, rng.offset                    the global generator (ampc_rng_get_state)
  *     the caller's keys
  * A parameter of the optimizer that is not in the module is named "#<index>".
@@ -193,6 +195,9 @@ static int build_meta(kv_list *meta, ampc_optimizer *opt, ampc_scaler *s, ampc_t
         PUT(strdup("scaler.hysteresis_counter"), "%.0f", v[AMPC_SCALER_STATE_HYSTERESIS]);
         PUT(strdup("scaler.steps_applied"), "%.0f", v[AMPC_SCALER_STATE_APPLIED]);
         PUT(strdup("scaler.steps_skipped"), "%.0f", v[AMPC_SCALER_STATE_SKIPPED]);
+        PUT(strdup("scaler.growth_factor"), "%.17g", v[AMPC_SCALER_STATE_GROWTH_FACTOR]);   /* 17 digits: any double exactly */
+        PUT(strdup("scaler.backoff_factor"), "%.17g", v[AMPC_SCALER_STATE_BACKOFF_FACTOR]);
+        PUT(strdup("scaler.growth_interval"), "%.0f", v[AMPC_SCALER_STATE_GROWTH_INTERVAL]);
     }
     uint64_t seed, offset;
     ampc_rng_get_state(&seed, &offset);
@@ -389,12 +394,23 @@ static int plan_scaler(st_file *f, ampc_scaler *s, double *v) {
         [AMPC_SCALER_STATE_HYSTERESIS] = "scaler.hysteresis_counter",
         [AMPC_SCALER_STATE_APPLIED] = "scaler.steps_applied",
         [AMPC_SCALER_STATE_SKIPPED] = "scaler.steps_skipped",
+        [AMPC_SCALER_STATE_GROWTH_FACTOR] = "scaler.growth_factor",
+        [AMPC_SCALER_STATE_BACKOFF_FACTOR] = "scaler.backoff_factor",
+        [AMPC_SCALER_STATE_GROWTH_INTERVAL] = "scaler.growth_interval",
     };
     v[AMPC_SCALER_STATE_ENABLED] = 1;
     for (int k = 0; k < AMPC_SCALER_STATE_COUNT; k++) {
         if (!keys[k]) continue;
         const char *txt = st_meta_get(meta, keys[k]);
-        if (k == AMPC_SCALER_STATE_SCALE) {
+        const bool option = k >= AMPC_SCALER_STATE_GROWTH_FACTOR;   /* checkpoints before 2026-11-25 lack these */
+        if (option && !txt) {
+            v[k] = NAN;
+        } else if (k == AMPC_SCALER_STATE_GROWTH_FACTOR || k == AMPC_SCALER_STATE_BACKOFF_FACTOR) {
+            char *end;
+            double x = *txt ? strtod(txt, &end) : NAN;
+            if (!*txt || *end || isnan(x)) return ampc__err(AMPC_ERR_FORMAT, "checkpoint '%s': bad metadata '%s'", path, keys[k]);
+            v[k] = x;
+        } else if (k == AMPC_SCALER_STATE_SCALE) {
             char *end;
             float x = txt && *txt ? strtof(txt, &end) : 0.0f;   /* strtof: correctly rounded to float */
             if (!txt || !*txt || *end) return ampc__err(AMPC_ERR_FORMAT, "checkpoint '%s': bad or missing metadata '%s'", path, keys[k]);
