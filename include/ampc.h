@@ -646,9 +646,11 @@ ampc_scaler *ampc_scaler_new(const ampc_scaler_options *opts);   /* NULL: defaul
 /* loss * scale, in fp32 (pass-through when disabled). */
 ampc_tensor *ampc_scaler_scale(ampc_scaler *s, ampc_tensor *loss);
 int ampc_scaler_unscale(ampc_scaler *s, ampc_optimizer *opt);   /* once per step; <0 error */
-/* 1 applied, 0 skipped (an inf/NaN gradient), <0 error. Without a prior unscale, the unscale
-   is fused into the optimizer's update (as PyTorch's fused optimizers): the grads are left
-   scaled; after ampc_scaler_unscale they are the unscaled ones. */
+/* 1 applied, 0 skipped (an inf/NaN gradient), <0 error. Afterwards the grads read unscaled,
+   as after PyTorch's scaler.step, whether the step was applied or skipped. Without a prior
+   ampc_scaler_unscale the unscale is fused into the optimizer's update (as PyTorch's fused
+   optimizers), which writes each unscaled gradient back in the same pass; a skipped step
+   unscales them in a pass of its own. */
 int ampc_scaler_step(ampc_scaler *s, ampc_optimizer *opt);
 int ampc_scaler_update(ampc_scaler *s);                         /* <0: no step recorded */
 /* The options in force: those given to ampc_scaler_new, with the growth and backoff factors

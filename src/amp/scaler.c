@@ -15,9 +15,12 @@
  *                  found_inf is set. Returns 1 applied, 0 skipped. From READY the unscale is
  *                  fused into the step (PyTorch's path for optimizers that support AMP scaling,
  *                  e.g. fused Adam): a read-only inf check, then update kernels that multiply
- *                  each gradient by inv_scale as they read it - one write pass over every
- *                  gradient less, the same update bits - and the grads stay scaled. After an
- *                  explicit unscale(opt) (e.g. for clipping) the step reads the unscaled grads.
+ *                  each gradient by inv_scale as they read it and write the product back - the
+ *                  same update bits and the same unscaled grads afterwards as unscale + step,
+ *                  one read pass over every gradient less; a skipped step unscales them in a
+ *                  pass of its own, so the grads read unscaled after every step() as after
+ *                  PyTorch's. After an explicit unscale(opt) (e.g. for clipping) the step
+ *                  reads the unscaled grads.
  *   update()       needs at least one inf check since the last update; found_inf is the sum
  *                  over every optimizer unscaled since then. Then every optimizer is READY.
  *
@@ -276,6 +279,15 @@ int ampc_scaler_step(ampc_scaler *s, ampc_optimizer *opt) {
         return ampc__err(AMPC_ERR_STATE, "scaler: No inf checks were recorded for this optimizer "
                                          "(none of its parameters has a gradient)");
     if (st->found_inf != 0.0f) {
+        /* skipped: the grads still read unscaled afterwards, as after PyTorch's unscale_ (the
+           check again, its answer already taken) */
+        if (fused) {
+            const float agreed = st->found_inf;
+            int rc = unscale_grads(s, opt, st, false);
+            if (rc < 0) return rc;
+            st->found_inf = agreed;
+            st->last_found_inf = true;
+        }
         st->stage = STAGE_STEPPED;
         s->skipped++;
         return 0;

@@ -37,7 +37,9 @@ typedef struct {
 
 /* Hyperparameters shared by the parameters of one optimizer call. grad_scale (both
    optimizers): the gradient is first multiplied by it in f32, as a separate unscale pass would
-   (the GradScaler's 1/scale fused into the step); 0 means none. */
+   (the GradScaler's 1/scale fused into the step), and the product written back to the grad as
+   it is read (as PyTorch's fused optimizers: the grads read unscaled after the step); 0 means
+   none. */
 typedef struct {
     double lr, momentum, dampening, weight_decay;
     bool nesterov;
@@ -54,7 +56,7 @@ typedef struct {
    region over all of them). */
 typedef struct {
     ampc_tensor *param;
-    const ampc_tensor *grad;
+    ampc_tensor *grad;   /* with a grad_scale, the kernel writes the unscaled gradient back */
     /* SGD: [0] the momentum buffer (NULL without momentum). Adam: exp_avg, exp_avg_sq,
        max_exp_avg_sq (amsgrad only, else NULL). */
     ampc_tensor *state[3];

@@ -321,7 +321,10 @@ static int step_device(ampc_optimizer *opt, ampc_device dev, float grad_scale) {
                                    opt->kind == AMPC_OPTIM_ADAMW, grad_scale};
             rc = be->adam_step(items, n, &h);
         }
-        for (int k = 0; k < n; k++) mark_stepped(items[k].param, items[k].cast_out, rc);
+        for (int k = 0; k < n; k++) {
+            mark_stepped(items[k].param, items[k].cast_out, rc);
+            if (grad_scale != 0) ampc__mark_written(items[k].grad);   /* written back unscaled */
+        }
     }
     if (rc < 0) {
         drop_new_state(opt, items, idx, n);
@@ -434,6 +437,22 @@ int ampc__optimizer_shard(ampc_optimizer *opt, const int64_t *flat, const int64_
     return AMPC_OK;
 }
 
+/* ZeRO with the GradScaler's unscale fused: the kernels wrote back the unscaled gradient of this
+   rank's parts; the rest of every gradient, whole here too (DDP), gets the same product, so the
+   grads read unscaled after the step on every rank, as unsharded. Host memory (ZeRO's). */
+static void unscale_other_parts(ampc_optimizer *opt, float grad_scale) {
+    for (int i = 0; i < opt->n; i++) {
+        ampc_tensor *p = opt->params[i];
+        int64_t lo, count;
+        ampc__optimizer_part(opt, i, opt->shard_rank, &lo, &count);
+        if (!p->grad || count == p->numel) continue;
+        float *g = ampc__data(p->grad);
+        for (int64_t k = 0; k < p->numel; k++)
+            if (k < lo || k >= lo + count) g[k] *= grad_scale;
+        ampc__mark_written(p->grad);
+    }
+}
+
 /* The step of ampc_optimizer_step (call names the entry point in errors). */
 static int step(ampc_optimizer *opt, float grad_scale, const char *call) {
     if (!opt) return ampc__err(AMPC_ERR_INVALID, "%s: optimizer is NULL", call);
@@ -445,6 +464,7 @@ static int step(ampc_optimizer *opt, float grad_scale, const char *call) {
         int rc = step_device(opt, (ampc_device)d, grad_scale);
         if (rc < 0) return rc;
     }
+    if (opt->flat && grad_scale != 0) unscale_other_parts(opt, grad_scale);
     return opt->flat ? publish(opt) : AMPC_OK;
 }
 

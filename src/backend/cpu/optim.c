@@ -40,7 +40,7 @@ typedef void (*block_fn)(const job *j, size_t base, size_t len);
 struct job {
     block_fn run;
     float *param, *state[3];
-    const float *grad;
+    float *grad;      /* written back unscaled by the scaled variants */
     void *out;        /* the 16-bit copy, converted by narrow; NULL: none */
     narrow_fn narrow;
     size_t n;
@@ -69,7 +69,7 @@ static void job_init(job *j, const ampc_optim_item *it) {
     memset(j, 0, sizeof *j);
     j->narrow = it->cast_out ? ampc__dt(it->cast_out->dtype)->from_f32 : NULL;
     j->param = (float *)ampc__data(it->param) + it->begin;
-    j->grad = (const float *)ampc__data(it->grad) + it->begin;
+    j->grad = (float *)ampc__data(it->grad) + it->begin;
     j->out = j->narrow ? ampc__data(it->cast_out) : NULL;   /* the whole parameter only */
     j->n = (size_t)ampc__item_count(it);
 }
@@ -100,11 +100,12 @@ static int run_items(const ampc_optim_item *items, int n, int (*make)(job *, con
 
 /* The SGD update of n elements, one pass; has_wd, has_m, first and nesterov are constants in
    every caller, so each gets a branch-free loop. */
-AMPC_CPU_INLINE void sgd_body(float *restrict p, const float *restrict g, float *restrict buf, size_t n, ampc_sgd_consts c,
+AMPC_CPU_INLINE void sgd_body(float *restrict p, float *restrict g, float *restrict buf, size_t n, ampc_sgd_consts c,
                               bool has_wd, bool has_m, bool first, bool nesterov, bool scaled) {
 #pragma omp simd
     for (size_t i = 0; i < n; i++) {
-        float pi = p[i], d = scaled ? g[i] * c.gs : g[i];
+        float pi = p[i], d = g[i];
+        if (scaled) g[i] = d = d * c.gs;   /* the unscaled gradient, written back as read */
         if (has_wd) d = d + c.wd * pi;
         if (has_m) {
             float b = first ? d : c.m * buf[i] + c.keep * d;
@@ -118,14 +119,14 @@ AMPC_CPU_INLINE void sgd_body(float *restrict p, const float *restrict g, float 
 /* One clone set per option combination: bits 0 wd, 1 momentum, 2 first step, 3 nesterov
    (the last two only with momentum), 4 scaled gradient (the fused GradScaler unscale). */
 #define SGD_FN(k)                                                                                  \
-    AMPC_CPU_VEC static void sgd_##k(float *p, const float *g, float *buf, size_t n, ampc_sgd_consts c) { \
+    AMPC_CPU_VEC static void sgd_##k(float *p, float *g, float *buf, size_t n, ampc_sgd_consts c) {       \
         sgd_body(p, g, buf, n, c, (k) & 1, (k) & 2, (k) & 4, (k) & 8, (k) & 16);                    \
     }
 SGD_FN(0) SGD_FN(1) SGD_FN(2) SGD_FN(3) SGD_FN(6) SGD_FN(7) SGD_FN(10) SGD_FN(11) SGD_FN(14) SGD_FN(15)
 SGD_FN(16) SGD_FN(17) SGD_FN(18) SGD_FN(19) SGD_FN(22) SGD_FN(23) SGD_FN(26) SGD_FN(27) SGD_FN(30) SGD_FN(31)
 #undef SGD_FN
 
-typedef void (*sgd_fn)(float *, const float *, float *, size_t, ampc_sgd_consts);
+typedef void (*sgd_fn)(float *, float *, float *, size_t, ampc_sgd_consts);
 static const sgd_fn sgd_fns[32] = {[0] = sgd_0,   [1] = sgd_1,   [2] = sgd_2,   [3] = sgd_3,   [6] = sgd_6,
                                    [7] = sgd_7,   [10] = sgd_10, [11] = sgd_11, [14] = sgd_14, [15] = sgd_15,
                                    [16] = sgd_16, [17] = sgd_17, [18] = sgd_18, [19] = sgd_19, [22] = sgd_22,
@@ -163,12 +164,13 @@ static int cpu_sgd_step(const ampc_optim_item *items, int n, const ampc_sgd_hpar
 
 
 /* The Adam update of n elements, one pass (vmax only with amsgrad, a constant in each caller) */
-AMPC_CPU_INLINE void adam_body(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
+AMPC_CPU_INLINE void adam_body(float *restrict p, float *restrict g, float *restrict m, float *restrict v,
                                float *restrict vmax, size_t n, const ampc_adam_consts *c, bool amsgrad, bool scaled) {
 #pragma omp simd
     for (size_t i = 0; i < n; i++) {
-        float pi = p[i] * c->decay;
-        float gi = (scaled ? g[i] * c->gs : g[i]) + c->l2 * pi;
+        float pi = p[i] * c->decay, gu = g[i];
+        if (scaled) g[i] = gu = gu * c->gs;   /* the unscaled gradient, written back as read */
+        float gi = gu + c->l2 * pi;
         float mi = c->b1 * m[i] + c->omb1 * gi;
         float vi = c->b2 * v[i] + c->omb2 * gi * gi;
         m[i] = mi;
@@ -183,7 +185,7 @@ AMPC_CPU_INLINE void adam_body(float *restrict p, const float *restrict g, float
     }
 }
 #define ADAM_FN(name, ams, scaled)                                                                \
-    AMPC_CPU_VEC static void name(float *p, const float *g, float *m, float *v, float *vmax, size_t n, \
+    AMPC_CPU_VEC static void name(float *p, float *g, float *m, float *v, float *vmax, size_t n,       \
                                   const ampc_adam_consts *c) {                                          \
         adam_body(p, g, m, v, vmax, n, c, ams, scaled);                                            \
     }
@@ -191,7 +193,7 @@ ADAM_FN(adam_plain, false, false) ADAM_FN(adam_amsgrad, true, false)
 ADAM_FN(adam_plain_scaled, false, true) ADAM_FN(adam_amsgrad_scaled, true, true)
 #undef ADAM_FN
 
-typedef void (*adam_fn)(float *, const float *, float *, float *, float *, size_t, const ampc_adam_consts *);
+typedef void (*adam_fn)(float *, float *, float *, float *, float *, size_t, const ampc_adam_consts *);
 static const adam_fn adam_fns[4] = {adam_plain, adam_amsgrad, adam_plain_scaled, adam_amsgrad_scaled};
 
 static void adam_block(const job *j, size_t base, size_t len) {

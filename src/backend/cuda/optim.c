@@ -28,7 +28,7 @@ static void job_init(ampc_cu_optim_job *j, const ampc_optim_item *it) {
         j->out_dtype = it->cast_out->dtype;
     }
     j->param = (float *)ampc__data(it->param) + it->begin;
-    j->grad = (const float *)ampc__data(it->grad) + it->begin;
+    j->grad = (float *)ampc__data(it->grad) + it->begin;
     j->n = ampc__item_count(it);
 }
 

@@ -47,7 +47,8 @@ __global__ void sgd_kernel(const __grid_constant__ ampc_cu_optim_jobs J) {
     int64_t end = base + OPT_ELEMS < jb.n ? base + OPT_ELEMS : jb.n;
     bool has_wd = jb.variant & 1, has_m = jb.variant & 2, first = jb.variant & 4, nesterov = jb.variant & 8, scaled = jb.variant & 16;
     for (int64_t i = base + threadIdx.x; i < end; i += blockDim.x) {
-        float pi = jb.param[i], d = scaled ? __fmul_rn(jb.grad[i], c.gs) : jb.grad[i];
+        float pi = jb.param[i], d = jb.grad[i];
+        if (scaled) jb.grad[i] = d = __fmul_rn(d, c.gs);   /* the unscaled gradient, written back as read */
         if (has_wd) d = __fadd_rn(d, __fmul_rn(c.wd, pi));
         if (has_m) {
             float b = first ? d : __fadd_rn(__fmul_rn(c.m, jb.state[0][i]), __fmul_rn(c.keep, d));
@@ -70,7 +71,9 @@ __global__ void adam_kernel(const __grid_constant__ ampc_cu_optim_jobs J) {
     int64_t end = base + OPT_ELEMS < jb.n ? base + OPT_ELEMS : jb.n;
     for (int64_t i = base + threadIdx.x; i < end; i += blockDim.x) {
         float pi = __fmul_rn(jb.param[i], c.decay);
-        float gi = __fadd_rn(scaled ? __fmul_rn(jb.grad[i], c.gs) : jb.grad[i], __fmul_rn(c.l2, pi));
+        float gu = jb.grad[i];
+        if (scaled) jb.grad[i] = gu = __fmul_rn(gu, c.gs);   /* the unscaled gradient, written back as read */
+        float gi = __fadd_rn(gu, __fmul_rn(c.l2, pi));
         float mi = __fadd_rn(__fmul_rn(c.b1, jb.state[0][i]), __fmul_rn(c.omb1, gi));
         float vi = __fadd_rn(__fmul_rn(c.b2, jb.state[1][i]), __fmul_rn(__fmul_rn(c.omb2, gi), gi));
         jb.state[0][i] = mi;

@@ -19,7 +19,7 @@ extern "C" {
 
 typedef struct {
     float *param;
-    const float *grad;
+    float *grad;        /* written back unscaled when the variant is scaled */
     float *state[3];
     void *out;          /* 16-bit copy of the updated parameter, or NULL */
     int out_dtype;      /* AMPC_F16 / AMPC_BF16 */

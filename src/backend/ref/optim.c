@@ -13,11 +13,11 @@
 /* One parameter's update (its item checked by the caller). */
 static void ref_sgd_one(const ampc_optim_item *it, const ampc_sgd_hparams *h) {
     ampc_tensor *param = it->param, *momentum_buf = it->state[0];
-    const ampc_tensor *grad = it->grad;
     double *p = (double *)ampc__data(param) + it->begin, *buf = momentum_buf ? ampc__data(momentum_buf) : NULL;
-    const double *g = (const double *)ampc__data(grad) + it->begin;
+    double *g = (double *)ampc__data(it->grad) + it->begin;
     for (int64_t i = 0; i < ampc__item_count(it); i++) {
-        double d = h->grad_scale != 0 ? g[i] * (double)h->grad_scale : g[i];
+        if (h->grad_scale != 0) g[i] *= (double)h->grad_scale;   /* the unscaled gradient, written back */
+        double d = g[i];
         if (h->weight_decay != 0) d += h->weight_decay * p[i];
         if (h->momentum != 0) {
             buf[i] = it->first ? d : h->momentum * buf[i] + (1.0 - h->dampening) * d;
@@ -29,14 +29,14 @@ static void ref_sgd_one(const ampc_optim_item *it, const ampc_sgd_hparams *h) {
 
 static void ref_adam_one(const ampc_optim_item *it, const ampc_adam_hparams *h) {
     ampc_tensor *param = it->param, *exp_avg = it->state[0], *exp_avg_sq = it->state[1], *max_exp_avg_sq = it->state[2];
-    const ampc_tensor *grad = it->grad;
     double bc1 = 1.0 - pow(h->beta1, (double)it->step), bc2 = 1.0 - pow(h->beta2, (double)it->step);
     double step_size = h->lr / bc1, bc2_sqrt = sqrt(bc2);
     double *p = (double *)ampc__data(param) + it->begin, *m = ampc__data(exp_avg), *v = ampc__data(exp_avg_sq);
     double *vmax = h->amsgrad ? ampc__data(max_exp_avg_sq) : NULL;
-    const double *g = (const double *)ampc__data(grad) + it->begin;
+    double *g = (double *)ampc__data(it->grad) + it->begin;
     for (int64_t i = 0; i < ampc__item_count(it); i++) {
-        double gi = h->grad_scale != 0 ? g[i] * (double)h->grad_scale : g[i];
+        if (h->grad_scale != 0) g[i] *= (double)h->grad_scale;   /* the unscaled gradient, written back */
+        double gi = g[i];
         if (h->decoupled) p[i] *= 1.0 - h->lr * h->weight_decay;
         else if (h->weight_decay != 0) gi += h->weight_decay * p[i];
         m[i] = h->beta1 * m[i] + (1.0 - h->beta1) * gi;
