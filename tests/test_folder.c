@@ -12,6 +12,7 @@
 #include "testutil.h"
 
 #include <ftw.h>
+#include <libgen.h>
 #include <math.h>
 #include <png.h>
 #include <stdio.h>
@@ -921,6 +922,44 @@ static void test_decode_corrupt(void **state) {
     free(jpg);
 }
 
+/* 16-bit PNGs decode as PIL decodes them (tests/fixtures/png16, made by make_png16.py with
+   python3-pil): color samples keep their high byte, gray is clipped to 255 (PIL's mode "I"),
+   for convert("RGB") and convert("L") alike, every value equal. */
+static void test_png16_as_pil(void **state) {
+    (void)state;
+    char src[512], dir[560], path[700], line[1024];
+    snprintf(src, sizeof src, "%s", __FILE__);
+    snprintf(dir, sizeof dir, "%s/fixtures/png16", dirname(src));
+    snprintf(path, sizeof path, "%s/pil.txt", dir);
+    FILE *f = fopen(path, "r");
+    if (!f) fail_msg("can't open %s", path);
+    int cases = 0;
+    while (fgets(line, sizeof line, f)) {
+        char name[64], mode[8];
+        int at = 0;
+        if (sscanf(line, "%63s %7s %n", name, mode, &at) != 2) fail_msg("bad line '%s'", line);
+        const int ch = strcmp(mode, "RGB") == 0 ? 3 : 1;
+        snprintf(path, sizeof path, "%s/%s", dir, name);
+        ampc_image img;
+        ASSERT_OK(ampc__image_decode_file(path, ch, &img));
+        assert_int_equal(img.width, 8);
+        assert_int_equal(img.height, 1);
+        assert_int_equal(img.channels, ch);
+        const char *p = line + at;
+        for (int i = 0; i < 8 * ch; i++) {
+            char *end;
+            long want = strtol(p, &end, 10);
+            if (end == p) fail_msg("%s %s: %d values in pil.txt", name, mode, i);
+            p = end;
+            if (img.pixels[i] != want) fail_msg("%s %s: value %d is %d, PIL gives %ld", name, mode, i, img.pixels[i], want);
+        }
+        ampc__image_free(&img);
+        cases++;
+    }
+    fclose(f);
+    assert_int_equal(cases, 8);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_scan_order_labels_pixels),
@@ -934,6 +973,7 @@ int main(void) {
         cmocka_unit_test(test_folder_links),
         cmocka_unit_test(test_decode_formats),
         cmocka_unit_test(test_decode_corrupt),
+        cmocka_unit_test(test_png16_as_pil),
     };
     return cmocka_run_group_tests(tests, setup_tree, teardown_tree);
 }

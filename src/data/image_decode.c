@@ -5,8 +5,10 @@
  * Formats are recognised by content, never by file name. Conversions follow what PIL does for
  * torchvision's ImageFolder (img.convert("RGB") / convert("L"), Resize with BILINEAR), so a
  * dataset decoded here matches the usual PyTorch preprocessing up to rounding:
- * - PNG: palette and low-bit gray are expanded, 16-bit samples keep their high byte, alpha and
- *   tRNS transparency are dropped (not composited), gamma/ICC chunks are ignored.
+ * - PNG: palette and low-bit gray are expanded; 16-bit color samples keep their high byte (PIL
+ *   opens them as 8-bit RGB/RGBA), 16-bit gray is clipped to 255 (PIL opens it as mode "I" and
+ *   convert("RGB") / convert("L") clamp: 256 and up become 255); alpha and tRNS transparency
+ *   are dropped (not composited), gamma/ICC chunks are ignored.
  * - JPEG: accurate IDCT, fancy upsampling (the library defaults); CMYK/YCCK files are Adobe's
  *   inverted CMYK, turned into RGB as R = C*K/255 like PIL. Warnings that leave a complete
  *   image ("extraneous bytes before marker") are accepted as PIL accepts them; data that ends
@@ -223,7 +225,8 @@ static int png_run(png_ctx *c, const char *name, ampc_image *img, int *w, int *h
         png_ctx_free(c);
         return 0;
     }
-    if (depth == 16) png_set_strip_16(c->png);
+    const bool gray16 = ctype == PNG_COLOR_TYPE_GRAY && depth == 16;   /* clipped below, as PIL */
+    if (depth == 16 && !gray16) png_set_strip_16(c->png);
     if (ctype == PNG_COLOR_TYPE_PALETTE) png_set_palette_to_rgb(c->png);
     if (ctype == PNG_COLOR_TYPE_GRAY && depth < 8) png_set_expand_gray_1_2_4_to_8(c->png);
     png_set_strip_alpha(c->png);
@@ -231,7 +234,7 @@ static int png_run(png_ctx *c, const char *name, ampc_image *img, int *w, int *h
     png_read_update_info(c->png, c->info);
     int ch = png_get_channels(c->png, c->info);
     size_t rowbytes = png_get_rowbytes(c->png, c->info);
-    if ((ch != 1 && ch != 3) || rowbytes != (size_t)pw * (size_t)ch) png_error(c->png, "unexpected pixel layout");
+    if ((ch != 1 && ch != 3) || rowbytes != (size_t)pw * (size_t)ch * (gray16 ? 2 : 1)) png_error(c->png, "unexpected pixel layout");
     c->pixels = malloc((size_t)ph * rowbytes);
     c->rows = malloc((size_t)ph * sizeof *c->rows);
     if (!c->pixels || !c->rows) {
@@ -240,6 +243,10 @@ static int png_run(png_ctx *c, const char *name, ampc_image *img, int *w, int *h
     }
     for (png_uint_32 y = 0; y < ph; y++) c->rows[y] = c->pixels + (size_t)y * rowbytes;
     png_read_image(c->png, c->rows);
+    if (gray16) {   /* big-endian samples, narrowed in place: min(v, 255) */
+        const size_t px = (size_t)pw * (size_t)ph;
+        for (size_t i = 0; i < px; i++) c->pixels[i] = c->pixels[2 * i] ? 255 : c->pixels[2 * i + 1];
+    }
     img->width = (int)pw;
     img->height = (int)ph;
     img->channels = ch;
