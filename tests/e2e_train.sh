@@ -111,6 +111,15 @@ if run straight "${SMALL[@]}" --amp-dtype fp16 --epochs 2 --out "$W/a"; then
         is_png "$W/a/$p.png" && ok "$p.png is a PNG" || bad "$p.png is not a PNG"
     done
     [ -s "$W/a/checkpoint.safetensors" ] && ok "checkpoint written" || bad "no checkpoint"
+    # model.safetensors: the checkpoint's model tensors, the same bits, and nothing else (no
+    # optimizer state: PyTorch's load_state_dict(strict=True) takes it as it is)
+    "$TRAIN" --compare-checkpoints "$W/a/checkpoint.safetensors" "$W/a/model.safetensors" >"$W/model_cmp.out" 2>&1
+    if [ -s "$W/a/model.safetensors" ] && grep -q "^differ: tensor 'optimizer\." "$W/model_cmp.out" &&
+        ! grep "^differ: " "$W/model_cmp.out" | grep -qv "^differ: tensor 'optimizer\.[^']*' is only in $W/a/checkpoint.safetensors$"; then
+        ok "model.safetensors: the model's tensors alone, equal to the checkpoint's"
+    else
+        bad "model.safetensors: $(head -n 3 "$W/model_cmp.out" | tr '\n' ' ')"
+    fi
     ls "$W/a" | grep -q '\.tmp\.' && bad "temporary files left in the output folder"
 fi
 

@@ -563,6 +563,72 @@ static void test_v1_checkpoint_loads(void **state) {
     ampc_scope_end();
 }
 
+/* A model file (ampc_checkpoint_save with no optimizer and no scaler: what ampc-train writes as
+   model.safetensors) loads into torchvision's resnet18/resnet50 with strict=True as it is, and
+   gives the same logits in eval mode (BatchNorm running statistics moved by two training-mode
+   passes first): the small-input stem (1 channel, 28x28, 3x3 stride-1 conv, no max pooling)
+   and the standard one (3 channels, 64x64). Within 1e-4 of the largest logit (fp32, other
+   convolution algorithms). Skipped without /usr/bin/python3 with torch and torchvision. */
+static void test_torchvision_reads_model(void **state) {
+    (void)state;
+    const struct { const char *arch; int64_t c, hw, classes; bool small; } cases[] = {
+        {"resnet18", 1, 28, 10, true},
+        {"resnet50", 3, 64, 7, false},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        ampc_scope_begin();
+        ampc_model_options mo = {.num_classes = cases[k].classes, .in_channels = cases[k].c, .small_input = cases[k].small};
+        ampc_module *m = ampc_model_new(cases[k].arch, &mo);
+        ASSERT_NOT_NULL_MSG(m);
+        const int64_t n = 2, shape[4] = {n, cases[k].c, cases[k].hw, cases[k].hw}, numel = n * cases[k].c * cases[k].hw * cases[k].hw;
+        double *v = malloc((size_t)numel * sizeof *v);
+        tu_fill_uniform(v, (size_t)numel, 90 + k, -1, 1);
+        ampc_tensor *x = ampc_tensor_from_f64(AMPC_F32, 4, shape, v);
+        free(v);
+        ampc_module_train(m, true);
+        for (int i = 0; i < 2; i++) {   /* the running statistics move */
+            ampc_no_grad_enter();
+            ASSERT_NOT_NULL_MSG(ampc_module_forward(m, x));
+            ampc_no_grad_exit();
+        }
+        ampc_module_train(m, false);
+        ampc_tensor *out = ampc_module_forward(m, x);
+        ASSERT_NOT_NULL_MSG(out);
+        char mp[256], xp[256], yp[256];
+        snprintf(mp, sizeof mp, "%s", tpath("model.safetensors"));
+        snprintf(xp, sizeof xp, "%s", tpath("tv_x.f32"));
+        snprintf(yp, sizeof yp, "%s", tpath("tv_y.f32"));
+        ASSERT_OK(ampc_checkpoint_save(mp, m, NULL, NULL, NULL));
+        write_all(xp, ampc_tensor_cdata(x), sizeof(float) * (size_t)numel);
+        char script[512], cmd[2048];
+        snprintf(script, sizeof script, "%s", __FILE__);
+        snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s/fixtures/check_torchvision.py %s %s %s %lld %lld %lld %lld %s", dirname(script), mp,
+                 cases[k].arch, xp, (long long)n, (long long)cases[k].c, (long long)cases[k].hw, (long long)cases[k].hw, yp);
+        int rc = system(cmd);
+        if (rc == -1 || !WIFEXITED(rc) || WEXITSTATUS(rc) == 77 || WEXITSTATUS(rc) == 127) {
+            ampc_module_free(m);
+            ampc_scope_end();
+            skip();
+        }
+        if (WEXITSTATUS(rc) != 0) fail_msg("torchvision cross-check failed (exit %d): %s", WEXITSTATUS(rc), cmd);
+        size_t nb;
+        float *ref = (float *)read_all(yp, &nb);
+        assert_int_equal(nb, sizeof(float) * (size_t)(n * cases[k].classes));
+        double got[64], amax = 0, d = 0;
+        ASSERT_OK(ampc_tensor_to_f64(out, got, (size_t)(n * cases[k].classes)));
+        for (int64_t i = 0; i < n * cases[k].classes; i++) {
+            amax = fmax(amax, fabs((double)ref[i]));
+            d = fmax(d, fabs(got[i] - (double)ref[i]));
+        }
+        print_message("torchvision %s (%s stem): strict load, logits within %.2g of max |logit| %.3g\n", cases[k].arch,
+                      cases[k].small ? "small-input" : "standard", d, amax);
+        if (!(d <= 1e-4 * amax)) fail_msg("%s: logits differ by %g (max |logit| %g)", cases[k].arch, d, amax);
+        free(ref);
+        ampc_module_free(m);
+        ampc_scope_end();
+    }
+}
+
 /* PyTorch reads the weights (strict load_state_dict) and computes the same forward pass. */
 static void test_pytorch_reads_checkpoint(void **state) {
     (void)state;
@@ -1550,6 +1616,7 @@ int main(void) {
         cmocka_unit_test(test_roundtrip_batchnorm),
         cmocka_unit_test(test_v1_checkpoint_loads),
         cmocka_unit_test(test_pytorch_reads_checkpoint),
+        cmocka_unit_test(test_torchvision_reads_model),
         cmocka_unit_test(test_truncated_and_foreign_files),
         cmocka_unit_test(test_bad_headers),
         cmocka_unit_test(test_mismatched_checkpoints),

@@ -21,6 +21,7 @@ void run_free(run *r) {
     free(r->hist.rows);
     free(r->out);
     free(r->ckpt_path);
+    free(r->model_path);
     free(r->logits_buf);
     memset(r, 0, sizeof *r);
 }

@@ -178,6 +178,7 @@ typedef struct {
     ampc_device device;   /* --device: the model and each batch live there (the loader works on the CPU) */
     char *out;               /* output folder */
     char *ckpt_path;
+    char *model_path;        /* model.safetensors: the state_dict alone, for load_state_dict(strict=True) */
     float *logits_buf;       /* (batch, classes) f32 copy of the logits, to count correct answers */
     /* --resume of a checkpoint written mid-epoch (after a signal): epoch epoch0 + 1 continues
        after training step resume_step at global sample resume_train.samples (the dataset's size

@@ -123,6 +123,9 @@ static int save_checkpoint(run *r, int64_t epochs_done, int64_t step, const pass
     if (r->zero_all > 0 && ampc_zero_consolidate(r->opt) < 0) return fail_lib("gathering the sharded optimizer state");
     /* data-parallel: rank 0 writes, the replicas are the same */
     int rc = r->rank > 0 ? 0 : checkpoint_save(r, epochs_done, step, partial, epoch_seconds);
+    /* the model's state_dict alone beside it, as PyTorch's torch.save(model.state_dict()):
+       load_state_dict(strict=True) takes it as it is (--resume reads the checkpoint) */
+    if (rc == 0 && r->rank == 0 && ampc_checkpoint_save(r->model_path, r->net, NULL, NULL, NULL) < 0) rc = fail_lib("saving model.safetensors");
     if (r->zero_all > 0 && ampc_zero_shard(r->opt, NULL, NULL) < 0 && rc == 0) rc = fail_lib("sharding the optimizer state");
     return rc;
 }
@@ -484,12 +487,16 @@ int train_run(settings *s, run_result *res) {
         goto done;
     }
     if (r.rank == 0 && (rc = mkdir_p(r.out)) < 0) goto done;
-    if (!(r.ckpt_path = path_join(r.out, "checkpoint.safetensors")) || (rc = open_metrics(&r)) < 0) {
+    if (!(r.ckpt_path = path_join(r.out, "checkpoint.safetensors")) || !(r.model_path = path_join(r.out, "model.safetensors")) ||
+        (rc = open_metrics(&r)) < 0) {
         rc = -1;
         goto done;
     }
-    if (r.rank == 0) ampc_checkpoint_remove_stale_temps(r.ckpt_path);   /* a kill mid-save left it: never renamed */
-    printf("outputs: %s/{metrics.csv,loss.png,accuracy.png,checkpoint.safetensors}\n", r.out);
+    if (r.rank == 0) {   /* a kill mid-save left them: never renamed */
+        ampc_checkpoint_remove_stale_temps(r.ckpt_path);
+        ampc_checkpoint_remove_stale_temps(r.model_path);
+    }
+    printf("outputs: %s/{metrics.csv,loss.png,accuracy.png,checkpoint.safetensors,model.safetensors}\n", r.out);
     fflush(stdout);
 
     ampc_memory_reset_peak();
