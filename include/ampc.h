@@ -612,6 +612,28 @@ void ampc_optimizer_zero_grad(ampc_optimizer *opt);        /* grads to none */
 double ampc_optimizer_get_lr(const ampc_optimizer *opt);
 void ampc_optimizer_set_lr(ampc_optimizer *opt, double lr);
 int ampc_optimizer_num_params(const ampc_optimizer *opt);
+/* Optimizer steps taken (applied: a step the GradScaler skipped is none), the most of any
+   parameter's count (PyTorch's state['step']); restored with the optimizer's state. */
+int64_t ampc_optimizer_steps_taken(const ampc_optimizer *opt);
+
+/* Learning-rate schedules by optimizer step, PyTorch's torch.optim.lr_scheduler in closed form:
+   CONSTANT, STEP (StepLR: base * gamma^floor(t / step_size)) or COSINE (CosineAnnealingLR:
+   eta_min + (base - eta_min) * (1 + cos(pi * t / t_max)) / 2, periodic past t_max), after an
+   optional linear warm-up (LinearLR(start_factor, 1.0, total_iters = warmup_steps) then the
+   schedule from 0, as SequentialLR with milestones [warmup_steps]). t counts applied optimizer
+   steps (ampc_optimizer_steps_taken), so steps the GradScaler skips do not advance it. */
+typedef enum { AMPC_LR_CONSTANT = 0, AMPC_LR_STEP, AMPC_LR_COSINE } ampc_lr_kind;
+typedef struct {
+    ampc_lr_kind kind;
+    int64_t step_size;             /* STEP: steps per decay (>= 1) */
+    double gamma;                  /* STEP: the factor (0.1 as PyTorch's default) */
+    int64_t t_max;                 /* COSINE: the steps of the half cosine (>= 1) */
+    double eta_min;                /* COSINE: the rate it ends at */
+    int64_t warmup_steps;          /* 0: none */
+    double warmup_start_factor;    /* the first warm-up step's share of the rate, in (0, 1] */
+} ampc_lr_schedule;
+/* The rate at step t (>= 0) for base rate base_lr; NaN + error for invalid settings. */
+double ampc_lr_at(const ampc_lr_schedule *s, double base_lr, int64_t t);
 ampc_tensor *ampc_optimizer_param(const ampc_optimizer *opt, int i);
 /* Number of NaN/inf values in the parameters and the state (momentum buffers, Adam moments), or
    a negative status: the check before saving a checkpoint over a good one. */

@@ -219,6 +219,29 @@ if timeout "$LIMIT" "$TRAIN" "${SIG[@]}" --out "$W/sref" >/dev/null 2>&1; then
     else
         bad "--stop-after-steps: $(tail -n 2 "$d.out" "$d.res" "$d.cmp" 2>&1 | tr '\n' ' ')"
     fi
+    # with a learning-rate schedule (warm-up, then cosine by applied optimizer steps): the rate
+    # follows the restored step count, so the two sessions still give the uninterrupted bits
+    LRS=(--lr-schedule cosine --warmup-steps 5)
+    d="$W/slr"
+    if timeout "$LIMIT" "$TRAIN" "${SIG[@]}" "${LRS[@]}" --out "$W/slr_ref" >/dev/null 2>&1 &&
+        timeout "$LIMIT" "$TRAIN" "${SIG[@]}" "${LRS[@]}" --stop-after-steps 19 --out "$d" >"$d.out" 2>&1 &&
+        timeout "$LIMIT" "$TRAIN" --resume "$d/checkpoint.safetensors" >"$d.res" 2>&1 &&
+        "$TRAIN" --compare-checkpoints "$W/slr_ref/checkpoint.safetensors" "$d/checkpoint.safetensors" >"$d.cmp" &&
+        ! "$TRAIN" --compare-checkpoints "$W/sref/checkpoint.safetensors" "$d/checkpoint.safetensors" >/dev/null 2>&1; then
+        ok "--lr-schedule cosine --warmup-steps 5, stopped and resumed == uninterrupted (and != constant rate): $(tail -1 "$d.cmp")"
+    else
+        bad "--lr-schedule + resume: $(tail -n 2 "$d.out" "$d.res" "$d.cmp" 2>&1 | tr '\n' ' ')"
+    fi
+    # --clip-grad-norm: unscale, clip, step. A bound no gradient reaches leaves the bits of the
+    # fused step (the same unscaled gradients); a small one changes the run
+    if timeout "$LIMIT" "$TRAIN" "${SIG[@]}" --clip-grad-norm 1e9 --out "$W/clip_big" >/dev/null 2>&1 &&
+        timeout "$LIMIT" "$TRAIN" "${SIG[@]}" --clip-grad-norm 0.01 --out "$W/clip_small" >/dev/null 2>&1 &&
+        "$TRAIN" --compare-checkpoints "$W/sref/checkpoint.safetensors" "$W/clip_big/checkpoint.safetensors" >"$W/clip.cmp" &&
+        ! "$TRAIN" --compare-checkpoints "$W/sref/checkpoint.safetensors" "$W/clip_small/checkpoint.safetensors" >/dev/null 2>&1; then
+        ok "--clip-grad-norm 1e9 == no clipping ($(tail -1 "$W/clip.cmp")), 0.01 changes the run"
+    else
+        bad "--clip-grad-norm: $(tail -n 2 "$W/clip.cmp" 2>&1 | tr '\n' ' ')"
+    fi
     # a second signal stops at once: no checkpoint of the interrupted epoch
     d="$W/s2"
     "$TRAIN" "${SIG[@]}" --out "$d" >"$d.out" 2>"$d.err" &

@@ -244,6 +244,8 @@ static void test_sequence_matches_pytorch_fixture(void **state) {
     assert_int_equal(configs, 3);
     assert_int_equal(updates, 900);
     assert_true(overflows > 100 && overflows < 800);
+    /* the optimizer counted the applied steps only: what a learning-rate schedule follows */
+    assert_int_equal(ampc_optimizer_steps_taken(opt), updates - overflows);
     ampc_scaler_free(s);
     ampc_optimizer_free(opt);
     ampc_tensor_free(p);

@@ -521,3 +521,38 @@ int64_t ampc_optimizer_count_nonfinite(const ampc_optimizer *opt) {
     }
     return bad;
 }
+
+int64_t ampc_optimizer_steps_taken(const ampc_optimizer *opt) {
+    if (check_live(opt, "ampc_optimizer_steps_taken") < 0) return 0;
+    int64_t most = 0;
+    for (int i = 0; i < opt->n; i++) most = opt->steps[i] > most ? opt->steps[i] : most;
+    return most;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Learning-rate schedules
+
+double ampc_lr_at(const ampc_lr_schedule *s, double base_lr, int64_t t) {
+    if (!s || t < 0 || !(base_lr >= 0) || (unsigned)s->kind > AMPC_LR_COSINE || s->warmup_steps < 0 ||
+        (s->warmup_steps > 0 && !(s->warmup_start_factor > 0 && s->warmup_start_factor <= 1)) ||
+        (s->kind == AMPC_LR_STEP && (s->step_size < 1 || !(s->gamma >= 0))) ||
+        (s->kind == AMPC_LR_COSINE && (s->t_max < 1 || !(s->eta_min >= 0)))) {
+        ampc__err(AMPC_ERR_INVALID, "lr schedule: invalid settings or step %lld", (long long)t);
+        return NAN;
+    }
+    if (t < s->warmup_steps) {   /* LinearLR: start_factor + (1 - start_factor) * t / total_iters */
+        const double f = s->warmup_start_factor + (1.0 - s->warmup_start_factor) * (double)t / (double)s->warmup_steps;
+        return base_lr * f;
+    }
+    t -= s->warmup_steps;
+    switch (s->kind) {
+    case AMPC_LR_STEP:
+        return base_lr * pow(s->gamma, (double)(t / s->step_size));
+    case AMPC_LR_COSINE: {   /* past t_max the cosine goes on, as PyTorch's */
+        const double pi = 3.14159265358979323846;
+        return s->eta_min + (base_lr - s->eta_min) * (1.0 + cos(pi * (double)t / (double)s->t_max)) / 2.0;
+    }
+    default:
+        return base_lr;
+    }
+}

@@ -88,6 +88,19 @@ const opt_def OPTS[OPT_COUNT] = {
     [OPT_ZERO] = {"zero", V_INT, "0", NULL, 0, 1, false, O_SAVE, "0|1",
                   "under mpirun: 1 shards the optimizer state across the processes (ZeRO stage 1: each steps its "
                   "share of the fp32 weights and moments, then all gather the weights); 0: every process holds it all"},
+    [OPT_LR_SCHEDULE] = {"lr-schedule", V_CHOICE, "constant", "constant|step|cosine", 0, 0, false, O_SAVE | O_RUN, "NAME",
+                         "learning rate by optimizer step, as PyTorch's schedulers: constant, step (StepLR: times "
+                         "--lr-gamma every --lr-step-size epochs) or cosine (CosineAnnealingLR to 0 over the run); "
+                         "steps the GradScaler skips do not advance it"},
+    [OPT_LR_STEP_SIZE] = {"lr-step-size", V_INT, "1", NULL, 1, INT_FLAG_MAX, false, O_SAVE | O_RUN, "N",
+                          "--lr-schedule step: epochs between decays (their optimizer steps)"},
+    [OPT_LR_GAMMA] = {"lr-gamma", V_REAL, "0.1", NULL, 0, 1, false, O_SAVE | O_RUN, "X", "--lr-schedule step: the decay factor"},
+    [OPT_WARMUP_STEPS] = {"warmup-steps", V_INT, "0", NULL, 0, INT_FLAG_MAX, false, O_SAVE | O_RUN, "N",
+                          "linear warm-up first over N optimizer steps from a third of --lr (LinearLR's default), then "
+                          "the schedule (SequentialLR)"},
+    [OPT_CLIP_GRAD_NORM] = {"clip-grad-norm", V_REAL, "0", NULL, 0, 1e30, false, O_SAVE | O_RUN, "X",
+                            "clip the gradients' total 2-norm to X before each step, on the unscaled gradients "
+                            "(the GradScaler's unscale first, as PyTorch's recipe; 0: off)"},
     [OPT_STOP_AFTER_STEPS] = {"stop-after-steps", V_INT, "0", NULL, 0, INT_FLAG_MAX, false, 0, "N",
                               "train N steps in this session, then save a checkpoint and stop as SIGTERM does, with "
                               "exit status 0 (a run cut into time-limited jobs; 0: no limit)"},

@@ -37,6 +37,13 @@ void print_setup(run *r) {
         printf("  %-14s optimizer state shared out by element over %d processes: %s on rank 0 of %s\n", "zero", r->world,
                fmt_bytes((double)r->zero_here, b1, sizeof b1), fmt_bytes((double)r->zero_all, b2, sizeof b2));
     }
+    if (r->scheduled) {
+        printf("  %-14s %s", "lr schedule", r->sched.kind == AMPC_LR_STEP ? "step" : r->sched.kind == AMPC_LR_COSINE ? "cosine" : "constant");
+        if (r->sched.kind == AMPC_LR_STEP) printf(": x %g every %" PRId64 " steps", r->sched.gamma, r->sched.step_size);
+        if (r->sched.kind == AMPC_LR_COSINE) printf(" to 0 over %" PRId64 " steps", r->sched.t_max);
+        if (r->sched.warmup_steps) printf(", after a linear warm-up over %" PRId64 " steps from a third", r->sched.warmup_steps);
+        printf(" (by applied optimizer steps)\n");
+    }
     if (r->sync_bn > 0)
         printf("  %-14s %d BatchNorm layers with the statistics of all %d processes' batches\n", "sync-bn", r->sync_bn, r->world);
     int64_t ntr = ampc_dataset_size(r->d.train), nva = ampc_dataset_size(r->d.val);

@@ -216,8 +216,24 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
             break;
         }
         if (training) {
+            if (r->scheduled) {   /* the rate of this optimizer step: applied steps so far */
+                double lr = ampc_lr_at(&r->sched, rval(r->s, OPT_LR), ampc_optimizer_steps_taken(r->opt));
+                if (isnan(lr)) {
+                    rc = fail_lib("--lr-schedule");
+                    break;
+                }
+                ampc_optimizer_set_lr(r->opt, lr);
+            }
             if (ampc_backward(ampc_scaler_scale(r->scaler, loss)) < 0) {
                 rc = fail_lib("training (backward)");
+                break;
+            }
+            /* --clip-grad-norm: PyTorch's recipe, unscale_ then clip_grad_norm_ then step (which then
+               reads the unscaled grads); the norm of non-finite grads is non-finite and the
+               scaler skips the step */
+            const double clip = rval(r->s, OPT_CLIP_GRAD_NORM);
+            if (clip > 0 && (ampc_scaler_unscale(r->scaler, r->opt) < 0 || ampc_clip_grad_norm(r->opt, clip) < 0)) {
+                rc = fail_lib("--clip-grad-norm");
                 break;
             }
             if (ampc_scaler_step(r->scaler, r->opt) < 0 || ampc_scaler_update(r->scaler) < 0) {
@@ -452,6 +468,18 @@ int train_run(settings *s, run_result *res) {
         rc = fail_lib("--zero 1");
         goto done;
     }
+    /* the learning rate by optimizer step: epochs in steps of this run's loader */
+    const int64_t per_epoch = ampc_loader_count_batches(r.train_ld, 0) > 0 ? ampc_loader_count_batches(r.train_ld, 0) : 1;
+    const char *sk = sval(s, OPT_LR_SCHEDULE);
+    const int64_t warm = ival(s, OPT_WARMUP_STEPS), all = ival(s, OPT_EPOCHS) * per_epoch;
+    r.sched = (ampc_lr_schedule){.kind = !strcmp(sk, "step") ? AMPC_LR_STEP : !strcmp(sk, "cosine") ? AMPC_LR_COSINE : AMPC_LR_CONSTANT,
+                                 .step_size = ival(s, OPT_LR_STEP_SIZE) * per_epoch,
+                                 .gamma = rval(s, OPT_LR_GAMMA),
+                                 .t_max = all - warm > 1 ? all - warm : 1,
+                                 .eta_min = 0,
+                                 .warmup_steps = warm,
+                                 .warmup_start_factor = 1.0 / 3};
+    r.scheduled = r.sched.kind != AMPC_LR_CONSTANT || warm > 0;
     g_oom_hint = "try a smaller --batch-size or --use-amp yes";
     print_setup(&r);
     int64_t n_epochs = ival(s, OPT_EPOCHS);
@@ -536,6 +564,7 @@ int train_run(settings *s, run_result *res) {
                e + 1, n_epochs, tr.loss, 100 * tr.acc, va.loss, 100 * va.acc, secs, tr.seconds, fmt_count((int64_t)row[COL_SPS], c1, sizeof c1),
                tr.steps ? 1e3 * tr.seconds / (double)tr.steps : 0.0, 100 * row[COL_DATA_WAIT]);
         if (ampc_scaler_is_enabled(r.scaler)) printf(" | scale %g, %.0f skipped", row[COL_SCALE], row[COL_SKIPPED]);
+        if (r.scheduled) printf(" | lr %.4g", ampc_optimizer_get_lr(r.opt));
         printf("\n");
         fflush(stdout);
         /* the checkpoint first: after a kill between the two, resume rewrites metrics.csv from the
