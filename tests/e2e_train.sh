@@ -124,6 +124,60 @@ if run straight "${SMALL[@]}" --amp-dtype fp16 --epochs 2 --out "$W/a"; then
 fi
 
 # ---------------------------------------------------------------------------------------------
+# Fine-tuning: --pretrained (the model file of run a, strictly) and --freeze backbone in fp32 and
+# fp16 with the GradScaler: only the head (the cnn's fc2) changes, its 1,290 parameters trainable
+for amp in no yes; do
+    if run "freeze_$amp" "${SMALL[@]}" --epochs 1 --use-amp $amp --pretrained "$W/a/model.safetensors" --freeze backbone --out "$W/fz_$amp"; then
+        "$TRAIN" --compare-checkpoints "$W/a/model.safetensors" "$W/fz_$amp/model.safetensors" >"$W/fz_$amp.cmp" 2>&1
+        if grep -q "weights .*: 8 tensors loaded, 0 missing, 0 unexpected, 0 of another shape" "$W/freeze_$amp.out" &&
+            grep -q "^1,290 trainable parameters" "$W/freeze_$amp.out" && grep -q "^checkpoints differ: 2 tensor(s)" "$W/fz_$amp.cmp" &&
+            [ "$(grep -c "^differ: tensor 'fc2\.\(weight\|bias\)'" "$W/fz_$amp.cmp")" -eq 2 ]; then
+            ok "--pretrained + --freeze backbone (--use-amp $amp): the backbone bit for bit as loaded, the head trained"
+        else
+            bad "--freeze backbone (--use-amp $amp): $(head -n 3 "$W/fz_$amp.cmp" | tr '\n' ' ')"
+        fi
+    fi
+done
+# a PyTorch .pth (torchvision's resnet18 with the small-input stem for 1-channel 28x28 images and
+# 10 classes, in a checkpoint dict under "state_dict" with DDP's "module." prefix), converted by
+# scripts/pth_to_safetensors.py, loads strictly: torchvision's names are ampc's. Needs
+# /usr/bin/python3 with torch and torchvision (not in CI)
+if /usr/bin/python3 -c "import torch, torchvision" 2>/dev/null; then
+    /usr/bin/python3 - "$W/tv.pth" <<'PY'
+import sys, torch, torchvision
+m = torchvision.models.resnet18(num_classes=10)
+m.conv1 = torch.nn.Conv2d(1, 64, 3, 1, 1, bias=False)
+m.maxpool = torch.nn.Identity()
+torch.save({"state_dict": {"module." + k: v for k, v in m.state_dict().items()}, "epoch": 1}, sys.argv[1])
+PY
+    if /usr/bin/python3 "$(dirname "$0")/../scripts/pth_to_safetensors.py" "$W/tv.pth" "$W/tv.safetensors" >/dev/null &&
+        run tv_pretrained "${SMALL[@]}" --model resnet18 --epochs 1 --pretrained "$W/tv.safetensors" --freeze backbone --out "$W/tv" &&
+        grep -q "weights .*: 122 tensors loaded, 0 missing, 0 unexpected, 0 of another shape" "$W/tv_pretrained.out" &&
+        grep -q "^5,130 trainable parameters" "$W/tv_pretrained.out"; then
+        ok "a torchvision .pth converted by pth_to_safetensors.py loads strictly into --model resnet18"
+    else
+        bad "pth_to_safetensors.py: $(grep -E 'weights|error' "$W/tv_pretrained.out" "$W/tv_pretrained.err" 2>/dev/null | tr '\n' ' ')"
+    fi
+else
+    echo "skip: a torchvision .pth through pth_to_safetensors.py (no torch/torchvision in /usr/bin/python3)"
+fi
+# another model's file: refused strictly, naming what differs; not strictly, nothing matches
+"$TRAIN" "${SMALL[@]}" --model mlp --epochs 1 --pretrained "$W/a/model.safetensors" --out "$W/pmlp" >"$W/pmlp.out" 2>"$W/pmlp.err"
+rc=$?
+if [ $rc -ne 0 ] && grep -q "missing: 1.weight" "$W/pmlp.err" && grep -q "unexpected: conv1.weight" "$W/pmlp.err" &&
+    grep -q "error: --pretrained: .*(strict): 4 missing, 8 unexpected and 0 mismatched" "$W/pmlp.err"; then
+    ok "--pretrained of another model: refused, naming the missing and unexpected tensors"
+else
+    bad "--pretrained mismatch: exit $rc: $(tail -n 2 "$W/pmlp.err" | tr '\n' ' ')"
+fi
+if run pretrained_lenient "${SMALL[@]}" --model mlp --epochs 1 --pretrained "$W/a/model.safetensors" --pretrained-strict no --out "$W/pmlp2" &&
+    grep -q "0 tensors loaded, 4 missing, 8 unexpected" "$W/pretrained_lenient.out"; then
+    ok "--pretrained-strict no: loads what matches (nothing here) and trains"
+else
+    bad "--pretrained-strict no: $(grep pretrained "$W/pretrained_lenient.out" | tr '\n' ' ')"
+fi
+
+# ---------------------------------------------------------------------------------------------
 # The checkpoint reloads bit-identically: resuming with --epochs equal to the finished count
 # trains nothing and writes the same tensors again
 if run reload --resume "$W/a/checkpoint.safetensors" --epochs 2 --out "$W/c"; then

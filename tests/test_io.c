@@ -697,6 +697,71 @@ static void victim_free(victim v) {
     ampc_module_free(v.m);
 }
 
+/* The model's state_dict tensors alone, as bytes. */
+static blob weights_blob(ampc_module *m) {
+    blob bl = {0};
+    ampc_tensor **sd;
+    int n = ampc_module_state_dict(m, &sd, NULL);
+    for (int i = 0; i < n; i++) blob_tensor(&bl, sd[i]);
+    return bl;
+}
+
+/* ampc_load_state_dict, as PyTorch's load_state_dict: strict loads every tensor (an ampc
+   checkpoint's optimizer tensors are not the model's and are passed over); a head of another
+   size is refused strictly, with nothing changed, and not strictly leaves the head as it was
+   and loads the rest; the report names each missing, unexpected and mismatched tensor. */
+static void test_load_state_dict(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    victim v = victim_new();   /* mlp(21, 3) after three SGD steps */
+    const char *p = tpath("pretrained.safetensors");
+    char path[256];
+    snprintf(path, sizeof path, "%s", p);
+    ASSERT_OK(ampc_checkpoint_save(path, v.m, v.o, v.s, NULL));
+    blob want = weights_blob(v.m);
+    ampc_module *same = mlp(99, 3);
+    ampc_load_report r;
+    ASSERT_OK(ampc_load_state_dict(path, same, true, NULL, &r));
+    assert_true(r.loaded == 4 && r.missing == 0 && r.unexpected == 0 && r.mismatched == 0);
+    blob got = weights_blob(same);
+    assert_true(got.n == want.n && memcmp(got.b, want.b, want.n) == 0);
+    free(got.b);
+
+    ampc_module *other = mlp(98, 5);   /* another head: 5 classes */
+    blob before = weights_blob(other);
+    char *text = NULL;
+    size_t n = 0;
+    FILE *rep = open_memstream(&text, &n);
+    assert_int_equal(ampc_load_state_dict(path, other, true, rep, &r), AMPC_ERR_SHAPE);
+    fclose(rep);
+    assert_true(r.loaded == 2 && r.mismatched == 2 && r.missing == 0 && r.unexpected == 0);
+    if (!strstr(text, "mismatched: 3.weight: (3, 8) in the file, (5, 8) in the model") || !strstr(ampc_last_error(), "2 mismatched"))
+        fail_msg("report '%s', error '%s'", text, ampc_last_error());
+    free(text);
+    got = weights_blob(other);
+    assert_true(got.n == before.n && memcmp(got.b, before.b, before.n) == 0);   /* strict: nothing changed */
+    free(got.b);
+    ASSERT_OK(ampc_load_state_dict(path, other, false, NULL, &r));   /* not strict: the rest loads */
+    ampc_tensor **sa, **sb;
+    assert_int_equal(ampc_module_state_dict(v.m, &sa, NULL), 4);
+    assert_int_equal(ampc_module_state_dict(other, &sb, NULL), 4);
+    for (int i = 0; i < 2; i++) assert_memory_equal(ampc_tensor_cdata(sa[i]), ampc_tensor_cdata(sb[i]), ampc__nbytes(sa[i]));
+    got = weights_blob(other);   /* the head as it was: the last 5*8 + 5 floats */
+    assert_memory_equal(got.b + got.n - 45 * sizeof(float), before.b + before.n - 45 * sizeof(float), 45 * sizeof(float));
+    free(got.b);
+    free(before.b);
+    free(want.b);
+    /* a model with a tensor the file lacks and the file's one the model lacks */
+    ampc_module *wider = ampc_sequential(2, ampc_linear_new(D_IN, 8, true), ampc_linear_new(8, 3, false));
+    ASSERT_OK(ampc_load_state_dict(path, wider, false, NULL, &r));
+    assert_true(r.loaded == 2 && r.missing == 1 && r.unexpected == 2 && r.mismatched == 0);   /* 1.weight; 3.weight, 3.bias */
+    ampc_module_free(wider);
+    ampc_module_free(other);
+    ampc_module_free(same);
+    victim_free(v);
+    ampc_scope_end();
+}
+
 /* Loading path into v fails with status (0: any) and a message holding each of the strings. */
 static void expect_load_error(victim v, const char *path, int status, const char *s1, const char *s2, const char *s3) {
     blob before = snapshot(v.m, v.o, v.s);
@@ -1617,6 +1682,7 @@ int main(void) {
         cmocka_unit_test(test_v1_checkpoint_loads),
         cmocka_unit_test(test_pytorch_reads_checkpoint),
         cmocka_unit_test(test_torchvision_reads_model),
+        cmocka_unit_test(test_load_state_dict),
         cmocka_unit_test(test_truncated_and_foreign_files),
         cmocka_unit_test(test_bad_headers),
         cmocka_unit_test(test_mismatched_checkpoints),

@@ -60,6 +60,26 @@ int ampc_checkpoint_save(const char *path, ampc_module *m, ampc_optimizer *opt, 
 int ampc_checkpoint_load(const char *path, ampc_module *m, ampc_optimizer *opt, ampc_scaler *s,
                          char **meta_json_out);
 
+/* What ampc_load_state_dict matched: tensors loaded, the model's that the file lacks (missing),
+   the file's that the model lacks (unexpected; an ampc checkpoint's optimizer.* tensors are not
+   counted), and those present in both with another shape (mismatched). */
+typedef struct {
+    int loaded, missing, unexpected, mismatched;
+} ampc_load_report;
+
+/* Loads model weights from a safetensors state_dict (written by ampc, or converted from a
+   PyTorch .pth with scripts/pth_to_safetensors.py: torchvision's names), as PyTorch's
+   load_state_dict. Floating-point tensors are converted to the model's dtype (copy_ casts);
+   integer ones (num_batches_tracked) must match. strict: any missing, unexpected or mismatched
+   tensor is an error and nothing is loaded; not strict: what matches in name and shape is
+   loaded and the rest of the model keeps its values (a classifier head of another size stays
+   new; PyTorch would refuse the size mismatch). Each missing, unexpected and mismatched name is
+   written to report (NULL: none) as "missing: NAME SHAPE", "unexpected: NAME SHAPE",
+   "mismatched: NAME: SHAPE in the file, SHAPE in the model"; *out (NULL ok) gets the counts.
+   The whole file is validated and converted before the model changes. Returns 0 or a negative
+   status. */
+int ampc_load_state_dict(const char *path, ampc_module *m, bool strict, FILE *report, ampc_load_report *out);
+
 /* Only the metadata of a checkpoint (validated like a load, nothing restored): a malloc'd JSON
    object in *meta_json_out, as ampc_checkpoint_load gives it. */
 int ampc_checkpoint_read_meta(const char *path, char **meta_json_out);

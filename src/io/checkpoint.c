@@ -690,3 +690,86 @@ int ampc_checkpoint_meta_get(const char *meta_json, const char *key, char *buf, 
     st_meta_free(m);
     return rc;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Weights alone, as load_state_dict (pretrained files)
+
+int ampc_load_state_dict(const char *path, ampc_module *m, bool strict, FILE *report, ampc_load_report *out) {
+    ampc__ensure_init();
+    if (out) *out = (ampc_load_report){0};
+    if (!path || !m) return ampc__err(AMPC_ERR_INVALID, "load_state_dict: NULL %s", path ? "module" : "path");
+    ampc_tensor **sd;
+    const char **names;
+    int n_sd = ampc_module_state_dict(m, &sd, &names);
+    if (n_sd < 0) return n_sd;
+    st_file f;
+    int rc = st_open(&f, path);
+    if (rc < 0) return rc;
+    ampc_load_report r = {0};
+    ampc_tensor **src = calloc((size_t)(n_sd ? n_sd : 1), sizeof *src);   /* host copies in the model's dtype */
+    if (!src) rc = ampc__err(AMPC_ERR_OOM, "load_state_dict: out of memory");
+    char a[160], b[160];
+    for (int i = 0; i < n_sd && rc == AMPC_OK; i++) {
+        st_entry *e = st_find(&f, names[i]);
+        const ampc_tensor *t = sd[i];
+        if (!e) {
+            r.missing++;
+            if (report) fprintf(report, "missing: %s %s\n", names[i], st_fmt_shape(t->ndim, t->shape, a, sizeof a));
+            continue;
+        }
+        e->used = true;
+        bool same_shape = e->ndim == t->ndim;
+        for (int d = 0; d < t->ndim && same_shape; d++) same_shape = e->shape[d] == t->shape[d];
+        if (!same_shape) {
+            r.mismatched++;
+            if (report)
+                fprintf(report, "mismatched: %s: %s in the file, %s in the model\n", names[i], st_fmt_shape(e->ndim, e->shape, a, sizeof a),
+                        st_fmt_shape(t->ndim, t->shape, b, sizeof b));
+            continue;
+        }
+        const int fdt = st_dtypes[e->dtype].ampc;
+        const bool both_float = fdt >= 0 && ampc__dt((ampc_dtype)fdt)->is_float && ampc__dt(t->dtype)->is_float;
+        if (fdt != (int)t->dtype && !both_float) {
+            rc = ampc__err(AMPC_ERR_DTYPE, "load_state_dict '%s': tensor '%s' is %s in the file but %s in the model", path, names[i],
+                           st_dtypes[e->dtype].name, ampc_dtype_name(t->dtype));
+            break;
+        }
+        ampc_tensor *h = ampc__tensor_new((ampc_dtype)fdt, AMPC_DEVICE_CPU, e->ndim, e->shape);
+        if (!h) {
+            rc = ampc_last_status();
+            break;
+        }
+        memcpy(ampc__data(h), f.data + e->begin, (size_t)(e->end - e->begin));
+        if (fdt != (int)t->dtype) {   /* as copy_: one rounding to the model's dtype */
+            ampc_tensor *c = ampc__tensor_new(t->dtype, AMPC_DEVICE_CPU, e->ndim, e->shape);
+            int crc = c ? ampc__copy(h, c) : ampc_last_status();
+            ampc__release(h);
+            h = c;
+            if (crc < 0) {
+                ampc__release(c);
+                rc = crc;
+                break;
+            }
+        }
+        src[i] = h;
+        r.loaded++;
+    }
+    for (int i = 0; i < f.n && rc == AMPC_OK; i++) {
+        if (f.e[i].used || starts_with(f.e[i].name, "optimizer.")) continue;
+        r.unexpected++;
+        if (report) fprintf(report, "unexpected: %s %s\n", f.e[i].name, st_fmt_shape(f.e[i].ndim, f.e[i].shape, a, sizeof a));
+    }
+    if (rc == AMPC_OK && strict && (r.missing || r.unexpected || r.mismatched))
+        rc = ampc__err(AMPC_ERR_SHAPE, "load_state_dict '%s' (strict): %d missing, %d unexpected and %d mismatched tensor(s) of %d",
+                       path, r.missing, r.unexpected, r.mismatched, n_sd);
+    for (int i = 0; i < n_sd && rc == AMPC_OK; i++) {   /* commit: host writes cannot fail */
+        if (!src[i]) continue;
+        ampc__mark_written(sd[i]);
+        if (ampc__write_bytes(sd[i], ampc__data(src[i]), ampc__nbytes(sd[i])) < 0) rc = ampc_last_status();   /* a device copy */
+    }
+    for (int i = 0; src && i < n_sd; i++) ampc__release(src[i]);
+    free(src);
+    st_close(&f);
+    if (out) *out = r;
+    return rc;
+}

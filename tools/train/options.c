@@ -101,6 +101,15 @@ const opt_def OPTS[OPT_COUNT] = {
     [OPT_CLIP_GRAD_NORM] = {"clip-grad-norm", V_REAL, "0", NULL, 0, 1e30, false, O_SAVE | O_RUN, "X",
                             "clip the gradients' total 2-norm to X before each step, on the unscaled gradients "
                             "(the GradScaler's unscale first, as PyTorch's recipe; 0: off)"},
+    [OPT_PRETRAINED] = {"pretrained", V_TEXT, "", NULL, 0, 0, false, O_SAVE, "FILE",
+                        "start from these weights: a safetensors state_dict (ampc's model.safetensors or checkpoint, or "
+                        "a PyTorch .pth converted by scripts/pth_to_safetensors.py; torchvision's names)"},
+    [OPT_PRETRAINED_STRICT] = {"pretrained-strict", V_YESNO, "yes", NULL, 0, 0, false, O_SAVE, "yes|no",
+                               "--pretrained: every tensor must match (yes), or load what matches in name and shape "
+                               "and keep the rest new, such as a head for another number of classes (no)"},
+    [OPT_FREEZE] = {"freeze", V_CHOICE, "none", "none|backbone", 0, 0, false, O_SAVE | O_RUN, "WHAT",
+                    "backbone: train only the classifier head (fc; the cnn's fc2, the mlp's last layer), the other "
+                    "parameters frozen (requires_grad off; BatchNorm statistics still update in training, as PyTorch)"},
     [OPT_STOP_AFTER_STEPS] = {"stop-after-steps", V_INT, "0", NULL, 0, INT_FLAG_MAX, false, 0, "N",
                               "train N steps in this session, then save a checkpoint and stop as SIGTERM does, with "
                               "exit status 0 (a run cut into time-limited jobs; 0: no limit)"},

@@ -26,6 +26,43 @@ void run_free(run *r) {
     memset(r, 0, sizeof *r);
 }
 
+/* --pretrained: the weights of a state_dict file, strict or not; the report is kept for the
+   setup lines (each missing, unexpected or mismatched name on stdout, rank 0's). */
+static int load_pretrained(run *r) {
+    const char *path = sval(r->s, OPT_PRETRAINED);
+    char *text = NULL;
+    size_t n = 0;
+    FILE *rep = open_memstream(&text, &n);
+    if (!rep) return fail("out of memory");
+    ampc_load_report lr;
+    int rc = ampc_load_state_dict(path, r->net, yes(r->s, OPT_PRETRAINED_STRICT), rep, &lr);
+    fclose(rep);
+    if (rc < 0) {
+        if (text && *text) fprintf(stderr, "%s", text);
+        free(text);
+        return fail_lib("--pretrained");
+    }
+    if (text && *text) printf("%s", text);
+    free(text);
+    snprintf(r->pretrained_note, sizeof r->pretrained_note, "%s: %d tensors loaded, %d missing, %d unexpected, %d of another shape (kept new)",
+             path, lr.loaded, lr.missing, lr.unexpected, lr.mismatched);
+    return 0;
+}
+
+/* --freeze backbone: requires_grad off for every parameter but the classifier head's (the setup
+   lines count total and trainable parameters, as the seed prints them). */
+static int freeze(run *r, const char *model) {
+    const char *head = strncmp(model, "resnet", 6) == 0 ? "fc." : strcmp(model, "cnn") == 0 ? "fc2." : "3.";
+    const bool backbone = strcmp(sval(r->s, OPT_FREEZE), "backbone") == 0;
+    ampc_tensor **p;
+    const char **names;
+    int n = ampc_module_parameters(r->net, &p, &names);
+    if (n < 0) return fail_lib("--freeze");
+    for (int i = 0; i < n && backbone; i++)
+        if (strncmp(names[i], head, strlen(head)) != 0 && ampc_tensor_set_requires_grad(p[i], false) < 0) return fail_lib("--freeze");
+    return 0;
+}
+
 void print_setup(run *r) {
     print_config(r->s, r->d.desc, r->use_amp);
     printf("  %-14s %s, %d threads\n", "cpu", ampc_cpu_features(), ampc_get_num_threads());
@@ -44,6 +81,7 @@ void print_setup(run *r) {
         if (r->sched.warmup_steps) printf(", after a linear warm-up over %" PRId64 " steps from a third", r->sched.warmup_steps);
         printf(" (by applied optimizer steps)\n");
     }
+    if (r->pretrained_note[0]) printf("  %-14s %s\n", "weights", r->pretrained_note);
     if (r->sync_bn > 0)
         printf("  %-14s %d BatchNorm layers with the statistics of all %d processes' batches\n", "sync-bn", r->sync_bn, r->world);
     int64_t ntr = ampc_dataset_size(r->d.train), nva = ampc_dataset_size(r->d.val);
@@ -122,6 +160,8 @@ int run_build(run *r) {
     ampc_set_default_device(r->device);   /* the model's tensors are made there (same values as on the CPU) */
     if (!(r->net = ampc_model_new(model, &mo))) return fail_lib("--model");
     if (check_model_input(r) < 0) return -1;
+    if (*sval(s, OPT_PRETRAINED) && !*sval(s, OPT_RESUME) && load_pretrained(r) < 0) return -1;   /* resume has its own weights */
+    if (freeze(r, model) < 0) return -1;
     if (yes(s, OPT_SYNC_BN) && (r->sync_bn = ampc_module_convert_sync_batchnorm(r->net)) < 0) return fail_lib("--sync-bn");
     if (yes(s, OPT_SYNC_BN) && r->sync_bn == 0) warn("--sync-bn: --model %s has no BatchNorm layers", model);
     double lr = rval(s, OPT_LR), wd = rval(s, OPT_WEIGHT_DECAY);

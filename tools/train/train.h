@@ -65,7 +65,7 @@ typedef enum {
     OPT_OPTIMIZER, OPT_MOMENTUM, OPT_WEIGHT_DECAY, OPT_SEED, OPT_VAL_SPLIT, OPT_IMAGE_SIZE, OPT_INDEX_CSV, OPT_LIMIT_TRAIN,
     OPT_LIMIT_VAL, OPT_THREADS, OPT_DEVICE, OPT_NUM_WORKERS, OPT_MAX_MEMORY, OPT_OUT, OPT_RESUME, OPT_PROGRESS, OPT_CHANNELS_LAST,
     OPT_KEEP_CASTS, OPT_MAX_SKIPPED, OPT_MAX_LOSS, OPT_SYNC_BN, OPT_ZERO, OPT_LR_SCHEDULE, OPT_LR_STEP_SIZE, OPT_LR_GAMMA,
-    OPT_WARMUP_STEPS, OPT_CLIP_GRAD_NORM, OPT_STOP_AFTER_STEPS, OPT_COUNT
+    OPT_WARMUP_STEPS, OPT_CLIP_GRAD_NORM, OPT_PRETRAINED, OPT_PRETRAINED_STRICT, OPT_FREEZE, OPT_STOP_AFTER_STEPS, OPT_COUNT
 } opt_id;
 
 typedef struct {
@@ -186,6 +186,7 @@ typedef struct {
        or its last drop: only validation is left) with these totals, on any number of ranks */
     int64_t resume_step;
     int64_t steps_run;       /* training steps in this session, for --stop-after-steps */
+    char pretrained_note[512];   /* --pretrained: what was loaded, for the setup lines */
     ampc_lr_schedule sched;  /* --lr-schedule, --warmup-steps: the rate of each optimizer step */
     bool scheduled;          /* a schedule or a warm-up: the rate changes */
     bool stop_asked;         /* --stop-after-steps reached: the pass stopped as for a signal */
