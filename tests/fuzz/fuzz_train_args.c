@@ -34,7 +34,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             char canon[4096], why[256];
             if (!s.val[i]) abort();
             if (canonical(i, s.val[i], canon, sizeof canon, why, sizeof why) < 0) {
-                if (i == OPT_RESUME && !*s.val[i]) continue;   /* "": not given */
+                if ((i == OPT_RESUME || i == OPT_PRETRAINED) && !*s.val[i]) continue;   /* "": not given */
                 abort();
             }
             if (strcmp(canon, s.val[i]) != 0) abort();
