@@ -176,7 +176,9 @@ fi
 # ---------------------------------------------------------------------------------------------
 # SIGINT / SIGTERM: the run stops at a step boundary, saves a checkpoint, says how to go on and
 # exits 128 + signal; resuming gives the bits and the metrics of an uninterrupted run
-SIG=(--model cnn --limit-train 512 --limit-val 128 --batch-size 32 --epochs 2 --progress lines)
+# 32 steps an epoch: the signal, sent once epoch 2's first progress line shows, lands well before
+# its end even on a loaded machine (with 16 it once arrived after training had finished)
+SIG=(--model cnn --limit-train 1024 --limit-val 128 --batch-size 32 --epochs 2 --progress lines)
 if timeout "$LIMIT" "$TRAIN" "${SIG[@]}" --out "$W/sref" >/dev/null 2>&1; then
     for sig in INT TERM; do
         d="$W/s$sig"
@@ -196,7 +198,7 @@ if timeout "$LIMIT" "$TRAIN" "${SIG[@]}" --out "$W/sref" >/dev/null 2>&1; then
         fi
         [ "$(wc -l <"$d/metrics.csv")" -eq 2 ] || bad "SIG$sig: metrics.csv has $(wc -l <"$d/metrics.csv") lines after epoch 1 (want 2)"
         if timeout "$LIMIT" "$TRAIN" --resume "$d/checkpoint.safetensors" >"$d.res" 2>&1; then
-            grep -qE 'resumed from .* in epoch 2 after step [0-9]+ of 16' "$d.res" || bad "SIG$sig: no mid-epoch 'resumed' line"
+            grep -qE 'resumed from .* in epoch 2 after step [0-9]+ of 32' "$d.res" || bad "SIG$sig: no mid-epoch 'resumed' line"
             "$TRAIN" --compare-checkpoints "$W/sref/checkpoint.safetensors" "$d/checkpoint.safetensors" >"$d.cmp" &&
                 ok "SIG$sig + resume == uninterrupted: $(tail -1 "$d.cmp")" || bad "SIG$sig + resume: tensors differ"
             cmp -s <(cut -d, -f1-5,8,9 "$W/sref/metrics.csv") <(cut -d, -f1-5,8,9 "$d/metrics.csv") &&
@@ -206,16 +208,16 @@ if timeout "$LIMIT" "$TRAIN" "${SIG[@]}" --out "$W/sref" >/dev/null 2>&1; then
             bad "SIG$sig: resume failed: $(tail -2 "$d.res" | tr '\n' ' ')"
         fi
     done
-    # --stop-after-steps: the same stop at a known step (epoch 2, step 5 of 16), exit 0; in two
+    # --stop-after-steps: the same stop at a known step (epoch 2, step 5 of 32), exit 0; in two
     # sessions the bits of the uninterrupted run, and the metrics' rows
     d="$W/ssteps"
-    if timeout "$LIMIT" "$TRAIN" "${SIG[@]}" --stop-after-steps 21 --out "$d" >"$d.out" 2>&1 &&
-        grep -q "^stopped after 21 training step(s) (--stop-after-steps): saved .* (in epoch 2, after step 5)" "$d.out" &&
+    if timeout "$LIMIT" "$TRAIN" "${SIG[@]}" --stop-after-steps 37 --out "$d" >"$d.out" 2>&1 &&
+        grep -q "^stopped after 37 training step(s) (--stop-after-steps): saved .* (in epoch 2, after step 5)" "$d.out" &&
         timeout "$LIMIT" "$TRAIN" --resume "$d/checkpoint.safetensors" >"$d.res" 2>&1 &&
-        grep -q "resumed from .* in epoch 2 after step 5 of 16 (sample 160 of 512)" "$d.res" &&
+        grep -q "resumed from .* in epoch 2 after step 5 of 32 (sample 160 of 1024)" "$d.res" &&
         "$TRAIN" --compare-checkpoints "$W/sref/checkpoint.safetensors" "$d/checkpoint.safetensors" >"$d.cmp" &&
         cmp -s <(cut -d, -f1-5,8,9 "$W/sref/metrics.csv") <(cut -d, -f1-5,8,9 "$d/metrics.csv"); then
-        ok "--stop-after-steps 21 + resume == uninterrupted: $(tail -1 "$d.cmp")"
+        ok "--stop-after-steps 37 + resume == uninterrupted: $(tail -1 "$d.cmp")"
     else
         bad "--stop-after-steps: $(tail -n 2 "$d.out" "$d.res" "$d.cmp" 2>&1 | tr '\n' ' ')"
     fi
