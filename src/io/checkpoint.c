@@ -303,11 +303,15 @@ static void plan_free(opt_plan *pl, int n) {
     free(pl->steps);
 }
 
-static bool entry_matches(const st_entry *e, const ampc_tensor *t) {
-    if (st_dtypes[e->dtype].ampc != (int)t->dtype || e->ndim != t->ndim) return false;
+static bool same_shape(const st_entry *e, const ampc_tensor *t) {
+    if (e->ndim != t->ndim) return false;
     for (int d = 0; d < t->ndim; d++)
         if (e->shape[d] != t->shape[d]) return false;
     return true;
+}
+
+static bool entry_matches(const st_entry *e, const ampc_tensor *t) {
+    return st_dtypes[e->dtype].ampc == (int)t->dtype && same_shape(e, t);
 }
 
 static int mismatch(const char *path, const st_entry *e, const ampc_tensor *t, const char *what) {
@@ -577,27 +581,16 @@ static void entry_desc(const st_entry *e, char *buf, size_t n) {
     snprintf(buf, n, "%s %s", st_dtypes[e->dtype].name, st_fmt_shape(e->ndim, e->shape, sh, sizeof sh));
 }
 
-/* Element t of floating-point tensor data as a double (unaligned reads); false for other dtypes. */
+/* Element t of floating-point tensor data as a double, read by the dtype table's converter from
+   an aligned copy (the file's data need not be aligned); false for other dtypes. */
 static bool float_at(const unsigned char *p, int st_dtype, uint64_t t, double *v) {
-    uint16_t h;
-    float f;
-    switch (st_dtypes[st_dtype].ampc) {
-    case AMPC_F16:
-    case AMPC_BF16:
-        memcpy(&h, p + 2 * t, 2);
-        (st_dtypes[st_dtype].ampc == AMPC_F16 ? ampc__f16_to_f32_c : ampc__bf16_to_f32_c)(&h, &f, 1);
-        *v = f;
-        return true;
-    case AMPC_F32:
-        memcpy(&f, p + 4 * t, 4);
-        *v = f;
-        return true;
-    case AMPC_F64:
-        memcpy(v, p + 8 * t, 8);
-        return true;
-    default:
-        return false;
-    }
+    const int dt = st_dtypes[st_dtype].ampc;
+    if (dt < 0 || !ampc__dt((ampc_dtype)dt)->is_float) return false;
+    const size_t es = st_dtypes[st_dtype].size;
+    double aligned;   /* room for any float dtype's element */
+    memcpy(&aligned, p + es * t, es);
+    ampc__dt((ampc_dtype)dt)->to_f64(&aligned, v, 1);
+    return true;
 }
 
 /* For a floating-point tensor that differs: ", max |a-b| D (relative R: D over max |a|)". */
@@ -718,9 +711,7 @@ int ampc_load_state_dict(const char *path, ampc_module *m, bool strict, FILE *re
             continue;
         }
         e->used = true;
-        bool same_shape = e->ndim == t->ndim;
-        for (int d = 0; d < t->ndim && same_shape; d++) same_shape = e->shape[d] == t->shape[d];
-        if (!same_shape) {
+        if (!same_shape(e, t)) {
             r.mismatched++;
             if (report)
                 fprintf(report, "mismatched: %s: %s in the file, %s in the model\n", names[i], st_fmt_shape(e->ndim, e->shape, a, sizeof a),

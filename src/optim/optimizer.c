@@ -446,9 +446,11 @@ static void unscale_other_parts(ampc_optimizer *opt, float grad_scale) {
         int64_t lo, count;
         ampc__optimizer_part(opt, i, opt->shard_rank, &lo, &count);
         if (!p->grad || count == p->numel) continue;
+        /* before this rank's part, then after it (no part here: all of it; lo may lie past the end then) */
+        const int64_t before = count ? lo : p->numel, after = count ? lo + count : p->numel;
         float *g = ampc__data(p->grad);
-        for (int64_t k = 0; k < p->numel; k++)
-            if (k < lo || k >= lo + count) g[k] *= grad_scale;
+        for (int64_t k = 0; k < before; k++) g[k] *= grad_scale;
+        for (int64_t k = after; k < p->numel; k++) g[k] *= grad_scale;
         ampc__mark_written(p->grad);
     }
 }

@@ -53,12 +53,12 @@ static int load_pretrained(run *r) {
    lines count total and trainable parameters, as the seed prints them). */
 static int freeze(run *r, const char *model) {
     const char *head = strncmp(model, "resnet", 6) == 0 ? "fc." : strcmp(model, "cnn") == 0 ? "fc2." : "3.";
-    const bool backbone = strcmp(sval(r->s, OPT_FREEZE), "backbone") == 0;
+    if (strcmp(sval(r->s, OPT_FREEZE), "backbone") != 0) return 0;
     ampc_tensor **p;
     const char **names;
     int n = ampc_module_parameters(r->net, &p, &names);
     if (n < 0) return fail_lib("--freeze");
-    for (int i = 0; i < n && backbone; i++)
+    for (int i = 0; i < n; i++)
         if (strncmp(names[i], head, strlen(head)) != 0 && ampc_tensor_set_requires_grad(p[i], false) < 0) return fail_lib("--freeze");
     return 0;
 }
@@ -197,5 +197,17 @@ int run_build(run *r) {
     lo.transforms = r->d.tf_val;
     if (!(r->val_ld = ampc_loader_new(r->d.val, &lo))) return fail_lib("data loader");
     if (!(r->logits_buf = malloc((size_t)(bs * r->d.num_classes) * sizeof *r->logits_buf))) return fail("out of memory");
+    /* the learning rate by optimizer step: epochs in steps of this run's loader */
+    const int64_t nb = ampc_loader_num_batches(r->train_ld), per_epoch = nb > 0 ? nb : 1;
+    const char *sk = sval(s, OPT_LR_SCHEDULE);
+    const int64_t warm = ival(s, OPT_WARMUP_STEPS), all = ival(s, OPT_EPOCHS) * per_epoch;
+    r->sched = (ampc_lr_schedule){.kind = !strcmp(sk, "step") ? AMPC_LR_STEP : !strcmp(sk, "cosine") ? AMPC_LR_COSINE : AMPC_LR_CONSTANT,
+                                  .step_size = ival(s, OPT_LR_STEP_SIZE) * per_epoch,
+                                  .gamma = rval(s, OPT_LR_GAMMA),
+                                  .t_max = all - warm > 1 ? all - warm : 1,
+                                  .eta_min = 0,
+                                  .warmup_steps = warm,
+                                  .warmup_start_factor = 1.0 / 3};
+    r->scheduled = r->sched.kind != AMPC_LR_CONSTANT || warm > 0;
     return 0;
 }

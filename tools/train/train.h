@@ -211,7 +211,7 @@ int resume_state(run *r);
 
 // Setting up (setup.c)
 
-/* Resolves the "auto" values and builds data, model, optimizer, scaler and loaders. */
+/* Resolves the "auto" values and builds data, model, optimizer, scaler, loaders and the learning-rate schedule. */
 int run_build(run *r);
 void run_free(run *r);
 void print_setup(run *r);

@@ -468,18 +468,6 @@ int train_run(settings *s, run_result *res) {
         rc = fail_lib("--zero 1");
         goto done;
     }
-    /* the learning rate by optimizer step: epochs in steps of this run's loader */
-    const int64_t per_epoch = ampc_loader_count_batches(r.train_ld, 0) > 0 ? ampc_loader_count_batches(r.train_ld, 0) : 1;
-    const char *sk = sval(s, OPT_LR_SCHEDULE);
-    const int64_t warm = ival(s, OPT_WARMUP_STEPS), all = ival(s, OPT_EPOCHS) * per_epoch;
-    r.sched = (ampc_lr_schedule){.kind = !strcmp(sk, "step") ? AMPC_LR_STEP : !strcmp(sk, "cosine") ? AMPC_LR_COSINE : AMPC_LR_CONSTANT,
-                                 .step_size = ival(s, OPT_LR_STEP_SIZE) * per_epoch,
-                                 .gamma = rval(s, OPT_LR_GAMMA),
-                                 .t_max = all - warm > 1 ? all - warm : 1,
-                                 .eta_min = 0,
-                                 .warmup_steps = warm,
-                                 .warmup_start_factor = 1.0 / 3};
-    r.scheduled = r.sched.kind != AMPC_LR_CONSTANT || warm > 0;
     g_oom_hint = "try a smaller --batch-size or --use-amp yes";
     print_setup(&r);
     int64_t n_epochs = ival(s, OPT_EPOCHS);
