@@ -150,6 +150,17 @@ if [ $rc -eq 0 ] && [ $rc1 -eq 0 ] && [ $rc2 -eq 0 ] && grep -q "stopped after 2
 else
     bad "mid-epoch 2 -> 1: exit $rc, $rc1, $rc2, relative difference '$d'"; tail -n 5 "$W/m21.out" "$W/m21r.out" "$W/m21.cmp"
 fi
+# --accumulate under mpirun: 2 ranks x 16, 2 batches a step (gradients all-reduced once per step,
+# ddp no_sync for the first) take the same 64 samples a step as 1 x 64: within 1e-4 of it
+"${MPI[@]}" -np 2 "$TRAIN" "${MLP[@]}" --batch-size 16 --accumulate 2 --out "$W/acc" >"$W/acc.out" 2>&1
+rc1=$?
+"$TRAIN" --compare-checkpoints "$W/m1/checkpoint.safetensors" "$W/acc/checkpoint.safetensors" >"$W/acc.cmp" 2>&1
+d=$(max_rel "$W/acc.cmp")
+if [ $rc -eq 0 ] && [ $rc1 -eq 0 ] && grep -q "accumulate     2 batches per optimizer step: 64 samples a step" "$W/acc.out" && within "$W/acc.cmp" "$d"; then
+    ok "--accumulate 2 on 2 ranks x 16 == 1 x 64 within $d"
+else
+    bad "--accumulate under mpirun: exit $rc, $rc1, relative difference '$d'"; tail -n 5 "$W/acc.out" "$W/acc.cmp"
+fi
 "$TRAIN" "${MLP[@]}" --batch-size 64 --stop-after-steps 20 --out "$W/m12" >"$W/m12.out" 2>&1
 rc1=$?
 "${MPI[@]}" -np 2 "$TRAIN" --resume "$W/m12/checkpoint.safetensors" --batch-size 32 --progress off >"$W/m12r.out" 2>&1

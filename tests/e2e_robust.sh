@@ -244,6 +244,38 @@ if timeout "$LIMIT" "$TRAIN" "${SIG[@]}" --out "$W/sref" >/dev/null 2>&1; then
     else
         bad "--clip-grad-norm: $(tail -n 2 "$W/clip.cmp" 2>&1 | tr '\n' ' ')"
     fi
+    # --accumulate 2 of 16 == batches of 32: the mlp has no dropout, so each optimizer step sees the
+    # same 32 samples and the halves' mean differs from the whole's by rounding only (observed
+    # ~2e-6 relative after 2 epochs); 1040 samples make 65 batches, the last group one batch (16 samples) as
+    # batch 32's last. Without accumulating, batches of 16 are another run (> 1e-3 apart).
+    ACC=(--model mlp --limit-train 1040 --limit-val 64 --epochs 2 --progress off --optimizer sgd --lr 0.05)
+    max_rel() { grep -o 'relative [0-9.e+-]*' "$1" | awk '{ if ($2 + 0 > m) m = $2 + 0 } END { printf "%g", m + 0 }'; }
+    timeout "$LIMIT" "$TRAIN" "${ACC[@]}" --use-amp no --batch-size 32 --out "$W/b32" >/dev/null 2>&1 &&
+        timeout "$LIMIT" "$TRAIN" "${ACC[@]}" --use-amp no --batch-size 16 --accumulate 2 --out "$W/a2" >"$W/a2.out" 2>&1 &&
+        timeout "$LIMIT" "$TRAIN" "${ACC[@]}" --use-amp no --batch-size 16 --out "$W/b16" >/dev/null 2>&1
+    rc=$?
+    "$TRAIN" --compare-checkpoints "$W/b32/checkpoint.safetensors" "$W/a2/checkpoint.safetensors" >"$W/a2.cmp" 2>&1
+    "$TRAIN" --compare-checkpoints "$W/b32/checkpoint.safetensors" "$W/b16/checkpoint.safetensors" >"$W/b16.cmp" 2>&1
+    da=$(max_rel "$W/a2.cmp") db=$(max_rel "$W/b16.cmp")
+    if [ $rc -eq 0 ] && grep -q "accumulate     2 batches per optimizer step: 32 samples a step" "$W/a2.out" &&
+        grep -qE '^(identical|checkpoints differ)' "$W/a2.cmp" && awk -v a="$da" -v b="$db" 'BEGIN { exit !(a <= 1e-5 && b > 1e-3) }'; then
+        ok "--accumulate 2 x 16 == --batch-size 32 within $da (batches of 16 alone: $db)"
+    else
+        bad "--accumulate: exit $rc, relative $da (batches of 16: $db)"; tail -n 3 "$W/a2.out" "$W/a2.cmp"
+    fi
+    # stopped inside epoch 2 (40 optimizer steps: 33 + 7 of 2 batches) with fp16 and the scaler,
+    # resumed: the bits of the uninterrupted run
+    ACC16=("${ACC[@]}" --use-amp yes --amp-dtype fp16 --batch-size 16 --accumulate 2)
+    d="$W/sacc"
+    if timeout "$LIMIT" "$TRAIN" "${ACC16[@]}" --out "$W/sacc_ref" >/dev/null 2>&1 &&
+        timeout "$LIMIT" "$TRAIN" "${ACC16[@]}" --stop-after-steps 40 --out "$d" >"$d.out" 2>&1 &&
+        grep -q "^stopped after 40 training step(s) (--stop-after-steps): saved .* (in epoch 2, after step 14)" "$d.out" &&
+        timeout "$LIMIT" "$TRAIN" --resume "$d/checkpoint.safetensors" >"$d.res" 2>&1 &&
+        "$TRAIN" --compare-checkpoints "$W/sacc_ref/checkpoint.safetensors" "$d/checkpoint.safetensors" >"$d.cmp"; then
+        ok "--accumulate 2 in fp16, stopped after 40 optimizer steps and resumed == uninterrupted: $(tail -1 "$d.cmp")"
+    else
+        bad "--accumulate + resume: $(tail -n 2 "$d.out" "$d.res" "$d.cmp" 2>&1 | tr '\n' ' ')"
+    fi
     # a second signal stops at once: no checkpoint of the interrupted epoch
     d="$W/s2"
     "$TRAIN" "${SIG[@]}" --out "$d" >"$d.out" 2>"$d.err" &

@@ -223,15 +223,16 @@ fi
 # ---------------------------------------------------------------------------------------------
 # An image folder (generated PNGs, plus a text file named .png and a README to skip), bf16
 "$MKIMG" "$W/img" 3 16 28 --junk || bad "make_image_folder failed"
-if run folder --data "$W/img" --epochs 3 --batch-size 8 --val-split 0.25 --progress lines --out "$W/f"; then
+# with the tutorial's augmentation (flip and ShiftScaleRotate), which resume must replay
+if run folder --data "$W/img" --epochs 3 --batch-size 8 --val-split 0.25 --augment flip+ssr --progress lines --out "$W/f"; then
     grep -q 'not_an_image.png' "$W/folder.err" && ok "folder: the non-image file is reported" ||
         bad "folder: the non-image file is not reported"
     grep -q '36 training samples, 12 validation samples' "$W/folder.out" || bad "folder: split sizes: $(grep '^data:' "$W/folder.out")"
     l1=$(csv_field "$W/f/metrics.csv" 1 2)
     l3=$(csv_field "$W/f/metrics.csv" 3 2)
     lt "$l3" "$l1" && ok "folder: training loss falls: $l1 -> $l3" || bad "folder: training loss does not fall: $l1 -> $l3"
-    # resume on a folder: the split, the loader's workers and the random flips replay too
-    if run folder_first --data "$W/img" --epochs 2 --batch-size 8 --val-split 0.25 --progress off --out "$W/g" &&
+    # resume on a folder: the split, the loader's workers and the random augmentation replay too
+    if run folder_first --data "$W/img" --epochs 2 --batch-size 8 --val-split 0.25 --augment flip+ssr --progress off --out "$W/g" &&
         run folder_resume --resume "$W/g/checkpoint.safetensors" --epochs 3 --num-workers 1; then
         same_tensors "folder: 2 + 1 epochs == 3 epochs" "$W/f/checkpoint.safetensors" "$W/g/checkpoint.safetensors"
     fi
@@ -245,6 +246,12 @@ if run index_write --data "$W/img" --index-csv "$W/img.csv" --epochs 0 --out "$W
     [ -n "$a" ] && [ "$a" = "$b" ] && ok "folder: the run from the index sees the same images ($a)" ||
         bad "folder: the run from the index differs: '$a' vs '$b'"
 fi
+# --exclude-class: a class left out as if its folder were not there; a pattern matching none is an error
+if run exclude --data "$W/img" --exclude-class 'class_1' --epochs 0 --out "$W/ex"; then
+    grep -q '(2 classes; 1 left out by --exclude-class' "$W/exclude.out" && grep -q '^data: 29 training samples, 3 validation samples' "$W/exclude.out" &&
+        ok "folder: --exclude-class leaves class_1 out" || bad "folder: --exclude-class: $(grep -E '^data|image folder' "$W/exclude.out")"
+fi
+expect_error exclude_typo "exclude pattern 'clas_1' matches no class" --data "$W/img" --exclude-class clas_1 --epochs 0 --out "$W/x"
 mkdir -p "$W/noimg/a" "$W/noimg/b"
 echo "text" >"$W/noimg/a/x.png"
 echo "text" >"$W/noimg/b/y.jpg"

@@ -12,7 +12,6 @@
 #include "testutil.h"
 
 #include <ftw.h>
-#include <libgen.h>
 #include <math.h>
 #include <png.h>
 #include <stdio.h>
@@ -922,14 +921,110 @@ static void test_decode_corrupt(void **state) {
     free(jpg);
 }
 
+/* exclude_classes: Caltech-256's layout ("001.ak47", ..., "257.clutter"). Matched classes are
+   left out before the walk (an excluded folder without images is no error), the rest labelled
+   0..K-1; numbered names match by the part after the dot; fnmatch patterns; an index written
+   with or without the exclusion gives the same dataset; bad patterns name the problem. */
+static void test_exclude_classes(void **state) {
+    (void)state;
+    char *root = make_tmpdir(), csv[1200], full[1200];
+    const char *cls[4] = {"001.ak47", "002.bat", "257.clutter", "xx-101"};
+    const uint8_t v[4][3] = {{10, 20, 30}, {40, 50, 60}, {70, 80, 90}, {100, 110, 120}};
+    for (int c = 0; c < 4; c++) {
+        mkdir(pathf("%s/%s", root, cls[c]), 0755);
+        for (int k = 0; k < 2; k++) write_solid_png(pathf("%s/%s/%d.png", root, cls[c], k), 4, 3, 3, v[c]);
+    }
+    mkdir(pathf("%s/empty", root), 0755);   /* no images: an error unless left out */
+    ampc_folder_options o = {.height = 3, .width = 4, .channels = 3};
+    assert_null(ampc_dataset_folder_open(root, &o));
+    expect_error(AMPC_ERR_FORMAT, "'empty' has no readable");
+
+    o.exclude_classes = "clutter,empty";
+    ampc_dataset *ds = ampc_dataset_folder_open(root, &o);
+    ASSERT_NOT_NULL_MSG(ds);
+    assert_int_equal(ampc_dataset_num_classes(ds), 3);
+    assert_int_equal(ampc_dataset_size(ds), 6);
+    assert_int_equal(ampc_dataset_folder_excluded(ds), 2);
+    const int keep[3] = {0, 1, 3};
+    for (int c = 0; c < 3; c++) assert_string_equal(ampc_dataset_class_name(ds, c), cls[keep[c]]);
+    for (int i = 0; i < 6; i++) {
+        float img[36];
+        int64_t label;
+        ASSERT_OK(ampc_dataset_get(ds, i, img, &label));
+        assert_int_equal(label, i / 2);
+        expect_exact_rgb(img, v[keep[i / 2]], "excluded tree");
+        assert_null(strstr(ampc_dataset_folder_path(ds, i), "clutter"));
+    }
+    ampc_dataset_free(ds);
+
+    /* patterns: fnmatch on the whole name or the numbered name's rest */
+    o.exclude_classes = "*-101,2??.*,empty";
+    ASSERT_NOT_NULL_MSG(ds = ampc_dataset_folder_open(root, &o));
+    assert_int_equal(ampc_dataset_num_classes(ds), 2);
+    assert_string_equal(ampc_dataset_class_name(ds, 1), "002.bat");
+    ampc_dataset_free(ds);
+
+    /* index: written after an excluding scan, read back with the same flag, the same dataset;
+       a full index read with the exclusion drops the rows and renumbers the targets */
+    snprintf(csv, sizeof csv, "%s/excl.csv", g_aux);
+    snprintf(full, sizeof full, "%s/full.csv", g_aux);
+    unlink(csv);
+    unlink(full);
+    o.exclude_classes = "clutter,empty";
+    o.index_csv = csv;
+    ampc_dataset *a = ampc_dataset_folder_open(root, &o), *b = ampc_dataset_folder_open(root, &o);
+    ASSERT_NOT_NULL_MSG(a);
+    ASSERT_NOT_NULL_MSG(b);
+    rm_rf(pathf("%s/empty", root));
+    o.exclude_classes = NULL;
+    o.index_csv = full;
+    ampc_dataset *f = ampc_dataset_folder_open(root, &o);   /* all 4 classes, written to full.csv */
+    ASSERT_NOT_NULL_MSG(f);
+    assert_int_equal(ampc_dataset_num_classes(f), 4);
+    ampc_dataset_free(f);
+    o.exclude_classes = "clutter";
+    ASSERT_NOT_NULL_MSG(f = ampc_dataset_folder_open(root, &o));
+    assert_int_equal(ampc_dataset_folder_excluded(f), 1);
+    ampc_dataset *ds2[2] = {b, f};
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(ampc_dataset_num_classes(ds2[k]), 3);
+        assert_int_equal(ampc_dataset_size(ds2[k]), 6);
+        for (int i = 0; i < 6; i++) {
+            assert_string_equal(ampc_dataset_folder_path(ds2[k], i), ampc_dataset_folder_path(a, i));
+            float x[36], y[36];
+            int64_t lx, ly;
+            ASSERT_OK(ampc_dataset_get(a, i, x, &lx));
+            ASSERT_OK(ampc_dataset_get(ds2[k], i, y, &ly));
+            assert_int_equal(lx, ly);
+            assert_memory_equal(x, y, sizeof x);
+        }
+    }
+    ampc_dataset_free(a);
+    ampc_dataset_free(b);
+    ampc_dataset_free(f);
+
+    /* errors */
+    o.index_csv = NULL;
+    o.exclude_classes = "cluter";
+    assert_null(ampc_dataset_folder_open(root, &o));
+    expect_error(AMPC_ERR_INVALID, "exclude pattern 'cluter' matches no class");
+    o.exclude_classes = "*";
+    assert_null(ampc_dataset_folder_open(root, &o));
+    expect_error(AMPC_ERR_INVALID, "leaves no class");
+    o.exclude_classes = "clutter,,bat";
+    assert_null(ampc_dataset_folder_open(root, &o));
+    expect_error(AMPC_ERR_INVALID, "empty pattern");
+    rm_rf(root);
+    free(root);
+}
+
 /* 16-bit PNGs decode as PIL decodes them (tests/fixtures/png16, made by make_png16.py with
    python3-pil): color samples keep their high byte, gray is clipped to 255 (PIL's mode "I"),
    for convert("RGB") and convert("L") alike, every value equal. */
 static void test_png16_as_pil(void **state) {
     (void)state;
-    char src[512], dir[560], path[700], line[1024];
-    snprintf(src, sizeof src, "%s", __FILE__);
-    snprintf(dir, sizeof dir, "%s/fixtures/png16", dirname(src));
+    char dir[560], path[700], line[1024];
+    snprintf(dir, sizeof dir, "%s", tu_fixture("png16"));
     snprintf(path, sizeof path, "%s/pil.txt", dir);
     FILE *f = fopen(path, "r");
     if (!f) fail_msg("can't open %s", path);
@@ -974,6 +1069,7 @@ int main(void) {
         cmocka_unit_test(test_decode_formats),
         cmocka_unit_test(test_decode_corrupt),
         cmocka_unit_test(test_png16_as_pil),
+        cmocka_unit_test(test_exclude_classes),
     };
     return cmocka_run_group_tests(tests, setup_tree, teardown_tree);
 }

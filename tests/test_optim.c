@@ -14,7 +14,6 @@
  */
 #include "testutil.h"
 
-#include <libgen.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -710,11 +709,8 @@ static void test_parts(void **state) {
    relative (their rounding differs in the last bits). Invalid settings give NaN and an error. */
 static void test_lr_schedules_match_pytorch(void **state) {
     (void)state;
-    char src[512], path[600], line[256];
-    snprintf(src, sizeof src, "%s", __FILE__);
-    snprintf(path, sizeof path, "%s/fixtures/lr_schedules.txt", dirname(src));
-    FILE *f = fopen(path, "r");
-    if (!f) fail_msg("can't open %s", path);
+    char line[256];
+    FILE *f = tu_open_fixture("lr_schedules.txt");
     ampc_lr_schedule sc = {0};
     double base = 0, worst = 0;
     int64_t t = 0;

@@ -12,7 +12,6 @@
 #include "testutil.h"
 
 #include <float.h>
-#include <libgen.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -197,11 +196,7 @@ static void test_sequence_matches_pytorch(void **state) {
    from PyTorch's sequence within a few dozen updates. */
 static void test_sequence_matches_pytorch_fixture(void **state) {
     (void)state;
-    char path[512], dir[512];
-    snprintf(dir, sizeof dir, "%s", __FILE__);
-    snprintf(path, sizeof path, "%s/fixtures/scaler_sequence.txt", dirname(dir));
-    FILE *f = fopen(path, "r");
-    if (!f) fail_msg("can't open %s", path);
+    FILE *f = tu_open_fixture("scaler_sequence.txt");
     ampc_scope_begin();
     ampc_tensor *p = new_param(8, 1.0f);
     ampc_optimizer *opt = new_sgd(&p, 1);

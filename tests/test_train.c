@@ -6,9 +6,12 @@
  */
 #include "testutil.h"
 
+#include "ampc/io.h"
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 enum { IN = 8, HIDDEN = 16, BATCH = 512, N_DATA = 20, EVAL = 2048, STEPS = 200 };
 #define LR 0.05
@@ -136,7 +139,145 @@ static void test_fp32_bf16_fp16_agree(void **state) {
     assert_int_equal(fp16.skipped, 0);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Transfer learning: a pretrained ResNet-18, the backbone frozen, a new head
+
+enum { FT_CLASSES = 4, FT_BATCH = 32, FT_SIDE = 8, FT_STEPS = 12 };
+
+/* The tutorial's workflow in fp32, bf16 autocast and fp16 autocast with the GradScaler: a
+   ResNet-18 saved with a 10-class head (the "pretrained" file) is loaded non-strictly into a
+   4-class one (only fc.weight/fc.bias mismatch and stay new), everything but fc is frozen, and
+   Adam trains the head on a fixed batch. Checked: the backbone's parameters are bit for bit the
+   file's, their gradients were never made (backward stops at the head), 2,052 parameters are
+   trainable, BatchNorm's running statistics still move in training mode (PyTorch's behaviour
+   with requires_grad off), the head changes, and the loss falls below half its first value. */
+static void test_finetune_frozen_resnet(void **state) {
+    (void)state;
+    char path[] = "/tmp/ampc_test_finetune_XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    ampc_model_options mo = {.num_classes = 10, .in_channels = 3, .small_input = true};
+    ampc_manual_seed(11);
+    ampc_module *pre = ampc_model_new("resnet18", &mo);
+    ASSERT_NOT_NULL_MSG(pre);
+    ASSERT_OK(ampc_checkpoint_save(path, pre, NULL, NULL, NULL));
+    ampc_tensor **pt;
+    const char **pn;
+    const int npre = ampc_module_state_dict(pre, &pt, &pn);
+    assert_true(npre > 100);
+
+    /* a class-dependent pattern plus noise */
+    ampc_manual_seed(5);
+    ampc_tensor *protos = ampc_tensor_own(ampc_tensor_randn(AMPC_F32, 2, (int64_t[]){FT_CLASSES, 3 * FT_SIDE * FT_SIDE}, 0, 1));
+    ampc_tensor *noise = ampc_tensor_own(ampc_tensor_randn(AMPC_F32, 2, (int64_t[]){FT_BATCH, 3 * FT_SIDE * FT_SIDE}, 0, 0.5));
+    const int64_t per = 3 * FT_SIDE * FT_SIDE;
+    float *xs = malloc((size_t)(FT_BATCH * per) * sizeof *xs), *pr = malloc((size_t)(FT_CLASSES * per) * sizeof *pr);
+    int64_t ys[FT_BATCH];
+    ASSERT_OK(ampc_tensor_to_f32(noise, xs, (size_t)(FT_BATCH * per)));
+    ASSERT_OK(ampc_tensor_to_f32(protos, pr, (size_t)(FT_CLASSES * per)));
+    for (int i = 0; i < FT_BATCH; i++) {
+        ys[i] = i % FT_CLASSES;
+        for (int64_t k = 0; k < per; k++) xs[i * per + k] += pr[ys[i] * per + k];
+    }
+    ampc_tensor *x = ampc_tensor_own(ampc_tensor_from_f32(AMPC_F32, 4, (int64_t[]){FT_BATCH, 3, FT_SIDE, FT_SIDE}, xs));
+    ampc_tensor *y = ampc_tensor_own(ampc_tensor_from_i64(1, (int64_t[]){FT_BATCH}, ys));
+    ASSERT_NOT_NULL_MSG(x && y);
+
+    const struct { const char *name; bool amp; ampc_dtype dt; bool scaler; } modes[3] = {
+        {"fp32", false, AMPC_F32, false}, {"bf16", true, AMPC_BF16, false}, {"fp16", true, AMPC_F16, true}};
+    for (int m = 0; m < 3; m++) {
+        mo.num_classes = FT_CLASSES;
+        ampc_manual_seed(100 + (uint64_t)m);
+        ampc_module *net = ampc_model_new("resnet18", &mo);
+        ASSERT_NOT_NULL_MSG(net);
+        ampc_load_report rep;
+        ASSERT_OK(ampc_load_state_dict(path, net, false, NULL, &rep));
+        assert_int_equal(rep.mismatched, 2);
+        assert_int_equal(rep.missing, 0);
+        assert_int_equal(rep.unexpected, 0);
+        assert_int_equal(rep.loaded, npre - 2);
+        ampc_module_requires_grad(net, false);
+        ampc_module_requires_grad(ampc_module_find(net, "fc"), true);
+        assert_int_equal(ampc_module_num_parameters(net, true), 512 * FT_CLASSES + FT_CLASSES);
+        ampc_adam_options ao = ampc_adam_defaults();
+        ao.lr = 1e-2;
+        ampc_optimizer *opt = ampc_adam_new(net, &ao);
+        ampc_scaler_options so = ampc_scaler_defaults();
+        so.enabled = modes[m].scaler;
+        ampc_scaler *sc = ampc_scaler_new(&so);
+        ASSERT_NOT_NULL_MSG(opt && sc);
+        float fc0[512 * FT_CLASSES];
+        ampc_tensor **nt;
+        const char **nn;
+        const int n = ampc_module_state_dict(net, &nt, &nn);
+        assert_int_equal(n, npre);
+        int fcw = -1;
+        for (int i = 0; i < n; i++)
+            if (!strcmp(nn[i], "fc.weight")) fcw = i;
+        assert_true(fcw >= 0);
+        ASSERT_OK(ampc_tensor_to_f32(nt[fcw], fc0, 512 * FT_CLASSES));
+
+        ampc_module_train(net, true);
+        double first = 0, last = 0;
+        for (int s = 0; s < FT_STEPS; s++) {
+            ampc_scope_begin();
+            ampc_autocast_enter(modes[m].dt, modes[m].amp);
+            ampc_tensor *loss = ampc_cross_entropy(ampc_module_forward(net, x), y, NULL);
+            ampc_autocast_exit();
+            ASSERT_NOT_NULL_MSG(loss);
+            const double l = ampc_tensor_item(loss);
+            if (s == 0) first = l;
+            last = l;
+            ASSERT_OK(ampc_backward(ampc_scaler_scale(sc, loss)));
+            if (s == FT_STEPS - 1)   /* backward made no gradient for the frozen backbone */
+                for (int i = 0; i < n; i++)
+                    if (strncmp(nn[i], "fc.", 3) != 0 && ampc_tensor_grad(nt[i]))
+                        fail_msg("%s: frozen %s has a gradient", modes[m].name, nn[i]);
+            ASSERT_OK(ampc_scaler_step(sc, opt));
+            ASSERT_OK(ampc_scaler_update(sc));
+            ampc_optimizer_zero_grad(opt);
+            ampc_scope_end();
+        }
+        print_message("%s: fine-tuning loss %.4f -> %.4f, %lld skipped\n", modes[m].name, first, last,
+                      (long long)ampc_scaler_steps_skipped(sc));
+        assert_true(last < 0.5 * first);
+
+        /* the backbone is the file's, bit for bit; the running statistics moved; the head changed */
+        int moved_stats = 0;
+        for (int i = 0; i < n; i++) {
+            if (!strncmp(nn[i], "fc.", 3)) continue;
+            int64_t cnt = ampc_tensor_numel(nt[i]);
+            if (ampc_tensor_dtype(nt[i]) != AMPC_F32) continue;   /* num_batches_tracked */
+            float *a = malloc((size_t)cnt * sizeof *a), *b = malloc((size_t)cnt * sizeof *b);
+            ASSERT_OK(ampc_tensor_to_f32(nt[i], a, (size_t)cnt));
+            ASSERT_OK(ampc_tensor_to_f32(pt[i], b, (size_t)cnt));
+            bool same = memcmp(a, b, (size_t)cnt * sizeof *a) == 0;
+            bool stat = strstr(nn[i], "running_") != NULL;
+            if (!stat && !same) fail_msg("%s: frozen %s changed", modes[m].name, nn[i]);
+            moved_stats += stat && !same;
+            free(a);
+            free(b);
+        }
+        assert_true(moved_stats > 0);
+        float fc1[512 * FT_CLASSES];
+        ASSERT_OK(ampc_tensor_to_f32(nt[fcw], fc1, 512 * FT_CLASSES));
+        assert_memory_not_equal(fc0, fc1, sizeof fc0);
+        ampc_scaler_free(sc);
+        ampc_optimizer_free(opt);
+        ampc_module_free(net);
+    }
+    free(xs);
+    free(pr);
+    ampc_tensor_free(x);
+    ampc_tensor_free(y);
+    ampc_tensor_free(protos);
+    ampc_tensor_free(noise);
+    ampc_module_free(pre);
+    unlink(path);
+}
+
 int main(void) {
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_fp32_bf16_fp16_agree)};
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_fp32_bf16_fp16_agree), cmocka_unit_test(test_finetune_frozen_resnet)};
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
 }

@@ -3,6 +3,7 @@
  */
 #include "testutil.h"
 
+#include <libgen.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -292,4 +293,19 @@ void tu_check_op(const tu_op_case *c) {
         free_result(&ref);
         for (int i = 0; i < c->n_inputs; i++) free(xs[i]);
     }
+}
+
+const char *tu_fixture(const char *name) {
+    static char path[1024];
+    char src[512];
+    snprintf(src, sizeof src, "%s", __FILE__);
+    snprintf(path, sizeof path, "%s/fixtures/%s", dirname(src), name);
+    return path;
+}
+
+FILE *tu_open_fixture(const char *name) {
+    const char *path = tu_fixture(name);
+    FILE *f = fopen(path, "r");
+    if (!f) fail_msg("can't open %s", path);
+    return f;
 }

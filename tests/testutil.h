@@ -8,6 +8,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <cmocka.h>
 
 #include "ampc.h"
@@ -40,6 +41,10 @@ void tu_expect_error(const void *t, int status, const char *fragment);
 double *tu_values(const ampc_tensor *t);
 
 /* cmocka group setup/teardown: init, seed, scope; shutdown. */
+/* tests/fixtures/<name> (a file or folder, located from this source file's path) as a path in a
+   static buffer; tu_open_fixture opens a file of it for reading or fails the test naming it. */
+const char *tu_fixture(const char *name);
+FILE *tu_open_fixture(const char *name);
 int tu_group_setup(void **state);
 int tu_group_teardown(void **state);
 

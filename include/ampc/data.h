@@ -74,6 +74,19 @@ int ampc_transforms_add_hflip(ampc_transforms *t, double p);
    [-max_shift, max_shift] times the width (x) and height (y); bilinear sampling, zero fill. */
 int ampc_transforms_add_affine(ampc_transforms *t, double max_shift, double scale_min,
                                double scale_max, double degrees);
+/* What fills the points an affine transform takes from outside the image. */
+typedef enum {
+    AMPC_BORDER_ZERO,         /* 0 (torchvision's RandomAffine fill = 0) */
+    AMPC_BORDER_REFLECT_101   /* the image mirrored about its edge pixels, gfedcb|abcdefgh|gfedcba
+                                 (OpenCV's BORDER_REFLECT_101, albumentations' default) */
+} ampc_border;
+/* albumentations' ShiftScaleRotate: with probability p, rotation uniform in [-rotate_limit,
+   rotate_limit] degrees (positive: counter-clockwise, as cv2.getRotationMatrix2D), scale uniform
+   in [1 - scale_limit, 1 + scale_limit], shift uniform in [-shift_limit, shift_limit] times the
+   width (x) and height (y), about the centre ((w - 1) / 2, (h - 1) / 2); bilinear sampling, the
+   border filled as `border` says. The seed's: (0.5, 0.3, 0.3, 15, AMPC_BORDER_REFLECT_101). */
+int ampc_transforms_add_shift_scale_rotate(ampc_transforms *t, double p, double shift_limit, double scale_limit,
+                                           double rotate_limit, ampc_border border);
 /* x = (x - mean[c]) / std[c] per channel; n = 1 applies one pair to every channel. */
 int ampc_transforms_add_normalize(ampc_transforms *t, int n, const float *mean, const float *std);
 /* Output shape for input c x h x w (checks that normalize's channel count fits). */
@@ -188,6 +201,12 @@ typedef struct {
        RFC 4180 quoting; targets are class indices 0..K-1, K <= 65536, no sparse ids). Exists:
        read instead of scanning. Missing: scan, then write it. */
     const char *index_csv;
+    /* Classes left out, as if their folders were not there (labels 0..K-1 over the rest):
+       comma-separated fnmatch(3) patterns of class names, such as "clutter" or "257.*,*-101"; a
+       numbered name "NNN.name" (Caltech's) also matches by the part after the dot. A pattern that
+       matches no class of a scanned folder is an error (from an index, written after a scan that
+       left them out, it is not). NULL: none. */
+    const char *exclude_classes;
 } ampc_folder_options;
 
 /* Opens an image folder. Candidates whose header is not a readable JPEG/PNG (text named x.jpg,
@@ -200,6 +219,8 @@ typedef struct {
 ampc_dataset *ampc_dataset_folder_open(const char *root, const ampc_folder_options *o);
 /* Files skipped at scan time (0 when read from an index); AMPC_ERR_INVALID if ds is not a folder. */
 int64_t ampc_dataset_folder_skipped(const ampc_dataset *ds);
+/* Classes left out by exclude_classes; AMPC_ERR_INVALID if ds is not a folder. */
+int64_t ampc_dataset_folder_excluded(const ampc_dataset *ds);
 /* Path of sample i (root joined with its relative path), owned by ds; NULL + error if out of range
    or ds is not a folder. */
 const char *ampc_dataset_folder_path(const ampc_dataset *ds, int64_t i);

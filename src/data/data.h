@@ -50,6 +50,11 @@ int ampc__transforms_run(const ampc_transforms *t, int64_t c, int64_t h, int64_t
                          int64_t index);
 /* Deep copy (the loader keeps its own). */
 ampc_transforms *ampc__transforms_clone(const ampc_transforms *t);
+/* The affine kernel with fixed parameters: out(x, y) = in(A^-1 ((x, y) - c - (tx, ty)) + c), A the
+   rotation by angle_deg (positive: clockwise on screen, torchvision's sense) times scale, c the
+   centre ((w - 1) / 2, (h - 1) / 2); bilinear, the border as given. */
+void ampc__affine(const float *in, int64_t c, int64_t h, int64_t w, float *out, double angle_deg, double scale, double tx,
+                  double ty, ampc_border border);
 
 // ---------------------------------------------------------------------------------------------
 // Reproducible random streams shared by split, shuffle and transforms

@@ -31,12 +31,19 @@
  * path component of the first row of each target. Targets are class indices: digits, at most
  * 65535, and dense (the largest below 2 * distinct + 16), so a stray id like 999999 is an error
  * naming its line rather than a million-class model.
+ *
+ * Classes left out (exclude_classes, e.g. Caltech-256's clutter): matched by name before the
+ * walk, so their folders are never read (nor written to the index); the rest are labelled 0..K-1
+ * in their order. From an index, the rows of the classes matched by name are dropped and the
+ * targets renumbered so; a pattern matching nothing there is no error (the index may have been
+ * written with those classes left out already).
  */
 #include "data/data.h"
 #include "data/image.h"
 
 #include <dirent.h>
 #include <errno.h>
+#include <fnmatch.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
@@ -50,6 +57,7 @@ typedef struct {
     char **paths;        /* (size) full paths: root/relative, or absolute ones from an index */
     int64_t *targets;    /* (size) */
     int64_t skipped;     /* candidates refused by the header check at scan time */
+    int64_t excluded;    /* classes left out by exclude_classes */
 } folder_impl;
 
 // ---------------------------------------------------------------------------------------------
@@ -307,7 +315,104 @@ static int depth_of(const char *rel) {
     return d;
 }
 
-static int scan(const char *root, list *classes, list *idx, int64_t *skipped) {
+// ---------------------------------------------------------------------------------------------
+// Classes left out (ampc_folder_options.exclude_classes)
+
+#define MAX_EXCLUDE 64
+
+typedef struct {
+    char *pat[MAX_EXCLUDE];
+    bool used[MAX_EXCLUDE];
+    int n;
+} exclusion;
+
+static void exclusion_free(exclusion *e) {
+    for (int k = 0; k < e->n; k++) free(e->pat[k]);
+    memset(e, 0, sizeof *e);
+}
+
+/* "clutter,*-101" -> its patterns (empty ones between commas are refused). */
+static int exclusion_parse(const char *root, const char *text, exclusion *e) {
+    memset(e, 0, sizeof *e);
+    for (const char *p = text;;) {
+        const char *comma = strchr(p, ',');
+        size_t len = comma ? (size_t)(comma - p) : strlen(p);
+        if (len == 0) {
+            exclusion_free(e);
+            return ampc__err(AMPC_ERR_INVALID, "image folder %s: exclude_classes '%s' has an empty pattern", root, text);
+        }
+        if (e->n == MAX_EXCLUDE) {
+            exclusion_free(e);
+            return ampc__err(AMPC_ERR_INVALID, "image folder %s: exclude_classes has more than %d patterns", root, MAX_EXCLUDE);
+        }
+        if (!(e->pat[e->n++] = strndup(p, len))) {
+            exclusion_free(e);
+            return ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+        }
+        if (!comma) return 0;
+        p = comma + 1;
+    }
+}
+
+/* A class matches a pattern by fnmatch(3) on its name or, for Caltech's numbered names
+   ("257.clutter"), on the part after the number and its dot. */
+static bool exclusion_match(exclusion *e, const char *name) {
+    if (!name) return false;
+    const char *bare = name;
+    while (*bare >= '0' && *bare <= '9') bare++;
+    bare = bare > name && *bare == '.' ? bare + 1 : NULL;
+    bool hit = false;
+    for (int k = 0; k < e->n; k++)
+        if (fnmatch(e->pat[k], name, 0) == 0 || (bare && fnmatch(e->pat[k], bare, 0) == 0)) hit = e->used[k] = true;
+    return hit;
+}
+
+/* Leaves out the classes matching `patterns`: their entries in classes (the rest keep their
+   order) and, given idx, their rows, renumbering the labels of the rest 0..K-1. Patterns that
+   leave no class are an error, and so is one that matches none when the classes come from a
+   scan (an index may have been written with them left out already). */
+static int exclude_classes(const char *root, const char *patterns, list *classes, list *idx, int64_t *n_excluded) {
+    exclusion e;
+    int rc = exclusion_parse(root, patterns, &e);
+    if (rc < 0) return rc;
+    int64_t *map = malloc((size_t)(classes->n ? classes->n : 1) * sizeof *map), kept = 0;
+    if (!map) {
+        exclusion_free(&e);
+        return ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
+    }
+    for (int64_t c = 0; c < classes->n; c++) map[c] = exclusion_match(&e, classes->strs[c]) ? -1 : kept++;
+    for (int k = 0; rc == 0 && !idx && k < e.n; k++)
+        if (!e.used[k]) rc = ampc__err(AMPC_ERR_INVALID, "image folder %s: exclude pattern '%s' matches no class", root, e.pat[k]);
+    if (rc == 0 && kept == 0) rc = ampc__err(AMPC_ERR_INVALID, "image folder %s: exclude_classes '%s' leaves no class", root, patterns);
+    if (rc == 0) {
+        *n_excluded = classes->n - kept;
+        for (int64_t c = 0; c < classes->n; c++) {
+            if (map[c] < 0) {
+                free(classes->strs[c]);
+                continue;
+            }
+            classes->strs[map[c]] = classes->strs[c];
+            if (classes->tags) classes->tags[map[c]] = classes->tags[c];   /* an index's classes have none */
+        }
+        classes->n = kept;
+        int64_t n = 0;
+        for (int64_t i = 0; idx && i < idx->n; i++) {
+            int64_t t = idx->tags[i];
+            if (map[t] < 0) {
+                free(idx->strs[i]);
+                continue;
+            }
+            idx->strs[n] = idx->strs[i];
+            idx->tags[n++] = map[t];
+        }
+        if (idx) idx->n = n;
+    }
+    free(map);
+    exclusion_free(&e);
+    return rc;
+}
+
+static int scan(const char *root, const char *exclude, list *classes, list *idx, int64_t *skipped, int64_t *excluded) {
     char eb[128];
     walk w = {.root = root};
     list files = {0};
@@ -316,6 +421,7 @@ static int scan(const char *root, list *classes, list *idx, int64_t *skipped) {
     list_free(&files);   /* files directly under root belong to no class */
     if (rc == 0 && classes->n == 0)
         rc = ampc__err(AMPC_ERR_FORMAT, "image folder %s: no class folders (expected root/<class>/<image>)", root);
+    if (rc == 0 && exclude) rc = exclude_classes(root, exclude, classes, NULL, excluded);   /* never walked */
     if (rc == 0 && (!(w.root_real = realpath(root, NULL)) || stat(root, &st) != 0))
         rc = ampc__err(AMPC_ERR_IO, "image folder %s: %s", root, strerror_r(errno, eb, sizeof eb));
     if (rc == 0) rc = dir_set_add(&w.seen, &st) < 0 ? AMPC_ERR_OOM : 0;   /* a link back to the root is skipped */
@@ -645,6 +751,11 @@ int64_t ampc_dataset_folder_skipped(const ampc_dataset *ds) {
     return f ? f->skipped : AMPC_ERR_INVALID;
 }
 
+int64_t ampc_dataset_folder_excluded(const ampc_dataset *ds) {
+    const folder_impl *f = as_folder(ds, "ampc_dataset_folder_excluded");
+    return f ? f->excluded : AMPC_ERR_INVALID;
+}
+
 const char *ampc_dataset_folder_path(const ampc_dataset *ds, int64_t i) {
     const folder_impl *f = as_folder(ds, "ampc_dataset_folder_path");
     if (!f) return NULL;
@@ -669,7 +780,7 @@ ampc_dataset *ampc_dataset_folder_open(const char *root, const ampc_folder_optio
     if (!S_ISDIR(st.st_mode)) return ampc__err_null(AMPC_ERR_IO, "image folder %s: not a directory", root);
 
     list classes = {0}, idx = {0};
-    int64_t skipped = 0;
+    int64_t skipped = 0, excluded = 0;
     int rc;
     bool have_index = false;
     if (o->index_csv) {
@@ -680,8 +791,9 @@ ampc_dataset *ampc_dataset_folder_open(const char *root, const ampc_folder_optio
     if (have_index) {
         rc = read_index(o->index_csv, &idx);
         if (rc == 0) rc = index_classes(&idx, &classes);
+        if (rc == 0 && o->exclude_classes) rc = exclude_classes(root, o->exclude_classes, &classes, &idx, &excluded);
     } else {
-        rc = scan(root, &classes, &idx, &skipped);
+        rc = scan(root, o->exclude_classes, &classes, &idx, &skipped, &excluded);
         if (rc == 0 && o->index_csv) rc = write_index(o->index_csv, &idx);
     }
 
@@ -711,6 +823,7 @@ ampc_dataset *ampc_dataset_folder_open(const char *root, const ampc_folder_optio
     }
     f->targets = idx.tags;   /* taken over */
     f->skipped = skipped;
+    f->excluded = excluded;
     idx.tags = NULL;
     ds->impl = f;
     ds->size = idx.n;

@@ -1,10 +1,12 @@
 /*
  * transforms.c - per-sample image transforms on f32 CHW buffers: resize, random horizontal
- * flip, random affine, normalize; applied in the order they were added.
+ * flip, random affine (torchvision's RandomAffine, albumentations' ShiftScaleRotate), normalize;
+ * applied in the order they were added.
  *
  * Reproducibility: op j of the pipeline on sample `index` in epoch `epoch` takes its four
  * random numbers from Philox block (index * AMPC__TF_MAX_OPS + j) under the key for
- * (seed, epoch). Nothing depends on which thread runs the sample or in what order, so any
+ * (seed, epoch); an affine op applied with probability p < 1 draws that choice from block
+ * (2^63 | that counter). Nothing depends on which thread runs the sample or in what order, so any
  * number of loader workers produces bit-identical batches.
  *
  * Interpolation uses the form a + f*(b - a), so a constant region stays exactly constant and
@@ -18,14 +20,18 @@
 
 #define AMPC__TF_MAX_OPS 64
 #define AMPC__TF_MAX_SIDE 32768
+/* Philox counters of the affine ops' apply-or-not draws: a half of the counter space of their own */
+#define AFFINE_P_COUNTER (UINT64_C(1) << 63)
 
 typedef enum { TF_RESIZE, TF_HFLIP, TF_AFFINE, TF_NORMALIZE } tf_kind;
 
 typedef struct {
     tf_kind kind;
     int64_t h, w;                    /* resize */
-    double p;                        /* hflip */
+    double p;                        /* hflip, affine: the probability of applying it */
     double shift, smin, smax, deg;   /* affine */
+    ampc_border border;              /* affine: what fills points from outside the image */
+    bool ccw;                        /* affine: positive angles turn counter-clockwise (OpenCV's) */
     int n;                           /* normalize: channel count (1 = all) */
     float *mean, *std;               /* (n) */
 } tf_op;
@@ -84,23 +90,41 @@ int ampc_transforms_add_hflip(ampc_transforms *t, double p) {
     return AMPC_OK;
 }
 
-int ampc_transforms_add_affine(ampc_transforms *t, double max_shift, double scale_min, double scale_max,
-                               double degrees) {
+static int add_affine(ampc_transforms *t, const char *who, double p, double max_shift, double scale_min,
+                      double scale_max, double degrees, ampc_border border, bool ccw) {
+    if (!(p >= 0.0 && p <= 1.0)) return ampc__err(AMPC_ERR_INVALID, "%s: p = %g not in [0, 1]", who, p);
     if (!(max_shift >= 0.0 && max_shift <= 1.0))
-        return ampc__err(AMPC_ERR_INVALID, "transforms_add_affine: max_shift %g not in [0, 1]", max_shift);
+        return ampc__err(AMPC_ERR_INVALID, "%s: shift %g not in [0, 1]", who, max_shift);
     if (!(scale_min > 0.0 && scale_min <= scale_max && isfinite(scale_max)))
-        return ampc__err(AMPC_ERR_INVALID, "transforms_add_affine: scale range [%g, %g] must satisfy 0 < min <= max",
-                         scale_min, scale_max);
+        return ampc__err(AMPC_ERR_INVALID, "%s: scale range [%g, %g] must satisfy 0 < min <= max", who, scale_min, scale_max);
     if (!(degrees >= 0.0 && degrees <= 180.0))
-        return ampc__err(AMPC_ERR_INVALID, "transforms_add_affine: degrees %g not in [0, 180]", degrees);
+        return ampc__err(AMPC_ERR_INVALID, "%s: degrees %g not in [0, 180]", who, degrees);
+    if (border != AMPC_BORDER_ZERO && border != AMPC_BORDER_REFLECT_101)
+        return ampc__err(AMPC_ERR_INVALID, "%s: unknown border mode %d", who, (int)border);
     tf_op *op = push(t, TF_AFFINE);
     if (!op) return ampc_last_status();
+    op->p = p;
     op->shift = max_shift;
     op->smin = scale_min;
     op->smax = scale_max;
     op->deg = degrees;
+    op->border = border;
+    op->ccw = ccw;
     t->n++;
     return AMPC_OK;
+}
+
+int ampc_transforms_add_affine(ampc_transforms *t, double max_shift, double scale_min, double scale_max,
+                               double degrees) {
+    return add_affine(t, "transforms_add_affine", 1.0, max_shift, scale_min, scale_max, degrees, AMPC_BORDER_ZERO, false);
+}
+
+int ampc_transforms_add_shift_scale_rotate(ampc_transforms *t, double p, double shift_limit, double scale_limit,
+                                           double rotate_limit, ampc_border border) {
+    if (!(scale_limit >= 0.0 && scale_limit < 1.0))
+        return ampc__err(AMPC_ERR_INVALID, "transforms_add_shift_scale_rotate: scale_limit %g not in [0, 1)", scale_limit);
+    return add_affine(t, "transforms_add_shift_scale_rotate", p, shift_limit, 1.0 - scale_limit, 1.0 + scale_limit,
+                      rotate_limit, border, true);
 }
 
 int ampc_transforms_add_normalize(ampc_transforms *t, int n, const float *mean, const float *std) {
@@ -220,13 +244,24 @@ static inline float pixel_or_zero(const float *p, int64_t h, int64_t w, int64_t 
     return (y >= 0 && y < h && x >= 0 && x < w) ? p[y * w + x] : 0.0f;
 }
 
-/* out(x, y) = in(A^-1 (x - c - t) + c), A = rotation(angle) * scale, bilinear, zero outside. */
-static void affine(const float *in, int64_t c, int64_t h, int64_t w, float *out, double angle_deg, double scale,
-                   double tx, double ty) {
+/* OpenCV's BORDER_REFLECT_101 (gfedcb|abcdefgh|gfedcba) of an integral coordinate i, any size:
+   period 2(n - 1), reduced in double so a point far outside cannot overflow. */
+static inline int64_t reflect_101(double i, int64_t n) {
+    if (n == 1) return 0;
+    const double period = 2.0 * (double)(n - 1);
+    double r = fmod(fabs(i), period);   /* the reflection is symmetric about 0 */
+    int64_t k = (int64_t)r;
+    return k < n ? k : 2 * (n - 1) - k;
+}
+
+void ampc__affine(const float *in, int64_t c, int64_t h, int64_t w, float *out, double angle_deg, double scale, double tx,
+                  double ty, ampc_border border) {
+    /* out(x, y) = in(A^-1 (x - c - t) + c), A = rotation(angle) * scale, bilinear */
     const double a = angle_deg * (M_PI / 180.0);
     const double ca = cos(a) / scale, sa = sin(a) / scale;
     const double cx = (double)(w - 1) * 0.5, cy = (double)(h - 1) * 0.5;
     const int64_t plane = h * w;
+    const bool zero = border == AMPC_BORDER_ZERO;
     for (int64_t y = 0; y < h; y++) {
         const double dy = (double)y - cy - ty;
         /* source point of (x, y) = row origin + x * (ca, -sa): exact for the identity map */
@@ -235,12 +270,23 @@ static void affine(const float *in, int64_t c, int64_t h, int64_t w, float *out,
             const double sx = ox + (double)x * ca, sy = oy - (double)x * sa;
             const double flx = floor(sx), fly = floor(sy);
             float *o = out + y * w + x;
+            const float lx = (float)(sx - flx), ly = (float)(sy - fly);
+            if (!zero) {   /* every neighbour is some pixel of the image */
+                const int64_t x0 = reflect_101(flx, w), x1 = reflect_101(flx + 1.0, w);
+                const int64_t y0 = reflect_101(fly, h), y1 = reflect_101(fly + 1.0, h);
+                for (int64_t ch = 0; ch < c; ch++) {
+                    const float *p = in + ch * plane;
+                    const float v00 = p[y0 * w + x0], v01 = p[y0 * w + x1], v10 = p[y1 * w + x0], v11 = p[y1 * w + x1];
+                    const float top = v00 + lx * (v01 - v00), bot = v10 + lx * (v11 - v10);
+                    o[ch * plane] = top + ly * (bot - top);
+                }
+                continue;
+            }
             if (!(flx > -2.0 && flx < (double)w && fly > -2.0 && fly < (double)h)) {
                 for (int64_t ch = 0; ch < c; ch++) o[ch * plane] = 0.0f;
                 continue;
             }
             const int64_t x0 = (int64_t)flx, y0 = (int64_t)fly;
-            const float lx = (float)(sx - flx), ly = (float)(sy - fly);
             const bool inside = x0 >= 0 && y0 >= 0 && x0 + 1 < w && y0 + 1 < h;
             for (int64_t ch = 0; ch < c; ch++) {
                 const float *p = in + ch * plane;
@@ -296,11 +342,19 @@ int ampc__transforms_run(const ampc_transforms *t, int64_t c, int64_t h, int64_t
             break;
         case TF_HFLIP: hflip(src, c, h, w, dst, unit(r[0]) < op->p); break;
         case TF_AFFINE: {
+            if (op->p < 1.0) {   /* applied or not: a draw of its own, after the four of the parameters */
+                uint32_t q[4];
+                ampc__philox(key, AFFINE_P_COUNTER | ((uint64_t)index * AMPC__TF_MAX_OPS + (uint64_t)j), q);
+                if (!(unit(q[0]) < op->p)) {
+                    memmove(dst, src, (size_t)(c * h * w) * sizeof *dst);
+                    break;
+                }
+            }
             double angle = op->deg * (2.0 * unit(r[0]) - 1.0);
             double scale = op->smin + (op->smax - op->smin) * unit(r[1]);
             double tx = op->shift * (double)w * (2.0 * unit(r[2]) - 1.0);
             double ty = op->shift * (double)h * (2.0 * unit(r[3]) - 1.0);
-            affine(src, c, h, w, dst, angle, scale, tx, ty);
+            ampc__affine(src, c, h, w, dst, op->ccw ? -angle : angle, scale, tx, ty, op->border);
             break;
         }
         case TF_NORMALIZE: normalize(src, c, h, w, dst, op); break;

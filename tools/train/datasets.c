@@ -1,6 +1,7 @@
 /*
  * datasets.c - --data: a folder of IDX files (Fashion-MNIST by default) or an image folder (one
- * subfolder per class), its transforms (resize, mirror, Normalize with the data's statistics),
+ * subfolder per class; --exclude-class), its transforms (resize, --augment, Normalize with the
+ * data's statistics),
  * the validation split when the data has no test set, and --limit-train/--limit-val.
  */
 #include "train.h"
@@ -55,6 +56,17 @@ static ampc_dataset *first_n(ampc_dataset *ds, int64_t limit) {
     return sub;
 }
 
+/* --augment (resolved): the transfer-learning tutorial's albumentations pipeline, after the
+   resize: HorizontalFlip(p=0.5), then ShiftScaleRotate(0.3, 0.3, 15, p=0.5, BORDER_REFLECT_101). */
+static int add_augmentation(const settings *s, ampc_transforms *t) {
+    const char *a = sval(s, OPT_AUGMENT);
+    if ((!strcmp(a, "flip") || !strcmp(a, "flip+ssr")) && ampc_transforms_add_hflip(t, 0.5) < 0) return -1;
+    if ((!strcmp(a, "ssr") || !strcmp(a, "flip+ssr")) &&
+        ampc_transforms_add_shift_scale_rotate(t, 0.5, 0.3, 0.3, 15.0, AMPC_BORDER_REFLECT_101) < 0)
+        return -1;
+    return 0;
+}
+
 int data_open(settings *s, data *d) {
     memset(d, 0, sizeof *d);
     const char *model = sval(s, OPT_MODEL);
@@ -78,6 +90,9 @@ int data_open(settings *s, data *d) {
     d->folder = !idx;
     if (is_auto(s, OPT_NUM_WORKERS) && set_val(s, OPT_NUM_WORKERS, idx ? "0" : "2") < 0) return -1;
     if (is_auto(s, OPT_IMAGE_SIZE) && set_val(s, OPT_IMAGE_SIZE, idx || !resnet ? "28" : "64") < 0) return -1;
+    if (is_auto(s, OPT_AUGMENT) && set_val(s, OPT_AUGMENT, idx ? "none" : "flip") < 0) return -1;
+    if (idx && *sval(s, OPT_EXCLUDE_CLASS))
+        return usage_error("--exclude-class applies to image folders; --data '%s' holds IDX files", dir);
     int64_t size = ival(s, OPT_IMAGE_SIZE);
     uint64_t seed = (uint64_t)ival(s, OPT_SEED);
     d->tf_train = ampc_transforms_new();
@@ -106,20 +121,25 @@ int data_open(settings *s, data *d) {
         float mean = fashion_names ? FASHION_MEAN : MNIST_MEAN, sd = fashion_names ? FASHION_STD : MNIST_STD;
         for (int k = 0; k < 2; k++) {
             ampc_transforms *t = k ? d->tf_val : d->tf_train;
-            if ((size != 28 && ampc_transforms_add_resize(t, size, size) < 0) || ampc_transforms_add_normalize(t, 1, &mean, &sd) < 0)
+            if ((size != 28 && ampc_transforms_add_resize(t, size, size) < 0) || (k == 0 && add_augmentation(s, t) < 0) ||
+                ampc_transforms_add_normalize(t, 1, &mean, &sd) < 0)
                 return fail_lib("transforms");
         }
     } else {
         ampc_folder_options fo = {.height = size, .width = size, .channels = 3,
-                                  .index_csv = *sval(s, OPT_INDEX_CSV) ? sval(s, OPT_INDEX_CSV) : NULL};
+                                  .index_csv = *sval(s, OPT_INDEX_CSV) ? sval(s, OPT_INDEX_CSV) : NULL,
+                                  .exclude_classes = *sval(s, OPT_EXCLUDE_CLASS) ? sval(s, OPT_EXCLUDE_CLASS) : NULL};
         all = ampc_dataset_folder_open(dir, &fo);
         if (!all) return fail_lib("--data");
-        int64_t skipped = ampc_dataset_folder_skipped(all);
-        char extra[96] = "";
-        if (skipped) snprintf(extra, sizeof extra, "; skipped %" PRId64 " file(s) that are not readable images", skipped);
+        int64_t skipped = ampc_dataset_folder_skipped(all), excluded = ampc_dataset_folder_excluded(all);
+        char extra[160] = "";
+        int n = 0;
+        if (excluded) n = snprintf(extra, sizeof extra, "; %" PRId64 " left out by --exclude-class", excluded);
+        if (skipped && n >= 0 && (size_t)n < sizeof extra)
+            snprintf(extra + n, sizeof extra - (size_t)n, "; skipped %" PRId64 " file(s) that are not readable images", skipped);
         snprintf(d->desc, sizeof d->desc, "image folder %s (%" PRId64 " classes%s)", dir, ampc_dataset_num_classes(all), extra);
-        /* torchvision's usual recipe: random mirror for training, ImageNet normalisation */
-        if (ampc_transforms_add_hflip(d->tf_train, 0.5) < 0 || ampc_transforms_add_normalize(d->tf_train, 3, IMAGENET_MEAN, IMAGENET_STD) < 0 ||
+        /* torchvision's usual recipe: augmentation for training, ImageNet normalisation */
+        if (add_augmentation(s, d->tf_train) < 0 || ampc_transforms_add_normalize(d->tf_train, 3, IMAGENET_MEAN, IMAGENET_STD) < 0 ||
             ampc_transforms_add_normalize(d->tf_val, 3, IMAGENET_MEAN, IMAGENET_STD) < 0)
             return fail_lib("transforms");
     }

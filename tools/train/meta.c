@@ -207,6 +207,8 @@ int resume_settings(settings *s) {
     for (int i = 0; i < OPT_COUNT && rc == 0; i++) {
         if (!(OPTS[i].flags & (O_RUN | O_RESTORE))) continue;
         snprintf(key, sizeof key, META_PREFIX "config.%s", OPTS[i].name);
+        /* an option newer than the checkpoint: its default (or "auto") is what that run did */
+        if (ampc_checkpoint_meta_get(meta, key, NULL, 0) == AMPC_ERR_INVALID) continue;
         if ((rc = meta_get(meta, path, key, &v)) < 0) break;
         /* what the checkpoint says must itself be a valid value */
         char why[256];

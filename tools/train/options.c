@@ -111,8 +111,22 @@ const opt_def OPTS[OPT_COUNT] = {
                     "backbone: train only the classifier head (fc; the cnn's fc2, the mlp's last layer), the other "
                     "parameters frozen (requires_grad off; BatchNorm statistics still update in training, as PyTorch)"},
     [OPT_STOP_AFTER_STEPS] = {"stop-after-steps", V_INT, "0", NULL, 0, INT_FLAG_MAX, false, 0, "N",
-                              "train N steps in this session, then save a checkpoint and stop as SIGTERM does, with "
+                              "train N optimizer steps in this session, then save a checkpoint and stop as SIGTERM does, with "
                               "exit status 0 (a run cut into time-limited jobs; 0: no limit)"},
+    [OPT_AUGMENT] = {"augment", V_CHOICE, "auto", "none|flip|ssr|flip+ssr", 0, 0, false, O_SAVE | O_RUN | O_AUTO, "WHAT",
+                     "training-image augmentation, drawn per sample from --seed (the same on resume and for any "
+                     "--num-workers): flip (horizontal, p 0.5), ssr (albumentations' ShiftScaleRotate: shift 0.3, scale "
+                     "0.3, rotation 15 degrees, p 0.5, bilinear, borders mirrored as OpenCV's BORDER_REFLECT_101), "
+                     "flip+ssr (both: the transfer-learning tutorial's) or none (auto: flip for image folders, none "
+                     "for IDX data)"},
+    [OPT_EXCLUDE_CLASS] = {"exclude-class", V_TEXT, "", NULL, 0, 0, false, O_SAVE | O_RUN, "PATTERNS",
+                           "image folders: leave these classes out, as if their folders were not there (comma-separated "
+                           "shell patterns of class folder names; a numbered name such as Caltech-256's 257.clutter also "
+                           "matches by its part after the dot: --exclude-class clutter)"},
+    [OPT_ACCUMULATE] = {"accumulate", V_INT, "1", NULL, 1, 65536, false, O_SAVE | O_RUN, "N",
+                        "gradient accumulation: N batches per optimizer step, each loss divided by N, one unscale, "
+                        "clip and step (an effective batch of N x --batch-size; the last group of an epoch may be "
+                        "shorter and is divided by its own length; under mpirun, one all-reduce per step)"},
 };
 
 
@@ -222,7 +236,7 @@ int canonical(int i, const char *text, char *out, size_t n, char *err, size_t er
         return 0;
     }
     case V_TEXT:
-        if (i != OPT_DATA && i != OPT_INDEX_CSV && !*text) return snprintf(err, errn, "--%s needs a value", o->name), -1;
+        if (i != OPT_DATA && i != OPT_INDEX_CSV && i != OPT_EXCLUDE_CLASS && !*text) return snprintf(err, errn, "--%s needs a value", o->name), -1;
         snprintf(out, n, "%s", text);
         return 0;
     }

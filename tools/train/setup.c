@@ -69,6 +69,9 @@ void print_setup(run *r) {
     if (r->world > 1)
         printf("  %-14s %d processes (MPI), batch %" PRId64 " each: global batch %" PRId64 "\n", "world", r->world,
                ival(r->s, OPT_BATCH_SIZE), r->world * ival(r->s, OPT_BATCH_SIZE));
+    if (ival(r->s, OPT_ACCUMULATE) > 1)
+        printf("  %-14s %" PRId64 " batches per optimizer step: %" PRId64 " samples a step\n", "accumulate", ival(r->s, OPT_ACCUMULATE),
+               ival(r->s, OPT_ACCUMULATE) * ival(r->s, OPT_BATCH_SIZE) * r->world);
     if (r->zero_all > 0) {
         char b1[32], b2[32];
         printf("  %-14s optimizer state shared out by element over %d processes: %s on rank 0 of %s\n", "zero", r->world,
@@ -197,8 +200,10 @@ int run_build(run *r) {
     lo.transforms = r->d.tf_val;
     if (!(r->val_ld = ampc_loader_new(r->d.val, &lo))) return fail_lib("data loader");
     if (!(r->logits_buf = malloc((size_t)(bs * r->d.num_classes) * sizeof *r->logits_buf))) return fail("out of memory");
-    /* the learning rate by optimizer step: epochs in steps of this run's loader */
-    const int64_t nb = ampc_loader_num_batches(r->train_ld), per_epoch = nb > 0 ? nb : 1;
+    /* the learning rate by optimizer step: epochs in optimizer steps of this run's loader (one per
+       --accumulate batches, the last group of an epoch perhaps shorter) */
+    const int64_t nb = ampc_loader_num_batches(r->train_ld), acc = ival(s, OPT_ACCUMULATE);
+    const int64_t per_epoch = nb > 0 ? (nb + acc - 1) / acc : 1;
     const char *sk = sval(s, OPT_LR_SCHEDULE);
     const int64_t warm = ival(s, OPT_WARMUP_STEPS), all = ival(s, OPT_EPOCHS) * per_epoch;
     r->sched = (ampc_lr_schedule){.kind = !strcmp(sk, "step") ? AMPC_LR_STEP : !strcmp(sk, "cosine") ? AMPC_LR_COSINE : AMPC_LR_CONSTANT,

@@ -164,6 +164,11 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
     if ((carry ? ampc_loader_start_epoch_at_sample(ld, epoch, carry->samples) : ampc_loader_start_epoch(ld, epoch)) < 0)
         return fail_lib("data loader");
     int64_t done = carry ? carry->steps : 0, n_batches = done + ampc_loader_num_batches(ld);
+    /* --accumulate: groups of `accum` batches (the epoch's last one perhaps shorter), one optimizer
+       step each; a stop (signal, --stop-after-steps) waits for the end of its group, so a
+       checkpoint never holds half-accumulated gradients */
+    const int64_t accum = training ? ival(r->s, OPT_ACCUMULATE) : 1;
+    int64_t group_start = done;
     double t0 = progress_now() - st->seconds;
     progress p;
     progress_begin(&p, label, n_batches);
@@ -171,7 +176,8 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
     if (!training) ampc_no_grad_enter();
     int depth = ampc_scope_depth(), rc = 0;
     for (;;) {
-        if (r->world > 1) {   /* every rank stops at the same step: a signal seen by any of them counts */
+        const bool boundary = done == group_start;
+        if (boundary && r->world > 1) {   /* every rank stops at the same step: a signal seen by any of them counts */
             double sig = g_signal;
             if (ampc_dist_max_f64(&sig, 1) < 0) {
                 rc = fail_lib("agreeing on a stop");
@@ -179,12 +185,12 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
             }
             if (sig > 0 && !g_signal) g_signal = (int)sig;
         }
-        if (g_signal) {
+        if (boundary && g_signal) {
             rc = 1;
             break;
         }
         /* every rank takes the same steps: they stop together without a word */
-        if (training && ival(r->s, OPT_STOP_AFTER_STEPS) > 0 && r->steps_run >= ival(r->s, OPT_STOP_AFTER_STEPS)) {
+        if (boundary && training && ival(r->s, OPT_STOP_AFTER_STEPS) > 0 && r->steps_run >= ival(r->s, OPT_STOP_AFTER_STEPS)) {
             r->stop_asked = true;
             rc = 1;
             break;
@@ -215,7 +221,21 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
             rc = fail_lib(training ? "training (forward)" : "validation");
             break;
         }
-        if (training) {
+        /* this batch's place in its accumulation group of g batches */
+        const int64_t g = accum < n_batches - group_start ? accum : n_batches - group_start;
+        const bool last = done + 1 >= group_start + g;
+        if (training && r->ddp && accum > 1 && ampc_ddp_set_sync(r->ddp, last) < 0) {   /* no_sync() but for the last */
+            rc = fail_lib("data-parallel --accumulate");
+            break;
+        }
+        if (training && g > 1) {   /* the mean over the group's batches, as loss / iters_to_accumulate */
+            ampc_tensor *part = ampc_mul_scalar(loss, 1.0 / (double)g);
+            if (!part || ampc_backward(ampc_scaler_scale(r->scaler, part)) < 0) {
+                rc = fail_lib("training (backward)");
+                break;
+            }
+        }
+        if (training && last) {
             if (r->scheduled) {   /* the rate of this optimizer step: applied steps so far */
                 double lr = ampc_lr_at(&r->sched, rval(r->s, OPT_LR), ampc_optimizer_steps_taken(r->opt));
                 if (isnan(lr)) {
@@ -224,7 +244,7 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
                 }
                 ampc_optimizer_set_lr(r->opt, lr);
             }
-            if (ampc_backward(ampc_scaler_scale(r->scaler, loss)) < 0) {
+            if (g == 1 && ampc_backward(ampc_scaler_scale(r->scaler, loss)) < 0) {
                 rc = fail_lib("training (backward)");
                 break;
             }
@@ -241,6 +261,8 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
                 break;
             }
             ampc_optimizer_zero_grad(r->opt);
+            group_start = done + 1;
+            r->steps_run++;
         }
         int64_t b = ampc_tensor_dim(y, 0);
         double lv = ampc_tensor_item(loss);
@@ -250,7 +272,6 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
         st->samples += b;
         ampc_scope_end();
         done++;
-        r->steps_run += training;
         /* a bar keeps room for its cells on an 80-column terminal: the running loss only */
         double run_loss = st->loss_sum / (double)st->samples, run_acc = 100.0 * (double)st->correct / (double)st->samples;
         if (p.mode == PROGRESS_BAR) progress_update(&p, done, "loss=%.4f", run_loss);
