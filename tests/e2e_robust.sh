@@ -120,10 +120,13 @@ ONEDNN_MAX_CPU_ISA=AVX2 expect 1 avx2_bf16 'amp-dtype bf16: this CPU has no bf16
 # Out of memory under --max-memory: the message names what took the memory and the largest batch
 # that fits, measured; that batch does fit, and optimizer state that alone does not fit is named
 MEM=(--limit-train 256 --limit-val 64 --epochs 1 --max-memory 44M --progress off --use-amp no)
-if expect 1 oom_advice 'largest batch that fits is about [0-9]+' "${MEM[@]}" --batch-size 64 --out "$W/oom1"; then
-    fit=$(grep -oE 'about [0-9]+ \(--batch-size' "$W/oom_advice.err" | grep -oE '[0-9]+')
+if expect 1 oom_advice 'largest batch that fits is [0-9]+ \(--batch-size [0-9]+, measured\)' "${MEM[@]}" --batch-size 64 --out "$W/oom1"; then
+    fit=$(grep -oE 'fits is [0-9]+ \(--batch-size' "$W/oom_advice.err" | grep -oE '[0-9]+')
     timeout "$LIMIT" "$TRAIN" "${MEM[@]}" --batch-size "$fit" --out "$W/fit" >/dev/null 2>"$W/fit.err" &&
         ok "oom: the advised --batch-size $fit fits" || bad "oom: the advised --batch-size $fit fails: $(tail -1 "$W/fit.err")"
+    more=$((fit + fit / 10 + 1))   # and it is the largest, within the probes' 1.5%
+    ! timeout "$LIMIT" "$TRAIN" "${MEM[@]}" --batch-size "$more" --out "$W/fit" >/dev/null 2>"$W/fit.err" &&
+        grep -q 'out of memory' "$W/fit.err" && ok "oom: --batch-size $more does not fit" || bad "oom: --batch-size $more fits too: not the largest"
     rm -rf "$W/fit"
 fi
 expect 1 oom_state 'not even a batch of 1 fits; the optimizer.s state is the largest part' \

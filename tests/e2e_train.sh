@@ -260,7 +260,7 @@ expect_error no_images 'no readable|image' --data "$W/noimg" --epochs 1 --out "$
 # ---------------------------------------------------------------------------------------------
 # --max-memory: batch 64 of the cnn needs ~53 MiB in fp32 and ~36 MiB under bf16 autocast
 MEM=(--batch-size 64 --limit-train 128 --limit-val 64 --epochs 1 --max-memory 44M --progress off)
-expect_error oom_fp32 'out of memory.*the largest batch that fits is about [0-9]+ \(--batch-size [0-9]+\), or more with --use-amp yes' "${MEM[@]}" --use-amp no --out "$W/m1"
+expect_error oom_fp32 'out of memory.*the largest batch that fits is [0-9]+ \(--batch-size [0-9]+, measured\), or more with --use-amp yes' "${MEM[@]}" --use-amp no --out "$W/m1"
 run oom_amp "${MEM[@]}" --use-amp yes --amp-dtype bf16 --out "$W/m2"   # bf16 explicitly: fp16 here computes via f32 workspaces
 
 # ---------------------------------------------------------------------------------------------
