@@ -161,6 +161,21 @@ if [ $rc -eq 0 ] && [ $rc1 -eq 0 ] && grep -q "accumulate     2 batches per opti
 else
     bad "--accumulate under mpirun: exit $rc, $rc1, relative difference '$d'"; tail -n 5 "$W/acc.out" "$W/acc.cmp"
 fi
+# --pretrained + --freeze backbone under mpirun: the frozen layer has no gradient to all-reduce;
+# 2 x 32 ends within 1e-4 of 1 x 64, and only the head (3.*) differs from the file
+FZ=(--pretrained "$W/m1/model.safetensors" --freeze backbone)
+"${MPI[@]}" -np 2 "$TRAIN" "${MLP[@]}" "${FZ[@]}" --batch-size 32 --out "$W/fz2" >"$W/fz2.out" 2>&1 &&
+    "$TRAIN" "${MLP[@]}" "${FZ[@]}" --batch-size 64 --out "$W/fz1" >"$W/fz1.out" 2>&1
+rc1=$?
+"$TRAIN" --compare-checkpoints "$W/fz1/checkpoint.safetensors" "$W/fz2/checkpoint.safetensors" >"$W/fz.cmp" 2>&1
+d=$(max_rel "$W/fz.cmp")
+"$TRAIN" --compare-checkpoints "$W/m1/model.safetensors" "$W/fz2/model.safetensors" >"$W/fzb.cmp" 2>&1
+if [ $rc -eq 0 ] && [ $rc1 -eq 0 ] && within "$W/fz.cmp" "$d" && grep -q "checkpoints differ: 2 tensor(s)" "$W/fzb.cmp" &&
+    [ "$(grep -c "^differ: tensor '3\.\(weight\|bias\)'" "$W/fzb.cmp")" -eq 2 ]; then
+    ok "--freeze backbone on 2 ranks x 32 == 1 x 64 within $d; the backbone is the file's, bit for bit"
+else
+    bad "--freeze under mpirun: exit $rc, $rc1, relative difference '$d'"; tail -n 4 "$W/fz2.out" "$W/fz.cmp" "$W/fzb.cmp"
+fi
 "$TRAIN" "${MLP[@]}" --batch-size 64 --stop-after-steps 20 --out "$W/m12" >"$W/m12.out" 2>&1
 rc1=$?
 "${MPI[@]}" -np 2 "$TRAIN" --resume "$W/m12/checkpoint.safetensors" --batch-size 32 --progress off >"$W/m12r.out" 2>&1
