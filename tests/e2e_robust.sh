@@ -144,6 +144,31 @@ expect 3 diverge_fp16_skips 'skipped 5 steps in a row' \
     "${DIV[@]}" --epochs 3 --model mlp --amp-dtype fp16 --lr 1e6 --max-skipped-steps 5 --out "$W/d3"
 expect 3 diverge_fp16_scale 'loss scale collapsed' \
     "${DIV[@]}" --model mlp --amp-dtype fp16 --lr 1e6 --max-skipped-steps 0 --epochs 8 --out "$W/d4"
+
+# --step-log: a row per optimizer step; a skipped step carries the scale it was taken at, halved
+# in the next row; the first skip gets a line on stdout (the rest at most one per 2 s); scale.png
+SL=(--model mlp --limit-train 512 --limit-val 64 --batch-size 64 --progress off --amp-dtype fp16 --step-log yes)
+if timeout "$LIMIT" "$TRAIN" "${SL[@]}" --epochs 3 --lr 1e6 --max-skipped-steps 0 --out "$W/sl" >"$W/sl.out" 2>&1; then
+    rows=$(($(wc -l <"$W/sl/steps.csv") - 1))
+    sk=$(awk -F, 'NR > 1 && $6 == 1' "$W/sl/steps.csv" | wc -l)
+    halves=$(awk -F, 'NR > 2 && prev && $5 * 2 != scale { bad++ } NR > 1 { prev = $6; scale = $5 } END { print bad + 0 }' "$W/sl/steps.csv")
+    if [ "$rows" -eq 24 ] && [ "$sk" -gt 10 ] && grep -q "grad scaler: $sk skipped steps of 24" "$W/sl.out" && [ "$halves" -eq 0 ] &&
+        [ -s "$W/sl/scale.png" ] && head -1 "$W/sl/steps.csv" | grep -qx 'step,epoch,batch,loss,scale,skipped,lr' &&
+        grep -qE '^skipped step [0-9]+ \(epoch 1, batch [0-9]+\): inf/NaN gradients at loss scale 65536; the scale is now 32768' "$W/sl.out"; then
+        ok "--step-log: 24 rows, $sk skipped (as the summary says), each halving the scale; the skip line; scale.png"
+    else
+        bad "--step-log: $rows rows, $sk skipped, $halves bad halvings: $(grep -E '^skipped|grad scaler' "$W/sl.out" | tr '\n' ' ')"
+    fi
+fi
+# on --resume, rows past the checkpoint (written before a kill) are dropped: the log then ends
+# as the uninterrupted run's, byte for byte
+if timeout "$LIMIT" "$TRAIN" "${SL[@]}" --epochs 2 --out "$W/slref" >/dev/null 2>&1 &&
+    timeout "$LIMIT" "$TRAIN" "${SL[@]}" --epochs 2 --stop-after-steps 11 --out "$W/slcut" >/dev/null 2>&1; then
+    printf '12,2,4,0.5,65536,0,0.001\n13,2,5,0.5' >>"$W/slcut/steps.csv"
+    timeout "$LIMIT" "$TRAIN" --resume "$W/slcut/checkpoint.safetensors" >/dev/null 2>&1 && cmp -s "$W/slref/steps.csv" "$W/slcut/steps.csv" &&
+        ok "--step-log + resume: rows past the checkpoint dropped, the log equals the uninterrupted run's" ||
+        bad "--step-log + resume: $(diff "$W/slref/steps.csv" "$W/slcut/steps.csv" | head -4 | tr '\n' ' ')"
+fi
 for d in d1 d2 d3; do [ -e "$W/$d/checkpoint.safetensors" ] && bad "$d: a diverged run wrote a checkpoint"; done
 # a good first epoch, then divergence: the good checkpoint stays, byte for byte
 if timeout "$LIMIT" "$TRAIN" "${DIV[@]}" --model mlp --use-amp no --lr 1e6 --max-loss 1e300 --epochs 1 --out "$W/d5" >/dev/null 2>&1; then

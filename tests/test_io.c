@@ -1551,6 +1551,13 @@ static void test_metrics_csv(void **state) {
     const char *three = "epoch,train_loss,val acc,\"a,\"\"b\"\"\"\n1,0.5,0.1,nan\n2,0.3333333333333333,1e-300,-inf\n"
                         "3,2.5e+10,inf,-0\n";
     assert_file_text(p, three);
+    /* whole numbers as integers (a step column stays integers), unless much longer */
+    const char *ip = tpath("integers.csv");
+    ampc_metrics *mi = ampc_metrics_open(ip, cols, 4, false);
+    ASSERT_NOT_NULL_MSG(mi);
+    ASSERT_OK(ampc_metrics_row(mi, (double[]){10, 1e6, 123456789, 1e20}));
+    ASSERT_OK(ampc_metrics_close(mi));
+    assert_file_text(ip, "epoch,train_loss,val acc,\"a,\"\"b\"\"\"\n10,1000000,123456789,1e+20\n");
     /* the numbers read back exactly */
     assert_true(strtod("0.3333333333333333", NULL) == 1.0 / 3.0);
 
@@ -1634,7 +1641,7 @@ static void test_plot_png(void **state) {
     }
     loss[5] = NAN;   /* a gap */
     val[11] = INFINITY;
-    plot_series s[3] = {{"train loss", x, loss, 12}, {"val loss #1 (const)", x, val, 12}, {"single", &one_x, &one_y, 1}};
+    plot_series s[3] = {{"train loss", x, loss, 12, false}, {"val loss #1 (const)", x, val, 12, false}, {"single", &one_x, &one_y, 1, true}};
     const char *p = tpath("curves.png");
     ASSERT_OK(plot_curves(p, "Training curves", "epoch", "loss", s, 3));
     assert_int_equal(count_temp_files(), 0);
@@ -1651,7 +1658,7 @@ static void test_plot_png(void **state) {
     /* degenerate inputs still give a PNG */
     ASSERT_OK(plot_curves(tpath("single.png"), "one point", "x", "y", &s[2], 1));
     double nan2[2] = {NAN, INFINITY};
-    plot_series empty = {"nothing", nan2, nan2, 2};
+    plot_series empty = {"nothing", nan2, nan2, 2, false};
     ASSERT_OK(plot_curves(tpath("empty.png"), NULL, NULL, NULL, &empty, 1));
     px = decode_png(tpath("empty.png"), &w, &h);
     free(px);
@@ -1661,7 +1668,7 @@ static void test_plot_png(void **state) {
     snprintf(missing, sizeof missing, "%s/no/such/dir/plot.png", tmpdir);
     assert_int_equal(plot_curves(missing, "t", "x", "y", s, 3), AMPC_ERR_IO);
     assert_false(file_exists(missing));
-    plot_series bad = {"bad", NULL, NULL, 3};
+    plot_series bad = {"bad", NULL, NULL, 3, false};
     assert_int_equal(plot_curves(tpath("bad.png"), "t", "x", "y", &bad, 1), AMPC_ERR_INVALID);
     assert_int_equal(plot_curves(tpath("bad.png"), "t", "x", "y", s, 0), AMPC_ERR_INVALID);
     assert_false(file_exists(tpath("bad.png")));

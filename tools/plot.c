@@ -151,7 +151,7 @@ static void draw(const plot_series *series, int n_series, const plot_texts *t, d
         plcol0(2 + s % 10);
         plwidth(2.0);
         int run = 0;
-        for (int i = 0; i <= sr->n; i++) {   /* lines through runs of finite points */
+        for (int i = 0; !sr->points_only && i <= sr->n; i++) {   /* lines through runs of finite points */
             bool ok = i < sr->n && isfinite(sr->x[i]) && isfinite(sr->y[i]);
             if (ok) {
                 t->px[run] = sr->x[i];
@@ -165,7 +165,7 @@ static void draw(const plot_series *series, int n_series, const plot_texts *t, d
         int n_fin = 0;
         for (int i = 0; i < sr->n; i++)
             if (isfinite(sr->x[i]) && isfinite(sr->y[i])) n_fin++;
-        int stride = n_fin > MAX_MARKERS ? (n_fin + MAX_MARKERS - 1) / MAX_MARKERS : 1;
+        int stride = n_fin > MAX_MARKERS && !sr->points_only ? (n_fin + MAX_MARKERS - 1) / MAX_MARKERS : 1;
         int k = 0, m = 0;
         for (int i = 0; i < sr->n; i++) {
             if (!isfinite(sr->x[i]) || !isfinite(sr->y[i])) continue;
@@ -185,7 +185,7 @@ static void draw(const plot_series *series, int n_series, const plot_texts *t, d
     PLFLT line_widths[MAXL], symbol_scales[MAXL];
     const char *text[MAXL], *symbols[MAXL];
     for (int s = 0; s < nl; s++) {
-        opt_array[s] = PL_LEGEND_LINE | PL_LEGEND_SYMBOL;
+        opt_array[s] = series[s].points_only ? PL_LEGEND_SYMBOL : PL_LEGEND_LINE | PL_LEGEND_SYMBOL;
         text_colors[s] = 1;
         text[s] = t->names[s];
         line_colors[s] = symbol_colors[s] = 2 + s % 10;

@@ -9,10 +9,13 @@
 #ifndef AMPC_TOOLS_PLOT_H
 #define AMPC_TOOLS_PLOT_H
 
+#include <stdbool.h>
+
 typedef struct {
     const char *name;       /* legend entry */
     const double *x, *y;    /* n points; non-finite points are skipped (the line breaks there) */
     int n;
+    bool points_only;       /* markers at every point, no line (e.g. the events on a curve) */
 } plot_series;
 
 /* Line plot with markers of n_series curves with title, axis labels and a legend, axes ranged

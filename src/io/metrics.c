@@ -49,7 +49,7 @@ static char *header_line(const char *const *columns, int n) {
     return buf;
 }
 
-/* Shortest "%.Ng" (N = 1..17) that parses back to x. */
+/* Shortest "%.Ng" (N = 1..17) that parses back to x, or the integer when x is one. */
 static void format_double(double x, char *out, size_t n) {
     if (isnan(x)) {
         snprintf(out, n, "nan");
@@ -61,8 +61,13 @@ static void format_double(double x, char *out, size_t n) {
     }
     for (int prec = 1; prec <= 17; prec++) {
         snprintf(out, n, "%.*g", prec, x);
-        if (strtod(out, NULL) == x) return;
+        if (strtod(out, NULL) == x) break;
     }
+    /* whole numbers as integers unless that is much longer: step 10 is "10", not "1e+01" (an
+       integer column stays integers for a reader such as strtoll); 2.5e+10 stays so */
+    char whole[32];
+    if (x == trunc(x) && fabs(x) < 1e15 && (size_t)snprintf(whole, sizeof whole, "%.0f", x) <= strlen(out) + 3)
+        snprintf(out, n, "%s", whole);
 }
 
 // ---------------------------------------------------------------------------------------------

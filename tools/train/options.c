@@ -127,6 +127,10 @@ const opt_def OPTS[OPT_COUNT] = {
                         "gradient accumulation: N batches per optimizer step, each loss divided by N, one unscale, "
                         "clip and step (an effective batch of N x --batch-size; the last group of an epoch may be "
                         "shorter and is divided by its own length; under mpirun, one all-reduce per step)"},
+    [OPT_STEP_LOG] = {"step-log", V_YESNO, "no", NULL, 0, 0, false, O_SAVE | O_RESTORE, "yes|no",
+                      "steps.csv in --out: a row per optimizer step (step, epoch, batch, loss, scale, skipped, lr; "
+                      "rank 0's loss under mpirun), and with the grad scaler scale.png, the loss scale over the run "
+                      "with the skipped steps marked"},
 };
 
 
@@ -289,7 +293,9 @@ void print_help(void) {
            "time, samples_per_s the training throughput, scale and skipped_steps the grad scaler's scale at the\n"
            "end of the epoch and the steps it skipped in it, data_wait the data wait as a fraction; nan for\n"
            "epochs resumed from a checkpoint that did not record it), loss.png, accuracy.png,\n"
-           "checkpoint.safetensors (replaced after every epoch). Flags take '--flag value' or '--flag=value'.\n"
+           "checkpoint.safetensors (replaced after every epoch), model.safetensors (the state_dict alone) and,\n"
+           "with --step-log yes, steps.csv and scale.png. Each step the grad scaler skips prints a line (at most\n"
+           "one per 2 s). Flags take '--flag value' or '--flag=value'.\n"
            "Errors print one line \"" PROG ": error: ...\" on stderr; exit status 1 (2: bad command line, 3: the run\n"
            "diverged). SIGINT/SIGTERM save a checkpoint at the next step and exit 128 + signal (130, 143).\n");
 }

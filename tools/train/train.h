@@ -65,7 +65,7 @@ typedef enum {
     OPT_OPTIMIZER, OPT_MOMENTUM, OPT_WEIGHT_DECAY, OPT_SEED, OPT_VAL_SPLIT, OPT_IMAGE_SIZE, OPT_INDEX_CSV, OPT_LIMIT_TRAIN,
     OPT_LIMIT_VAL, OPT_THREADS, OPT_DEVICE, OPT_NUM_WORKERS, OPT_MAX_MEMORY, OPT_OUT, OPT_RESUME, OPT_PROGRESS, OPT_CHANNELS_LAST,
     OPT_KEEP_CASTS, OPT_MAX_SKIPPED, OPT_MAX_LOSS, OPT_SYNC_BN, OPT_ZERO, OPT_LR_SCHEDULE, OPT_LR_STEP_SIZE, OPT_LR_GAMMA,
-    OPT_WARMUP_STEPS, OPT_CLIP_GRAD_NORM, OPT_PRETRAINED, OPT_PRETRAINED_STRICT, OPT_FREEZE, OPT_STOP_AFTER_STEPS, OPT_AUGMENT, OPT_EXCLUDE_CLASS, OPT_ACCUMULATE, OPT_COUNT
+    OPT_WARMUP_STEPS, OPT_CLIP_GRAD_NORM, OPT_PRETRAINED, OPT_PRETRAINED_STRICT, OPT_FREEZE, OPT_STOP_AFTER_STEPS, OPT_AUGMENT, OPT_EXCLUDE_CLASS, OPT_ACCUMULATE, OPT_STEP_LOG, OPT_COUNT
 } opt_id;
 
 typedef struct {
@@ -197,7 +197,24 @@ typedef struct {
     int64_t skipped_seen, skipped_in_a_row;
     int64_t epoch_skipped0;   /* the scaler's skipped-step count when the current epoch began */
     char last_good[4200];    /* "<path> (after epoch N)" of the last checkpoint written or resumed, or "" */
+    ampc_metrics *steps;     /* --step-log: steps.csv, one row per optimizer step (rank 0) */
+    double skip_printed_at;  /* when the last skipped-step line was printed (progress_now), or -inf */
+    int64_t skips_unprinted; /* skipped steps since then that got no line of their own */
 } run;
+
+// The per-step log and skipped-step lines (steplog.c)
+
+/* --step-log yes on rank 0: <out>/steps.csv, on resume cut back to the checkpoint's optimizer
+   steps and appended to. */
+int steplog_open(run *r);
+/* After an optimizer step (every rank: the skipped-step line is rank 0's): its row and, when the
+   scaler skipped it, a line on stdout (at most one per 2 s; the others counted in the next).
+   scale: the scale the step's gradients carried; loss: the mean of its batches' losses. */
+int steplog_step(run *r, int64_t epoch, int64_t batch, double loss, double scale, bool skipped);
+/* scale.png: log2 of the loss scale per optimizer step, the skipped ones marked (from steps.csv;
+   nothing without --step-log or the scaler). */
+int steplog_plot(run *r);
+void steplog_close(run *r);
 
 // Checkpoint metadata (meta.c)
 

@@ -169,6 +169,7 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
        checkpoint never holds half-accumulated gradients */
     const int64_t accum = training ? ival(r->s, OPT_ACCUMULATE) : 1;
     int64_t group_start = done;
+    double group_loss = 0;   /* the sum of the group's batch losses, for steps.csv */
     double t0 = progress_now() - st->seconds;
     progress p;
     progress_begin(&p, label, n_batches);
@@ -256,13 +257,21 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
                 rc = fail_lib("--clip-grad-norm");
                 break;
             }
+            const double scale = ampc_scaler_get_scale(r->scaler);
+            const int64_t skipped0 = ampc_scaler_steps_skipped(r->scaler);
             if (ampc_scaler_step(r->scaler, r->opt) < 0 || ampc_scaler_update(r->scaler) < 0) {
                 rc = fail_lib("training (optimizer step)");
                 break;
             }
             ampc_optimizer_zero_grad(r->opt);
+            group_loss += ampc_tensor_item(loss);
+            if ((rc = steplog_step(r, epoch, done + 1, group_loss / (double)g, scale, ampc_scaler_steps_skipped(r->scaler) > skipped0)) < 0)
+                break;
             group_start = done + 1;
+            group_loss = 0;
             r->steps_run++;
+        } else if (training) {
+            group_loss += ampc_tensor_item(loss);
         }
         int64_t b = ampc_tensor_dim(y, 0);
         double lv = ampc_tensor_item(loss);
@@ -351,11 +360,12 @@ static int draw_plots(run *r) {
     char *loss_png = path_join(r->out, "loss.png"), *acc_png = path_join(r->out, "accuracy.png");
     if (!loss_png || !acc_png) rc = -1;
     snprintf(title, sizeof title, "%s on %s (%s): loss", sval(r->s, OPT_MODEL), what, prec);
-    plot_series ls[2] = {{"train", x, tl, n}, {"validation", x, vl, n}};
+    plot_series ls[2] = {{"train", x, tl, n, false}, {"validation", x, vl, n, false}};
     if (rc == 0 && plot_curves(loss_png, title, "epoch", "cross-entropy loss", ls, 2) < 0) rc = fail_lib("loss.png");
     snprintf(title, sizeof title, "%s on %s (%s): accuracy", sval(r->s, OPT_MODEL), what, prec);
-    plot_series as[2] = {{"train", x, ta, n}, {"validation", x, va, n}};
+    plot_series as[2] = {{"train", x, ta, n, false}, {"validation", x, va, n, false}};
     if (rc == 0 && plot_curves(acc_png, title, "epoch", "accuracy (%)", as, 2) < 0) rc = fail_lib("accuracy.png");
+    if (rc == 0) rc = steplog_plot(r);
     if (rc < 0 && g_err_status == AMPC_ERR_UNSUPPORTED) {   /* no pngcairo driver: keep training */
         warn("no plots: %s", g_err);
         error_reset();
@@ -550,7 +560,7 @@ int train_run(settings *s, run_result *res) {
     }
     if (r.rank == 0 && (rc = mkdir_p(r.out)) < 0) goto done;
     if (!(r.ckpt_path = path_join(r.out, "checkpoint.safetensors")) || !(r.model_path = path_join(r.out, "model.safetensors")) ||
-        (rc = open_metrics(&r)) < 0) {
+        (rc = open_metrics(&r)) < 0 || (rc = steplog_open(&r)) < 0) {
         rc = -1;
         goto done;
     }
