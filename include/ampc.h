@@ -491,7 +491,63 @@ int ampc_autocast_cache_size(void);   /* weight casts cached in this thread */
    copies count as AMPC_MEM_CASTS and go with their tensor; off: copies live only within a
    region, as in PyTorch. Process-wide. */
 void ampc_autocast_keep_weight_casts(bool on);
+/* Per-module precision (Keras' per-layer float32 policy): under autocast, ops inside the
+   modules whose path matches one of these comma-separated fnmatch(3) patterns ("layer4.*",
+   "fc2", "layer4" and all inside it) run in fp32 where the op table says lower precision (their
+   16-bit inputs cast up). NULL or "": none. Process-wide; the module paths it needs cost a
+   string append per module forward while set. */
+int ampc_autocast_fp32_modules(const char *patterns);
 bool ampc_autocast_keeps_weight_casts(void);
+
+// ---------------------------------------------------------------------------------------------
+// The numerics doctor (src/amp/doctor.c): what each op did to precision. Both tools watch every
+// op, forward and backward, with the module path it ran under ("layer3.1.conv2"); off, they
+// cost nothing measurable.
+
+/* Explain: every op that runs between begin and end (one training step, say). */
+typedef struct {
+    bool backward;
+    const char *module;        /* "conv1", "layer1.0.conv2" ("" outside any module); valid until exit */
+    const char *op;            /* forward: the op table's name ("conv2d"); backward: the node's ("ConvBackward") */
+    ampc_policy policy;        /* forward under autocast: the op table's for the autocast dtype; else UNSET */
+    int n_in;                  /* forward: the op's tensor inputs; backward: 1 (the incoming gradient) */
+    ampc_dtype in_dtype[8];    /* forward: the caller's dtypes (AMPC_DTYPE_COUNT: input absent); backward: the incoming gradient's */
+    ampc_dtype run_dtype[8];   /* forward: what the kernel read, after autocast's casts; backward: as in_dtype */
+    ampc_dtype out_dtype;      /* forward: the output's; backward: the first input gradient's (AMPC_DTYPE_COUNT: none) */
+    int64_t cast_bytes;        /* bytes autocast wrote for this op's inputs (0 for a copy already made: a
+                                  weight cast reused within the region, or one kept across steps) */
+} ampc_explain_row;
+/* Starts recording (AMPC_ERR_STATE if already recording). */
+int ampc_explain_begin(void);
+/* Stops; *rows receives the rows in the order the ops ran (malloc'd: free() it). Returns the
+   count or a negative status. */
+int ampc_explain_end(ampc_explain_row **rows);
+
+/* Doctor: the first op of a step whose output went non-finite, and why. */
+typedef enum {
+    AMPC_DOCTOR_CLEAN,          /* every output finite */
+    AMPC_DOCTOR_SCALE_INDUCED,  /* a backward op overflowed from finite inputs at a loss scale > 1: its values are
+                                   proportional to the scale, so a smaller scale fixes it */
+    AMPC_DOCTOR_INTRINSIC       /* non-finite in the forward (no scale there: log of 0, exploding activations, bad
+                                   data, an overflow of the 16-bit type), or in the backward at scale <= 1, or a NaN
+                                   a backward op made from finite inputs */
+} ampc_doctor_verdict;
+typedef struct {
+    ampc_doctor_verdict verdict;
+    bool backward;
+    const char *module, *op;   /* as in ampc_explain_row (NULL when CLEAN) */
+    int64_t nonfinite, numel;  /* NaN/inf values in that output, of its numel */
+    double scale;              /* the step's loss scale */
+} ampc_doctor_finding;
+/* Watches every op output for NaN/inf: a pass over each output, until the first find of a step. */
+void ampc_doctor_enable(bool on);
+bool ampc_doctor_is_enabled(void);
+/* Starts a step (before its forward): forgets the last finding; scale is the loss scale its
+   backward will carry (1: none). */
+void ampc_doctor_step_begin(double scale);
+/* The first non-finite output since ampc_doctor_step_begin. */
+ampc_doctor_finding ampc_doctor_finding_get(void);
+const char *ampc_doctor_verdict_name(ampc_doctor_verdict v);   /* "clean", "scale-induced", "intrinsic" */
 
 // ---------------------------------------------------------------------------------------------
 // Modules

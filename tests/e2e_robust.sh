@@ -160,6 +160,31 @@ if timeout "$LIMIT" "$TRAIN" "${SL[@]}" --epochs 3 --lr 1e6 --max-skipped-steps 
         bad "--step-log: $rows rows, $sk skipped, $halves bad halvings: $(grep -E '^skipped|grad scaler' "$W/sl.out" | tr '\n' ' ')"
     fi
 fi
+# --doctor: the diverged run's message and the skip line name the first op whose output went
+# non-finite (lr 1e6: the second step's forward overflows in the mlp's first Linear, '1')
+expect 3 doctor "skipped 5 steps in a row.*the first non-finite output: linear in '1' \\(forward, [0-9]+ of 8192 values\\), intrinsic" \
+    "${DIV[@]}" --epochs 3 --model mlp --amp-dtype fp16 --lr 1e6 --max-skipped-steps 5 --doctor yes --out "$W/d5"
+grep -q "^skipped step 2 (epoch 1, batch 2): .*the first non-finite output: linear in '1'" "$W/doctor.out" &&
+    ok "--doctor: the skip line names it too" || bad "--doctor: skip line: $(grep '^skipped' "$W/doctor.out" | head -1)"
+# --explain: the first step's ops with their policies and dtypes (test_doctor checks them against the table)
+if timeout "$LIMIT" "$TRAIN" --limit-train 64 --limit-val 32 --epochs 1 --amp-dtype fp16 --explain yes --progress off --out "$W/ex" >"$W/ex.out" 2>&1 &&
+    grep -qE "^ +1 +forward +conv1 +conv2d +lower_precision +f32,f32,f32 -> f16,f16,f16 +f16 +[0-9,]+$" "$W/ex.out" &&
+    grep -qE "^ +[0-9]+ +backward +conv2 +ConvolutionBackward" "$W/ex.out" && grep -qE "^  13 forward and [0-9]+ backward ops" "$W/ex.out"; then
+    ok "--explain: $(grep -E '^explain' "$W/ex.out")"
+else
+    bad "--explain: $(grep -A3 -E '^explain' "$W/ex.out" | tr '\n' ' ')"
+fi
+# --fp32-modules: fc1 and fc2 run in fp32 under fp16 autocast, the convolutions stay fp16
+if timeout "$LIMIT" "$TRAIN" --limit-train 64 --limit-val 32 --epochs 1 --amp-dtype fp16 --explain yes --fp32-modules 'fc*' --progress off \
+    --out "$W/ex32" >"$W/ex32.out" 2>&1 &&
+    grep -qE "^ +[0-9]+ +forward +fc1 +linear +fp32 +f16,f32,f32 -> f32,f32,f32 +f32 " "$W/ex32.out" &&
+    grep -qE "^ +[0-9]+ +forward +fc2 +linear +fp32 +f32,f32,f32 -> f32,f32,f32 +f32 " "$W/ex32.out" &&
+    grep -qE "^ +[0-9]+ +forward +conv2 +conv2d +lower_precision +f16,f32,f32 -> f16,f16,f16 +f16 " "$W/ex32.out"; then
+    ok "--fp32-modules 'fc*': fc1 and fc2 in fp32, conv2 in fp16"
+else
+    bad "--fp32-modules: $(grep -E ' forward +(fc|conv)' "$W/ex32.out" | tr '\n' ' ')"
+fi
+expect 2 fp32_modules_bad 'fp32-modules.*empty pattern' --epochs 0 --fp32-modules 'fc1,,fc2'
 # on --resume, rows past the checkpoint (written before a kill) are dropped: the log then ends
 # as the uninterrupted run's, byte for byte
 if timeout "$LIMIT" "$TRAIN" "${SL[@]}" --epochs 2 --out "$W/slref" >/dev/null 2>&1 &&

@@ -592,6 +592,8 @@ static void usage(FILE *f) {
             "  --profile         after each config, time each kernel over extra steps\n"
             "  --json FILE       write the results as JSON (default: none)\n"
             "  --channels-last yes|no  cnn/ResNet activations channels-last (default yes)\n"
+            "  --doctor yes|no         the numerics doctor on: every op's output checked for NaN/inf\n"
+            "                          (its cost; default no)\n"
             "  --keep-casts yes|no     autocast's weight copies kept across steps and rewritten by\n"
             "                    the optimizer's pass (default yes; no: recast in every step)\n"
             "  --help            this text\n");
@@ -651,7 +653,7 @@ int main(int argc, char **argv) {
         bool takes = !strcmp(a, "--workloads") || !strcmp(a, "--modes") || !strcmp(a, "--steps") ||
                      !strcmp(a, "--warmup") || !strcmp(a, "--threads") || !strcmp(a, "--json") ||
                      !strcmp(a, "--channels-last") || !strcmp(a, "--keep-casts") || !strcmp(a, "--device") ||
-                     !strcmp(a, "--batch");
+                     !strcmp(a, "--batch") || !strcmp(a, "--doctor");
         if (takes && !v) {
             fprintf(stderr, "ampc-bench: %s needs a value\n", a);
             return 2;
@@ -683,6 +685,11 @@ int main(int argc, char **argv) {
             bool on = true;
             rc = parse_yes_no(a, v, &on);
             ampc_autocast_keep_weight_casts(on);
+        }
+        else if (!strcmp(a, "--doctor")) {   /* the numerics doctor watching every op's output */
+            bool on = false;
+            rc = parse_yes_no(a, v, &on);
+            ampc_doctor_enable(on);
         }
         else if (!strcmp(a, "--peak")) peak_only = true;
         else if (!strcmp(a, "--no-peak")) no_peak = true;

@@ -33,4 +33,8 @@ int ampc__scaler_export(const ampc_scaler *s, double *v, int n);
    Returns 0 or a negative status with nothing changed. */
 int ampc__scaler_import(ampc_scaler *s, const double *v, int n, bool dry_run);
 
+/* The policy autocast applies to op now: the table's for dt, but fp32 where the table says lower
+   precision inside a module named by ampc_autocast_fp32_modules. */
+ampc_policy ampc__autocast_policy(ampc_op op, ampc_dtype dt);
+
 #endif /* AMPC_AMP_H */

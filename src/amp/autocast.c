@@ -3,10 +3,13 @@
  * policies are a column of the op table, AMPC_OP_TABLE in include/ampc.h) and the weight-cast
  * cache.
  */
+#include "amp/amp.h"
 #include "ops/ops.h"
 
+#include <fnmatch.h>
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
 
 // ---------------------------------------------------------------------------------------------
 // Thread-local state
@@ -169,10 +172,73 @@ static int replace(ampc_tensor **slot, ampc_tensor *with) {
     return AMPC_OK;
 }
 
+// ---------------------------------------------------------------------------------------------
+// fp32 modules: under autocast, ops inside the named modules take fp32 where the table says
+// lower precision (Keras' per-layer float32 policy)
+
+#define MAX_FP32_PATTERNS 32
+static pthread_mutex_t fp32_lock = PTHREAD_MUTEX_INITIALIZER;
+static char *fp32_pat[MAX_FP32_PATTERNS];
+static _Atomic int fp32_n;
+
+int ampc_autocast_fp32_modules(const char *patterns) {
+    char *pats[MAX_FP32_PATTERNS];
+    int n = 0;
+    for (const char *p = patterns; p && *p;) {
+        const char *comma = strchr(p, ',');
+        size_t len = comma ? (size_t)(comma - p) : strlen(p);
+        if (len == 0 || n == MAX_FP32_PATTERNS) {
+            for (int i = 0; i < n; i++) free(pats[i]);
+            return ampc__err(AMPC_ERR_INVALID, "autocast_fp32_modules: '%s' has %s", patterns,
+                             len == 0 ? "an empty pattern" : "too many patterns");
+        }
+        if (!(pats[n++] = strndup(p, len))) {
+            for (int i = 0; i < n - 1; i++) free(pats[i]);
+            return ampc__err(AMPC_ERR_OOM, "autocast_fp32_modules: out of memory");
+        }
+        p = comma ? comma + 1 : p + len;
+    }
+    pthread_mutex_lock(&fp32_lock);
+    int old = atomic_load(&fp32_n);
+    for (int i = 0; i < old; i++) free(fp32_pat[i]);
+    for (int i = 0; i < n; i++) fp32_pat[i] = pats[i];
+    atomic_store(&fp32_n, n);
+    if ((old > 0) != (n > 0)) ampc__trace_want_paths(n > 0);
+    pthread_mutex_unlock(&fp32_lock);
+    return AMPC_OK;
+}
+
+/* The current module path is one of the fp32 modules or inside one. */
+static bool in_fp32_module(void) {
+    if (atomic_load_explicit(&fp32_n, memory_order_relaxed) == 0) return false;
+    const char *path = ampc__trace_module_path();
+    if (!*path) return false;
+    bool hit = false;
+    pthread_mutex_lock(&fp32_lock);
+    for (int i = 0; i < fp32_n && !hit; i++) {
+        if (fnmatch(fp32_pat[i], path, 0) == 0) hit = true;
+        for (const char *dot = strchr(path, '.'); dot && !hit; dot = strchr(dot + 1, '.')) {   /* an ancestor matches */
+            char head[512];
+            size_t len = (size_t)(dot - path);
+            if (len >= sizeof head) break;
+            memcpy(head, path, len);
+            head[len] = '\0';
+            hit = fnmatch(fp32_pat[i], head, 0) == 0;
+        }
+    }
+    pthread_mutex_unlock(&fp32_lock);
+    return hit;
+}
+
+ampc_policy ampc__autocast_policy(ampc_op op, ampc_dtype dt) {
+    ampc_policy p = ampc_op_policy(op, dt);
+    return p == AMPC_POLICY_LOWER && in_fp32_module() ? AMPC_POLICY_FP32 : p;
+}
+
 static int apply_policy(ampc_op op, ampc_tensor **in, int n) {
     const region *r = current();
     if (!r || !r->enabled) return AMPC_OK;
-    ampc_policy p = ampc_op_policy(op, r->dtype);
+    ampc_policy p = ampc__autocast_policy(op, r->dtype);
     int rc = AMPC_OK;
     switch (p) {
     case AMPC_POLICY_LOWER:

@@ -36,6 +36,7 @@ typedef struct {
 struct ampc_node {
     atomic_int refcount;
     const char *name;                 /* "LinearBackward" */
+    const char *module;               /* the module path it was made under, while tracing (interned), or NULL */
     ampc_backward_fn backward;
     int n_inputs;
     ampc_node *next[AMPC_NODE_MAX_INPUTS];   /* owning; NULL: input needs no grad */

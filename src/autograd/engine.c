@@ -108,6 +108,7 @@ ampc_node *ampc__node_new(const char *name, ampc_backward_fn fn, ampc_tensor *co
     if (!node) return NULL;
     atomic_init(&node->refcount, 1);
     node->name = name;
+    node->module = ampc__trace_on() ? ampc__trace_intern(ampc__trace_module_path()) : NULL;
     node->backward = fn;
     node->n_inputs = n;
     for (int i = 0; i < n; i++) {
@@ -326,6 +327,9 @@ static int run_node(ampc_node *n) {
     ampc_no_grad_enter();
     int rc = n->backward(n, gy, gx);
     ampc_no_grad_exit();
+    /* tracing: the observer sees the incoming gradient and the input gradients as the next
+       nodes receive them (cast to the inputs' dtypes: an overflow of that cast is this op's) */
+    ampc_tensor *traced_gy = rc >= 0 && ampc__trace_on() ? ampc__retain(gy) : NULL, *traced[AMPC_NODE_MAX_INPUTS] = {0};
     ampc__release(gy);
     if (!n->leaf) {
         /* like PyTorch, only a node that saved something refuses a second pass */
@@ -360,7 +364,16 @@ static int run_node(ampc_node *n) {
             ampc__release(g);
             continue;
         }
+        if (traced_gy) traced[i] = ampc__retain(g);
         rc = accumulate_into(&m->grad, g, ampc__grad_kind(n, i));   /* a leaf's: counted as gradients */
+    }
+    if (traced_gy) {
+        ampc__trace_event e = {.backward = true, .name = n->name, .op = -1, .module = n->module ? n->module : "", .n_in = 1,
+                               .in = {traced_gy}, .n_out = n->n_inputs < AMPC_TRACE_MAX ? n->n_inputs : AMPC_TRACE_MAX};
+        for (int i = 0; i < e.n_out; i++) e.out[i] = traced[i];
+        if (rc >= 0) ampc__trace_emit(&e);
+        for (int i = 0; i < n->n_inputs; i++) ampc__release(traced[i]);
+        ampc__release(traced_gy);
     }
     if (rc < 0) return rc;
     for (int i = 0; i < n->n_inputs; i++) {

@@ -315,4 +315,39 @@ typedef struct {
 void ampc__comm_register(const ampc_comm_ops *ops);
 const ampc_comm_ops *ampc__comm(void);   /* never NULL */
 
+// ---------------------------------------------------------------------------------------------
+// Op tracing (trace.c): an observer of every op, forward and backward, with the module path it
+// ran under; the numerics doctor and --explain (src/amp/doctor.c) install it. Off, it costs a
+// relaxed atomic load per op and per module forward.
+
+#define AMPC_TRACE_MAX 8
+typedef struct {
+    bool backward;
+    const char *name;        /* forward: the op table's name ("conv2d"); backward: the node's ("ConvBackward") */
+    int op;                  /* forward: the ampc_op; backward: -1 */
+    const char *module;      /* the module path the op ran under ("layer3.1.conv2"; "" outside any) */
+    int n_in;
+    const ampc_tensor *src[AMPC_TRACE_MAX];   /* forward: the caller's inputs, before autocast (NULL: none) */
+    const ampc_tensor *in[AMPC_TRACE_MAX];    /* forward: what the kernel read; backward: in[0] the incoming gradient */
+    int n_out;
+    const ampc_tensor *out[AMPC_TRACE_MAX];   /* forward: out[0]; backward: each input's gradient (NULL: none) */
+} ampc__trace_event;
+typedef void (*ampc__trace_fn)(const ampc__trace_event *e, void *ctx);
+
+/* Installs the observer (NULL: off); one at a time, process-wide. */
+void ampc__trace_set(ampc__trace_fn fn, void *ctx);
+bool ampc__trace_on(void);
+void ampc__trace_emit(const ampc__trace_event *e);
+/* Module paths: push a module's own name around its forward (a token to pop with; nothing is
+   kept while tracing is off); the current path, and a copy that lives until exit (interned:
+   the backward nodes record where they were made). */
+/* Module paths are kept while tracing, or while some reader wants them (autocast's fp32
+   modules): a count of wanters. */
+void ampc__trace_want_paths(bool on);
+bool ampc__trace_paths_on(void);
+size_t ampc__trace_module_push(const char *name);
+void ampc__trace_module_pop(size_t token);
+const char *ampc__trace_module_path(void);
+const char *ampc__trace_intern(const char *s);
+
 #endif /* AMPC_CORE_H */

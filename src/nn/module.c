@@ -245,10 +245,16 @@ ampc_tensor *ampc_module_forward(ampc_module *m, ampc_tensor *x) {
     if (ampc__check_tensor(x, "ampc_module_forward") < 0) return NULL;
     /* The forward's intermediates belong to this scope; only the output leaves it. Whatever
        the autograd graph saved stays alive through the graph's own references. */
+    /* tracing (the numerics doctor, --explain): the ops below run under this module's path */
+    size_t token = SIZE_MAX;
+    if (m->parent && ampc__trace_paths_on())
+        for (int i = 0; i < m->parent->children.n; i++)
+            if (m->parent->children.items[i] == m) token = ampc__trace_module_push(m->parent->children.names[i]);
     ampc_scope_begin();
     ampc_tensor *y = m->vt->forward(m, x);
     if (y && y != x) ampc_tensor_keep(y);
     ampc_scope_end();
+    ampc__trace_module_pop(token);
     return y;
 }
 

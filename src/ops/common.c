@@ -85,6 +85,15 @@ void ampc__op_args_release(ampc_op_args *a) {
 }
 
 ampc_tensor *ampc__op_finish(ampc_op_args *a, ampc_tensor *out, ampc_node *node) {
+    if (out && ampc__trace_on()) {   /* the observer sees the op before its inputs go */
+        ampc__trace_event e = {.backward = false, .name = ampc_op_name(a->op), .op = (int)a->op,
+                               .module = ampc__trace_module_path(), .n_in = a->n, .n_out = 1, .out = {out}};
+        for (int i = 0; i < a->n && i < AMPC_TRACE_MAX; i++) {
+            e.src[i] = a->src[i];
+            e.in[i] = a->in[i];
+        }
+        ampc__trace_emit(&e);
+    }
     ampc__op_args_release(a);
     if (!out) {
         ampc__node_release(node);

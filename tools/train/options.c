@@ -131,6 +131,16 @@ const opt_def OPTS[OPT_COUNT] = {
                       "steps.csv in --out: a row per optimizer step (step, epoch, batch, loss, scale, skipped, lr; "
                       "rank 0's loss under mpirun), and with the grad scaler scale.png, the loss scale over the run "
                       "with the skipped steps marked"},
+    [OPT_DOCTOR] = {"doctor", V_YESNO, "no", NULL, 0, 0, false, O_SAVE | O_RESTORE, "yes|no",
+                    "the numerics doctor: on a skipped step (and when the run diverges), name the first op, forward or "
+                    "backward, whose output went NaN/inf, by module path, and whether a smaller loss scale fixes it "
+                    "(scale-induced) or not (intrinsic); costs a pass over each op's output"},
+    [OPT_EXPLAIN] = {"explain", V_YESNO, "no", NULL, 0, 0, false, 0, "yes|no",
+                     "print every op of this session's first training step: module, op, autocast policy, the dtypes "
+                     "given and run, the output's, and the bytes autocast spent on casts"},
+    [OPT_FP32_MODULES] = {"fp32-modules", V_TEXT, "", NULL, 0, 0, false, O_SAVE | O_RUN, "PATTERNS",
+                          "under autocast, run these modules in fp32 (comma-separated shell patterns of module paths, "
+                          "e.g. 'layer4.*' or fc; a module's children with it), as Keras' per-layer float32 policy"},
 };
 
 
@@ -240,7 +250,7 @@ int canonical(int i, const char *text, char *out, size_t n, char *err, size_t er
         return 0;
     }
     case V_TEXT:
-        if (i != OPT_DATA && i != OPT_INDEX_CSV && i != OPT_EXCLUDE_CLASS && !*text) return snprintf(err, errn, "--%s needs a value", o->name), -1;
+        if (i != OPT_DATA && i != OPT_INDEX_CSV && i != OPT_EXCLUDE_CLASS && i != OPT_FP32_MODULES && !*text) return snprintf(err, errn, "--%s needs a value", o->name), -1;
         snprintf(out, n, "%s", text);
         return 0;
     }

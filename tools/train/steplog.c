@@ -89,8 +89,10 @@ int steplog_step(run *r, int64_t epoch, int64_t batch, double loss, double scale
             char more[96] = "";
             if (r->skips_unprinted)
                 snprintf(more, sizeof more, " (and %" PRId64 " more since the last such line)", r->skips_unprinted);
-            printf("skipped step %" PRId64 " (epoch %" PRId64 ", batch %" PRId64 "): inf/NaN gradients at loss scale %g; the scale is now %g%s\n",
-                   steps_so_far(r), epoch + 1, batch, scale, (double)ampc_scaler_get_scale(r->scaler), more);
+            char blame[512];
+            doctor_blame(blame, sizeof blame);
+            printf("skipped step %" PRId64 " (epoch %" PRId64 ", batch %" PRId64 "): inf/NaN gradients at loss scale %g; the scale is now %g%s%s%s\n",
+                   steps_so_far(r), epoch + 1, batch, scale, (double)ampc_scaler_get_scale(r->scaler), *blame ? "; " : "", blame, more);
             fflush(stdout);
             r->skip_printed_at = now;
             r->skips_unprinted = 0;

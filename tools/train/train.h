@@ -65,7 +65,7 @@ typedef enum {
     OPT_OPTIMIZER, OPT_MOMENTUM, OPT_WEIGHT_DECAY, OPT_SEED, OPT_VAL_SPLIT, OPT_IMAGE_SIZE, OPT_INDEX_CSV, OPT_LIMIT_TRAIN,
     OPT_LIMIT_VAL, OPT_THREADS, OPT_DEVICE, OPT_NUM_WORKERS, OPT_MAX_MEMORY, OPT_OUT, OPT_RESUME, OPT_PROGRESS, OPT_CHANNELS_LAST,
     OPT_KEEP_CASTS, OPT_MAX_SKIPPED, OPT_MAX_LOSS, OPT_SYNC_BN, OPT_ZERO, OPT_LR_SCHEDULE, OPT_LR_STEP_SIZE, OPT_LR_GAMMA,
-    OPT_WARMUP_STEPS, OPT_CLIP_GRAD_NORM, OPT_PRETRAINED, OPT_PRETRAINED_STRICT, OPT_FREEZE, OPT_STOP_AFTER_STEPS, OPT_AUGMENT, OPT_EXCLUDE_CLASS, OPT_ACCUMULATE, OPT_STEP_LOG, OPT_COUNT
+    OPT_WARMUP_STEPS, OPT_CLIP_GRAD_NORM, OPT_PRETRAINED, OPT_PRETRAINED_STRICT, OPT_FREEZE, OPT_STOP_AFTER_STEPS, OPT_AUGMENT, OPT_EXCLUDE_CLASS, OPT_ACCUMULATE, OPT_STEP_LOG, OPT_DOCTOR, OPT_EXPLAIN, OPT_FP32_MODULES, OPT_COUNT
 } opt_id;
 
 typedef struct {
@@ -200,6 +200,7 @@ typedef struct {
     ampc_metrics *steps;     /* --step-log: steps.csv, one row per optimizer step (rank 0) */
     double skip_printed_at;  /* when the last skipped-step line was printed (progress_now), or -inf */
     int64_t skips_unprinted; /* skipped steps since then that got no line of their own */
+    bool explaining;         /* --explain: the first step of this session is being recorded */
 } run;
 
 // The per-step log and skipped-step lines (steplog.c)
@@ -215,6 +216,13 @@ int steplog_step(run *r, int64_t epoch, int64_t batch, double loss, double scale
    nothing without --step-log or the scaler). */
 int steplog_plot(run *r);
 void steplog_close(run *r);
+/* --doctor: a step starts (its loss scale); what the doctor blames, as a phrase for messages
+   ("" when off or clean). */
+void doctor_step_begin(run *r);
+const char *doctor_blame(char *buf, size_t n);
+/* --explain: recording starts before the session's first training step; after it, the table. */
+int explain_begin(run *r);
+int explain_print(run *r);
 
 // Checkpoint metadata (meta.c)
 

@@ -80,19 +80,22 @@ static int check_step(run *r, int64_t epoch, int64_t step, int64_t n_steps, doub
         if (bad > 0)
             return fail("the training batch of epoch %" PRId64 ", step %" PRId64 " holds %" PRId64 " NaN/inf input value(s): the data "
                         "is corrupt", epoch + 1, step, bad);
-        if (!scaled) return diverged(r, epoch, step, n_steps, "the loss is %g", loss);
+        char blame[512];
+        if (!scaled) return diverged(r, epoch, step, n_steps, "the loss is %g%s%s", loss, *doctor_blame(blame, sizeof blame) ? "; " : "", blame);
     } else if (loss > rval(r->s, OPT_MAX_LOSS)) {
         return diverged(r, epoch, step, n_steps, "the loss %g exceeds --max-loss %s", loss, sval(r->s, OPT_MAX_LOSS));
     }
     if (!scaled) return 0;
     int64_t max_skip = ival(r->s, OPT_MAX_SKIPPED);
     float scale = ampc_scaler_get_scale(r->scaler);
+    char blame[512], sep[3] = "";
+    if (*doctor_blame(blame, sizeof blame)) snprintf(sep, sizeof sep, "; ");
     if (max_skip > 0 && r->skipped_in_a_row >= max_skip)
         return diverged(r, epoch, step, n_steps, "the grad scaler skipped %" PRId64 " steps in a row (inf/NaN gradients down to scale %g; "
-                        "--max-skipped-steps %" PRId64 ")", r->skipped_in_a_row, (double)scale, max_skip);
+                        "--max-skipped-steps %" PRId64 ")%s%s", r->skipped_in_a_row, (double)scale, max_skip, sep, blame);
     if (scale < MIN_LOSS_SCALE)
-        return diverged(r, epoch, step, n_steps, "the loss scale collapsed to %g (below 2^-24, where every fp16 gradient underflows)",
-                        (double)scale);
+        return diverged(r, epoch, step, n_steps, "the loss scale collapsed to %g (below 2^-24, where every fp16 gradient underflows)%s%s",
+                        (double)scale, sep, blame);
     return 0;
 }
 
@@ -205,6 +208,10 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
             if (more < 0) rc = fail_lib("data loader");
             break;
         }
+        if (training && done == group_start) {   /* an optimizer step begins */
+            doctor_step_begin(r);
+            if (r->steps_run == 0 && yes(r->s, OPT_EXPLAIN) && !r->explaining && (rc = explain_begin(r)) < 0) break;
+        }
         ampc_tensor *y_cpu = y;   /* the labels stay readable here for counting */
         if (r->device != AMPC_DEVICE_CPU && (!(x = ampc_tensor_to(x, r->device, AMPC_F32)) || !(y = ampc_tensor_to(y, r->device, AMPC_I64)))) {
             rc = fail_lib("copying the batch to the device");
@@ -270,6 +277,7 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
             group_start = done + 1;
             group_loss = 0;
             r->steps_run++;
+            if (r->explaining && (rc = explain_print(r)) < 0) break;
         } else if (training) {
             group_loss += ampc_tensor_item(loss);
         }
@@ -513,6 +521,10 @@ int train_run(settings *s, run_result *res) {
     int rc = 0;
     if (*sval(s, OPT_RESUME) && (rc = resume_settings(s)) < 0) goto done;
     if ((rc = run_build(&r)) < 0) goto done;
+    if (ampc_autocast_fp32_modules(sval(s, OPT_FP32_MODULES)) < 0) {
+        rc = usage_error("--fp32-modules: %s", ampc_last_error());
+        goto done;
+    }
     if (*sval(s, OPT_RESUME) && (rc = resume_state(&r)) < 0) goto done;
     /* data-parallel: rank 0's weights and buffers everywhere, and gradients averaged from here on */
     if (r.world > 1 && !(r.ddp = ampc_ddp_new(r.net, NULL))) {
@@ -571,6 +583,7 @@ int train_run(settings *s, run_result *res) {
     printf("outputs: %s/{metrics.csv,loss.png,accuracy.png,checkpoint.safetensors,model.safetensors}\n", r.out);
     fflush(stdout);
 
+    if (yes(s, OPT_DOCTOR)) ampc_doctor_enable(true);
     ampc_memory_reset_peak();
     double t0 = progress_now();
     r.skipped_seen = ampc_scaler_steps_skipped(r.scaler);
@@ -663,6 +676,13 @@ int train_run(settings *s, run_result *res) {
     printf("  outputs: %s\n", r.out);
     res->ok = true;
 done:
+    if (r.explaining) {   /* stopped inside the explained step: the recording ends unprinted */
+        ampc_explain_row *rows = NULL;
+        ampc_explain_end(&rows);
+        free(rows);
+    }
+    ampc_doctor_enable(false);
+    ampc_autocast_fp32_modules(NULL);
     stop_signals_install(false);
     run_free(&r);
     return rc;

@@ -1,0 +1,209 @@
+/*
+ * doctor.c - the numerics doctor and --explain: one observer of the op trace (core/trace.c)
+ * serves both.
+ *
+ * Explain records a row per op: its policy (the op table's, for the autocast dtype in force),
+ * the dtypes the caller gave and the kernel read, the output's, and the bytes autocast wrote to
+ * cast its inputs (each cast counted once: a weight cast the region reuses, or a copy kept across
+ * steps (AMPC_MEM_CASTS), writes nothing new).
+ *
+ * The doctor counts NaN/inf in each op's outputs until the first find of a step, and classifies
+ * it: in the forward no loss scale is involved, so it is intrinsic; in the backward every value
+ * is the loss scale times the true one, so an inf an op makes from a finite incoming gradient at
+ * a scale above 1 is scale-induced (a smaller scale fixes it), while one at scale <= 1, or a NaN
+ * from finite inputs (0/0, inf - inf inside the op), is intrinsic.
+ */
+#include "amp/amp.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+
+static struct {
+    bool on;
+    ampc_explain_row *rows;
+    int n, cap;
+    const void **seen;   /* storages of casts already counted */
+    int n_seen, cap_seen;
+    bool oom;
+} ex;
+
+static struct {
+    bool on;
+    double scale;
+    ampc_doctor_finding found;
+} doc;
+
+static void observe(const ampc__trace_event *e, void *ctx);
+
+static void update_hook(void) { ampc__trace_set(ex.on || doc.on ? observe : NULL, NULL); }
+
+// ---------------------------------------------------------------------------------------------
+// Explain
+
+static bool seen_before(const void *storage) {
+    for (int i = 0; i < ex.n_seen; i++)
+        if (ex.seen[i] == storage) return true;
+    if (ex.n_seen == ex.cap_seen) {
+        int nc = ex.cap_seen ? 2 * ex.cap_seen : 64;
+        const void **ns = realloc(ex.seen, (size_t)nc * sizeof *ns);
+        if (!ns) return (ex.oom = true);
+        ex.seen = ns;
+        ex.cap_seen = nc;
+    }
+    ex.seen[ex.n_seen++] = storage;
+    return false;
+}
+
+static void explain_row(const ampc__trace_event *e) {
+    if (ex.n == ex.cap) {
+        int nc = ex.cap ? 2 * ex.cap : 256;
+        ampc_explain_row *nr = realloc(ex.rows, (size_t)nc * sizeof *nr);
+        if (!nr) {
+            ex.oom = true;
+            return;
+        }
+        ex.rows = nr;
+        ex.cap = nc;
+    }
+    ampc_explain_row *r = &ex.rows[ex.n++];
+    memset(r, 0, sizeof *r);
+    r->backward = e->backward;
+    r->module = ampc__trace_intern(e->module);
+    r->op = e->name;
+    r->policy = !e->backward && ampc_autocast_is_enabled() ? ampc__autocast_policy((ampc_op)e->op, ampc_autocast_dtype()) : AMPC_POLICY_UNSET;
+    r->n_in = e->n_in < 8 ? e->n_in : 8;
+    for (int i = 0; i < 8; i++) r->in_dtype[i] = r->run_dtype[i] = AMPC_DTYPE_COUNT;
+    for (int i = 0; i < r->n_in; i++) {
+        const ampc_tensor *src = e->backward ? e->in[i] : e->src[i], *in = e->in[i];
+        if (src) r->in_dtype[i] = src->dtype;
+        if (in) r->run_dtype[i] = in->dtype;
+        if (!e->backward && src && in && src->dtype != in->dtype && in->storage->kind != AMPC_MEM_CASTS &&
+            !seen_before(in->storage))
+            r->cast_bytes += (int64_t)in->numel * (int64_t)ampc__dt(in->dtype)->size;
+    }
+    r->out_dtype = AMPC_DTYPE_COUNT;
+    for (int i = 0; i < e->n_out; i++)
+        if (e->out[i]) {
+            r->out_dtype = e->out[i]->dtype;
+            break;
+        }
+}
+
+int ampc_explain_begin(void) {
+    pthread_mutex_lock(&lock);
+    int rc = AMPC_OK;
+    if (ex.on) rc = ampc__err(AMPC_ERR_STATE, "explain_begin: already recording");
+    else {
+        ex.on = true;
+        ex.n = ex.n_seen = 0;
+        ex.oom = false;
+        update_hook();
+    }
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
+int ampc_explain_end(ampc_explain_row **rows) {
+    if (!rows) return ampc__err(AMPC_ERR_INVALID, "explain_end: NULL rows");
+    *rows = NULL;
+    pthread_mutex_lock(&lock);
+    int rc;
+    if (!ex.on) rc = ampc__err(AMPC_ERR_STATE, "explain_end without explain_begin");
+    else if (ex.oom) rc = ampc__err(AMPC_ERR_OOM, "explain: out of memory while recording");
+    else {
+        rc = ex.n;
+        *rows = ex.rows;
+        ex.rows = NULL;
+        ex.cap = 0;
+    }
+    ex.on = false;
+    free(ex.rows);
+    ex.rows = NULL;
+    ex.cap = ex.n = 0;
+    free(ex.seen);
+    ex.seen = NULL;
+    ex.cap_seen = ex.n_seen = 0;
+    update_hook();
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Doctor
+
+static void doctor_check(const ampc__trace_event *e) {
+    if (doc.found.verdict != AMPC_DOCTOR_CLEAN) return;   /* the first find of the step only */
+    for (int i = 0; i < e->n_out; i++) {
+        const ampc_tensor *t = e->out[i];
+        if (!t || !ampc__dt(t->dtype)->is_float) continue;
+        int64_t bad = ampc_tensor_count_nonfinite(t);
+        if (bad <= 0) continue;
+        ampc_doctor_verdict v = AMPC_DOCTOR_INTRINSIC;
+        if (e->backward && doc.scale > 1) {
+            const ampc_tensor *gy = e->in[0];
+            bool finite_in = gy && ampc_tensor_count_nonfinite(gy) == 0;
+            bool has_inf = false;   /* an overflow, not a NaN from finite values */
+            if (finite_in) {
+                int64_t n = t->numel;
+                double *v64 = malloc((size_t)(n ? n : 1) * sizeof *v64);
+                if (v64 && ampc_tensor_to_f64(t, v64, (size_t)n) >= 0)
+                    for (int64_t k = 0; k < n && !has_inf; k++) has_inf = isinf(v64[k]);
+                free(v64);
+            }
+            if (finite_in && has_inf) v = AMPC_DOCTOR_SCALE_INDUCED;
+        }
+        doc.found = (ampc_doctor_finding){.verdict = v, .backward = e->backward, .module = ampc__trace_intern(e->module),
+                                          .op = e->name, .nonfinite = bad, .numel = t->numel, .scale = doc.scale};
+        return;
+    }
+}
+
+void ampc_doctor_enable(bool on) {
+    pthread_mutex_lock(&lock);
+    doc.on = on;
+    update_hook();
+    pthread_mutex_unlock(&lock);
+}
+
+bool ampc_doctor_is_enabled(void) { return doc.on; }
+
+void ampc_doctor_step_begin(double scale) {
+    pthread_mutex_lock(&lock);
+    doc.scale = scale;
+    doc.found = (ampc_doctor_finding){.verdict = AMPC_DOCTOR_CLEAN, .scale = scale};
+    pthread_mutex_unlock(&lock);
+}
+
+ampc_doctor_finding ampc_doctor_finding_get(void) {
+    pthread_mutex_lock(&lock);
+    ampc_doctor_finding f = doc.found;
+    pthread_mutex_unlock(&lock);
+    return f;
+}
+
+const char *ampc_doctor_verdict_name(ampc_doctor_verdict v) {
+    switch (v) {
+    case AMPC_DOCTOR_CLEAN: return "clean";
+    case AMPC_DOCTOR_SCALE_INDUCED: return "scale-induced";
+    case AMPC_DOCTOR_INTRINSIC: return "intrinsic";
+    }
+    return "?";
+}
+
+// ---------------------------------------------------------------------------------------------
+
+static void observe(const ampc__trace_event *e, void *ctx) {
+    (void)ctx;
+    static _Thread_local bool inside;   /* the checks' own work is not observed */
+    if (inside) return;
+    inside = true;
+    pthread_mutex_lock(&lock);
+    if (ex.on) explain_row(e);
+    if (doc.on) doctor_check(e);
+    pthread_mutex_unlock(&lock);
+    inside = false;
+}
