@@ -384,6 +384,46 @@ static void test_f64_narrowing_no_double_rounding(void **state) {
     }
 }
 
+/* ampc_tensor_count_nonfinite reads bit patterns (an all-ones exponent): against isfinite of
+   each value's exact f64 conversion, over every f16 and bf16 pattern (twice: 131072 elements,
+   the parallel path) and over f32 patterns from every exponent with random mantissas. */
+static void test_count_nonfinite_bit_patterns(void **state) {
+    (void)state;
+    const ampc_dtype d16[2] = {AMPC_F16, AMPC_BF16};
+    for (int k = 0; k < 2; k++) {
+        const int64_t n = 2 * 65536;
+        ampc_tensor *t = ampc_tensor_empty(d16[k], 1, &n);
+        uint16_t *u = ampc_tensor_data(t);
+        for (int64_t i = 0; i < n; i++) u[i] = (uint16_t)i;
+        double *v = malloc((size_t)n * sizeof *v);
+        ASSERT_OK(ampc_tensor_to_f64(t, v, (size_t)n));
+        int64_t want = 0;
+        for (int64_t i = 0; i < n; i++) want += !isfinite(v[i]);
+        assert_int_equal(ampc_tensor_count_nonfinite(t), want);
+        assert_int_equal(want, 2 * 2 * (d16[k] == AMPC_F16 ? 1024 : 128));   /* both signs, every mantissa */
+        free(v);
+        ampc_tensor_free(t);
+    }
+    const int64_t n = 256 * 1024;
+    ampc_tensor *t = ampc_tensor_empty(AMPC_F32, 1, &n);
+    uint32_t *u = ampc_tensor_data(t);
+    uint64_t rs = 7;
+    for (int64_t i = 0; i < n; i++) {
+        rs = rs * 6364136223846793005u + 1442695040888963407u;
+        uint32_t sign = (uint32_t)(rs >> 63) << 31, exp = (uint32_t)(i % 256) << 23, mant = (uint32_t)(rs >> 20) & 0x7fffffu;
+        u[i] = sign | exp | (i % 1024 == 0 ? 0 : mant);   /* infinities too */
+    }
+    int64_t want = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float f;
+        memcpy(&f, &u[i], sizeof f);
+        want += !isfinite(f);
+    }
+    assert_int_equal(ampc_tensor_count_nonfinite(t), want);
+    assert_int_equal(want, n / 256);
+    ampc_tensor_free(t);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_decode_exhaustive),
@@ -392,6 +432,7 @@ int main(void) {
         cmocka_unit_test(test_best_level_chosen),
         cmocka_unit_test(test_levels_match_scalar),
         cmocka_unit_test(test_f64_narrowing_no_double_rounding),
+        cmocka_unit_test(test_count_nonfinite_bit_patterns),
     };
     return cmocka_run_group_tests_name("dtype", tests, tu_group_setup, tu_group_teardown);
 }

@@ -329,7 +329,7 @@ static int run_node(ampc_node *n) {
     ampc_no_grad_exit();
     /* tracing: the observer sees the incoming gradient and the input gradients as the next
        nodes receive them (cast to the inputs' dtypes: an overflow of that cast is this op's) */
-    ampc_tensor *traced_gy = rc >= 0 && ampc__trace_on() ? ampc__retain(gy) : NULL, *traced[AMPC_NODE_MAX_INPUTS] = {0};
+    ampc_tensor *traced_gy = rc >= 0 && ampc__trace_on() ? ampc__retain(gy) : NULL;
     ampc__release(gy);
     if (!n->leaf) {
         /* like PyTorch, only a node that saved something refuses a second pass */
@@ -337,7 +337,7 @@ static int run_node(ampc_node *n) {
         n->released |= n->extra != NULL;
         node_free_saved(n);
     }
-    for (int i = 0; i < n->n_inputs; i++) {
+    for (int i = 0; i < n->n_inputs; i++) {   /* each input's gradient as that input's node takes it */
         ampc_node *m = n->next[i];
         ampc_tensor *g = gx[i];
         gx[i] = NULL;
@@ -364,16 +364,24 @@ static int run_node(ampc_node *n) {
             ampc__release(g);
             continue;
         }
-        if (traced_gy) traced[i] = ampc__retain(g);
-        rc = accumulate_into(&m->grad, g, ampc__grad_kind(n, i));   /* a leaf's: counted as gradients */
+        gx[i] = g;
     }
-    if (traced_gy) {
+    if (traced_gy) {   /* borrowed: the gradients are accumulated (and perhaps consumed) after */
         ampc__trace_event e = {.backward = true, .name = n->name, .op = -1, .module = n->module ? n->module : "", .n_in = 1,
                                .in = {traced_gy}, .n_out = n->n_inputs < AMPC_TRACE_MAX ? n->n_inputs : AMPC_TRACE_MAX};
-        for (int i = 0; i < e.n_out; i++) e.out[i] = traced[i];
+        for (int i = 0; i < e.n_out; i++) e.out[i] = gx[i];
         if (rc >= 0) ampc__trace_emit(&e);
-        for (int i = 0; i < n->n_inputs; i++) ampc__release(traced[i]);
         ampc__release(traced_gy);
+    }
+    for (int i = 0; i < n->n_inputs; i++) {
+        ampc_tensor *g = gx[i];
+        gx[i] = NULL;
+        if (!g) continue;
+        if (rc < 0) {
+            ampc__release(g);
+            continue;
+        }
+        rc = accumulate_into(&n->next[i]->grad, g, ampc__grad_kind(n, i));   /* a leaf's: counted as gradients */
     }
     if (rc < 0) return rc;
     for (int i = 0; i < n->n_inputs; i++) {

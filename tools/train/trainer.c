@@ -180,7 +180,7 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
     if (!training) ampc_no_grad_enter();
     int depth = ampc_scope_depth(), rc = 0;
     for (;;) {
-        const bool boundary = done == group_start;
+        const bool boundary = !training || done == group_start;   /* validation: every batch */
         if (boundary && r->world > 1) {   /* every rank stops at the same step: a signal seen by any of them counts */
             double sig = g_signal;
             if (ampc_dist_max_f64(&sig, 1) < 0) {
