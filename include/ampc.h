@@ -549,6 +549,31 @@ void ampc_doctor_step_begin(double scale);
 ampc_doctor_finding ampc_doctor_finding_get(void);
 const char *ampc_doctor_verdict_name(ampc_doctor_verdict v);   /* "clean", "scale-induced", "intrinsic" */
 
+/* Numerics statistics: per op (module, op, pass), over the steps sampled between begin and end,
+   what its outputs kept in 16 bits (forward: activations; backward: gradients, which carry the
+   loss scale, measured as the op computed them, before the cast to the input's 16-bit dtype)
+   lose in the 16-bit type `target`; outputs kept wider (a loss, fp32 weight gradients) are
+   not counted. A value v of a wider tensor counts as flushed when it is
+   nonzero and rounds to 0 in target (|v| below half the smallest subnormal), subnormal when it
+   lands among target's subnormals, saturated when it rounds to inf (|v| from max + half an ulp;
+   inf itself too); a 16-bit tensor's own subnormals and infs count alike (its flushed values are
+   already 0 and cannot be told from exact zeros, counted apart). */
+typedef struct {
+    const char *module, *op;   /* as in ampc_explain_row */
+    bool backward;
+    int64_t outputs;           /* output tensors seen (a row's op may run several times a step) */
+    int64_t values;            /* their elements */
+    int64_t zeros, flushed, subnormal, saturated, nonfinite;   /* counts among values */
+    double amax;               /* the largest finite |v| */
+} ampc_numerics_row;
+/* Starts collecting (target AMPC_F16 or AMPC_BF16); AMPC_ERR_STATE if already on. The rows
+   accumulate over every step until ampc_numerics_end: sample by calling begin/end around the
+   steps to sample (ampc_numerics_pause/resume skip steps without losing the rows). */
+int ampc_numerics_begin(ampc_dtype target);
+void ampc_numerics_pause(bool paused);
+/* Stops; *rows receives the rows in the order first seen (malloc'd: free()); the count. */
+int ampc_numerics_end(ampc_numerics_row **rows);
+
 // ---------------------------------------------------------------------------------------------
 // Modules
 

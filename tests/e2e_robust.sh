@@ -185,6 +185,16 @@ else
     bad "--fp32-modules: $(grep -E ' forward +(fc|conv)' "$W/ex32.out" | tr '\n' ' ')"
 fi
 expect 2 fp32_modules_bad 'fp32-modules.*empty pattern' --epochs 0 --fp32-modules 'fc1,,fc2'
+# --numerics-every 4: 16 steps of which 4 sampled; the table, and numerics.csv with a row per op,
+# among them the logits' gradient narrowed to fp16 (CastBackward) at scale 65536
+if timeout "$LIMIT" "$TRAIN" --limit-train 1024 --limit-val 64 --epochs 1 --amp-dtype fp16 --numerics-every 4 --progress off \
+    --out "$W/nm" >"$W/nm.out" 2>&1 && grep -qE '^numerics: 4 sampled step\(s\), [0-9]+ ops; what fp16 would lose' "$W/nm.out" &&
+    head -1 "$W/nm/numerics.csv" | grep -qx 'pass,module,op,outputs,values,amax,flushed,subnormal,saturated,zeros,nonfinite' &&
+    grep -qE '^backward,,CastBackward,4,2560,' "$W/nm/numerics.csv" && grep -qE '^forward,conv1,conv2d,4,' "$W/nm/numerics.csv"; then
+    ok "--numerics-every 4: $(grep -E '^numerics' "$W/nm.out" | cut -c1-60), $(($(wc -l <"$W/nm/numerics.csv") - 1)) rows in numerics.csv"
+else
+    bad "--numerics-every: $(grep -E '^numerics' "$W/nm.out"; head -3 "$W/nm/numerics.csv" 2>&1 | tr '\n' ' ')"
+fi
 # on --resume, rows past the checkpoint (written before a kill) are dropped: the log then ends
 # as the uninterrupted run's, byte for byte
 if timeout "$LIMIT" "$TRAIN" "${SL[@]}" --epochs 2 --out "$W/slref" >/dev/null 2>&1 &&

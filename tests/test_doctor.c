@@ -226,12 +226,77 @@ static void test_doctor_scale_induced(void **state) {
     ampc_module_free(m);
 }
 
+/* Numerics statistics on tiny gradients: loss = sum(linear(x) * (c * scale)) with c
+   log-uniform in [1e-12, 1e-3], outside autocast, so the Linear's fp16 output is cast up (a
+   recorded cast) and its gradient arrives as exactly c * scale in f32 (scale a power of 2),
+   which the cast's backward narrows to fp16. That row (CastBackward) counts the values fp16
+   flushes to zero or keeps only as subnormals: equal to the test's own count from c, about half
+   flushed at scale 1 and none at 65536. */
+static void test_numerics_underflow(void **state) {
+    (void)state;
+    enum { N = 64, IN = 16, OUT = 32 };
+    ampc_manual_seed(8);
+    ampc_module *lin = ampc_linear_new(IN, OUT, true);
+    ASSERT_NOT_NULL_MSG(lin);
+    static float c[N * OUT];
+    uint64_t rs = 5;
+    for (int i = 0; i < N * OUT; i++) c[i] = (float)pow(10.0, tu_uniform(&rs, -12, -3));
+    const double scales[2] = {1, 65536};
+    double flushed_frac[2];
+    for (int k = 0; k < 2; k++) {
+        static float cs[N * OUT];
+        int64_t want_flushed = 0, want_sub = 0;
+        for (int i = 0; i < N * OUT; i++) {
+            cs[i] = c[i] * (float)scales[k];
+            double a = fabs((double)cs[i]);
+            want_flushed += a < 0x1p-25;
+            want_sub += a >= 0x1p-25 && a < 0x1p-14;
+        }
+        ampc_scope_begin();
+        ampc_tensor *x = ampc_tensor_randn(AMPC_F32, 2, (int64_t[]){N, IN}, 0, 1);
+        ampc_tensor *ct = ampc_tensor_from_f32(AMPC_F32, 2, (int64_t[]){N, OUT}, cs);
+        ASSERT_OK(ampc_numerics_begin(AMPC_F16));
+        assert_int_equal(ampc_numerics_begin(AMPC_F16), AMPC_ERR_STATE);
+        ampc_autocast_enter(AMPC_F16, true);
+        ampc_tensor *y = ampc_module_forward(lin, x);
+        ampc_autocast_exit();
+        ASSERT_OK(ampc_backward(ampc_sum(ampc_mul(y, ct), AMPC_ALL_DIMS, false)));
+        ampc_numerics_row *rows;
+        int n = ampc_numerics_end(&rows);
+        ampc_scope_end();
+        assert_true(n > 0);
+        const ampc_numerics_row *r = NULL;
+        for (int i = 0; i < n; i++)
+            if (rows[i].backward && !strcmp(rows[i].op, "CastBackward")) r = &rows[i];
+        ASSERT_NOT_NULL_MSG(r);
+        assert_int_equal(r->values, N * OUT);
+        assert_int_equal(r->flushed, want_flushed);
+        assert_int_equal(r->subnormal, want_sub);
+        assert_int_equal(r->saturated, 0);
+        flushed_frac[k] = (double)r->flushed / (double)r->values;
+        print_message("scale %g: the Linear output's gradient: %.1f%% flushed, %.1f%% subnormal in fp16 (amax %.3g)\n", scales[k],
+                      100 * flushed_frac[k], 100.0 * (double)r->subnormal / (double)r->values, r->amax);
+        /* the forward rows are there too: the linear's fp16 output */
+        bool fwd = false;
+        for (int i = 0; i < n; i++) fwd |= !rows[i].backward && !strcmp(rows[i].op, "linear") && rows[i].values == N * OUT;
+        assert_true(fwd);
+        free(rows);
+    }
+    assert_true(flushed_frac[0] > 0.3);
+    assert_true(flushed_frac[1] < 0.01);
+    ampc_numerics_row *none;
+    assert_int_equal(ampc_numerics_end(&none), AMPC_ERR_STATE);
+    assert_int_equal(ampc_numerics_begin(AMPC_F32), AMPC_ERR_DTYPE);
+    ampc_module_free(lin);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_explain_cnn),
         cmocka_unit_test(test_fp32_modules),
         cmocka_unit_test(test_doctor_intrinsic),
         cmocka_unit_test(test_doctor_scale_induced),
+        cmocka_unit_test(test_numerics_underflow),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
 }

@@ -39,7 +39,15 @@ static struct {
 
 static void observe(const ampc__trace_event *e, void *ctx);
 
-static void update_hook(void) { ampc__trace_set(ex.on || doc.on ? observe : NULL, NULL); }
+static struct {
+    bool on, paused;
+    ampc_dtype target;
+    ampc_numerics_row *rows;
+    int n, cap;
+    bool oom;
+} nm;
+
+static void update_hook(void) { ampc__trace_set(ex.on || doc.on || (nm.on && !nm.paused) ? observe : NULL, NULL); }
 
 // ---------------------------------------------------------------------------------------------
 // Explain
@@ -195,6 +203,123 @@ const char *ampc_doctor_verdict_name(ampc_doctor_verdict v) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Numerics statistics
+
+static ampc_numerics_row *nm_row(const char *module, const char *op, bool backward) {
+    for (int i = nm.n - 1; i >= 0; i--)   /* interned module strings: compare pointers */
+        if (nm.rows[i].module == module && nm.rows[i].backward == backward && !strcmp(nm.rows[i].op, op)) return &nm.rows[i];
+    if (nm.n == nm.cap) {
+        int nc = nm.cap ? 2 * nm.cap : 128;
+        ampc_numerics_row *nr = realloc(nm.rows, (size_t)nc * sizeof *nr);
+        if (!nr) {
+            nm.oom = true;
+            return NULL;
+        }
+        nm.rows = nr;
+        nm.cap = nc;
+    }
+    ampc_numerics_row *r = &nm.rows[nm.n++];
+    *r = (ampc_numerics_row){.module = module, .op = op, .backward = backward};
+    return r;
+}
+
+static void nm_count(ampc_numerics_row *r, const ampc_tensor *t) {
+    const int64_t n = t->numel;
+    double *v = malloc((size_t)(n ? n : 1) * sizeof *v);
+    if (!v || ampc_tensor_to_f64(t, v, (size_t)n) < 0) {
+        free(v);
+        ampc_clear_error();
+        return;
+    }
+    /* target's thresholds: half the smallest subnormal (below: rounds to 0), the smallest
+       normal, and max + half an ulp (from there: rounds to inf) */
+    const bool f16 = nm.target == AMPC_F16;
+    const double half_sub = f16 ? 0x1p-25 : 0x1p-134, min_normal = f16 ? 0x1p-14 : 0x1p-126;
+    const double sat = f16 ? 65520.0 : 0x1.ff8p+127;
+    for (int64_t i = 0; i < n; i++) {
+        const double a = fabs(v[i]);
+        if (isnan(a)) {
+            r->nonfinite++;
+            continue;
+        }
+        if (isinf(a)) {
+            r->nonfinite++;
+            r->saturated++;
+            continue;
+        }
+        if (a > r->amax) r->amax = a;
+        if (a == 0) r->zeros++;
+        else if (a < half_sub) r->flushed++;
+        else if (a < min_normal) r->subnormal++;
+        else if (a >= sat) r->saturated++;
+    }
+    r->outputs++;
+    r->values += n;
+    free(v);
+}
+
+static void nm_observe(const ampc__trace_event *e) {
+    const char *module = ampc__trace_intern(e->module);
+    for (int i = 0; i < e->n_out; i++) {
+        /* only what is kept in 16 bits (a loss, its scaling, fp32 weight gradients never are),
+           measured before the cast that makes it so */
+        const ampc_tensor *kept = e->out[i], *t = e->backward && e->raw[i] ? e->raw[i] : kept;
+        if (!kept || (kept->dtype != AMPC_F16 && kept->dtype != AMPC_BF16) || !ampc__dt(t->dtype)->is_float) continue;
+        /* a cast's backward narrows its incoming gradient itself: that is the value before */
+        const ampc_tensor *gy = e->in[0];
+        if (e->backward && !strcmp(e->name, "CastBackward") && gy && gy->numel == kept->numel && gy->dtype == AMPC_F32) t = gy;
+        ampc_numerics_row *r = nm_row(module, e->name, e->backward);
+        if (r) nm_count(r, t);
+    }
+}
+
+int ampc_numerics_begin(ampc_dtype target) {
+    if (target != AMPC_F16 && target != AMPC_BF16)
+        return ampc__err(AMPC_ERR_DTYPE, "numerics_begin: target must be f16 or bf16, not %s", ampc_dtype_name(target));
+    pthread_mutex_lock(&lock);
+    int rc = AMPC_OK;
+    if (nm.on) rc = ampc__err(AMPC_ERR_STATE, "numerics_begin: already collecting");
+    else {
+        nm.on = true;
+        nm.paused = false;
+        nm.target = target;
+        nm.n = 0;
+        nm.oom = false;
+        update_hook();
+    }
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
+void ampc_numerics_pause(bool paused) {
+    pthread_mutex_lock(&lock);
+    nm.paused = paused;
+    update_hook();
+    pthread_mutex_unlock(&lock);
+}
+
+int ampc_numerics_end(ampc_numerics_row **rows) {
+    if (!rows) return ampc__err(AMPC_ERR_INVALID, "numerics_end: NULL rows");
+    *rows = NULL;
+    pthread_mutex_lock(&lock);
+    int rc;
+    if (!nm.on) rc = ampc__err(AMPC_ERR_STATE, "numerics_end without numerics_begin");
+    else if (nm.oom) rc = ampc__err(AMPC_ERR_OOM, "numerics: out of memory while collecting");
+    else {
+        rc = nm.n;
+        *rows = nm.rows;
+        nm.rows = NULL;
+    }
+    free(nm.rows);
+    nm.rows = NULL;
+    nm.n = nm.cap = 0;
+    nm.on = nm.paused = false;
+    update_hook();
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
+// ---------------------------------------------------------------------------------------------
 
 static void observe(const ampc__trace_event *e, void *ctx) {
     (void)ctx;
@@ -204,6 +329,7 @@ static void observe(const ampc__trace_event *e, void *ctx) {
     pthread_mutex_lock(&lock);
     if (ex.on) explain_row(e);
     if (doc.on) doctor_check(e);
+    if (nm.on && !nm.paused) nm_observe(e);
     pthread_mutex_unlock(&lock);
     inside = false;
 }

@@ -329,7 +329,7 @@ static int run_node(ampc_node *n) {
     ampc_no_grad_exit();
     /* tracing: the observer sees the incoming gradient and the input gradients as the next
        nodes receive them (cast to the inputs' dtypes: an overflow of that cast is this op's) */
-    ampc_tensor *traced_gy = rc >= 0 && ampc__trace_on() ? ampc__retain(gy) : NULL;
+    ampc_tensor *traced_gy = rc >= 0 && ampc__trace_on() ? ampc__retain(gy) : NULL, *raw[AMPC_NODE_MAX_INPUTS] = {0};
     ampc__release(gy);
     if (!n->leaf) {
         /* like PyTorch, only a node that saved something refuses a second pass */
@@ -353,6 +353,7 @@ static int run_node(ampc_node *n) {
            output's format, whatever format the consumer's kernels produced */
         if (g->dtype != gdt || g->format != n->in[i].format) {
             ampc_tensor *c = ampc__k_convert(g, gdt, n->in[i].format);
+            if (traced_gy && c) raw[i] = ampc__retain(g);   /* the value before the cast, for the statistics */
             ampc__release(g);
             if (!c) { rc = ampc_last_status(); continue; }
             g = c;
@@ -369,8 +370,10 @@ static int run_node(ampc_node *n) {
     if (traced_gy) {   /* borrowed: the gradients are accumulated (and perhaps consumed) after */
         ampc__trace_event e = {.backward = true, .name = n->name, .op = -1, .module = n->module ? n->module : "", .n_in = 1,
                                .in = {traced_gy}, .n_out = n->n_inputs < AMPC_TRACE_MAX ? n->n_inputs : AMPC_TRACE_MAX};
+        for (int i = 0; i < e.n_out; i++) e.raw[i] = raw[i] ? raw[i] : (e.out[i] = gx[i]);
         for (int i = 0; i < e.n_out; i++) e.out[i] = gx[i];
         if (rc >= 0) ampc__trace_emit(&e);
+        for (int i = 0; i < n->n_inputs; i++) ampc__release(raw[i]);
         ampc__release(traced_gy);
     }
     for (int i = 0; i < n->n_inputs; i++) {

@@ -331,6 +331,8 @@ typedef struct {
     const ampc_tensor *in[AMPC_TRACE_MAX];    /* forward: what the kernel read; backward: in[0] the incoming gradient */
     int n_out;
     const ampc_tensor *out[AMPC_TRACE_MAX];   /* forward: out[0]; backward: each input's gradient (NULL: none) */
+    const ampc_tensor *raw[AMPC_TRACE_MAX];   /* backward: out[i] as the op computed it, before the engine cast it
+                                                 to the input's dtype (the same tensor when not cast) */
 } ampc__trace_event;
 typedef void (*ampc__trace_fn)(const ampc__trace_event *e, void *ctx);
 

@@ -6,6 +6,7 @@
 
 #include <inttypes.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 void doctor_step_begin(run *r) {
     if (!ampc_doctor_is_enabled()) return;
@@ -72,4 +73,80 @@ int explain_print(run *r) {
     fflush(stdout);
     free(rows);
     return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// --numerics-every
+
+int numerics_open(run *r) {
+    if (ival(r->s, OPT_NUMERICS_EVERY) <= 0) return 0;
+    if (ampc_numerics_begin(r->use_amp ? r->amp_dtype : AMPC_F16) < 0) return fail_lib("--numerics-every");
+    ampc_numerics_pause(true);
+    r->numerics = true;
+    return 0;
+}
+
+void numerics_step_begin(run *r) {
+    if (!r->numerics) return;
+    bool sample = r->steps_run % ival(r->s, OPT_NUMERICS_EVERY) == 0;
+    ampc_numerics_pause(!sample);
+    r->numerics_steps += sample;
+}
+
+static double share(int64_t k, int64_t n) { return n ? 100.0 * (double)k / (double)n : 0.0; }
+
+int numerics_report(run *r) {
+    if (!r->numerics) return 0;
+    r->numerics = false;
+    ampc_numerics_row *rows;
+    int n = ampc_numerics_end(&rows);
+    if (n < 0) return fail_lib("--numerics-every");
+    int rc = 0;
+    if (r->rank == 0 && n > 0) {
+        const char *t = r->use_amp && r->amp_dtype == AMPC_BF16 ? "bf16" : "fp16";
+        /* the table: the rows losing most (flushed + subnormal + saturated), at most 15 */
+        int *order = malloc((size_t)n * sizeof *order);
+        if (!order) {
+            free(rows);
+            return fail("out of memory");
+        }
+        for (int i = 0; i < n; i++) order[i] = i;
+        for (int i = 1; i < n; i++)   /* insertion sort by loss share, stable */
+            for (int j = i; j > 0; j--) {
+                const ampc_numerics_row *a = &rows[order[j - 1]], *b = &rows[order[j]];
+                double la = share(a->flushed + a->subnormal + a->saturated, a->values), lb = share(b->flushed + b->subnormal + b->saturated, b->values);
+                if (lb <= la) break;
+                int tmp = order[j];
+                order[j] = order[j - 1];
+                order[j - 1] = tmp;
+            }
+        printf("numerics: %" PRId64 " sampled step(s), %d ops; what %s would lose, the ops losing most first (all in numerics.csv):\n",
+               r->numerics_steps, n, t);
+        printf("  %-8s  %-20s  %-28s  %11s  %8s  %10s  %9s  %8s\n", "pass", "module", "op", "amax", "flushed", "subnormal", "saturated",
+               "zeros");
+        for (int k = 0; k < n && k < 15; k++) {
+            const ampc_numerics_row *x = &rows[order[k]];
+            printf("  %-8s  %-20s  %-28s  %11.4g  %7.2f%%  %9.2f%%  %8.2f%%  %7.2f%%\n", x->backward ? "backward" : "forward",
+                   *x->module ? x->module : "(model)", x->op, x->amax, share(x->flushed, x->values), share(x->subnormal, x->values),
+                   share(x->saturated, x->values), share(x->zeros, x->values));
+        }
+        free(order);
+        char *path = NULL;
+        FILE *f = asprintf(&path, "%s/numerics.csv", r->out) < 0 ? NULL : fopen(path, "w");
+        if (!f) rc = fail("numerics.csv: can't write '%s'", path ? path : r->out);
+        else {
+            fprintf(f, "pass,module,op,outputs,values,amax,flushed,subnormal,saturated,zeros,nonfinite\n");
+            for (int i = 0; i < n; i++) {
+                const ampc_numerics_row *x = &rows[i];
+                fprintf(f, "%s,%s,%s,%" PRId64 ",%" PRId64 ",%.9g,%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 ",%" PRId64 "\n",
+                        x->backward ? "backward" : "forward", x->module, x->op, x->outputs, x->values, x->amax, x->flushed, x->subnormal,
+                        x->saturated, x->zeros, x->nonfinite);
+            }
+            if (fclose(f) != 0) rc = fail("numerics.csv: write failed");
+        }
+        free(path);
+        fflush(stdout);
+    }
+    free(rows);
+    return rc;
 }

@@ -141,6 +141,10 @@ const opt_def OPTS[OPT_COUNT] = {
     [OPT_FP32_MODULES] = {"fp32-modules", V_TEXT, "", NULL, 0, 0, false, O_SAVE | O_RUN, "PATTERNS",
                           "under autocast, run these modules in fp32 (comma-separated shell patterns of module paths, "
                           "e.g. 'layer4.*' or fc; a module's children with it), as Keras' per-layer float32 policy"},
+    [OPT_NUMERICS_EVERY] = {"numerics-every", V_INT, "0", NULL, 0, INT_FLAG_MAX, false, O_SAVE | O_RESTORE, "K",
+                            "every K-th optimizer step, per op: the amax of its outputs and gradients and the share of "
+                            "values the 16-bit type flushes to zero, keeps only as subnormals or saturates at the current "
+                            "loss scale; a table at the end and numerics.csv in --out (0: off)"},
 };
 
 

@@ -65,7 +65,7 @@ typedef enum {
     OPT_OPTIMIZER, OPT_MOMENTUM, OPT_WEIGHT_DECAY, OPT_SEED, OPT_VAL_SPLIT, OPT_IMAGE_SIZE, OPT_INDEX_CSV, OPT_LIMIT_TRAIN,
     OPT_LIMIT_VAL, OPT_THREADS, OPT_DEVICE, OPT_NUM_WORKERS, OPT_MAX_MEMORY, OPT_OUT, OPT_RESUME, OPT_PROGRESS, OPT_CHANNELS_LAST,
     OPT_KEEP_CASTS, OPT_MAX_SKIPPED, OPT_MAX_LOSS, OPT_SYNC_BN, OPT_ZERO, OPT_LR_SCHEDULE, OPT_LR_STEP_SIZE, OPT_LR_GAMMA,
-    OPT_WARMUP_STEPS, OPT_CLIP_GRAD_NORM, OPT_PRETRAINED, OPT_PRETRAINED_STRICT, OPT_FREEZE, OPT_STOP_AFTER_STEPS, OPT_AUGMENT, OPT_EXCLUDE_CLASS, OPT_ACCUMULATE, OPT_STEP_LOG, OPT_DOCTOR, OPT_EXPLAIN, OPT_FP32_MODULES, OPT_COUNT
+    OPT_WARMUP_STEPS, OPT_CLIP_GRAD_NORM, OPT_PRETRAINED, OPT_PRETRAINED_STRICT, OPT_FREEZE, OPT_STOP_AFTER_STEPS, OPT_AUGMENT, OPT_EXCLUDE_CLASS, OPT_ACCUMULATE, OPT_STEP_LOG, OPT_DOCTOR, OPT_EXPLAIN, OPT_FP32_MODULES, OPT_NUMERICS_EVERY, OPT_COUNT
 } opt_id;
 
 typedef struct {
@@ -201,6 +201,8 @@ typedef struct {
     double skip_printed_at;  /* when the last skipped-step line was printed (progress_now), or -inf */
     int64_t skips_unprinted; /* skipped steps since then that got no line of their own */
     bool explaining;         /* --explain: the first step of this session is being recorded */
+    bool numerics;           /* --numerics-every: collecting */
+    int64_t numerics_steps;  /* optimizer steps sampled */
 } run;
 
 // The per-step log and skipped-step lines (steplog.c)
@@ -223,6 +225,11 @@ const char *doctor_blame(char *buf, size_t n);
 /* --explain: recording starts before the session's first training step; after it, the table. */
 int explain_begin(run *r);
 int explain_print(run *r);
+/* --numerics-every K: collecting starts paused; each optimizer step begins sampled or not; at
+   the end of the run the table (the ops losing most) and <out>/numerics.csv. */
+int numerics_open(run *r);
+void numerics_step_begin(run *r);
+int numerics_report(run *r);
 
 // Checkpoint metadata (meta.c)
 

@@ -210,6 +210,7 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
         }
         if (training && done == group_start) {   /* an optimizer step begins */
             doctor_step_begin(r);
+            numerics_step_begin(r);
             if (r->steps_run == 0 && yes(r->s, OPT_EXPLAIN) && !r->explaining && (rc = explain_begin(r)) < 0) break;
         }
         ampc_tensor *y_cpu = y;   /* the labels stay readable here for counting */
@@ -584,6 +585,7 @@ int train_run(settings *s, run_result *res) {
     fflush(stdout);
 
     if (yes(s, OPT_DOCTOR)) ampc_doctor_enable(true);
+    if ((rc = numerics_open(&r)) < 0) goto done;
     ampc_memory_reset_peak();
     double t0 = progress_now();
     r.skipped_seen = ampc_scaler_steps_skipped(r.scaler);
@@ -645,6 +647,7 @@ int train_run(settings *s, run_result *res) {
         printf("nothing to train: the checkpoint has finished %" PRId64 " of %" PRId64 " epochs\n", r.epoch0, n_epochs);
         if ((rc = draw_plots(&r)) < 0 || (rc = save_checkpoint(&r, r.epoch0, 0, NULL, 0)) < 0) goto done;
     }
+    if ((rc = numerics_report(&r)) < 0) goto done;
     res->seconds = progress_now() - t0;
     ampc_memory_stats_t ms = ampc_memory_stats();
     res->peak_total = (double)ms.peak_total;
@@ -679,6 +682,11 @@ done:
     if (r.explaining) {   /* stopped inside the explained step: the recording ends unprinted */
         ampc_explain_row *rows = NULL;
         ampc_explain_end(&rows);
+        free(rows);
+    }
+    if (r.numerics) {   /* an error or a stop: the collection ends unreported */
+        ampc_numerics_row *rows = NULL;
+        ampc_numerics_end(&rows);
         free(rows);
     }
     ampc_doctor_enable(false);
