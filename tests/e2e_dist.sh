@@ -131,7 +131,6 @@ fi
 # the other (--batch-size keeping the global batch) ends within 1e-4 (relative, per tensor) of the
 # uninterrupted run; observed ~5e-7 (1 x 64 against 2 x 32 uninterrupted: ~6e-6)
 MLP=(--model mlp --limit-train 1024 --limit-val 256 --threads 1 --progress off --use-amp no --epochs 2)
-max_rel() { grep -o 'relative [0-9.e+-]*' "$1" | awk '{ if ($2 + 0 > m) m = $2 + 0 } END { printf "%g", m + 0 }'; }
 # $1: a --compare-checkpoints report; $2: its largest relative difference
 within() { grep -qE '^(identical|checkpoints differ)' "$1" && awk -v x="$2" 'BEGIN { exit !(x <= 1e-4) }'; }
 "${MPI[@]}" -np 2 "$TRAIN" "${MLP[@]}" --batch-size 32 --out "$W/m2" >"$W/m2.out" 2>&1 &&

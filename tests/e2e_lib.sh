@@ -1,6 +1,7 @@
 # e2e_lib.sh - sourced by the tests/e2e_*.sh scripts: the Fashion-MNIST check (SKIP, exit 0, when
 # Debian's dataset-fashion-mnist is missing), a work folder $W removed at exit, ok/bad counters
-# ($FAILS) and the start time $T0.
+# ($FAILS), the start time $T0, and max_rel (the largest relative difference an
+# ampc-train --compare-checkpoints report names).
 #
 #     . "$(dirname "$0")/e2e_lib.sh" NAME
 FM=${AMPC_FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}
@@ -15,3 +16,4 @@ FAILS=0
 ok() { echo "ok: $*"; }
 bad() { echo "FAIL: $*"; FAILS=$((FAILS + 1)); }
 T0=$SECONDS
+max_rel() { grep -o 'relative [0-9.e+-]*' "$1" | awk '{ if ($2 + 0 > m) m = $2 + 0 } END { printf "%g", m + 0 }'; }

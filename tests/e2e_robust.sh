@@ -312,7 +312,6 @@ if timeout "$LIMIT" "$TRAIN" "${SIG[@]}" --out "$W/sref" >/dev/null 2>&1; then
     # ~2e-6 relative after 2 epochs); 1040 samples make 65 batches, the last group one batch (16 samples) as
     # batch 32's last. Without accumulating, batches of 16 are another run (> 1e-3 apart).
     ACC=(--model mlp --limit-train 1040 --limit-val 64 --epochs 2 --progress off --optimizer sgd --lr 0.05)
-    max_rel() { grep -o 'relative [0-9.e+-]*' "$1" | awk '{ if ($2 + 0 > m) m = $2 + 0 } END { printf "%g", m + 0 }'; }
     timeout "$LIMIT" "$TRAIN" "${ACC[@]}" --use-amp no --batch-size 32 --out "$W/b32" >/dev/null 2>&1 &&
         timeout "$LIMIT" "$TRAIN" "${ACC[@]}" --use-amp no --batch-size 16 --accumulate 2 --out "$W/a2" >"$W/a2.out" 2>&1 &&
         timeout "$LIMIT" "$TRAIN" "${ACC[@]}" --use-amp no --batch-size 16 --out "$W/b16" >/dev/null 2>&1

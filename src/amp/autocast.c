@@ -178,32 +178,19 @@ static int replace(ampc_tensor **slot, ampc_tensor *with) {
 
 #define MAX_FP32_PATTERNS 32
 static pthread_mutex_t fp32_lock = PTHREAD_MUTEX_INITIALIZER;
-static char *fp32_pat[MAX_FP32_PATTERNS];
-static _Atomic int fp32_n;
+static ampc_patterns fp32;          /* under fp32_lock */
+static _Atomic int fp32_n;          /* fp32.n, read without the lock on every op */
 
 int ampc_autocast_fp32_modules(const char *patterns) {
-    char *pats[MAX_FP32_PATTERNS];
-    int n = 0;
-    for (const char *p = patterns; p && *p;) {
-        const char *comma = strchr(p, ',');
-        size_t len = comma ? (size_t)(comma - p) : strlen(p);
-        if (len == 0 || n == MAX_FP32_PATTERNS) {
-            for (int i = 0; i < n; i++) free(pats[i]);
-            return ampc__err(AMPC_ERR_INVALID, "autocast_fp32_modules: '%s' has %s", patterns,
-                             len == 0 ? "an empty pattern" : "too many patterns");
-        }
-        if (!(pats[n++] = strndup(p, len))) {
-            for (int i = 0; i < n - 1; i++) free(pats[i]);
-            return ampc__err(AMPC_ERR_OOM, "autocast_fp32_modules: out of memory");
-        }
-        p = comma ? comma + 1 : p + len;
-    }
+    ampc_patterns next;
+    int rc = ampc__patterns_parse(&next, patterns, MAX_FP32_PATTERNS, "autocast_fp32_modules:");
+    if (rc < 0) return rc;
     pthread_mutex_lock(&fp32_lock);
-    int old = atomic_load(&fp32_n);
-    for (int i = 0; i < old; i++) free(fp32_pat[i]);
-    for (int i = 0; i < n; i++) fp32_pat[i] = pats[i];
-    atomic_store(&fp32_n, n);
-    if ((old > 0) != (n > 0)) ampc__trace_want_paths(n > 0);
+    const int old = fp32.n;
+    ampc__patterns_free(&fp32);
+    fp32 = next;
+    atomic_store(&fp32_n, fp32.n);
+    if ((old > 0) != (fp32.n > 0)) ampc__trace_want_paths(fp32.n > 0);
     pthread_mutex_unlock(&fp32_lock);
     return AMPC_OK;
 }
@@ -215,15 +202,15 @@ static bool in_fp32_module(void) {
     if (!*path) return false;
     bool hit = false;
     pthread_mutex_lock(&fp32_lock);
-    for (int i = 0; i < fp32_n && !hit; i++) {
-        if (fnmatch(fp32_pat[i], path, 0) == 0) hit = true;
+    for (int i = 0; i < fp32.n && !hit; i++) {
+        if (fnmatch(fp32.pat[i], path, 0) == 0) hit = true;
         for (const char *dot = strchr(path, '.'); dot && !hit; dot = strchr(dot + 1, '.')) {   /* an ancestor matches */
             char head[512];
             size_t len = (size_t)(dot - path);
             if (len >= sizeof head) break;
             memcpy(head, path, len);
             head[len] = '\0';
-            hit = fnmatch(fp32_pat[i], head, 0) == 0;
+            hit = fnmatch(fp32.pat[i], head, 0) == 0;
         }
     }
     pthread_mutex_unlock(&fp32_lock);

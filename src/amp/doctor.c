@@ -52,31 +52,33 @@ static void update_hook(void) { ampc__trace_set(ex.on || doc.on || (nm.on && !nm
 // ---------------------------------------------------------------------------------------------
 // Explain
 
+/* p (an array of n elements of `size` bytes, *cap of them allocated) with room for one more:
+   p itself, or grown (doubled, from 64); NULL when out of memory (p is then unchanged). */
+static void *room_for_one(void *p, int n, int *cap, size_t size) {
+    if (n < *cap) return p;
+    int nc = *cap ? 2 * *cap : 64;
+    void *np = realloc(p, (size_t)nc * size);
+    if (np) *cap = nc;
+    return np;
+}
+
 static bool seen_before(const void *storage) {
     for (int i = 0; i < ex.n_seen; i++)
         if (ex.seen[i] == storage) return true;
-    if (ex.n_seen == ex.cap_seen) {
-        int nc = ex.cap_seen ? 2 * ex.cap_seen : 64;
-        const void **ns = realloc(ex.seen, (size_t)nc * sizeof *ns);
-        if (!ns) return (ex.oom = true);
-        ex.seen = ns;
-        ex.cap_seen = nc;
-    }
+    const void **ns = room_for_one(ex.seen, ex.n_seen, &ex.cap_seen, sizeof *ns);
+    if (!ns) return (ex.oom = true);
+    ex.seen = ns;
     ex.seen[ex.n_seen++] = storage;
     return false;
 }
 
 static void explain_row(const ampc__trace_event *e) {
-    if (ex.n == ex.cap) {
-        int nc = ex.cap ? 2 * ex.cap : 256;
-        ampc_explain_row *nr = realloc(ex.rows, (size_t)nc * sizeof *nr);
-        if (!nr) {
-            ex.oom = true;
-            return;
-        }
-        ex.rows = nr;
-        ex.cap = nc;
+    ampc_explain_row *nr = room_for_one(ex.rows, ex.n, &ex.cap, sizeof *nr);
+    if (!nr) {
+        ex.oom = true;
+        return;
     }
+    ex.rows = nr;
     ampc_explain_row *r = &ex.rows[ex.n++];
     memset(r, 0, sizeof *r);
     r->backward = e->backward;
@@ -208,16 +210,12 @@ const char *ampc_doctor_verdict_name(ampc_doctor_verdict v) {
 static ampc_numerics_row *nm_row(const char *module, const char *op, bool backward) {
     for (int i = nm.n - 1; i >= 0; i--)   /* interned module strings: compare pointers */
         if (nm.rows[i].module == module && nm.rows[i].backward == backward && !strcmp(nm.rows[i].op, op)) return &nm.rows[i];
-    if (nm.n == nm.cap) {
-        int nc = nm.cap ? 2 * nm.cap : 128;
-        ampc_numerics_row *nr = realloc(nm.rows, (size_t)nc * sizeof *nr);
-        if (!nr) {
-            nm.oom = true;
-            return NULL;
-        }
-        nm.rows = nr;
-        nm.cap = nc;
+    ampc_numerics_row *nr = room_for_one(nm.rows, nm.n, &nm.cap, sizeof *nr);
+    if (!nr) {
+        nm.oom = true;
+        return NULL;
     }
+    nm.rows = nr;
     ampc_numerics_row *r = &nm.rows[nm.n++];
     *r = (ampc_numerics_row){.module = module, .op = op, .backward = backward};
     return r;

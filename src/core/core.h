@@ -228,6 +228,21 @@ int ampc__copy(const ampc_tensor *src, ampc_tensor *dst);
 ampc_device ampc__default_device(void);
 
 // ---------------------------------------------------------------------------------------------
+// Name patterns (patterns.c): the comma-separated fnmatch(3) lists that pick classes or modules
+// by name ("clutter,*-101"); how a name matches is the caller's.
+
+#define AMPC_MAX_PATTERNS 64
+typedef struct {
+    int n;
+    char *pat[AMPC_MAX_PATTERNS];
+} ampc_patterns;
+/* Splits text into *p (NULL or "": none). An empty pattern between commas, or more than max
+   (<= AMPC_MAX_PATTERNS), is AMPC_ERR_INVALID with a message starting with `who`; *p is then
+   empty. Free with ampc__patterns_free. */
+int ampc__patterns_parse(ampc_patterns *p, const char *text, int max, const char *who);
+void ampc__patterns_free(ampc_patterns *p);
+
+// ---------------------------------------------------------------------------------------------
 // Random numbers: Philox4x32-10, counter based, so results don't depend on thread count.
 
 typedef struct { uint64_t seed, offset; } ampc_rng_state;

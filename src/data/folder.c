@@ -318,41 +318,10 @@ static int depth_of(const char *rel) {
 // ---------------------------------------------------------------------------------------------
 // Classes left out (ampc_folder_options.exclude_classes)
 
-#define MAX_EXCLUDE 64
-
 typedef struct {
-    char *pat[MAX_EXCLUDE];
-    bool used[MAX_EXCLUDE];
-    int n;
+    ampc_patterns p;
+    bool used[AMPC_MAX_PATTERNS];
 } exclusion;
-
-static void exclusion_free(exclusion *e) {
-    for (int k = 0; k < e->n; k++) free(e->pat[k]);
-    memset(e, 0, sizeof *e);
-}
-
-/* "clutter,*-101" -> its patterns (empty ones between commas are refused). */
-static int exclusion_parse(const char *root, const char *text, exclusion *e) {
-    memset(e, 0, sizeof *e);
-    for (const char *p = text;;) {
-        const char *comma = strchr(p, ',');
-        size_t len = comma ? (size_t)(comma - p) : strlen(p);
-        if (len == 0) {
-            exclusion_free(e);
-            return ampc__err(AMPC_ERR_INVALID, "image folder %s: exclude_classes '%s' has an empty pattern", root, text);
-        }
-        if (e->n == MAX_EXCLUDE) {
-            exclusion_free(e);
-            return ampc__err(AMPC_ERR_INVALID, "image folder %s: exclude_classes has more than %d patterns", root, MAX_EXCLUDE);
-        }
-        if (!(e->pat[e->n++] = strndup(p, len))) {
-            exclusion_free(e);
-            return ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
-        }
-        if (!comma) return 0;
-        p = comma + 1;
-    }
-}
 
 /* A class matches a pattern by fnmatch(3) on its name or, for Caltech's numbered names
    ("257.clutter"), on the part after the number and its dot. */
@@ -362,8 +331,8 @@ static bool exclusion_match(exclusion *e, const char *name) {
     while (*bare >= '0' && *bare <= '9') bare++;
     bare = bare > name && *bare == '.' ? bare + 1 : NULL;
     bool hit = false;
-    for (int k = 0; k < e->n; k++)
-        if (fnmatch(e->pat[k], name, 0) == 0 || (bare && fnmatch(e->pat[k], bare, 0) == 0)) hit = e->used[k] = true;
+    for (int k = 0; k < e->p.n; k++)
+        if (fnmatch(e->p.pat[k], name, 0) == 0 || (bare && fnmatch(e->p.pat[k], bare, 0) == 0)) hit = e->used[k] = true;
     return hit;
 }
 
@@ -372,17 +341,20 @@ static bool exclusion_match(exclusion *e, const char *name) {
    leave no class are an error, and so is one that matches none when the classes come from a
    scan (an index may have been written with them left out already). */
 static int exclude_classes(const char *root, const char *patterns, list *classes, list *idx, int64_t *n_excluded) {
-    exclusion e;
-    int rc = exclusion_parse(root, patterns, &e);
+    exclusion e = {0};
+    char who[300];
+    snprintf(who, sizeof who, "image folder %s: exclude_classes", root);
+    if (!*patterns) return ampc__err(AMPC_ERR_INVALID, "%s '' has an empty pattern", who);   /* NULL is none */
+    int rc = ampc__patterns_parse(&e.p, patterns, AMPC_MAX_PATTERNS, who);
     if (rc < 0) return rc;
     int64_t *map = malloc((size_t)(classes->n ? classes->n : 1) * sizeof *map), kept = 0;
     if (!map) {
-        exclusion_free(&e);
+        ampc__patterns_free(&e.p);
         return ampc__err(AMPC_ERR_OOM, "image folder: out of memory");
     }
     for (int64_t c = 0; c < classes->n; c++) map[c] = exclusion_match(&e, classes->strs[c]) ? -1 : kept++;
-    for (int k = 0; rc == 0 && !idx && k < e.n; k++)
-        if (!e.used[k]) rc = ampc__err(AMPC_ERR_INVALID, "image folder %s: exclude pattern '%s' matches no class", root, e.pat[k]);
+    for (int k = 0; rc == 0 && !idx && k < e.p.n; k++)
+        if (!e.used[k]) rc = ampc__err(AMPC_ERR_INVALID, "image folder %s: exclude pattern '%s' matches no class", root, e.p.pat[k]);
     if (rc == 0 && kept == 0) rc = ampc__err(AMPC_ERR_INVALID, "image folder %s: exclude_classes '%s' leaves no class", root, patterns);
     if (rc == 0) {
         *n_excluded = classes->n - kept;
@@ -408,7 +380,7 @@ static int exclude_classes(const char *root, const char *patterns, list *classes
         if (idx) idx->n = n;
     }
     free(map);
-    exclusion_free(&e);
+    ampc__patterns_free(&e.p);
     return rc;
 }
 

@@ -4,6 +4,7 @@
  */
 #include "train.h"
 
+#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,7 +19,7 @@ const char *doctor_blame(char *buf, size_t n) {
     if (!ampc_doctor_is_enabled()) return buf;
     ampc_doctor_finding f = ampc_doctor_finding_get();
     if (f.verdict == AMPC_DOCTOR_CLEAN) return buf;
-    snprintf(buf, n, "the first non-finite output: %s in '%s' (%s, %" PRId64 " of %" PRId64 " values), %s%s", f.op,
+    snprintf(buf, n, "; the first non-finite output: %s in '%s' (%s, %" PRId64 " of %" PRId64 " values), %s%s", f.op,
              f.module && *f.module ? f.module : "(model)", f.backward ? "backward" : "forward", f.nonfinite, f.numel,
              ampc_doctor_verdict_name(f.verdict),
              f.verdict == AMPC_DOCTOR_SCALE_INDUCED ? " (a smaller loss scale fixes it)"
@@ -131,9 +132,10 @@ int numerics_report(run *r) {
                    share(x->saturated, x->values), share(x->zeros, x->values));
         }
         free(order);
-        char *path = NULL;
-        FILE *f = asprintf(&path, "%s/numerics.csv", r->out) < 0 ? NULL : fopen(path, "w");
-        if (!f) rc = fail("numerics.csv: can't write '%s'", path ? path : r->out);
+        char *path = path_join(r->out, "numerics.csv");
+        FILE *f = path ? fopen(path, "w") : NULL;
+        if (!path) rc = -1;
+        else if (!f) rc = fail("numerics.csv: can't write '%s': %s", path, strerror(errno));
         else {
             fprintf(f, "pass,module,op,outputs,values,amax,flushed,subnormal,saturated,zeros,nonfinite\n");
             for (int i = 0; i < n; i++) {

@@ -53,9 +53,8 @@ static int compare_runs(const settings *base) {
     for (int k = 0; k < 2; k++) {
         settings s;
         if (settings_copy(&s, base) < 0) return -1;
-        char *out = NULL;
-        int rc = asprintf(&out, "%s/%s", sval(base, OPT_OUT), names[k]) < 0 ? fail("out of memory") : 0;
-        if (rc == 0) rc = set_val(&s, OPT_OUT, out);
+        char *out = path_join(sval(base, OPT_OUT), names[k]);
+        int rc = out ? set_val(&s, OPT_OUT, out) : -1;
         if (rc == 0) rc = set_val(&s, OPT_USE_AMP, k ? "yes" : "no");
         free(out);
         if (rc == 0) {

@@ -20,15 +20,6 @@ static const char *const STEP_COLS[] = {"step", "epoch", "batch", "loss", "scale
 enum { N_STEP_COLS = sizeof STEP_COLS / sizeof *STEP_COLS };
 #define SKIP_LINE_INTERVAL 2.0   /* seconds between skipped-step lines */
 
-static char *out_file(const run *r, const char *name) {
-    char *p = NULL;
-    if (asprintf(&p, "%s/%s", r->out, name) < 0) {
-        fail("out of memory");
-        return NULL;
-    }
-    return p;
-}
-
 /* Optimizer steps the run has taken: applied ones (the optimizer's count) and skipped ones. */
 static int64_t steps_so_far(const run *r) {
     return ampc_optimizer_steps_taken(r->opt) + ampc_scaler_steps_skipped(r->scaler);
@@ -72,7 +63,7 @@ static int cut_back(const char *path, int64_t keep) {
 int steplog_open(run *r) {
     r->skip_printed_at = -INFINITY;
     if (r->rank > 0 || !yes(r->s, OPT_STEP_LOG)) return 0;
-    char *path = out_file(r, "steps.csv");
+    char *path = path_join(r->out, "steps.csv");
     if (!path) return -1;
     bool resumed = *sval(r->s, OPT_RESUME) != '\0';
     int rc = resumed ? cut_back(path, steps_so_far(r)) : 0;
@@ -89,10 +80,9 @@ int steplog_step(run *r, int64_t epoch, int64_t batch, double loss, double scale
             char more[96] = "";
             if (r->skips_unprinted)
                 snprintf(more, sizeof more, " (and %" PRId64 " more since the last such line)", r->skips_unprinted);
-            char blame[512];
-            doctor_blame(blame, sizeof blame);
-            printf("skipped step %" PRId64 " (epoch %" PRId64 ", batch %" PRId64 "): inf/NaN gradients at loss scale %g; the scale is now %g%s%s%s\n",
-                   steps_so_far(r), epoch + 1, batch, scale, (double)ampc_scaler_get_scale(r->scaler), *blame ? "; " : "", blame, more);
+            char blame[520];
+            printf("skipped step %" PRId64 " (epoch %" PRId64 ", batch %" PRId64 "): inf/NaN gradients at loss scale %g; the scale is now %g%s%s\n",
+                   steps_so_far(r), epoch + 1, batch, scale, (double)ampc_scaler_get_scale(r->scaler), doctor_blame(blame, sizeof blame), more);
             fflush(stdout);
             r->skip_printed_at = now;
             r->skips_unprinted = 0;
@@ -108,29 +98,23 @@ int steplog_step(run *r, int64_t epoch, int64_t batch, double loss, double scale
 
 int steplog_plot(run *r) {
     if (!r->steps || !ampc_scaler_is_enabled(r->scaler)) return 0;
-    char *path = out_file(r, "steps.csv"), *png = out_file(r, "scale.png");
+    char *path = path_join(r->out, "steps.csv"), *png = path_join(r->out, "scale.png");
     FILE *f = path ? fopen(path, "r") : NULL;
     double *x = NULL, *y = NULL, *sx = NULL, *sy = NULL;
-    int n = 0, ns = 0, cap = 0, rc = 0;
+    int n = 0, ns = 0, rows = 0, rc = 0;
     if (!path || !png) rc = -1;
     else if (!f) rc = fail("steps.csv: can't read '%s': %s", path, strerror(errno));
     char line[512];
-    for (int k = 0; rc == 0 && fgets(line, sizeof line, f); k++) {
+    while (rc == 0 && fgets(line, sizeof line, f)) rows++;   /* the header and a line per step: room for all */
+    if (rc == 0) {
+        rewind(f);
+        x = malloc((size_t)(rows + 1) * 4 * sizeof *x);
+        if (!x) rc = fail("out of memory");
+        else y = x + rows + 1, sx = y + rows + 1, sy = sx + rows + 1;
+    }
+    for (int k = 0; rc == 0 && k <= rows && fgets(line, sizeof line, f); k++) {
         double v[N_STEP_COLS];
         if (k == 0 || sscanf(line, "%lf,%lf,%lf,%lf,%lf,%lf,%lf", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6]) != 7) continue;
-        if (n == cap) {
-            cap = cap ? 2 * cap : 1024;
-            double *a = realloc(x, (size_t)cap * sizeof *a), *b = a ? realloc(y, (size_t)cap * sizeof *b) : NULL;
-            double *c = b ? realloc(sx, (size_t)cap * sizeof *c) : NULL, *d = c ? realloc(sy, (size_t)cap * sizeof *d) : NULL;
-            if (a) x = a;
-            if (b) y = b;
-            if (c) sx = c;
-            if (d) sy = d;
-            if (!d) {
-                rc = fail("out of memory");
-                break;
-            }
-        }
         x[n] = v[0];
         y[n] = v[4] > 0 ? log2(v[4]) : NAN;
         n++;
@@ -146,10 +130,7 @@ int steplog_plot(run *r) {
         plot_series s[2] = {{"scale", x, y, n, false}, {"skipped step", sx, sy, ns, true}};
         if (plot_curves(png, title, "optimizer step", "log2(loss scale)", s, ns ? 2 : 1) < 0) rc = fail_lib("scale.png");
     }
-    free(x);
-    free(y);
-    free(sx);
-    free(sy);
+    free(x);   /* y, sx and sy are parts of it */
     free(path);
     free(png);
     return rc;

@@ -218,8 +218,8 @@ int steplog_step(run *r, int64_t epoch, int64_t batch, double loss, double scale
    nothing without --step-log or the scaler). */
 int steplog_plot(run *r);
 void steplog_close(run *r);
-/* --doctor: a step starts (its loss scale); what the doctor blames, as a phrase for messages
-   ("" when off or clean). */
+/* --doctor: a step starts (its loss scale); what the doctor blames, as a clause to append to a
+   message ("; the first non-finite output: ..."; "" when off or clean), written into buf. */
 void doctor_step_begin(run *r);
 const char *doctor_blame(char *buf, size_t n);
 /* --explain: recording starts before the session's first training step; after it, the table. */
@@ -249,6 +249,9 @@ void run_free(run *r);
 void print_setup(run *r);
 
 // Training (trainer.c)
+
+/* "dir/name", malloc'd; NULL (with the error kept) when out of memory. */
+char *path_join(const char *dir, const char *name);
 
 /* A whole run: build, optionally resume, train the remaining epochs, write the outputs. */
 int train_run(settings *s, run_result *res);

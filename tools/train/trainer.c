@@ -80,22 +80,21 @@ static int check_step(run *r, int64_t epoch, int64_t step, int64_t n_steps, doub
         if (bad > 0)
             return fail("the training batch of epoch %" PRId64 ", step %" PRId64 " holds %" PRId64 " NaN/inf input value(s): the data "
                         "is corrupt", epoch + 1, step, bad);
-        char blame[512];
-        if (!scaled) return diverged(r, epoch, step, n_steps, "the loss is %g%s%s", loss, *doctor_blame(blame, sizeof blame) ? "; " : "", blame);
+        char blame[520];
+        if (!scaled) return diverged(r, epoch, step, n_steps, "the loss is %g%s", loss, doctor_blame(blame, sizeof blame));
     } else if (loss > rval(r->s, OPT_MAX_LOSS)) {
         return diverged(r, epoch, step, n_steps, "the loss %g exceeds --max-loss %s", loss, sval(r->s, OPT_MAX_LOSS));
     }
     if (!scaled) return 0;
     int64_t max_skip = ival(r->s, OPT_MAX_SKIPPED);
     float scale = ampc_scaler_get_scale(r->scaler);
-    char blame[512], sep[3] = "";
-    if (*doctor_blame(blame, sizeof blame)) snprintf(sep, sizeof sep, "; ");
+    char blame[520];   /* what the doctor blames: computed only for a run that stops */
     if (max_skip > 0 && r->skipped_in_a_row >= max_skip)
         return diverged(r, epoch, step, n_steps, "the grad scaler skipped %" PRId64 " steps in a row (inf/NaN gradients down to scale %g; "
-                        "--max-skipped-steps %" PRId64 ")%s%s", r->skipped_in_a_row, (double)scale, max_skip, sep, blame);
+                        "--max-skipped-steps %" PRId64 ")%s", r->skipped_in_a_row, (double)scale, max_skip, doctor_blame(blame, sizeof blame));
     if (scale < MIN_LOSS_SCALE)
-        return diverged(r, epoch, step, n_steps, "the loss scale collapsed to %g (below 2^-24, where every fp16 gradient underflows)%s%s",
-                        (double)scale, sep, blame);
+        return diverged(r, epoch, step, n_steps, "the loss scale collapsed to %g (below 2^-24, where every fp16 gradient underflows)%s",
+                        (double)scale, doctor_blame(blame, sizeof blame));
     return 0;
 }
 
@@ -237,13 +236,15 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
             rc = fail_lib("data-parallel --accumulate");
             break;
         }
-        if (training && g > 1) {   /* the mean over the group's batches, as loss / iters_to_accumulate */
-            ampc_tensor *part = ampc_mul_scalar(loss, 1.0 / (double)g);
+        if (training) {   /* a group's loss is the mean over its batches, as loss / iters_to_accumulate */
+            ampc_tensor *part = g > 1 ? ampc_mul_scalar(loss, 1.0 / (double)g) : loss;
             if (!part || ampc_backward(ampc_scaler_scale(r->scaler, part)) < 0) {
                 rc = fail_lib("training (backward)");
                 break;
             }
         }
+        bool stepped = false, step_skipped = false;   /* this batch ended its group with an optimizer step */
+        double step_scale = 0;                        /* the scale that step's gradients carried */
         if (training && last) {
             if (r->scheduled) {   /* the rate of this optimizer step: applied steps so far */
                 double lr = ampc_lr_at(&r->sched, rval(r->s, OPT_LR), ampc_optimizer_steps_taken(r->opt));
@@ -253,10 +254,6 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
                 }
                 ampc_optimizer_set_lr(r->opt, lr);
             }
-            if (g == 1 && ampc_backward(ampc_scaler_scale(r->scaler, loss)) < 0) {
-                rc = fail_lib("training (backward)");
-                break;
-            }
             /* --clip-grad-norm: PyTorch's recipe, unscale_ then clip_grad_norm_ then step (which then
                reads the unscaled grads); the norm of non-finite grads is non-finite and the
                scaler skips the step */
@@ -265,25 +262,26 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
                 rc = fail_lib("--clip-grad-norm");
                 break;
             }
-            const double scale = ampc_scaler_get_scale(r->scaler);
+            step_scale = ampc_scaler_get_scale(r->scaler);
             const int64_t skipped0 = ampc_scaler_steps_skipped(r->scaler);
             if (ampc_scaler_step(r->scaler, r->opt) < 0 || ampc_scaler_update(r->scaler) < 0) {
                 rc = fail_lib("training (optimizer step)");
                 break;
             }
             ampc_optimizer_zero_grad(r->opt);
-            group_loss += ampc_tensor_item(loss);
-            if ((rc = steplog_step(r, epoch, done + 1, group_loss / (double)g, scale, ampc_scaler_steps_skipped(r->scaler) > skipped0)) < 0)
-                break;
+            step_skipped = ampc_scaler_steps_skipped(r->scaler) > skipped0;
+            stepped = true;
             group_start = done + 1;
-            group_loss = 0;
             r->steps_run++;
-            if (r->explaining && (rc = explain_print(r)) < 0) break;
-        } else if (training) {
-            group_loss += ampc_tensor_item(loss);
         }
         int64_t b = ampc_tensor_dim(y, 0);
         double lv = ampc_tensor_item(loss);
+        if (training) group_loss += lv;
+        if (stepped) {
+            if ((rc = steplog_step(r, epoch, done + 1, group_loss / (double)g, step_scale, step_skipped)) < 0) break;
+            group_loss = 0;
+            if (r->explaining && (rc = explain_print(r)) < 0) break;
+        }
         if (training && (rc = check_step(r, epoch, done + 1, n_batches, lv, x)) < 0) break;
         st->loss_sum += lv * (double)b;
         if ((rc = count_correct(r, logits, y_cpu, &st->correct)) < 0) break;
@@ -340,7 +338,7 @@ static int mkdir_p(const char *path) {
     return 0;
 }
 
-static char *path_join(const char *dir, const char *name) {
+char *path_join(const char *dir, const char *name) {
     char *p = NULL;
     if (asprintf(&p, "%s/%s", dir, name) < 0) {
         fail("out of memory");
