@@ -247,6 +247,10 @@ const void *ampc_tensor_cdata(const ampc_tensor *t);
 int ampc_tensor_to_f32(const ampc_tensor *t, float *dst, size_t n);
 int ampc_tensor_to_f64(const ampc_tensor *t, double *dst, size_t n);
 int ampc_tensor_copy_from_f32(ampc_tensor *t, const float *src, size_t n);   /* in place */
+/* dst's values become src's, in place (PyTorch's Tensor.copy_): the same shape; dtypes, devices and
+   memory formats converted. Records no autograd history, so a dst that requires grad is refused
+   unless under no-grad (a snapshot restored, as load_state_dict does). */
+int ampc_tensor_copy_(ampc_tensor *dst, const ampc_tensor *src);
 double ampc_tensor_item(const ampc_tensor *t);          /* single-element tensor; NaN on error */
 /* Number of NaN/inf values (0 for integer tensors), or a negative status. */
 int64_t ampc_tensor_count_nonfinite(const ampc_tensor *t);

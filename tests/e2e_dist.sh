@@ -175,6 +175,23 @@ if [ $rc -eq 0 ] && [ $rc1 -eq 0 ] && within "$W/fz.cmp" "$d" && grep -q "checkp
 else
     bad "--freeze under mpirun: exit $rc, $rc1, relative difference '$d'"; tail -n 4 "$W/fz2.out" "$W/fz.cmp" "$W/fzb.cmp"
 fi
+# the grad scaler's guard rails under mpirun with the optimizer state sharded (--zero 1): a last
+# Linear whose fp16 output overflows (bias 1e5) makes every step skip on every rank; all stop at
+# step 3 with exit 3, rank 0 saves diverged.safetensors (the sharded state gathered first), and
+# one process resumes it with the remedy the message names
+set_tensor "$W/m1/model.safetensors" "$W/big.safetensors" 3.bias 1e5
+"${MPI[@]}" -np 2 "$TRAIN" "${MLP[@]:0:6}" --epochs 2 --batch-size 32 --amp-dtype fp16 --pretrained "$W/big.safetensors" --zero 1 \
+    --max-skipped-steps 3 --doctor yes --out "$W/gd" >"$W/gd.out" 2>"$W/gd.err"
+rc=$?
+"$TRAIN" --resume "$W/gd/diverged.safetensors" --fp32-modules 3 --batch-size 64 --progress off >"$W/gdr.out" 2>&1
+rc1=$?
+if [ $rc -eq 3 ] && [ "$(grep -c error "$W/gd.err")" -eq 1 ] && grep -q "^ampc-train: error: training diverged in epoch 1 at step 3 of 16: the grad scaler skipped 3 steps.*saved where it stopped to $W/gd/diverged.safetensors.*--fp32-modules '3'" "$W/gd.err" &&
+    [ $rc1 -eq 0 ] && grep -q "^resumed from .* in epoch 1 after step 3 of 16 (sample 192 of 1024)" "$W/gdr.out" &&
+    grep -q "grad scaler: 0 skipped steps" "$W/gdr.out"; then
+    ok "guard rails on 2 ranks with --zero 1: exit 3 at step 3, diverged.safetensors written; resumed alone with --fp32-modules 3"
+else
+    bad "guard rails under mpirun: exit $rc, resume $rc1"; tail -n 3 "$W/gd.err" "$W/gdr.out"
+fi
 "$TRAIN" "${MLP[@]}" --batch-size 64 --stop-after-steps 20 --out "$W/m12" >"$W/m12.out" 2>&1
 rc1=$?
 "${MPI[@]}" -np 2 "$TRAIN" --resume "$W/m12/checkpoint.safetensors" --batch-size 32 --progress off >"$W/m12r.out" 2>&1

@@ -17,3 +17,12 @@ ok() { echo "ok: $*"; }
 bad() { echo "FAIL: $*"; FAILS=$((FAILS + 1)); }
 T0=$SECONDS
 max_rel() { grep -o 'relative [0-9.e+-]*' "$1" | awk '{ if ($2 + 0 > m) m = $2 + 0 } END { printf "%g", m + 0 }'; }
+
+# set_tensor FILE OUT NAME VALUE: a copy of safetensors FILE with every f32 of tensor NAME set to
+# VALUE (Perl, part of every Debian system)
+set_tensor() {
+    perl -e 'open(F, "<:raw", $ARGV[0]) or die; local $/; my $d = <F>; my $n = unpack("Q<", substr($d, 0, 8));
+             substr($d, 8, $n) =~ /"\Q$ARGV[2]\E":\{"dtype":"F32","shape":\[[0-9,]*\],"data_offsets":\[(\d+),(\d+)\]/ or die "no tensor\n";
+             substr($d, 8 + $n + $1, $2 - $1) = pack("f<", $ARGV[3]) x (($2 - $1) / 4);
+             open(O, ">:raw", $ARGV[1]) or die; print O $d' "$@"
+}

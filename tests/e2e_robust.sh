@@ -166,6 +166,68 @@ expect 3 doctor "skipped 5 steps in a row.*the first non-finite output: linear i
     "${DIV[@]}" --epochs 3 --model mlp --amp-dtype fp16 --lr 1e6 --max-skipped-steps 5 --doctor yes --out "$W/d5"
 grep -q "^skipped step 2 (epoch 1, batch 2): .*the first non-finite output: linear in '1'" "$W/doctor.out" &&
     ok "--doctor: the skip line names it too" || bad "--doctor: skip line: $(grep '^skipped' "$W/doctor.out" | head -1)"
+# Guard rails: a model whose last Linear overflows fp16 in every forward (its bias 1e5, above
+# fp16's 65504; softmax does not care, so fp32 trains it) skips every step. After 3 in a row the
+# run stops, saves where it stopped (diverged.safetensors: the pretrained weights, since skipped
+# steps change nothing) apart from any good checkpoint, and names the doctor's module as the
+# remedy; resumed with --fp32-modules for it, it trains without a skip (set_tensor: e2e_lib.sh).
+GR=(--model mlp --limit-train 512 --limit-val 64 --batch-size 64 --progress off --amp-dtype fp16)
+if timeout "$LIMIT" "$TRAIN" "${GR[@]}" --use-amp no --epochs 1 --out "$W/gr0" >/dev/null 2>&1 &&
+    set_tensor "$W/gr0/model.safetensors" "$W/big.safetensors" 3.bias 1e5; then
+    expect 3 guard_skips "skipped 3 steps in a row.*linear in '3' \(forward.*intrinsic.*saved where it stopped to $W/gr/diverged.safetensors.*no good checkpoint.*Remedies: --fp32-modules '3'.*--resume $W/gr/diverged.safetensors --fp32-modules '3'" \
+        "${GR[@]}" --pretrained "$W/big.safetensors" --epochs 2 --max-skipped-steps 3 --doctor yes --out "$W/gr"
+    [ ! -e "$W/gr/checkpoint.safetensors" ] && "$TRAIN" --compare-checkpoints "$W/big.safetensors" "$W/gr/diverged.safetensors" >/dev/null &&
+        ok "guard rails: diverged.safetensors holds the weights of the last applied step (the pretrained ones), no checkpoint replaced" ||
+        bad "guard rails: the saved state is not the pretrained weights, or a checkpoint was written"
+    cp "$W/gr/diverged.safetensors" "$W/gr.diverged"
+    expect 3 guard_again 'skipped 3 steps in a row' --resume "$W/gr.diverged" --out "$W/gr_again"
+    grep -q 'warning: resuming a diverged run as it was' "$W/guard_again.err" && ok "guard rails: resuming without a remedy warns" ||
+        bad "guard rails: no warning for a resume without a remedy"
+    if timeout "$LIMIT" "$TRAIN" --resume "$W/gr/diverged.safetensors" --fp32-modules 3 >"$W/gr_fix.out" 2>&1 &&
+        grep -q "^note: changed on resume: --fp32-modules 3 (was '')" "$W/gr_fix.out" &&
+        grep -q '^note: the grad scaler starts afresh at scale 65536' "$W/gr_fix.out" &&
+        grep -q "^resumed from $W/gr/diverged.safetensors in epoch 1 after step 3 of 8" "$W/gr_fix.out" &&
+        grep -qE '^epoch 2/2: .*scale 65536, 0 skipped' "$W/gr_fix.out" && grep -q 'grad scaler: 0 skipped steps of 13' "$W/gr_fix.out" &&
+        [ -s "$W/gr/checkpoint.safetensors" ]; then
+        ok "guard rails: resumed with --fp32-modules 3, $(grep -E '^  final' "$W/gr_fix.out" | sed 's/^ *//'), no step skipped"
+    else
+        bad "guard rails: the remedy did not train: $(grep -E '^note|^epoch [0-9]/|grad scaler|error' "$W/gr_fix.out" | tr '\n' ' ')"
+    fi
+    expect 3 guard_scale 'the loss scale collapsed to 512 \(below --min-loss-scale 1e\+03\)' \
+        "${GR[@]}" --pretrained "$W/big.safetensors" --epochs 2 --max-skipped-steps 0 --min-loss-scale 1000 --out "$W/gr2"
+else
+    bad "guard rails: no model to give a 1e5 bias"
+fi
+# a remedy on an ordinary resume: --lr may change (noted; the scaler's state carries on), the
+# batch may not
+if timeout "$LIMIT" "$TRAIN" "${GR[@]}" --epochs 1 --out "$W/lr1" >/dev/null 2>&1 &&
+    timeout "$LIMIT" "$TRAIN" --resume "$W/lr1/checkpoint.safetensors" --epochs 2 --lr 0.0005 >"$W/lr1.out" 2>&1 &&
+    grep -q '^note: changed on resume: --lr 0.0005 (was 0.001)$' "$W/lr1.out" && ! grep -q 'starts afresh' "$W/lr1.out"; then
+    ok "resume: --lr 0.0005 accepted as a remedy, noted"
+else
+    bad "resume --lr: $(grep -E '^note|error' "$W/lr1.out" | tr '\n' ' ')"
+fi
+expect 1 resume_batch 'batch-size 32 differs from the checkpoint' --resume "$W/lr1/checkpoint.safetensors" --epochs 3 --batch-size 32
+# --amp-dtype fastest: the choice is the precision with the smallest printed median, and timing
+# it left the run as it was: the checkpoint equals, bit for bit, a run given that precision (the
+# cnn's dropout draws from the random stream; resnet18's BatchNorm statistics are buffers)
+for m in cnn resnet18; do
+    FA=(--model "$m" --limit-train 64 --limit-val 16 --batch-size 8 --epochs 1 --progress off)
+    if timeout "$LIMIT" "$TRAIN" "${FA[@]}" --amp-dtype fastest --out "$W/fa_$m" >"$W/fa_$m.out" 2>&1; then
+        line=$(grep '^amp-dtype fastest: fp32' "$W/fa_$m.out")
+        want=$(echo "$line" | grep -oE '(fp32|bf16|fp16) [0-9.]+ ms' | sort -k2 -g | head -1 | cut -d' ' -f1)
+        got=$(echo "$line" | grep -oE -- '-> (fp32|bf16|fp16)' | cut -d' ' -f2)
+        case $got in fp32) flags=(--use-amp no) ;; *) flags=(--amp-dtype "$got") ;; esac
+        if [ -n "$want" ] && [ "$want" = "$got" ] && timeout "$LIMIT" "$TRAIN" "${FA[@]}" "${flags[@]}" --out "$W/fb_$m" >/dev/null 2>&1 &&
+            "$TRAIN" --compare-checkpoints "$W/fa_$m/checkpoint.safetensors" "$W/fb_$m/checkpoint.safetensors" >"$W/fa_$m.cmp"; then
+            ok "--amp-dtype fastest ($m): ${line#amp-dtype fastest: }; the run equals one given ${flags[*]}: $(tail -1 "$W/fa_$m.cmp")"
+        else
+            bad "--amp-dtype fastest ($m): '$line', chose '$got', fastest printed '$want': $(tail -1 "$W/fa_$m.cmp" 2>/dev/null)"
+        fi
+    else
+        bad "--amp-dtype fastest ($m): $(tail -1 "$W/fa_$m.out")"
+    fi
+done
 # --explain: the first step's ops with their policies and dtypes (test_doctor checks them against the table)
 if timeout "$LIMIT" "$TRAIN" --limit-train 64 --limit-val 32 --epochs 1 --amp-dtype fp16 --explain yes --progress off --out "$W/ex" >"$W/ex.out" 2>&1 &&
     grep -qE "^ +1 +forward +conv1 +conv2d +lower_precision +f32,f32,f32 -> f16,f16,f16 +f16 +[0-9,]+$" "$W/ex.out" &&

@@ -224,6 +224,54 @@ static void test_rng_reproducible(void **state) {
     ampc_scope_end();
 }
 
+/* ampc_tensor_copy_: values converted as ampc_f32_to_f16/bf16 round them, across memory formats
+   (the logical order kept) and from i64; a wrong shape, and a destination that requires grad
+   outside no-grad, refused with dst untouched. */
+static void test_copy_in_place(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    float data[24];
+    for (int i = 0; i < 24; i++) data[i] = (float)(i - 11) * 1.37f + 1e-3f * (float)i;
+    const int64_t shape[4] = {1, 4, 2, 3};
+    ampc_tensor *src = ampc_tensor_from_f32(AMPC_F32, 4, shape, data);
+    for (int dt = AMPC_F32; dt <= AMPC_BF16; dt++) {
+        for (int cl = 0; cl < 2; cl++) {
+            ampc_tensor *dst = ampc_tensor_zeros((ampc_dtype)dt, 4, shape);
+            if (cl) dst = ampc_to_memory_format(dst, AMPC_CHANNELS_LAST);
+            ASSERT_NOT_NULL_MSG(dst);
+            ASSERT_OK(ampc_tensor_copy_(dst, src));
+            float out[24];
+            ASSERT_OK(ampc_tensor_to_f32(dst, out, 24));
+            for (int i = 0; i < 24; i++) {
+                float expect = dt == AMPC_F16 ? ampc_f16_to_f32(ampc_f32_to_f16(data[i]))
+                             : dt == AMPC_BF16 ? ampc_bf16_to_f32(ampc_f32_to_bf16(data[i])) : data[i];
+                assert_true(out[i] == expect);
+            }
+        }
+    }
+    int64_t counts[3] = {0, 7, (INT64_C(1) << 40) + 3};   /* beyond f32's integers: copied as integers */
+    ampc_tensor *ci = ampc_tensor_from_i64(1, (int64_t[]){3}, counts);
+    ampc_tensor *di = ampc_tensor_from_i64(1, (int64_t[]){3}, (int64_t[]){5, 5, 5});
+    ASSERT_OK(ampc_tensor_copy_(di, ci));
+    assert_memory_equal(ampc_tensor_cdata(di), counts, sizeof counts);
+    ampc_tensor *small = ampc_tensor_zeros(AMPC_F32, 2, (int64_t[]){4, 6});
+    assert_true(ampc_tensor_copy_(small, src) == AMPC_ERR_SHAPE);
+    ampc_clear_error();
+    ampc_tensor *w = ampc_tensor_zeros(AMPC_F32, 4, shape);
+    ASSERT_OK(ampc_tensor_set_requires_grad(w, true));
+    assert_true(ampc_tensor_copy_(w, src) == AMPC_ERR_INVALID);
+    ampc_clear_error();
+    double v[24];
+    ASSERT_OK(ampc_tensor_to_f64(w, v, 24));
+    for (int i = 0; i < 24; i++) assert_true(v[i] == 0);
+    ampc_no_grad_enter();
+    ASSERT_OK(ampc_tensor_copy_(w, src));
+    ampc_no_grad_exit();
+    ASSERT_OK(ampc_tensor_to_f64(w, v, 24));
+    for (int i = 0; i < 24; i++) assert_true(v[i] == (double)data[i]);
+    ampc_scope_end();
+}
+
 static void test_philox_known_answer(void **state) {
     (void)state;
     /* Random123's published known-answer vector for philox4x32-10: counter 0, key 0 */
@@ -247,6 +295,7 @@ int main(void) {
         cmocka_unit_test(test_bad_shapes_and_views),
         cmocka_unit_test(test_rng_reproducible),
         cmocka_unit_test(test_philox_known_answer),
+        cmocka_unit_test(test_copy_in_place),
     };
     return cmocka_run_group_tests_name("core", tests, tu_group_setup, tu_group_teardown);
 }

@@ -16,6 +16,20 @@ void ampc_no_grad_exit(void) {
 }
 bool ampc_grad_enabled(void) { return no_grad_depth == 0; }
 
+/* In place, without a record: under autograd only a tensor that needs no gradient, or any under
+   no-grad (a snapshot restored). */
+int ampc_tensor_copy_(ampc_tensor *dst, const ampc_tensor *src) {
+    int rc = ampc__check_tensor(dst, "ampc_tensor_copy_");
+    if (rc >= 0) rc = ampc__check_tensor(src, "ampc_tensor_copy_");
+    if (rc < 0) return rc;
+    bool same = dst->ndim == src->ndim;
+    for (int i = 0; same && i < dst->ndim; i++) same = dst->shape[i] == src->shape[i];
+    if (!same) return ampc__err(AMPC_ERR_SHAPE, "ampc_tensor_copy_: the source's shape differs from the destination's");
+    if (ampc_tensor_requires_grad(dst) && ampc_grad_enabled())
+        return ampc__err(AMPC_ERR_INVALID, "ampc_tensor_copy_: the destination requires grad: copy into it under no-grad");
+    return ampc__copy(src, dst);
+}
+
 // ---------------------------------------------------------------------------------------------
 // A tensor's autograd properties
 

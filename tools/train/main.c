@@ -63,10 +63,10 @@ static int compare_runs(const settings *base) {
             rc = train_run(&s, &rr[k]);
         }
         char dt[16];
-        snprintf(dt, sizeof dt, "%s", sval(&s, OPT_AMP_DTYPE));
+        snprintf(dt, sizeof dt, "%s", yes(&s, OPT_USE_AMP) ? sval(&s, OPT_AMP_DTYPE) : "fp32");   /* fastest may keep fp32 */
         settings_free(&s);
         if (rc < 0) return rc;
-        if (k) names[1] = strcmp(dt, "fp16") == 0 ? "AMP (fp16)" : "AMP (bf16)";
+        if (k) names[1] = strcmp(dt, "fp16") == 0 ? "AMP (fp16)" : strcmp(dt, "bf16") == 0 ? "AMP (bf16)" : "fp32 (fastest)";
     }
     if (!rr[0].ok || rr[0].epochs_run == 0) return 0;
     char a[32], b[32];
@@ -152,15 +152,17 @@ int main(int argc, char **argv) {
         if (world > 1) snprintf(who, sizeof who, "rank %d: ", rank);
         if (g_interrupt) {
             if (rank == 0) fprintf(stderr, PROG ": interrupted by %s\n", g_err);
+        } else if (g_job_error) {
+            if (rank == 0) fprintf(stderr, PROG ": error: %s\n", g_err);
         } else if (g_err_status == AMPC_ERR_OOM || strstr(g_err, "out of memory")) {
             fprintf(stderr, PROG ": %serror: %s; %s\n", who, g_err, g_oom_hint);
         } else {
             fprintf(stderr, PROG ": %serror: %s%s\n", who, g_err, g_usage ? " (see --help)" : "");
         }
         fflush(stderr);
-        /* a signal stops every rank at the same step (they agree), so they leave together;
-           an error on one rank ends the others, wherever they wait */
-        if (world > 1 && !g_interrupt) ampc_dist_abort(g_exit);
+        /* a signal or the guard rails stop every rank at the same step (they agree), so they leave
+           together; an error on one rank ends the others, wherever they wait */
+        if (world > 1 && !g_interrupt && !g_job_error) ampc_dist_abort(g_exit);
         ampc_dist_finalize();
         return g_exit;
     }

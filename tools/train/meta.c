@@ -71,10 +71,12 @@ static void set_last_good(run *r, const char *path, int64_t epochs_done, int64_t
 /* The run after epochs_done epochs and, when a signal stopped epoch epochs_done + 1, `step` of its
    training steps (its batch count: training done, validation not) with the totals so far in
    *partial and the epoch's wall time so far. */
-int checkpoint_save(run *r, int64_t epochs_done, int64_t step, const pass_stats *partial, double epoch_seconds) {
+int checkpoint_save(run *r, const char *path, const char *diverged, int64_t epochs_done, int64_t step, const pass_stats *partial,
+                    double epoch_seconds) {
     kv_list kv = {0};
     char key[128], buf[64];
     int rc = kv_add(&kv, META_PREFIX "version", "1");
+    if (diverged) rc = rc < 0 ? rc : kv_add(&kv, META_PREFIX "diverged", diverged);
     snprintf(buf, sizeof buf, "%" PRId64, epochs_done);
     rc = rc < 0 ? rc : kv_add(&kv, META_PREFIX "epoch", buf);
     snprintf(buf, sizeof buf, "%" PRId64, step);
@@ -117,10 +119,10 @@ int checkpoint_save(run *r, int64_t epochs_done, int64_t step, const pass_stats 
         rc = kv_add(&kv, key, text);
         free(text);
     }
-    if (rc == 0 && ampc_checkpoint_save(r->ckpt_path, r->net, r->opt, r->scaler, (const char *const *)kv.kv) < 0)
+    if (rc == 0 && ampc_checkpoint_save(path, r->net, r->opt, r->scaler, (const char *const *)kv.kv) < 0)
         rc = fail_lib("saving the checkpoint");
     kv_free(&kv);
-    if (rc == 0) set_last_good(r, r->ckpt_path, epochs_done, step);
+    if (rc == 0 && !diverged) set_last_good(r, path, epochs_done, step);
     return rc;
 }
 
@@ -174,7 +176,8 @@ static int resume_partial(run *r, const char *meta, const char *path) {
     for (char *p = text; *p && ok;) {
         char *end;
         double x = strtod(p, &end);
-        ok = end != p && (*end == ',' || !*end) && n < 7 && isfinite(x) && x >= 0;
+        /* the loss sum may be inf or NaN: steps the grad scaler skipped can have such losses */
+        ok = end != p && (*end == ',' || !*end) && n < 7 && (n == 0 ? isnan(x) || x >= 0 : isfinite(x) && x >= 0);
         if (ok) v[n++] = x;
         p = *end ? end + 1 : end;
     }
@@ -193,6 +196,10 @@ static int resume_partial(run *r, const char *meta, const char *path) {
     return 0;
 }
 
+/* A value the run decides once built ("auto", --amp-dtype fastest): a resumed run keeps the
+   decision its checkpoint records. */
+static bool undecided(const char *v) { return strcmp(v, "auto") == 0 || strcmp(v, "fastest") == 0; }
+
 /* A flag given on the command line must agree with the checkpoint where it defines the run. */
 int resume_settings(settings *s) {
     const char *path = sval(s, OPT_RESUME);
@@ -202,6 +209,7 @@ int resume_settings(settings *s) {
     if (rc == 0 && strcmp(v, "1") != 0) rc = fail("--resume '%s': unknown " PROG " checkpoint version '%s'", path, v);
     free(v);
     int64_t saved_world = 1;   /* checkpoints from before data-parallel training: one process */
+    bool precision_changed = false;   /* --use-amp or --amp-dtype given otherwise (options before --grad-scaler) */
     if (rc == 0 && ampc_checkpoint_meta_get(meta, META_PREFIX "world_size", NULL, 0) != AMPC_ERR_INVALID)
         rc = meta_int(meta, path, META_PREFIX "world_size", 1, INT32_MAX, &saved_world);
     for (int i = 0; i < OPT_COUNT && rc == 0; i++) {
@@ -212,15 +220,21 @@ int resume_settings(settings *s) {
         if ((rc = meta_get(meta, path, key, &v)) < 0) break;
         /* what the checkpoint says must itself be a valid value */
         char why[256];
-        if (canonical(i, v, canon, sizeof canon, why, sizeof why) < 0 || strcmp(canon, v) != 0 || strcmp(v, "auto") == 0) {
+        if (canonical(i, v, canon, sizeof canon, why, sizeof why) < 0 || strcmp(canon, v) != 0 || undecided(v)) {
             rc = fail("--resume '%s': bad metadata '%s' = '%s'", path, key, v);
         } else if (i == OPT_BATCH_SIZE && s->given[i] && strcmp(s->val[i], v) != 0 &&
                    strtoll(s->val[i], NULL, 10) * ampc_dist_world_size() == strtoll(v, NULL, 10) * saved_world) {
             /* on another number of processes, the per-process batch that keeps the global batch
                (2 x 32 -> 1 x 64) goes on with the same steps, up to the reduction order */
             rc = 0;
-        } else if (s->given[i] && (OPTS[i].flags & O_RUN) && strcmp(s->val[i], v) != 0 &&
-                   !(strcmp(s->val[i], "auto") == 0)) {
+        } else if (s->given[i] && (OPTS[i].flags & O_REMEDY) && strcmp(s->val[i], v) != 0 && !undecided(s->val[i])) {
+            /* a remedy (resume_remedies notes it): the given value stands; a new precision
+               re-derives the grad scaler's default unless it is given too */
+            precision_changed |= i == OPT_USE_AMP || i == OPT_AMP_DTYPE;
+            rc = 0;
+        } else if (i == OPT_GRAD_SCALER && !s->given[i] && precision_changed) {
+            rc = set_val(s, i, "auto");
+        } else if (s->given[i] && (OPTS[i].flags & O_RUN) && strcmp(s->val[i], v) != 0 && !undecided(s->val[i])) {
             char hint[160] = "";
             const int64_t global = strtoll(v, NULL, 10) * saved_world, world = ampc_dist_world_size();
             if (i == OPT_BATCH_SIZE && global % world == 0)
@@ -237,10 +251,61 @@ int resume_settings(settings *s) {
     return rc;
 }
 
+/* --resume: notes the remedies given (O_REMEDY options, resolved, that differ from the
+   checkpoint's) and, for a checkpoint a diverged run saved, what it says. *fresh: the grad scaler
+   starts afresh rather than with the checkpoint's state, as it must when the precision changed
+   (another dtype's scale means nothing) or after a divergence (the scale had collapsed). */
+static int resume_remedies(run *r, const char *path, bool *fresh) {
+    char *meta = NULL, key[128], changes[1024] = "";
+    if (ampc_checkpoint_read_meta(path, &meta) < 0) return fail_lib("--resume");
+    size_t at = 0;
+    bool precision = false;
+    for (int i = 0; i < OPT_COUNT; i++) {
+        if (!(OPTS[i].flags & O_REMEDY)) continue;
+        snprintf(key, sizeof key, META_PREFIX "config.%s", OPTS[i].name);
+        int len = ampc_checkpoint_meta_get(meta, key, NULL, 0);
+        if (len < 0) continue;   /* an option newer than the checkpoint */
+        char *v = malloc((size_t)len + 1);
+        if (!v) {
+            free(meta);
+            return fail("out of memory");
+        }
+        ampc_checkpoint_meta_get(meta, key, v, (size_t)len + 1);
+        if (strcmp(v, r->s->val[i]) != 0) {
+            precision |= i == OPT_USE_AMP || i == OPT_AMP_DTYPE || i == OPT_GRAD_SCALER;
+            int w = snprintf(changes + at, sizeof changes - at, "%s--%s %s (was %s)", at ? ", " : "", OPTS[i].name,
+                             *r->s->val[i] ? r->s->val[i] : "''", *v ? v : "''");
+            if (w > 0) at = at + (size_t)w < sizeof changes ? at + (size_t)w : sizeof changes - 1;
+        }
+        free(v);
+    }
+    char why[512] = "";
+    int len = ampc_checkpoint_meta_get(meta, META_PREFIX "diverged", NULL, 0);
+    if (len >= 0) ampc_checkpoint_meta_get(meta, META_PREFIX "diverged", why, sizeof why);
+    free(meta);
+    const bool diverged = len >= 0;
+    *fresh = ampc_scaler_is_enabled(r->scaler) && (precision || diverged);
+    if (diverged)
+        printf("note: %s was saved by a run that diverged (%s)\n", path, why);
+    if (at)
+        printf("note: changed on resume: %s\n", changes);
+    else if (diverged)
+        warn("resuming a diverged run as it was: it will likely diverge again; give a remedy: --amp-dtype bf16, a lower --lr, "
+             "--fp32-modules for the module --doctor names, --clip-grad-norm or --use-amp no");
+    if (*fresh) {
+        char sc[32];
+        printf("note: the grad scaler starts afresh at scale %s (%s)\n", fmt_real(ampc_scaler_get_scale(r->scaler), sc, sizeof sc),
+               diverged ? "the checkpoint's had collapsed" : "the precision changed");
+    }
+    return 0;
+}
+
 int resume_state(run *r) {
     const char *path = sval(r->s, OPT_RESUME);
     char *meta = NULL, key[128];
-    if (ampc_checkpoint_load(path, r->net, r->opt, r->scaler, &meta) < 0) return fail_lib("--resume");
+    bool fresh_scaler = false;
+    if (resume_remedies(r, path, &fresh_scaler) < 0) return -1;
+    if (ampc_checkpoint_load(path, r->net, r->opt, fresh_scaler ? NULL : r->scaler, &meta) < 0) return fail_lib("--resume");
     int64_t n_train, n_val, n_classes;
     const int64_t max_epochs = (int64_t)OPTS[OPT_EPOCHS].hi, max_size = INT64_C(1) << 48;
     int rc = meta_int(meta, path, META_PREFIX "epoch", 0, max_epochs, &r->epoch0);

@@ -25,17 +25,19 @@ const opt_def OPTS[OPT_COUNT] = {
                   "(one subfolder of .jpg/.png images per class); default: Fashion-MNIST from Debian's "
                   "dataset-fashion-mnist (or $AMPC_FASHION_MNIST_DIR)"},
     [OPT_BATCH_SIZE] = {"batch-size", V_INT, "64", NULL, 1, 1 << 20, false, O_SAVE | O_RUN, "N", "samples per step"},
-    [OPT_USE_AMP] = {"use-amp", V_YESNO, "yes", NULL, 0, 0, false, O_SAVE | O_RUN, "yes|no",
+    [OPT_USE_AMP] = {"use-amp", V_YESNO, "yes", NULL, 0, 0, false, O_SAVE | O_RUN | O_REMEDY, "yes|no",
                      "automatic mixed precision (autocast) for training and validation"},
-    [OPT_AMP_DTYPE] = {"amp-dtype", V_CHOICE, "auto", "bf16|fp16", 0, 0, false, O_SAVE | O_RUN | O_AUTO, "bf16|fp16",
+    [OPT_AMP_DTYPE] = {"amp-dtype", V_CHOICE, "auto", "bf16|fp16|fastest", 0, 0, false, O_SAVE | O_RUN | O_REMEDY | O_AUTO,
+                       "bf16|fp16|fastest",
                        "autocast's lower precision (auto: bf16 where the CPU has bf16 arithmetic, AVX512-BF16 or AMX; "
-                       "fp16 elsewhere)"},
-    [OPT_GRAD_SCALER] = {"grad-scaler", V_YESNO, "auto", NULL, 0, 0, false, O_SAVE | O_RUN | O_AUTO, "yes|no",
+                       "fp16 elsewhere; fastest: a few training steps of this model and batch timed in fp32, bf16 and "
+                       "fp16 before training, and the fastest kept, fp32 meaning --use-amp no)"},
+    [OPT_GRAD_SCALER] = {"grad-scaler", V_YESNO, "auto", NULL, 0, 0, false, O_SAVE | O_RUN | O_REMEDY | O_AUTO, "yes|no",
                          "loss scaling (auto: yes for fp16 autocast, no for bf16 and fp32)"},
     [OPT_EPOCHS] = {"epochs", V_INT, "5", NULL, 0, 1e9, false, O_SAVE | O_RESTORE, "N",
                     "epochs in all (with --resume: the total, including the finished ones; 0: print the setup "
                     "and stop)"},
-    [OPT_LR] = {"lr", V_REAL, "auto", NULL, 0, 1e6, true, O_SAVE | O_RUN | O_AUTO, "X",
+    [OPT_LR] = {"lr", V_REAL, "auto", NULL, 0, 1e6, true, O_SAVE | O_RUN | O_REMEDY | O_AUTO, "X",
                 "learning rate (auto: 0.01 for sgd, 0.001 for adam/adamw)"},
     [OPT_OPTIMIZER] = {"optimizer", V_CHOICE, "adam", "sgd|adam|adamw", 0, 0, false, O_SAVE | O_RUN, "NAME",
                        "sgd (with --momentum), adam or adamw"},
@@ -77,10 +79,13 @@ const opt_def OPTS[OPT_COUNT] = {
                         "keep autocast's 16-bit weight copies across steps, rewritten by the optimizer's pass "
                         "(faster, bit-identical results; no: recast every step as PyTorch does, 2 bytes per "
                         "parameter less while the optimizer steps)"},
-    [OPT_MAX_SKIPPED] = {"max-skipped-steps", V_INT, "30", NULL, 0, 1e9, false, O_SAVE, "N",
+    [OPT_MAX_SKIPPED] = {"max-skipped-steps", V_INT, "30", NULL, 0, 1e9, false, O_SAVE | O_RESTORE, "N",
                          "stop as diverged when the grad scaler skips N steps in a row (inf/NaN gradients at every "
                          "scale it tried; 0: never)"},
-    [OPT_MAX_LOSS] = {"max-loss", V_REAL, "1e+04", NULL, 0, 1e300, true, O_SAVE, "X",
+    [OPT_MIN_LOSS_SCALE] = {"min-loss-scale", V_REAL, "5.960464477539062e-08", NULL, 0, 1e30, false, O_SAVE | O_RESTORE, "X",
+                            "stop as diverged when the grad scaler's loss scale falls below X (the default, 2^-24: below "
+                            "it every fp16 gradient of a loss <= 1 underflows; 0: never)"},
+    [OPT_MAX_LOSS] = {"max-loss", V_REAL, "1e+04", NULL, 0, 1e300, true, O_SAVE | O_RESTORE, "X",
                       "stop as diverged when a training step's loss exceeds X (cross-entropy starts near ln(classes))"},
     [OPT_SYNC_BN] = {"sync-bn", V_YESNO, "no", NULL, 0, 0, false, O_SAVE, "[yes|no]",
                      "under mpirun: BatchNorm with the batch statistics of all processes (SyncBatchNorm; alone: yes); "
@@ -98,7 +103,7 @@ const opt_def OPTS[OPT_COUNT] = {
     [OPT_WARMUP_STEPS] = {"warmup-steps", V_INT, "0", NULL, 0, INT_FLAG_MAX, false, O_SAVE | O_RUN, "N",
                           "linear warm-up first over N optimizer steps from a third of --lr (LinearLR's default), then "
                           "the schedule (SequentialLR)"},
-    [OPT_CLIP_GRAD_NORM] = {"clip-grad-norm", V_REAL, "0", NULL, 0, 1e30, false, O_SAVE | O_RUN, "X",
+    [OPT_CLIP_GRAD_NORM] = {"clip-grad-norm", V_REAL, "0", NULL, 0, 1e30, false, O_SAVE | O_RUN | O_REMEDY, "X",
                             "clip the gradients' total 2-norm to X before each step, on the unscaled gradients "
                             "(the GradScaler's unscale first, as PyTorch's recipe; 0: off)"},
     [OPT_PRETRAINED] = {"pretrained", V_TEXT, "", NULL, 0, 0, false, O_SAVE, "FILE",
@@ -138,7 +143,7 @@ const opt_def OPTS[OPT_COUNT] = {
     [OPT_EXPLAIN] = {"explain", V_YESNO, "no", NULL, 0, 0, false, 0, "yes|no",
                      "print every op of this session's first training step: module, op, autocast policy, the dtypes "
                      "given and run, the output's, and the bytes autocast spent on casts"},
-    [OPT_FP32_MODULES] = {"fp32-modules", V_TEXT, "", NULL, 0, 0, false, O_SAVE | O_RUN, "PATTERNS",
+    [OPT_FP32_MODULES] = {"fp32-modules", V_TEXT, "", NULL, 0, 0, false, O_SAVE | O_RUN | O_REMEDY, "PATTERNS",
                           "under autocast, run these modules in fp32 (comma-separated shell patterns of module paths, "
                           "e.g. 'layer4.*' or fc; a module's children with it), as Keras' per-layer float32 policy"},
     [OPT_NUMERICS_EVERY] = {"numerics-every", V_INT, "0", NULL, 0, INT_FLAG_MAX, false, O_SAVE | O_RESTORE, "K",
@@ -311,7 +316,12 @@ void print_help(void) {
            "with --step-log yes, steps.csv and scale.png. Each step the grad scaler skips prints a line (at most\n"
            "one per 2 s). Flags take '--flag value' or '--flag=value'.\n"
            "Errors print one line \"" PROG ": error: ...\" on stderr; exit status 1 (2: bad command line, 3: the run\n"
-           "diverged). SIGINT/SIGTERM save a checkpoint at the next step and exit 128 + signal (130, 143).\n");
+           "diverged). SIGINT/SIGTERM save a checkpoint at the next step and exit 128 + signal (130, 143).\n"
+           "\nWhen the grad scaler gives up (--max-skipped-steps in a row, or the scale below --min-loss-scale),\n"
+           "the run saves where it stopped to diverged.safetensors (the last good checkpoint stays) and names\n"
+           "remedies. A resumed run keeps its configuration, but for these, which may be given anew as remedies:\n"
+           "--lr, --use-amp, --amp-dtype, --grad-scaler, --fp32-modules, --clip-grad-norm (a change of precision,\n"
+           "or a resumed diverged.safetensors, starts the grad scaler afresh).\n");
 }
 
 // ---------------------------------------------------------------------------------------------

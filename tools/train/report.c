@@ -14,6 +14,7 @@ int g_err_status;
 int g_exit = 1;
 bool g_usage;
 bool g_interrupt;
+bool g_job_error;
 const char *g_oom_hint = "try a smaller --batch-size or --use-amp yes";
 
 // ---------------------------------------------------------------------------------------------
@@ -56,6 +57,7 @@ void error_reset(void) {
     g_exit = 1;
     g_usage = false;
     g_interrupt = false;
+    g_job_error = false;
 }
 
 void warn(const char *fmt, ...) {

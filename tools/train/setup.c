@@ -2,11 +2,14 @@
  * setup.c - a run built from its settings: the "auto" values resolved for this CPU, data and
  * optimizer (--amp-dtype, --grad-scaler, --lr, --weight-decay, --threads), then the data, the
  * model (checked against the images before any training), the optimizer, the grad scaler and the
- * loaders; and the setup printed before the first epoch.
+ * loaders; and the setup printed before the first epoch. --amp-dtype fastest times the model's
+ * training step in each precision before the grad scaler is made.
  */
 #include "train.h"
+#include "progress.h"
 
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 
 void run_free(run *r) {
@@ -123,6 +126,101 @@ static int check_model_input(run *r) {
     return rc;
 }
 
+// ---------------------------------------------------------------------------------------------
+// --amp-dtype fastest: the training step timed in each precision the device offers
+
+#define FASTEST_ROUNDS 3   /* timed rounds after one of warm-up; the median of each precision */
+
+/* Seconds of one training step's forward and backward pass (the optimizer's step costs about the
+   same in every precision) on a batch of b zero images, or -1 when it fails: out of memory under
+   --max-memory means that precision does not fit. */
+static double probe_step(run *r, bool amp, ampc_dtype dt, int64_t b) {
+    ampc_scope_begin();
+    double t0 = progress_now();
+    ampc_tensor *x = ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){b, r->d.c, r->d.h, r->d.w});
+    ampc_tensor *y = ampc_tensor_zeros(AMPC_I64, 1, (int64_t[]){b});
+    ampc_autocast_enter(dt, amp);
+    ampc_tensor *loss = x && y ? ampc_cross_entropy(ampc_module_forward(r->net, x), y, NULL) : NULL;
+    ampc_autocast_exit();
+    int rc = loss ? ampc_backward(loss) : -1;
+    if (rc >= 0) rc = ampc_device_synchronize(r->device);
+    double t = progress_now() - t0;
+    ampc_scope_end();
+    ampc_optimizer_zero_grad(r->opt);
+    if (rc < 0) ampc_clear_error();
+    return rc < 0 ? -1 : t;
+}
+
+/* Times fp32, bf16 (where the device has bf16 kernels) and fp16 in alternating rounds and keeps the
+   fastest: --use-amp and --amp-dtype are set to it (fp32: --use-amp no). The model is as it was
+   before: its buffers (BatchNorm's statistics) are restored, the random stream rewound (dropout's
+   draws) and the gradients dropped. Under mpirun every rank takes the slowest rank's times, so
+   all choose the same. */
+static int amp_fastest(run *r, const char *hw_dtype) {
+    struct {
+        const char *name;
+        bool amp;
+        ampc_dtype dt;
+        double t[FASTEST_ROUNDS];
+        double med;
+    } c[3] = {{"fp32", false, AMPC_F32, {0}, 0}, {"bf16", true, AMPC_BF16, {0}, 0}, {"fp16", true, AMPC_F16, {0}, 0}};
+    bool offered[3] = {true, ampc_dtype_supported(r->device, AMPC_BF16), ampc_dtype_supported(r->device, AMPC_F16)};
+    const int64_t b = ival(r->s, OPT_BATCH_SIZE);
+    ampc_tensor **sd;
+    int n_sd = ampc_module_state_dict(r->net, &sd, NULL);
+    if (n_sd < 0) return fail_lib("--amp-dtype fastest");
+    uint64_t seed, offset;
+    ampc_rng_get_state(&seed, &offset);
+    const bool keep = ampc_autocast_keeps_weight_casts();
+    ampc_autocast_keep_weight_casts(false);   /* no 16-bit weight copies left behind */
+    ampc_scope_begin();
+    ampc_tensor **saved = calloc((size_t)(n_sd ? n_sd : 1), sizeof *saved);
+    int rc = saved ? 0 : fail("out of memory");
+    for (int i = 0; i < n_sd && rc == 0; i++)   /* the buffers: what a forward pass in training mode writes */
+        if (!ampc_tensor_requires_grad(sd[i]) && !(saved[i] = ampc_tensor_to(sd[i], r->device, ampc_tensor_dtype(sd[i]))))
+            rc = fail_lib("--amp-dtype fastest");
+    printf("amp-dtype fastest: timing a training step's forward and backward pass (batch %" PRId64 ") in fp32%s%s ...\n", b,
+           offered[1] ? ", bf16" : "", offered[2] ? ", fp16" : "");
+    fflush(stdout);
+    ampc_module_train(r->net, true);
+    for (int round = -1; round < FASTEST_ROUNDS && rc == 0; round++)   /* round -1: warm-up (kernels, allocator) */
+        for (int k = 0; k < 3; k++) {
+            if (!offered[k]) continue;
+            double t = probe_step(r, c[k].amp, c[k].dt, b);
+            if (t < 0) offered[k] = false;   /* does not run here: out of memory */
+            else if (round >= 0) c[k].t[round] = t;
+        }
+    ampc_rng_set_state(seed, offset);
+    ampc_no_grad_enter();
+    for (int i = 0; i < n_sd && rc == 0; i++)
+        if (saved[i] && ampc_tensor_copy_(sd[i], saved[i]) < 0) rc = fail_lib("--amp-dtype fastest");
+    ampc_no_grad_exit();
+    ampc_scope_end();
+    free(saved);
+    ampc_autocast_keep_weight_casts(keep);
+    if (rc < 0) return rc;
+    double med[3];
+    for (int k = 0; k < 3; k++) {   /* the median of 3 */
+        double *t = c[k].t, lo = t[0] < t[1] ? t[0] : t[1], hi = t[0] < t[1] ? t[1] : t[0];
+        med[k] = !offered[k] ? INFINITY : t[2] < lo ? lo : t[2] > hi ? hi : t[2];
+    }
+    if (ampc_dist_world_size() > 1 && ampc_dist_max_f64(med, 3) < 0) return fail_lib("--amp-dtype fastest: agreeing on the times");
+    int best = -1;
+    for (int k = 0; k < 3; k++)
+        if (med[k] < INFINITY && (best < 0 || med[k] < med[best])) best = k;
+    if (best < 0) return fail("--amp-dtype fastest: no precision ran a training step of batch %" PRId64, b);
+    printf("amp-dtype fastest:");
+    for (int k = 0; k < 3; k++)
+        if (med[k] < INFINITY) printf(" %s %.3f ms,", c[k].name, 1e3 * med[k]);
+        else if (k > 0) printf(" %s %s,", c[k].name, ampc_dtype_supported(r->device, c[k].dt) ? "out of memory" : "not on this device");
+    printf(" per step (median of %d) -> %s%s\n", FASTEST_ROUNDS, c[best].name, best == 0 ? " (--use-amp no)" : "");
+    fflush(stdout);
+    r->use_amp = c[best].amp;
+    if (r->use_amp) r->amp_dtype = c[best].dt;
+    if (set_val(r->s, OPT_USE_AMP, r->use_amp ? "yes" : "no") < 0) return -1;
+    return set_val(r->s, OPT_AMP_DTYPE, r->use_amp ? c[best].name : hw_dtype);
+}
+
 int run_build(run *r) {
     settings *s = r->s;
     const char *model = sval(s, OPT_MODEL), *optname = sval(s, OPT_OPTIMIZER);
@@ -132,8 +230,10 @@ int run_build(run *r) {
     if (!ampc_device_available(r->device))
         return fail("--device %s: %s", sval(s, OPT_DEVICE), ampc_device_unavailable_reason(r->device));
     bool bf16_ok = ampc_dtype_supported(r->device, AMPC_BF16), bf16_fast = ampc_dtype_native(r->device, AMPC_BF16);
-    bool auto_dtype = is_auto(s, OPT_AMP_DTYPE);
-    if (auto_dtype && set_val(s, OPT_AMP_DTYPE, bf16_fast ? "bf16" : "fp16") < 0) return -1;
+    bool auto_dtype = is_auto(s, OPT_AMP_DTYPE), fastest = strcmp(sval(s, OPT_AMP_DTYPE), "fastest") == 0;
+    const char *hw_dtype = bf16_fast ? "bf16" : "fp16";   /* auto's choice; fastest's until measured */
+    if ((auto_dtype || fastest) && set_val(s, OPT_AMP_DTYPE, hw_dtype) < 0) return -1;
+    fastest = fastest && r->use_amp;   /* --use-amp no: nothing to choose */
     r->amp_dtype = strcmp(sval(s, OPT_AMP_DTYPE), "fp16") == 0 ? AMPC_F16 : AMPC_BF16;
     if (r->use_amp && r->amp_dtype == AMPC_BF16 && !bf16_ok)
         return fail("--amp-dtype bf16: this CPU has no bf16 kernels (oneDNN's need AVX-512; cpu: %s%s): use --amp-dtype fp16 "
@@ -143,8 +243,7 @@ int run_build(run *r) {
         warn("bf16 is emulated on this CPU (no AVX512-BF16): expect it several times slower than fp32; --amp-dtype fp16 "
              "(the default here) or --use-amp no run faster");
     if (r->use_amp && auto_dtype && !bf16_fast)
-        printf("note: --amp-dtype fp16, since this CPU has no bf16 arithmetic (AVX512-BF16); fp16 is computed in fp32 here\n");
-    if (is_auto(s, OPT_GRAD_SCALER) && set_val(s, OPT_GRAD_SCALER, r->use_amp && r->amp_dtype == AMPC_F16 ? "yes" : "no") < 0) return -1;
+        printf("note: --amp-dtype fp16, since this CPU has no bf16 arithmetic (AVX512-BF16); fp16 is computed in fp32 here, so AMP saves memory but likely not time (--amp-dtype fastest measures it)\n");
     if (is_auto(s, OPT_LR) && set_val(s, OPT_LR, sgd ? "0.01" : "0.001") < 0) return -1;
     if (is_auto(s, OPT_WEIGHT_DECAY) && set_val(s, OPT_WEIGHT_DECAY, strcmp(optname, "adamw") == 0 ? "0.01" : "0") < 0) return -1;
     if (is_auto(s, OPT_THREADS)) {
@@ -183,6 +282,8 @@ int run_build(run *r) {
         r->opt = w ? ampc_adamw_new(r->net, &o) : ampc_adam_new(r->net, &o);
     }
     if (!r->opt) return fail_lib("--optimizer");
+    if (fastest && amp_fastest(r, hw_dtype) < 0) return -1;
+    if (is_auto(s, OPT_GRAD_SCALER) && set_val(s, OPT_GRAD_SCALER, r->use_amp && r->amp_dtype == AMPC_F16 ? "yes" : "no") < 0) return -1;
     ampc_scaler_options so = ampc_scaler_defaults();
     so.enabled = yes(s, OPT_GRAD_SCALER);
     if (!(r->scaler = ampc_scaler_new(&so))) return fail_lib("grad scaler");

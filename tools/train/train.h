@@ -31,6 +31,7 @@ extern int g_err_status;   /* ampc status of a library failure (AMPC_ERR_OOM get
 extern int g_exit;         /* the exit status of the error: 1, 2 (a usage error), 3 (diverged), 128 + signal */
 extern bool g_usage;       /* the error is about the command line: point at --help */
 extern bool g_interrupt;   /* not an error: a signal stopped the run after saving ("interrupted: ...") */
+extern bool g_job_error;   /* every rank met this error at the same step (the grad scaler's guard rails): rank 0 says it */
 extern const char *g_oom_hint;   /* what to try after running out of memory, by phase */
 
 /* Keeps the first error ("fmt" made one line) and returns -1. */
@@ -58,6 +59,9 @@ enum {
     O_RUN = 2,       /* defines the run: on --resume it comes from the checkpoint; given, it must agree */
     O_RESTORE = 4,   /* on --resume, taken from the checkpoint unless given (may differ) */
     O_AUTO = 8,      /* accepts "auto": resolved once the data and model are known */
+    O_REMEDY = 16,   /* with O_RUN: may still be given differently on --resume, as a remedy for a run that
+                        diverged (precision, learning rate, clipping); the change is noted, and a change of
+                        precision starts the grad scaler afresh */
 };
 
 typedef enum {
@@ -65,7 +69,7 @@ typedef enum {
     OPT_OPTIMIZER, OPT_MOMENTUM, OPT_WEIGHT_DECAY, OPT_SEED, OPT_VAL_SPLIT, OPT_IMAGE_SIZE, OPT_INDEX_CSV, OPT_LIMIT_TRAIN,
     OPT_LIMIT_VAL, OPT_THREADS, OPT_DEVICE, OPT_NUM_WORKERS, OPT_MAX_MEMORY, OPT_OUT, OPT_RESUME, OPT_PROGRESS, OPT_CHANNELS_LAST,
     OPT_KEEP_CASTS, OPT_MAX_SKIPPED, OPT_MAX_LOSS, OPT_SYNC_BN, OPT_ZERO, OPT_LR_SCHEDULE, OPT_LR_STEP_SIZE, OPT_LR_GAMMA,
-    OPT_WARMUP_STEPS, OPT_CLIP_GRAD_NORM, OPT_PRETRAINED, OPT_PRETRAINED_STRICT, OPT_FREEZE, OPT_STOP_AFTER_STEPS, OPT_AUGMENT, OPT_EXCLUDE_CLASS, OPT_ACCUMULATE, OPT_STEP_LOG, OPT_DOCTOR, OPT_EXPLAIN, OPT_FP32_MODULES, OPT_NUMERICS_EVERY, OPT_COUNT
+    OPT_WARMUP_STEPS, OPT_CLIP_GRAD_NORM, OPT_PRETRAINED, OPT_PRETRAINED_STRICT, OPT_FREEZE, OPT_STOP_AFTER_STEPS, OPT_AUGMENT, OPT_EXCLUDE_CLASS, OPT_ACCUMULATE, OPT_STEP_LOG, OPT_DOCTOR, OPT_EXPLAIN, OPT_FP32_MODULES, OPT_NUMERICS_EVERY, OPT_MIN_LOSS_SCALE, OPT_COUNT
 } opt_id;
 
 typedef struct {
@@ -195,6 +199,7 @@ typedef struct {
     double resume_epoch_seconds;
     /* divergence checks: the scaler's skipped-step count last seen, and the run of skips */
     int64_t skipped_seen, skipped_in_a_row;
+    char diverged_why[1024];  /* a divergence the grad scaler saw (consistent on every rank): why, for the message */
     int64_t epoch_skipped0;   /* the scaler's skipped-step count when the current epoch began */
     char last_good[4200];    /* "<path> (after epoch N)" of the last checkpoint written or resumed, or "" */
     ampc_metrics *steps;     /* --step-log: steps.csv, one row per optimizer step (rank 0) */
@@ -233,9 +238,12 @@ int numerics_report(run *r);
 
 // Checkpoint metadata (meta.c)
 
-/* Writes r's checkpoint after epochs_done epochs and, when a signal stopped epoch epochs_done + 1,
-   `step` of its training steps with the totals so far in *partial and the epoch's wall time. */
-int checkpoint_save(run *r, int64_t epochs_done, int64_t step, const pass_stats *partial, double epoch_seconds);
+/* Writes r's checkpoint to path after epochs_done epochs and, when a signal (or a divergence)
+   stopped epoch epochs_done + 1, `step` of its training steps with the totals so far in *partial
+   and the epoch's wall time. diverged: NULL, or why the run diverged (recorded; such a file is not
+   the last good checkpoint). */
+int checkpoint_save(run *r, const char *path, const char *diverged, int64_t epochs_done, int64_t step, const pass_stats *partial,
+                    double epoch_seconds);
 /* --resume, before anything is built: the run's settings from the checkpoint's metadata. */
 int resume_settings(settings *s);
 /* --resume, once built: model, optimizer, scaler and RNG, the epoch counter and the history. */

@@ -52,8 +52,9 @@ static void stop_signals_install(bool on) {
 // Divergence: a run that trains on garbage stops instead of overwriting its good checkpoint
 
 #define EXIT_DIVERGED 3
-#define MIN_LOSS_SCALE 5.9604644775390625e-08   /* 2^-24: below it every fp16 gradient of a loss <= 1 underflows */
 
+/* A divergence seen in one process (the loss): stops without saving, naming the last good
+   checkpoint. */
 static int diverged(run *r, int64_t epoch, int64_t step, int64_t n_steps, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 static int diverged(run *r, int64_t epoch, int64_t step, int64_t n_steps, const char *fmt, ...) {
     char why[512];
@@ -69,8 +70,23 @@ static int diverged(run *r, int64_t epoch, int64_t step, int64_t n_steps, const 
     return -1;
 }
 
-/* After a training step: the loss, and the grad scaler's skips and scale. x is the step's batch. */
-static int check_step(run *r, int64_t epoch, int64_t step, int64_t n_steps, double loss, ampc_tensor *x) {
+/* The grad scaler's guard rails tripped: the scaler's state is the job's, the same on every rank,
+   so all stop at this step. Records where and why (r->diverged_why) and returns 1: the pass ends
+   after this batch and the run saves where it stopped (diverged_save). */
+static int scaler_diverged(run *r, int64_t epoch, int64_t step, int64_t n_steps, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+static int scaler_diverged(run *r, int64_t epoch, int64_t step, int64_t n_steps, const char *fmt, ...) {
+    int n = snprintf(r->diverged_why, sizeof r->diverged_why, "in epoch %" PRId64 " at step %" PRId64 " of %" PRId64 ": ", epoch + 1, step, n_steps);
+    va_list ap;
+    va_start(ap, fmt);
+    if (n > 0 && (size_t)n < sizeof r->diverged_why) vsnprintf(r->diverged_why + n, sizeof r->diverged_why - (size_t)n, fmt, ap);
+    va_end(ap);
+    return 1;
+}
+
+/* After a training batch: the loss and, when it ended an optimizer step, the grad scaler's skips
+   and scale. x is the batch. Returns 0, 1 when the scaler's guard rails stop the run (see
+   scaler_diverged), or -1 (an error, or a divergence that stops without saving). */
+static int check_step(run *r, int64_t epoch, int64_t step, int64_t n_steps, double loss, ampc_tensor *x, bool stepped) {
     int64_t sk = ampc_scaler_steps_skipped(r->scaler);
     r->skipped_in_a_row = sk > r->skipped_seen ? r->skipped_in_a_row + (sk - r->skipped_seen) : 0;
     r->skipped_seen = sk;
@@ -85,36 +101,112 @@ static int check_step(run *r, int64_t epoch, int64_t step, int64_t n_steps, doub
     } else if (loss > rval(r->s, OPT_MAX_LOSS)) {
         return diverged(r, epoch, step, n_steps, "the loss %g exceeds --max-loss %s", loss, sval(r->s, OPT_MAX_LOSS));
     }
-    if (!scaled) return 0;
+    if (!scaled || !stepped) return 0;   /* the scale changes only at optimizer steps: stops wait for a group's end */
     int64_t max_skip = ival(r->s, OPT_MAX_SKIPPED);
     float scale = ampc_scaler_get_scale(r->scaler);
+    double min_scale = rval(r->s, OPT_MIN_LOSS_SCALE);
     char blame[520];   /* what the doctor blames: computed only for a run that stops */
     if (max_skip > 0 && r->skipped_in_a_row >= max_skip)
-        return diverged(r, epoch, step, n_steps, "the grad scaler skipped %" PRId64 " steps in a row (inf/NaN gradients down to scale %g; "
-                        "--max-skipped-steps %" PRId64 ")%s", r->skipped_in_a_row, (double)scale, max_skip, doctor_blame(blame, sizeof blame));
-    if (scale < MIN_LOSS_SCALE)
-        return diverged(r, epoch, step, n_steps, "the loss scale collapsed to %g (below 2^-24, where every fp16 gradient underflows)%s",
-                        (double)scale, doctor_blame(blame, sizeof blame));
+        return scaler_diverged(r, epoch, step, n_steps, "the grad scaler skipped %" PRId64 " steps in a row (inf/NaN gradients down to scale %g; "
+                               "--max-skipped-steps %" PRId64 ")%s", r->skipped_in_a_row, (double)scale, max_skip,
+                               doctor_blame(blame, sizeof blame));
+    if ((double)scale < min_scale)
+        return scaler_diverged(r, epoch, step, n_steps, "the loss scale collapsed to %g (below --min-loss-scale %s%s)%s", (double)scale,
+                               sval(r->s, OPT_MIN_LOSS_SCALE),
+                               strcmp(sval(r->s, OPT_MIN_LOSS_SCALE), OPTS[OPT_MIN_LOSS_SCALE].def) == 0
+                                   ? ", 2^-24, where every fp16 gradient of a loss <= 1 underflows" : "",
+                               doctor_blame(blame, sizeof blame));
     return 0;
+}
+
+/* NaN/inf values in the weights and buffers (*model) and in the optimizer's state (*opt). */
+static int count_nonfinite_state(run *r, int64_t *model, int64_t *opt) {
+    ampc_tensor **sd;
+    int n = ampc_module_state_dict(r->net, &sd, NULL);
+    if (n < 0) return fail_lib("checking the weights");
+    *model = 0;
+    for (int i = 0; i < n; i++) {
+        int64_t b = ampc_tensor_count_nonfinite(sd[i]);
+        if (b < 0) return fail_lib("checking the weights");
+        *model += b;
+    }
+    *opt = ampc_optimizer_count_nonfinite(r->opt);
+    return *opt < 0 ? fail_lib("checking the optimizer state") : 0;
 }
 
 /* Before a checkpoint replaces the last one: no NaN/inf in the weights, buffers or optimizer state
    (epoch: the 0-based epoch that made them, for the message). */
 static int check_finite_state(run *r, int64_t epoch) {
-    ampc_tensor **sd;
-    int n = ampc_module_state_dict(r->net, &sd, NULL);
-    if (n < 0) return fail_lib("checking the weights");
-    int64_t model = 0;
-    for (int i = 0; i < n; i++) {
-        int64_t b = ampc_tensor_count_nonfinite(sd[i]);
-        if (b < 0) return fail_lib("checking the weights");
-        model += b;
-    }
-    int64_t opt = ampc_optimizer_count_nonfinite(r->opt);
-    if (opt < 0) return fail_lib("checking the optimizer state");
+    int64_t model, opt;
+    if (count_nonfinite_state(r, &model, &opt) < 0) return -1;
     if (model == 0 && opt == 0) return 0;
     return diverged(r, epoch, 0, 0, "the weights and buffers hold %" PRId64 " NaN/inf value(s) (with the optimizer's state: %" PRId64 ")",
                     model, opt);
+}
+
+/* What to change for a run the grad scaler gave up on, most specific first; *first: the flag of
+   the first, for the resume line. */
+static const char *remedies(run *r, char *buf, size_t n, char *first, size_t fn) {
+    const bool fp16 = r->use_amp && r->amp_dtype == AMPC_F16, bf16_ok = ampc_dtype_supported(r->device, AMPC_BF16);
+    ampc_doctor_finding f = {0};
+    if (ampc_doctor_is_enabled()) f = ampc_doctor_finding_get();
+    const bool named = f.verdict != AMPC_DOCTOR_CLEAN && f.module && *f.module;
+    size_t at = 0;
+    buf[0] = first[0] = '\0';
+#define REMEDY(flag, ...)                                                                        \
+    do {                                                                                         \
+        int w_ = snprintf(buf + at, n - at, "%s", at ? "; " : "");                               \
+        if (w_ > 0 && at + (size_t)w_ < n) at += (size_t)w_;                                     \
+        w_ = snprintf(buf + at, n - at, __VA_ARGS__);                                            \
+        if (w_ > 0) at = at + (size_t)w_ < n ? at + (size_t)w_ : n - 1;                          \
+        if (!first[0]) snprintf(first, fn, "%s", flag);                                          \
+    } while (0)
+    if (named && f.verdict == AMPC_DOCTOR_INTRINSIC) {
+        char flag[300];
+        snprintf(flag, sizeof flag, "--fp32-modules '%s'", f.module);
+        REMEDY(flag, "%s (fp32 where the doctor found the overflow)", flag);
+    }
+    if (fp16 && bf16_ok) REMEDY("--amp-dtype bf16", "--amp-dtype bf16 (fp32's range: no loss scaling needed)");
+    char lr[64];
+    snprintf(lr, sizeof lr, "--lr %g", rval(r->s, OPT_LR) / 10);
+    REMEDY(lr, "a lower --lr (%s is a tenth of this run's)", lr);
+    if (!named) REMEDY("--doctor yes", "--doctor yes to name the module that overflows, then --fp32-modules for it");
+    if (rval(r->s, OPT_CLIP_GRAD_NORM) == 0) REMEDY("--clip-grad-norm 1", "--clip-grad-norm (e.g. 1)");
+    if (r->use_amp) REMEDY("--use-amp no", "--use-amp no (fp32 throughout)");
+#undef REMEDY
+    return buf;
+}
+
+/* The grad scaler's guard rails stopped the run, every rank at the same step. Skipped steps change
+   nothing but the scaler, so the weights and optimizer state are those of the last applied step:
+   unless they hold NaN/inf they are saved where training stopped, to diverged.safetensors beside
+   the last good checkpoint (which stays as it was), and the message says what to resume it with.
+   Exit status 3. */
+static int diverged_save(run *r, int64_t epoch, const pass_stats *tr, double epoch_seconds) {
+    int64_t model, opt;
+    if (count_nonfinite_state(r, &model, &opt) < 0) return -1;
+    char *path = path_join(r->out, "diverged.safetensors");
+    if (!path) return -1;
+    const bool finite = model == 0 && opt == 0;
+    int rc = 0;
+    if (finite && r->zero_all > 0 && ampc_zero_consolidate(r->opt) < 0) rc = fail_lib("gathering the sharded optimizer state");
+    if (finite && rc == 0 && r->rank == 0) rc = checkpoint_save(r, path, r->diverged_why, epoch, tr->steps, tr, epoch_seconds);
+    if (rc == 0) {
+        char saved[4400], rem[1024], first[320];
+        if (finite) snprintf(saved, sizeof saved, "saved where it stopped to %s (the weights of the last applied step)", path);
+        else snprintf(saved, sizeof saved, "not saved: the weights and buffers hold %" PRId64 " NaN/inf value(s) (the optimizer's "
+                      "state %" PRId64 ")", model, opt);
+        remedies(r, rem, sizeof rem, first, sizeof first);
+        char example[4800] = "";
+        if (finite) snprintf(example, sizeof example, ", e.g. " PROG " --resume %s %s", path, first);
+        fail("training diverged %s; %s; %s%s. Remedies: %s. They may be given on --resume%s", r->diverged_why, saved,
+             r->last_good[0] ? "the last good checkpoint is " : "no good checkpoint was written before", r->last_good, rem, example);
+        g_exit = EXIT_DIVERGED;
+        g_job_error = true;
+        rc = -1;
+    }
+    free(path);
+    return rc;
 }
 
 /* The checkpoint replaces the last one (meta.c) unless the weights or optimizer state hold NaN/inf
@@ -124,7 +216,7 @@ static int save_checkpoint(run *r, int64_t epochs_done, int64_t step, const pass
     /* --zero 1: the whole optimizer state on rank 0 for the file (any number of ranks resumes it) */
     if (r->zero_all > 0 && ampc_zero_consolidate(r->opt) < 0) return fail_lib("gathering the sharded optimizer state");
     /* data-parallel: rank 0 writes, the replicas are the same */
-    int rc = r->rank > 0 ? 0 : checkpoint_save(r, epochs_done, step, partial, epoch_seconds);
+    int rc = r->rank > 0 ? 0 : checkpoint_save(r, r->ckpt_path, NULL, epochs_done, step, partial, epoch_seconds);
     /* the model's state_dict alone beside it, as PyTorch's torch.save(model.state_dict()):
        load_state_dict(strict=True) takes it as it is (--resume reads the checkpoint) */
     if (rc == 0 && r->rank == 0 && ampc_checkpoint_save(r->model_path, r->net, NULL, NULL, NULL) < 0) rc = fail_lib("saving model.safetensors");
@@ -154,7 +246,8 @@ static int count_correct(run *r, ampc_tensor *logits, ampc_tensor *labels, int64
    validation (eval mode, no-grad, autocast, no scaler). A training pass may continue one that a
    signal stopped (the totals so far in *carry): at sample carry->samples of the epoch, which all
    ranks together had taken in carry->steps steps, on this or any other number of ranks. Returns 0
-   at the end of the pass, 1 when a signal stopped it (st holds the totals so far), -1 on an error. */
+   at the end of the pass, 1 when a signal stopped it (st holds the totals so far), 2 when the grad
+   scaler's guard rails did (r->diverged_why; every rank alike), -1 on an error. */
 static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const pass_stats *carry) {
     ampc_loader *ld = training ? r->train_ld : r->val_ld;
     int64_t n_epochs = ival(r->s, OPT_EPOCHS);
@@ -282,7 +375,11 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
             group_loss = 0;
             if (r->explaining && (rc = explain_print(r)) < 0) break;
         }
-        if (training && (rc = check_step(r, epoch, done + 1, n_batches, lv, x)) < 0) break;
+        const int cs = training ? check_step(r, epoch, done + 1, n_batches, lv, x, stepped) : 0;
+        if (cs < 0) {
+            rc = cs;
+            break;
+        }
         st->loss_sum += lv * (double)b;
         if ((rc = count_correct(r, logits, y_cpu, &st->correct)) < 0) break;
         st->samples += b;
@@ -292,6 +389,10 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
         double run_loss = st->loss_sum / (double)st->samples, run_acc = 100.0 * (double)st->correct / (double)st->samples;
         if (p.mode == PROGRESS_BAR) progress_update(&p, done, "loss=%.4f", run_loss);
         else progress_update(&p, done, "loss=%.4f acc=%.2f%%", run_loss, run_acc);
+        if (cs > 0) {   /* the grad scaler's guard rails: this batch counted, the pass ends */
+            rc = 2;
+            break;
+        }
     }
     while (ampc_scope_depth() > depth) ampc_scope_end();
     if (!training) ampc_no_grad_exit();
@@ -578,6 +679,9 @@ int train_run(settings *s, run_result *res) {
     if (r.rank == 0) {   /* a kill mid-save left them: never renamed */
         ampc_checkpoint_remove_stale_temps(r.ckpt_path);
         ampc_checkpoint_remove_stale_temps(r.model_path);
+        char *dv = path_join(r.out, "diverged.safetensors");
+        if (dv) ampc_checkpoint_remove_stale_temps(dv);
+        free(dv);
     }
     printf("outputs: %s/{metrics.csv,loss.png,accuracy.png,checkpoint.safetensors,model.safetensors}\n", r.out);
     fflush(stdout);
@@ -598,6 +702,10 @@ int train_run(settings *s, run_result *res) {
         if (pr < 0) {
             if (g_err_status == AMPC_ERR_OOM && strcmp(sval(s, OPT_MAX_MEMORY), "none") != 0) oom_advice(&r, rval(s, OPT_MAX_MEMORY));
             rc = -1;
+            goto done;
+        }
+        if (pr == 2) {   /* the grad scaler gave up: save where it stopped, apart from the last good checkpoint */
+            rc = diverged_save(&r, e, &tr, progress_now() - te);
             goto done;
         }
         if (pr > 0) {   /* a signal: save where training stands (validation is redone on resume) */
