@@ -1,7 +1,7 @@
 #!/bin/bash
 # On a GPU machine, from the repository root: unpacks .gpu/bundle.tar.xz (scripts/gpu/pack.sh)
 # into /tmp/ampc, finds CUDA's libraries (/usr/local/cuda, else the pip packages beside PyTorch)
-# and runs the steps named: env, tests, train, bench ARGS..., peer ARGS...
+# and runs the steps named: env, tests, train, e2e (tests/e2e_cuda.sh), bench ARGS..., peer ARGS...
 # Everything it prints also goes to $OUT/gpu.log when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -32,6 +32,7 @@ tests)
     done
     echo "failed programs: $fails" ;;
 train) "$BIN/ampc-train" "$@" ;;
+e2e) bash tests/e2e_cuda.sh "$BIN/ampc-train" ;;
 bench) "$BIN/ampc-bench" "$@" ;;
 peer) python3 bench/pytorch_peer.py "$@" ;;
 *) echo "unknown step $step"; exit 2 ;;
