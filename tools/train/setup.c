@@ -212,7 +212,7 @@ static int amp_fastest(run *r, const char *hw_dtype) {
     printf("amp-dtype fastest:");
     for (int k = 0; k < 3; k++)
         if (med[k] < INFINITY) printf(" %s %.3f ms,", c[k].name, 1e3 * med[k]);
-        else if (k > 0) printf(" %s %s,", c[k].name, ampc_dtype_supported(r->device, c[k].dt) ? "out of memory" : "not on this device");
+        else printf(" %s %s,", c[k].name, k == 0 || ampc_dtype_supported(r->device, c[k].dt) ? "out of memory" : "not on this device");
     printf(" per step (median of %d) -> %s%s\n", FASTEST_ROUNDS, c[best].name, best == 0 ? " (--use-amp no)" : "");
     fflush(stdout);
     r->use_amp = c[best].amp;
