@@ -37,12 +37,7 @@ int explain_begin(run *r) {
 static const char *dtypes(const ampc_dtype *d, int n, char *buf, size_t cap) {
     size_t at = 0;
     buf[0] = '\0';
-    for (int i = 0; i < n && at < cap; i++) {
-        const char *name = d[i] == AMPC_DTYPE_COUNT ? "-" : ampc_dtype_name(d[i]);
-        int w = snprintf(buf + at, cap - at, "%s%s", i ? "," : "", name);
-        if (w < 0) break;
-        at += (size_t)w;
-    }
+    for (int i = 0; i < n; i++) appendf(buf, cap, &at, "%s%s", i ? "," : "", d[i] == AMPC_DTYPE_COUNT ? "-" : ampc_dtype_name(d[i]));
     return buf;
 }
 

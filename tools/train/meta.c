@@ -252,38 +252,29 @@ int resume_settings(settings *s) {
 }
 
 /* --resume: notes the remedies given (O_REMEDY options, resolved, that differ from the
-   checkpoint's) and, for a checkpoint a diverged run saved, what it says. *fresh: the grad scaler
-   starts afresh rather than with the checkpoint's state, as it must when the precision changed
-   (another dtype's scale means nothing) or after a divergence (the scale had collapsed). */
-static int resume_remedies(run *r, const char *path, bool *fresh) {
-    char *meta = NULL, key[128], changes[1024] = "";
-    if (ampc_checkpoint_read_meta(path, &meta) < 0) return fail_lib("--resume");
+   checkpoint's metadata, meta) and, for a checkpoint a diverged run saved, what it says. *fresh:
+   the grad scaler starts afresh rather than with the checkpoint's state, as it must when the
+   precision changed (another dtype's scale means nothing) or after a divergence (the scale had
+   collapsed). */
+static int resume_remedies(run *r, const char *meta, const char *path, bool *fresh) {
+    char key[128], changes[1024] = "";
     size_t at = 0;
     bool precision = false;
     for (int i = 0; i < OPT_COUNT; i++) {
-        if (!(OPTS[i].flags & O_REMEDY)) continue;
         snprintf(key, sizeof key, META_PREFIX "config.%s", OPTS[i].name);
-        int len = ampc_checkpoint_meta_get(meta, key, NULL, 0);
-        if (len < 0) continue;   /* an option newer than the checkpoint */
-        char *v = malloc((size_t)len + 1);
-        if (!v) {
-            free(meta);
-            return fail("out of memory");
-        }
-        ampc_checkpoint_meta_get(meta, key, v, (size_t)len + 1);
+        /* an option newer than the checkpoint has nothing to differ from */
+        if (!(OPTS[i].flags & O_REMEDY) || ampc_checkpoint_meta_get(meta, key, NULL, 0) < 0) continue;
+        char *v;
+        if (meta_get(meta, path, key, &v) < 0) return -1;
         if (strcmp(v, r->s->val[i]) != 0) {
             precision |= i == OPT_USE_AMP || i == OPT_AMP_DTYPE || i == OPT_GRAD_SCALER;
-            int w = snprintf(changes + at, sizeof changes - at, "%s--%s %s (was %s)", at ? ", " : "", OPTS[i].name,
-                             *r->s->val[i] ? r->s->val[i] : "''", *v ? v : "''");
-            if (w > 0) at = at + (size_t)w < sizeof changes ? at + (size_t)w : sizeof changes - 1;
+            appendf(changes, sizeof changes, &at, "%s--%s %s (was %s)", at ? ", " : "", OPTS[i].name, *r->s->val[i] ? r->s->val[i] : "''",
+                    *v ? v : "''");
         }
         free(v);
     }
     char why[512] = "";
-    int len = ampc_checkpoint_meta_get(meta, META_PREFIX "diverged", NULL, 0);
-    if (len >= 0) ampc_checkpoint_meta_get(meta, META_PREFIX "diverged", why, sizeof why);
-    free(meta);
-    const bool diverged = len >= 0;
+    const bool diverged = ampc_checkpoint_meta_get(meta, META_PREFIX "diverged", why, sizeof why) >= 0;
     *fresh = ampc_scaler_is_enabled(r->scaler) && (precision || diverged);
     if (diverged)
         printf("note: %s was saved by a run that diverged (%s)\n", path, why);
@@ -303,12 +294,18 @@ static int resume_remedies(run *r, const char *path, bool *fresh) {
 int resume_state(run *r) {
     const char *path = sval(r->s, OPT_RESUME);
     char *meta = NULL, key[128];
+    /* the metadata first: whether the grad scaler's state is loaded depends on it */
+    if (ampc_checkpoint_read_meta(path, &meta) < 0) return fail_lib("--resume");
     bool fresh_scaler = false;
-    if (resume_remedies(r, path, &fresh_scaler) < 0) return -1;
-    if (ampc_checkpoint_load(path, r->net, r->opt, fresh_scaler ? NULL : r->scaler, &meta) < 0) return fail_lib("--resume");
+    int rc = resume_remedies(r, meta, path, &fresh_scaler);
+    if (rc == 0 && ampc_checkpoint_load(path, r->net, r->opt, fresh_scaler ? NULL : r->scaler, NULL) < 0) rc = fail_lib("--resume");
+    if (rc < 0) {
+        free(meta);
+        return rc;
+    }
     int64_t n_train, n_val, n_classes;
     const int64_t max_epochs = (int64_t)OPTS[OPT_EPOCHS].hi, max_size = INT64_C(1) << 48;
-    int rc = meta_int(meta, path, META_PREFIX "epoch", 0, max_epochs, &r->epoch0);
+    rc = meta_int(meta, path, META_PREFIX "epoch", 0, max_epochs, &r->epoch0);
     if (rc == 0) rc = meta_int(meta, path, META_PREFIX "train_size", 0, max_size, &n_train);
     if (rc == 0) rc = meta_int(meta, path, META_PREFIX "val_size", 0, max_size, &n_val);
     if (rc == 0) rc = meta_int(meta, path, META_PREFIX "num_classes", 0, max_size, &n_classes);

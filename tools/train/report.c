@@ -97,6 +97,15 @@ const char *fmt_bytes(double b, char *buf, size_t n) {
     return buf;
 }
 
+void appendf(char *buf, size_t n, size_t *at, const char *fmt, ...) {
+    if (*at >= n) return;
+    va_list ap;
+    va_start(ap, fmt);
+    int w = vsnprintf(buf + *at, n - *at, fmt, ap);
+    va_end(ap);
+    if (w > 0) *at = *at + (size_t)w < n ? *at + (size_t)w : n - 1;
+}
+
 /* "0.01", not "0.01000000000000000021" */
 const char *fmt_real(double v, char *buf, size_t n) {
     for (int p = 1; p <= 17; p++) {

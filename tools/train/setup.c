@@ -26,6 +26,7 @@ void run_free(run *r) {
     free(r->out);
     free(r->ckpt_path);
     free(r->model_path);
+    free(r->diverged_path);
     free(r->logits_buf);
     memset(r, 0, sizeof *r);
 }
@@ -162,8 +163,7 @@ static int amp_fastest(run *r, const char *hw_dtype) {
         bool amp;
         ampc_dtype dt;
         double t[FASTEST_ROUNDS];
-        double med;
-    } c[3] = {{"fp32", false, AMPC_F32, {0}, 0}, {"bf16", true, AMPC_BF16, {0}, 0}, {"fp16", true, AMPC_F16, {0}, 0}};
+    } c[3] = {{"fp32", false, AMPC_F32, {0}}, {"bf16", true, AMPC_BF16, {0}}, {"fp16", true, AMPC_F16, {0}}};
     bool offered[3] = {true, ampc_dtype_supported(r->device, AMPC_BF16), ampc_dtype_supported(r->device, AMPC_F16)};
     const int64_t b = ival(r->s, OPT_BATCH_SIZE);
     ampc_tensor **sd;

@@ -47,6 +47,8 @@ void warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 const char *fmt_count(int64_t v, char *buf, size_t n);   /* 25557032 -> "25,557,032" */
 const char *fmt_bytes(double b, char *buf, size_t n);    /* "1.5 MiB" */
 const char *fmt_real(double v, char *buf, size_t n);     /* the shortest text that reads back as v */
+/* Appends to buf (n bytes, its text *at long), cut at its end; *at stays within it. */
+void appendf(char *buf, size_t n, size_t *at, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 
 // ---------------------------------------------------------------------------------------------
 // Options (options.c): one table drives parsing, defaults, --help, the printed configuration,
@@ -184,6 +186,7 @@ typedef struct {
     char *out;               /* output folder */
     char *ckpt_path;
     char *model_path;        /* model.safetensors: the state_dict alone, for load_state_dict(strict=True) */
+    char *diverged_path;     /* diverged.safetensors: where the grad scaler's guard rails stopped the run */
     float *logits_buf;       /* (batch, classes) f32 copy of the logits, to count correct answers */
     /* --resume of a checkpoint written mid-epoch (after a signal): epoch epoch0 + 1 continues
        after training step resume_step at global sample resume_train.samples (the dataset's size

@@ -53,18 +53,25 @@ static void stop_signals_install(bool on) {
 
 #define EXIT_DIVERGED 3
 
+/* "in epoch E at step S of N: <why>" (no step for a check between epochs) into buf. */
+static void where_why(char *buf, size_t n, int64_t epoch, int64_t step, int64_t n_steps, const char *fmt, va_list ap) {
+    size_t at = 0;
+    appendf(buf, n, &at, "in epoch %" PRId64, epoch + 1);
+    if (step > 0) appendf(buf, n, &at, " at step %" PRId64 " of %" PRId64, step, n_steps);
+    appendf(buf, n, &at, ": ");
+    if (at < n) vsnprintf(buf + at, n - at, fmt, ap);
+}
+
 /* A divergence seen in one process (the loss): stops without saving, naming the last good
    checkpoint. */
 static int diverged(run *r, int64_t epoch, int64_t step, int64_t n_steps, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 static int diverged(run *r, int64_t epoch, int64_t step, int64_t n_steps, const char *fmt, ...) {
-    char why[512];
+    char why[640];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(why, sizeof why, fmt, ap);
+    where_why(why, sizeof why, epoch, step, n_steps, fmt, ap);
     va_end(ap);
-    char where[96] = "";
-    if (step > 0) snprintf(where, sizeof where, " at step %" PRId64 " of %" PRId64, step, n_steps);
-    fail("training diverged in epoch %" PRId64 "%s: %s; stopped without saving: %s%s (try a lower --lr)", epoch + 1, where, why,
+    fail("training diverged %s; stopped without saving: %s%s (try a lower --lr)", why,
          r->last_good[0] ? "the last good checkpoint is " : "no checkpoint was written", r->last_good);
     g_exit = EXIT_DIVERGED;
     return -1;
@@ -75,10 +82,9 @@ static int diverged(run *r, int64_t epoch, int64_t step, int64_t n_steps, const 
    after this batch and the run saves where it stopped (diverged_save). */
 static int scaler_diverged(run *r, int64_t epoch, int64_t step, int64_t n_steps, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 static int scaler_diverged(run *r, int64_t epoch, int64_t step, int64_t n_steps, const char *fmt, ...) {
-    int n = snprintf(r->diverged_why, sizeof r->diverged_why, "in epoch %" PRId64 " at step %" PRId64 " of %" PRId64 ": ", epoch + 1, step, n_steps);
     va_list ap;
     va_start(ap, fmt);
-    if (n > 0 && (size_t)n < sizeof r->diverged_why) vsnprintf(r->diverged_why + n, sizeof r->diverged_why - (size_t)n, fmt, ap);
+    where_why(r->diverged_why, sizeof r->diverged_why, epoch, step, n_steps, fmt, ap);
     va_end(ap);
     return 1;
 }
@@ -144,6 +150,13 @@ static int check_finite_state(run *r, int64_t epoch) {
                     model, opt);
 }
 
+/* One remedy (why: the flag with its reason) appended to the list in buf; the first one's flag is
+   kept in first (fn bytes) for the resume line. */
+static void remedy(char *buf, size_t n, size_t *at, char *first, size_t fn, const char *flag, const char *why) {
+    appendf(buf, n, at, "%s%s", *at ? "; " : "", why);
+    if (!first[0]) snprintf(first, fn, "%s", flag);
+}
+
 /* What to change for a run the grad scaler gave up on, most specific first; *first: the flag of
    the first, for the resume line. */
 static const char *remedies(run *r, char *buf, size_t n, char *first, size_t fn) {
@@ -153,27 +166,19 @@ static const char *remedies(run *r, char *buf, size_t n, char *first, size_t fn)
     const bool named = f.verdict != AMPC_DOCTOR_CLEAN && f.module && *f.module;
     size_t at = 0;
     buf[0] = first[0] = '\0';
-#define REMEDY(flag, ...)                                                                        \
-    do {                                                                                         \
-        int w_ = snprintf(buf + at, n - at, "%s", at ? "; " : "");                               \
-        if (w_ > 0 && at + (size_t)w_ < n) at += (size_t)w_;                                     \
-        w_ = snprintf(buf + at, n - at, __VA_ARGS__);                                            \
-        if (w_ > 0) at = at + (size_t)w_ < n ? at + (size_t)w_ : n - 1;                          \
-        if (!first[0]) snprintf(first, fn, "%s", flag);                                          \
-    } while (0)
+    char flag[300], why[400];
     if (named && f.verdict == AMPC_DOCTOR_INTRINSIC) {
-        char flag[300];
         snprintf(flag, sizeof flag, "--fp32-modules '%s'", f.module);
-        REMEDY(flag, "%s (fp32 where the doctor found the overflow)", flag);
+        snprintf(why, sizeof why, "%s (fp32 where the doctor found the overflow)", flag);
+        remedy(buf, n, &at, first, fn, flag, why);
     }
-    if (fp16 && bf16_ok) REMEDY("--amp-dtype bf16", "--amp-dtype bf16 (fp32's range: no loss scaling needed)");
-    char lr[64];
-    snprintf(lr, sizeof lr, "--lr %g", rval(r->s, OPT_LR) / 10);
-    REMEDY(lr, "a lower --lr (%s is a tenth of this run's)", lr);
-    if (!named) REMEDY("--doctor yes", "--doctor yes to name the module that overflows, then --fp32-modules for it");
-    if (rval(r->s, OPT_CLIP_GRAD_NORM) == 0) REMEDY("--clip-grad-norm 1", "--clip-grad-norm (e.g. 1)");
-    if (r->use_amp) REMEDY("--use-amp no", "--use-amp no (fp32 throughout)");
-#undef REMEDY
+    if (fp16 && bf16_ok) remedy(buf, n, &at, first, fn, "--amp-dtype bf16", "--amp-dtype bf16 (fp32's range: no loss scaling needed)");
+    snprintf(flag, sizeof flag, "--lr %g", rval(r->s, OPT_LR) / 10);
+    snprintf(why, sizeof why, "a lower --lr (%s is a tenth of this run's)", flag);
+    remedy(buf, n, &at, first, fn, flag, why);
+    if (!named) remedy(buf, n, &at, first, fn, "--doctor yes", "--doctor yes to name the module that overflows, then --fp32-modules for it");
+    if (rval(r->s, OPT_CLIP_GRAD_NORM) == 0) remedy(buf, n, &at, first, fn, "--clip-grad-norm 1", "--clip-grad-norm (e.g. 1)");
+    if (r->use_amp) remedy(buf, n, &at, first, fn, "--use-amp no", "--use-amp no (fp32 throughout)");
     return buf;
 }
 
@@ -185,28 +190,21 @@ static const char *remedies(run *r, char *buf, size_t n, char *first, size_t fn)
 static int diverged_save(run *r, int64_t epoch, const pass_stats *tr, double epoch_seconds) {
     int64_t model, opt;
     if (count_nonfinite_state(r, &model, &opt) < 0) return -1;
-    char *path = path_join(r->out, "diverged.safetensors");
-    if (!path) return -1;
+    const char *path = r->diverged_path;
     const bool finite = model == 0 && opt == 0;
-    int rc = 0;
-    if (finite && r->zero_all > 0 && ampc_zero_consolidate(r->opt) < 0) rc = fail_lib("gathering the sharded optimizer state");
-    if (finite && rc == 0 && r->rank == 0) rc = checkpoint_save(r, path, r->diverged_why, epoch, tr->steps, tr, epoch_seconds);
-    if (rc == 0) {
-        char saved[4400], rem[1024], first[320];
-        if (finite) snprintf(saved, sizeof saved, "saved where it stopped to %s (the weights of the last applied step)", path);
-        else snprintf(saved, sizeof saved, "not saved: the weights and buffers hold %" PRId64 " NaN/inf value(s) (the optimizer's "
-                      "state %" PRId64 ")", model, opt);
-        remedies(r, rem, sizeof rem, first, sizeof first);
-        char example[4800] = "";
-        if (finite) snprintf(example, sizeof example, ", e.g. " PROG " --resume %s %s", path, first);
-        fail("training diverged %s; %s; %s%s. Remedies: %s. They may be given on --resume%s", r->diverged_why, saved,
-             r->last_good[0] ? "the last good checkpoint is " : "no good checkpoint was written before", r->last_good, rem, example);
-        g_exit = EXIT_DIVERGED;
-        g_job_error = true;
-        rc = -1;
-    }
-    free(path);
-    return rc;
+    if (finite && r->zero_all > 0 && ampc_zero_consolidate(r->opt) < 0) return fail_lib("gathering the sharded optimizer state");
+    if (finite && r->rank == 0 && checkpoint_save(r, path, r->diverged_why, epoch, tr->steps, tr, epoch_seconds) < 0) return -1;
+    char saved[4400], rem[1024], first[320], example[4800] = "";
+    if (finite) snprintf(saved, sizeof saved, "saved where it stopped to %s (the weights of the last applied step)", path);
+    else snprintf(saved, sizeof saved, "not saved: the weights and buffers hold %" PRId64 " NaN/inf value(s) (the optimizer's "
+                  "state %" PRId64 ")", model, opt);
+    remedies(r, rem, sizeof rem, first, sizeof first);
+    if (finite) snprintf(example, sizeof example, ", e.g. " PROG " --resume %s %s", path, first);
+    fail("training diverged %s; %s; %s%s. Remedies: %s. They may be given on --resume%s", r->diverged_why, saved,
+         r->last_good[0] ? "the last good checkpoint is " : "no good checkpoint was written before", r->last_good, rem, example);
+    g_exit = EXIT_DIVERGED;
+    g_job_error = true;
+    return -1;
 }
 
 /* The checkpoint replaces the last one (meta.c) unless the weights or optimizer state hold NaN/inf
@@ -672,6 +670,7 @@ int train_run(settings *s, run_result *res) {
     }
     if (r.rank == 0 && (rc = mkdir_p(r.out)) < 0) goto done;
     if (!(r.ckpt_path = path_join(r.out, "checkpoint.safetensors")) || !(r.model_path = path_join(r.out, "model.safetensors")) ||
+        !(r.diverged_path = path_join(r.out, "diverged.safetensors")) ||
         (rc = open_metrics(&r)) < 0 || (rc = steplog_open(&r)) < 0) {
         rc = -1;
         goto done;
@@ -679,9 +678,7 @@ int train_run(settings *s, run_result *res) {
     if (r.rank == 0) {   /* a kill mid-save left them: never renamed */
         ampc_checkpoint_remove_stale_temps(r.ckpt_path);
         ampc_checkpoint_remove_stale_temps(r.model_path);
-        char *dv = path_join(r.out, "diverged.safetensors");
-        if (dv) ampc_checkpoint_remove_stale_temps(dv);
-        free(dv);
+        ampc_checkpoint_remove_stale_temps(r.diverged_path);
     }
     printf("outputs: %s/{metrics.csv,loss.png,accuracy.png,checkpoint.safetensors,model.safetensors}\n", r.out);
     fflush(stdout);
