@@ -29,13 +29,6 @@ static int64_t store_at(const int64_t *sh, bool cl, int64_t i) {
     return (n * HW + hw) * C + c;
 }
 
-static double round_to(double v, ampc_dtype dt) {
-    float f = (float)v;
-    if (dt == AMPC_F16) return ampc_f16_to_f32(ampc_f32_to_f16(f));
-    if (dt == AMPC_BF16) return ampc_bf16_to_f32(ampc_f32_to_bf16(f));
-    return dt == AMPC_F64 ? v : f;
-}
-
 /* A tensor of dtype dt on dev (in the current scope) holding v (logical order, numel values,
    exact in dt) in the given layout; v NULL: zeros. */
 static ampc_tensor *mk(ampc_device dev, ampc_dtype dt, int nd, const int64_t *sh, bool cl, const double *v) {
@@ -82,7 +75,7 @@ static double max_abs(const double *v, size_t n) {
 static double *rand_vals(size_t n, uint64_t seed, double lo, double hi, ampc_dtype dt) {
     double *v = malloc((n ? n : 1) * sizeof *v);
     tu_fill_uniform(v, n, seed, lo, hi);
-    for (size_t i = 0; i < n; i++) v[i] = round_to(v[i], dt);
+    for (size_t i = 0; i < n; i++) v[i] = tu_round_to(dt, v[i]);
     return v;
 }
 
@@ -244,7 +237,7 @@ static void test_batch_norm_cl_offset(void **state) {
     const ampc_backend *be = ampc__backend(AMPC_DEVICE_CPU);
     double *x = malloc((size_t)n * sizeof *x), want_m[5], want_v[5], want_vb[5];
     tu_fill_uniform(x, (size_t)n, 11, -0.01, 0.01);
-    for (int64_t i = 0; i < n; i++) x[i] = round_to(1000 + x[i] * (1 + (double)(i / HW % C)), AMPC_F32);
+    for (int64_t i = 0; i < n; i++) x[i] = tu_round_to(AMPC_F32, 1000 + x[i] * (1 + (double)(i / HW % C)));
     for (int64_t c = 0; c < C; c++) {
         double s = 0, q = 0;
         for (int64_t r = 0; r < N; r++)

@@ -110,12 +110,6 @@ static double *cpu_values(const ampc_tensor *t) {
     return v;
 }
 
-static double round_to(ampc_dtype dt, double v) {
-    return dt == AMPC_BF16 ? ampc_bf16_to_f32(ampc_f32_to_bf16((float)v))
-         : dt == AMPC_F16  ? ampc_f16_to_f32(ampc_f32_to_f16((float)v))
-                           : (float)v;
-}
-
 // ---------------------------------------------------------------------------------------------
 // The three passes
 
@@ -221,10 +215,10 @@ static void check_cases(const cl_case *cs, size_t ncases, int im2col) {
             tu_fill_uniform(in.gy, ny, 20 + ci, -1, 1);
             tu_fill_uniform(in.w, nw, 30 + ci, -1, 1);
             tu_fill_uniform(in.b, no, 40 + ci, -1, 1);
-            for (size_t i = 0; i < nx; i++) in.x[i] = round_to(dt, in.x[i]);
-            for (size_t i = 0; i < ny; i++) in.gy[i] = round_to(dt, in.gy[i]);
-            for (size_t i = 0; i < nw; i++) in.w[i] = round_to(dt, in.w[i]);
-            for (size_t i = 0; i < no; i++) in.b[i] = round_to(dt, in.b[i]);
+            for (size_t i = 0; i < nx; i++) in.x[i] = tu_round_to(dt, in.x[i]);
+            for (size_t i = 0; i < ny; i++) in.gy[i] = tu_round_to(dt, in.gy[i]);
+            for (size_t i = 0; i < nw; i++) in.w[i] = tu_round_to(dt, in.w[i]);
+            for (size_t i = 0; i < no; i++) in.b[i] = tu_round_to(dt, in.b[i]);
             run_ref(c, &in, false, &ref);
             run_ref(c, &in, true, &mag);
             for (size_t ti = 0; ti < sizeof threads / sizeof *threads; ti++) {

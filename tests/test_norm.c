@@ -28,13 +28,6 @@ static double mean_abs(const double *v, size_t n) {
     return n ? s / (double)n : 0;
 }
 
-static double round_to(double v, ampc_dtype dt) {
-    float f = (float)v;
-    if (dt == AMPC_F16) return ampc_f16_to_f32(ampc_f32_to_f16(f));
-    if (dt == AMPC_BF16) return ampc_bf16_to_f32(ampc_f32_to_bf16(f));
-    return dt == AMPC_F64 ? v : f;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Op cases: the harness creates every float input in the tested dtype; batch norm's weight and
 // bias are cast to the statistics dtype here (a recorded cast: their gradients flow back).
@@ -174,7 +167,7 @@ static void check_running_stats(ampc_device dev, ampc_dtype dt, int nd, const in
     double *x = malloc((size_t)n * sizeof *x);
     for (int step = 0; step < 3; step++) {
         tu_fill_uniform(x, (size_t)n, 40 + (uint64_t)step, -1 + step, 2 + 2 * step);   /* statistics move */
-        for (int64_t i = 0; i < n; i++) x[i] = round_to(x[i], dt);
+        for (int64_t i = 0; i < n; i++) x[i] = tu_round_to(dt, x[i]);
         ampc_scope_begin();
         ampc_tensor *xt = ampc_tensor_from_f64(dt, nd, shape, x);
         ASSERT_NOT_NULL_MSG(ampc_batch_norm2d(xt, NULL, NULL, rm, rv, true, momentum, 1e-5));
@@ -234,7 +227,7 @@ static void test_eval_uses_running_stats(void **state) {
             double *x = malloc((size_t)n * sizeof *x), *want = malloc((size_t)n * sizeof *want);
             tu_fill_uniform(x, (size_t)n, 7, -2, 2);
             for (int64_t i = 0; i < n; i++) {
-                x[i] = round_to(x[i], dt);
+                x[i] = tu_round_to(dt, x[i]);
                 int64_t c = (i / S) % C;
                 want[i] = (x[i] - rm[c]) / sqrt(rv[c] + eps) * w[c] + b[c];
             }
@@ -269,7 +262,7 @@ static void test_bf16_with_f32_stats(void **state) {
     double *x = malloc(n * sizeof *x), *gy = malloc(n * sizeof *gy), w[4] = {1.5, -0.75, 0.5, 2.0}, b[4] = {0, 1, -1, 0.25};
     tu_fill_uniform(x, n, 3, -3, 5);
     tu_fill_uniform(gy, n, 4, -1, 1);
-    for (int64_t i = 0; i < n; i++) x[i] = round_to(x[i], AMPC_BF16), gy[i] = round_to(gy[i], AMPC_BF16);
+    for (int64_t i = 0; i < n; i++) x[i] = tu_round_to(AMPC_BF16, x[i]), gy[i] = tu_round_to(AMPC_BF16, gy[i]);
     ampc_scope_begin();
     ampc_tensor *xt = ampc_tensor_from_f64(AMPC_BF16, 4, sh, x), *wt = ampc_tensor_from_f64(AMPC_F32, 1, &C, w);
     ampc_tensor *bt = ampc_tensor_from_f64(AMPC_F32, 1, &C, b);
@@ -333,7 +326,7 @@ static void check_offset_bn(int nd, const int64_t *shape) {
     int64_t n = N * C * S;
     double *x = malloc((size_t)n * sizeof *x);
     tu_fill_uniform(x, (size_t)n, 11, -0.01, 0.01);
-    for (int64_t i = 0; i < n; i++) x[i] = round_to(1000 + x[i] * (1 + (double)((i / S) % C)), AMPC_F32);
+    for (int64_t i = 0; i < n; i++) x[i] = tu_round_to(AMPC_F32, 1000 + x[i] * (1 + (double)((i / S) % C)));
     ampc_scope_begin();
     ampc_tensor *rm = ampc_tensor_zeros(AMPC_F32, 1, &C), *rv = ampc_tensor_zeros(AMPC_F32, 1, &C);
     /* momentum 1: the buffers receive the batch mean and unbiased variance themselves */
@@ -369,7 +362,7 @@ static void test_large_offset(void **state) {
     const int64_t rows = 6, cols = 300;
     double x[6 * 300], want[6 * 300];
     tu_fill_uniform(x, rows * cols, 12, -0.01, 0.01);
-    for (int64_t i = 0; i < rows * cols; i++) x[i] = round_to(1000 + x[i], AMPC_F32);
+    for (int64_t i = 0; i < rows * cols; i++) x[i] = tu_round_to(AMPC_F32, 1000 + x[i]);
     for (int64_t r = 0; r < rows; r++) {
         double s = 0, q = 0;
         for (int64_t i = 0; i < cols; i++) s += x[r * cols + i];

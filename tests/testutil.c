@@ -31,6 +31,15 @@ double tu_eps(ampc_dtype dt) {
     }
 }
 
+double tu_round_to(ampc_dtype dt, double v) {
+    switch (dt) {
+    case AMPC_F32: return (float)v;
+    case AMPC_F16: return ampc_f16_to_f32(ampc_f32_to_f16((float)v));
+    case AMPC_BF16: return ampc_bf16_to_f32(ampc_f32_to_bf16((float)v));
+    default: return v;
+    }
+}
+
 void tu_assert_close(const char *what, const double *got, const double *ref, size_t n, double atol, double rtol) {
     size_t worst = 0;
     double worst_excess = -1;

@@ -30,6 +30,10 @@ void tu_fill_uniform(double *x, size_t n, uint64_t seed, double lo, double hi);
 /* Unit roundoff of a dtype (2^-24, 2^-11, 2^-8, 2^-53). */
 double tu_eps(ampc_dtype dt);
 
+/* v rounded to dt as the library's conversions round it (ampc_f32_to_f16/bf16, through f32);
+   f64 and the integer dtypes: v as it is. */
+double tu_round_to(ampc_dtype dt, double v);
+
 /* Asserts |got - ref| <= atol + rtol*|ref| elementwise (NaN must match NaN); names the worst. */
 void tu_assert_close(const char *what, const double *got, const double *ref, size_t n, double atol, double rtol);
 
