@@ -131,6 +131,7 @@ static int check_model_input(run *r) {
 // --amp-dtype fastest: the training step timed in each precision the device offers
 
 #define FASTEST_ROUNDS 3   /* timed rounds after one of warm-up; the median of each precision */
+_Static_assert(FASTEST_ROUNDS == 3, "amp_fastest takes the median of exactly 3 rounds");
 
 /* Seconds of one training step's forward and backward pass (the optimizer's step costs about the
    same in every precision) on a batch of b zero images, or -1 when it fails: out of memory under
