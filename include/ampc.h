@@ -77,7 +77,8 @@ extern "C" {
     X(AMPC_ERR_UNSUPPORTED, -6, "not supported by this backend")                               \
     X(AMPC_ERR_BACKEND, -7, "backend library failure")                                         \
     X(AMPC_ERR_IO, -8, "input/output error")                                                   \
-    X(AMPC_ERR_FORMAT, -9, "malformed data")
+    X(AMPC_ERR_FORMAT, -9, "malformed data")                                                   \
+    X(AMPC_ERR_TIMEOUT, -10, "timed out")
 
 typedef enum {
 #define AMPC_X_ENUM(name, value, text) name = value,

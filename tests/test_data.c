@@ -922,7 +922,7 @@ enum { SH_MAX_BATCHES = 128, SH_PER = 9 };   /* samples are 1 x 3 x 3 */
    position after it. */
 typedef struct {
     int64_t nb, n, cap;
-    int64_t rows[SH_MAX_BATCHES], pos[SH_MAX_BATCHES];
+    int64_t rows[SH_MAX_BATCHES], pos[SH_MAX_BATCHES], grows[SH_MAX_BATCHES];   /* grows: all ranks' rows */
     float *imgs;      /* (n, SH_PER) */
     int64_t *labs;    /* (n): the sample's index (num_classes is above the dataset size) */
 } taken;
@@ -948,6 +948,7 @@ static void take(ampc_loader *ld, int64_t max, taken *t) {
         memcpy(t->imgs + t->n * SH_PER, ampc_tensor_data(x), (size_t)(rows * SH_PER) * sizeof(float));
         memcpy(t->labs + t->n, ampc_tensor_data(y), (size_t)rows * sizeof(int64_t));
         t->rows[t->nb] = rows;
+        t->grows[t->nb] = ampc_loader_global_rows(ld);
         t->pos[t->nb++] = ampc_loader_epoch_position(ld);
         t->n += rows;
         ampc_scope_end();
@@ -1000,10 +1001,10 @@ static void epoch_perm(ampc_dataset *ds, const ampc_transforms *tf, int64_t epoc
 }
 
 /* Batches this rank should get, from the rules written out again: full global batches of
-   W * B, then the rest R split in rank order unless drop_last or R < W. */
+   W * B, then the rest R split in rank order unless drop_last (R < W: some ranks get none). */
 static int64_t expected_batches(int64_t left, int w, int64_t b, bool drop_last) {
     const int64_t g = w * b, rest = left % g;
-    return left / g + (rest > 0 && !drop_last && rest >= w);
+    return left / g + (rest > 0 && !drop_last);
 }
 
 /* Rows of rank r in global batch s when the epoch has `left` samples. */
@@ -1024,6 +1025,7 @@ static int64_t check_concat(const taken *tk, int w, int64_t b, int64_t start, in
         for (int r = 0; r < w; r++) {
             assert_int_equal(tk[r].nb, nb);
             assert_int_equal(tk[r].rows[s], expected_rows(n - start, w, b, s, r));
+            assert_int_equal(tk[r].grows[s], n - start - s * w * b < w * b ? n - start - s * w * b : w * b);
             assert_int_equal(tk[r].pos[s], pos);
             const int64_t rows = tk[r].rows[s];
             assert_true(at + rows <= ref->n);
@@ -1065,8 +1067,8 @@ static void check_shards(int64_t n, int w, int64_t b, bool drop_last, int worker
         for (int r = 0; r < w; r++) sum += tk[r].rows[s];
         assert_int_equal(big.rows[s], sum);
     }
-    /* every sample once, except the permutation's tail the rules drop */
-    assert_int_equal(kept, n / g * g + (rest > 0 && !drop_last && rest >= w ? rest : 0));
+    /* every sample once, except the permutation's tail drop_last drops */
+    assert_int_equal(kept, n / g * g + (rest > 0 && !drop_last ? rest : 0));
     int *seen = calloc((size_t)n, sizeof *seen);
     for (int r = 0; r < w; r++)
         for (int64_t k = 0; k < tk[r].n; k++) seen[tk[r].labs[k]]++;
@@ -1097,6 +1099,40 @@ static void test_loader_shards(void **state) {
                         check_shards(ns[ni], w, bs[bi], drop, workers, tf, cover);
     for (int k = 0; k < 4; k++) assert_true(cover[k] > 0);
     ampc_transforms_free(tf);
+}
+
+/* An epoch's last global batch with fewer samples than ranks: kept by default, the ranks past its
+   samples getting a batch of none (global rows: all of it); left out on every rank with
+   drop_short_tail (SyncBatchNorm needs a sample on each), which keeps a tail of W or more. */
+static void test_loader_short_tail(void **state) {
+    (void)state;
+    for (int n = 26; n <= 29; n += 3) {   /* 4 ranks x 3: two global batches of 12, then 2 or 5 */
+        ampc_dataset *ds = shard_dataset(n);
+        for (int drop_short = 0; drop_short <= 1; drop_short++)
+            for (int r = 0; r < 4; r++) {
+                ampc_loader_options o = ampc_loader_defaults();
+                o.batch_size = 3;
+                o.shard_rank = r;
+                o.shard_count = 4;
+                o.drop_short_tail = drop_short;
+                ampc_loader *ld = ampc_loader_new(ds, &o);
+                ASSERT_NOT_NULL_MSG(ld);
+                const bool short_tail = n - 24 < 4;
+                assert_int_equal(ampc_loader_num_batches(ld), drop_short && short_tail ? 2 : 3);
+                assert_int_equal(ampc_loader_global_rows(ld), 0);
+                taken t;
+                taken_init(&t, n);
+                take(ld, -1, &t);
+                assert_int_equal(t.nb, drop_short && short_tail ? 2 : 3);
+                if (t.nb == 3) {
+                    assert_int_equal(t.grows[2], n - 24);
+                    assert_int_equal(t.rows[2], (n - 24) / 4 + (r < (n - 24) % 4));
+                }
+                taken_free(&t);
+                ampc_loader_free(ld);
+            }
+        ampc_dataset_free(ds);
+    }
 }
 
 /* shard_count 1 (and rank 0) is the loader as it was: the same batches as the defaults and
@@ -1141,7 +1177,7 @@ static void test_loader_shard_one(void **state) {
 
 /* w1 ranks take k batches each; their common epoch position resumes the epoch on w2 ranks:
    before and after together are the permutation in order, each sample once, up to the tail
-   the rules drop after the resume. */
+   drop_last drops after the resume. */
 static void check_resume(int64_t n, int64_t b, int w1, int w2, int64_t k, bool drop_last, int workers,
                          const ampc_transforms *tf) {
     ampc_dataset *ds = shard_dataset(n);
@@ -1179,7 +1215,7 @@ static void check_resume(int64_t n, int64_t b, int w1, int w2, int64_t k, bool d
     }
     const int64_t rest = (n - pos) % (w2 * b);
     const int64_t at = check_concat(post, w2, b, pos, n, &perm, pos);
-    assert_int_equal(at, n - rest + (rest > 0 && !drop_last && rest >= w2 ? rest : 0));
+    assert_int_equal(at, n - rest + (rest > 0 && !drop_last ? rest : 0));
     for (int r = 0; r < w1; r++) taken_free(&pre[r]);
     for (int r = 0; r < w2; r++) taken_free(&post[r]);
     taken_free(&perm);
@@ -1276,7 +1312,7 @@ static void test_loader_shard_errors(void **state) {
     assert_int_equal(ampc_loader_start_epoch_at_sample(NULL, 0, 0), AMPC_ERR_INVALID);
     /* a short epoch does not shorten what start_epoch_at accepts */
     ASSERT_OK(ampc_loader_start_epoch_at_sample(ld, 0, 13));
-    assert_int_equal(ampc_loader_num_batches(ld), 1);   /* 7 left: 6, then 1 < 2 ranks dropped */
+    assert_int_equal(ampc_loader_num_batches(ld), 2);   /* 7 left: 6, then 1 (rank 1 gets none of it) */
     ASSERT_OK(ampc_loader_start_epoch_at(ld, 0, 4));
     assert_int_equal(ampc_loader_num_batches(ld), 4);
     assert_int_equal(ampc_loader_epoch_position(ld), 20);
@@ -1340,6 +1376,7 @@ int main(void) {
         cmocka_unit_test(test_loader_start_at),
         cmocka_unit_test(test_loader_shards),
         cmocka_unit_test(test_loader_shard_one),
+        cmocka_unit_test(test_loader_short_tail),
         cmocka_unit_test(test_loader_shard_resume),
         cmocka_unit_test(test_loader_shard_position_workers),
         cmocka_unit_test(test_loader_shard_errors),

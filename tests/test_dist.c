@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 enum { GLOBAL = 64, PIX = 28 * 28, STEPS = 4 };
 #define LR 0.05
@@ -510,6 +511,70 @@ static void test_no_sync_accumulation(void **state) {
     run_free(&dd);
 }
 
+/* Uneven global batches (the epoch's last: n rows split as the loader does, the first n % world
+   ranks one more, some ranks none when n < world): each rank weights its mean loss by its share
+   (rows * world / n) and a rank without rows joins the all-reduce (ampc_ddp_join) with what it
+   accumulated in a no-sync region before, so every step equals one process on the n rows. Steps:
+   batches of 64, 37 and 1 rows, then a no-sync half batch (32 rows, loss x 0.5) followed by a
+   synchronised batch of 1 row (x 0.5) that only rank 0 has. Bound as test_equivalence's fp32. */
+static void test_uneven_join(void **state) {
+    (void)state;
+    run ref = run_new("mlp", FP32, NULL), dd = run_new("mlp", FP32, dflt());
+    int64_t n_w;
+    float *init = weights(ref.net, &n_w);
+    const int rows[] = {64, 37, 1};
+    for (int s = 0; s < 4; s++) {
+        const bool accum = s == 3;
+        const int n = accum ? 1 : rows[s];
+        const int q = n / world, m = n % world, lo = rank * q + (rank < m ? rank : m), hi = lo + q + (rank < m);
+        const double share = (double)(hi - lo) * world / n, g = accum ? 0.5 : 1;
+        if (accum) {   /* the group's first batch, full and even: no-sync */
+            backward(&ref, FP32, s, 0, 32, g, false);
+            D_ASSERT(ampc_ddp_set_sync(dd.ddp, false) == AMPC_OK, "no_sync");
+            backward(&dd, FP32, s, rank * 32 / world, (rank + 1) * 32 / world, g, false);
+            D_ASSERT(ampc_ddp_set_sync(dd.ddp, true) == AMPC_OK, "sync");
+        }
+        backward(&ref, FP32, s + 10, 0, n, g, false);
+        step(&ref);
+        if (hi > lo) backward(&dd, FP32, s + 10, lo, hi, g * share, false);
+        else D_ASSERT(ampc_ddp_join(dd.ddp) == AMPC_OK, "join");
+        step(&dd);
+    }
+    assert_replicas_equal(dd.net);
+    double d = rel_update_diff(dd.net, ref.net, init);
+    if (rank == 0) print_message("uneven batches (64, 37, 1, accumulated 32 + 1) on %d ranks: %.3g of the update\n", world, d);
+    D_ASSERT(d <= (world == 1 ? 1e-6 : 1e-4), "uneven batches: %.3g", d);
+    /* outside a backward only: a join while gradients are being sent is an error */
+    D_ASSERT(ampc_ddp_join(NULL) == AMPC_ERR_INVALID, "join(NULL)");
+    free(init);
+    run_free(&ref);
+    run_free(&dd);
+}
+
+/* A collective that not every rank joins in time fails with AMPC_ERR_TIMEOUT naming it, instead
+   of waiting for ever: rank 0 waits in a barrier that the others reach only after 1.5 s, under a
+   0.2 s limit. The others' late barrier completes the one rank 0 gave up on, so a second barrier
+   (no limit) leaves every rank in step again. */
+static void test_collective_timeout(void **state) {
+    (void)state;
+    const double was = ampc_dist_get_timeout();
+    D_ASSERT(was == AMPC_DIST_DEFAULT_TIMEOUT, "default %g", was);
+    D_ASSERT(ampc_dist_set_timeout(-1) == AMPC_ERR_INVALID && ampc_dist_set_timeout(NAN) == AMPC_ERR_INVALID, "bad limits");
+    if (world == 1) return;   /* a world of one never waits */
+    D_ASSERT(ampc_dist_set_timeout(0.2) == AMPC_OK, "set");
+    if (rank == 0) {
+        int rc = ampc_dist_barrier();
+        D_ASSERT(rc == AMPC_ERR_TIMEOUT, "barrier: %d", rc);
+        D_ASSERT(strstr(ampc_last_error(), "barrier on rank 0") && strstr(ampc_last_error(), "time limit of 0.2 s"), "message");
+    } else {
+        nanosleep(&(struct timespec){1, 500000000}, NULL);
+        D_ASSERT(ampc_dist_barrier() == AMPC_OK, "late barrier");
+    }
+    D_ASSERT(ampc_dist_set_timeout(0) == AMPC_OK, "no limit");
+    D_ASSERT(ampc_dist_barrier() == AMPC_OK, "barrier again");
+    D_ASSERT(ampc_dist_set_timeout(was) == AMPC_OK, "restore");
+}
+
 /* fp16 AMP with a GradScaler: an input that overflows on the last rank only makes every rank
    skip that step and back off, with one scale everywhere at every step: in a synchronised
    step, inside a no-sync accumulation, and in a step taken inside a no-sync region (where no
@@ -686,6 +751,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_buckets),       cmocka_unit_test(test_no_sync_accumulation),
         cmocka_unit_test(test_scaler_agrees), cmocka_unit_test(test_16bit_wire),      cmocka_unit_test(test_sync_buffers),
         cmocka_unit_test(test_sync_bn_op),    cmocka_unit_test(test_sync_bn_equivalence), cmocka_unit_test(test_zero),
+        cmocka_unit_test(test_uneven_join),   cmocka_unit_test(test_collective_timeout),
     };
     int failed = cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
     ampc_dist_finalize();

@@ -21,6 +21,11 @@ void ampc_dataset_sample_shape(const ampc_dataset *ds, int64_t *c, int64_t *h, i
 int ampc_dataset_get(ampc_dataset *ds, int64_t i, float *img, int64_t *label);
 /* Drops the caller's reference; the dataset goes once no subset or loader holds it (NULL: no-op). */
 void ampc_dataset_free(ampc_dataset *ds);
+/* A 64-bit hash of what names the samples: size, classes, sample shape, class names, and the IDX
+   headers and labels, the image folder's file list (as scanned or indexed, relative to its root)
+   and targets, or a subset's parent and indices. Equal datasets on two machines hash alike, so
+   data-parallel ranks compare it to find one given other data; 0 for NULL. */
+uint64_t ampc_dataset_fingerprint(const ampc_dataset *ds);
 
 // ---------------------------------------------------------------------------------------------
 // Datasets: IDX files (MNIST, Fashion-MNIST), subsets and splits
@@ -120,9 +125,11 @@ int ampc_transforms_apply(const ampc_transforms *t, int64_t c, int64_t h, int64_
 // takes the r-th batch_size of them, so the ranks' batches s, concatenated in rank order, are
 // batch s of one loader with batch_size W * batch_size. The last global batch of R < W *
 // batch_size samples is dropped with drop_last; otherwise it is split in rank order as evenly
-// as possible (the first R % W ranks get R / W + 1 samples, the others R / W), except that when
-// R < W those R samples are dropped, as every rank needs a sample in every step. So every rank
-// has the same number of batches. Random transforms depend on the sample, not on its rank.
+// as possible (the first R % W ranks get R / W + 1 samples, the others R / W): when R < W the
+// last W - R ranks get a batch of 0 samples (a (0, C, H, W) tensor), so no sample is dropped and
+// every rank has the same number of batches. Ranks of such an uneven batch weight their loss by
+// their share of it (ampc_loader_global_rows; ampc_ddp_join for a rank with none) to train as
+// one process. Random transforms depend on the sample, not on its rank.
 // To checkpoint mid-epoch, store ampc_loader_epoch_position and resume, on any number of
 // ranks, with ampc_loader_start_epoch_at_sample.
 
@@ -136,6 +143,8 @@ typedef struct {
     const ampc_transforms *transforms;   /* default NULL; copied by ampc_loader_new */
     int shard_rank;        /* default 0: this rank, in [0, shard_count) */
     int shard_count;       /* default 1 (no sharding: every sample here): the number of ranks */
+    bool drop_short_tail;  /* default false: an epoch's last global batch with fewer samples than
+                              ranks is dropped (some rank would get none: SyncBatchNorm needs one) */
 } ampc_loader_options;
 typedef struct ampc_loader ampc_loader;
 
@@ -166,6 +175,11 @@ int64_t ampc_loader_epoch_position(const ampc_loader *ld);
    (and on every call after it until the next start_epoch); < 0 on error (a dataset or transform
    error, also one from a worker thread, with its message), sticky until the next start_epoch. */
 int ampc_loader_next(ampc_loader *ld, ampc_tensor **images, ampc_tensor **labels);
+/* The samples all ranks together have in the batch ampc_loader_next returned last (W *
+   batch_size but for the epoch's last batch; this rank has dim 0 of its images of them); 0 before
+   the first. With it a rank weights its batch's mean loss by rows * W / global_rows, so that the
+   gradient DDP averages is the mean over the global batch however it was split. */
+int64_t ampc_loader_global_rows(const ampc_loader *ld);
 /* This rank's batches in the current epoch, the same on every rank: set by ampc_loader_new to
    those of a whole epoch, and by each start_epoch call (start_epoch_at_sample: the rest only). */
 int64_t ampc_loader_num_batches(const ampc_loader *ld);

@@ -56,6 +56,13 @@ int ampc_dist_allreduce_sum_f64(double *values, int64_t n);
 int ampc_dist_max_f64(double *values, int64_t n);   /* element-wise maximum, in place */
 int ampc_dist_broadcast(void *buf, size_t nbytes, int root);
 int ampc_dist_barrier(void);
+/* The time limit of every collective (ampc's, DDP's, ZeRO's, SyncBatchNorm's), as NCCL's and
+   gloo's timeouts: a collective that not every rank joins within it fails with AMPC_ERR_TIMEOUT
+   naming it, and the world is then unusable: end the job (ampc_dist_abort). Default
+   AMPC_DIST_DEFAULT_TIMEOUT seconds; 0: wait for ever. */
+#define AMPC_DIST_DEFAULT_TIMEOUT 1800.0
+int ampc_dist_set_timeout(double seconds);
+double ampc_dist_get_timeout(void);
 
 // ---------------------------------------------------------------------------------------------
 // Data-parallel models
@@ -85,6 +92,12 @@ void ampc_ddp_free(ampc_ddp *ddp);
 /* sync false: a no-sync region (PyTorch's ddp.no_sync()): backward accumulates gradients
    locally; the first backward with sync on again averages everything accumulated. */
 int ampc_ddp_set_sync(ampc_ddp *ddp, bool sync);
+/* This rank has no samples in this step (the epoch's last batch is smaller than the world, as
+   PyTorch's Join context manager handles): instead of a backward, it takes part in the gradient
+   all-reduce with the gradients it holds (those accumulated in a no-sync region; zeros where it
+   has none) and receives the averages, as the ranks that ran backward do. Collective with their
+   backward. Does nothing in a no-sync region or a world of one. */
+int ampc_ddp_join(ampc_ddp *ddp);
 /* Copies rank 0's buffers (BatchNorm running statistics) to every rank, as PyTorch's DDP does
    before each forward (broadcast_buffers=True). Collective. */
 int ampc_ddp_sync_buffers(ampc_ddp *ddp);

@@ -31,9 +31,16 @@ struct ampc_dataset {
     int64_t num_classes;
     int64_t channels, height, width;   /* of every sample after decoding/resizing */
     char **class_names;                /* num_classes strings (owned) or NULL */
+    uint64_t fingerprint;              /* what names the samples, set by the constructor (see
+                                          ampc_dataset_fingerprint): IDX headers and labels, the
+                                          folder's file list and targets, a subset's parent and indices */
     void *impl;
     atomic_int refs;                   /* holders besides the creator (subsets); 0 when fresh */
 };
+
+/* FNV-1a over n bytes, continuing from h (AMPC__FNV_START for a fresh hash): fingerprints. */
+#define AMPC__FNV_START 1469598103934665603ull
+uint64_t ampc__fnv(uint64_t h, const void *p, size_t n);
 
 /* Zeroed dataset with vtable vt (NULL + AMPC_ERR_OOM on failure). */
 ampc_dataset *ampc__dataset_alloc(const ampc_dataset_vtable *vt);

@@ -48,6 +48,21 @@ ampc_dataset *ampc__dataset_alloc(const ampc_dataset_vtable *vt) {
     return ds;
 }
 
+uint64_t ampc__fnv(uint64_t h, const void *p, size_t n) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+uint64_t ampc_dataset_fingerprint(const ampc_dataset *ds) {
+    if (!ds) return 0;
+    const int64_t v[6] = {ds->size, ds->num_classes, ds->channels, ds->height, ds->width, (int64_t)ds->fingerprint};
+    uint64_t h = ampc__fnv(AMPC__FNV_START, v, sizeof v);
+    for (int64_t k = 0; ds->class_names && k < ds->num_classes; k++)
+        if (ds->class_names[k]) h = ampc__fnv(h, ds->class_names[k], strlen(ds->class_names[k]) + 1);
+    return h;
+}
+
 int64_t ampc_dataset_size(const ampc_dataset *ds) { return ds ? ds->size : 0; }
 int64_t ampc_dataset_num_classes(const ampc_dataset *ds) { return ds ? ds->num_classes : 0; }
 
@@ -150,6 +165,8 @@ ampc_dataset *ampc_dataset_subset(ampc_dataset *ds, const int64_t *indices, int6
     sub->height = ds->height;
     sub->width = ds->width;
     sub->class_names = names;
+    const uint64_t parent = ampc_dataset_fingerprint(ds);
+    sub->fingerprint = ampc__fnv(ampc__fnv(AMPC__FNV_START, &parent, sizeof parent), idx, (size_t)n * sizeof *idx);
     return sub;
 }
 

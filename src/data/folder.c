@@ -803,6 +803,9 @@ ampc_dataset *ampc_dataset_folder_open(const char *root, const ampc_folder_optio
     ds->channels = channels;
     ds->height = o->height;
     ds->width = o->width;
+    /* the file list as scanned or indexed (relative to the root where it is) and the targets */
+    ds->fingerprint = ampc__fnv(AMPC__FNV_START, f->targets, (size_t)idx.n * sizeof *f->targets);
+    for (int64_t i = 0; i < idx.n; i++) ds->fingerprint = ampc__fnv(ds->fingerprint, idx.strs[i], strlen(idx.strs[i]) + 1);
     ds->class_names = classes.strs;   /* taken over; freed by ampc_dataset_free */
     classes.strs = NULL;
     classes.n = 0;

@@ -261,6 +261,7 @@ static ampc_dataset *idx_open(const char *images_path, const char *labels_path, 
     ds->channels = 1;
     ds->height = dims[1];
     ds->width = dims[2];
+    ds->fingerprint = ampc__fnv(ampc__fnv(AMPC__FNV_START, dims, sizeof dims), labels, n_labels);   /* headers and labels */
     if (names) {
         ds->class_names = calloc((size_t)ds->num_classes, sizeof *ds->class_names);
         for (int64_t k = 0; ds->class_names && k < ds->num_classes; k++)

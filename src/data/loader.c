@@ -62,6 +62,7 @@ struct ampc_loader {
     int64_t epoch;
     bool started;
     int64_t cur;                 /* next batch to hand out */
+    int64_t global_rows;         /* all ranks' samples in the batch handed out last */
     int failed;                  /* sticky error of this epoch */
     char failed_msg[512];
 
@@ -96,10 +97,11 @@ static const char *bare_message(int status) {
 }
 
 /* This rank's batches in an epoch whose samples start at position `start`: the full global
-   batches, plus the last partial one unless drop_last or it has fewer samples than ranks. */
+   batches, plus the last partial one unless drop_last, or drop_short_tail and it has fewer samples
+   than ranks (otherwise the ranks past its samples get a batch of none). */
 static int64_t count_batches(const ampc_loader *ld, int64_t start) {
     const int64_t left = ld->n - start, full = left / ld->global_batch, rest = left - full * ld->global_batch;
-    return full + (rest > 0 && !ld->o.drop_last && rest >= ld->o.shard_count);
+    return full + (rest > 0 && !ld->o.drop_last && !(ld->o.drop_short_tail && rest < ld->o.shard_count));
 }
 
 /* Batch b of this rank is perm[*first, *first + *rows). The last partial global batch of R
@@ -318,6 +320,7 @@ static int start_epoch(ampc_loader *ld, int64_t epoch, int64_t start, int64_t fi
     ld->start = start;
     ld->n_batches = count_batches(ld, start);
     ld->cur = first_batch;
+    ld->global_rows = 0;
     ld->failed = 0;
     if (ld->n_workers) {
         for (int i = 0; i < ld->n_slots; i++) ld->slots[i].state = SLOT_FREE;
@@ -370,6 +373,8 @@ int64_t ampc_loader_epoch_position(const ampc_loader *ld) {
     const int64_t left = ld->n - ld->start;   /* cur * G, capped: the last global batch may be short */
     return ld->start + (ld->cur > left / ld->global_batch ? left : ld->cur * ld->global_batch);
 }
+
+int64_t ampc_loader_global_rows(const ampc_loader *ld) { return ld ? ld->global_rows : 0; }
 
 void ampc_loader_sample_shape(const ampc_loader *ld, int64_t *c, int64_t *h, int64_t *w) {
     if (c) *c = ld ? ld->oc : 0;
@@ -430,6 +435,8 @@ int ampc_loader_next(ampc_loader *ld, ampc_tensor **images, ampc_tensor **labels
         return ampc__err(rc, "%s", ld->failed_msg);
     }
     ld->cur++;
+    const int64_t left = ld->n - (ld->start + b * ld->global_batch);
+    ld->global_rows = left < ld->global_batch ? left : ld->global_batch;
     *images = ampc__scope_adopt(x);
     *labels = ampc__scope_adopt(y);
     return 1;

@@ -159,6 +159,32 @@ static void reset_backward(ampc_ddp *d) {
     d->any_ready = 0;
 }
 
+/* Puts parameter q's gradient, divided by the world size, into its bucket slot (zeros when it has
+   none) and marks it ready. */
+static int fill_slot(ampc_ddp *d, ddp_param *q) {
+    double t0 = now();
+    ddp_bucket *b = &d->buckets[q->bucket];
+    float *dst = b->buf + q->offset;
+    ampc_tensor *g = q->p->grad;
+    if (g) {
+        if (g->dtype != AMPC_F32 || g->numel != q->p->numel)
+            return ampc__err(AMPC_ERR_DTYPE, "data-parallel: parameter gradient must be fp32 with the parameter's shape");
+        ampc_tensor *h = ampc__host_copy(g);
+        if (!h) return ampc_last_status();
+        const float *src = ampc__data(h);
+        const float world = (float)d->comm->size;
+        for (int64_t k = 0; k < g->numel; k++) dst[k] = src[k] / world;
+        ampc__release(h);
+    } else {
+        memset(dst, 0, (size_t)q->p->numel * sizeof(float));
+    }
+    d->stats.copy_seconds += now() - t0;
+    q->ready = true;
+    d->any_ready++;
+    b->pending--;
+    return AMPC_OK;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The engine's hooks
 
@@ -185,23 +211,11 @@ static int on_leaf_ready(void *ctx, ampc_tensor *leaf) {
     ddp_bucket *b = &d->buckets[q->bucket];
     if (b->started)   /* a second backward through the parameter before finish: cannot happen */
         return ampc__err(AMPC_ERR_STATE, "data-parallel: gradient of a parameter whose bucket was already sent");
-    double t0 = now();
-    ampc_tensor *g = leaf->grad;
-    if (!g || g->dtype != AMPC_F32 || g->numel != leaf->numel)
-        return ampc__err(AMPC_ERR_DTYPE, "data-parallel: parameter gradient must be fp32 with the parameter's shape");
-    ampc_tensor *h = ampc__host_copy(g);
-    if (!h) return ampc_last_status();
-    const float *src = ampc__data(h);
-    float *dst = b->buf + q->offset;
-    const float world = (float)d->comm->size;
-    for (int64_t k = 0; k < g->numel; k++) dst[k] = src[k] / world;
-    ampc__release(h);
-    d->stats.copy_seconds += now() - t0;
-    q->ready = true;
-    d->any_ready++;
-    b->pending--;
+    if (!leaf->grad) return ampc__err(AMPC_ERR_STATE, "data-parallel: a parameter reported ready has no gradient");
+    int rc = fill_slot(d, q);
+    if (rc < 0) return rc;
     int64_t before = d->stats.allreduces;
-    int rc = start_ready(d);
+    rc = start_ready(d);
     d->stats.started_in_backward += d->stats.allreduces - before;
     return rc < 0 ? rc : progress(d);
 }
@@ -212,9 +226,9 @@ static int on_node_done(void *ctx) {
     return progress(d);
 }
 
-static int on_finish(void *ctx, int rc) {
-    ampc_ddp *d = ctx;
-    if (!ours(d) || !d->any_ready) return rc;
+/* The end of a synchronised backward (or a join): starts what is left, waits for every bucket
+   and writes the averages into the grads. rc: the backward's status so far. */
+static int finish_sync(ampc_ddp *d, int rc) {
     /* the rest of the buckets (parameters this rank got no gradient for send zeros) */
     for (int k = d->next_start; k < d->n_buckets && rc >= 0; k++) d->buckets[k].pending = 0;
     if (rc >= 0) rc = start_ready(d);
@@ -234,6 +248,12 @@ static int on_finish(void *ctx, int rc) {
     d->stats.copy_seconds += now() - t1;
     reset_backward(d);
     return rc;
+}
+
+static int on_finish(void *ctx, int rc) {
+    ampc_ddp *d = ctx;
+    if (!ours(d) || !d->any_ready) return rc;
+    return finish_sync(d, rc);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -383,6 +403,19 @@ int ampc_ddp_set_sync(ampc_ddp *d, bool sync) {
     if (rc < 0) return rc;
     d->sync = sync;
     return AMPC_OK;
+}
+
+int ampc_ddp_join(ampc_ddp *d) {
+    int rc = check_ddp(d, "ddp_join");
+    if (rc < 0 || d->comm->size == 1 || !d->sync) return rc;   /* no-sync: nothing is reduced now */
+    if (!pthread_equal(pthread_self(), d->owner)) return ampc__err(AMPC_ERR_STATE, "ddp_join: not the thread that wrapped the model");
+    if (d->any_ready) return ampc__err(AMPC_ERR_STATE, "ddp_join: inside a backward pass");
+    for (int i = 0; i < d->n_params && rc >= 0; i++) rc = fill_slot(d, &d->params[i]);
+    if (rc < 0) {
+        reset_backward(d);
+        return rc;
+    }
+    return finish_sync(d, rc);
 }
 
 int ampc_ddp_sync_buffers(ampc_ddp *d) {

@@ -6,12 +6,31 @@
  * naming it. Collectives are called from one thread (MPI_THREAD_FUNNELED). bf16 and fp16
  * reductions use our own MPI operations (MPI has no 16-bit float type): each addition in f32,
  * rounded once with the dtype table's conversions.
+ *
+ * Time limit. MPI's collectives wait for ever for a process that never arrives (stopped, dead
+ * without its launcher noticing, or on another code path). Every collective here is therefore
+ * started non-blocking and completed by polling MPI_Test against a deadline (ampc_dist_set_timeout,
+ * 1800 s by default, gloo's): past it the call fails with AMPC_ERR_TIMEOUT naming the collective,
+ * and the world is then unusable (the program ends it with ampc_dist_abort). The poll spins for
+ * the first millisecond, as MPI_Wait does, then sleeps 50 us between tests so that a rank waiting
+ * on a slow peer leaves the cores to the threads that compute.
  */
 #include "ampc/dist.h"
 #include "core/core.h"
 
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+
+static double g_timeout = AMPC_DIST_DEFAULT_TIMEOUT;   /* seconds a collective may wait; 0: for ever */
+
+int ampc_dist_set_timeout(double seconds) {
+    if (!(seconds >= 0) || seconds > 1e9) return ampc__err(AMPC_ERR_INVALID, "dist_set_timeout: %g s (want 0 for none, or up to 1e9)", seconds);
+    g_timeout = seconds;
+    return AMPC_OK;
+}
+
+double ampc_dist_get_timeout(void) { return g_timeout; }
 
 bool ampc_dist_launched(void) {
     return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMIX_RANK") || getenv("PMI_RANK");
@@ -80,14 +99,40 @@ static int count_ok(int64_t count) {
                                             : ampc__err(AMPC_ERR_INVALID, "all-reduce of %lld elements (at most 2^31-1 at once)", (long long)count);
 }
 
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Completes *req by polling against the time limit; what names the collective for the errors. A
+   request that timed out is left pending: the world is unusable (see the top of the file). */
+static int complete(MPI_Request *req, const char *what) {
+    const double t0 = now();
+    for (long polls = 0;; polls++) {
+        int flag = 0;
+        int e = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
+        if (e != MPI_SUCCESS) return mpi_err(e, what);
+        if (flag) return AMPC_OK;
+        if ((polls & 63) != 63) continue;   /* the clock is read every 64 polls */
+        const double waited = now() - t0;
+        if (g_timeout > 0 && waited > g_timeout)
+            return ampc__err(AMPC_ERR_TIMEOUT, "%s on rank %d: not every process took part within the collective time limit "
+                                               "of %g s (a process is stopped, hung, dead, or on another path through the program)",
+                             what, w.ops.rank, g_timeout);
+        if (waited > 1e-3) nanosleep(&(struct timespec){0, 50000}, NULL);
+    }
+}
+
 static int mpi_allreduce(void *buf, int64_t count, ampc_dtype dt, ampc_comm_op op) {
     MPI_Datatype type;
     MPI_Op mop;
     int rc = count_ok(count);
     if (rc >= 0) rc = mpi_type_op(dt, op, &type, &mop);
     if (rc < 0) return rc;
-    int e = MPI_Allreduce(MPI_IN_PLACE, buf, (int)count, type, mop, w.comm);
-    return e == MPI_SUCCESS ? AMPC_OK : mpi_err(e, "MPI_Allreduce");
+    MPI_Request req;
+    int e = MPI_Iallreduce(MPI_IN_PLACE, buf, (int)count, type, mop, w.comm, &req);
+    return e == MPI_SUCCESS ? complete(&req, "all-reduce") : mpi_err(e, "MPI_Iallreduce");
 }
 
 static void req_put(ampc_comm_req *r) {
@@ -123,24 +168,27 @@ static int mpi_test(ampc_comm_req *r, bool *done) {
 }
 
 static int mpi_wait(ampc_comm_req *r) {
-    int e = MPI_Wait(&r->req, MPI_STATUS_IGNORE);
-    req_put(r);
-    return e == MPI_SUCCESS ? AMPC_OK : mpi_err(e, "MPI_Wait");
+    int rc = complete(&r->req, "waiting for an all-reduce");
+    if (rc >= 0) req_put(r);   /* a timed-out request stays MPI's: it is never reused */
+    return rc;
 }
 
 static int mpi_broadcast(void *buf, size_t nbytes, int root) {
     for (size_t off = 0; off < nbytes;) {   /* in pieces of at most 1 GiB: MPI counts are int */
         size_t k = nbytes - off < ((size_t)1 << 30) ? nbytes - off : (size_t)1 << 30;
-        int e = MPI_Bcast((char *)buf + off, (int)k, MPI_BYTE, root, w.comm);
-        if (e != MPI_SUCCESS) return mpi_err(e, "MPI_Bcast");
+        MPI_Request req;
+        int e = MPI_Ibcast((char *)buf + off, (int)k, MPI_BYTE, root, w.comm, &req);
+        int rc = e == MPI_SUCCESS ? complete(&req, "broadcast") : mpi_err(e, "MPI_Ibcast");
+        if (rc < 0) return rc;
         off += k;
     }
     return AMPC_OK;
 }
 
 static int mpi_barrier(void) {
-    int e = MPI_Barrier(w.comm);
-    return e == MPI_SUCCESS ? AMPC_OK : mpi_err(e, "MPI_Barrier");
+    MPI_Request req;
+    int e = MPI_Ibarrier(w.comm, &req);
+    return e == MPI_SUCCESS ? complete(&req, "barrier") : mpi_err(e, "MPI_Ibarrier");
 }
 
 static int start_world(MPI_Comm from) {
