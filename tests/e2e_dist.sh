@@ -226,5 +226,126 @@ else
     bad "--batch-size 16 on resume: exit $rc"; tail -n 5 "$W/m16.out"
 fi
 
+# ---------------------------------------------------------------------------------------------
+# Ranks that disagree (issue 25): each job ends at once, exit 1, one line from rank 0 naming the
+# ranks and the difference, instead of hanging, dying in MPI or training apart.
+D=(--model mlp --limit-val 64 --threads 1 --progress off --epochs 1 --batch-size 32)
+disagree() {   # name, then the pattern rank 0's line must hold; the job's arguments after "--"
+    local name=$1 want=$2
+    shift 3
+    local t0=$SECONDS
+    timeout 120 "${MPI[@]}" "$@" >"$W/dis.out" 2>"$W/dis.err"
+    local rc=$?
+    if [ $rc -eq 1 ] && [ "$(grep -c 'error' "$W/dis.err")" -eq 1 ] && grep -q "^ampc-train: error: the processes disagree .*$want" "$W/dis.err" &&
+        [ $((SECONDS - t0)) -lt 60 ]; then
+        ok "$name: the job ends at once naming it ($(grep -o 'first in [^:]*' "$W/dis.err"))"
+    else
+        bad "$name: exit $rc after $((SECONDS - t0)) s"; tail -n 4 "$W/dis.err"
+    fi
+}
+disagree "--lr 0.5 on rank 1" "rank 1 differs from rank 0 (first in --lr: '0.5' on rank 1, 'auto' on rank 0)" -- \
+    -np 1 "$TRAIN" "${D[@]}" --limit-train 256 --out "$W/dis" : -np 1 "$TRAIN" "${D[@]}" --limit-train 256 --lr 0.5 --out "$W/dis"
+disagree "--limit-train on rank 1" "first in --limit-train" -- \
+    -np 1 "$TRAIN" "${D[@]}" --limit-train 256 --out "$W/dis" : -np 1 "$TRAIN" "${D[@]}" --limit-train 224 --out "$W/dis"
+# other data: rank 1's folder holds the test set as its training set (10,000 samples, not 60,000),
+# and with --limit-train both have 256 samples, but other ones
+FMNIST=${AMPC_FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}
+mkdir -p "$W/other"
+for f in images-idx3 labels-idx1; do
+    for s in train t10k; do ln -sf "$FMNIST/t10k-$f-ubyte.gz" "$W/other/$s-$f-ubyte.gz"; done
+done
+disagree "other data on rank 1 (10,000 samples)" "first in the training data: '10000 samples, fingerprint [0-9a-f]*' on rank 1, '60000 samples" -- \
+    -np 1 "$TRAIN" "${D[@]}" --limit-train 0 --out "$W/dis" : -np 1 "$TRAIN" "${D[@]}" --limit-train 0 --data "$W/other" --out "$W/dis"
+disagree "other samples of the same count on rank 1" "first in the training data: '256 samples, fingerprint" -- \
+    -np 1 "$TRAIN" "${D[@]}" --limit-train 256 --out "$W/dis" : -np 1 "$TRAIN" "${D[@]}" --limit-train 256 --data "$W/other" --out "$W/dis"
+# a stale checkpoint on rank 1: the one of epoch 1 where rank 0 resumes epoch 2's
+"$TRAIN" "${D[@]}" --limit-train 256 --out "$W/st1" >/dev/null 2>&1 && cp -r "$W/st1" "$W/st2" &&
+    "$TRAIN" --resume "$W/st2/checkpoint.safetensors" --epochs 2 --threads 1 --progress off >/dev/null 2>&1
+disagree "a stale --resume file on rank 1" "first in the --resume checkpoint" -- \
+    -np 1 "$TRAIN" --resume "$W/st2/checkpoint.safetensors" --epochs 3 --threads 1 --progress off --out "$W/dis" : \
+    -np 1 "$TRAIN" --resume "$W/st1/checkpoint.safetensors" --epochs 3 --threads 1 --progress off --out "$W/dis"
+# the precision is rank 0's choice for every rank: rank 1 capped to AVX2 (no bf16 kernels) either
+# trains rank 0's fp16 (a CPU without bf16 arithmetic) or stops naming rank 0's bf16
+timeout 120 "${MPI[@]}" -np 1 "$TRAIN" "${D[@]}" --limit-train 256 --out "$W/prec" : -np 1 env ONEDNN_MAX_CPU_ISA=AVX2 "$TRAIN" "${D[@]}" \
+    --limit-train 256 --out "$W/prec" >"$W/prec.out" 2>"$W/prec.err"
+rc=$?
+if { [ $rc -eq 0 ] && grep -q "^  amp-dtype      fp16" "$W/prec.out"; } ||
+    { [ $rc -ne 0 ] && grep -q "rank 1: error: --amp-dtype auto: rank 0 chose bf16 for the job .*ONEDNN_MAX_CPU_ISA set.*give every process --amp-dtype fp16" "$W/prec.err"; }; then
+    ok "rank 1 without bf16 kernels: rank 0's precision for the job (exit $rc)"
+else
+    bad "precision on unequal CPUs: exit $rc"; tail -n 3 "$W/prec.out" "$W/prec.err"
+fi
+
+# a stopped rank (SIGSTOP) ends the job once --collective-timeout has passed, naming the step and
+# the collective, instead of a hang
+"${MPI[@]}" -np 2 "$TRAIN" "${D[@]/#1/1000}" --limit-train 1024 --collective-timeout 3 --out "$W/stop" >"$W/stop.out" 2>"$W/stop.err" &
+job=$!
+for _ in $(seq 600); do [ -s "$W/stop/checkpoint.safetensors" ] && break; sleep 0.1; done
+victim=$(for d in /proc/[0-9]*; do
+    tr '\0' ' ' <"$d/cmdline" 2>/dev/null | grep -q -- "--out $W/stop" &&
+        tr '\0' '\n' <"$d/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=1' && echo "${d#/proc/}"; done | head -1)
+t0=$SECONDS
+[ -n "$victim" ] && kill -STOP "$victim"
+for _ in $(seq 600); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
+kill -0 "$job" 2>/dev/null && { kill -CONT "$victim"; kill "$job"; }
+wait "$job"
+rc=$?
+if [ -n "$victim" ] && [ $rc -ne 0 ] && [ $((SECONDS - t0)) -lt 45 ] &&
+    grep -qE "rank 0: error: in epoch [0-9]+ \((training|validation)\) at step [0-9]+ of [0-9]+: .*on rank 0: not every process took part within the collective time limit of 3 s" "$W/stop.err"; then
+    ok "rank 1 stopped: the job ended after $((SECONDS - t0)) s naming the step and the collective"
+else
+    bad "stopped rank: exit $rc after $((SECONDS - t0)) s (victim '$victim')"; tail -n 4 "$W/stop.err"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Uneven last batches (issue 25): each rank's loss weighted by its share of the global batch, a
+# rank with none of it joining the all-reduce, so N ranks train as one process with any data size
+# (observed: ~1e-7 of the update for one step, ~6e-7 after 11)
+U=(--model mlp --limit-val 193 --threads 1 --progress off --use-amp no --epochs 1 --optimizer sgd --momentum 0 --lr 0.3 --step-log yes)
+# the starting weights: the same run with a rate too small to move a float
+"$TRAIN" "${U[@]/0.3/1e-20}" --limit-train 1000 --batch-size 1200 --out "$W/u0" >/dev/null 2>&1
+# 1,000 samples in one global batch on 3 ranks: 334, 333 and 333
+"${MPI[@]}" -np 3 "$TRAIN" "${U[@]}" --limit-train 1000 --batch-size 400 --out "$W/u3" >"$W/u3.out" 2>&1 &&
+    "$TRAIN" "${U[@]}" --limit-train 1000 --batch-size 1200 --out "$W/u1" >"$W/u1.out" 2>&1
+rc=$?
+"$TRAIN" --compare-checkpoints "$W/u3/model.safetensors" "$W/u1/model.safetensors" >"$W/u31.cmp" 2>&1
+"$TRAIN" --compare-checkpoints "$W/u1/model.safetensors" "$W/u0/model.safetensors" >"$W/u10.cmp" 2>&1
+d=$(update_rel "$W/u31.cmp" "$W/u10.cmp")
+if [ $rc -eq 0 ] && grep -q "checkpoints differ: 4 tensor" "$W/u10.cmp" && [ -n "$d" ] && awk -v x="$d" 'BEGIN { exit !(x <= 1e-6) }'; then
+    ok "1,000 samples in one step on 3 ranks (334/333/333) == one process within $d of the update"
+else
+    bad "uneven step on 3 ranks: exit $rc, $d of the update"; tail -n 5 "$W/u3.out" "$W/u31.cmp" "$W/u10.cmp"
+fi
+# 962 samples, 3 ranks x 32: 10 global batches of 96 and one of 2, which rank 2 has none of;
+# the same 11 steps as 1 x 96, the job's loss of every step in steps.csv, the same validation of
+# 193 samples (65/64/64 a rank), and the weights within 1e-5 of the update
+"${MPI[@]}" -np 3 "$TRAIN" "${U[@]}" --limit-train 962 --batch-size 32 --out "$W/v3" >"$W/v3.out" 2>&1 &&
+    "$TRAIN" "${U[@]}" --limit-train 962 --batch-size 96 --out "$W/v1" >"$W/v1.out" 2>&1
+rc=$?
+"$TRAIN" "${U[@]/0.3/1e-20}" --limit-train 962 --batch-size 96 --out "$W/v0" >/dev/null 2>&1
+"$TRAIN" --compare-checkpoints "$W/v3/model.safetensors" "$W/v1/model.safetensors" >"$W/v31.cmp" 2>&1
+"$TRAIN" --compare-checkpoints "$W/v1/model.safetensors" "$W/v0/model.safetensors" >"$W/v10.cmp" 2>&1
+d=$(update_rel "$W/v31.cmp" "$W/v10.cmp")
+loss_rel=$(paste -d, "$W/v3/steps.csv" "$W/v1/steps.csv" | awk -F, 'NR > 1 { r = ($4 - $11) / $11; if (r < 0) r = -r; if (r > m) m = r } END { printf "%g", m }')
+val3=$(grep -o 'val loss [0-9.]* acc [0-9.]*%' "$W/v3.out"); val1=$(grep -o 'val loss [0-9.]* acc [0-9.]*%' "$W/v1.out")
+if [ $rc -eq 0 ] && [ "$(wc -l <"$W/v3/steps.csv")" -eq 12 ] && [ "$(wc -l <"$W/v1/steps.csv")" -eq 12 ] &&
+    [ -n "$d" ] && [ -n "$loss_rel" ] && awk -v x="$loss_rel" -v y="$d" 'BEGIN { exit !(x <= 1e-5 && y <= 1e-5) }' && [ -n "$val1" ] && [ "$val3" = "$val1" ]; then
+    ok "962 samples on 3 ranks x 32 == 1 x 96: 11 steps, losses within $loss_rel, weights within $d of the update, $val1"
+else
+    bad "962 samples on 3 ranks: exit $rc, losses $loss_rel, weights $d; '$val3' vs '$val1'"; tail -n 3 "$W/v3.out" "$W/v3/steps.csv"
+fi
+# --max-loss reads the job's loss: set just under one process's first loss, 3 ranks stop at step 1
+# naming that loss (rank 0's own batch has another), one line, exit 3
+first=$(awk -F, 'NR == 2 { print $4 }' "$W/v1/steps.csv")
+lim=$(awk -v l="$first" 'BEGIN { printf "%.9g", l * (1 - 1e-6) }')
+"${MPI[@]}" -np 3 "$TRAIN" "${U[@]}" --limit-train 962 --batch-size 32 --max-loss "$lim" --out "$W/ml" >"$W/ml.out" 2>"$W/ml.err"
+rc=$?
+want=$(awk -v l="$first" 'BEGIN { printf "%g", l }')
+if [ $rc -eq 3 ] && [ "$(grep -c error "$W/ml.err")" -eq 1 ] && grep -q "error: training diverged in epoch 1 at step 1 of 11: the loss $want exceeds --max-loss" "$W/ml.err"; then
+    ok "--max-loss on 3 ranks compares the job's loss ($want)"
+else
+    bad "--max-loss on 3 ranks: exit $rc (want the loss $want)"; tail -n 3 "$W/ml.err"
+fi
+
 echo "e2e_dist: $FAILS failure(s) in $((SECONDS - T0)) s"
 [ "$FAILS" -eq 0 ]

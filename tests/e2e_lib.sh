@@ -18,6 +18,15 @@ bad() { echo "FAIL: $*"; FAILS=$((FAILS + 1)); }
 T0=$SECONDS
 max_rel() { grep -o 'relative [0-9.e+-]*' "$1" | awk '{ if ($2 + 0 > m) m = $2 + 0 } END { printf "%g", m + 0 }'; }
 
+# update_rel DIFF UPDATE: two --compare-checkpoints reports (a run against the reference, the
+# reference against its starting weights); the largest, over tensors, of the run's max |a-b| over
+# the reference's max |update| in that tensor ("within x of the update")
+update_rel() {
+    awk '/^differ: tensor/ { name = $3; for (i = 1; i <= NF; i++) if ($i == "|a-b|") v = $(i + 1) + 0;
+                             if (FILENAME == ARGV[1]) d[name] = v; else u[name] = v }
+         END { m = 0; for (k in u) if (u[k] > 0 && d[k] / u[k] > m) m = d[k] / u[k]; for (k in d) if (!(k in u)) m = 1; printf "%g", m }' "$1" "$2"
+}
+
 # set_tensor FILE OUT NAME VALUE: a copy of safetensors FILE with every f32 of tensor NAME set to
 # VALUE (Perl, part of every Debian system)
 set_tensor() {

@@ -114,6 +114,7 @@ int main(int argc, char **argv) {
         return 0;
     }
     if (rc == 0 && ampc_init() < 0) rc = fail_lib("init");
+    if (rc == 0 && ampc_dist_set_timeout(rval(&s, OPT_COLLECTIVE_TIMEOUT)) < 0) rc = fail_lib("--collective-timeout");
     if (rc == 0) {
         const char *pm = sval(&s, OPT_PROGRESS);
         progress_set_mode(rank > 0 || !strcmp(pm, "off") ? PROGRESS_OFF

@@ -134,7 +134,7 @@ const opt_def OPTS[OPT_COUNT] = {
                         "shorter and is divided by its own length; under mpirun, one all-reduce per step)"},
     [OPT_STEP_LOG] = {"step-log", V_YESNO, "no", NULL, 0, 0, false, O_SAVE | O_RESTORE, "yes|no",
                       "steps.csv in --out: a row per optimizer step (step, epoch, batch, loss, scale, skipped, lr; "
-                      "rank 0's loss under mpirun), and with the grad scaler scale.png, the loss scale over the run "
+                      "under mpirun the job's loss, all processes' samples), and with the grad scaler scale.png, the loss scale over the run "
                       "with the skipped steps marked"},
     [OPT_DOCTOR] = {"doctor", V_YESNO, "no", NULL, 0, 0, false, O_SAVE | O_RESTORE, "yes|no",
                     "the numerics doctor: on a skipped step (and when the run diverges), name the first op, forward or "
@@ -150,6 +150,10 @@ const opt_def OPTS[OPT_COUNT] = {
                             "every K-th optimizer step, per op: the amax of its outputs and gradients and the share of "
                             "values the 16-bit type flushes to zero, keeps only as subnormals or saturates at the current "
                             "loss scale; a table at the end and numerics.csv in --out (0: off)"},
+    [OPT_COLLECTIVE_TIMEOUT] = {"collective-timeout", V_REAL, "1800", NULL, 0, 1e9, false, 0, "SECONDS",
+                                "under mpirun: the longest any process waits in a collective (an all-reduce, a broadcast) "
+                                "for the others; past it the job ends naming the step and the collective (a process "
+                                "stopped, hung or dead; 0: wait for ever)"},
 };
 
 

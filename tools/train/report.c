@@ -35,6 +35,18 @@ int fail(const char *fmt, ...) {
     return -1;
 }
 
+void error_where(const char *fmt, ...) {
+    char where[256], was[sizeof g_err];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(where, sizeof where, fmt, ap);
+    va_end(ap);
+    memcpy(was, g_err, sizeof was);
+    size_t at = 0;
+    appendf(g_err, sizeof g_err, &at, "%s: ", where);
+    appendf(g_err, sizeof g_err, &at, "%s", was);
+}
+
 int fail_lib(const char *what) {
     if (!g_err[0]) g_err_status = ampc_last_status();
     return fail("%s: %s", what, ampc_last_error());

@@ -232,7 +232,17 @@ int run_build(run *r) {
         return fail("--device %s: %s", sval(s, OPT_DEVICE), ampc_device_unavailable_reason(r->device));
     bool bf16_ok = ampc_dtype_supported(r->device, AMPC_BF16), bf16_fast = ampc_dtype_native(r->device, AMPC_BF16);
     bool auto_dtype = is_auto(s, OPT_AMP_DTYPE), fastest = strcmp(sval(s, OPT_AMP_DTYPE), "fastest") == 0;
-    const char *hw_dtype = bf16_fast ? "bf16" : "fp16";   /* auto's choice; fastest's until measured */
+    bool job_bf16 = bf16_fast;   /* auto's choice for the job */
+    if ((auto_dtype || fastest) && ampc_dist_world_size() > 1) {   /* decided once, on rank 0, for the whole job */
+        int fast0 = bf16_fast;
+        if (ampc_dist_broadcast(&fast0, sizeof fast0, 0) < 0) return fail_lib("agreeing on --amp-dtype");
+        if (fast0 && !bf16_ok && r->use_amp)
+            return fail("--amp-dtype auto: rank 0 chose bf16 for the job (its CPU has bf16 arithmetic), but this process's CPU has "
+                        "no bf16 kernels (cpu: %s%s): give every process --amp-dtype fp16", ampc_cpu_features(),
+                        getenv("ONEDNN_MAX_CPU_ISA") ? ", ONEDNN_MAX_CPU_ISA set" : "");
+        job_bf16 = fast0;
+    }
+    const char *hw_dtype = job_bf16 ? "bf16" : "fp16";   /* auto's choice; fastest's until measured */
     if ((auto_dtype || fastest) && set_val(s, OPT_AMP_DTYPE, hw_dtype) < 0) return -1;
     fastest = fastest && r->use_amp;   /* --use-amp no: nothing to choose */
     r->amp_dtype = strcmp(sval(s, OPT_AMP_DTYPE), "fp16") == 0 ? AMPC_F16 : AMPC_BF16;
@@ -243,7 +253,7 @@ int run_build(run *r) {
     if (r->use_amp && r->amp_dtype == AMPC_BF16 && !bf16_fast)
         warn("bf16 is emulated on this CPU (no AVX512-BF16): expect it several times slower than fp32; --amp-dtype fp16 "
              "(the default here) or --use-amp no run faster");
-    if (r->use_amp && auto_dtype && !bf16_fast)
+    if (r->use_amp && auto_dtype && !job_bf16)
         printf("note: --amp-dtype fp16, since this CPU has no bf16 arithmetic (AVX512-BF16); fp16 is computed in fp32 here, so AMP saves memory but likely not time (--amp-dtype fastest measures it)\n");
     if (is_auto(s, OPT_LR) && set_val(s, OPT_LR, sgd ? "0.01" : "0.001") < 0) return -1;
     if (is_auto(s, OPT_WEIGHT_DECAY) && set_val(s, OPT_WEIGHT_DECAY, strcmp(optname, "adamw") == 0 ? "0.01" : "0") < 0) return -1;
@@ -298,8 +308,17 @@ int run_build(run *r) {
     lo.transforms = r->d.tf_train;
     lo.shard_rank = r->rank = ampc_dist_rank();   /* data-parallel: each rank its shard of every epoch */
     lo.shard_count = r->world = ampc_dist_world_size();
+    /* SyncBatchNorm needs a sample on every rank in every training step: an epoch's last global
+       batch smaller than the world is left out, and said so (validation keeps it: eval mode does
+       not communicate) */
+    lo.drop_short_tail = r->sync_bn > 0;
+    const int64_t tail = ampc_dataset_size(r->d.train) % (bs * r->world);
+    if (r->sync_bn > 0 && tail > 0 && tail < r->world)
+        printf("note: --sync-bn: each epoch's last %" PRId64 " training sample(s), fewer than the %d processes, are left out (SyncBatchNorm "
+               "needs a sample on every process)\n", tail, r->world);
     if (!(r->train_ld = ampc_loader_new(r->d.train, &lo))) return fail_lib("data loader");
     lo.shuffle = false;
+    lo.drop_short_tail = false;
     lo.transforms = r->d.tf_val;
     if (!(r->val_ld = ampc_loader_new(r->d.val, &lo))) return fail_lib("data loader");
     if (!(r->logits_buf = malloc((size_t)(bs * r->d.num_classes) * sizeof *r->logits_buf))) return fail("out of memory");

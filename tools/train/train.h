@@ -40,6 +40,8 @@ int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int fail_lib(const char *what);
 /* A bad command line: exit status 2, and the message points at --help. */
 int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Puts where the run stood ("in epoch 2 at step 5 of 16") before the error kept. */
+void error_where(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* Forgets the error (the fuzz harness between inputs; a warning that replaced an error). */
 void error_reset(void);
 void warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -71,7 +73,7 @@ typedef enum {
     OPT_OPTIMIZER, OPT_MOMENTUM, OPT_WEIGHT_DECAY, OPT_SEED, OPT_VAL_SPLIT, OPT_IMAGE_SIZE, OPT_INDEX_CSV, OPT_LIMIT_TRAIN,
     OPT_LIMIT_VAL, OPT_THREADS, OPT_DEVICE, OPT_NUM_WORKERS, OPT_MAX_MEMORY, OPT_OUT, OPT_RESUME, OPT_PROGRESS, OPT_CHANNELS_LAST,
     OPT_KEEP_CASTS, OPT_MAX_SKIPPED, OPT_MAX_LOSS, OPT_SYNC_BN, OPT_ZERO, OPT_LR_SCHEDULE, OPT_LR_STEP_SIZE, OPT_LR_GAMMA,
-    OPT_WARMUP_STEPS, OPT_CLIP_GRAD_NORM, OPT_PRETRAINED, OPT_PRETRAINED_STRICT, OPT_FREEZE, OPT_STOP_AFTER_STEPS, OPT_AUGMENT, OPT_EXCLUDE_CLASS, OPT_ACCUMULATE, OPT_STEP_LOG, OPT_DOCTOR, OPT_EXPLAIN, OPT_FP32_MODULES, OPT_NUMERICS_EVERY, OPT_MIN_LOSS_SCALE, OPT_COUNT
+    OPT_WARMUP_STEPS, OPT_CLIP_GRAD_NORM, OPT_PRETRAINED, OPT_PRETRAINED_STRICT, OPT_FREEZE, OPT_STOP_AFTER_STEPS, OPT_AUGMENT, OPT_EXCLUDE_CLASS, OPT_ACCUMULATE, OPT_STEP_LOG, OPT_DOCTOR, OPT_EXPLAIN, OPT_FP32_MODULES, OPT_NUMERICS_EVERY, OPT_MIN_LOSS_SCALE, OPT_COLLECTIVE_TIMEOUT, OPT_COUNT
 } opt_id;
 
 typedef struct {
@@ -251,6 +253,15 @@ int checkpoint_save(run *r, const char *path, const char *diverged, int64_t epoc
 int resume_settings(settings *s);
 /* --resume, once built: model, optimizer, scaler and RNG, the epoch counter and the history. */
 int resume_state(run *r);
+
+// Data-parallel agreement (agree.c): what every rank of an mpirun job must share
+
+/* Before the run is built: the options that shape the job's arithmetic and steps, and the bytes
+   of the --resume and --pretrained files. Once built: the precision, the data sets (size and
+   fingerprint), the classes, the sample shape and the model. A difference ends the job on every
+   rank at once (exit 1, one line from rank 0 naming the ranks and the difference). Nothing alone. */
+int agree_settings(run *r);
+int agree_built(run *r);
 
 // Setting up (setup.c)
 

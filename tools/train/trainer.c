@@ -74,6 +74,7 @@ static int diverged(run *r, int64_t epoch, int64_t step, int64_t n_steps, const 
     fail("training diverged %s; stopped without saving: %s%s (try a lower --lr)", why,
          r->last_good[0] ? "the last good checkpoint is " : "no checkpoint was written", r->last_good);
     g_exit = EXIT_DIVERGED;
+    g_job_error = r->world > 1;   /* the job's loss and the replicas' weights: every rank stops here together */
     return -1;
 }
 
@@ -312,13 +313,20 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
             rc = fail_lib("data-parallel buffers");
             break;
         }
-        ampc_autocast_enter(r->amp_dtype, r->use_amp);
-        ampc_tensor *logits = ampc_module_forward(r->net, x);
-        ampc_tensor *loss = ampc_cross_entropy(logits, y, NULL);
-        ampc_autocast_exit();
-        if (!loss) {
-            rc = fail_lib(training ? "training (forward)" : "validation");
-            break;
+        /* data-parallel: the epoch's last global batch may be split unevenly, some ranks with
+           none of it: each rank's mean loss is weighted by its share, so that the gradient DDP
+           averages is the global batch's mean, as one process computes it */
+        const int64_t b = ampc_tensor_dim(y, 0), global_rows = ampc_loader_global_rows(ld);
+        ampc_tensor *logits = NULL, *loss = NULL;
+        if (b > 0) {
+            ampc_autocast_enter(r->amp_dtype, r->use_amp);
+            logits = ampc_module_forward(r->net, x);
+            loss = ampc_cross_entropy(logits, y, NULL);
+            ampc_autocast_exit();
+            if (!loss) {
+                rc = fail_lib(training ? "training (forward)" : "validation");
+                break;
+            }
         }
         /* this batch's place in its accumulation group of g batches */
         const int64_t g = accum < n_batches - group_start ? accum : n_batches - group_start;
@@ -327,12 +335,16 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
             rc = fail_lib("data-parallel --accumulate");
             break;
         }
-        if (training) {   /* a group's loss is the mean over its batches, as loss / iters_to_accumulate */
-            ampc_tensor *part = g > 1 ? ampc_mul_scalar(loss, 1.0 / (double)g) : loss;
+        if (training && b > 0) {   /* a group's loss is the mean over its batches, as loss / iters_to_accumulate */
+            const double share = b * r->world == global_rows ? 1.0 : (double)(b * r->world) / (double)global_rows;
+            ampc_tensor *part = g > 1 || share != 1.0 ? ampc_mul_scalar(loss, share / (double)g) : loss;
             if (!part || ampc_backward(ampc_scaler_scale(r->scaler, part)) < 0) {
                 rc = fail_lib("training (backward)");
                 break;
             }
+        } else if (training && r->ddp && ampc_ddp_join(r->ddp) < 0) {   /* none of the batch here: the all-reduce all the same */
+            rc = fail_lib("training (data-parallel join)");
+            break;
         }
         bool stepped = false, step_skipped = false;   /* this batch ended its group with an optimizer step */
         double step_scale = 0;                        /* the scale that step's gradients carried */
@@ -365,26 +377,34 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
             group_start = done + 1;
             r->steps_run++;
         }
-        int64_t b = ampc_tensor_dim(y, 0);
-        double lv = ampc_tensor_item(loss);
-        if (training) group_loss += lv;
+        double lv = b > 0 ? ampc_tensor_item(loss) : 0, job_lv = lv;
+        if (training && r->world > 1) {   /* the job's loss, every rank's samples: what the guard rails and steps.csv see */
+            double v[2] = {lv * (double)b, (double)b};
+            if (ampc_dist_allreduce_sum_f64(v, 2) < 0) {
+                rc = fail_lib("summing the job's loss");
+                break;
+            }
+            job_lv = v[0] / v[1];
+        }
+        if (training) group_loss += job_lv;
         if (stepped) {
             if ((rc = steplog_step(r, epoch, done + 1, group_loss / (double)g, step_scale, step_skipped)) < 0) break;
             group_loss = 0;
             if (r->explaining && (rc = explain_print(r)) < 0) break;
         }
-        const int cs = training ? check_step(r, epoch, done + 1, n_batches, lv, x, stepped) : 0;
+        const int cs = training ? check_step(r, epoch, done + 1, n_batches, job_lv, x, stepped) : 0;
         if (cs < 0) {
             rc = cs;
             break;
         }
         st->loss_sum += lv * (double)b;
-        if ((rc = count_correct(r, logits, y_cpu, &st->correct)) < 0) break;
+        if (b > 0 && (rc = count_correct(r, logits, y_cpu, &st->correct)) < 0) break;
         st->samples += b;
         ampc_scope_end();
         done++;
         /* a bar keeps room for its cells on an 80-column terminal: the running loss only */
-        double run_loss = st->loss_sum / (double)st->samples, run_acc = 100.0 * (double)st->correct / (double)st->samples;
+        const double seen = st->samples > 0 ? (double)st->samples : 1;
+        double run_loss = st->loss_sum / seen, run_acc = 100.0 * (double)st->correct / seen;
         if (p.mode == PROGRESS_BAR) progress_update(&p, done, "loss=%.4f", run_loss);
         else progress_update(&p, done, "loss=%.4f acc=%.2f%%", run_loss, run_acc);
         if (cs > 0) {   /* the grad scaler's guard rails: this batch counted, the pass ends */
@@ -394,6 +414,9 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
     }
     while (ampc_scope_depth() > depth) ampc_scope_end();
     if (!training) ampc_no_grad_exit();
+    if (rc < 0 && g_err_status == AMPC_ERR_TIMEOUT)   /* a collective ran out of time: say where the job stood */
+        error_where("in epoch %" PRId64 " (%s) at step %" PRId64 " of %" PRId64, epoch + 1, training ? "training" : "validation", done + 1,
+                    n_batches);
     if (rc != 0 && p.mode == PROGRESS_BAR) fputc('\n', p.out);   /* the next line starts on its own line */
     if (rc < 0) return rc;
     if (r->world > 1) {   /* the pass's figures are the job's: every rank's samples summed */
@@ -618,12 +641,13 @@ int train_run(settings *s, run_result *res) {
     run r = {.s = s};
     int rc = 0;
     if (*sval(s, OPT_RESUME) && (rc = resume_settings(s)) < 0) goto done;
-    if ((rc = run_build(&r)) < 0) goto done;
+    if ((rc = agree_settings(&r)) < 0 || (rc = run_build(&r)) < 0) goto done;
     if (ampc_autocast_fp32_modules(sval(s, OPT_FP32_MODULES)) < 0) {
         rc = usage_error("--fp32-modules: %s", ampc_last_error());
         goto done;
     }
     if (*sval(s, OPT_RESUME) && (rc = resume_state(&r)) < 0) goto done;
+    if ((rc = agree_built(&r)) < 0) goto done;
     /* data-parallel: rank 0's weights and buffers everywhere, and gradients averaged from here on */
     if (r.world > 1 && !(r.ddp = ampc_ddp_new(r.net, NULL))) {
         rc = fail_lib("data-parallel model");
