@@ -305,6 +305,39 @@ static void test_stale_module_and_optimizer(void **state) {
     expect_status(AMPC_ERR_STATE, "ampc_optimizer_num_params", "stale");
 }
 
+/* A freed optimizer given to the scaler or a checkpoint: refused before its (freed) parameter
+   list is read (ampc_scaler_step and the checkpoint calls used to read it first: ASan's
+   heap-use-after-free), scaler enabled or not. */
+static void test_freed_optimizer_elsewhere(void **state) {
+    (void)state;
+    ampc_module *net = ampc_sequential(2, ampc_linear_new(3, 2, true), ampc_relu_new());
+    ampc_optimizer *opt = ampc_sgd_new(net, NULL);
+    ASSERT_NOT_NULL_MSG(opt);
+    make_grads(net);
+    ampc_optimizer_free(opt);
+    for (int enabled = 0; enabled < 2; enabled++) {
+        ampc_scaler_options so = ampc_scaler_defaults();
+        so.enabled = enabled;
+        ampc_scaler *sc = ampc_scaler_new(&so);
+        assert_int_equal(ampc_scaler_step(sc, opt), AMPC_ERR_STATE);
+        expect_status(AMPC_ERR_STATE, "ampc_scaler_step", "optimizer handle is stale");
+        assert_int_equal(ampc_scaler_unscale(sc, opt), AMPC_ERR_STATE);
+        expect_status(AMPC_ERR_STATE, "ampc_scaler_unscale", "optimizer handle is stale");
+        assert_int_equal(ampc_scaler_steps_applied(sc), 0);
+        ampc_scaler_free(sc);
+    }
+    char path[64];
+    snprintf(path, sizeof path, "/tmp/ampc-test-handles-%d.safetensors", (int)getpid());
+    assert_int_equal(ampc_checkpoint_save(path, net, opt, NULL, NULL), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_checkpoint_save", "optimizer handle is stale");
+    assert_int_equal(access(path, F_OK), -1);   /* nothing written */
+    ASSERT_OK(ampc_checkpoint_save(path, net, NULL, NULL, NULL));
+    assert_int_equal(ampc_checkpoint_load(path, net, opt, NULL, NULL), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_checkpoint_load", "optimizer handle is stale");
+    unlink(path);
+    ampc_module_free(net);
+}
+
 /* Last: after ampc_shutdown the root scope's tensors are released, and their handles read as
    stale (headers are never returned to malloc, so ASan sees no use of freed memory). */
 /* An op given a tensor whose scope ended (or that was freed) refuses it, naming the op. */
@@ -348,6 +381,7 @@ int main(void) {
         cmocka_unit_test(test_optimizer_after_module_freed),
         cmocka_unit_test(test_optimizer_after_child_replaced),
         cmocka_unit_test(test_stale_module_and_optimizer),
+        cmocka_unit_test(test_freed_optimizer_elsewhere),
         cmocka_unit_test(test_op_on_stale_tensor),
         cmocka_unit_test(test_handle_after_shutdown),
     };

@@ -260,8 +260,10 @@ int ampc_scaler_unscale(ampc_scaler *s, ampc_optimizer *opt) {
 
 int ampc_scaler_step(ampc_scaler *s, ampc_optimizer *opt) {
     if (!s || !opt) return ampc__err(AMPC_ERR_INVALID, "scaler_step: NULL %s", s ? "optimizer" : "scaler");
+    int rc = ampc__optimizer_check(opt, "ampc_scaler_step");   /* before anything reads opt->params */
+    if (rc < 0) return rc;
     if (!s->o.enabled) {
-        int rc = ampc_optimizer_step(opt);
+        rc = ampc_optimizer_step(opt);
         if (rc < 0) return rc;
         s->applied++;
         return 1;
@@ -272,7 +274,7 @@ int ampc_scaler_step(ampc_scaler *s, ampc_optimizer *opt) {
         return ampc__err(AMPC_ERR_STATE, "scaler: step() has already been called since the last update()");
     const bool fused = st->stage == STAGE_READY;
     if (fused) {
-        int rc = unscale_grads(s, opt, st, true);
+        rc = unscale_grads(s, opt, st, true);
         if (rc < 0) return rc;
     }
     if (!st->recorded)
@@ -283,7 +285,7 @@ int ampc_scaler_step(ampc_scaler *s, ampc_optimizer *opt) {
            check again, its answer already taken) */
         if (fused) {
             const float agreed = st->found_inf;
-            int rc = unscale_grads(s, opt, st, false);
+            rc = unscale_grads(s, opt, st, false);
             if (rc < 0) return rc;
             st->found_inf = agreed;
             st->last_found_inf = true;
@@ -292,7 +294,7 @@ int ampc_scaler_step(ampc_scaler *s, ampc_optimizer *opt) {
         s->skipped++;
         return 0;
     }
-    int rc = ampc__optimizer_step_scaled(opt, fused ? (float)(1.0 / (double)s->scale) : 0.0f);
+    rc = ampc__optimizer_step_scaled(opt, fused ? (float)(1.0 / (double)s->scale) : 0.0f);
     if (rc < 0) return rc;   /* the stage stays, as when PyTorch's optimizer.step() raises */
     st->stage = STAGE_STEPPED;
     s->applied++;
