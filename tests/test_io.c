@@ -927,6 +927,28 @@ static void test_bad_headers(void **state) {
     ampc_scope_end();
 }
 
+/* A refused file leaves nothing behind: the parsed header is released (the ASan build's leak
+   check failed here), and the model keeps its weights. */
+static void test_load_state_dict_refused_file(void **state) {
+    (void)state;
+    const char *bad = tpath("refused.safetensors");
+    char h[2048];
+    ampc_module *m = mlp(61, 3);
+    blob before = weights_blob(m);
+    uint64_t end = mlp_header(h, sizeof h, -1, NULL, NULL, 0, false, NULL);
+    write_crafted(bad, h, end + 4);   /* a parsed header, then trailing data */
+    assert_int_equal(ampc_load_state_dict(bad, m, true, NULL, NULL), AMPC_ERR_FORMAT);
+    if (!strstr(ampc_last_error(), "trailing data")) fail_msg("%s", ampc_last_error());
+    write_crafted(bad, h, end - 4);   /* truncated */
+    assert_int_equal(ampc_load_state_dict(bad, m, true, NULL, NULL), AMPC_ERR_FORMAT);
+    ampc_clear_error();
+    blob after = weights_blob(m);
+    assert_true(after.n == before.n && memcmp(after.b, before.b, before.n) == 0);
+    free(after.b);
+    free(before.b);
+    ampc_module_free(m);
+}
+
 /* Real checkpoints of another model, optimizer or scaler setup. */
 static void test_mismatched_checkpoints(void **state) {
     (void)state;
@@ -1690,6 +1712,7 @@ int main(void) {
         cmocka_unit_test(test_pytorch_reads_checkpoint),
         cmocka_unit_test(test_torchvision_reads_model),
         cmocka_unit_test(test_load_state_dict),
+        cmocka_unit_test(test_load_state_dict_refused_file),
         cmocka_unit_test(test_truncated_and_foreign_files),
         cmocka_unit_test(test_bad_headers),
         cmocka_unit_test(test_mismatched_checkpoints),
