@@ -762,6 +762,48 @@ static void test_load_state_dict(void **state) {
     ampc_scope_end();
 }
 
+/* A state_dict of F64 tensors (PyTorch's .double() weights) loads into an f32 model, each value
+   the double rounded once to f32 (it used to be refused: the CPU device holds no f64 tensors). */
+static void test_load_state_dict_f64(void **state) {
+    (void)state;
+    static const char *names[] = {"0.weight", "0.bias", "3.weight", "3.bias"};
+    static const char *shapes[] = {"[8,4]", "[8]", "[3,8]", "[3]"};
+    static const int counts[] = {32, 8, 24, 3};
+    char h[1024];
+    size_t k = (size_t)snprintf(h, sizeof h, "{");
+    uint64_t at = 0;
+    for (int i = 0; i < 4; i++) {
+        k += (size_t)snprintf(h + k, sizeof h - k, "%s\"%s\":{\"dtype\":\"F64\",\"shape\":%s,\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}",
+                              i ? "," : "", names[i], shapes[i], at, at + 8u * (uint64_t)counts[i]);
+        at += 8u * (uint64_t)counts[i];
+    }
+    snprintf(h + k, sizeof h - k, "}");
+    size_t jn = strlen(h), hn = (jn + 7) / 8 * 8, total = 8 + hn + (size_t)at;
+    unsigned char *b = malloc(total);
+    for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)hn >> (8 * i));
+    memcpy(b + 8, h, jn);
+    memset(b + 8 + jn, ' ', hn - jn);
+    double v[67];
+    for (int i = 0; i < 67; i++) v[i] = (i - 33) * 0.0123456789012345 + 1e-12 * i;   /* no f32 holds these */
+    memcpy(b + 8 + hn, v, sizeof v);
+    const char *path = tpath("f64.safetensors");
+    write_all(path, b, total);
+    free(b);
+    ampc_module *m = mlp(51, 3);
+    ampc_load_report r;
+    ASSERT_OK(ampc_load_state_dict(path, m, true, NULL, &r));
+    assert_int_equal(r.loaded, 4);
+    ampc_tensor **sd;
+    assert_int_equal(ampc_module_state_dict(m, &sd, NULL), 4);
+    int at_v = 0;
+    for (int i = 0; i < 4; i++) {
+        const float *got = ampc_tensor_cdata(sd[i]);
+        for (int j = 0; j < counts[i]; j++, at_v++)
+            if (got[j] != (float)tu_round_to(AMPC_F32, v[at_v])) fail_msg("%s[%d]: %.9g, want %.9g", names[i], j, got[j], v[at_v]);
+    }
+    ampc_module_free(m);
+}
+
 /* Loading path into v fails with status (0: any) and a message holding each of the strings. */
 static void expect_load_error(victim v, const char *path, int status, const char *s1, const char *s2, const char *s3) {
     blob before = snapshot(v.m, v.o, v.s);
@@ -1712,6 +1754,7 @@ int main(void) {
         cmocka_unit_test(test_pytorch_reads_checkpoint),
         cmocka_unit_test(test_torchvision_reads_model),
         cmocka_unit_test(test_load_state_dict),
+        cmocka_unit_test(test_load_state_dict_f64),
         cmocka_unit_test(test_load_state_dict_refused_file),
         cmocka_unit_test(test_truncated_and_foreign_files),
         cmocka_unit_test(test_bad_headers),

@@ -689,6 +689,22 @@ int ampc_checkpoint_meta_get(const char *meta_json, const char *key, char *buf, 
 // ---------------------------------------------------------------------------------------------
 // Weights alone, as load_state_dict (pretrained files)
 
+/* n values of dtype `from` at p (the file's bytes: any alignment) into dst in dtype `to`, through
+   the dtype table's f64 (exact for every float dtype), so rounded once, as copy_; in chunks, so
+   no whole-tensor f64 copy and no dtype the CPU device cannot hold (F64) is needed. */
+static void convert_values(const unsigned char *p, ampc_dtype from, void *dst, ampc_dtype to, size_t n) {
+    enum { CHUNK = 512 };
+    uint64_t raw[CHUNK];   /* aligned for any dtype */
+    double v[CHUNK];
+    const size_t fs = ampc__dt(from)->size, ts = ampc__dt(to)->size;
+    for (size_t k = 0; k < n; k += CHUNK) {
+        size_t m = n - k < CHUNK ? n - k : CHUNK;
+        memcpy(raw, p + k * fs, m * fs);
+        ampc__dt(from)->to_f64(raw, v, m);
+        ampc__dt(to)->from_f64(v, (unsigned char *)dst + k * ts, m);
+    }
+}
+
 int ampc_load_state_dict(const char *path, ampc_module *m, bool strict, FILE *report, ampc_load_report *out) {
     ampc__ensure_init();
     if (out) *out = (ampc_load_report){0};
@@ -730,23 +746,13 @@ int ampc_load_state_dict(const char *path, ampc_module *m, bool strict, FILE *re
                            st_dtypes[e->dtype].name, ampc_dtype_name(t->dtype));
             break;
         }
-        ampc_tensor *h = ampc__tensor_new((ampc_dtype)fdt, AMPC_DEVICE_CPU, e->ndim, e->shape);
+        ampc_tensor *h = ampc__tensor_new(t->dtype, AMPC_DEVICE_CPU, e->ndim, e->shape);
         if (!h) {
             rc = ampc_last_status();
             break;
         }
-        memcpy(ampc__data(h), f.data + e->begin, (size_t)(e->end - e->begin));
-        if (fdt != (int)t->dtype) {   /* as copy_: one rounding to the model's dtype */
-            ampc_tensor *c = ampc__tensor_new(t->dtype, AMPC_DEVICE_CPU, e->ndim, e->shape);
-            int crc = c ? ampc__copy(h, c) : ampc_last_status();
-            ampc__release(h);
-            h = c;
-            if (crc < 0) {
-                ampc__release(c);
-                rc = crc;
-                break;
-            }
-        }
+        if (fdt == (int)t->dtype) memcpy(ampc__data(h), f.data + e->begin, (size_t)(e->end - e->begin));
+        else convert_values(f.data + e->begin, (ampc_dtype)fdt, ampc__data(h), t->dtype, (size_t)h->numel);
         src[i] = h;
         r.loaded++;
     }
