@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include "amp/amp.h"
+#include "io/safetensors.h"
 #include "nn/nn.h"
 #include "optim/optim.h"
 #include "plot.h"   /* tools/ */
@@ -991,6 +992,30 @@ static void test_load_state_dict_refused_file(void **state) {
     ampc_module_free(m);
 }
 
+/* A file truncated (or rewritten shorter) under an open reader: the reader mapped the data, and
+   touching a page past the new end was a SIGBUS that killed the process. It now reads the data
+   once into memory, so it still holds every byte it validated. */
+static void test_truncated_under_reader(void **state) {
+    (void)state;
+    const char *path = tpath("shrinking.safetensors");
+    ampc_module *m = ampc_linear_new(128, 256, true);   /* 129 KiB: pages wholly past the new end */
+    ASSERT_OK(ampc_checkpoint_save(path, m, NULL, NULL, NULL));
+    st_file f;
+    ASSERT_OK(st_open(&f, path, true));
+    assert_int_equal(truncate(path, (off_t)(8 + f.header_bytes)), 0);   /* every data page gone */
+    ampc_tensor **sd;
+    const char **names;
+    assert_int_equal(ampc_module_state_dict(m, &sd, &names), 2);
+    for (int i = 0; i < 2; i++) {
+        const st_entry *e = st_find(&f, names[i]);
+        ASSERT_NOT_NULL_MSG(e);
+        assert_int_equal(e->end - e->begin, ampc__nbytes(sd[i]));
+        assert_memory_equal(f.data + e->begin, ampc_tensor_cdata(sd[i]), ampc__nbytes(sd[i]));
+    }
+    st_close(&f);
+    ampc_module_free(m);
+}
+
 /* Real checkpoints of another model, optimizer or scaler setup. */
 static void test_mismatched_checkpoints(void **state) {
     (void)state;
@@ -1756,6 +1781,7 @@ int main(void) {
         cmocka_unit_test(test_load_state_dict),
         cmocka_unit_test(test_load_state_dict_f64),
         cmocka_unit_test(test_load_state_dict_refused_file),
+        cmocka_unit_test(test_truncated_under_reader),
         cmocka_unit_test(test_truncated_and_foreign_files),
         cmocka_unit_test(test_bad_headers),
         cmocka_unit_test(test_mismatched_checkpoints),

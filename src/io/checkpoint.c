@@ -22,9 +22,10 @@
  * Loading validates the whole file before changing anything (the format by st_open; here every
  * model tensor present with its dtype and shape, nothing unexpected, every value read
  * range-checked: step counts, scaler state, and the presence of the optimizer state that the
- * step counts imply). The data is memory-mapped and copied only once every check has passed, so
- * a bad file leaves model, optimizer, scaler and RNG as they were. Lookups are binary searches
- * (tensors) and hash lookups (metadata): a load is n log n in the header size.
+ * step counts imply). The data is read into memory once (never mapped: a file truncated meanwhile
+ * is an error, not a SIGBUS) and copied only after every check has passed, so a bad file leaves
+ * model, optimizer, scaler and RNG as they were. Lookups are binary searches (tensors) and hash
+ * lookups (metadata): a load is n log n in the header size.
  */
 #include "amp/amp.h"
 #include "io/safetensors.h"
@@ -451,7 +452,7 @@ int ampc_checkpoint_load(const char *path, ampc_module *m, ampc_optimizer *opt, 
 
     st_file f;
     opt_plan pl = {0};
-    int rc = st_open(&f, path);
+    int rc = st_open(&f, path, true);
     /* the model: every tensor present with its dtype and shape, nothing unexpected */
     for (int i = 0; i < n_sd && rc == AMPC_OK; i++) {
         st_entry *e = st_find(&f, names[i]);
@@ -526,7 +527,7 @@ int ampc_checkpoint_read_meta(const char *path, char **meta_json_out) {
     if (!path || !meta_json_out) return ampc__err(AMPC_ERR_INVALID, "checkpoint read_meta: NULL argument");
     *meta_json_out = NULL;
     st_file f;
-    int rc = st_open(&f, path);
+    int rc = st_open(&f, path, false);
     if (rc == AMPC_OK && !(*meta_json_out = st_meta_dump(f.meta))) rc = ampc_last_status();
     st_close(&f);
     return rc;
@@ -542,7 +543,7 @@ int ampc_checkpoint_list(const char *path, ampc_checkpoint_tensor **out) {
     if (!path || !out) return ampc__err(AMPC_ERR_INVALID, "checkpoint list: NULL argument");
     *out = NULL;
     st_file f;
-    int rc = st_open(&f, path);
+    int rc = st_open(&f, path, false);
     size_t bytes = (size_t)f.n * sizeof **out;   /* the array, then the names */
     for (int i = 0; i < f.n && rc == AMPC_OK; i++) bytes += strlen(f.e[i].name) + 1;
     ampc_checkpoint_tensor *list = rc == AMPC_OK && f.n ? malloc(bytes) : NULL;
@@ -614,8 +615,8 @@ int ampc_checkpoint_compare(const char *path_a, const char *path_b, FILE *report
     ampc__ensure_init();
     if (!path_a || !path_b) return ampc__err(AMPC_ERR_INVALID, "checkpoint compare: NULL path");
     st_file a, b;
-    int rc = st_open(&a, path_a);
-    if (rc == AMPC_OK) rc = st_open(&b, path_b);
+    int rc = st_open(&a, path_a, true);
+    if (rc == AMPC_OK) rc = st_open(&b, path_b, true);
     else b = (st_file){.fd = -1};
     if (rc < 0) {
         st_close(&a);
@@ -714,7 +715,7 @@ int ampc_load_state_dict(const char *path, ampc_module *m, bool strict, FILE *re
     int n_sd = ampc_module_state_dict(m, &sd, &names);
     if (n_sd < 0) return n_sd;
     st_file f;
-    int rc = st_open(&f, path);
+    int rc = st_open(&f, path, true);
     if (rc < 0) {
         st_close(&f);   /* a refused file may hold a parsed header */
         return rc;
