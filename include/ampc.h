@@ -46,9 +46,11 @@
  * returns then (-1, NULL, AMPC_DTYPE_COUNT, ...). ampc_tensor_free is accepted once per
  * reference the caller holds: freeing a tensor twice, or freeing one that a module, an
  * optimizer or another tensor (as its grad) holds, is an AMPC_ERR_STATE error that changes
- * nothing. Limit: freed headers are reused first in, first out, only after 1024 more tensors
- * (256 modules, 64 optimizers) were freed; a handle freed longer ago than that may name a new
- * object, and is then not recognised as stale. A tensor whose scope ended while autograd
+ * nothing. No address is ever handed out twice, so a freed handle never names a new object,
+ * however many were made since: headers come from reserved address space, and the memory of
+ * freed ones goes back to the system, but not their addresses (about 200 bytes of address space
+ * per tensor ever made: some 10^11 tensors fit in a 47-bit address space; past that, making one
+ * fails with AMPC_ERR_OOM). A tensor whose scope ended while autograd
  * still holds it (saved for backward) stays readable until backward releases it; only
  * ampc_tensor_free/keep/own reject it then. An optimizer refuses to step (AMPC_ERR_STATE)
  * once the module its parameters belong to was freed or replaced (ampc_module_replace).

@@ -1,6 +1,6 @@
 /*
  * test_handles.c - API misuse that used to corrupt silently: NULL and stale tensor handles in
- * every accessor, freeing twice (also after the header could have been reused), tensors used
+ * every accessor, freeing twice (also after many more objects were made and freed), tensors used
  * after their scope ended, modules and optimizers used after being freed, an optimizer stepped
  * after its module was freed. Each case checks the return value, ampc_last_status() and that
  * the message names the call; tensors that must not be touched keep their values.
@@ -8,6 +8,7 @@
 #include "testutil.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -122,7 +123,7 @@ static void test_free_twice(void **state) {
     ASSERT_OK(ampc_tensor_free(live));
 }
 
-/* Free, allocate a new tensor (the freed header is quarantined, not handed to it), free the old
+/* Free, allocate a new tensor (the freed header is never handed to it), free the old
    handle again: an error, and the new tensor is untouched. */
 static void test_free_twice_with_allocation_between(void **state) {
     (void)state;
@@ -230,7 +231,7 @@ static void test_optimizer_after_module_freed(void **state) {
     ampc_module_free(net);
     assert_int_equal(ampc_optimizer_step(opt), AMPC_ERR_STATE);
     expect_status(AMPC_ERR_STATE, "ampc_optimizer_step", "module that was freed");
-    /* the freed module's header is reused by later modules: the generation still tells */
+    /* many modules made since: the freed one's generation still tells */
     for (int i = 0; i < 300; i++) ampc_module_free(ampc_relu_new());
     ampc_module *other = ampc_linear_new(3, 2, true);
     assert_int_equal(ampc_optimizer_step(opt), AMPC_ERR_STATE);
@@ -338,6 +339,63 @@ static void test_freed_optimizer_elsewhere(void **state) {
     ampc_module_free(net);
 }
 
+/* A freed handle never names a new object: headers used to be reused after 1024 more tensors
+   (256 modules, 64 optimizers) were freed, and then a stale handle's double free freed a live
+   object with status 0. Now no address is handed out twice. */
+static void test_stale_handle_never_names_a_new_object(void **state) {
+    (void)state;
+    /* free one, then more than the old pool kept aside (1024 tensors, 256 modules, 64
+       optimizers), then make new ones: the old pool handed the first freed header out again */
+    enum { MANY = 1100, NEW = 64 };
+    ampc_tensor **t = malloc(MANY * sizeof *t);
+    ampc_tensor *old = owned_full(1.0);
+    ASSERT_OK(ampc_tensor_free(old));
+    for (int i = 0; i < MANY; i++) t[i] = owned_full(0.0);
+    for (int i = 0; i < MANY; i++) ASSERT_OK(ampc_tensor_free(t[i]));
+    for (int i = 0; i < NEW; i++) {
+        t[i] = owned_full(2.0);
+        assert_ptr_not_equal(t[i], old);
+    }
+    assert_int_equal(ampc_tensor_free(old), AMPC_ERR_STATE);   /* used to free t[0], status 0 */
+    expect_status(AMPC_ERR_STATE, "ampc_tensor_free", "stale");
+    for (int i = 0; i < NEW; i++) {
+        assert_all(t[i], 2.0f);
+        ASSERT_OK(ampc_tensor_free(t[i]));
+    }
+    free(t);
+
+    ampc_module *mods[300];
+    ampc_module *m = ampc_relu_new();
+    ampc_module_free(m);
+    for (int i = 0; i < 300; i++) mods[i] = ampc_relu_new();
+    for (int i = 0; i < 300; i++) ampc_module_free(mods[i]);
+    for (int i = 0; i < NEW; i++) {
+        mods[i] = ampc_linear_new(3, 2, true);
+        assert_ptr_not_equal(mods[i], m);
+    }
+    ampc_module_free(m);
+    expect_status(AMPC_ERR_STATE, "ampc_module_free", "module handle is stale");
+
+    ampc_optimizer *opts[100];
+    ampc_optimizer *o = ampc_sgd_new(mods[0], NULL);
+    ampc_optimizer_free(o);
+    for (int i = 0; i < 100; i++) opts[i] = ampc_sgd_new(mods[0], NULL);
+    for (int i = 0; i < 100; i++) ampc_optimizer_free(opts[i]);
+    for (int i = 0; i < NEW; i++) {
+        opts[i] = ampc_sgd_new(mods[i], NULL);
+        assert_ptr_not_equal(opts[i], o);
+    }
+    ampc_optimizer_free(o);
+    expect_status(AMPC_ERR_STATE, "ampc_optimizer_free", "optimizer handle is stale");
+    for (int i = 0; i < NEW; i++) {
+        assert_int_equal(ampc_optimizer_num_params(opts[i]), 2);   /* untouched */
+        ampc_optimizer_free(opts[i]);
+        assert_int_equal(ampc_module_parameters(mods[i], NULL, NULL), 2);
+        ampc_module_free(mods[i]);
+    }
+    assert_int_equal(ampc_last_status(), AMPC_OK);
+}
+
 /* Last: after ampc_shutdown the root scope's tensors are released, and their handles read as
    stale (headers are never returned to malloc, so ASan sees no use of freed memory). */
 /* An op given a tensor whose scope ended (or that was freed) refuses it, naming the op. */
@@ -382,6 +440,7 @@ int main(void) {
         cmocka_unit_test(test_optimizer_after_child_replaced),
         cmocka_unit_test(test_stale_module_and_optimizer),
         cmocka_unit_test(test_freed_optimizer_elsewhere),
+        cmocka_unit_test(test_stale_handle_never_names_a_new_object),
         cmocka_unit_test(test_op_on_stale_tensor),
         cmocka_unit_test(test_handle_after_shutdown),
     };
