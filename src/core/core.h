@@ -99,7 +99,8 @@ void *ampc__pool_get(ampc_pool *pool);   /* zeroed object */
 void ampc__pool_put(ampc_pool *pool, void *p);
 void ampc__pool_drain(ampc_pool *pool);
 
-/* Pools of user-visible handles (tensors, modules, optimizers; handles.c): no address is handed out twice, so a freed handle
+/* Pools of user-visible handles (tensors, modules, optimizers, scalers, datasets, loaders,
+   transforms, metrics logs, data-parallel wrappers; handles.c): no address is handed out twice, so a freed handle
    never names a live object, and stays readable (a marker written before put stays, or reads
    as zero once its slab is given back). Only the obj_size field is set by the owner. */
 typedef struct {
@@ -114,8 +115,8 @@ void *ampc__handle_pool_get(ampc_handle_pool *hp);
 void ampc__handle_pool_put(ampc_handle_pool *hp, void *p);
 
 // ---------------------------------------------------------------------------------------------
-// Handles: tensors, modules and optimizers carry a generation, unique and nonzero while the
-// object is live, 0 once it is freed (their headers come from handle pools, never reused).
+// Handles: every handle type carries a generation, unique and nonzero while the object is
+// live, 0 once it is freed (their headers come from handle pools, never reused).
 
 /* A new generation (process-wide counter, never 0). */
 uint64_t ampc__new_gen(void);

@@ -1,7 +1,8 @@
 /*
- * handles.c - the pools of user-visible handles (tensors, modules, optimizers): an address
- * handed out once is never handed out again, so a freed handle never names a live object
- * (ampc.h, "Stale handles").
+ * handles.c - the pools of user-visible handles (tensors, modules, optimizers, scalers,
+ * datasets, loaders, transforms, metrics logs, data-parallel wrappers): an address handed out
+ * once is never handed out again, so a freed handle never names a live object (ampc.h, "Stale
+ * handles").
  *
  * A handle is a plain pointer the user holds, so "never names a live object" means "its address
  * is never reused": objects are bump-allocated from slabs (a page or more, one pool's objects

@@ -234,7 +234,8 @@ static st_tensor item_of(const char *name, ampc_tensor *t, ampc_tensor **host, i
 int ampc_checkpoint_save(const char *path, ampc_module *m, ampc_optimizer *opt, ampc_scaler *s, const char *const *meta_kv) {
     ampc__ensure_init();
     if (!path || !m) return ampc__err(AMPC_ERR_INVALID, "checkpoint save: NULL %s", path ? "module" : "path");
-    if (opt && ampc__optimizer_check(opt, "ampc_checkpoint_save") < 0) return ampc_last_status();   /* before opt->params */
+    if (opt && ampc__optimizer_check(opt, "ampc_checkpoint_save") < 0) return ampc_last_status();
+    if (ampc__scaler_check(s, "ampc_checkpoint_save") < 0) return AMPC_ERR_STATE;   /* before opt->params */
     ampc_tensor **sd;
     const char **names;
     int n_sd = ampc_module_state_dict(m, &sd, &names);
@@ -441,7 +442,8 @@ int ampc_checkpoint_load(const char *path, ampc_module *m, ampc_optimizer *opt, 
     ampc__ensure_init();
     if (meta_json_out) *meta_json_out = NULL;
     if (!path || !m) return ampc__err(AMPC_ERR_INVALID, "checkpoint load: NULL %s", path ? "module" : "path");
-    if (opt && ampc__optimizer_check(opt, "ampc_checkpoint_load") < 0) return ampc_last_status();   /* before opt->flat */
+    if (opt && ampc__optimizer_check(opt, "ampc_checkpoint_load") < 0) return ampc_last_status();
+    if (ampc__scaler_check(s, "ampc_checkpoint_load") < 0) return AMPC_ERR_STATE;   /* before opt->flat */
     if (opt && opt->flat)   /* ZeRO: the file holds whole state; the shard cuts it into parts */
         return ampc__err(AMPC_ERR_INVALID, "checkpoint load: the optimizer's state is sharded over the ranks (ZeRO): load "
                          "before ampc_zero_shard");
