@@ -37,20 +37,27 @@
  * in ampc_last_error() (thread-local). Ops given a NULL input return NULL and keep the first
  * error, so a chain of ops can be checked once at its end. Nothing calls exit() or abort().
  *
- * Stale handles: tensors, modules and optimizers carry a generation checked by every
- * ampc_tensor_* accessor, ampc_tensor_free/keep/own, every ampc_module_* function and every
- * ampc_optimizer_* function (release builds too, O(1) per call). A NULL handle records
- * "<call>: tensor is NULL" (AMPC_ERR_INVALID) unless an earlier error is pending, which is
- * kept, as ops do; a handle that was freed, or whose scope ended, records AMPC_ERR_STATE
+ * Stale handles: every handle (tensor, module, optimizer, scaler, dataset, transforms, loader,
+ * metrics log, data-parallel wrapper) carries a generation checked by every call that takes it
+ * (release builds too, O(1) per call): every ampc_tensor_* accessor, ampc_tensor_free/keep/own,
+ * every ampc_module_*, ampc_optimizer_*, ampc_scaler_*, ampc_dataset_*, ampc_transforms_*,
+ * ampc_loader_*, ampc_metrics_* and ampc_ddp_* function, ops and checkpoints. A NULL tensor
+ * records "<call>: tensor is NULL" (AMPC_ERR_INVALID) unless an earlier error is pending,
+ * which is kept, as ops do; a handle that was freed, or whose scope ended, records AMPC_ERR_STATE
  * "<call>: tensor handle is stale (freed, or its scope ended)". Each call documents what it
  * returns then (-1, NULL, AMPC_DTYPE_COUNT, ...). ampc_tensor_free is accepted once per
  * reference the caller holds: freeing a tensor twice, or freeing one that a module, an
  * optimizer or another tensor (as its grad) holds, is an AMPC_ERR_STATE error that changes
- * nothing. Limit: freed headers are reused first in, first out, only after 1024 more tensors
- * (256 modules, 64 optimizers) were freed; a handle freed longer ago than that may name a new
- * object, and is then not recognised as stale. A tensor whose scope ended while autograd
- * still holds it (saved for backward) stays readable until backward releases it; only
- * ampc_tensor_free/keep/own reject it then. An optimizer refuses to step (AMPC_ERR_STATE)
+ * nothing. The other handle types record "<call>: <what> handle is stale (freed)" the same way
+ * and change nothing (a double free included): calls returning a status return AMPC_ERR_STATE,
+ * the others what they return for NULL (NULL, 0, a scale of 1, the default options). A dataset
+ * is stale once its user freed it, even while a subset or loader still reads it. No address is
+ * ever handed out twice, so a freed handle never names a new object, however many were made
+ * since: headers come from reserved address space, and the memory of freed ones goes back to
+ * the system, but not their addresses (about 200 bytes of address space per tensor ever made:
+ * some 10^11 tensors fit in a 47-bit address space; past that, making one fails with
+ * AMPC_ERR_OOM). A tensor whose scope ended while autograd still holds it (saved for backward)
+ * stays readable until backward releases it; only ampc_tensor_free/keep/own reject it then. An optimizer refuses to step (AMPC_ERR_STATE)
  * once the module its parameters belong to was freed or replaced (ampc_module_replace).
  */
 #ifndef AMPC_H

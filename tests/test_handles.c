@@ -1,13 +1,17 @@
 /*
  * test_handles.c - API misuse that used to corrupt silently: NULL and stale tensor handles in
- * every accessor, freeing twice (also after the header could have been reused), tensors used
- * after their scope ended, modules and optimizers used after being freed, an optimizer stepped
- * after its module was freed. Each case checks the return value, ampc_last_status() and that
+ * every accessor, freeing twice (also after many more objects were made and freed), tensors used
+ * after their scope ended, modules, optimizers, scalers, datasets, transforms, loaders, metrics
+ * logs and data-parallel wrappers used or freed after being freed, an optimizer stepped after
+ * its module was freed. Each case checks the return value, ampc_last_status() and that
  * the message names the call; tensors that must not be touched keep their values.
  */
 #include "testutil.h"
 
+#include "ampc/dist.h"
+
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -122,7 +126,7 @@ static void test_free_twice(void **state) {
     ASSERT_OK(ampc_tensor_free(live));
 }
 
-/* Free, allocate a new tensor (the freed header is quarantined, not handed to it), free the old
+/* Free, allocate a new tensor (the freed header is never handed to it), free the old
    handle again: an error, and the new tensor is untouched. */
 static void test_free_twice_with_allocation_between(void **state) {
     (void)state;
@@ -230,7 +234,7 @@ static void test_optimizer_after_module_freed(void **state) {
     ampc_module_free(net);
     assert_int_equal(ampc_optimizer_step(opt), AMPC_ERR_STATE);
     expect_status(AMPC_ERR_STATE, "ampc_optimizer_step", "module that was freed");
-    /* the freed module's header is reused by later modules: the generation still tells */
+    /* many modules made since: the freed one's generation still tells */
     for (int i = 0; i < 300; i++) ampc_module_free(ampc_relu_new());
     ampc_module *other = ampc_linear_new(3, 2, true);
     assert_int_equal(ampc_optimizer_step(opt), AMPC_ERR_STATE);
@@ -305,6 +309,289 @@ static void test_stale_module_and_optimizer(void **state) {
     expect_status(AMPC_ERR_STATE, "ampc_optimizer_num_params", "stale");
 }
 
+/* A freed optimizer given to the scaler or a checkpoint: refused before its (freed) parameter
+   list is read (ampc_scaler_step and the checkpoint calls used to read it first: ASan's
+   heap-use-after-free), scaler enabled or not. */
+static void test_freed_optimizer_elsewhere(void **state) {
+    (void)state;
+    ampc_module *net = ampc_sequential(2, ampc_linear_new(3, 2, true), ampc_relu_new());
+    ampc_optimizer *opt = ampc_sgd_new(net, NULL);
+    ASSERT_NOT_NULL_MSG(opt);
+    make_grads(net);
+    ampc_optimizer_free(opt);
+    for (int enabled = 0; enabled < 2; enabled++) {
+        ampc_scaler_options so = ampc_scaler_defaults();
+        so.enabled = enabled;
+        ampc_scaler *sc = ampc_scaler_new(&so);
+        assert_int_equal(ampc_scaler_step(sc, opt), AMPC_ERR_STATE);
+        expect_status(AMPC_ERR_STATE, "ampc_scaler_step", "optimizer handle is stale");
+        assert_int_equal(ampc_scaler_unscale(sc, opt), AMPC_ERR_STATE);
+        expect_status(AMPC_ERR_STATE, "ampc_scaler_unscale", "optimizer handle is stale");
+        assert_int_equal(ampc_scaler_steps_applied(sc), 0);
+        ampc_scaler_free(sc);
+    }
+    char path[64];
+    snprintf(path, sizeof path, "/tmp/ampc-test-handles-%d.safetensors", (int)getpid());
+    assert_int_equal(ampc_checkpoint_save(path, net, opt, NULL, NULL), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_checkpoint_save", "optimizer handle is stale");
+    assert_int_equal(access(path, F_OK), -1);   /* nothing written */
+    ASSERT_OK(ampc_checkpoint_save(path, net, NULL, NULL, NULL));
+    assert_int_equal(ampc_checkpoint_load(path, net, opt, NULL, NULL), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_checkpoint_load", "optimizer handle is stale");
+    unlink(path);
+    ampc_module_free(net);
+}
+
+/* A freed handle never names a new object: headers used to be reused after 1024 more tensors
+   (256 modules, 64 optimizers) were freed, and then a stale handle's double free freed a live
+   object with status 0. Now no address is handed out twice. */
+static void test_stale_handle_never_names_a_new_object(void **state) {
+    (void)state;
+    /* free one, then more than the old pool kept aside (1024 tensors, 256 modules, 64
+       optimizers), then make new ones: the old pool handed the first freed header out again */
+    enum { MANY = 1100, NEW = 64 };
+    ampc_tensor **t = malloc(MANY * sizeof *t);
+    ampc_tensor *old = owned_full(1.0);
+    ASSERT_OK(ampc_tensor_free(old));
+    for (int i = 0; i < MANY; i++) t[i] = owned_full(0.0);
+    for (int i = 0; i < MANY; i++) ASSERT_OK(ampc_tensor_free(t[i]));
+    for (int i = 0; i < NEW; i++) {
+        t[i] = owned_full(2.0);
+        assert_ptr_not_equal(t[i], old);
+    }
+    assert_int_equal(ampc_tensor_free(old), AMPC_ERR_STATE);   /* used to free t[0], status 0 */
+    expect_status(AMPC_ERR_STATE, "ampc_tensor_free", "stale");
+    for (int i = 0; i < NEW; i++) {
+        assert_all(t[i], 2.0f);
+        ASSERT_OK(ampc_tensor_free(t[i]));
+    }
+    free(t);
+
+    ampc_module *mods[300];
+    ampc_module *m = ampc_relu_new();
+    ampc_module_free(m);
+    for (int i = 0; i < 300; i++) mods[i] = ampc_relu_new();
+    for (int i = 0; i < 300; i++) ampc_module_free(mods[i]);
+    for (int i = 0; i < NEW; i++) {
+        mods[i] = ampc_linear_new(3, 2, true);
+        assert_ptr_not_equal(mods[i], m);
+    }
+    ampc_module_free(m);
+    expect_status(AMPC_ERR_STATE, "ampc_module_free", "module handle is stale");
+
+    ampc_optimizer *opts[100];
+    ampc_optimizer *o = ampc_sgd_new(mods[0], NULL);
+    ampc_optimizer_free(o);
+    for (int i = 0; i < 100; i++) opts[i] = ampc_sgd_new(mods[0], NULL);
+    for (int i = 0; i < 100; i++) ampc_optimizer_free(opts[i]);
+    for (int i = 0; i < NEW; i++) {
+        opts[i] = ampc_sgd_new(mods[i], NULL);
+        assert_ptr_not_equal(opts[i], o);
+    }
+    ampc_optimizer_free(o);
+    expect_status(AMPC_ERR_STATE, "ampc_optimizer_free", "optimizer handle is stale");
+    for (int i = 0; i < NEW; i++) {
+        assert_int_equal(ampc_optimizer_num_params(opts[i]), 2);   /* untouched */
+        ampc_optimizer_free(opts[i]);
+        assert_int_equal(ampc_module_parameters(mods[i], NULL, NULL), 2);
+        ampc_module_free(mods[i]);
+    }
+    assert_int_equal(ampc_last_status(), AMPC_OK);
+}
+
+/* A freed scaler: every call refuses it (it used to read freed memory; a double free crashed). */
+static void test_stale_scaler(void **state) {
+    (void)state;
+    ampc_scaler *sc = ampc_scaler_new(NULL);
+    ASSERT_NOT_NULL_MSG(sc);
+    ampc_scaler_free(sc);
+    assert_int_equal(ampc_last_status(), AMPC_OK);
+    ampc_scaler_free(sc);
+    expect_status(AMPC_ERR_STATE, "ampc_scaler_free", "scaler handle is stale");
+    ampc_module *net = ampc_sequential(1, ampc_linear_new(3, 2, true));
+    ampc_optimizer *opt = ampc_sgd_new(net, NULL);
+    make_grads(net);
+    ampc_scope_begin();
+    assert_null(ampc_scaler_scale(sc, ampc_tensor_full(AMPC_F32, 0, NULL, 1.0)));
+    expect_status(AMPC_ERR_STATE, "ampc_scaler_scale", "stale");
+    ampc_scope_end();
+    assert_int_equal(ampc_scaler_unscale(sc, opt), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_scaler_unscale", "scaler handle is stale");
+    assert_int_equal(ampc_scaler_step(sc, opt), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_scaler_step", "scaler handle is stale");
+    assert_int_equal(ampc_scaler_update(sc), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_scaler_update", "stale");
+    ampc_scaler_set_scale(sc, 2.0f);
+    expect_status(AMPC_ERR_STATE, "ampc_scaler_set_scale", "stale");
+    assert_true(ampc_scaler_get_scale(sc) == 1.0f);
+    expect_status(AMPC_ERR_STATE, "ampc_scaler_get_scale", "stale");
+    assert_int_equal(ampc_scaler_growth_tracker(sc), 0);
+    expect_status(AMPC_ERR_STATE, "ampc_scaler_growth_tracker", "stale");
+    assert_false(ampc_scaler_is_enabled(sc));
+    expect_status(AMPC_ERR_STATE, "ampc_scaler_is_enabled", "stale");
+    assert_int_equal(ampc_scaler_steps_applied(sc), 0);
+    expect_status(AMPC_ERR_STATE, "ampc_scaler_steps_applied", "stale");
+    assert_int_equal(ampc_scaler_steps_skipped(sc), 0);
+    expect_status(AMPC_ERR_STATE, "ampc_scaler_steps_skipped", "stale");
+    assert_false(ampc_scaler_found_inf(sc, opt));
+    expect_status(AMPC_ERR_STATE, "ampc_scaler_found_inf", "stale");
+    assert_true(ampc_scaler_get_options(sc).init_scale == ampc_scaler_defaults().init_scale);
+    expect_status(AMPC_ERR_STATE, "ampc_scaler_get_options", "stale");
+    char path[64];
+    snprintf(path, sizeof path, "/tmp/ampc-test-handles-%d.safetensors", (int)getpid());
+    assert_int_equal(ampc_checkpoint_save(path, net, opt, sc, NULL), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_checkpoint_save", "scaler handle is stale");
+    assert_int_equal(access(path, F_OK), -1);
+    ampc_optimizer_free(opt);
+    ampc_module_free(net);
+}
+
+/* An IDX pair of n 2x2 images with labels i % 3 under /tmp; the paths into img and lab. */
+static void write_tiny_idx(char *img, char *lab, size_t cap, int n) {
+    snprintf(img, cap, "/tmp/ampc-test-handles-%d-img", (int)getpid());
+    snprintf(lab, cap, "/tmp/ampc-test-handles-%d-lab", (int)getpid());
+    FILE *f = fopen(img, "wb");
+    ASSERT_NOT_NULL_MSG(f);
+    const unsigned char ih[16] = {0, 0, 8, 3, 0, 0, 0, (unsigned char)n, 0, 0, 0, 2, 0, 0, 0, 2};
+    fwrite(ih, 1, sizeof ih, f);
+    for (int i = 0; i < 4 * n; i++) fputc(i * 7 % 256, f);
+    fclose(f);
+    f = fopen(lab, "wb");
+    ASSERT_NOT_NULL_MSG(f);
+    const unsigned char lh[8] = {0, 0, 8, 1, 0, 0, 0, (unsigned char)n};
+    fwrite(lh, 1, sizeof lh, f);
+    for (int i = 0; i < n; i++) fputc(i % 3, f);
+    fclose(f);
+}
+
+/* Datasets, transforms and loaders: a freed handle is refused by every call; a dataset freed by
+   its user while a loader holds it stays usable through the loader. */
+static void test_stale_data_handles(void **state) {
+    (void)state;
+    char img[96], lab[96];
+    write_tiny_idx(img, lab, sizeof img, 8);
+    ampc_dataset *ds = ampc_dataset_idx_open(img, lab);
+    ASSERT_NOT_NULL_MSG(ds);
+    ampc_transforms *tf = ampc_transforms_new();
+    ASSERT_OK(ampc_transforms_add_hflip(tf, 0.5));
+    ampc_loader_options lo = ampc_loader_defaults();
+    lo.batch_size = 4;
+    lo.transforms = tf;
+    ampc_loader *ld = ampc_loader_new(ds, &lo);
+    ASSERT_NOT_NULL_MSG(ld);
+    ampc_dataset_free(ds);   /* the loader's reference keeps it */
+    ampc_transforms_free(tf);   /* the loader keeps its own copy */
+    assert_int_equal(ampc_last_status(), AMPC_OK);
+
+    ampc_dataset_free(ds);
+    expect_status(AMPC_ERR_STATE, "ampc_dataset_free", "dataset handle is stale");
+    assert_int_equal(ampc_dataset_size(ds), 0);
+    expect_status(AMPC_ERR_STATE, "ampc_dataset_size", "stale");
+    assert_int_equal(ampc_dataset_num_classes(ds), 0);
+    expect_status(AMPC_ERR_STATE, "ampc_dataset_num_classes", "stale");
+    int64_t c = -1, h = -1, w = -1;
+    ampc_dataset_sample_shape(ds, &c, &h, &w);
+    expect_status(AMPC_ERR_STATE, "ampc_dataset_sample_shape", "stale");
+    assert_true(c == 0 && h == 0 && w == 0);
+    assert_null(ampc_dataset_class_name(ds, 0));
+    expect_status(AMPC_ERR_STATE, "ampc_dataset_class_name", "stale");
+    float px[4];
+    int64_t label;
+    assert_int_equal(ampc_dataset_get(ds, 0, px, &label), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_dataset_get", "stale");
+    assert_null(ampc_dataset_subset(ds, (int64_t[]){0}, 1));
+    expect_status(AMPC_ERR_STATE, "ampc_dataset_subset", "stale");
+    ampc_dataset *tr, *va;
+    assert_int_equal(ampc_dataset_split(ds, 0.5, 1, &tr, &va), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_dataset_split", "stale");
+    assert_null(ampc_loader_new(ds, NULL));
+    expect_status(AMPC_ERR_STATE, "ampc_loader_new", "dataset handle is stale");
+    assert_int_equal(ampc_dataset_folder_skipped(ds), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_dataset_folder_skipped", "stale");
+
+    ampc_transforms_free(tf);
+    expect_status(AMPC_ERR_STATE, "ampc_transforms_free", "transforms handle is stale");
+    assert_int_equal(ampc_transforms_add_resize(tf, 2, 2), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_transforms_add_resize", "stale");
+    assert_int_equal(ampc_transforms_add_hflip(tf, 0.5), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_transforms_add_hflip", "stale");
+    assert_int_equal(ampc_transforms_add_affine(tf, 0.1, 0.9, 1.1, 10), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_transforms_add_affine", "stale");
+    assert_int_equal(ampc_transforms_add_shift_scale_rotate(tf, 0.5, 0.1, 0.1, 10, AMPC_BORDER_ZERO), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_transforms_add_shift_scale_rotate", "stale");
+    assert_int_equal(ampc_transforms_add_normalize(tf, 1, (float[]){0}, (float[]){1}), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_transforms_add_normalize", "stale");
+    assert_int_equal(ampc_transforms_output_shape(tf, 1, 2, 2, &c, &h, &w), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_transforms_output_shape", "stale");
+    float out[4];
+    assert_int_equal(ampc_transforms_apply(tf, 1, 2, 2, px, out, 1, 0, 0), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_transforms_apply", "stale");
+    lo.transforms = tf;
+    assert_null(ampc_loader_new(ds, &lo));
+    ampc_clear_error();
+
+    /* the loader still reads the dataset its user freed */
+    ampc_scope_begin();
+    ampc_tensor *x, *y;
+    assert_int_equal(ampc_loader_next(ld, &x, &y), 1);
+    assert_int_equal(ampc_tensor_numel(y), 4);
+    ampc_scope_end();
+    ampc_loader_free(ld);
+    assert_int_equal(ampc_last_status(), AMPC_OK);
+    ampc_loader_free(ld);
+    expect_status(AMPC_ERR_STATE, "ampc_loader_free", "loader handle is stale");
+    assert_int_equal(ampc_loader_next(ld, &x, &y), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_loader_next", "stale");
+    assert_int_equal(ampc_loader_start_epoch(ld, 1), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_loader_start_epoch", "stale");
+    assert_int_equal(ampc_loader_start_epoch_at_sample(ld, 1, 0), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_loader_start_epoch_at_sample", "stale");
+    assert_int_equal(ampc_loader_num_batches(ld), 0);
+    expect_status(AMPC_ERR_STATE, "ampc_loader_num_batches", "stale");
+    assert_int_equal(ampc_loader_count_batches(ld, 0), -1);
+    expect_status(AMPC_ERR_STATE, "ampc_loader_count_batches", "stale");
+    assert_int_equal(ampc_loader_epoch_position(ld), 0);
+    expect_status(AMPC_ERR_STATE, "ampc_loader_epoch_position", "stale");
+    ampc_loader_sample_shape(ld, &c, &h, &w);
+    expect_status(AMPC_ERR_STATE, "ampc_loader_sample_shape", "stale");
+    unlink(img);
+    unlink(lab);
+}
+
+/* A closed metrics log and a freed data-parallel wrapper are refused the same way. */
+static void test_stale_metrics_and_ddp(void **state) {
+    (void)state;
+    char path[64];
+    snprintf(path, sizeof path, "/tmp/ampc-test-handles-%d.csv", (int)getpid());
+    ampc_metrics *m = ampc_metrics_open(path, (const char *const[]){"step", "loss"}, 2, false);
+    ASSERT_NOT_NULL_MSG(m);
+    ASSERT_OK(ampc_metrics_row(m, (double[]){1, 0.5}));
+    ASSERT_OK(ampc_metrics_close(m));
+    assert_int_equal(ampc_metrics_close(m), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_metrics_close", "metrics log handle is stale");
+    assert_int_equal(ampc_metrics_row(m, (double[]){2, 0.25}), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ampc_metrics_row", "stale");
+    assert_int_equal(ampc_metrics_num_columns(m), 0);
+    expect_status(AMPC_ERR_STATE, "ampc_metrics_num_columns", "stale");
+    unlink(path);
+
+    ampc_module *net = ampc_linear_new(3, 2, true);
+    ampc_ddp *d = ampc_ddp_new(net, NULL);
+    ASSERT_NOT_NULL_MSG(d);
+    ampc_ddp_free(d);
+    assert_int_equal(ampc_last_status(), AMPC_OK);
+    ampc_ddp_free(d);
+    expect_status(AMPC_ERR_STATE, "ampc_ddp_free", "model wrapper handle is stale");
+    assert_int_equal(ampc_ddp_set_sync(d, false), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ddp_set_sync", "stale");
+    assert_int_equal(ampc_ddp_sync_buffers(d), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ddp_sync_buffers", "stale");
+    ampc_ddp_stats st;
+    assert_int_equal(ampc_ddp_get_stats(d, &st), AMPC_ERR_STATE);
+    expect_status(AMPC_ERR_STATE, "ddp_get_stats", "stale");
+    ampc_module_free(net);
+}
+
 /* Last: after ampc_shutdown the root scope's tensors are released, and their handles read as
    stale (headers are never returned to malloc, so ASan sees no use of freed memory). */
 /* An op given a tensor whose scope ended (or that was freed) refuses it, naming the op. */
@@ -348,6 +635,11 @@ int main(void) {
         cmocka_unit_test(test_optimizer_after_module_freed),
         cmocka_unit_test(test_optimizer_after_child_replaced),
         cmocka_unit_test(test_stale_module_and_optimizer),
+        cmocka_unit_test(test_freed_optimizer_elsewhere),
+        cmocka_unit_test(test_stale_handle_never_names_a_new_object),
+        cmocka_unit_test(test_stale_scaler),
+        cmocka_unit_test(test_stale_data_handles),
+        cmocka_unit_test(test_stale_metrics_and_ddp),
         cmocka_unit_test(test_op_on_stale_tensor),
         cmocka_unit_test(test_handle_after_shutdown),
     };

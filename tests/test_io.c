@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include "amp/amp.h"
+#include "io/safetensors.h"
 #include "nn/nn.h"
 #include "optim/optim.h"
 #include "plot.h"   /* tools/ */
@@ -762,6 +763,48 @@ static void test_load_state_dict(void **state) {
     ampc_scope_end();
 }
 
+/* A state_dict of F64 tensors (PyTorch's .double() weights) loads into an f32 model, each value
+   the double rounded once to f32 (it used to be refused: the CPU device holds no f64 tensors). */
+static void test_load_state_dict_f64(void **state) {
+    (void)state;
+    static const char *names[] = {"0.weight", "0.bias", "3.weight", "3.bias"};
+    static const char *shapes[] = {"[8,4]", "[8]", "[3,8]", "[3]"};
+    static const int counts[] = {32, 8, 24, 3};
+    char h[1024];
+    size_t k = (size_t)snprintf(h, sizeof h, "{");
+    uint64_t at = 0;
+    for (int i = 0; i < 4; i++) {
+        k += (size_t)snprintf(h + k, sizeof h - k, "%s\"%s\":{\"dtype\":\"F64\",\"shape\":%s,\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}",
+                              i ? "," : "", names[i], shapes[i], at, at + 8u * (uint64_t)counts[i]);
+        at += 8u * (uint64_t)counts[i];
+    }
+    snprintf(h + k, sizeof h - k, "}");
+    size_t jn = strlen(h), hn = (jn + 7) / 8 * 8, total = 8 + hn + (size_t)at;
+    unsigned char *b = malloc(total);
+    for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)hn >> (8 * i));
+    memcpy(b + 8, h, jn);
+    memset(b + 8 + jn, ' ', hn - jn);
+    double v[67];
+    for (int i = 0; i < 67; i++) v[i] = (i - 33) * 0.0123456789012345 + 1e-12 * i;   /* no f32 holds these */
+    memcpy(b + 8 + hn, v, sizeof v);
+    const char *path = tpath("f64.safetensors");
+    write_all(path, b, total);
+    free(b);
+    ampc_module *m = mlp(51, 3);
+    ampc_load_report r;
+    ASSERT_OK(ampc_load_state_dict(path, m, true, NULL, &r));
+    assert_int_equal(r.loaded, 4);
+    ampc_tensor **sd;
+    assert_int_equal(ampc_module_state_dict(m, &sd, NULL), 4);
+    int at_v = 0;
+    for (int i = 0; i < 4; i++) {
+        const float *got = ampc_tensor_cdata(sd[i]);
+        for (int j = 0; j < counts[i]; j++, at_v++)
+            if (got[j] != (float)tu_round_to(AMPC_F32, v[at_v])) fail_msg("%s[%d]: %.9g, want %.9g", names[i], j, got[j], v[at_v]);
+    }
+    ampc_module_free(m);
+}
+
 /* Loading path into v fails with status (0: any) and a message holding each of the strings. */
 static void expect_load_error(victim v, const char *path, int status, const char *s1, const char *s2, const char *s3) {
     blob before = snapshot(v.m, v.o, v.s);
@@ -925,6 +968,52 @@ static void test_bad_headers(void **state) {
     expect_load_error(v, bad, AMPC_ERR_SHAPE, "'9.weight'", "the model lacks", NULL);
     victim_free(v);
     ampc_scope_end();
+}
+
+/* A refused file leaves nothing behind: the parsed header is released (the ASan build's leak
+   check failed here), and the model keeps its weights. */
+static void test_load_state_dict_refused_file(void **state) {
+    (void)state;
+    const char *bad = tpath("refused.safetensors");
+    char h[2048];
+    ampc_module *m = mlp(61, 3);
+    blob before = weights_blob(m);
+    uint64_t end = mlp_header(h, sizeof h, -1, NULL, NULL, 0, false, NULL);
+    write_crafted(bad, h, end + 4);   /* a parsed header, then trailing data */
+    assert_int_equal(ampc_load_state_dict(bad, m, true, NULL, NULL), AMPC_ERR_FORMAT);
+    if (!strstr(ampc_last_error(), "trailing data")) fail_msg("%s", ampc_last_error());
+    write_crafted(bad, h, end - 4);   /* truncated */
+    assert_int_equal(ampc_load_state_dict(bad, m, true, NULL, NULL), AMPC_ERR_FORMAT);
+    ampc_clear_error();
+    blob after = weights_blob(m);
+    assert_true(after.n == before.n && memcmp(after.b, before.b, before.n) == 0);
+    free(after.b);
+    free(before.b);
+    ampc_module_free(m);
+}
+
+/* A file truncated (or rewritten shorter) under an open reader: the reader mapped the data, and
+   touching a page past the new end was a SIGBUS that killed the process. It now reads the data
+   once into memory, so it still holds every byte it validated. */
+static void test_truncated_under_reader(void **state) {
+    (void)state;
+    const char *path = tpath("shrinking.safetensors");
+    ampc_module *m = ampc_linear_new(128, 256, true);   /* 129 KiB: pages wholly past the new end */
+    ASSERT_OK(ampc_checkpoint_save(path, m, NULL, NULL, NULL));
+    st_file f;
+    ASSERT_OK(st_open(&f, path, true));
+    assert_int_equal(truncate(path, (off_t)(8 + f.header_bytes)), 0);   /* every data page gone */
+    ampc_tensor **sd;
+    const char **names;
+    assert_int_equal(ampc_module_state_dict(m, &sd, &names), 2);
+    for (int i = 0; i < 2; i++) {
+        const st_entry *e = st_find(&f, names[i]);
+        ASSERT_NOT_NULL_MSG(e);
+        assert_int_equal(e->end - e->begin, ampc__nbytes(sd[i]));
+        assert_memory_equal(f.data + e->begin, ampc_tensor_cdata(sd[i]), ampc__nbytes(sd[i]));
+    }
+    st_close(&f);
+    ampc_module_free(m);
 }
 
 /* Real checkpoints of another model, optimizer or scaler setup. */
@@ -1690,6 +1779,9 @@ int main(void) {
         cmocka_unit_test(test_pytorch_reads_checkpoint),
         cmocka_unit_test(test_torchvision_reads_model),
         cmocka_unit_test(test_load_state_dict),
+        cmocka_unit_test(test_load_state_dict_f64),
+        cmocka_unit_test(test_load_state_dict_refused_file),
+        cmocka_unit_test(test_truncated_under_reader),
         cmocka_unit_test(test_truncated_and_foreign_files),
         cmocka_unit_test(test_bad_headers),
         cmocka_unit_test(test_mismatched_checkpoints),

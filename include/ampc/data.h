@@ -19,7 +19,8 @@ int64_t ampc_dataset_num_classes(const ampc_dataset *ds);
 void ampc_dataset_sample_shape(const ampc_dataset *ds, int64_t *c, int64_t *h, int64_t *w);
 /* Sample i (raw, untransformed) into img (c*h*w floats) and *label. */
 int ampc_dataset_get(ampc_dataset *ds, int64_t i, float *img, int64_t *label);
-/* Drops the caller's reference; the dataset goes once no subset or loader holds it (NULL: no-op). */
+/* Drops the caller's reference; the dataset goes once no subset or loader holds it (NULL: no-op).
+   The handle is stale from then on (ampc.h, "Stale handles"), whoever still holds the object. */
 void ampc_dataset_free(ampc_dataset *ds);
 /* A 64-bit hash of what names the samples: size, classes, sample shape, class names, and the IDX
    headers and labels, the image folder's file list (as scanned or indexed, relative to its root)

@@ -23,6 +23,8 @@ enum {
     AMPC_SCALER_STATE_COUNT
 };
 
+/* AMPC_OK for NULL or a live scaler; a freed one records AMPC_ERR_STATE naming call. */
+int ampc__scaler_check(const ampc_scaler *s, const char *call);
 /* Writes the state into v[0..AMPC_SCALER_STATE_COUNT); returns the count or a negative status
    when n is too small. */
 int ampc__scaler_export(const ampc_scaler *s, double *v, int n);

@@ -75,6 +75,7 @@ typedef struct {
 } opt_state;
 
 struct ampc_scaler {
+    uint64_t gen;         /* generation while live, 0 once freed (a handle pool's object) */
     ampc_scaler_options o;
     float scale;
     int tracker;          /* consecutive unskipped updates since the last growth/backoff */
@@ -117,12 +118,22 @@ static int check_options(const ampc_scaler_options *o) {
     return AMPC_OK;
 }
 
+static ampc_handle_pool scaler_pool = {.obj_size = sizeof(ampc_scaler)};
+
+/* True (with the error recorded) when s is a stale handle; NULL is each call's own case. */
+static bool stale(const ampc_scaler *s, const char *call) {
+    return s && ampc__check_handle(s, s->gen, call, "scaler", "freed") < 0;
+}
+
+int ampc__scaler_check(const ampc_scaler *s, const char *call) { return stale(s, call) ? AMPC_ERR_STATE : AMPC_OK; }
+
 ampc_scaler *ampc_scaler_new(const ampc_scaler_options *opts) {
     ampc__ensure_init();
     ampc_scaler_options o = opts ? *opts : ampc_scaler_defaults();
     if (check_options(&o) < 0) return NULL;
-    ampc_scaler *s = calloc(1, sizeof *s);
-    if (!s) return ampc__err_null(AMPC_ERR_OOM, "scaler: out of memory");
+    ampc_scaler *s = ampc__handle_pool_get(&scaler_pool);
+    if (!s) return NULL;
+    s->gen = ampc__new_gen();
     s->o = o;
     s->scale = (float)o.init_scale;   /* PyTorch: torch.full((1,), init_scale, dtype=float32) */
     s->hyst = o.hysteresis;
@@ -130,10 +141,11 @@ ampc_scaler *ampc_scaler_new(const ampc_scaler_options *opts) {
 }
 
 void ampc_scaler_free(ampc_scaler *s) {
-    if (!s) return;
+    if (!s || stale(s, "ampc_scaler_free")) return;
     free(s->states);
     free(s->grads);
-    free(s);
+    s->gen = 0;
+    ampc__handle_pool_put(&scaler_pool, s);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -165,6 +177,7 @@ static opt_state *state_for(ampc_scaler *s, const ampc_optimizer *opt) {
 
 ampc_tensor *ampc_scaler_scale(ampc_scaler *s, ampc_tensor *loss) {
     if (!s) return ampc__err_null(AMPC_ERR_INVALID, "scaler_scale: NULL scaler");
+    if (stale(s, "ampc_scaler_scale")) return NULL;
     if (!loss) {
         if (ampc_last_status() == 0) ampc__err(AMPC_ERR_INVALID, "scaler_scale: NULL loss");
         return NULL;
@@ -243,6 +256,7 @@ static int unscale_grads(ampc_scaler *s, ampc_optimizer *opt, opt_state *st, boo
 
 int ampc_scaler_unscale(ampc_scaler *s, ampc_optimizer *opt) {
     if (!s || !opt) return ampc__err(AMPC_ERR_INVALID, "scaler_unscale: NULL %s", s ? "optimizer" : "scaler");
+    if (stale(s, "ampc_scaler_unscale")) return AMPC_ERR_STATE;
     int rc = ampc__optimizer_check(opt, "ampc_scaler_unscale");
     if (rc < 0) return rc;
     if (!s->o.enabled) return AMPC_OK;
@@ -260,8 +274,11 @@ int ampc_scaler_unscale(ampc_scaler *s, ampc_optimizer *opt) {
 
 int ampc_scaler_step(ampc_scaler *s, ampc_optimizer *opt) {
     if (!s || !opt) return ampc__err(AMPC_ERR_INVALID, "scaler_step: NULL %s", s ? "optimizer" : "scaler");
+    if (stale(s, "ampc_scaler_step")) return AMPC_ERR_STATE;
+    int rc = ampc__optimizer_check(opt, "ampc_scaler_step");   /* before anything reads opt->params */
+    if (rc < 0) return rc;
     if (!s->o.enabled) {
-        int rc = ampc_optimizer_step(opt);
+        rc = ampc_optimizer_step(opt);
         if (rc < 0) return rc;
         s->applied++;
         return 1;
@@ -272,7 +289,7 @@ int ampc_scaler_step(ampc_scaler *s, ampc_optimizer *opt) {
         return ampc__err(AMPC_ERR_STATE, "scaler: step() has already been called since the last update()");
     const bool fused = st->stage == STAGE_READY;
     if (fused) {
-        int rc = unscale_grads(s, opt, st, true);
+        rc = unscale_grads(s, opt, st, true);
         if (rc < 0) return rc;
     }
     if (!st->recorded)
@@ -283,7 +300,7 @@ int ampc_scaler_step(ampc_scaler *s, ampc_optimizer *opt) {
            check again, its answer already taken) */
         if (fused) {
             const float agreed = st->found_inf;
-            int rc = unscale_grads(s, opt, st, false);
+            rc = unscale_grads(s, opt, st, false);
             if (rc < 0) return rc;
             st->found_inf = agreed;
             st->last_found_inf = true;
@@ -292,7 +309,7 @@ int ampc_scaler_step(ampc_scaler *s, ampc_optimizer *opt) {
         s->skipped++;
         return 0;
     }
-    int rc = ampc__optimizer_step_scaled(opt, fused ? (float)(1.0 / (double)s->scale) : 0.0f);
+    rc = ampc__optimizer_step_scaled(opt, fused ? (float)(1.0 / (double)s->scale) : 0.0f);
     if (rc < 0) return rc;   /* the stage stays, as when PyTorch's optimizer.step() raises */
     st->stage = STAGE_STEPPED;
     s->applied++;
@@ -331,6 +348,7 @@ static void update_scale(ampc_scaler *s, bool found_inf) {
 
 int ampc_scaler_update(ampc_scaler *s) {
     if (!s) return ampc__err(AMPC_ERR_INVALID, "scaler_update: NULL scaler");
+    if (stale(s, "ampc_scaler_update")) return AMPC_ERR_STATE;
     if (!s->o.enabled) return AMPC_OK;
     float found_inf = 0.0f;
     bool any = false;
@@ -355,7 +373,7 @@ int ampc_scaler_update(ampc_scaler *s) {
 // Accessors
 
 void ampc_scaler_set_scale(ampc_scaler *s, float new_scale) {
-    if (!s || !s->o.enabled) return;
+    if (!s || stale(s, "ampc_scaler_set_scale") || !s->o.enabled) return;
     if (!(new_scale > 0.0f) || !isfinite(new_scale)) {
         ampc__err(AMPC_ERR_INVALID, "scaler_set_scale: the scale must be positive and finite, not %g; kept %g",
                   (double)new_scale, (double)s->scale);
@@ -364,16 +382,21 @@ void ampc_scaler_set_scale(ampc_scaler *s, float new_scale) {
     s->scale = new_scale;
 }
 
-ampc_scaler_options ampc_scaler_get_options(const ampc_scaler *s) { return s ? s->o : ampc_scaler_defaults(); }
+/* A stale scaler reads as NULL does (the defaults, 1.0, 0, false), with the error recorded. */
+ampc_scaler_options ampc_scaler_get_options(const ampc_scaler *s) {
+    return s && !stale(s, "ampc_scaler_get_options") ? s->o : ampc_scaler_defaults();
+}
 
-float ampc_scaler_get_scale(const ampc_scaler *s) { return s && s->o.enabled ? s->scale : 1.0f; }
-int ampc_scaler_growth_tracker(const ampc_scaler *s) { return s && s->o.enabled ? s->tracker : 0; }
-bool ampc_scaler_is_enabled(const ampc_scaler *s) { return s && s->o.enabled; }
-int64_t ampc_scaler_steps_applied(const ampc_scaler *s) { return s ? s->applied : 0; }
-int64_t ampc_scaler_steps_skipped(const ampc_scaler *s) { return s ? s->skipped : 0; }
+float ampc_scaler_get_scale(const ampc_scaler *s) { return s && !stale(s, "ampc_scaler_get_scale") && s->o.enabled ? s->scale : 1.0f; }
+int ampc_scaler_growth_tracker(const ampc_scaler *s) {
+    return s && !stale(s, "ampc_scaler_growth_tracker") && s->o.enabled ? s->tracker : 0;
+}
+bool ampc_scaler_is_enabled(const ampc_scaler *s) { return s && !stale(s, "ampc_scaler_is_enabled") && s->o.enabled; }
+int64_t ampc_scaler_steps_applied(const ampc_scaler *s) { return s && !stale(s, "ampc_scaler_steps_applied") ? s->applied : 0; }
+int64_t ampc_scaler_steps_skipped(const ampc_scaler *s) { return s && !stale(s, "ampc_scaler_steps_skipped") ? s->skipped : 0; }
 
 bool ampc_scaler_found_inf(const ampc_scaler *s, const ampc_optimizer *opt) {
-    if (!s || !s->o.enabled) return false;
+    if (!s || stale(s, "ampc_scaler_found_inf") || !s->o.enabled) return false;
     const opt_state *st = find_state(s, opt);
     return st && st->last_found_inf;
 }

@@ -368,8 +368,7 @@ ampc_mem_kind ampc__mem_kind_push(ampc_mem_kind k) {
 void ampc__mem_kind_pop(ampc_mem_kind prev) { cur_kind = prev; }
 
 // ---------------------------------------------------------------------------------------------
-// Header pools: tensor, storage, node, module and optimizer headers are recycled; the handle
-// pools (tensors, modules, optimizers) are never returned to malloc.
+// Header pools: storage and node headers are recycled (the handle pools are in handles.c).
 
 static void *link_of(void *p) {
     void *next;
@@ -410,30 +409,6 @@ void ampc__pool_drain(ampc_pool *pool) {
         pool->free_list = link_of(p);
         free(p);
     }
-    pthread_mutex_unlock(&A.lock);
-}
-
-void *ampc__handle_pool_get(ampc_handle_pool *hp) {
-    pthread_mutex_lock(&A.lock);
-    void *p = NULL;
-    if (hp->count > hp->quarantine) {
-        p = hp->pool.free_list;
-        hp->pool.free_list = link_of(p);
-        if (!hp->pool.free_list) hp->tail = NULL;
-        hp->count--;
-    }
-    pthread_mutex_unlock(&A.lock);
-    return pool_take(&hp->pool, p);
-}
-
-void ampc__handle_pool_put(ampc_handle_pool *hp, void *p) {
-    if (!p) return;
-    pthread_mutex_lock(&A.lock);
-    set_link(p, NULL);
-    if (hp->tail) set_link(hp->tail, p);
-    else hp->pool.free_list = p;
-    hp->tail = p;
-    hp->count++;
     pthread_mutex_unlock(&A.lock);
 }
 

@@ -99,22 +99,24 @@ void *ampc__pool_get(ampc_pool *pool);   /* zeroed object */
 void ampc__pool_put(ampc_pool *pool, void *p);
 void ampc__pool_drain(ampc_pool *pool);
 
-/* Pools of user-visible handles (tensors, modules, optimizers): first in, first out, and an
-   object is reused only once `quarantine` others were put after it, so a stale handle to a
-   freed object reads as dead (a marker written before put stays: put writes only the link)
-   for a while. Never drained: a stale handle always points at readable memory. */
+/* Pools of user-visible handles (tensors, modules, optimizers, scalers, datasets, loaders,
+   transforms, metrics logs, data-parallel wrappers; handles.c): no address is handed out twice, so a freed handle
+   never names a live object, and stays readable (a marker written before put stays, or reads
+   as zero once its slab is given back). Only the obj_size field is set by the owner. */
 typedef struct {
-    ampc_pool pool;    /* free_list is the head: the next object get returns */
-    size_t quarantine;
-    void *tail;
-    size_t count;
+    size_t obj_size;
+    size_t slab_bytes;   /* set at the first get */
+    void *slab;          /* the slab objects are cut from now */
+    size_t next;         /* offset of the next object in it */
 } ampc_handle_pool;
-void *ampc__handle_pool_get(ampc_handle_pool *hp);   /* zeroed object */
+/* A zeroed object, at an address never handed out before; NULL + AMPC_ERR_OOM. */
+void *ampc__handle_pool_get(ampc_handle_pool *hp);
+/* Frees p (from hp's get) for good: its address is never handed out again. */
 void ampc__handle_pool_put(ampc_handle_pool *hp, void *p);
 
 // ---------------------------------------------------------------------------------------------
-// Handles: tensors, modules and optimizers carry a generation, unique and nonzero while the
-// object is live, 0 once it is freed (their headers come from quarantined pools).
+// Handles: every handle type carries a generation, unique and nonzero while the object is
+// live, 0 once it is freed (their headers come from handle pools, never reused).
 
 /* A new generation (process-wide counter, never 0). */
 uint64_t ampc__new_gen(void);
@@ -136,7 +138,7 @@ typedef struct ampc_node ampc_node;
 typedef struct ampc_scope_rec ampc_scope_rec;
 
 struct ampc_tensor {
-    ampc_storage *storage;    /* first: the pool links free headers through it */
+    ampc_storage *storage;
     uint64_t gen;             /* generation while live, 0 once released (ampc__check_tensor) */
     /* a module's parameter or buffer: the module is alive while *owner_gen == owner_gen_val
        (modules are pooled, so the pointer stays readable after the module is freed) */

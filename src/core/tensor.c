@@ -143,12 +143,11 @@ ampc_device ampc__default_device(void) { return default_device; }
 // ---------------------------------------------------------------------------------------------
 // Headers and reference counts
 
-/* A freed header is reused only after this many more tensors were freed: until then a stale
-   handle to it reads as stale (ampc.h, "Stale handles"). 1024 headers are 200 KiB. */
-#define TENSOR_QUARANTINE 1024
-static ampc_handle_pool tensor_pool = {.pool = {sizeof(ampc_tensor), NULL}, .quarantine = TENSOR_QUARANTINE};
+/* A freed header is never reused: a stale handle reads as stale for good (ampc.h, "Stale
+   handles"). */
+static ampc_handle_pool tensor_pool = {.obj_size = sizeof(ampc_tensor)};
 
-/* Back to the pool, marked dead first (put keeps everything past the link). */
+/* Back to the pool, marked dead first. */
 static void header_free(ampc_tensor *t) {
     t->gen = 0;
     ampc__handle_pool_put(&tensor_pool, t);

@@ -6,11 +6,12 @@
  * normalisation) and an int64 class label. get() must be safe to call from several loader
  * threads at once (no shared mutable state, or its own lock).
  *
- * Lifetime (see ampc_dataset_free in dataset.c): allocate the struct zeroed (calloc or
- * ampc__dataset_alloc); class_names and their strings with malloc. vt->free releases impl and
- * whatever impl holds, and nothing else: ampc_dataset_free then frees class_names[i],
- * class_names and the struct itself. Subsets hold a reference on their parent (refs), so a
- * parent may be freed by its user before its subsets: it goes when the last holder lets go.
+ * Lifetime (see ampc__dataset_release in dataset.c): allocate the struct with
+ * ampc__dataset_alloc; class_names and their strings with malloc. vt->free releases impl and
+ * whatever impl holds, and nothing else: the last release then frees class_names[i],
+ * class_names and the struct itself. Subsets and loaders hold a reference on their dataset
+ * (refs), so a parent may be freed by its user before its subsets: it goes when the last holder
+ * lets go, and its user's handle is stale from the user's free on.
  */
 #ifndef AMPC_DATA_INTERNAL_H
 #define AMPC_DATA_INTERNAL_H
@@ -36,14 +37,22 @@ struct ampc_dataset {
                                           folder's file list and targets, a subset's parent and indices */
     void *impl;
     atomic_int refs;                   /* holders besides the creator (subsets); 0 when fresh */
+    uint64_t gen;                      /* generation while the creator's handle is live, 0 once
+                                          its user freed it (holders may still use the object) */
 };
 
 /* FNV-1a over n bytes, continuing from h (AMPC__FNV_START for a fresh hash): fingerprints. */
 #define AMPC__FNV_START 1469598103934665603ull
 uint64_t ampc__fnv(uint64_t h, const void *p, size_t n);
 
-/* Zeroed dataset with vtable vt (NULL + AMPC_ERR_OOM on failure). */
+/* Zeroed dataset with vtable vt, from a handle pool (NULL + AMPC_ERR_OOM on failure). */
 ampc_dataset *ampc__dataset_alloc(const ampc_dataset_vtable *vt);
+/* True (the error recorded) when ds is a stale handle: freed by its user. NULL is each call's
+   own case. */
+bool ampc__dataset_stale(const ampc_dataset *ds, const char *call);
+/* Drops one reference (a holder's, or the creator's); the last frees ds (impl NULL: vt->free
+   is not called, so a half-built dataset can be dropped too). */
+void ampc__dataset_release(ampc_dataset *ds);
 
 // ---------------------------------------------------------------------------------------------
 // Transforms, as the loader runs them (transforms.c)

@@ -40,12 +40,25 @@ void ampc__data_permutation(uint64_t key, int64_t n, int64_t *perm) {
 // ---------------------------------------------------------------------------------------------
 // Front door
 
+static ampc_handle_pool dataset_pool = {.obj_size = sizeof(ampc_dataset)};
+
 ampc_dataset *ampc__dataset_alloc(const ampc_dataset_vtable *vt) {
-    ampc_dataset *ds = calloc(1, sizeof *ds);
-    if (!ds) return ampc__err_null(AMPC_ERR_OOM, "dataset: out of memory");
+    ampc_dataset *ds = ampc__handle_pool_get(&dataset_pool);
+    if (!ds) return NULL;
     ds->vt = vt;
     atomic_init(&ds->refs, 0);
+    ds->gen = ampc__new_gen();
     return ds;
+}
+
+bool ampc__dataset_stale(const ampc_dataset *ds, const char *call) {
+    return ds && ampc__check_handle(ds, ds->gen, call, "dataset", "freed") < 0;
+}
+
+/* A stale dataset reads as NULL does (0, NULL), with the error recorded. */
+int64_t ampc_dataset_size(const ampc_dataset *ds) { return ds && !ampc__dataset_stale(ds, "ampc_dataset_size") ? ds->size : 0; }
+int64_t ampc_dataset_num_classes(const ampc_dataset *ds) {
+    return ds && !ampc__dataset_stale(ds, "ampc_dataset_num_classes") ? ds->num_classes : 0;
 }
 
 uint64_t ampc__fnv(uint64_t h, const void *p, size_t n) {
@@ -55,7 +68,7 @@ uint64_t ampc__fnv(uint64_t h, const void *p, size_t n) {
 }
 
 uint64_t ampc_dataset_fingerprint(const ampc_dataset *ds) {
-    if (!ds) return 0;
+    if (!ds || ampc__dataset_stale(ds, "ampc_dataset_fingerprint")) return 0;
     const int64_t v[6] = {ds->size, ds->num_classes, ds->channels, ds->height, ds->width, (int64_t)ds->fingerprint};
     uint64_t h = ampc__fnv(AMPC__FNV_START, v, sizeof v);
     for (int64_t k = 0; ds->class_names && k < ds->num_classes; k++)
@@ -63,38 +76,44 @@ uint64_t ampc_dataset_fingerprint(const ampc_dataset *ds) {
     return h;
 }
 
-int64_t ampc_dataset_size(const ampc_dataset *ds) { return ds ? ds->size : 0; }
-int64_t ampc_dataset_num_classes(const ampc_dataset *ds) { return ds ? ds->num_classes : 0; }
-
 void ampc_dataset_sample_shape(const ampc_dataset *ds, int64_t *c, int64_t *h, int64_t *w) {
+    if (ampc__dataset_stale(ds, "ampc_dataset_sample_shape")) ds = NULL;
     if (c) *c = ds ? ds->channels : 0;
     if (h) *h = ds ? ds->height : 0;
     if (w) *w = ds ? ds->width : 0;
 }
 
 const char *ampc_dataset_class_name(const ampc_dataset *ds, int64_t i) {
-    if (!ds || !ds->class_names || i < 0 || i >= ds->num_classes) return NULL;
+    if (!ds || ampc__dataset_stale(ds, "ampc_dataset_class_name") || !ds->class_names || i < 0 || i >= ds->num_classes) return NULL;
     return ds->class_names[i];
 }
 
 int ampc_dataset_get(ampc_dataset *ds, int64_t i, float *img, int64_t *label) {
     if (!ds || !img || !label) return ampc__err(AMPC_ERR_INVALID, "dataset_get: NULL argument");
+    if (ampc__dataset_stale(ds, "ampc_dataset_get")) return AMPC_ERR_STATE;
     if (i < 0 || i >= ds->size)
         return ampc__err(AMPC_ERR_INVALID, "dataset_get: index %lld out of range [0, %lld)",
                          (long long)i, (long long)ds->size);
     return ds->vt->get(ds, i, img, label);
 }
 
-void ampc_dataset_free(ampc_dataset *ds) {
+void ampc__dataset_release(ampc_dataset *ds) {
     if (!ds) return;
     /* Another holder (a subset, a loader) still uses it: the last one frees it. */
     if (atomic_fetch_sub(&ds->refs, 1) > 0) return;
-    if (ds->vt && ds->vt->free) ds->vt->free(ds);
+    if (ds->impl && ds->vt && ds->vt->free) ds->vt->free(ds);
     if (ds->class_names) {
         for (int64_t i = 0; i < ds->num_classes; i++) free(ds->class_names[i]);
         free(ds->class_names);
     }
-    free(ds);
+    ds->gen = 0;
+    ampc__handle_pool_put(&dataset_pool, ds);
+}
+
+void ampc_dataset_free(ampc_dataset *ds) {
+    if (!ds || ampc__dataset_stale(ds, "ampc_dataset_free")) return;
+    ds->gen = 0;   /* the user's handle: stale from here on, whoever else holds the object */
+    ampc__dataset_release(ds);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -113,7 +132,7 @@ static int subset_get(ampc_dataset *ds, int64_t i, float *img, int64_t *label) {
 static void subset_free(ampc_dataset *ds) {
     subset_impl *s = ds->impl;
     if (!s) return;
-    ampc_dataset_free(s->parent);   /* drops our reference */
+    ampc__dataset_release(s->parent);   /* drops our reference */
     free(s->idx);
     free(s);
 }
@@ -137,6 +156,7 @@ static char **copy_names(char *const *names, int64_t n) {
 ampc_dataset *ampc_dataset_subset(ampc_dataset *ds, const int64_t *indices, int64_t n) {
     if (!ds || (n > 0 && !indices) || n < 0)
         return ampc__err_null(AMPC_ERR_INVALID, "dataset_subset: NULL dataset/indices or n < 0");
+    if (ampc__dataset_stale(ds, "ampc_dataset_subset")) return NULL;
     for (int64_t k = 0; k < n; k++)
         if (indices[k] < 0 || indices[k] >= ds->size)
             return ampc__err_null(AMPC_ERR_INVALID, "dataset_subset: indices[%lld] = %lld out of range [0, %lld)",
@@ -151,7 +171,7 @@ ampc_dataset *ampc_dataset_subset(ampc_dataset *ds, const int64_t *indices, int6
         free(names);
         free(idx);
         free(s);
-        free(sub);
+        ampc__dataset_release(sub);
         return ampc__err_null(AMPC_ERR_OOM, "dataset_subset: out of memory for %lld indices", (long long)n);
     }
     if (n > 0) memcpy(idx, indices, (size_t)n * sizeof *idx);
@@ -180,6 +200,7 @@ int ampc_dataset_split(ampc_dataset *ds, double val_fraction, uint64_t seed, amp
     if (train) *train = NULL;
     if (val) *val = NULL;
     if (!ds || !train || !val) return ampc__err(AMPC_ERR_INVALID, "dataset_split: NULL argument");
+    if (ampc__dataset_stale(ds, "ampc_dataset_split")) return AMPC_ERR_STATE;
     if (!(val_fraction >= 0.0 && val_fraction <= 1.0))
         return ampc__err(AMPC_ERR_INVALID, "dataset_split: val_fraction %g not in [0, 1]", val_fraction);
     int64_t n = ds->size;

@@ -714,18 +714,19 @@ static void folder_free(ampc_dataset *ds) {
 static const ampc_dataset_vtable folder_vt = {"folder", folder_get, folder_free};
 
 static const folder_impl *as_folder(const ampc_dataset *ds, const char *fn) {
+    if (ampc__dataset_stale(ds, fn)) return NULL;
     if (!ds || ds->vt != &folder_vt) return ampc__err_null(AMPC_ERR_INVALID, "%s: not an image-folder dataset", fn);
     return ds->impl;
 }
 
 int64_t ampc_dataset_folder_skipped(const ampc_dataset *ds) {
     const folder_impl *f = as_folder(ds, "ampc_dataset_folder_skipped");
-    return f ? f->skipped : AMPC_ERR_INVALID;
+    return f ? f->skipped : ampc_last_status();
 }
 
 int64_t ampc_dataset_folder_excluded(const ampc_dataset *ds) {
     const folder_impl *f = as_folder(ds, "ampc_dataset_folder_excluded");
-    return f ? f->excluded : AMPC_ERR_INVALID;
+    return f ? f->excluded : ampc_last_status();
 }
 
 const char *ampc_dataset_folder_path(const ampc_dataset *ds, int64_t i) {
@@ -788,7 +789,7 @@ ampc_dataset *ampc_dataset_folder_open(const char *root, const ampc_folder_optio
             for (int64_t i = 0; i < idx.n; i++) free(f->paths[i]);
         if (f) free(f->paths);
         free(f);
-        free(ds);
+        ampc__dataset_release(ds);
         list_free(&classes);
         list_free(&idx);
         return NULL;

@@ -78,7 +78,15 @@ struct ampc_loader {
     int n_filling;
     bool active, stop;
     atomic_int gen;              /* bumped when in-flight fills become stale */
+    uint64_t handle_gen;         /* the handle's generation while live, 0 once freed */
 };
+
+static ampc_handle_pool loader_pool = {.obj_size = sizeof(ampc_loader)};
+
+/* True (the error recorded) when ld is a stale handle; NULL is each call's own case. */
+static bool stale(const ampc_loader *ld, const char *call) {
+    return ld && ampc__check_handle(ld, ld->handle_gen, call, "loader", "freed") < 0;
+}
 
 ampc_loader_options ampc_loader_defaults(void) {
     return (ampc_loader_options){.batch_size = 64, .shuffle = true, .drop_last = false, .seed = 0,
@@ -196,7 +204,7 @@ static void quiesce_locked(ampc_loader *ld) {
 // Life cycle
 
 void ampc_loader_free(ampc_loader *ld) {
-    if (!ld) return;
+    if (!ld || stale(ld, "ampc_loader_free")) return;
     if (ld->threads) {
         pthread_mutex_lock(&ld->mu);
         ld->stop = true;
@@ -221,16 +229,18 @@ void ampc_loader_free(ampc_loader *ld) {
     free(ld->slots);
     free(ld->perm);
     ampc_transforms_free(ld->tf);
-    ampc_dataset_free(ld->ds);   /* our reference */
+    ampc__dataset_release(ld->ds);   /* our reference */
     pthread_mutex_destroy(&ld->mu);
     pthread_cond_destroy(&ld->work);
     pthread_cond_destroy(&ld->ready);
     pthread_cond_destroy(&ld->idle);
-    free(ld);
+    ld->handle_gen = 0;
+    ampc__handle_pool_put(&loader_pool, ld);
 }
 
 ampc_loader *ampc_loader_new(ampc_dataset *ds, const ampc_loader_options *opts) {
     if (!ds) return ampc__err_null(AMPC_ERR_INVALID, "loader_new: NULL dataset");
+    if (ampc__dataset_stale(ds, "ampc_loader_new")) return NULL;
     ampc_loader_options o = opts ? *opts : ampc_loader_defaults();
     if (o.batch_size < 1) return ampc__err_null(AMPC_ERR_INVALID, "loader_new: batch_size %lld < 1", (long long)o.batch_size);
     if (o.num_workers < 0 || o.num_workers > LOADER_MAX_WORKERS)
@@ -249,8 +259,9 @@ ampc_loader *ampc_loader_new(ampc_dataset *ds, const ampc_loader_options *opts) 
     int64_t oc, oh, ow;
     if (ampc_transforms_output_shape(o.transforms, ds->channels, ds->height, ds->width, &oc, &oh, &ow) < 0) return NULL;
 
-    ampc_loader *ld = calloc(1, sizeof *ld);
-    if (!ld) return ampc__err_null(AMPC_ERR_OOM, "loader_new: out of memory");
+    ampc_loader *ld = ampc__handle_pool_get(&loader_pool);
+    if (!ld) return NULL;
+    ld->handle_gen = ampc__new_gen();
     pthread_mutex_init(&ld->mu, NULL);
     pthread_cond_init(&ld->work, NULL);
     pthread_cond_init(&ld->ready, NULL);
@@ -336,6 +347,7 @@ int ampc_loader_start_epoch(ampc_loader *ld, int64_t epoch) { return ampc_loader
 
 int ampc_loader_start_epoch_at(ampc_loader *ld, int64_t epoch, int64_t first_batch) {
     if (!ld) return ampc__err(AMPC_ERR_INVALID, "loader_start_epoch: NULL loader");
+    if (stale(ld, "ampc_loader_start_epoch")) return AMPC_ERR_STATE;
     if (epoch < 0) return ampc__err(AMPC_ERR_INVALID, "loader_start_epoch: epoch %lld < 0", (long long)epoch);
     if (first_batch < 0 || first_batch > ld->full_batches)
         return ampc__err(AMPC_ERR_INVALID, "loader_start_epoch: first batch %lld not in [0, %lld]", (long long)first_batch,
@@ -345,6 +357,7 @@ int ampc_loader_start_epoch_at(ampc_loader *ld, int64_t epoch, int64_t first_bat
 
 int ampc_loader_start_epoch_at_sample(ampc_loader *ld, int64_t epoch, int64_t first_sample) {
     if (!ld) return ampc__err(AMPC_ERR_INVALID, "loader_start_epoch_at_sample: NULL loader");
+    if (stale(ld, "ampc_loader_start_epoch_at_sample")) return AMPC_ERR_STATE;
     if (epoch < 0) return ampc__err(AMPC_ERR_INVALID, "loader_start_epoch_at_sample: epoch %lld < 0", (long long)epoch);
     if (first_sample < 0 || first_sample > ld->n)
         return ampc__err(AMPC_ERR_INVALID,
@@ -353,13 +366,15 @@ int ampc_loader_start_epoch_at_sample(ampc_loader *ld, int64_t epoch, int64_t fi
     return start_epoch(ld, epoch, first_sample, 0);
 }
 
-int64_t ampc_loader_num_batches(const ampc_loader *ld) { return ld ? ld->n_batches : 0; }
+/* A stale loader reads as NULL does (0, -1), with the error recorded. */
+int64_t ampc_loader_num_batches(const ampc_loader *ld) { return ld && !stale(ld, "ampc_loader_num_batches") ? ld->n_batches : 0; }
 
 int64_t ampc_loader_count_batches(const ampc_loader *ld, int64_t first_sample) {
     if (!ld) {
         ampc__err(AMPC_ERR_INVALID, "loader_count_batches: NULL loader");
         return -1;
     }
+    if (stale(ld, "ampc_loader_count_batches")) return -1;
     if (first_sample < 0 || first_sample > ld->n) {
         ampc__err(AMPC_ERR_INVALID, "loader_count_batches: first sample %lld not in [0, %lld] (the dataset's size)",
                   (long long)first_sample, (long long)ld->n);
@@ -369,14 +384,15 @@ int64_t ampc_loader_count_batches(const ampc_loader *ld, int64_t first_sample) {
 }
 
 int64_t ampc_loader_epoch_position(const ampc_loader *ld) {
-    if (!ld || !ld->started) return 0;
+    if (!ld || stale(ld, "ampc_loader_epoch_position") || !ld->started) return 0;
     const int64_t left = ld->n - ld->start;   /* cur * G, capped: the last global batch may be short */
     return ld->start + (ld->cur > left / ld->global_batch ? left : ld->cur * ld->global_batch);
 }
 
-int64_t ampc_loader_global_rows(const ampc_loader *ld) { return ld ? ld->global_rows : 0; }
+int64_t ampc_loader_global_rows(const ampc_loader *ld) { return ld && !stale(ld, "ampc_loader_global_rows") ? ld->global_rows : 0; }
 
 void ampc_loader_sample_shape(const ampc_loader *ld, int64_t *c, int64_t *h, int64_t *w) {
+    if (stale(ld, "ampc_loader_sample_shape")) ld = NULL;
     if (c) *c = ld ? ld->oc : 0;
     if (h) *h = ld ? ld->oh : 0;
     if (w) *w = ld ? ld->ow : 0;
@@ -389,6 +405,7 @@ int ampc_loader_next(ampc_loader *ld, ampc_tensor **images, ampc_tensor **labels
     if (images) *images = NULL;
     if (labels) *labels = NULL;
     if (!ld || !images || !labels) return ampc__err(AMPC_ERR_INVALID, "loader_next: NULL argument");
+    if (stale(ld, "ampc_loader_next")) return AMPC_ERR_STATE;
     if (!ld->started) {
         int rc = ampc_loader_start_epoch(ld, 0);
         if (rc < 0) return rc;

@@ -37,6 +37,7 @@ typedef struct {
 } tf_op;
 
 struct ampc_transforms {
+    uint64_t gen;   /* generation while live, 0 once freed (a handle pool's object) */
     int n;
     tf_op ops[AMPC__TF_MAX_OPS];
 };
@@ -44,19 +45,27 @@ struct ampc_transforms {
 // ---------------------------------------------------------------------------------------------
 // Building
 
+static ampc_handle_pool transforms_pool = {.obj_size = sizeof(ampc_transforms)};
+
+/* True (the error recorded) when t is a stale handle; NULL is each call's own case. */
+static bool stale(const ampc_transforms *t, const char *call) {
+    return t && ampc__check_handle(t, t->gen, call, "transforms", "freed") < 0;
+}
+
 ampc_transforms *ampc_transforms_new(void) {
-    ampc_transforms *t = calloc(1, sizeof *t);
-    if (!t) return ampc__err_null(AMPC_ERR_OOM, "transforms_new: out of memory");
+    ampc_transforms *t = ampc__handle_pool_get(&transforms_pool);
+    if (t) t->gen = ampc__new_gen();
     return t;
 }
 
 void ampc_transforms_free(ampc_transforms *t) {
-    if (!t) return;
+    if (!t || stale(t, "ampc_transforms_free")) return;
     for (int j = 0; j < t->n; j++) {
         free(t->ops[j].mean);
         free(t->ops[j].std);
     }
-    free(t);
+    t->gen = 0;
+    ampc__handle_pool_put(&transforms_pool, t);
 }
 
 static tf_op *push(ampc_transforms *t, tf_kind kind) {
@@ -70,6 +79,7 @@ static tf_op *push(ampc_transforms *t, tf_kind kind) {
 }
 
 int ampc_transforms_add_resize(ampc_transforms *t, int64_t h, int64_t w) {
+    if (stale(t, "ampc_transforms_add_resize")) return AMPC_ERR_STATE;
     if (h < 1 || w < 1 || h > AMPC__TF_MAX_SIDE || w > AMPC__TF_MAX_SIDE)
         return ampc__err(AMPC_ERR_INVALID, "transforms_add_resize: size %lld x %lld not in [1, %d]", (long long)h,
                          (long long)w, AMPC__TF_MAX_SIDE);
@@ -82,6 +92,7 @@ int ampc_transforms_add_resize(ampc_transforms *t, int64_t h, int64_t w) {
 }
 
 int ampc_transforms_add_hflip(ampc_transforms *t, double p) {
+    if (stale(t, "ampc_transforms_add_hflip")) return AMPC_ERR_STATE;
     if (!(p >= 0.0 && p <= 1.0)) return ampc__err(AMPC_ERR_INVALID, "transforms_add_hflip: p = %g not in [0, 1]", p);
     tf_op *op = push(t, TF_HFLIP);
     if (!op) return ampc_last_status();
@@ -116,11 +127,13 @@ static int add_affine(ampc_transforms *t, const char *who, double p, double max_
 
 int ampc_transforms_add_affine(ampc_transforms *t, double max_shift, double scale_min, double scale_max,
                                double degrees) {
+    if (stale(t, "ampc_transforms_add_affine")) return AMPC_ERR_STATE;
     return add_affine(t, "transforms_add_affine", 1.0, max_shift, scale_min, scale_max, degrees, AMPC_BORDER_ZERO, false);
 }
 
 int ampc_transforms_add_shift_scale_rotate(ampc_transforms *t, double p, double shift_limit, double scale_limit,
                                            double rotate_limit, ampc_border border) {
+    if (stale(t, "ampc_transforms_add_shift_scale_rotate")) return AMPC_ERR_STATE;
     if (!(scale_limit >= 0.0 && scale_limit < 1.0))
         return ampc__err(AMPC_ERR_INVALID, "transforms_add_shift_scale_rotate: scale_limit %g not in [0, 1)", scale_limit);
     return add_affine(t, "transforms_add_shift_scale_rotate", p, shift_limit, 1.0 - scale_limit, 1.0 + scale_limit,
@@ -128,6 +141,7 @@ int ampc_transforms_add_shift_scale_rotate(ampc_transforms *t, double p, double 
 }
 
 int ampc_transforms_add_normalize(ampc_transforms *t, int n, const float *mean, const float *std) {
+    if (stale(t, "ampc_transforms_add_normalize")) return AMPC_ERR_STATE;
     if (n < 1 || !mean || !std) return ampc__err(AMPC_ERR_INVALID, "transforms_add_normalize: n = %d, mean/std NULL?", n);
     for (int k = 0; k < n; k++)
         if (!isfinite(mean[k]) || !(std[k] > 0.0f) || !isfinite(std[k]))
@@ -152,7 +166,9 @@ int ampc_transforms_add_normalize(ampc_transforms *t, int n, const float *mean, 
 ampc_transforms *ampc__transforms_clone(const ampc_transforms *t) {
     ampc_transforms *c = ampc_transforms_new();
     if (!c || !t) return c;
+    const uint64_t gen = c->gen;
     *c = *t;
+    c->gen = gen;
     for (int j = 0; j < c->n; j++) {
         tf_op *op = &c->ops[j];
         if (op->kind != TF_NORMALIZE) continue;
@@ -175,6 +191,7 @@ ampc_transforms *ampc__transforms_clone(const ampc_transforms *t) {
 
 int ampc_transforms_output_shape(const ampc_transforms *t, int64_t c, int64_t h, int64_t w, int64_t *oc,
                                  int64_t *oh, int64_t *ow) {
+    if (stale(t, "ampc_transforms_output_shape")) return AMPC_ERR_STATE;
     if (c < 1 || h < 1 || w < 1)
         return ampc__err(AMPC_ERR_SHAPE, "transforms: input shape (%lld, %lld, %lld) has an empty dimension",
                          (long long)c, (long long)h, (long long)w);
@@ -367,6 +384,7 @@ int ampc__transforms_run(const ampc_transforms *t, int64_t c, int64_t h, int64_t
 int ampc_transforms_apply(const ampc_transforms *t, int64_t c, int64_t h, int64_t w, const float *in, float *out,
                           uint64_t seed, int64_t epoch, int64_t index) {
     if (!in || !out) return ampc__err(AMPC_ERR_INVALID, "transforms_apply: NULL buffer");
+    if (stale(t, "ampc_transforms_apply")) return AMPC_ERR_STATE;
     int rc = ampc_transforms_output_shape(t, c, h, w, NULL, NULL, NULL);
     if (rc < 0) return rc;
     int64_t n = ampc__transforms_scratch_floats(t, c, h, w);

@@ -53,6 +53,7 @@ typedef struct {
 } ddp_bucket;
 
 struct ampc_ddp {
+    uint64_t gen;       /* generation while live, 0 once freed (a handle pool's object) */
     ampc_module *model;
     ampc_ddp_options o;
     const ampc_comm_ops *comm;
@@ -80,8 +81,11 @@ ampc_ddp_options ampc_ddp_defaults(void) {
 
 static bool model_alive(const ampc_ddp *d) { return d->n_params == 0 || ampc__owner_alive(d->params[0].p); }
 
+static ampc_handle_pool ddp_pool = {.obj_size = sizeof(ampc_ddp)};
+
 static int check_ddp(const ampc_ddp *d, const char *call) {
     if (!d) return ampc__err(AMPC_ERR_INVALID, "%s: NULL model wrapper", call);
+    if (!d->gen) return ampc__check_handle(d, 0, call, "model wrapper", "freed");
     if (!model_alive(d)) return ampc__err(AMPC_ERR_STATE, "%s: the wrapped model was freed (free the wrapper first)", call);
     return AMPC_OK;
 }
@@ -273,7 +277,8 @@ static void ddp_release(ampc_ddp *d) {
     free(d->buckets);
     free(d->params);
     free(d->by_ptr);
-    free(d);
+    d->gen = 0;
+    ampc__handle_pool_put(&ddp_pool, d);
 }
 
 /* Every rank must hold the same architecture: compare counts and shapes with rank 0's. */
@@ -326,8 +331,9 @@ ampc_ddp *ampc_ddp_new(ampc_module *model, const ampc_ddp_options *opts) {
     if (n_all < 0) return NULL;
     int n_st = ampc_module_state_dict(model, &st, NULL);
     if (n_st < 0) return NULL;
-    ampc_ddp *d = calloc(1, sizeof *d);
-    if (!d) return ampc__err_null(AMPC_ERR_OOM, "ddp_new");
+    ampc_ddp *d = ampc__handle_pool_get(&ddp_pool);
+    if (!d) return NULL;
+    d->gen = ampc__new_gen();
     d->model = model;
     d->o = o;
     d->comm = ampc__comm();
@@ -391,7 +397,7 @@ ampc_ddp *ampc_ddp_new(ampc_module *model, const ampc_ddp_options *opts) {
 }
 
 void ampc_ddp_free(ampc_ddp *d) {
-    if (!d) return;
+    if (!d || ampc__check_handle(d, d->gen, "ampc_ddp_free", "model wrapper", "freed") < 0) return;
     ampc__backward_hooks_remove(d);
     if (model_alive(d))
         for (int i = 0; i < d->n_params; i++) d->params[i].p->replicated = false;

@@ -22,9 +22,10 @@
  * Loading validates the whole file before changing anything (the format by st_open; here every
  * model tensor present with its dtype and shape, nothing unexpected, every value read
  * range-checked: step counts, scaler state, and the presence of the optimizer state that the
- * step counts imply). The data is memory-mapped and copied only once every check has passed, so
- * a bad file leaves model, optimizer, scaler and RNG as they were. Lookups are binary searches
- * (tensors) and hash lookups (metadata): a load is n log n in the header size.
+ * step counts imply). The data is read into memory once (never mapped: a file truncated meanwhile
+ * is an error, not a SIGBUS) and copied only after every check has passed, so a bad file leaves
+ * model, optimizer, scaler and RNG as they were. Lookups are binary searches (tensors) and hash
+ * lookups (metadata): a load is n log n in the header size.
  */
 #include "amp/amp.h"
 #include "io/safetensors.h"
@@ -233,6 +234,8 @@ static st_tensor item_of(const char *name, ampc_tensor *t, ampc_tensor **host, i
 int ampc_checkpoint_save(const char *path, ampc_module *m, ampc_optimizer *opt, ampc_scaler *s, const char *const *meta_kv) {
     ampc__ensure_init();
     if (!path || !m) return ampc__err(AMPC_ERR_INVALID, "checkpoint save: NULL %s", path ? "module" : "path");
+    if (opt && ampc__optimizer_check(opt, "ampc_checkpoint_save") < 0) return ampc_last_status();
+    if (ampc__scaler_check(s, "ampc_checkpoint_save") < 0) return AMPC_ERR_STATE;   /* before opt->params */
     ampc_tensor **sd;
     const char **names;
     int n_sd = ampc_module_state_dict(m, &sd, &names);
@@ -439,6 +442,8 @@ int ampc_checkpoint_load(const char *path, ampc_module *m, ampc_optimizer *opt, 
     ampc__ensure_init();
     if (meta_json_out) *meta_json_out = NULL;
     if (!path || !m) return ampc__err(AMPC_ERR_INVALID, "checkpoint load: NULL %s", path ? "module" : "path");
+    if (opt && ampc__optimizer_check(opt, "ampc_checkpoint_load") < 0) return ampc_last_status();
+    if (ampc__scaler_check(s, "ampc_checkpoint_load") < 0) return AMPC_ERR_STATE;   /* before opt->flat */
     if (opt && opt->flat)   /* ZeRO: the file holds whole state; the shard cuts it into parts */
         return ampc__err(AMPC_ERR_INVALID, "checkpoint load: the optimizer's state is sharded over the ranks (ZeRO): load "
                          "before ampc_zero_shard");
@@ -449,7 +454,7 @@ int ampc_checkpoint_load(const char *path, ampc_module *m, ampc_optimizer *opt, 
 
     st_file f;
     opt_plan pl = {0};
-    int rc = st_open(&f, path);
+    int rc = st_open(&f, path, true);
     /* the model: every tensor present with its dtype and shape, nothing unexpected */
     for (int i = 0; i < n_sd && rc == AMPC_OK; i++) {
         st_entry *e = st_find(&f, names[i]);
@@ -524,7 +529,7 @@ int ampc_checkpoint_read_meta(const char *path, char **meta_json_out) {
     if (!path || !meta_json_out) return ampc__err(AMPC_ERR_INVALID, "checkpoint read_meta: NULL argument");
     *meta_json_out = NULL;
     st_file f;
-    int rc = st_open(&f, path);
+    int rc = st_open(&f, path, false);
     if (rc == AMPC_OK && !(*meta_json_out = st_meta_dump(f.meta))) rc = ampc_last_status();
     st_close(&f);
     return rc;
@@ -540,7 +545,7 @@ int ampc_checkpoint_list(const char *path, ampc_checkpoint_tensor **out) {
     if (!path || !out) return ampc__err(AMPC_ERR_INVALID, "checkpoint list: NULL argument");
     *out = NULL;
     st_file f;
-    int rc = st_open(&f, path);
+    int rc = st_open(&f, path, false);
     size_t bytes = (size_t)f.n * sizeof **out;   /* the array, then the names */
     for (int i = 0; i < f.n && rc == AMPC_OK; i++) bytes += strlen(f.e[i].name) + 1;
     ampc_checkpoint_tensor *list = rc == AMPC_OK && f.n ? malloc(bytes) : NULL;
@@ -612,8 +617,8 @@ int ampc_checkpoint_compare(const char *path_a, const char *path_b, FILE *report
     ampc__ensure_init();
     if (!path_a || !path_b) return ampc__err(AMPC_ERR_INVALID, "checkpoint compare: NULL path");
     st_file a, b;
-    int rc = st_open(&a, path_a);
-    if (rc == AMPC_OK) rc = st_open(&b, path_b);
+    int rc = st_open(&a, path_a, true);
+    if (rc == AMPC_OK) rc = st_open(&b, path_b, true);
     else b = (st_file){.fd = -1};
     if (rc < 0) {
         st_close(&a);
@@ -687,6 +692,22 @@ int ampc_checkpoint_meta_get(const char *meta_json, const char *key, char *buf, 
 // ---------------------------------------------------------------------------------------------
 // Weights alone, as load_state_dict (pretrained files)
 
+/* n values of dtype `from` at p (the file's bytes: any alignment) into dst in dtype `to`, through
+   the dtype table's f64 (exact for every float dtype), so rounded once, as copy_; in chunks, so
+   no whole-tensor f64 copy and no dtype the CPU device cannot hold (F64) is needed. */
+static void convert_values(const unsigned char *p, ampc_dtype from, void *dst, ampc_dtype to, size_t n) {
+    enum { CHUNK = 512 };
+    uint64_t raw[CHUNK];   /* aligned for any dtype */
+    double v[CHUNK];
+    const size_t fs = ampc__dt(from)->size, ts = ampc__dt(to)->size;
+    for (size_t k = 0; k < n; k += CHUNK) {
+        size_t m = n - k < CHUNK ? n - k : CHUNK;
+        memcpy(raw, p + k * fs, m * fs);
+        ampc__dt(from)->to_f64(raw, v, m);
+        ampc__dt(to)->from_f64(v, (unsigned char *)dst + k * ts, m);
+    }
+}
+
 int ampc_load_state_dict(const char *path, ampc_module *m, bool strict, FILE *report, ampc_load_report *out) {
     ampc__ensure_init();
     if (out) *out = (ampc_load_report){0};
@@ -696,8 +717,11 @@ int ampc_load_state_dict(const char *path, ampc_module *m, bool strict, FILE *re
     int n_sd = ampc_module_state_dict(m, &sd, &names);
     if (n_sd < 0) return n_sd;
     st_file f;
-    int rc = st_open(&f, path);
-    if (rc < 0) return rc;
+    int rc = st_open(&f, path, true);
+    if (rc < 0) {
+        st_close(&f);   /* a refused file may hold a parsed header */
+        return rc;
+    }
     ampc_load_report r = {0};
     ampc_tensor **src = calloc((size_t)(n_sd ? n_sd : 1), sizeof *src);   /* host copies in the model's dtype */
     if (!src) rc = ampc__err(AMPC_ERR_OOM, "load_state_dict: out of memory");
@@ -725,23 +749,13 @@ int ampc_load_state_dict(const char *path, ampc_module *m, bool strict, FILE *re
                            st_dtypes[e->dtype].name, ampc_dtype_name(t->dtype));
             break;
         }
-        ampc_tensor *h = ampc__tensor_new((ampc_dtype)fdt, AMPC_DEVICE_CPU, e->ndim, e->shape);
+        ampc_tensor *h = ampc__tensor_new(t->dtype, AMPC_DEVICE_CPU, e->ndim, e->shape);
         if (!h) {
             rc = ampc_last_status();
             break;
         }
-        memcpy(ampc__data(h), f.data + e->begin, (size_t)(e->end - e->begin));
-        if (fdt != (int)t->dtype) {   /* as copy_: one rounding to the model's dtype */
-            ampc_tensor *c = ampc__tensor_new(t->dtype, AMPC_DEVICE_CPU, e->ndim, e->shape);
-            int crc = c ? ampc__copy(h, c) : ampc_last_status();
-            ampc__release(h);
-            h = c;
-            if (crc < 0) {
-                ampc__release(c);
-                rc = crc;
-                break;
-            }
-        }
+        if (fdt == (int)t->dtype) memcpy(ampc__data(h), f.data + e->begin, (size_t)(e->end - e->begin));
+        else convert_values(f.data + e->begin, (ampc_dtype)fdt, ampc__data(h), t->dtype, (size_t)h->numel);
         src[i] = h;
         r.loaded++;
     }

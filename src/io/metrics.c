@@ -18,10 +18,18 @@
 #include <unistd.h>
 
 struct ampc_metrics {
+    uint64_t gen;   /* generation while live, 0 once closed (a handle pool's object) */
     FILE *f;
     char *path;
     int n;
 };
+
+static ampc_handle_pool metrics_pool = {.obj_size = sizeof(ampc_metrics)};
+
+/* True (the error recorded) when m is a stale handle; NULL is each call's own case. */
+static bool stale(const ampc_metrics *m, const char *call) {
+    return m && ampc__check_handle(m, m->gen, call, "metrics log", "closed") < 0;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Formatting
@@ -127,11 +135,9 @@ ampc_metrics *ampc_metrics_open(const char *csv_path, const char *const *columns
     for (int i = 0; i < n; i++)
         if (!columns[i] || !columns[i][0]) return ampc__err_null(AMPC_ERR_INVALID, "metrics_open: column %d has no name", i);
     char *header = header_line(columns, n);
-    ampc_metrics *m = calloc(1, sizeof *m);
     char *path = strdup(csv_path);
-    if (!header || !m || !path) {
+    if (!header || !path) {
         free(header);
-        free(m);
         free(path);
         return ampc__err_null(AMPC_ERR_OOM, "metrics_open: out of memory");
     }
@@ -140,7 +146,6 @@ ampc_metrics *ampc_metrics_open(const char *csv_path, const char *const *columns
     struct stat st;
     if (stat(csv_path, &st) == 0 && !S_ISREG(st.st_mode)) {   /* opening a FIFO to write would block */
         free(header);
-        free(m);
         free(path);
         return ampc__err_null(AMPC_ERR_IO, "metrics '%s' is %s, not a regular file", csv_path, ampc__file_type_name(st.st_mode));
     }
@@ -156,12 +161,13 @@ ampc_metrics *ampc_metrics_open(const char *csv_path, const char *const *columns
     else if (fprintf(f, "%s\n", header) < 0 || fflush(f) != 0)
         rc = ampc__err(AMPC_ERR_IO, "metrics '%s': write failed: %s", csv_path, strerror(errno));
     free(header);
-    if (rc < 0) {
+    ampc_metrics *m = rc == AMPC_OK ? ampc__handle_pool_get(&metrics_pool) : NULL;
+    if (!m) {
         if (f) fclose(f);
-        free(m);
         free(path);
         return NULL;
     }
+    m->gen = ampc__new_gen();
     m->f = f;
     m->path = path;
     m->n = n;
@@ -170,6 +176,7 @@ ampc_metrics *ampc_metrics_open(const char *csv_path, const char *const *columns
 
 int ampc_metrics_row(ampc_metrics *m, const double *values) {
     if (!m || !values) return ampc__err(AMPC_ERR_INVALID, "metrics_row: NULL %s", m ? "values" : "log");
+    if (stale(m, "ampc_metrics_row")) return AMPC_ERR_STATE;
     /* one buffered write per row: a row reaches the file whole or not at all (short of a crash) */
     char *line = malloc((size_t)m->n * 32 + 2);
     if (!line) return ampc__err(AMPC_ERR_OOM, "metrics '%s': out of memory", m->path);
@@ -187,13 +194,16 @@ int ampc_metrics_row(ampc_metrics *m, const double *values) {
     return rc;
 }
 
-int ampc_metrics_num_columns(const ampc_metrics *m) { return m ? m->n : 0; }
+/* A closed log reads as NULL does (0), with the error recorded. */
+int ampc_metrics_num_columns(const ampc_metrics *m) { return m && !stale(m, "ampc_metrics_num_columns") ? m->n : 0; }
 
 int ampc_metrics_close(ampc_metrics *m) {
     if (!m) return AMPC_OK;
+    if (stale(m, "ampc_metrics_close")) return AMPC_ERR_STATE;
     int rc = AMPC_OK;
     if (fclose(m->f) != 0) rc = ampc__err(AMPC_ERR_IO, "metrics '%s': close failed: %s", m->path, strerror(errno));
     free(m->path);
-    free(m);
+    m->gen = 0;
+    ampc__handle_pool_put(&metrics_pool, m);
     return rc;
 }

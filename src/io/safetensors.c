@@ -8,7 +8,7 @@
  * padded with spaces to a multiple of 8, then the data buffer; offsets are relative to the
  * buffer, and the tensors cover it contiguously without overlap. Tensors are written in order of
  * decreasing element size (8-byte dtypes first), as the reference writer does, so every tensor
- * is aligned to its element size in a memory-mapped file.
+ * is aligned to its element size in a memory-mapped file (PyTorch's reader maps it).
  *
  * The JSON is jansson's (parsed with duplicate keys refused; its input is checked to be UTF-8,
  * strings with \u0000 are refused): this file checks the schema on top, strictly (the header is
@@ -19,7 +19,8 @@
  * jansson's objects are hash tables, and tensor names are sorted once and binary-searched
  * (n log n in the header). jansson holds the whole header as values while it is checked: about
  * 17 bytes of memory per header byte at worst (1 GB for a header of a million tensors), so the
- * 100 MB header limit bounds it. The data is memory-mapped; nothing is copied here.
+ * 100 MB header limit bounds it. The data is read into memory once (pread), not mapped: a file
+ * truncated or rewritten while it is read is then a read error, where a mapping gave SIGBUS.
  */
 #include "io/safetensors.h"
 
@@ -30,7 +31,6 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -294,22 +294,23 @@ static int validate_layout(const char *path, const st_entry *es, int n, uint64_t
 }
 
 // ---------------------------------------------------------------------------------------------
-// Reading a file: header parsed and checked, data mapped
+// Reading a file: header parsed and checked, data read
 
 void st_close(st_file *f) {
     free(f->e);
     json_decref(f->root);   /* meta and the names belong to it */
-    if (f->map) munmap(f->map, f->map_len);
     free(f->copy);
     if (f->fd >= 0) close(f->fd);
     *f = (st_file){.fd = -1};
 }
 
+/* -1 with errno set on a read error, or 0 at an early end of the file (it shrank). */
 static int pread_all(int fd, void *buf, size_t n, off_t off) {
     unsigned char *p = buf;
     while (n) {
         ssize_t k = pread(fd, p, n, off);
         if (k < 0 && errno == EINTR) continue;
+        if (k == 0) errno = 0;
         if (k <= 0) return -1;
         p += k;
         n -= (size_t)k;
@@ -343,7 +344,7 @@ static int read_header(st_file *f, uint64_t n) {
     return rc;
 }
 
-int st_open(st_file *f, const char *path) {
+int st_open(st_file *f, const char *path, bool read_data) {
     *f = (st_file){.path = path, .fd = -1};
     struct stat st;
     f->fd = ampc__open_regular(path, "checkpoint", &st);   /* a FIFO or device: refused at once */
@@ -366,22 +367,16 @@ int st_open(st_file *f, const char *path) {
     uint64_t data_bytes = size - 8 - n;
     rc = validate_layout(path, f->e, f->n, data_bytes);
     if (rc < 0) return rc;
-    if (data_bytes == 0) {
-        f->data = (const unsigned char *)"";
+    if (data_bytes == 0 || !read_data) {
+        f->data = data_bytes == 0 ? (const unsigned char *)"" : NULL;
         return AMPC_OK;
     }
-    /* map the whole file: the caller copies data only after every check has passed */
-    void *m = mmap(NULL, (size_t)size, PROT_READ, MAP_PRIVATE, f->fd, 0);
-    if (m != MAP_FAILED) {
-        f->map = m;
-        f->map_len = (size_t)size;
-        f->data = (const unsigned char *)m + 8 + n;
-        return AMPC_OK;
-    }
+    /* the caller copies data only after every check has passed, from this one read */
     f->copy = malloc((size_t)data_bytes);
     if (!f->copy) return ampc__err(AMPC_ERR_OOM, "checkpoint '%s': out of memory for %" PRIu64 " bytes of data", path, data_bytes);
     if (pread_all(f->fd, f->copy, (size_t)data_bytes, (off_t)(8 + n)) < 0)
-        return ampc__err(AMPC_ERR_IO, "checkpoint '%s': read error", path);
+        return ampc__err(AMPC_ERR_IO, "checkpoint '%s': %s", path,
+                         errno ? strerror(errno) : "the file shrank while it was read (written to by another process?)");
     f->data = f->copy;
     return AMPC_OK;
 }

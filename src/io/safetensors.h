@@ -1,6 +1,6 @@
 /*
  * safetensors.h - the safetensors file format (src/io/safetensors.c), internal to src/io:
- * open a file (header parsed with jansson and validated, data mapped), list and find its
+ * open a file (header parsed with jansson and validated, data read), list and find its
  * tensors and metadata, and write a file atomically from named tensors and metadata pairs.
  * It knows nothing of modules or optimizers: src/io/checkpoint.c maps those to names.
  */
@@ -55,16 +55,16 @@ typedef struct {
     st_meta *meta;          /* the "__metadata__" object, NULL when there is none */
     void *root;             /* the parsed header (owns the names) */
     uint64_t header_bytes;
-    const unsigned char *data;   /* the data buffer */
-    void *map;
-    size_t map_len;
-    unsigned char *copy;    /* data read into memory when mmap is unavailable */
+    const unsigned char *data;   /* the data buffer (NULL when not read) */
+    unsigned char *copy;    /* owns it */
 } st_file;
 
 /* Opens and validates the safetensors file at path: header JSON (strict schema, limits above),
-   dtypes, shapes, and offsets tiling the data buffer. On error (a negative status, message
-   naming path) f holds nothing more than st_close releases. */
-int st_open(st_file *f, const char *path);
+   dtypes, shapes, and offsets tiling the data buffer; read_data: the data buffer is read into
+   memory too (pread, never mapped: a file that shrinks meanwhile is an AMPC_ERR_IO, not a
+   SIGBUS). On error (a negative status, message naming path) f holds nothing more than st_close
+   releases. */
+int st_open(st_file *f, const char *path, bool read_data);
 void st_close(st_file *f);
 /* The tensor called name, or NULL (binary search: O(log n) name comparisons). */
 st_entry *st_find(st_file *f, const char *name);

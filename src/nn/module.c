@@ -127,9 +127,9 @@ void ampc__module_invalidate(ampc_module *m) {
 // ---------------------------------------------------------------------------------------------
 // Construction and registration
 
-/* Module headers are pooled (never returned to malloc) so that a stale handle, and the
-   owner_gen pointer of a parameter the module registered, stay readable. */
-static ampc_handle_pool module_pool = {.pool = {sizeof(ampc_module), NULL}, .quarantine = 256};
+/* A handle pool, so that a stale handle, and the owner_gen pointer of a parameter the module
+   registered, stay readable and never name a new module. */
+static ampc_handle_pool module_pool = {.obj_size = sizeof(ampc_module)};
 
 /* AMPC_OK for a live module; else the error naming call (see ampc__check_handle). */
 static int check_module(const ampc_module *m, const char *call) {
@@ -228,7 +228,7 @@ void ampc_module_free(ampc_module *m) {
     list_free_names(&m->buffers);
     flat_free(&m->flat_params);
     flat_free(&m->flat_state);
-    m->gen = 0;   /* after the pool's link is written, still 0: put keeps it */
+    m->gen = 0;
     ampc__handle_pool_put(&module_pool, m);
 }
 

@@ -78,8 +78,8 @@ static int check_param(const ampc_tensor *p, ampc_optim_kind kind, int i) {
     return AMPC_OK;
 }
 
-/* Optimizer headers are pooled (never returned to malloc): a stale handle stays readable. */
-static ampc_handle_pool optimizer_pool = {.pool = {sizeof(ampc_optimizer), NULL}, .quarantine = 64};
+/* A handle pool: a stale handle stays readable and never names a new optimizer. */
+static ampc_handle_pool optimizer_pool = {.obj_size = sizeof(ampc_optimizer)};
 
 static int check_live(const ampc_optimizer *opt, const char *call) {
     return ampc__check_handle(opt, opt ? opt->gen : 0, call, "optimizer", "freed");
