@@ -301,12 +301,13 @@ fi
 # Uneven last batches (issue 25): each rank's loss weighted by its share of the global batch, a
 # rank with none of it joining the all-reduce, so N ranks train as one process with any data size
 # (observed: ~1e-7 of the update for one step, ~6e-7 after 11)
-U=(--model mlp --limit-val 193 --threads 1 --progress off --use-amp no --epochs 1 --optimizer sgd --momentum 0 --lr 0.3 --step-log yes)
+U=(--model mlp --limit-val 193 --threads 1 --progress off --use-amp no --epochs 1 --optimizer sgd --momentum 0 --step-log yes)
 # the starting weights: the same run with a rate too small to move a float
-"$TRAIN" "${U[@]/0.3/1e-20}" --limit-train 1000 --batch-size 1200 --out "$W/u0" >/dev/null 2>&1
-# 1,000 samples in one global batch on 3 ranks: 334, 333 and 333
-"${MPI[@]}" -np 3 "$TRAIN" "${U[@]}" --limit-train 1000 --batch-size 400 --out "$W/u3" >"$W/u3.out" 2>&1 &&
-    "$TRAIN" "${U[@]}" --limit-train 1000 --batch-size 1200 --out "$W/u1" >"$W/u1.out" 2>&1
+"$TRAIN" "${U[@]}" --lr 1e-20 --limit-train 1000 --batch-size 1200 --out "$W/u0" >/dev/null 2>&1
+# 1,000 samples in one global batch on 3 ranks: 334, 333 and 333 (a large rate: one step's update
+# well above the weights' rounding)
+"${MPI[@]}" -np 3 "$TRAIN" "${U[@]}" --lr 3 --limit-train 1000 --batch-size 400 --out "$W/u3" >"$W/u3.out" 2>&1 &&
+    "$TRAIN" "${U[@]}" --lr 3 --limit-train 1000 --batch-size 1200 --out "$W/u1" >"$W/u1.out" 2>&1
 rc=$?
 "$TRAIN" --compare-checkpoints "$W/u3/model.safetensors" "$W/u1/model.safetensors" >"$W/u31.cmp" 2>&1
 "$TRAIN" --compare-checkpoints "$W/u1/model.safetensors" "$W/u0/model.safetensors" >"$W/u10.cmp" 2>&1
@@ -319,10 +320,10 @@ fi
 # 962 samples, 3 ranks x 32: 10 global batches of 96 and one of 2, which rank 2 has none of;
 # the same 11 steps as 1 x 96, the job's loss of every step in steps.csv, the same validation of
 # 193 samples (65/64/64 a rank), and the weights within 1e-5 of the update
-"${MPI[@]}" -np 3 "$TRAIN" "${U[@]}" --limit-train 962 --batch-size 32 --out "$W/v3" >"$W/v3.out" 2>&1 &&
-    "$TRAIN" "${U[@]}" --limit-train 962 --batch-size 96 --out "$W/v1" >"$W/v1.out" 2>&1
+"${MPI[@]}" -np 3 "$TRAIN" "${U[@]}" --lr 0.1 --limit-train 962 --batch-size 32 --out "$W/v3" >"$W/v3.out" 2>&1 &&
+    "$TRAIN" "${U[@]}" --lr 0.1 --limit-train 962 --batch-size 96 --out "$W/v1" >"$W/v1.out" 2>&1
 rc=$?
-"$TRAIN" "${U[@]/0.3/1e-20}" --limit-train 962 --batch-size 96 --out "$W/v0" >/dev/null 2>&1
+"$TRAIN" "${U[@]}" --lr 1e-20 --limit-train 962 --batch-size 96 --out "$W/v0" >/dev/null 2>&1
 "$TRAIN" --compare-checkpoints "$W/v3/model.safetensors" "$W/v1/model.safetensors" >"$W/v31.cmp" 2>&1
 "$TRAIN" --compare-checkpoints "$W/v1/model.safetensors" "$W/v0/model.safetensors" >"$W/v10.cmp" 2>&1
 d=$(update_rel "$W/v31.cmp" "$W/v10.cmp")
@@ -338,7 +339,7 @@ fi
 # naming that loss (rank 0's own batch has another), one line, exit 3
 first=$(awk -F, 'NR == 2 { print $4 }' "$W/v1/steps.csv")
 lim=$(awk -v l="$first" 'BEGIN { printf "%.9g", l * (1 - 1e-6) }')
-"${MPI[@]}" -np 3 "$TRAIN" "${U[@]}" --limit-train 962 --batch-size 32 --max-loss "$lim" --out "$W/ml" >"$W/ml.out" 2>"$W/ml.err"
+"${MPI[@]}" -np 3 "$TRAIN" "${U[@]}" --lr 0.1 --limit-train 962 --batch-size 32 --max-loss "$lim" --out "$W/ml" >"$W/ml.out" 2>"$W/ml.err"
 rc=$?
 want=$(awk -v l="$first" 'BEGIN { printf "%g", l }')
 if [ $rc -eq 3 ] && [ "$(grep -c error "$W/ml.err")" -eq 1 ] && grep -q "error: training diverged in epoch 1 at step 1 of 11: the loss $want exceeds --max-loss" "$W/ml.err"; then

@@ -305,7 +305,7 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
             if (r->steps_run == 0 && yes(r->s, OPT_EXPLAIN) && !r->explaining && (rc = explain_begin(r)) < 0) break;
         }
         ampc_tensor *y_cpu = y;   /* the labels stay readable here for counting */
-        if (r->device != AMPC_DEVICE_CPU && (!(x = ampc_tensor_to(x, r->device, AMPC_F32)) || !(y = ampc_tensor_to(y, r->device, AMPC_I64)))) {
+        if (r->device != AMPC_DEVICE_CPU && ampc_tensor_dim(y, 0) > 0 && (!(x = ampc_tensor_to(x, r->device, AMPC_F32)) || !(y = ampc_tensor_to(y, r->device, AMPC_I64)))) {
             rc = fail_lib("copying the batch to the device");
             break;
         }
