@@ -109,9 +109,10 @@ const opt_def OPTS[OPT_COUNT] = {
     [OPT_PRETRAINED] = {"pretrained", V_TEXT, "", NULL, 0, 0, false, O_SAVE, "FILE",
                         "start from these weights: a safetensors state_dict (ampc's model.safetensors or checkpoint, or "
                         "a PyTorch .pth converted by scripts/pth_to_safetensors.py; torchvision's names)"},
-    [OPT_PRETRAINED_STRICT] = {"pretrained-strict", V_YESNO, "yes", NULL, 0, 0, false, O_SAVE, "yes|no",
-                               "--pretrained: every tensor must match (yes), or load what matches in name and shape "
-                               "and keep the rest new, such as a head for another number of classes (no)"},
+    [OPT_PRETRAINED_STRICT] = {"pretrained-strict", V_CHOICE, "yes", "yes|head|no", 0, 0, false, O_SAVE, "yes|head|no",
+                               "--pretrained: every tensor must match (yes); all but the classifier head (fc; the cnn's "
+                               "fc2), which may be missing or of another shape and is kept new, such as a head for another "
+                               "number of classes (head); or load what matches in name and shape and keep the rest new (no)"},
     [OPT_FREEZE] = {"freeze", V_CHOICE, "none", "none|backbone", 0, 0, false, O_SAVE | O_RUN, "WHAT",
                     "backbone: train only the classifier head (fc; the cnn's fc2, the mlp's last layer), the other "
                     "parameters frozen (requires_grad off; BatchNorm statistics still update in training, as PyTorch)"},

@@ -194,6 +194,7 @@ typedef struct {
     int64_t resume_step;
     int64_t steps_run;       /* training steps in this session, for --stop-after-steps */
     char pretrained_note[512];   /* --pretrained: what was loaded, for the setup lines */
+    char stem_note[256];     /* a ResNet's stem and what chose it, for the setup lines */
     ampc_lr_schedule sched;  /* --lr-schedule, --warmup-steps: the rate of each optimizer step */
     bool scheduled;          /* a schedule or a warm-up: the rate changes */
     bool stop_asked;         /* --stop-after-steps reached: the pass stopped as for a signal */
