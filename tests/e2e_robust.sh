@@ -293,6 +293,25 @@ if timeout "$LIMIT" "$TRAIN" --model mlp "${SMALL[@]}" --epochs 1 --out "$W/ck" 
     expect 1 step_range "bad metadata 'ampc_train.step'" --resume "$W/step.safetensors" --out "$W/x"
     edit_header "$C" "$W/neg.safetensors" '"ampc_train.train_size":"256"' '"ampc_train.train_size":"-256"'
     expect 1 negative_size "bad metadata 'ampc_train.train_size'" --resume "$W/neg.safetensors" --out "$W/x"
+    # metadata of 200,000 extra keys resumes in seconds (it is parsed once, not per value read), and
+    # metadata over the 32 MiB ampc-train writes at most is refused
+    mkdir -p "$W/keys"
+    perl -e 'open(F, "<:raw", $ARGV[0]) or die; local $/; my $d = <F>; my $n = unpack("Q<", substr($d, 0, 8));
+             my ($h, $b) = (substr($d, 8, $n), substr($d, 8 + $n)); my $k = join("", map { "\"x$_\":\"$_\"," } 1 .. $ARGV[2]);
+             $h =~ s/"__metadata__":\{/"__metadata__":{$k/ or die "no metadata\n";
+             open(O, ">:raw", $ARGV[1]) or die; print O pack("Q<", length $h) . $h . $b' "$C" "$W/keys/checkpoint.safetensors" 200000
+    t0=$SECONDS
+    if timeout 30 "$TRAIN" --resume "$W/keys/checkpoint.safetensors" --epochs 1 >"$W/keys.out" 2>&1 &&
+        grep -q "^resumed from $W/keys/checkpoint.safetensors after epoch 1" "$W/keys.out"; then
+        ok "resume: metadata of 200,000 keys read in $((SECONDS - t0)) s"
+    else
+        bad "resume: metadata of 200,000 keys: $(tail -1 "$W/keys.out")"
+    fi
+    perl -e 'open(F, "<:raw", $ARGV[0]) or die; local $/; my $d = <F>; my $n = unpack("Q<", substr($d, 0, 8));
+             my ($h, $b) = (substr($d, 8, $n), substr($d, 8 + $n)); my $v = "1," x (17 << 20);
+             $h =~ s/"ampc_train.history.epoch":"1"/"ampc_train.history.epoch":"${v}1"/ or die "no history\n";
+             open(O, ">:raw", $ARGV[1]) or die; print O pack("Q<", length $h) . $h . $b' "$C" "$W/big_meta.safetensors"
+    expect 1 meta_size "metadata is [0-9]+ bytes, more than ampc-train writes \(at most 32 MiB\)" --resume "$W/big_meta.safetensors" --out "$W/x"
 else
     bad "checkpoint for the range checks not written"
 fi

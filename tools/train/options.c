@@ -34,7 +34,7 @@ const opt_def OPTS[OPT_COUNT] = {
                        "fp16 before training, and the fastest kept, fp32 meaning --use-amp no)"},
     [OPT_GRAD_SCALER] = {"grad-scaler", V_YESNO, "auto", NULL, 0, 0, false, O_SAVE | O_RUN | O_REMEDY | O_AUTO, "yes|no",
                          "loss scaling (auto: yes for fp16 autocast, no for bf16 and fp32)"},
-    [OPT_EPOCHS] = {"epochs", V_INT, "5", NULL, 0, 1e9, false, O_SAVE | O_RESTORE, "N",
+    [OPT_EPOCHS] = {"epochs", V_INT, "5", NULL, 0, MAX_EPOCHS, false, O_SAVE | O_RESTORE, "N",
                     "epochs in all (with --resume: the total, including the finished ones; 0: print the setup "
                     "and stop)"},
     [OPT_LR] = {"lr", V_REAL, "auto", NULL, 0, 1e6, true, O_SAVE | O_RUN | O_REMEDY | O_AUTO, "X",

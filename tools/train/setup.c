@@ -27,6 +27,7 @@ void run_free(run *r) {
     free(r->ckpt_path);
     free(r->model_path);
     free(r->diverged_path);
+    ampc_checkpoint_meta_free(r->meta);
     free(r->logits_buf);
     memset(r, 0, sizeof *r);
 }

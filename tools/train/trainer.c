@@ -617,7 +617,7 @@ int train_run(settings *s, run_result *res) {
     memset(res, 0, sizeof *res);
     run r = {.s = s};
     int rc = 0;
-    if (*sval(s, OPT_RESUME) && (rc = resume_settings(s)) < 0) goto done;
+    if (*sval(s, OPT_RESUME) && (rc = resume_settings(s, &r.meta)) < 0) goto done;
     if ((rc = run_build(&r)) < 0) goto done;
     if (ampc_autocast_fp32_modules(sval(s, OPT_FP32_MODULES)) < 0) {
         rc = usage_error("--fp32-modules: %s", ampc_last_error());
