@@ -131,6 +131,24 @@ if expect 1 oom_advice 'largest batch that fits is [0-9]+ \(--batch-size [0-9]+,
 fi
 expect 1 oom_state 'not even a batch of 1 fits; the optimizer.s state is the largest part' \
     --model resnet18 --batch-size 1 --limit-train 16 --limit-val 8 --epochs 1 --max-memory 150M --progress off --out "$W/oom2"
+# More than the machine allows (a limit emulated by $AMPC_MEMORY_AVAILABLE, which the
+# library takes with MemAvailable and the cgroup's limit): a 5.5 GiB IDX file (sparse), a 4 GiB CSV
+# index (sparse) and --image-size 4096 are errors with the figures before anything is allocated,
+# never the OOM killer's
+mkdir -p "$W/bigidx"
+{ printf '\x00\x00\x08\x03'; be32 7500000; be32 28; be32 28; } >"$W/bigidx/train-images-idx3-ubyte"
+truncate -s $((16 + 7500000 * 784)) "$W/bigidx/train-images-idx3-ubyte"
+{ printf '\x00\x00\x08\x01'; be32 7500000; } >"$W/bigidx/train-labels-idx1-ubyte"
+truncate -s $((8 + 7500000)) "$W/bigidx/train-labels-idx1-ubyte"
+AMPC_MEMORY_AVAILABLE=3G expect 1 mem_idx "train-images-idx3-ubyte' \(5880000000 bytes of pixels\) needs 5.5 GiB of memory, more than the 3.0 GiB that \\\$AMPC_MEMORY_AVAILABLE allows: at most [0-9]+ images fit" \
+    --data "$W/bigidx" --model mlp --epochs 1 --out "$W/x"
+mkdir -p "$W/img/a" "$W/img/b"
+truncate -s 4G "$W/big.csv"
+AMPC_MEMORY_AVAILABLE=3G expect 1 mem_csv "image folder index $W/big.csv \(read whole\) needs 4.0 GiB of memory, more than the 3.0 GiB" \
+    --data "$W/img" --index-csv "$W/big.csv" --epochs 1 --out "$W/x"
+AMPC_MEMORY_AVAILABLE=1G expect 1 mem_image_size "a batch of 64 images of 1x4096x4096 takes 4.00 GiB in f32 before any activation, more than the 1.00 GiB that \\\$AMPC_MEMORY_AVAILABLE allows: --batch-size 16 at most" \
+    --model resnet18 --image-size 4096 --limit-train 64 --limit-val 16 --epochs 1 --out "$W/x"
+rm -f "$W/bigidx"/* "$W/big.csv"
 
 # ---------------------------------------------------------------------------------------------
 # Diverging runs stop with exit 3, name the step and the last good checkpoint, and never

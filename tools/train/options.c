@@ -66,7 +66,7 @@ const opt_def OPTS[OPT_COUNT] = {
                          "data loader threads (auto: 0 for IDX data, 2 for image folders)"},
     [OPT_MAX_MEMORY] = {"max-memory", V_SIZE, "none", NULL, 0, 0, false, O_SAVE, "SIZE",
                         "memory budget emulating a device of that size, e.g. 512M, 2G, 1.5GiB (K, M, G, T are "
-                        "powers of 1024; none: no limit)"},
+                        "powers of 1024; none: what the machine or its cgroup allows at start)"},
     [OPT_OUT] = {"out", V_TEXT, "runs/latest", NULL, 0, 0, false, O_SAVE, "DIR",
                  "output folder, created if needed (with --resume: the checkpoint's folder)"},
     [OPT_RESUME] = {"resume", V_TEXT, "", NULL, 0, 0, false, 0, "FILE", "continue the run saved in this checkpoint"},

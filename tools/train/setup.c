@@ -286,6 +286,37 @@ static int amp_fastest(run *r, const char *hw_dtype) {
     return set_val(r->s, OPT_AMP_DTYPE, r->use_amp ? c[best].name : hw_dtype);
 }
 
+/* The memory the run may use: --max-memory, or else what the machine or its cgroup allows, made
+   the allocator's limit, so that a run too large for the machine ends in an out-of-memory error
+   with figures rather than the kernel's OOM killer. */
+static void memory_limit(run *r) {
+    const char *host_src;
+    const uint64_t host = ampc_memory_available(&host_src);
+    r->host_limit = host == UINT64_MAX ? 0 : (double)host;
+    if (strcmp(sval(r->s, OPT_MAX_MEMORY), "none") != 0) {
+        r->mem_limit = rval(r->s, OPT_MAX_MEMORY);   /* main() set it */
+        r->limit_src = "--max-memory";
+    } else {
+        r->mem_limit = r->host_limit;
+        r->limit_src = host_src;
+        if (host != UINT64_MAX) ampc_memory_set_limit((size_t)host);
+    }
+}
+
+/* A batch of input images in f32 is the least a training step holds: a batch over the memory
+   limit (--image-size 4096) is an error now, with the --batch-size that fits. */
+static int batch_fits(run *r) {
+    const double per = 4.0 * (double)(r->d.c * r->d.h * r->d.w), bs = (double)ival(r->s, OPT_BATCH_SIZE);
+    if (r->mem_limit <= 0 || per * bs <= r->mem_limit) return 0;
+    char a[32], b[32];
+    const int64_t fit = (int64_t)(r->mem_limit / per);
+    char how[96] = "not even one image fits: a smaller --image-size";
+    if (fit >= 1) snprintf(how, sizeof how, "--batch-size %" PRId64 " at most, or a smaller --image-size", fit);
+    return fail("a batch of %.0f images of %" PRId64 "x%" PRId64 "x%" PRId64 " takes %s in f32 before any activation, more than the %s that %s "
+                "allows: %s",
+                bs, r->d.c, r->d.h, r->d.w, fmt_bytes(per * bs, a, sizeof a), fmt_bytes(r->mem_limit, b, sizeof b), r->limit_src, how);
+}
+
 int run_build(run *r) {
     settings *s = r->s;
     const char *model = sval(s, OPT_MODEL), *optname = sval(s, OPT_OPTIMIZER);
@@ -318,9 +349,14 @@ int run_build(run *r) {
     } else {
         ampc_set_num_threads((int)ival(s, OPT_THREADS));
     }
-    if (data_open(s, &r->d) < 0) return -1;
+    memory_limit(r);
+    g_oom_hint = "IDX data and an image folder's index are read into memory whole";
+    if (data_open(s, &r->d) < 0 || batch_fits(r) < 0) return -1;
 
-    g_oom_hint = "the model and its optimizer state need more than --max-memory: raise it or choose a smaller --model";
+    static char hint[256];
+    snprintf(hint, sizeof hint, "the model and its optimizer state need more than %s allows: %s or choose a smaller --model", r->limit_src,
+             strcmp(r->limit_src, "--max-memory") == 0 ? "raise it" : "free memory");
+    g_oom_hint = hint;
     ampc_manual_seed((uint64_t)ival(s, OPT_SEED));
     bool small = false;
     if (strncmp(model, "resnet", 6) == 0 && choose_stem(r, model, &small) < 0) return -1;

@@ -200,6 +200,11 @@ typedef struct {
     char pretrained_note[512];   /* --pretrained: what was loaded, for the setup lines */
     char stem_note[256];     /* a ResNet's stem and what chose it, for the setup lines */
     ampc_checkpoint_meta *meta;   /* --resume: the checkpoint's metadata, parsed once */
+    /* the memory the run may use: --max-memory, or else what the machine or its cgroup has
+       (ampc_memory_available, made the allocator's limit); limit_src names it. host_limit: the
+       machine's alone (0: unknown), which out-of-memory probes never go past */
+    double mem_limit, host_limit;
+    const char *limit_src;
     ampc_lr_schedule sched;  /* --lr-schedule, --warmup-steps: the rate of each optimizer step */
     bool scheduled;          /* a schedule or a warm-up: the rate changes */
     bool stop_asked;         /* --stop-after-steps reached: the pass stopped as for a signal */

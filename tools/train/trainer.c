@@ -532,7 +532,7 @@ static void oom_advice(run *r, double limit) {
        trainable ones only (--freeze) */
     double W = 4.0 * (double)ampc_module_num_parameters(r->net, false), P = 4.0 * (double)ampc_module_num_parameters(r->net, true);
     double opt = strcmp(optname, "sgd") == 0 ? (rval(r->s, OPT_MOMENTUM) > 0 ? P : 0) : 2 * P;
-    ampc_memory_set_limit(0);
+    ampc_memory_set_limit((size_t)r->host_limit);   /* the probes may go past the limit, not past the machine */
     double cast0 = (double)ampc_memory_stats().current[AMPC_MEM_CASTS];
     double t2 = probe_step_bytes(r, 2, P), t4 = probe_step_bytes(r, 4, P);
     double casts = (double)ampc_memory_stats().current[AMPC_MEM_CASTS];
@@ -550,7 +550,7 @@ static void oom_advice(run *r, double limit) {
     int64_t cand = per > 0 && room > pt ? pb + (int64_t)floor((room - pt) / per) : 0;
     if (good >= 4) fprintf(stderr, PROG ": out of memory: measuring the largest batch that fits --max-memory ...\n");
     for (int probes = 0; good >= 4 && probes < 5 && cand > good && cand < bad; probes++) {
-        ampc_memory_set_limit(0);
+        ampc_memory_set_limit((size_t)r->host_limit);
         double t = probe_step_bytes(r, cand, P);
         ampc_memory_set_limit((size_t)limit);
         if (t < 0) break;
