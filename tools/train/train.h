@@ -229,6 +229,9 @@ typedef struct {
 /* --step-log yes on rank 0: <out>/steps.csv, on resume cut back to the checkpoint's optimizer
    steps and appended to. */
 int steplog_open(run *r);
+/* steps.csv at path keeps its header and the rows whose step is at most `keep` (a crash's partial
+   line goes too); written to a temporary and renamed. A missing file is fine. */
+int steplog_cut_back(const char *path, int64_t keep);
 /* After an optimizer step (every rank: the skipped-step line is rank 0's): its row and, when the
    scaler skipped it, a line on stdout (at most one per 2 s; the others counted in the next).
    scale: the scale the step's gradients carried; loss: the mean of its batches' losses. */
