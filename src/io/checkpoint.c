@@ -709,7 +709,10 @@ int ampc_load_state_dict(const char *path, ampc_module *m, bool strict, FILE *re
     if (n_sd < 0) return n_sd;
     st_file f;
     int rc = st_open(&f, path);
-    if (rc < 0) return rc;
+    if (rc < 0) {
+        st_close(&f);   /* a file st_open refused holds what st_close releases (its descriptor, the header) */
+        return rc;
+    }
     ampc_load_report r = {0};
     ampc_tensor **src = calloc((size_t)(n_sd ? n_sd : 1), sizeof *src);   /* host copies in the model's dtype */
     if (!src) rc = ampc__err(AMPC_ERR_OOM, "load_state_dict: out of memory");
