@@ -47,7 +47,8 @@ int steplog_cut_back(const char *path, int64_t keep) {
         if (line[len - 1] != '\n') break;   /* cut short by a kill */
         char *end;
         long long step = strtoll(line, &end, 10);
-        if (n == 0 || (end != line && *end == ',' && step >= 1 && step <= keep)) fputs(line, out);
+        /* fwrite: a NUL byte in a line would end fputs there and join it to the next */
+        if (n == 0 || (end != line && *end == ',' && step >= 1 && step <= keep)) fwrite(line, 1, (size_t)len, out);
     }
     free(line);
     fclose(in);
