@@ -202,6 +202,11 @@ void ampc_memory_reset_peak(void);
 /* Budget in bytes for memory in use (0: none). An allocation past it fails with AMPC_ERR_OOM. */
 void ampc_memory_set_limit(size_t bytes);
 void ampc_memory_empty_cache(void);   /* returns cached blocks to the system */
+/* Bytes this process may still allocate on the host: the least of /proc/meminfo's MemAvailable,
+   the room under its cgroup's limits (v2 memory.max, v1 memory.limit_in_bytes, ancestors'
+   included) and $AMPC_MEMORY_AVAILABLE ("3G": a limit emulated, for tests); UINT64_MAX when none
+   is known. *what (NULL ok) names the least ("MemAvailable (/proc/meminfo)"; static text). */
+uint64_t ampc_memory_available(const char **what);
 
 // ---------------------------------------------------------------------------------------------
 // Tensors (contiguous, row-major, up to AMPC_MAX_DIMS dimensions; 4-D ones may be channels-last)

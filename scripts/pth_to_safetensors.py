@@ -9,7 +9,7 @@ a checkpoint dict holding one under "state_dict", "model" or "model_state_dict";
 "module." prefix that DataParallel/DDP add; writes every tensor contiguous, in its dtype
 (float32, float16, bfloat16, float64, int64), names sorted, metadata {"format": "pt"}.
 torchvision's names are ampc's for resnet18/resnet50, so torchvision's pretrained weights load
-as they are (strictly for the same classes; with --pretrained-strict no for another head).
+as they are (strictly for the same classes; with --pretrained-strict head for another head).
 """
 import json
 import struct

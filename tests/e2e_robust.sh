@@ -131,6 +131,24 @@ if expect 1 oom_advice 'largest batch that fits is [0-9]+ \(--batch-size [0-9]+,
 fi
 expect 1 oom_state 'not even a batch of 1 fits; the optimizer.s state is the largest part' \
     --model resnet18 --batch-size 1 --limit-train 16 --limit-val 8 --epochs 1 --max-memory 150M --progress off --out "$W/oom2"
+# More than the machine allows (a limit emulated by $AMPC_MEMORY_AVAILABLE, which the
+# library takes with MemAvailable and the cgroup's limit): a 5.5 GiB IDX file (sparse), a 4 GiB CSV
+# index (sparse) and --image-size 4096 are errors with the figures before anything is allocated,
+# never the OOM killer's
+mkdir -p "$W/bigidx"
+{ printf '\x00\x00\x08\x03'; be32 7500000; be32 28; be32 28; } >"$W/bigidx/train-images-idx3-ubyte"
+truncate -s $((16 + 7500000 * 784)) "$W/bigidx/train-images-idx3-ubyte"
+{ printf '\x00\x00\x08\x01'; be32 7500000; } >"$W/bigidx/train-labels-idx1-ubyte"
+truncate -s $((8 + 7500000)) "$W/bigidx/train-labels-idx1-ubyte"
+AMPC_MEMORY_AVAILABLE=3G expect 1 mem_idx "train-images-idx3-ubyte' \(5880000000 bytes of pixels\) needs 5.5 GiB of memory, more than the 3.0 GiB that \\\$AMPC_MEMORY_AVAILABLE allows: at most [0-9]+ images fit" \
+    --data "$W/bigidx" --model mlp --epochs 1 --out "$W/x"
+mkdir -p "$W/img/a" "$W/img/b"
+truncate -s 4G "$W/big.csv"
+AMPC_MEMORY_AVAILABLE=3G expect 1 mem_csv "image folder index $W/big.csv \(read whole\) needs 4.0 GiB of memory, more than the 3.0 GiB" \
+    --data "$W/img" --index-csv "$W/big.csv" --epochs 1 --out "$W/x"
+AMPC_MEMORY_AVAILABLE=1G expect 1 mem_image_size "a batch of 64 images of 1x4096x4096 takes 4.00 GiB in f32 before any activation, more than the 1.00 GiB that \\\$AMPC_MEMORY_AVAILABLE allows: --batch-size 16 at most" \
+    --model resnet18 --image-size 4096 --limit-train 64 --limit-val 16 --epochs 1 --out "$W/x"
+rm -f "$W/bigidx"/* "$W/big.csv"
 
 # ---------------------------------------------------------------------------------------------
 # Diverging runs stop with exit 3, name the step and the last good checkpoint, and never
@@ -293,6 +311,25 @@ if timeout "$LIMIT" "$TRAIN" --model mlp "${SMALL[@]}" --epochs 1 --out "$W/ck" 
     expect 1 step_range "bad metadata 'ampc_train.step'" --resume "$W/step.safetensors" --out "$W/x"
     edit_header "$C" "$W/neg.safetensors" '"ampc_train.train_size":"256"' '"ampc_train.train_size":"-256"'
     expect 1 negative_size "bad metadata 'ampc_train.train_size'" --resume "$W/neg.safetensors" --out "$W/x"
+    # metadata of 200,000 extra keys resumes in seconds (it is parsed once, not per value read), and
+    # metadata over the 32 MiB ampc-train writes at most is refused
+    mkdir -p "$W/keys"
+    perl -e 'open(F, "<:raw", $ARGV[0]) or die; local $/; my $d = <F>; my $n = unpack("Q<", substr($d, 0, 8));
+             my ($h, $b) = (substr($d, 8, $n), substr($d, 8 + $n)); my $k = join("", map { "\"x$_\":\"$_\"," } 1 .. $ARGV[2]);
+             $h =~ s/"__metadata__":\{/"__metadata__":{$k/ or die "no metadata\n";
+             open(O, ">:raw", $ARGV[1]) or die; print O pack("Q<", length $h) . $h . $b' "$C" "$W/keys/checkpoint.safetensors" 200000
+    t0=$SECONDS
+    if timeout 30 "$TRAIN" --resume "$W/keys/checkpoint.safetensors" --epochs 1 >"$W/keys.out" 2>&1 &&
+        grep -q "^resumed from $W/keys/checkpoint.safetensors after epoch 1" "$W/keys.out"; then
+        ok "resume: metadata of 200,000 keys read in $((SECONDS - t0)) s"
+    else
+        bad "resume: metadata of 200,000 keys: $(tail -1 "$W/keys.out")"
+    fi
+    perl -e 'open(F, "<:raw", $ARGV[0]) or die; local $/; my $d = <F>; my $n = unpack("Q<", substr($d, 0, 8));
+             my ($h, $b) = (substr($d, 8, $n), substr($d, 8 + $n)); my $v = "1," x (17 << 20);
+             $h =~ s/"ampc_train.history.epoch":"1"/"ampc_train.history.epoch":"${v}1"/ or die "no history\n";
+             open(O, ">:raw", $ARGV[1]) or die; print O pack("Q<", length $h) . $h . $b' "$C" "$W/big_meta.safetensors"
+    expect 1 meta_size "metadata is [0-9]+ bytes, more than ampc-train writes \(at most 32 MiB\)" --resume "$W/big_meta.safetensors" --out "$W/x"
 else
     bad "checkpoint for the range checks not written"
 fi

@@ -176,6 +176,23 @@ if run pretrained_lenient "${SMALL[@]}" --model mlp --epochs 1 --pretrained "$W/
 else
     bad "--pretrained-strict no: $(grep pretrained "$W/pretrained_lenient.out" | tr '\n' ' ')"
 fi
+# a ResNet-50 file with torchvision's 7x7 stem (trained at 72 px) fine-tuned at 64 px, where the
+# stem would be the small 3x3 one: the file decides the stem, so all 318 backbone tensors load and
+# only the new head trains; on 1-channel images conv1 cannot load, an error naming it and the stem
+"$MKIMG" "$W/stem2" 2 3 32 >/dev/null && "$MKIMG" "$W/stem3" 3 2 32 >/dev/null || bad "make_image_folder failed"
+if run stem_pre --model resnet50 --data "$W/stem2" --image-size 72 --epochs 1 --limit-train 2 --batch-size 2 --limit-val 1 --use-amp no \
+    --progress off --out "$W/stem_pre"; then
+    run stem_64 --model resnet50 --data "$W/stem3" --image-size 64 --epochs 0 --pretrained "$W/stem_pre/model.safetensors" \
+        --pretrained-strict head --freeze backbone --out "$W/stem_64" &&
+        grep -q "stem .*7x7 stride 2 with max-pool (torchvision's), as the --pretrained file's conv1.weight \[64, 3, 7, 7\]" "$W/stem_64.out" &&
+        grep -q "weights .*: 318 tensors loaded, 0 missing, 0 unexpected, 2 of another shape" "$W/stem_64.out" &&
+        grep -q "^6,147 trainable parameters" "$W/stem_64.out" &&
+        ok "--pretrained with a 7x7 stem at 64 px: that stem, all 318 backbone tensors loaded, the head alone trains" ||
+        bad "--pretrained stem at 64 px: $(grep -E 'stem|weights|trainable' "$W/stem_64.out" | tr '\n' ' ')"
+    expect_error stem_gray "1 backbone tensor\(s\) do not load: conv1.weight: \(64, 3, 7, 7\) in the file, \(64, 1, 7, 7\).*stem" \
+        --model resnet50 --limit-train 64 --limit-val 16 --epochs 0 --pretrained "$W/stem_pre/model.safetensors" \
+        --pretrained-strict head --out "$W/stem_gray"
+fi
 
 # ---------------------------------------------------------------------------------------------
 # The checkpoint reloads bit-identically: resuming with --epochs equal to the finished count

@@ -1606,6 +1606,16 @@ static void test_failed_save_keeps_previous(void **state) {
     assert_int_equal(ampc_checkpoint_meta_get(" { \"a\" : \"b\" , \"z\":\"\\u00e9\"", "z", buf, sizeof buf), AMPC_ERR_FORMAT);
     assert_int_equal(ampc_checkpoint_meta_get(" { \"a\" : \"b\" , \"z\":\"\\u00e9\" } ", "z", buf, sizeof buf), 2);
     assert_string_equal(buf, "\xc3\xa9");
+    /* parsed once for many lookups: the same checks, values owned by the object */
+    assert_null(ampc_checkpoint_meta_parse("{\"z\":\"b\",\"z\":\"c\"}"));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_FORMAT);
+    ampc_checkpoint_meta *pm = ampc_checkpoint_meta_parse("{\"a\":\"b\",\"z\":\"\"}");
+    assert_non_null(pm);
+    assert_string_equal(ampc_checkpoint_meta_find(pm, "a"), "b");
+    assert_string_equal(ampc_checkpoint_meta_find(pm, "z"), "");
+    assert_null(ampc_checkpoint_meta_find(pm, "y"));
+    ampc_checkpoint_meta_free(pm);
+    ampc_checkpoint_meta_free(NULL);
     free(good);
     ampc_optimizer_free(oo);
     ampc_module_free(other);

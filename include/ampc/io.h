@@ -94,6 +94,15 @@ int ampc_checkpoint_remove_stale_temps(const char *path);
    whole text and one hash lookup. */
 int ampc_checkpoint_meta_get(const char *meta_json, const char *key, char *buf, size_t n);
 
+/* A metadata JSON object parsed once, for many lookups (meta_get parses the whole text per
+   call). Checked as meta_get checks it; NULL + error (AMPC_ERR_FORMAT) when malformed. The
+   caller frees it with ampc_checkpoint_meta_free (NULL ok). */
+typedef struct ampc_checkpoint_meta ampc_checkpoint_meta;
+ampc_checkpoint_meta *ampc_checkpoint_meta_parse(const char *meta_json);
+/* The value of key (a hash lookup), owned by m and valid until it is freed; NULL when absent. */
+const char *ampc_checkpoint_meta_find(const ampc_checkpoint_meta *m, const char *key);
+void ampc_checkpoint_meta_free(ampc_checkpoint_meta *m);
+
 /* One tensor of a safetensors file, as ampc_checkpoint_list gives it. */
 typedef struct {
     const char *name;      /* in the list's own allocation */

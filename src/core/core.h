@@ -18,6 +18,9 @@ int ampc__err(int status, const char *fmt, ...) __attribute__((format(printf, 2,
 /* Same, for functions that return a pointer. */
 void *ampc__err_null(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void ampc__ensure_init(void);
+/* need bytes fit in ampc_memory_available (sysmem.c): AMPC_OK, or AMPC_ERR_OOM with "<what> needs
+   N of memory, more than the M that <source> allows[: at most K <units> fit]" (unit: bytes each). */
+int ampc__memory_fits(uint64_t need, const char *what, uint64_t unit, const char *units);
 
 // ---------------------------------------------------------------------------------------------
 // Files from outside (file.c)

@@ -599,6 +599,13 @@ static int read_index(const char *csv, list *idx) {
     FILE *fp = ampc__fopen_regular(csv, "image folder index", &st);   /* a FIFO would block */
     if (!fp) return ampc_last_status();
     size_t n = (size_t)st.st_size;
+    char what[4200];
+    snprintf(what, sizeof what, "image folder index %s (read whole)", csv);
+    int fits = ampc__memory_fits((uint64_t)n + 1, what, 0, NULL);
+    if (fits < 0) {
+        fclose(fp);
+        return fits;
+    }
     char *buf = malloc(n + 1);
     size_t got = buf ? fread(buf, 1, n, fp) : 0;
     int e = errno;

@@ -91,13 +91,19 @@ static int reader_read(reader *r, void *buf, uint64_t n, const char *what, uint6
     return AMPC_OK;
 }
 
-/* Reads n bytes of payload into a new buffer grown as data arrives (see the file comment). */
-static int reader_read_payload(reader *r, uint64_t n, const char *what, uint8_t **out) {
+/* Reads n bytes of payload into a new buffer grown as data arrives (see the file comment), after
+   checking that they fit in memory (units of `unit` bytes each, for the message). */
+static int reader_read_payload(reader *r, uint64_t n, const char *what, uint64_t unit, const char *units, uint8_t **out) {
     *out = NULL;
     if (!r->gzipped && n > r->size - (r->consumed < r->size ? r->consumed : r->size))
         return ampc__err(AMPC_ERR_FORMAT, "'%s': truncated file: the header announces %llu bytes of %s, the file has %llu after the header",
                          r->path, (unsigned long long)n, what,
                          (unsigned long long)(r->size > r->consumed ? r->size - r->consumed : 0));
+    /* a payload larger than the machine allows is an error, not the OOM killer's (gzip: as announced) */
+    char what_fits[4200];
+    snprintf(what_fits, sizeof what_fits, "'%s' (%llu bytes of %s)", r->path, (unsigned long long)n, what);
+    int fits = ampc__memory_fits(n, what_fits, unit, units);
+    if (fits < 0) return fits;
     uint64_t cap = r->gzipped ? (n < (1u << 20) ? n : (1u << 20)) : n, have = 0;
     uint8_t *buf = malloc(cap ? cap : 1);
     if (!buf) return ampc__err(AMPC_ERR_OOM, "'%s': out of memory for %llu bytes", r->path, (unsigned long long)cap);
@@ -195,7 +201,7 @@ static int load_images(const char *path, uint32_t dims[3], uint8_t **pixels) {
     int rc = reader_open(&r, path);
     static const uint32_t max[3] = {IDX_MAX_COUNT, IDX_MAX_SIDE, IDX_MAX_SIDE};
     if (rc >= 0) rc = read_header(&r, IDX_IMAGES_MAGIC, 3, dims, max, "images");
-    if (rc >= 0) rc = reader_read_payload(&r, (uint64_t)dims[0] * dims[1] * dims[2], "pixels", pixels);
+    if (rc >= 0) rc = reader_read_payload(&r, (uint64_t)dims[0] * dims[1] * dims[2], "pixels", (uint64_t)dims[1] * dims[2], "images", pixels);
     if (rc >= 0) rc = reader_expect_end(&r);
     reader_close(&r);
     if (rc < 0) {
@@ -210,7 +216,7 @@ static int load_labels(const char *path, uint32_t *count, uint8_t **labels) {
     int rc = reader_open(&r, path);
     static const uint32_t max[1] = {IDX_MAX_COUNT};
     if (rc >= 0) rc = read_header(&r, IDX_LABELS_MAGIC, 1, count, max, "labels");
-    if (rc >= 0) rc = reader_read_payload(&r, *count, "labels", labels);
+    if (rc >= 0) rc = reader_read_payload(&r, *count, "labels", 1, "labels", labels);
     if (rc >= 0) rc = reader_expect_end(&r);
     reader_close(&r);
     if (rc < 0) {

@@ -668,12 +668,24 @@ int ampc_checkpoint_compare(const char *path_a, const char *path_b, FILE *report
 // ---------------------------------------------------------------------------------------------
 // Metadata text
 
+ampc_checkpoint_meta *ampc_checkpoint_meta_parse(const char *meta_json) {
+    if (!meta_json) return ampc__err_null(AMPC_ERR_INVALID, "checkpoint meta_parse: NULL metadata");
+    st_meta *m;
+    return st_meta_parse(meta_json, &m) < 0 ? NULL : (ampc_checkpoint_meta *)m;
+}
+
+const char *ampc_checkpoint_meta_find(const ampc_checkpoint_meta *m, const char *key) {
+    return m && key ? st_meta_get((const st_meta *)m, key) : NULL;
+}
+
+void ampc_checkpoint_meta_free(ampc_checkpoint_meta *m) { st_meta_free((st_meta *)m); }
+
 int ampc_checkpoint_meta_get(const char *meta_json, const char *key, char *buf, size_t n) {
     if (!meta_json || !key) return ampc__err(AMPC_ERR_INVALID, "checkpoint meta_get: NULL %s", key ? "metadata" : "key");
-    st_meta *m;
-    int rc = st_meta_parse(meta_json, &m);   /* linear in the text: one parse, one hash lookup */
-    if (rc < 0) return rc;
-    const char *v = st_meta_get(m, key);
+    ampc_checkpoint_meta *m = ampc_checkpoint_meta_parse(meta_json);   /* linear in the text: one parse, one hash lookup */
+    if (!m) return ampc_last_status();
+    const char *v = ampc_checkpoint_meta_find(m, key);
+    int rc;
     if (v) {
         size_t len = strlen(v);
         if (buf && n) {
@@ -685,7 +697,7 @@ int ampc_checkpoint_meta_get(const char *meta_json, const char *key, char *buf, 
     } else {
         rc = ampc__err(AMPC_ERR_INVALID, "checkpoint metadata has no key '%s'", key);
     }
-    st_meta_free(m);
+    ampc_checkpoint_meta_free(m);
     return rc;
 }
 

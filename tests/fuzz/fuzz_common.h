@@ -75,6 +75,22 @@ static inline void fuzz_write(const char *path, const void *data, size_t n) {
     }
 }
 
+/* The whole file at path, malloc'd (the caller frees it), its size in *n; exits the harness when
+   it cannot be read (as fuzz_write). */
+static inline uint8_t *fuzz_read(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    long k = f && fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
+    uint8_t *b = k >= 0 ? malloc((size_t)k + 1) : NULL;
+    if (f) rewind(f);
+    if (!b || fread(b, 1, (size_t)k, f) != (size_t)k) {
+        perror(path);
+        exit(2);
+    }
+    fclose(f);
+    *n = (size_t)k;
+    return b;
+}
+
 /* Per input: the library initialised once, then the same state for every input. */
 static inline void fuzz_begin(void) {
     static int done;

@@ -237,16 +237,24 @@ static void make_image(void) {
 // Checkpoints (the harness's model) and metadata JSON
 
 /* A safetensors file from a header text (length prefix added) and data bytes. */
-static void put_st(const char *name, const char *header, const void *data, size_t n_data) {
+static void put_st_in(const char *reader, const char *name, const char *header, const void *data, size_t n_data) {
     size_t h = strlen(header), n = 8 + h + n_data;
     uint8_t *b = malloc(n);
     if (!b) return;
     for (int i = 0; i < 8; i++) b[i] = (uint8_t)((uint64_t)h >> (8 * i));
     memcpy(b + 8, header, h);
     if (n_data) memcpy(b + 8 + h, data, n_data);
-    put("checkpoint", name, b, n);
+    put(reader, name, b, n);
     free(b);
 }
+
+static void put_st(const char *name, const char *header, const void *data, size_t n_data) {
+    put_st_in("checkpoint", name, header, data, n_data);
+}
+
+/* The harness model's checkpoints (make_checkpoint), for the pretrained and compare seeds. */
+static uint8_t *full_ckpt, *weights_ckpt;
+static size_t full_n, weights_n;
 
 static void make_checkpoint(void) {
     char path[1024];
@@ -276,14 +284,14 @@ static void make_checkpoint(void) {
     if (rc >= 0 && ampc_checkpoint_save(path, fm.m, fm.opt, fm.s, kv) == 0 && (n = slurp(path, &b))) {
         put("checkpoint", "full", b, n);
         put("checkpoint", "truncated_data", b, n - 5);
-        free(b);
+        full_ckpt = b, full_n = n;
     } else {
         fprintf(stderr, "make_corpus: full checkpoint: %s\n", ampc_last_error());
         failures++;
     }
     if (ampc_checkpoint_save(path, fm.m, NULL, NULL, NULL) == 0 && (n = slurp(path, &b))) {
         put("checkpoint", "weights_only", b, n);
-        free(b);
+        weights_ckpt = b, weights_n = n;
     }
     remove(path);
     fuzz_model_free(&fm);
@@ -335,6 +343,120 @@ static void make_train_args(void) {
     for (size_t i = 0; i < sizeof seeds / sizeof *seeds; i++) put("train_args", seeds[i].name, seeds[i].args, seeds[i].n);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Pretrained weights, checkpoint pairs, metrics.csv and steps.csv appends, resume metadata
+
+static void make_pretrained(void) {
+    if (full_ckpt) put("pretrained", "full", full_ckpt, full_n);
+    if (weights_ckpt) put("pretrained", "weights_only", weights_ckpt, weights_n);
+    /* a head of another shape, a tensor the model lacks, an integer buffer as floats */
+    put_st_in("pretrained", "mismatched_head", "{\"2.weight\":{\"dtype\":\"F32\",\"shape\":[1,3],\"data_offsets\":[0,12]}}",
+              "\0\0\x80?\0\0\0@\0\0@@", 12);
+    put_st_in("pretrained", "unexpected", "{\"fc.bias\":{\"dtype\":\"F16\",\"shape\":[2],\"data_offsets\":[0,4]}}", "\0<\0<", 4);
+    put_st_in("pretrained", "int_as_float", "{\"3.num_batches_tracked\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[0,4]}}",
+              "\0\0\x80?", 4);
+}
+
+/* A pair for fuzz_checkpoint_compare: the first file's length (2 bytes LE), both files. */
+static void put_pair(const char *name, const uint8_t *a, size_t na, const uint8_t *b, size_t nb) {
+    uint8_t *p = malloc(2 + na + nb);
+    if (!p || na > 0xffff) {
+        free(p);
+        return;
+    }
+    p[0] = (uint8_t)na, p[1] = (uint8_t)(na >> 8);
+    memcpy(p + 2, a, na);
+    memcpy(p + 2 + na, b, nb);
+    put("checkpoint_compare", name, p, 2 + na + nb);
+    free(p);
+}
+
+static void make_checkpoint_compare(void) {
+    if (!full_ckpt || !weights_ckpt) return;
+    put_pair("same", full_ckpt, full_n, full_ckpt, full_n);
+    put_pair("weights_vs_full", weights_ckpt, weights_n, full_ckpt, full_n);
+    uint8_t *b = malloc(full_n);
+    if (!b) return;
+    memcpy(b, full_ckpt, full_n);
+    b[full_n - 1] ^= 0x40;   /* one byte of the last tensor */
+    put_pair("one_byte", full_ckpt, full_n, b, full_n);
+    put_pair("truncated", full_ckpt, full_n, b, full_n - 3);
+    free(b);
+    static const char tiny[] = "\x08\0\0\0\0\0\0\0{}      ";
+    put_pair("empty_files", (const uint8_t *)tiny, sizeof tiny - 1, (const uint8_t *)tiny, sizeof tiny - 1);
+}
+
+static void make_metrics_append(void) {
+    static const char h[] = "epoch,train_loss,train_acc,val_loss,val_acc,seconds,samples_per_s,scale,skipped_steps,data_wait\n";
+    static const char *const seeds[][2] = {
+        {"empty", "\x01"},
+        {"header", "\x01%s"},
+        {"rows", "\x01%s1,2.3,0.1,2.2,0.2,9.5,120.5,65536,0,0.01\n2,1.9,0.3,nan,inf,9.1,118,32768,1,-inf\n"},
+        {"torn_row", "\x01%s1,2.3,0.1,2.2,0.2,9.5,120.5,65536,0,0.01\n2,1.9,0."},
+        {"header_no_newline", "\x01" "epoch,train_loss,train_acc,val_loss,val_acc,seconds,samples_per_s,scale,skipped_steps,data_wait"},
+        {"other_header", "\x01" "epoch,loss\n1,2\n"},
+        {"quoted", "\x00\"a,b\",\"say \"\"hi\"\"\"\n1,2\n"},
+        {"crlf", "\x01%s1,2\r\n"},
+    };
+    for (size_t i = 0; i < sizeof seeds / sizeof *seeds; i++) {
+        char text[1024];
+        int n = snprintf(text, sizeof text, seeds[i][1] + 1, h);
+        char *b = malloc((size_t)n + 1);
+        if (!b) return;
+        b[0] = seeds[i][1][0];
+        memcpy(b + 1, text, (size_t)n);
+        put("metrics_append", seeds[i][0], b, (size_t)n + 1);
+        free(b);
+    }
+}
+
+/* steps.csv seeds: the checkpoint's steps (2 bytes LE), then the file. */
+static void make_steps_csv(void) {
+    static const char h[] = "step,epoch,batch,loss,scale,skipped,lr\n";
+    static const struct { const char *name; uint16_t keep; const char *rows; } seeds[] = {
+        {"cut", 3, "1,1,1,2.3,65536,0,0.001\n2,1,2,2.2,65536,1,0.001\n3,1,3,2.1,32768,0,0.001\n4,1,4,2,32768,0,0.001\n5,2,1,1.9,3"},
+        {"keep_all", 65535, "1,1,1,2.3,65536,0,0.001\n2,1,2,nan,0,1,0.001\n"},
+        {"keep_none", 0, "1,1,1,2.3,65536,0,0.001\n"},
+        {"junk_lines", 9, "\nx,1\n-3,1,1,1,1,1,1\n7,1\n8\n9,1,1,1,1,1,1"},
+        {"header_only", 1, ""},
+    };
+    for (size_t i = 0; i < sizeof seeds / sizeof *seeds; i++) {
+        char b[1024];
+        b[0] = (char)(seeds[i].keep & 0xff), b[1] = (char)(seeds[i].keep >> 8);
+        int n = snprintf(b + 2, sizeof b - 2, "%s%s", h, seeds[i].rows);
+        put("steps_csv", seeds[i].name, b, (size_t)n + 2);
+    }
+}
+
+/* Resume metadata: keys and values each ended by a NUL (sizeof - 1 keeps the last NUL of the
+   literal's own). */
+static void make_resume_meta(void) {
+#define K(key, value) "ampc_train." key "\0" value "\0"
+#define BASE K("version", "1") K("world_size", "1") K("train_size", "8") K("val_size", "8") K("num_classes", "10")
+#define HIST(v) K("history.epoch", v) K("history.train_loss", v) K("history.train_acc", v) K("history.val_loss", v) \
+    K("history.val_acc", v) K("history.seconds", v) K("history.samples_per_s", v) K("history.scale", v)           \
+    K("history.skipped_steps", v) K("history.data_wait", v)
+    static const struct { const char *name; const char *kv; size_t n; } seeds[] = {
+#define SEED(name, text) {name, text, sizeof text - 1}
+        SEED("epoch_end", BASE K("epoch", "1") K("step", "0") K("config.batch-size", "2") K("config.model", "cnn") HIST("1")),
+        SEED("mid_epoch", BASE K("epoch", "1") K("step", "2") K("partial", "1.5,1,4,0.1,0.2,0,0.3") K("config.batch-size", "2")
+                              K("config.use-amp", "yes") K("config.amp-dtype", "fp16") K("config.lr", "0.001") HIST("0.5")),
+        SEED("two_epochs", BASE K("epoch", "2") K("config.batch-size", "4") K("config.epochs", "5") K("config.grad-scaler", "yes")
+                               K("history.epoch", "1,2") K("history.train_loss", "2.3,nan") K("history.train_acc", "0.1,0.2")
+                               K("history.val_loss", "inf,1") K("history.val_acc", "0,1") K("history.seconds", "1,2")
+                               K("history.samples_per_s", "8,8") K("history.scale", "65536,32768") K("history.skipped_steps", "0,1")),
+        SEED("diverged", BASE K("epoch", "0") K("step", "1") K("partial", "nan,0,2,0,0,1,0") K("diverged", "the loss is nan")
+                             K("config.batch-size", "2") K("config.use-amp", "no") HIST("")),
+        SEED("bad_values", BASE K("epoch", "-1") K("config.batch-size", "0x10") K("config.model", "resnet9") HIST("1,")),
+        SEED("not_ours", "epoch\0" "3\0" "note\0" "caf\xc3\xa9\0"),
+#undef SEED
+    };
+#undef HIST
+#undef BASE
+#undef K
+    for (size_t i = 0; i < sizeof seeds / sizeof *seeds; i++) put("resume_meta", seeds[i].name, seeds[i].kv, seeds[i].n);
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: %s OUTDIR\n", argv[0]);
@@ -348,6 +470,13 @@ int main(int argc, char **argv) {
     make_checkpoint();
     make_checkpoint_meta();
     make_train_args();
+    make_pretrained();
+    make_checkpoint_compare();
+    make_metrics_append();
+    make_steps_csv();
+    make_resume_meta();
+    free(full_ckpt);
+    free(weights_ckpt);
     ampc_shutdown();
     if (failures) fprintf(stderr, "make_corpus: %d failures\n", failures);
     return failures ? 1 : 0;

@@ -12,6 +12,8 @@
 #include <stdio.h>
 
 #define META_PREFIX "ampc_train."
+/* the history, with room left for the options and the library's per-parameter keys */
+_Static_assert((int64_t)MAX_EPOCHS * N_COLS * 26 + (4 << 20) <= META_MAX_BYTES, "a checkpoint's history fits the metadata --resume reads");
 
 // ---------------------------------------------------------------------------------------------
 // The metrics history: one row per finished epoch
@@ -129,30 +131,22 @@ int checkpoint_save(run *r, const char *path, const char *diverged, int64_t epoc
 // ---------------------------------------------------------------------------------------------
 // Reading back on --resume: every value is checked before use
 
-static int meta_get(const char *meta, const char *path, const char *key, char **out) {
-    int len = ampc_checkpoint_meta_get(meta, key, NULL, 0);
-    if (len < 0) {
-        if (ampc_last_status() == AMPC_ERR_INVALID)
-            return fail("--resume '%s': not a checkpoint of " PROG " (its metadata lacks '%s')", path, key);
-        return fail_lib("--resume");
-    }
-    *out = malloc((size_t)len + 1);
-    if (!*out) return fail("out of memory");
-    ampc_checkpoint_meta_get(meta, key, *out, (size_t)len + 1);
+/* The value of key; its absence is an error. */
+static int meta_get(const ampc_checkpoint_meta *meta, const char *path, const char *key, const char **out) {
+    if (!(*out = ampc_checkpoint_meta_find(meta, key)))
+        return fail("--resume '%s': not a checkpoint of " PROG " (its metadata lacks '%s')", path, key);
     return 0;
 }
 
 /* An integer in [lo, hi]: every number read from a checkpoint is range-checked before use. */
-static int meta_int(const char *meta, const char *path, const char *key, int64_t lo, int64_t hi, int64_t *v) {
-    char *t;
+static int meta_int(const ampc_checkpoint_meta *meta, const char *path, const char *key, int64_t lo, int64_t hi, int64_t *v) {
+    const char *t;
     if (meta_get(meta, path, key, &t) < 0) return -1;
     char *end;
     errno = 0;
     long long x = strtoll(t, &end, 10);
-    bool ok = *t && !*end && !errno && x >= lo && x <= hi;
-    if (!ok) fail("--resume '%s': bad metadata '%s' = '%.40s' (want an integer in [%" PRId64 ", %" PRId64 "])", path, key, t, lo, hi);
-    free(t);
-    if (!ok) return -1;
+    if (!*t || *end || errno || x < lo || x > hi)
+        return fail("--resume '%s': bad metadata '%s' = '%.40s' (want an integer in [%" PRId64 ", %" PRId64 "])", path, key, t, lo, hi);
     *v = x;
     return 0;
 }
@@ -167,13 +161,13 @@ static int64_t count_values(const char *text) {
 
 /* The totals of an epoch a signal interrupted after `step` training steps: "loss_sum, correct,
    samples, data_seconds, seconds, skipped, epoch_seconds", each checked against the data. */
-static int resume_partial(run *r, const char *meta, const char *path) {
-    char *text;
+static int resume_partial(run *r, const ampc_checkpoint_meta *meta, const char *path) {
+    const char *text;
     if (meta_get(meta, path, META_PREFIX "partial", &text) < 0) return -1;
     double v[7];
     int n = 0;
     bool ok = true;
-    for (char *p = text; *p && ok;) {
+    for (const char *p = text; *p && ok;) {
         char *end;
         double x = strtod(p, &end);
         /* the loss sum may be inf or NaN: steps the grad scaler skipped can have such losses */
@@ -181,7 +175,6 @@ static int resume_partial(run *r, const char *meta, const char *path) {
         if (ok) v[n++] = x;
         p = *end ? end + 1 : end;
     }
-    free(text);
     /* data-parallel: the totals are the job's, all ranks' samples: the sample the epoch goes on
        from, on any number of ranks. Each step took at least one; the steps before a change of
        the number of ranks took more per step than those after or fewer, so nothing tighter holds */
@@ -200,24 +193,38 @@ static int resume_partial(run *r, const char *meta, const char *path) {
    decision its checkpoint records. */
 static bool undecided(const char *v) { return strcmp(v, "auto") == 0 || strcmp(v, "fastest") == 0; }
 
+/* The checkpoint's metadata, read and parsed once for the whole resume (each lookup a hash
+   lookup), and no larger than META_MAX_BYTES: checkpoint_save never writes more. */
+static int read_meta(const char *path, ampc_checkpoint_meta **out) {
+    char *text = NULL;
+    if (ampc_checkpoint_read_meta(path, &text) < 0) return fail_lib("--resume");
+    const size_t n = strlen(text);
+    int rc = 0;
+    if (n > META_MAX_BYTES)
+        rc = fail("--resume '%s': its metadata is %zu bytes, more than " PROG " writes (at most %d MiB)", path, n, META_MAX_BYTES >> 20);
+    else if (!(*out = ampc_checkpoint_meta_parse(text)))
+        rc = fail_lib("--resume");
+    free(text);
+    return rc;
+}
+
 /* A flag given on the command line must agree with the checkpoint where it defines the run. */
-int resume_settings(settings *s) {
-    const char *path = sval(s, OPT_RESUME);
-    char *meta = NULL, *v = NULL, key[128], canon[4096];
-    if (ampc_checkpoint_read_meta(path, &meta) < 0) return fail_lib("--resume");
+int resume_settings(settings *s, ampc_checkpoint_meta **meta_out) {
+    const char *path = sval(s, OPT_RESUME), *v = NULL;
+    char key[128], canon[4096];
+    if (read_meta(path, meta_out) < 0) return -1;
+    const ampc_checkpoint_meta *meta = *meta_out;
     int rc = meta_get(meta, path, META_PREFIX "version", &v);
     if (rc == 0 && strcmp(v, "1") != 0) rc = fail("--resume '%s': unknown " PROG " checkpoint version '%s'", path, v);
-    free(v);
     int64_t saved_world = 1;   /* checkpoints from before data-parallel training: one process */
     bool precision_changed = false;   /* --use-amp or --amp-dtype given otherwise (options before --grad-scaler) */
-    if (rc == 0 && ampc_checkpoint_meta_get(meta, META_PREFIX "world_size", NULL, 0) != AMPC_ERR_INVALID)
+    if (rc == 0 && ampc_checkpoint_meta_find(meta, META_PREFIX "world_size"))
         rc = meta_int(meta, path, META_PREFIX "world_size", 1, INT32_MAX, &saved_world);
     for (int i = 0; i < OPT_COUNT && rc == 0; i++) {
         if (!(OPTS[i].flags & (O_RUN | O_RESTORE))) continue;
         snprintf(key, sizeof key, META_PREFIX "config.%s", OPTS[i].name);
         /* an option newer than the checkpoint: its default (or "auto") is what that run did */
-        if (ampc_checkpoint_meta_get(meta, key, NULL, 0) == AMPC_ERR_INVALID) continue;
-        if ((rc = meta_get(meta, path, key, &v)) < 0) break;
+        if (!(v = ampc_checkpoint_meta_find(meta, key))) continue;
         /* what the checkpoint says must itself be a valid value */
         char why[256];
         if (canonical(i, v, canon, sizeof canon, why, sizeof why) < 0 || strcmp(canon, v) != 0 || undecided(v)) {
@@ -245,9 +252,7 @@ int resume_settings(settings *s) {
         } else if (!s->given[i] || (OPTS[i].flags & O_RUN)) {
             rc = set_val(s, i, v);
         }
-        free(v);
     }
-    free(meta);
     return rc;
 }
 
@@ -256,28 +261,26 @@ int resume_settings(settings *s) {
    the grad scaler starts afresh rather than with the checkpoint's state, as it must when the
    precision changed (another dtype's scale means nothing) or after a divergence (the scale had
    collapsed). */
-static int resume_remedies(run *r, const char *meta, const char *path, bool *fresh) {
+static int resume_remedies(run *r, const ampc_checkpoint_meta *meta, const char *path, bool *fresh) {
     char key[128], changes[1024] = "";
     size_t at = 0;
     bool precision = false;
     for (int i = 0; i < OPT_COUNT; i++) {
         snprintf(key, sizeof key, META_PREFIX "config.%s", OPTS[i].name);
         /* an option newer than the checkpoint has nothing to differ from */
-        if (!(OPTS[i].flags & O_REMEDY) || ampc_checkpoint_meta_get(meta, key, NULL, 0) < 0) continue;
-        char *v;
-        if (meta_get(meta, path, key, &v) < 0) return -1;
+        const char *v = OPTS[i].flags & O_REMEDY ? ampc_checkpoint_meta_find(meta, key) : NULL;
+        if (!v) continue;
         if (strcmp(v, r->s->val[i]) != 0) {
             precision |= i == OPT_USE_AMP || i == OPT_AMP_DTYPE || i == OPT_GRAD_SCALER;
             appendf(changes, sizeof changes, &at, "%s--%s %s (was %s)", at ? ", " : "", OPTS[i].name, *r->s->val[i] ? r->s->val[i] : "''",
                     *v ? v : "''");
         }
-        free(v);
     }
-    char why[512] = "";
-    const bool diverged = ampc_checkpoint_meta_get(meta, META_PREFIX "diverged", why, sizeof why) >= 0;
+    const char *why = ampc_checkpoint_meta_find(meta, META_PREFIX "diverged");
+    const bool diverged = why != NULL;
     *fresh = ampc_scaler_is_enabled(r->scaler) && (precision || diverged);
     if (diverged)
-        printf("note: %s was saved by a run that diverged (%s)\n", path, why);
+        printf("note: %s was saved by a run that diverged (%.500s)\n", path, why);
     if (at)
         printf("note: changed on resume: %s\n", changes);
     else if (diverged)
@@ -293,16 +296,13 @@ static int resume_remedies(run *r, const char *meta, const char *path, bool *fre
 
 int resume_state(run *r) {
     const char *path = sval(r->s, OPT_RESUME);
-    char *meta = NULL, key[128];
+    const ampc_checkpoint_meta *meta = r->meta;   /* resume_settings' */
+    char key[128];
     /* the metadata first: whether the grad scaler's state is loaded depends on it */
-    if (ampc_checkpoint_read_meta(path, &meta) < 0) return fail_lib("--resume");
     bool fresh_scaler = false;
     int rc = resume_remedies(r, meta, path, &fresh_scaler);
     if (rc == 0 && ampc_checkpoint_load(path, r->net, r->opt, fresh_scaler ? NULL : r->scaler, NULL) < 0) rc = fail_lib("--resume");
-    if (rc < 0) {
-        free(meta);
-        return rc;
-    }
+    if (rc < 0) return rc;
     int64_t n_train, n_val, n_classes;
     const int64_t max_epochs = (int64_t)OPTS[OPT_EPOCHS].hi, max_size = INT64_C(1) << 48;
     rc = meta_int(meta, path, META_PREFIX "epoch", 0, max_epochs, &r->epoch0);
@@ -310,7 +310,7 @@ int resume_state(run *r) {
     if (rc == 0) rc = meta_int(meta, path, META_PREFIX "val_size", 0, max_size, &n_val);
     if (rc == 0) rc = meta_int(meta, path, META_PREFIX "num_classes", 0, max_size, &n_classes);
     r->resume_step = 0;   /* checkpoints written at an epoch's end before signals were handled have no step */
-    if (rc == 0 && ampc_checkpoint_meta_get(meta, META_PREFIX "step", NULL, 0) != AMPC_ERR_INVALID)
+    if (rc == 0 && ampc_checkpoint_meta_find(meta, META_PREFIX "step"))
         rc = meta_int(meta, path, META_PREFIX "step", 0, ampc_dataset_size(r->d.train), &r->resume_step);
     if (rc == 0 && (n_train != ampc_dataset_size(r->d.train) || n_val != ampc_dataset_size(r->d.val) || n_classes != r->d.num_classes))
         rc = fail("--resume '%s' was trained on %" PRId64 " + %" PRId64 " samples of %" PRId64 " classes, but the data has %" PRId64
@@ -319,29 +319,28 @@ int resume_state(run *r) {
     /* the global batch the checkpoint's processes took, for the note when it changes */
     int64_t saved_bs = 0;
     r->saved_world = 1;   /* checkpoints from before data-parallel training: one process */
-    if (rc == 0 && ampc_checkpoint_meta_get(meta, META_PREFIX "world_size", NULL, 0) != AMPC_ERR_INVALID)
+    if (rc == 0 && ampc_checkpoint_meta_find(meta, META_PREFIX "world_size"))
         rc = meta_int(meta, path, META_PREFIX "world_size", 1, INT32_MAX, &r->saved_world);
     if (rc == 0) rc = meta_int(meta, path, META_PREFIX "config.batch-size", 1, INT32_MAX, &saved_bs);
     r->saved_global_batch = saved_bs * r->saved_world;
     if (rc == 0 && r->resume_step > 0) rc = resume_partial(r, meta, path);
     /* the history has one value per finished epoch: count them before trusting the epoch number */
-    char *first = NULL;
+    const char *first = NULL;
     snprintf(key, sizeof key, META_PREFIX "history.%s", COLS[0]);
     if (rc == 0 && (rc = meta_get(meta, path, key, &first)) == 0 && count_values(first) != r->epoch0)
         rc = fail("--resume '%s': metadata '%s' has %" PRId64 " values for %" PRId64 " epochs", path, key, count_values(first), r->epoch0);
-    free(first);
     double (*cols)[N_COLS] = NULL;
     if (rc == 0 && r->epoch0 > 0 && !(cols = calloc((size_t)r->epoch0, sizeof *cols))) rc = fail("out of memory");
     for (int c = 0; c < N_COLS && rc == 0; c++) {
-        char *text;
+        const char *text;
         snprintf(key, sizeof key, META_PREFIX "history.%s", COLS[c]);
-        if (c == COL_DATA_WAIT && ampc_checkpoint_meta_get(meta, key, NULL, 0) == AMPC_ERR_INVALID) {   /* older checkpoint: not measured */
+        if (c == COL_DATA_WAIT && !ampc_checkpoint_meta_find(meta, key)) {   /* older checkpoint: not measured */
             for (int64_t e = 0; e < r->epoch0; e++) cols[e][c] = NAN;
             continue;
         }
         if ((rc = meta_get(meta, path, key, &text)) < 0) break;
         int64_t n = 0;
-        for (char *p = text; *p && rc == 0;) {
+        for (const char *p = text; *p && rc == 0;) {
             char *end;
             double v = strtod(p, &end);
             if (end == p || (*end && *end != ',') || n >= r->epoch0) rc = fail("--resume '%s': bad metadata '%s'", path, key);
@@ -350,11 +349,9 @@ int resume_state(run *r) {
         }
         if (rc == 0 && n != r->epoch0)
             rc = fail("--resume '%s': metadata '%s' has %" PRId64 " values for %" PRId64 " epochs", path, key, n, r->epoch0);
-        free(text);
     }
     for (int64_t e = 0; e < r->epoch0 && rc == 0; e++) rc = history_push(&r->hist, cols[e]);
     free(cols);
-    free(meta);
     if (rc == 0) set_last_good(r, path, r->epoch0, r->resume_step);
     return rc;
 }

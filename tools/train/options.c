@@ -34,7 +34,7 @@ const opt_def OPTS[OPT_COUNT] = {
                        "fp16 before training, and the fastest kept, fp32 meaning --use-amp no)"},
     [OPT_GRAD_SCALER] = {"grad-scaler", V_YESNO, "auto", NULL, 0, 0, false, O_SAVE | O_RUN | O_REMEDY | O_AUTO, "yes|no",
                          "loss scaling (auto: yes for fp16 autocast, no for bf16 and fp32)"},
-    [OPT_EPOCHS] = {"epochs", V_INT, "5", NULL, 0, 1e9, false, O_SAVE | O_RESTORE, "N",
+    [OPT_EPOCHS] = {"epochs", V_INT, "5", NULL, 0, MAX_EPOCHS, false, O_SAVE | O_RESTORE, "N",
                     "epochs in all (with --resume: the total, including the finished ones; 0: print the setup "
                     "and stop)"},
     [OPT_LR] = {"lr", V_REAL, "auto", NULL, 0, 1e6, true, O_SAVE | O_RUN | O_REMEDY | O_AUTO, "X",
@@ -66,7 +66,7 @@ const opt_def OPTS[OPT_COUNT] = {
                          "data loader threads (auto: 0 for IDX data, 2 for image folders)"},
     [OPT_MAX_MEMORY] = {"max-memory", V_SIZE, "none", NULL, 0, 0, false, O_SAVE, "SIZE",
                         "memory budget emulating a device of that size, e.g. 512M, 2G, 1.5GiB (K, M, G, T are "
-                        "powers of 1024; none: no limit)"},
+                        "powers of 1024; none: what the machine or its cgroup allows at start)"},
     [OPT_OUT] = {"out", V_TEXT, "runs/latest", NULL, 0, 0, false, O_SAVE, "DIR",
                  "output folder, created if needed (with --resume: the checkpoint's folder)"},
     [OPT_RESUME] = {"resume", V_TEXT, "", NULL, 0, 0, false, 0, "FILE", "continue the run saved in this checkpoint"},
@@ -109,9 +109,10 @@ const opt_def OPTS[OPT_COUNT] = {
     [OPT_PRETRAINED] = {"pretrained", V_TEXT, "", NULL, 0, 0, false, O_SAVE, "FILE",
                         "start from these weights: a safetensors state_dict (ampc's model.safetensors or checkpoint, or "
                         "a PyTorch .pth converted by scripts/pth_to_safetensors.py; torchvision's names)"},
-    [OPT_PRETRAINED_STRICT] = {"pretrained-strict", V_YESNO, "yes", NULL, 0, 0, false, O_SAVE, "yes|no",
-                               "--pretrained: every tensor must match (yes), or load what matches in name and shape "
-                               "and keep the rest new, such as a head for another number of classes (no)"},
+    [OPT_PRETRAINED_STRICT] = {"pretrained-strict", V_CHOICE, "yes", "yes|head|no", 0, 0, false, O_SAVE, "yes|head|no",
+                               "--pretrained: every tensor must match (yes); all but the classifier head (fc; the cnn's "
+                               "fc2), which may be missing or of another shape and is kept new, such as a head for another "
+                               "number of classes (head); or load what matches in name and shape and keep the rest new (no)"},
     [OPT_FREEZE] = {"freeze", V_CHOICE, "none", "none|backbone", 0, 0, false, O_SAVE | O_RUN, "WHAT",
                     "backbone: train only the classifier head (fc; the cnn's fc2, the mlp's last layer), the other "
                     "parameters frozen (requires_grad off; BatchNorm statistics still update in training, as PyTorch)"},

@@ -27,37 +27,100 @@ void run_free(run *r) {
     free(r->ckpt_path);
     free(r->model_path);
     free(r->diverged_path);
+    ampc_checkpoint_meta_free(r->meta);
     free(r->logits_buf);
     memset(r, 0, sizeof *r);
 }
 
-/* --pretrained: the weights of a state_dict file, strict or not; the report is kept for the
-   setup lines (each missing, unexpected or mismatched name on stdout, rank 0's). */
+/* The classifier head's parameter names start with this: what --freeze backbone trains and
+   --pretrained-strict head lets differ (a head for another number of classes). */
+static const char *head_prefix(const char *model) {
+    return strncmp(model, "resnet", 6) == 0 ? "fc." : strcmp(model, "cnn") == 0 ? "fc2." : "3.";
+}
+
+/* The report's "missing: NAME ..." and "mismatched: NAME: ..." lines outside the classifier head,
+   joined into names ("; "): the backbone tensors that kept their new values. Returns how many;
+   *stem: conv1.weight is one of them. */
+static int backbone_misses(const char *model, const char *report, char *names, size_t cap, bool *stem) {
+    const char *head = head_prefix(model);
+    size_t at = 0;
+    int n = 0;
+    names[0] = '\0';
+    *stem = false;
+    for (const char *line = report; line && *line;) {
+        const char *eol = strchr(line, '\n'), *name = NULL;
+        size_t len = eol ? (size_t)(eol - line) : strlen(line);
+        if (strncmp(line, "missing: ", 9) == 0) name = line + 9;
+        else if (strncmp(line, "mismatched: ", 12) == 0) name = line + 12;
+        if (name && strncmp(name, head, strlen(head)) != 0) {
+            *stem |= strncmp(name, "conv1.weight", 12) == 0 && strchr(": ", name[12]);
+            appendf(names, cap, &at, "%s%.*s", n++ ? "; " : "", (int)(len - (size_t)(name - line)), name);
+        }
+        line = eol ? eol + 1 : NULL;
+    }
+    return n;
+}
+
+/* --pretrained: the weights of a state_dict file, strictly (yes), all but the head (head: a
+   backbone tensor that does not load is an error, since a frozen backbone of random weights
+   learns nothing), or what matches (no: such tensors are named in a warning); the report is
+   kept for the setup lines (each missing, unexpected or mismatched name on stdout, rank 0's). */
 static int load_pretrained(run *r) {
-    const char *path = sval(r->s, OPT_PRETRAINED);
-    char *text = NULL;
+    const char *path = sval(r->s, OPT_PRETRAINED), *strict = sval(r->s, OPT_PRETRAINED_STRICT), *model = sval(r->s, OPT_MODEL);
+    char *text = NULL, names[1024];
     size_t n = 0;
     FILE *rep = open_memstream(&text, &n);
     if (!rep) return fail("out of memory");
     ampc_load_report lr;
-    int rc = ampc_load_state_dict(path, r->net, yes(r->s, OPT_PRETRAINED_STRICT), rep, &lr);
+    int rc = ampc_load_state_dict(path, r->net, strcmp(strict, "yes") == 0, rep, &lr);
     fclose(rep);
-    if (rc < 0) {
-        if (text && *text) fprintf(stderr, "%s", text);
-        free(text);
-        return fail_lib("--pretrained");
-    }
-    if (text && *text) printf("%s", text);
+    bool stem = false;
+    const int misses = rc < 0 ? 0 : backbone_misses(model, text, names, sizeof names, &stem);
+    const char *stem_why = stem ? " (conv1 is the stem: it takes the images' channels, and its kernel is the file's)" : "";
+    if (rc < 0) rc = fail_lib("--pretrained");
+    else if (misses && strcmp(strict, "head") == 0)
+        rc = fail("--pretrained '%s': %d backbone tensor(s) do not load: %s%s; --pretrained-strict head lets only the head %s* differ, "
+                  "no keeps them new",
+                  path, misses, names, stem_why, head_prefix(model));
+    if (text && *text) fprintf(rc < 0 ? stderr : stdout, "%s", text);
     free(text);
+    if (rc < 0) return rc;
+    if (misses) warn("--pretrained-strict no: %d backbone tensor(s) keep new values: %s%s", misses, names, stem_why);
     snprintf(r->pretrained_note, sizeof r->pretrained_note, "%s: %d tensors loaded, %d missing, %d unexpected, %d of another shape (kept new)",
              path, lr.loaded, lr.missing, lr.unexpected, lr.mismatched);
+    return 0;
+}
+
+/* --pretrained into a ResNet: the stem the file was trained with, from its conv1.weight (7x7:
+   torchvision's, stride 2 with max-pool, which PyTorch's tutorial keeps at 64 px; 3x3: the small
+   one), so that every backbone tensor fits; otherwise the stem the image size asks for. */
+static int choose_stem(run *r, const char *model, bool *small) {
+    *small = r->d.h <= 64 && r->d.w <= 64;
+    const char *why = *small ? "images of 64 px or less" : "images over 64 px";
+    char shape[64] = "";
+    if (*sval(r->s, OPT_PRETRAINED) && !*sval(r->s, OPT_RESUME)) {
+        ampc_checkpoint_tensor *t = NULL;
+        int n = ampc_checkpoint_list(sval(r->s, OPT_PRETRAINED), &t);
+        if (n < 0) return fail_lib("--pretrained");
+        for (int i = 0; i < n; i++) {
+            const int64_t *d = t[i].shape;
+            if (strcmp(t[i].name, "conv1.weight") != 0 || t[i].ndim != 4 || d[2] != d[3] || (d[2] != 7 && d[2] != 3)) continue;
+            *small = d[2] == 3;
+            snprintf(shape, sizeof shape, "[%" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 "]", d[0], d[1], d[2], d[3]);
+            why = "the --pretrained file's conv1.weight";
+        }
+        free(t);
+    }
+    snprintf(r->stem_note, sizeof r->stem_note, "%s: %s, as %s%s%s", model,
+             *small ? "3x3 stride 1, no max-pool (the small-input stem)" : "7x7 stride 2 with max-pool (torchvision's)", why,
+             *shape ? " " : "", shape);
     return 0;
 }
 
 /* --freeze backbone: requires_grad off for every parameter but the classifier head's (the setup
    lines count total and trainable parameters, as the seed prints them). */
 static int freeze(run *r, const char *model) {
-    const char *head = strncmp(model, "resnet", 6) == 0 ? "fc." : strcmp(model, "cnn") == 0 ? "fc2." : "3.";
+    const char *head = head_prefix(model);
     if (strcmp(sval(r->s, OPT_FREEZE), "backbone") != 0) return 0;
     ampc_tensor **p;
     const char **names;
@@ -89,6 +152,7 @@ void print_setup(run *r) {
         if (r->sched.warmup_steps) printf(", after a linear warm-up over %" PRId64 " steps from a third", r->sched.warmup_steps);
         printf(" (by applied optimizer steps)\n");
     }
+    if (r->stem_note[0]) printf("  %-14s %s\n", "stem", r->stem_note);
     if (r->pretrained_note[0]) printf("  %-14s %s\n", "weights", r->pretrained_note);
     if (r->sync_bn > 0)
         printf("  %-14s %d BatchNorm layers with the statistics of all %d processes' batches\n", "sync-bn", r->sync_bn, r->world);
@@ -222,6 +286,37 @@ static int amp_fastest(run *r, const char *hw_dtype) {
     return set_val(r->s, OPT_AMP_DTYPE, r->use_amp ? c[best].name : hw_dtype);
 }
 
+/* The memory the run may use: --max-memory, or else what the machine or its cgroup allows, made
+   the allocator's limit, so that a run too large for the machine ends in an out-of-memory error
+   with figures rather than the kernel's OOM killer. */
+static void memory_limit(run *r) {
+    const char *host_src;
+    const uint64_t host = ampc_memory_available(&host_src);
+    r->host_limit = host == UINT64_MAX ? 0 : (double)host;
+    if (strcmp(sval(r->s, OPT_MAX_MEMORY), "none") != 0) {
+        r->mem_limit = rval(r->s, OPT_MAX_MEMORY);   /* main() set it */
+        r->limit_src = "--max-memory";
+    } else {
+        r->mem_limit = r->host_limit;
+        r->limit_src = host_src;
+        if (host != UINT64_MAX) ampc_memory_set_limit((size_t)host);
+    }
+}
+
+/* A batch of input images in f32 is the least a training step holds: a batch over the memory
+   limit (--image-size 4096) is an error now, with the --batch-size that fits. */
+static int batch_fits(run *r) {
+    const double per = 4.0 * (double)(r->d.c * r->d.h * r->d.w), bs = (double)ival(r->s, OPT_BATCH_SIZE);
+    if (r->mem_limit <= 0 || per * bs <= r->mem_limit) return 0;
+    char a[32], b[32];
+    const int64_t fit = (int64_t)(r->mem_limit / per);
+    char how[96] = "not even one image fits: a smaller --image-size";
+    if (fit >= 1) snprintf(how, sizeof how, "--batch-size %" PRId64 " at most, or a smaller --image-size", fit);
+    return fail("a batch of %.0f images of %" PRId64 "x%" PRId64 "x%" PRId64 " takes %s in f32 before any activation, more than the %s that %s "
+                "allows: %s",
+                bs, r->d.c, r->d.h, r->d.w, fmt_bytes(per * bs, a, sizeof a), fmt_bytes(r->mem_limit, b, sizeof b), r->limit_src, how);
+}
+
 int run_build(run *r) {
     settings *s = r->s;
     const char *model = sval(s, OPT_MODEL), *optname = sval(s, OPT_OPTIMIZER);
@@ -264,12 +359,18 @@ int run_build(run *r) {
     } else {
         ampc_set_num_threads((int)ival(s, OPT_THREADS));
     }
-    if (data_open(s, &r->d) < 0) return -1;
+    memory_limit(r);
+    g_oom_hint = "IDX data and an image folder's index are read into memory whole";
+    if (data_open(s, &r->d) < 0 || batch_fits(r) < 0) return -1;
 
-    g_oom_hint = "the model and its optimizer state need more than --max-memory: raise it or choose a smaller --model";
+    static char hint[256];
+    snprintf(hint, sizeof hint, "the model and its optimizer state need more than %s allows: %s or choose a smaller --model", r->limit_src,
+             strcmp(r->limit_src, "--max-memory") == 0 ? "raise it" : "free memory");
+    g_oom_hint = hint;
     ampc_manual_seed((uint64_t)ival(s, OPT_SEED));
-    ampc_model_options mo = {.num_classes = r->d.num_classes, .in_channels = r->d.c,
-                             .small_input = strncmp(model, "resnet", 6) == 0 && r->d.h <= 64 && r->d.w <= 64,
+    bool small = false;
+    if (strncmp(model, "resnet", 6) == 0 && choose_stem(r, model, &small) < 0) return -1;
+    ampc_model_options mo = {.num_classes = r->d.num_classes, .in_channels = r->d.c, .small_input = small,
                              .memory_format = yes(s, OPT_CHANNELS_LAST) ? AMPC_CHANNELS_LAST : AMPC_CONTIGUOUS_FORMAT};
     ampc_set_default_device(r->device);   /* the model's tensors are made there (same values as on the CPU) */
     if (!(r->net = ampc_model_new(model, &mo))) return fail_lib("--model");

@@ -25,9 +25,7 @@ static int64_t steps_so_far(const run *r) {
     return ampc_optimizer_steps_taken(r->opt) + ampc_scaler_steps_skipped(r->scaler);
 }
 
-/* Keeps the header and the rows whose step is at most `keep` (a crash's partial line goes too);
-   written to a temporary and renamed. A missing file is fine. */
-static int cut_back(const char *path, int64_t keep) {
+int steplog_cut_back(const char *path, int64_t keep) {
     FILE *in = fopen(path, "r");
     if (!in) return errno == ENOENT ? 0 : fail("steps.csv: can't read '%s': %s", path, strerror(errno));
     char *tmp = NULL;
@@ -49,7 +47,8 @@ static int cut_back(const char *path, int64_t keep) {
         if (line[len - 1] != '\n') break;   /* cut short by a kill */
         char *end;
         long long step = strtoll(line, &end, 10);
-        if (n == 0 || (end != line && *end == ',' && step >= 1 && step <= keep)) fputs(line, out);
+        /* fwrite: a NUL byte in a line would end fputs there and join it to the next */
+        if (n == 0 || (end != line && *end == ',' && step >= 1 && step <= keep)) fwrite(line, 1, (size_t)len, out);
     }
     free(line);
     fclose(in);
@@ -66,7 +65,7 @@ int steplog_open(run *r) {
     char *path = path_join(r->out, "steps.csv");
     if (!path) return -1;
     bool resumed = *sval(r->s, OPT_RESUME) != '\0';
-    int rc = resumed ? cut_back(path, steps_so_far(r)) : 0;
+    int rc = resumed ? steplog_cut_back(path, steps_so_far(r)) : 0;
     if (rc == 0 && !(r->steps = ampc_metrics_open(path, STEP_COLS, N_STEP_COLS, resumed))) rc = fail_lib("steps.csv");
     free(path);
     return rc;

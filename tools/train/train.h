@@ -22,6 +22,10 @@
 #include <string.h>
 
 #define PROG "ampc-train"
+/* --epochs' most, so that the metrics history a checkpoint's metadata holds (N_COLS values of at
+   most 26 bytes an epoch) stays well under META_MAX_BYTES, the most --resume reads. */
+#define MAX_EPOCHS 100000
+#define META_MAX_BYTES (32 << 20)
 
 // ---------------------------------------------------------------------------------------------
 // Errors (report.c): the first one is kept and printed once, by main, as the program's only error line
@@ -196,6 +200,13 @@ typedef struct {
     int64_t resume_step;
     int64_t steps_run;       /* training steps in this session, for --stop-after-steps */
     char pretrained_note[512];   /* --pretrained: what was loaded, for the setup lines */
+    char stem_note[256];     /* a ResNet's stem and what chose it, for the setup lines */
+    ampc_checkpoint_meta *meta;   /* --resume: the checkpoint's metadata, parsed once */
+    /* the memory the run may use: --max-memory, or else what the machine or its cgroup has
+       (ampc_memory_available, made the allocator's limit); limit_src names it. host_limit: the
+       machine's alone (0: unknown), which out-of-memory probes never go past */
+    double mem_limit, host_limit;
+    const char *limit_src;
     ampc_lr_schedule sched;  /* --lr-schedule, --warmup-steps: the rate of each optimizer step */
     bool scheduled;          /* a schedule or a warm-up: the rate changes */
     bool stop_asked;         /* --stop-after-steps reached: the pass stopped as for a signal */
@@ -220,6 +231,9 @@ typedef struct {
 /* --step-log yes on rank 0: <out>/steps.csv, on resume cut back to the checkpoint's optimizer
    steps and appended to. */
 int steplog_open(run *r);
+/* steps.csv at path keeps its header and the rows whose step is at most `keep` (a crash's partial
+   line goes too); written to a temporary and renamed. A missing file is fine. */
+int steplog_cut_back(const char *path, int64_t keep);
 /* After an optimizer step (every rank: the skipped-step line is rank 0's): its row and, when the
    scaler skipped it, a line on stdout (at most one per 2 s; the others counted in the next).
    scale: the scale the step's gradients carried; loss: the mean of its batches' losses. */
@@ -249,8 +263,9 @@ int numerics_report(run *r);
    the last good checkpoint). */
 int checkpoint_save(run *r, const char *path, const char *diverged, int64_t epochs_done, int64_t step, const pass_stats *partial,
                     double epoch_seconds);
-/* --resume, before anything is built: the run's settings from the checkpoint's metadata. */
-int resume_settings(settings *s);
+/* --resume, before anything is built: the run's settings from the checkpoint's metadata, parsed
+   into *meta_out (the caller frees it) for resume_state. */
+int resume_settings(settings *s, ampc_checkpoint_meta **meta_out);
 /* --resume, once built: model, optimizer, scaler and RNG, the epoch counter and the history. */
 int resume_state(run *r);
 

@@ -555,7 +555,7 @@ static void oom_advice(run *r, double limit) {
        trainable ones only (--freeze) */
     double W = 4.0 * (double)ampc_module_num_parameters(r->net, false), P = 4.0 * (double)ampc_module_num_parameters(r->net, true);
     double opt = strcmp(optname, "sgd") == 0 ? (rval(r->s, OPT_MOMENTUM) > 0 ? P : 0) : 2 * P;
-    ampc_memory_set_limit(0);
+    ampc_memory_set_limit((size_t)r->host_limit);   /* the probes may go past the limit, not past the machine */
     double cast0 = (double)ampc_memory_stats().current[AMPC_MEM_CASTS];
     double t2 = probe_step_bytes(r, 2, P), t4 = probe_step_bytes(r, 4, P);
     double casts = (double)ampc_memory_stats().current[AMPC_MEM_CASTS];
@@ -573,7 +573,7 @@ static void oom_advice(run *r, double limit) {
     int64_t cand = per > 0 && room > pt ? pb + (int64_t)floor((room - pt) / per) : 0;
     if (good >= 4) fprintf(stderr, PROG ": out of memory: measuring the largest batch that fits --max-memory ...\n");
     for (int probes = 0; good >= 4 && probes < 5 && cand > good && cand < bad; probes++) {
-        ampc_memory_set_limit(0);
+        ampc_memory_set_limit((size_t)r->host_limit);
         double t = probe_step_bytes(r, cand, P);
         ampc_memory_set_limit((size_t)limit);
         if (t < 0) break;
@@ -640,7 +640,7 @@ int train_run(settings *s, run_result *res) {
     memset(res, 0, sizeof *res);
     run r = {.s = s};
     int rc = 0;
-    if (*sval(s, OPT_RESUME) && (rc = resume_settings(s)) < 0) goto done;
+    if (*sval(s, OPT_RESUME) && (rc = resume_settings(s, &r.meta)) < 0) goto done;
     if ((rc = agree_settings(&r)) < 0 || (rc = run_build(&r)) < 0) goto done;
     if (ampc_autocast_fp32_modules(sval(s, OPT_FP32_MODULES)) < 0) {
         rc = usage_error("--fp32-modules: %s", ampc_last_error());
