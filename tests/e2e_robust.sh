@@ -20,12 +20,12 @@ SMALL=(--limit-train 256 --limit-val 64 --batch-size 32 --progress off)
 expect() {
     local want=$1 name=$2 pattern=$3
     shift 3
-    timeout "$LIMIT" "$TRAIN" "$@" >"$W/$name.out" 2>"$W/$name.err"
+    timeout -k 5 "$LIMIT" "$TRAIN" "$@" >"$W/$name.out" 2>"$W/$name.err"
     local rc=$? tag='ampc-train: error: '
     [ "$want" -ge 128 ] && tag='ampc-train: interrupted by '
     local n
     n=$(grep -c "^$tag" "$W/$name.err")
-    if [ $rc -eq 124 ]; then
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then   # 137: blocked where SIGTERM only asks to stop at the next step
         bad "$name: hung (killed after $LIMIT s): $*"
     elif [ "$want" -eq 0 ] && [ $rc -eq 0 ]; then
         ok "$name: exit 0"
@@ -59,6 +59,54 @@ idx_images() { { printf '\x00\x00\x08\x03'; be32 "$2"; be32 "$3"; be32 "$4"; hea
 idx_labels() {
     { printf '\x00\x00\x08\x01'; be32 "$2"; for ((i = 0; i < $2; i++)); do printf "\\x0$((i % 10))"; done; } >"$1"
 }
+
+# ---------------------------------------------------------------------------------------------
+# The cases of issue 25 (an independent probe), as functions so that each group runs alone:
+#     E2E_CASES="outputs guard" bash tests/e2e_robust.sh BUILD/ampc-train
+# Without E2E_CASES every group runs, after the sections below.
+CASES="outputs"
+QN=(--limit-train 64 --limit-val 32 --batch-size 32 --progress off)   # 2 steps an epoch: a second or so
+Q=(--model mlp --epochs 1 "${QN[@]}")
+
+# Outputs in --out are created without blocking and without following a link planted there
+case_outputs() {
+    echo outside >"$W/victim"
+    local d f
+    # written in place: a link there is refused (each in a folder of its own)
+    for f in metrics.csv steps.csv numerics.csv; do
+        d="$W/link_$f"
+        mkdir -p "$d"
+        ln -s "$W/victim" "$d/$f"
+        expect 1 "link_$f" "'$d/$f' is a symbolic link" "${Q[@]}" --step-log yes --numerics-every 1 --out "$d"
+    done
+    # replaced by rename, never written through: the link goes, the file it named stays
+    d="$W/link_renamed"
+    mkdir -p "$d"
+    for f in loss.png accuracy.png scale.png checkpoint.safetensors model.safetensors; do ln -s "$W/victim" "$d/$f"; done
+    expect 0 link_renamed '' "${Q[@]}" --step-log yes --amp-dtype fp16 --out "$d"
+    [ "$(cat "$W/victim")" = outside ] && [ ! -L "$d/loss.png" ] && [ ! -L "$d/checkpoint.safetensors" ] &&
+        ok "links planted in --out: refused or replaced, the file outside never written" || bad "links: $W/victim was written"
+    # FIFOs: refused at once (numerics.csv at the end of the run; steps.csv on resume, when read back)
+    d="$W/out_fifo"
+    mkdir -p "$d"
+    mkfifo "$d/numerics.csv"
+    expect 1 fifo_numerics "numerics.csv' is a FIFO" "${Q[@]}" --numerics-every 1 --out "$d"
+    rm "$d/numerics.csv"
+    if timeout "$LIMIT" "$TRAIN" "${Q[@]}" --step-log yes --out "$d" >/dev/null 2>&1; then
+        rm "$d/steps.csv"
+        mkfifo "$d/steps.csv"
+        expect 1 fifo_steps_resume "steps.csv' is a FIFO" --resume "$d/checkpoint.safetensors" --epochs 2
+    else
+        bad "fifo_steps_resume: the first run failed"
+    fi
+}
+
+if [ -n "${E2E_CASES:-}" ]; then
+    for c in $E2E_CASES; do "case_$c"; done
+    echo "e2e_robust: $FAILS failure(s) in $((SECONDS - T0)) s"
+    [ "$FAILS" -eq 0 ]
+    exit
+fi
 
 # ---------------------------------------------------------------------------------------------
 # FIFOs (and other non-regular files) given as inputs are refused at once, never opened blocking
@@ -420,6 +468,8 @@ if timeout "$LIMIT" "$TRAIN" "${SIG[@]}" --out "$W/sref" >/dev/null 2>&1; then
 else
     bad "signals: the reference run failed"
 fi
+
+for c in $CASES; do "case_$c"; done
 
 echo "e2e_robust: $FAILS failure(s) in $((SECONDS - T0)) s"
 [ "$FAILS" -eq 0 ]

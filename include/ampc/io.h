@@ -120,6 +120,16 @@ int ampc_checkpoint_list(const char *path, ampc_checkpoint_tensor **out);
 int ampc_checkpoint_compare(const char *path_a, const char *path_b, FILE *report);
 
 // ---------------------------------------------------------------------------------------------
+// Output files: a run's outputs go into a folder others may write to
+
+/* Opens path as fopen(path, mode) would ("r", "r+", "w", "w+", "a", "a+", an 'x' for O_EXCL),
+   but never blocks and never follows a symbolic link: what is there and is not a regular file
+   (a FIFO, a device, a directory, a link) is refused at once, "<what>: '<path>' is a FIFO (named
+   pipe), not a regular file", and "w" truncates only a regular file. The caller fcloses the FILE;
+   NULL + error on failure. */
+FILE *ampc_output_fopen(const char *path, const char *what, const char *mode);
+
+// ---------------------------------------------------------------------------------------------
 // Metrics log: a CSV file with a header line and one row per call, flushed per row.
 
 typedef struct ampc_metrics ampc_metrics;
