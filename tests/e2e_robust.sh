@@ -68,12 +68,13 @@ CASES="outputs"
 QN=(--limit-train 64 --limit-val 32 --batch-size 32 --progress off)   # 2 steps an epoch: a second or so
 Q=(--model mlp --epochs 1 "${QN[@]}")
 
-# Outputs in --out are created without blocking and without following a link planted there
+# Outputs in --out are created without blocking and without following a link planted there; one
+# --out is one run's (a lock file)
 case_outputs() {
     echo outside >"$W/victim"
     local d f
     # written in place: a link there is refused (each in a folder of its own)
-    for f in metrics.csv steps.csv numerics.csv; do
+    for f in metrics.csv steps.csv numerics.csv ampc-train.lock; do
         d="$W/link_$f"
         mkdir -p "$d"
         ln -s "$W/victim" "$d/$f"
@@ -99,6 +100,22 @@ case_outputs() {
     else
         bad "fifo_steps_resume: the first run failed"
     fi
+    # two runs, one --out: the second names the holder of the lock (flock(1) holds it here)
+    d="$W/out_lock"
+    mkdir -p "$d"
+    echo 4242 >"$d/ampc-train.lock"
+    # one process holds the lock (flock(1) would leave its command holding it once killed)
+    : >"$W/holder.out"
+    perl -e 'use Fcntl ":flock"; open(F, ">>", $ARGV[0]) or die; flock(F, LOCK_EX) or die; $| = 1; print "held\n"; sleep 60' \
+        "$d/ampc-train.lock" >"$W/holder.out" &
+    local holder=$!
+    for ((t = 0; t < 100; t++)); do grep -q held "$W/holder.out" && break; sleep 0.1; done
+    expect 1 lock_held "--out '$d' is in use: another ampc-train \(pid 4242\) holds $d/ampc-train.lock" "${Q[@]}" --out "$d"
+    [ ! -e "$d/metrics.csv" ] || bad "lock_held: the second run wrote metrics.csv"
+    kill "$holder"
+    wait "$holder" 2>/dev/null
+    expect 0 lock_free '' "${Q[@]}" --out "$d"
+    [ "$(cat "$d/ampc-train.lock")" != 4242 ] && ok "lock: taken once free, with the run's pid" || bad "lock: the pid was not written"
 }
 
 if [ -n "${E2E_CASES:-}" ]; then

@@ -24,6 +24,7 @@ void run_free(run *r) {
     data_free(&r->d);
     free(r->hist.rows);
     free(r->out);
+    if (r->out_lock) fclose(r->out_lock);   /* and the lock with it */
     free(r->ckpt_path);
     free(r->model_path);
     free(r->diverged_path);

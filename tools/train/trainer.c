@@ -16,6 +16,7 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -437,6 +438,36 @@ static int mkdir_p(const char *path) {
     return 0;
 }
 
+/* Two runs writing one --out would mix their files: the first takes an exclusive flock(2) on
+   <out>/ampc-train.lock (released however the process ends; the file stays) and writes its pid
+   there; the second says who holds it. Rank 0 alone writes --out, so it alone locks. */
+static int lock_out(run *r) {
+    char *path = path_join(r->out, "ampc-train.lock");
+    if (!path) return -1;
+    FILE *f = ampc_output_fopen(path, "--out lock", "a+");   /* never truncated before it is ours */
+    int rc = 0;
+    if (!f) {
+        rc = fail_lib("--out");
+    } else if (flock(fileno(f), LOCK_EX | LOCK_NB) != 0) {
+        int e = errno;
+        long pid = 0;
+        rewind(f);
+        if (fscanf(f, "%ld", &pid) != 1) pid = 0;   /* the holder may not have written it yet */
+        char who[48] = "another process";
+        if (pid > 0) snprintf(who, sizeof who, "another " PROG " (pid %ld)", pid);
+        rc = e == EWOULDBLOCK ? fail("--out '%s' is in use: %s holds %s; give another --out or wait for it to end", r->out, who, path)
+                              : fail("--out '%s': can't lock %s: %s", r->out, path, strerror(e));
+        fclose(f);
+    } else if (ftruncate(fileno(f), 0) != 0 || fprintf(f, "%ld\n", (long)getpid()) < 0 || fflush(f) != 0) {
+        rc = fail("--out '%s': can't write %s: %s", r->out, path, strerror(errno));
+        fclose(f);
+    } else {
+        r->out_lock = f;
+    }
+    free(path);
+    return rc;
+}
+
 char *path_join(const char *dir, const char *name) {
     char *p = NULL;
     if (asprintf(&p, "%s/%s", dir, name) < 0) {
@@ -668,7 +699,7 @@ int train_run(settings *s, run_result *res) {
         rc = fail("out of memory");
         goto done;
     }
-    if (r.rank == 0 && (rc = mkdir_p(r.out)) < 0) goto done;
+    if (r.rank == 0 && ((rc = mkdir_p(r.out)) < 0 || (rc = lock_out(&r)) < 0)) goto done;
     if (!(r.ckpt_path = path_join(r.out, "checkpoint.safetensors")) || !(r.model_path = path_join(r.out, "model.safetensors")) ||
         !(r.diverged_path = path_join(r.out, "diverged.safetensors")) ||
         (rc = open_metrics(&r)) < 0 || (rc = steplog_open(&r)) < 0) {
