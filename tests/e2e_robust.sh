@@ -64,7 +64,7 @@ idx_labels() {
 # The cases of issue 25 (an independent probe), as functions so that each group runs alone:
 #     E2E_CASES="outputs guard" bash tests/e2e_robust.sh BUILD/ampc-train
 # Without E2E_CASES every group runs, after the sections below.
-CASES="outputs"
+CASES="outputs utf8"
 QN=(--limit-train 64 --limit-val 32 --batch-size 32 --progress off)   # 2 steps an epoch: a second or so
 Q=(--model mlp --epochs 1 "${QN[@]}")
 
@@ -116,6 +116,15 @@ case_outputs() {
     wait "$holder" 2>/dev/null
     expect 0 lock_free '' "${Q[@]}" --out "$d"
     [ "$(cat "$d/ampc-train.lock")" != 4242 ] && ok "lock: taken once free, with the run's pid" || bad "lock: the pid was not written"
+}
+
+# What the checkpoint's metadata records must be UTF-8: refused on the command line, naming the flag
+case_utf8() {
+    expect 2 utf8_out '--out is not valid UTF-8' "${Q[@]}" --out "$W/bad"$'\xff'
+    mkdir -p "$W/data"$'\xfe'
+    expect 2 utf8_data '--data is not valid UTF-8' "${Q[@]}" --data "$W/data"$'\xfe' --out "$W/x"
+    [ ! -e "$W/bad"$'\xff' ] && ! grep -q '^epoch' "$W/utf8_out.out" && ok "utf8: refused before any training" ||
+        bad "utf8: trained or created --out"
 }
 
 if [ -n "${E2E_CASES:-}" ]; then

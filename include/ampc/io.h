@@ -119,6 +119,9 @@ int ampc_checkpoint_list(const char *path, ampc_checkpoint_tensor **out);
    nothing is retained after the call. */
 int ampc_checkpoint_compare(const char *path_a, const char *path_b, FILE *report);
 
+/* Can text be stored in a checkpoint's metadata (valid UTF-8, as safetensors' JSON header needs)? */
+bool ampc_checkpoint_meta_text_valid(const char *text);
+
 // ---------------------------------------------------------------------------------------------
 // Output files: a run's outputs go into a folder others may write to
 

@@ -260,6 +260,10 @@ int canonical(int i, const char *text, char *out, size_t n, char *err, size_t er
     }
     case V_TEXT:
         if (i != OPT_DATA && i != OPT_INDEX_CSV && i != OPT_EXCLUDE_CLASS && i != OPT_FP32_MODULES && !*text) return snprintf(err, errn, "--%s needs a value", o->name), -1;
+        /* the checkpoint's metadata records it, and safetensors' JSON header holds UTF-8 only:
+           refused now rather than at the first save, after an epoch of training */
+        if ((o->flags & O_SAVE) && !ampc_checkpoint_meta_text_valid(text))
+            return snprintf(err, errn, "--%s is not valid UTF-8 text (the checkpoint's metadata records it): rename it", o->name), -1;
         snprintf(out, n, "%s", text);
         return 0;
     }
