@@ -126,6 +126,20 @@ static int check_step(run *r, int64_t epoch, int64_t step, int64_t n_steps, doub
     return 0;
 }
 
+/* After an epoch's training pass: under the grad scaler, an epoch whose optimizer steps were all
+   skipped changed nothing but the scale, however few they were (fewer than --max-skipped-steps);
+   it stops as the guard rails do (returns 2, as run_pass when they stop it, or 0). */
+static int check_epoch_applied(run *r, int64_t epoch, const pass_stats *tr) {
+    const int64_t accum = ival(r->s, OPT_ACCUMULATE), steps = (tr->steps + accum - 1) / accum;
+    const int64_t skipped = ampc_scaler_steps_skipped(r->scaler) - r->epoch_skipped0;
+    if (!ampc_scaler_is_enabled(r->scaler) || steps == 0 || skipped < steps) return 0;
+    char blame[520];
+    scaler_diverged(r, epoch, 0, 0, "the grad scaler skipped all %" PRId64 " optimizer step(s) of the epoch (inf/NaN "
+                    "gradients down to scale %g): not one was applied%s", steps, (double)ampc_scaler_get_scale(r->scaler),
+                    doctor_blame(blame, sizeof blame));
+    return 2;
+}
+
 /* NaN/inf values in the weights and buffers (*model) and in the optimizer's state (*opt). */
 static int count_nonfinite_state(run *r, int64_t *model, int64_t *opt) {
     ampc_tensor **sd;
@@ -726,7 +740,10 @@ int train_run(settings *s, run_result *res) {
         if (!cont) r.epoch_skipped0 = ampc_scaler_steps_skipped(r.scaler);
         pass_stats tr, va;
         int pr = run_pass(&r, true, e, &tr, cont ? &r.resume_train : NULL);
+        if (pr == 0) pr = check_epoch_applied(&r, e, &tr);
         if (pr == 0) pr = run_pass(&r, false, e, &va, NULL);
+        /* the weights give NaN on the validation data: they are not a good checkpoint */
+        if (pr == 0 && va.samples > 0 && !isfinite(va.loss)) pr = diverged(&r, e, 0, 0, "the validation loss is %g", va.loss);
         if (pr < 0) {
             if (g_err_status == AMPC_ERR_OOM && strcmp(sval(s, OPT_MAX_MEMORY), "none") != 0) oom_advice(&r, rval(s, OPT_MAX_MEMORY));
             rc = -1;
