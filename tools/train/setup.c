@@ -50,6 +50,9 @@ static int load_pretrained(run *r) {
     }
     if (text && *text) printf("%s", text);
     free(text);
+    if (lr.loaded == 0)   /* not strict, nothing matched: training from scratch is not what was asked */
+        return fail("--pretrained '%s': none of its tensors matched the model's (%d missing, %d unexpected, %d of another shape): "
+                    "a file for another --model than %s?", path, lr.missing, lr.unexpected, lr.mismatched, sval(r->s, OPT_MODEL));
     snprintf(r->pretrained_note, sizeof r->pretrained_note, "%s: %d tensors loaded, %d missing, %d unexpected, %d of another shape (kept new)",
              path, lr.loaded, lr.missing, lr.unexpected, lr.mismatched);
     return 0;

@@ -662,6 +662,12 @@ int train_run(settings *s, run_result *res) {
     memset(res, 0, sizeof *res);
     run r = {.s = s};
     int rc = 0;
+    /* the checkpoint holds the run's own weights: a --pretrained file would be ignored or would
+       overwrite them, neither of which a user means */
+    if (*sval(s, OPT_RESUME) && *sval(s, OPT_PRETRAINED)) {
+        rc = usage_error("--pretrained starts a new run from those weights; --resume continues from the checkpoint's own: give one of them");
+        goto done;
+    }
     if (*sval(s, OPT_RESUME) && (rc = resume_settings(s)) < 0) goto done;
     if ((rc = run_build(&r)) < 0) goto done;
     if (ampc_autocast_fp32_modules(sval(s, OPT_FP32_MODULES)) < 0) {
