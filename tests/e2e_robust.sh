@@ -64,7 +64,7 @@ idx_labels() {
 # The cases of issue 25 (an independent probe), as functions so that each group runs alone:
 #     E2E_CASES="outputs guard" bash tests/e2e_robust.sh BUILD/ampc-train
 # Without E2E_CASES every group runs, after the sections below.
-CASES="outputs utf8 guard inputs"
+CASES="outputs utf8 guard inputs limits"
 QN=(--limit-train 64 --limit-val 32 --batch-size 32 --progress off)   # 2 steps an epoch: a second or so
 Q=(--model mlp --epochs 1 "${QN[@]}")
 
@@ -180,6 +180,14 @@ case_inputs() {
     expect 2 pretrained_resume '--pretrained starts a new run.*--resume continues' \
         --resume "$W/base/checkpoint.safetensors" --pretrained "$W/base/model.safetensors" --epochs 2 --out "$W/x"
     [ ! -e "$W/x" ] || bad "inputs: a refused run left an output folder"
+}
+
+# Limits: $OMP_NUM_THREADS gets --threads' bound (libgomp crashed on 100000); --lr-step-size is range-checked
+case_limits() {
+    OMP_NUM_THREADS=100000 expect 1 omp_threads 'OMP_NUM_THREADS=100000 is more threads than the 1024' "${Q[@]}" --out "$W/x"
+    expect 2 lr_step_size '--lr-step-size takes an integer in \[1, 1000000000\]' "${Q[@]}" --lr-schedule step --lr-step-size 9e18 --out "$W/x"
+    expect 2 lr_step_size_big '--lr-step-size takes an integer' "${Q[@]}" --lr-schedule step --lr-step-size 9000000000000000000 --out "$W/x"
+    expect 0 lr_step_size_max '' "${Q[@]}" --lr-schedule step --lr-step-size 1000000000 --out "$W/lrss"
 }
 
 if [ -n "${E2E_CASES:-}" ]; then

@@ -97,7 +97,7 @@ const opt_def OPTS[OPT_COUNT] = {
                          "learning rate by optimizer step, as PyTorch's schedulers: constant, step (StepLR: times "
                          "--lr-gamma every --lr-step-size epochs) or cosine (CosineAnnealingLR to 0 over the run); "
                          "steps the GradScaler skips do not advance it"},
-    [OPT_LR_STEP_SIZE] = {"lr-step-size", V_INT, "1", NULL, 1, INT_FLAG_MAX, false, O_SAVE | O_RUN, "N",
+    [OPT_LR_STEP_SIZE] = {"lr-step-size", V_INT, "1", NULL, 1, 1e9, false, O_SAVE | O_RUN, "N",
                           "--lr-schedule step: epochs between decays (their optimizer steps)"},
     [OPT_LR_GAMMA] = {"lr-gamma", V_REAL, "0.1", NULL, 0, 1, false, O_SAVE | O_RUN, "X", "--lr-schedule step: the decay factor"},
     [OPT_WARMUP_STEPS] = {"warmup-steps", V_INT, "0", NULL, 0, INT_FLAG_MAX, false, O_SAVE | O_RUN, "N",

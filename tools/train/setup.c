@@ -312,9 +312,13 @@ int run_build(run *r) {
     const int64_t nb = ampc_loader_num_batches(r->train_ld), acc = ival(s, OPT_ACCUMULATE);
     const int64_t per_epoch = nb > 0 ? (nb + acc - 1) / acc : 1;
     const char *sk = sval(s, OPT_LR_SCHEDULE);
-    const int64_t warm = ival(s, OPT_WARMUP_STEPS), all = ival(s, OPT_EPOCHS) * per_epoch;
+    /* in optimizer steps, saturated: a product past INT64_MAX is a step never reached */
+    int64_t all, step_size;
+    if (__builtin_mul_overflow(ival(s, OPT_EPOCHS), per_epoch, &all)) all = INT64_MAX;
+    if (__builtin_mul_overflow(ival(s, OPT_LR_STEP_SIZE), per_epoch, &step_size)) step_size = INT64_MAX;
+    const int64_t warm = ival(s, OPT_WARMUP_STEPS);
     r->sched = (ampc_lr_schedule){.kind = !strcmp(sk, "step") ? AMPC_LR_STEP : !strcmp(sk, "cosine") ? AMPC_LR_COSINE : AMPC_LR_CONSTANT,
-                                  .step_size = ival(s, OPT_LR_STEP_SIZE) * per_epoch,
+                                  .step_size = step_size,
                                   .gamma = rval(s, OPT_LR_GAMMA),
                                   .t_max = all - warm > 1 ? all - warm : 1,
                                   .eta_min = 0,
