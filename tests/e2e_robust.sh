@@ -64,7 +64,7 @@ idx_labels() {
 # The cases of issue 25 (an independent probe), as functions so that each group runs alone:
 #     E2E_CASES="outputs guard" bash tests/e2e_robust.sh BUILD/ampc-train
 # Without E2E_CASES every group runs, after the sections below.
-CASES="outputs utf8 guard inputs limits"
+CASES="outputs utf8 guard inputs limits resume_lr"
 QN=(--limit-train 64 --limit-val 32 --batch-size 32 --progress off)   # 2 steps an epoch: a second or so
 Q=(--model mlp --epochs 1 "${QN[@]}")
 
@@ -188,6 +188,28 @@ case_limits() {
     expect 2 lr_step_size '--lr-step-size takes an integer in \[1, 1000000000\]' "${Q[@]}" --lr-schedule step --lr-step-size 9e18 --out "$W/x"
     expect 2 lr_step_size_big '--lr-step-size takes an integer' "${Q[@]}" --lr-schedule step --lr-step-size 9000000000000000000 --out "$W/x"
     expect 0 lr_step_size_max '' "${Q[@]}" --lr-schedule step --lr-step-size 1000000000 --out "$W/lrss"
+}
+
+# --lr given on --resume applies (the guard rails' "lower --lr" remedy): two resumes of copies of
+# one checkpoint, one with --lr 0.5, end different; without --lr, the bits of one uninterrupted
+# run (the signal cases below check that too)
+case_resume_lr() {
+    base
+    mkdir -p "$W/rl_a" "$W/rl_b"
+    cp "$W/base/checkpoint.safetensors" "$W/rl_a/"
+    cp "$W/base/checkpoint.safetensors" "$W/rl_b/"
+    if timeout "$LIMIT" "$TRAIN" --resume "$W/rl_a/checkpoint.safetensors" --epochs 2 >"$W/rl_a.out" 2>&1 &&
+        timeout "$LIMIT" "$TRAIN" --resume "$W/rl_b/checkpoint.safetensors" --epochs 2 --lr 0.5 >"$W/rl_b.out" 2>&1 &&
+        timeout "$LIMIT" "$TRAIN" --model mlp "${QN[@]}" --use-amp no --epochs 2 --out "$W/rl_ref" >/dev/null 2>&1; then
+        "$TRAIN" --compare-checkpoints "$W/rl_a/checkpoint.safetensors" "$W/rl_b/checkpoint.safetensors" >"$W/rl.cmp"
+        local rc=$?
+        [ $rc -eq 1 ] && grep -q '^note: changed on resume: --lr 0.5 (was 0.001)' "$W/rl_b.out" &&
+            ok "resume --lr 0.5 applies: $(tail -1 "$W/rl.cmp")" || bad "resume --lr 0.5: compare exit $rc: $(tail -1 "$W/rl.cmp")"
+        "$TRAIN" --compare-checkpoints "$W/rl_ref/checkpoint.safetensors" "$W/rl_a/checkpoint.safetensors" >"$W/rl_ref.cmp" &&
+            ok "resume without --lr == uninterrupted: $(tail -1 "$W/rl_ref.cmp")" || bad "resume without --lr: $(tail -1 "$W/rl_ref.cmp")"
+    else
+        bad "resume --lr: a run failed: $(tail -n 1 "$W/rl_a.out" "$W/rl_b.out" | tr '\n' ' ')"
+    fi
 }
 
 if [ -n "${E2E_CASES:-}" ]; then
