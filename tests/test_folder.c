@@ -561,6 +561,20 @@ static void test_index_errors(void **state) {
     ASSERT_NOT_NULL_MSG(ds);
     assert_int_equal(ampc_dataset_num_classes(ds), 18);
     ampc_dataset_free(ds);
+    /* rows stay inside the root: no '..' component, absolute paths only under it (as given or real) */
+    expect_csv_error("image_path,target\nB_upper/red.png,0\n../outside.png,0\n", "bad.csv:3: image_path '../outside.png' leaves the dataset root");
+    expect_csv_error("image_path,target\nB_upper/../../x.png,0\n", "bad.csv:2: image_path 'B_upper/../../x.png' leaves");
+    expect_csv_error("image_path,target\nB_upper/..,0\n", "bad.csv:2: image_path 'B_upper/..' leaves");
+    expect_csv_error("image_path,target\n/etc/shadow,0\n", "bad.csv:2: image_path '/etc/shadow' leaves the dataset root");
+    expect_csv_error(pathf("image_path,target\n%s/../x.png,0\n", g_root), "leaves the dataset root");
+    expect_csv_error(pathf("image_path,target\n%sx/a.png,0\n", g_root), "leaves the dataset root");   /* a sibling "<root>x" */
+    const char *dots = pathf("%s/dots.csv", g_aux);   /* names that merely start with dots are names */
+    const char *dots_text = "image_path,target\nB_upper/red.png,0\n..a/x.png,0\nB_upper/...png,0\n";
+    write_bytes(dots, dots_text, strlen(dots_text));
+    ampc_folder_options dop = {.height = 3, .width = 4, .index_csv = dots};
+    ds = ampc_dataset_folder_open(g_root, &dop);
+    ASSERT_NOT_NULL_MSG(ds);
+    ampc_dataset_free(ds);
     /* a quoted field spanning lines: later rows keep their true line numbers */
     expect_csv_error("image_path,target\n\"B_upper\nred.png\",0\nB_upper/red.png,q\n", "bad.csv:4: target 'q'");
 
@@ -811,7 +825,12 @@ static void test_decode_formats(void **state) {
     assert_int_equal(ampc__image_decode_mem("", 0, "empty.png", 3, &im), AMPC_ERR_FORMAT);
     expect_error(AMPC_ERR_FORMAT, "empty.png: not a JPEG or PNG file (empty)");
     assert_int_equal(ampc__image_decode_mem("GIF89a", 6, "a.gif", 3, &im), AMPC_ERR_FORMAT);
-    expect_error(AMPC_ERR_FORMAT, "a.gif: not a JPEG or PNG file (starts with 47 49 46 38 39 61)");
+    expect_error(AMPC_ERR_FORMAT, "a.gif: not a JPEG or PNG file (no JPEG or PNG signature)");
+    /* never the file's bytes (an index row once pointed at /etc/shadow: "root:" was printed) */
+    assert_int_equal(ampc__image_decode_mem("root:$6$x:19000:0:99999:7:::", 28, "shadow", 3, &im), AMPC_ERR_FORMAT);
+    expect_error(AMPC_ERR_FORMAT, "shadow: not a JPEG or PNG file");
+    assert_null(strstr(ampc_last_error(), "root"));
+    assert_null(strstr(ampc_last_error(), "72 6f"));
     assert_int_equal(ampc__image_decode_mem("\xFF\xD8\xFF\xE0", 4, "short.jpg", 3, &im), AMPC_ERR_FORMAT);
     expect_error(AMPC_ERR_FORMAT, "short.jpg: JPEG");
     assert_int_equal(ampc__image_decode_mem("\x89PNG\r\n\x1a\n", 8, "short.png", 3, &im), AMPC_ERR_FORMAT);

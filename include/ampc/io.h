@@ -128,6 +128,19 @@ int ampc_checkpoint_list(const char *path, ampc_checkpoint_tensor **out);
    nothing is retained after the call. */
 int ampc_checkpoint_compare(const char *path_a, const char *path_b, FILE *report);
 
+/* Can text be stored in a checkpoint's metadata (valid UTF-8, as safetensors' JSON header needs)? */
+bool ampc_checkpoint_meta_text_valid(const char *text);
+
+// ---------------------------------------------------------------------------------------------
+// Output files: a run's outputs go into a folder others may write to
+
+/* Opens path as fopen(path, mode) would ("r", "r+", "w", "w+", "a", "a+", an 'x' for O_EXCL),
+   but never blocks and never follows a symbolic link: what is there and is not a regular file
+   (a FIFO, a device, a directory, a link) is refused at once, "<what>: '<path>' is a FIFO (named
+   pipe), not a regular file", and "w" truncates only a regular file. The caller fcloses the FILE;
+   NULL + error on failure. */
+FILE *ampc_output_fopen(const char *path, const char *what, const char *mode);
+
 // ---------------------------------------------------------------------------------------------
 // Metrics log: a CSV file with a header line and one row per call, flushed per row.
 

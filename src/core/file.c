@@ -6,6 +6,10 @@
  * makes open() itself return at once on a FIFO), checks with fstat() on the descriptor it holds
  * (no window between the check and the use) that it is a regular file, and only then clears
  * O_NONBLOCK. Symbolic links to regular files are followed as usual.
+ *
+ * Outputs (ampc_output_fopen) go into folders others may write to: the same without blocking,
+ * and a symbolic link is refused rather than followed, so a link planted there never makes a
+ * write land outside the folder.
  */
 #include "core/core.h"
 
@@ -25,6 +29,7 @@ const char *ampc__file_type_name(unsigned mode) {
     if (S_ISCHR(m)) return "a character device";
     if (S_ISBLK(m)) return "a block device";
     if (S_ISSOCK(m)) return "a socket";
+    if (S_ISLNK(m)) return "a symbolic link";
     return "not a regular file";
 }
 
@@ -62,6 +67,51 @@ FILE *ampc__fopen_regular(const char *path, const char *what, struct stat *st_ou
         return ampc__err_null(AMPC_ERR_IO, "%s: '%s': %s", what, path, strerror(e));
     }
     return f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Outputs
+
+FILE *ampc_output_fopen(const char *path, const char *what, const char *mode) {
+    if (!path || !what || !mode) return ampc__err_null(AMPC_ERR_INVALID, "output_fopen: NULL path, what or mode");
+    int fl;
+    bool trunc = false;
+    switch (mode[0]) {
+    case 'r': fl = mode[1] == '+' ? O_RDWR : O_RDONLY; break;
+    case 'w': fl = (mode[1] == '+' ? O_RDWR : O_WRONLY) | O_CREAT, trunc = true; break;
+    case 'a': fl = (mode[1] == '+' ? O_RDWR : O_WRONLY) | O_CREAT | O_APPEND; break;
+    default: return ampc__err_null(AMPC_ERR_INVALID, "output_fopen: mode '%s'", mode);
+    }
+    if (strchr(mode, 'x')) fl |= O_EXCL;
+    int fd = open(path, fl | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY, 0666);
+    struct stat st;
+    if (fd < 0) {
+        int e = errno;
+        /* ELOOP (a link), ENXIO (a FIFO without a reader), EISDIR...: say what is there */
+        if (lstat(path, &st) == 0 && !S_ISREG(st.st_mode) && !(fl & O_EXCL))
+            ampc__err(AMPC_ERR_IO, "%s: '%s' is %s, not a regular file", what, path, ampc__file_type_name(st.st_mode));
+        else
+            ampc__err(AMPC_ERR_IO, "%s: can't open '%s': %s", what, path, strerror(e));
+        errno = e;   /* the caller may test for ENOENT */
+        return NULL;
+    }
+    const char *fail = NULL;
+    if (fstat(fd, &st) != 0) fail = "stat";
+    else if (!S_ISREG(st.st_mode)) {   /* a FIFO opened for reading: not one byte read from it */
+        close(fd);
+        return ampc__err_null(AMPC_ERR_IO, "%s: '%s' is %s, not a regular file", what, path, ampc__file_type_name(st.st_mode));
+    } else if (trunc && ftruncate(fd, 0) != 0) fail = "truncate";   /* only once it is known to be a file */
+    else {
+        int f = fcntl(fd, F_GETFL);
+        if (f < 0 || fcntl(fd, F_SETFL, f & ~O_NONBLOCK) < 0) fail = "fcntl";
+    }
+    FILE *fp = fail ? NULL : fdopen(fd, mode);   /* fdopen never truncates: done above */
+    if (!fp) {
+        int e = errno;
+        close(fd);
+        return ampc__err_null(AMPC_ERR_IO, "%s: '%s': %s failed: %s", what, path, fail ? fail : "fdopen", strerror(e));
+    }
+    return fp;
 }
 
 // ---------------------------------------------------------------------------------------------

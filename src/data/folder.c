@@ -24,8 +24,9 @@
  * is an error, as in torchvision.
  *
  * Index CSV (the usual preprocess step, and a cache of the scan): a header `image_path,target`
- * and one row per image, paths relative to root ('/'-separated; absolute ones are taken as they
- * are), RFC 4180 quoting. Given an index path that exists, open reads it instead of scanning
+ * and one row per image, paths relative to root ('/'-separated; absolute ones must lie under the
+ * root, as given or its real path; no '..' component: a row never leaves the root), RFC 4180
+ * quoting. Given an index path that exists, open reads it instead of scanning
  * (no header checks); otherwise it scans and writes it (to a temporary name, then renamed, so
  * an interrupted write never leaves a partial index). Class names from an index are the first
  * path component of the first row of each target. Targets are class indices: digits, at most
@@ -592,8 +593,20 @@ static int64_t parse_target(const char *s) {
     return t;
 }
 
-/* Reads the index into idx (paths as written, labels). */
-static int read_index(const char *csv, list *idx) {
+/* Is index row p inside root (root_real: its real path)? No ".." component, and an absolute path
+   only under the root. Lexical: rows are many, and a link inside the root is the user's own. */
+static bool row_inside(const char *p, const char *root, const char *root_real) {
+    for (const char *c = p; *c; c = strchr(c, '/') ? strchr(c, '/') + 1 : c + strlen(c))
+        if (c[0] == '.' && c[1] == '.' && (c[2] == '/' || c[2] == 0)) return false;
+    if (p[0] != '/') return true;
+    size_t n = strlen(root);
+    while (n > 1 && root[n - 1] == '/') n--;   /* "img/" as "img" */
+    bool under_root = root[0] == '/' && (n == 1 || (!strncmp(p, root, n) && p[n] == '/'));
+    return under_root || (root_real && path_inside(p, root_real) && strcmp(p, root_real) != 0);
+}
+
+/* Reads the index into idx (paths as written, labels); a row that leaves root is refused. */
+static int read_index(const char *csv, const char *root, list *idx) {
     char eb[128];
     struct stat st;
     FILE *fp = ampc__fopen_regular(csv, "image folder index", &st);   /* a FIFO would block */
@@ -622,6 +635,7 @@ static int read_index(const char *csv, list *idx) {
         free(buf);
         return ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: a NUL byte: not a CSV text file", csv, (long long)at);
     }
+    char *root_real = realpath(root, NULL);   /* NULL (out of memory): rows under root as given only */
     csv_reader r = {.p = buf, .name = csv, .n = n, .line = 1};
     uint8_t used[(MAX_TARGET + 1) / 8] = {0};   /* bit t: some row has target t */
     int64_t distinct = 0, max_t = -1, max_line = 0;
@@ -649,6 +663,9 @@ static int read_index(const char *csv, list *idx) {
                            csv, (long long)line, nf);
         else if (!f[0][0])
             rc = ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: empty image_path", csv, (long long)line);
+        else if (!row_inside(f[0], root, root_real))
+            rc = ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: image_path '%s' leaves the dataset root '%s' (rows are "
+                           "paths inside it: no '..', absolute ones under it)", csv, (long long)line, f[0], root);
         else if (t < 0)
             rc = ampc__err(AMPC_ERR_FORMAT, "image folder index %s:%lld: target '%s' is not an integer in [0, %d]", csv,
                            (long long)line, f[1], MAX_TARGET);
@@ -667,6 +684,7 @@ static int read_index(const char *csv, list *idx) {
                        "targets: targets must be class indices 0..K-1 (renumber them)", csv, (long long)max_line,
                        (long long)max_t, (long long)max_t + 1, (long long)distinct);
     free(buf);
+    free(root_real);
     if (rc == 0 && idx->n == 0) rc = ampc__err(AMPC_ERR_FORMAT, "image folder index %s: no rows", csv);
     return rc;
 }
@@ -769,7 +787,7 @@ ampc_dataset *ampc_dataset_folder_open(const char *root, const ampc_folder_optio
             return ampc__err_null(AMPC_ERR_IO, "image folder index %s: %s", o->index_csv, strerror_r(errno, eb, sizeof eb));
     }
     if (have_index) {
-        rc = read_index(o->index_csv, &idx);
+        rc = read_index(o->index_csv, root, &idx);
         if (rc == 0) rc = index_classes(&idx, &classes);
         if (rc == 0 && o->exclude_classes) rc = exclude_classes(root, o->exclude_classes, &classes, &idx, &excluded);
     } else {

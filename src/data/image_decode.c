@@ -76,11 +76,10 @@ ampc_image_format ampc__image_sniff(const void *buf, size_t n) {
     return AMPC_IMAGE_UNKNOWN;
 }
 
-static int err_unknown(const uint8_t *b, size_t n, const char *name) {
+/* Never the file's bytes: a path an index points anywhere would print what it holds. */
+static int err_unknown(size_t n, const char *name) {
     if (n == 0) return ampc__err(AMPC_ERR_FORMAT, "%s: not a JPEG or PNG file (empty)", name);
-    char hex[3 * 8 + 1] = "";
-    for (size_t i = 0; i < n && i < 8; i++) snprintf(hex + 3 * i, sizeof hex - 3 * i, " %02x", b[i]);
-    return ampc__err(AMPC_ERR_FORMAT, "%s: not a JPEG or PNG file (starts with%s)", name, hex);
+    return ampc__err(AMPC_ERR_FORMAT, "%s: not a JPEG or PNG file (no JPEG or PNG signature)", name);
 }
 
 static int check_dims(long long w, long long h, const char *name, const char *what) {
@@ -280,7 +279,7 @@ static int probe_mem(const uint8_t *buf, size_t n, const char *name, int *w, int
     case AMPC_IMAGE_PNG:
         return png_decode(buf, n, name, NULL, w, h);
     default:
-        return err_unknown(buf, n, name);
+        return err_unknown(n, name);
     }
 }
 
@@ -330,7 +329,7 @@ int ampc__image_decode_mem(const void *buf, size_t n, const char *name, int chan
     switch (ampc__image_sniff(buf, n)) {
     case AMPC_IMAGE_JPEG: rc = jpeg_decode(buf, n, name, img); break;
     case AMPC_IMAGE_PNG: rc = png_decode(buf, n, name, img, NULL, NULL); break;
-    default: return err_unknown(buf, n, name);
+    default: return err_unknown(n, name);
     }
     if (rc == 0) rc = convert_channels(img, channels, name);
     if (rc < 0) ampc__image_free(img);

@@ -790,3 +790,5 @@ int ampc_load_state_dict(const char *path, ampc_module *m, bool strict, FILE *re
     if (out) *out = r;
     return rc;
 }
+
+bool ampc_checkpoint_meta_text_valid(const char *text) { return text && st_utf8_valid(text); }

@@ -141,24 +141,17 @@ ampc_metrics *ampc_metrics_open(const char *csv_path, const char *const *columns
         free(path);
         return ampc__err_null(AMPC_ERR_OOM, "metrics_open: out of memory");
     }
-    /* "a+" would force every write to the end but forbids the truncation of a torn line */
+    /* "a+" would force every write to the end but forbids the truncation of a torn line; the
+       file sits in an output folder: a FIFO or a link there is refused (ampc_output_fopen) */
     FILE *f = NULL;
-    struct stat st;
-    if (stat(csv_path, &st) == 0 && !S_ISREG(st.st_mode)) {   /* opening a FIFO to write would block */
-        free(header);
-        free(path);
-        return ampc__err_null(AMPC_ERR_IO, "metrics '%s' is %s, not a regular file", csv_path, ampc__file_type_name(st.st_mode));
-    }
     if (append) {
-        f = fopen(csv_path, "r+");
-        if (!f && errno == ENOENT) f = fopen(csv_path, "w+");
+        f = ampc_output_fopen(csv_path, "metrics", "r+");
+        if (!f && errno == ENOENT) f = ampc_output_fopen(csv_path, "metrics", "w+");
     } else {
-        f = fopen(csv_path, "w");
+        f = ampc_output_fopen(csv_path, "metrics", "w");
     }
-    int rc = AMPC_OK;
-    if (!f) rc = ampc__err(AMPC_ERR_IO, "metrics '%s': can't open: %s", csv_path, strerror(errno));
-    else if (append) rc = prepare_append(f, csv_path, header);
-    else if (fprintf(f, "%s\n", header) < 0 || fflush(f) != 0)
+    int rc = !f ? ampc_last_status() : append ? prepare_append(f, csv_path, header) : AMPC_OK;
+    if (f && !append && (fprintf(f, "%s\n", header) < 0 || fflush(f) != 0))
         rc = ampc__err(AMPC_ERR_IO, "metrics '%s': write failed: %s", csv_path, strerror(errno));
     free(header);
     ampc_metrics *m = rc == AMPC_OK ? ampc__handle_pool_get(&metrics_pool) : NULL;

@@ -29,9 +29,12 @@ static bool file_exists(const char *dir, const char *name) {
     char path[4096];
     snprintf(path, sizeof path, "%s/%s", dir, name);
     struct stat st;
-    return stat(path, &st) == 0 && S_ISREG(st.st_mode);
+    return stat(path, &st) == 0;
 }
 
+/* Whether dir holds <prefix>-images-idx3-ubyte(.gz). A name taken by something that is not a
+   file (a FIFO, a link to one) counts too: opening it refuses it by name, where taking it for
+   absent would make validation a split of the training data. */
 static bool has_idx(const char *dir, const char *prefix) {
     char a[64], b[64];
     snprintf(a, sizeof a, "%s-images-idx3-ubyte", prefix);

@@ -128,9 +128,9 @@ int numerics_report(run *r) {
         }
         free(order);
         char *path = path_join(r->out, "numerics.csv");
-        FILE *f = path ? fopen(path, "w") : NULL;
+        FILE *f = path ? ampc_output_fopen(path, "numerics.csv", "w") : NULL;   /* a FIFO or a link there: refused */
         if (!path) rc = -1;
-        else if (!f) rc = fail("numerics.csv: can't write '%s': %s", path, strerror(errno));
+        else if (!f) rc = fail_lib("--numerics-every");
         else {
             fprintf(f, "pass,module,op,outputs,values,amax,flushed,subnormal,saturated,zeros,nonfinite\n");
             for (int i = 0; i < n; i++) {

@@ -42,6 +42,7 @@
 #include "train.h"
 #include "progress.h"
 
+#include <errno.h>
 #include <stdio.h>
 
 // ---------------------------------------------------------------------------------------------
@@ -98,6 +99,20 @@ static int compare_checkpoints(const char *pa, const char *pb) {
 
 // ---------------------------------------------------------------------------------------------
 
+/* libgomp takes $OMP_NUM_THREADS as it is and crashes creating 100000 threads at the first
+   parallel region; --threads has a bound, the variable gets the same one, before any such region. */
+static int check_omp_env(void) {
+    const char *v = getenv("OMP_NUM_THREADS");
+    if (!v) return 0;
+    char *end;
+    errno = 0;
+    long long n = strtoll(v, &end, 10);   /* "8" or a list "8,4": the outer level's count */
+    if (end != v && (errno == ERANGE || n > (long long)OPTS[OPT_THREADS].hi))   /* what libgomp would not read is its to ignore */
+        return fail("OMP_NUM_THREADS=%.40s is more threads than the %.0f " PROG " allows (--threads): unset it or lower it",
+                    v, OPTS[OPT_THREADS].hi);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (ampc_dist_launched() && ampc_dist_init(&argc, &argv) < 0) {
         fprintf(stderr, PROG ": error: starting MPI: %s\n", ampc_last_error());
@@ -113,6 +128,7 @@ int main(int argc, char **argv) {
         settings_free(&s);
         return 0;
     }
+    if (rc == 0) rc = check_omp_env();
     if (rc == 0 && ampc_init() < 0) rc = fail_lib("init");
     if (rc == 0 && ampc_dist_set_timeout(rval(&s, OPT_COLLECTIVE_TIMEOUT)) < 0) rc = fail_lib("--collective-timeout");
     if (rc == 0) {

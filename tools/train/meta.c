@@ -302,6 +302,9 @@ int resume_state(run *r) {
     bool fresh_scaler = false;
     int rc = resume_remedies(r, meta, path, &fresh_scaler);
     if (rc == 0 && ampc_checkpoint_load(path, r->net, r->opt, fresh_scaler ? NULL : r->scaler, NULL) < 0) rc = fail_lib("--resume");
+    /* the load restores the checkpoint's rate; a --lr given anew (the guard rails' remedy) is the
+       rate from here on (a schedule derives each step's from it anyway) */
+    if (rc == 0 && r->s->given[OPT_LR]) ampc_optimizer_set_lr(r->opt, rval(r->s, OPT_LR));
     if (rc < 0) return rc;
     int64_t n_train, n_val, n_classes;
     const int64_t max_epochs = (int64_t)OPTS[OPT_EPOCHS].hi, max_size = INT64_C(1) << 48;

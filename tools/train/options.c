@@ -97,7 +97,7 @@ const opt_def OPTS[OPT_COUNT] = {
                          "learning rate by optimizer step, as PyTorch's schedulers: constant, step (StepLR: times "
                          "--lr-gamma every --lr-step-size epochs) or cosine (CosineAnnealingLR to 0 over the run); "
                          "steps the GradScaler skips do not advance it"},
-    [OPT_LR_STEP_SIZE] = {"lr-step-size", V_INT, "1", NULL, 1, INT_FLAG_MAX, false, O_SAVE | O_RUN, "N",
+    [OPT_LR_STEP_SIZE] = {"lr-step-size", V_INT, "1", NULL, 1, 1e9, false, O_SAVE | O_RUN, "N",
                           "--lr-schedule step: epochs between decays (their optimizer steps)"},
     [OPT_LR_GAMMA] = {"lr-gamma", V_REAL, "0.1", NULL, 0, 1, false, O_SAVE | O_RUN, "X", "--lr-schedule step: the decay factor"},
     [OPT_WARMUP_STEPS] = {"warmup-steps", V_INT, "0", NULL, 0, INT_FLAG_MAX, false, O_SAVE | O_RUN, "N",
@@ -265,6 +265,10 @@ int canonical(int i, const char *text, char *out, size_t n, char *err, size_t er
     }
     case V_TEXT:
         if (i != OPT_DATA && i != OPT_INDEX_CSV && i != OPT_EXCLUDE_CLASS && i != OPT_FP32_MODULES && !*text) return snprintf(err, errn, "--%s needs a value", o->name), -1;
+        /* the checkpoint's metadata records it, and safetensors' JSON header holds UTF-8 only:
+           refused now rather than at the first save, after an epoch of training */
+        if ((o->flags & O_SAVE) && !ampc_checkpoint_meta_text_valid(text))
+            return snprintf(err, errn, "--%s is not valid UTF-8 text (the checkpoint's metadata records it): rename it", o->name), -1;
         snprintf(out, n, "%s", text);
         return 0;
     }

@@ -24,6 +24,7 @@ void run_free(run *r) {
     data_free(&r->d);
     free(r->hist.rows);
     free(r->out);
+    if (r->out_lock) fclose(r->out_lock);   /* and the lock with it */
     free(r->ckpt_path);
     free(r->model_path);
     free(r->diverged_path);
@@ -85,6 +86,9 @@ static int load_pretrained(run *r) {
     if (text && *text) fprintf(rc < 0 ? stderr : stdout, "%s", text);
     free(text);
     if (rc < 0) return rc;
+    if (lr.loaded == 0)   /* not strict, nothing matched: training from scratch is not what was asked */
+        return fail("--pretrained '%s': none of its tensors matched the model's (%d missing, %d unexpected, %d of another shape): "
+                    "a file for another --model than %s?", path, lr.missing, lr.unexpected, lr.mismatched, model);
     if (misses) warn("--pretrained-strict no: %d backbone tensor(s) keep new values: %s%s", misses, names, stem_why);
     snprintf(r->pretrained_note, sizeof r->pretrained_note, "%s: %d tensors loaded, %d missing, %d unexpected, %d of another shape (kept new)",
              path, lr.loaded, lr.missing, lr.unexpected, lr.mismatched);
@@ -428,9 +432,13 @@ int run_build(run *r) {
     const int64_t nb = ampc_loader_num_batches(r->train_ld), acc = ival(s, OPT_ACCUMULATE);
     const int64_t per_epoch = nb > 0 ? (nb + acc - 1) / acc : 1;
     const char *sk = sval(s, OPT_LR_SCHEDULE);
-    const int64_t warm = ival(s, OPT_WARMUP_STEPS), all = ival(s, OPT_EPOCHS) * per_epoch;
+    /* in optimizer steps, saturated: a product past INT64_MAX is a step never reached */
+    int64_t all, step_size;
+    if (__builtin_mul_overflow(ival(s, OPT_EPOCHS), per_epoch, &all)) all = INT64_MAX;
+    if (__builtin_mul_overflow(ival(s, OPT_LR_STEP_SIZE), per_epoch, &step_size)) step_size = INT64_MAX;
+    const int64_t warm = ival(s, OPT_WARMUP_STEPS);
     r->sched = (ampc_lr_schedule){.kind = !strcmp(sk, "step") ? AMPC_LR_STEP : !strcmp(sk, "cosine") ? AMPC_LR_COSINE : AMPC_LR_CONSTANT,
-                                  .step_size = ival(s, OPT_LR_STEP_SIZE) * per_epoch,
+                                  .step_size = step_size,
                                   .gamma = rval(s, OPT_LR_GAMMA),
                                   .t_max = all - warm > 1 ? all - warm : 1,
                                   .eta_min = 0,

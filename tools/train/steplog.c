@@ -26,19 +26,19 @@ static int64_t steps_so_far(const run *r) {
 }
 
 int steplog_cut_back(const char *path, int64_t keep) {
-    FILE *in = fopen(path, "r");
-    if (!in) return errno == ENOENT ? 0 : fail("steps.csv: can't read '%s': %s", path, strerror(errno));
+    FILE *in = ampc_output_fopen(path, "steps.csv", "r");   /* a FIFO or a link there: refused, not read */
+    if (!in) return errno == ENOENT ? 0 : fail_lib("--step-log");
     char *tmp = NULL;
     if (asprintf(&tmp, "%s.tmp.%ld", path, (long)getpid()) < 0) {
         fclose(in);
         return fail("out of memory");
     }
-    FILE *out = fopen(tmp, "w");
+    unlink(tmp);   /* a new file, never one placed there */
+    FILE *out = ampc_output_fopen(tmp, "steps.csv", "wx");
     if (!out) {
-        int e = errno;
         fclose(in);
         free(tmp);
-        return fail("steps.csv: can't write '%s': %s", tmp, strerror(e));
+        return fail_lib("--step-log");
     }
     char *line = NULL;
     size_t cap = 0;
@@ -98,11 +98,11 @@ int steplog_step(run *r, int64_t epoch, int64_t batch, double loss, double scale
 int steplog_plot(run *r) {
     if (!r->steps || !ampc_scaler_is_enabled(r->scaler)) return 0;
     char *path = path_join(r->out, "steps.csv"), *png = path_join(r->out, "scale.png");
-    FILE *f = path ? fopen(path, "r") : NULL;
+    FILE *f = path ? ampc_output_fopen(path, "steps.csv", "r") : NULL;
     double *x = NULL, *y = NULL, *sx = NULL, *sy = NULL;
     int n = 0, ns = 0, rows = 0, rc = 0;
     if (!path || !png) rc = -1;
-    else if (!f) rc = fail("steps.csv: can't read '%s': %s", path, strerror(errno));
+    else if (!f) rc = fail_lib("--step-log");
     char line[512];
     while (rc == 0 && fgets(line, sizeof line, f)) rows++;   /* the header and a line per step: room for all */
     if (rc == 0) {

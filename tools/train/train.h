@@ -18,6 +18,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -190,6 +191,7 @@ typedef struct {
     ampc_dtype amp_dtype;
     ampc_device device;   /* --device: the model and each batch live there (the loader works on the CPU) */
     char *out;               /* output folder */
+    FILE *out_lock;          /* <out>/ampc-train.lock, flock'd while the run writes there (rank 0) */
     char *ckpt_path;
     char *model_path;        /* model.safetensors: the state_dict alone, for load_state_dict(strict=True) */
     char *diverged_path;     /* diverged.safetensors: where the grad scaler's guard rails stopped the run */

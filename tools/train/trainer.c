@@ -16,6 +16,7 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -124,6 +125,20 @@ static int check_step(run *r, int64_t epoch, int64_t step, int64_t n_steps, doub
                                    ? ", 2^-24, where every fp16 gradient of a loss <= 1 underflows" : "",
                                doctor_blame(blame, sizeof blame));
     return 0;
+}
+
+/* After an epoch's training pass: under the grad scaler, an epoch whose optimizer steps were all
+   skipped changed nothing but the scale, however few they were (fewer than --max-skipped-steps);
+   it stops as the guard rails do (returns 2, as run_pass when they stop it, or 0). */
+static int check_epoch_applied(run *r, int64_t epoch, const pass_stats *tr) {
+    const int64_t accum = ival(r->s, OPT_ACCUMULATE), steps = (tr->steps + accum - 1) / accum;
+    const int64_t skipped = ampc_scaler_steps_skipped(r->scaler) - r->epoch_skipped0;
+    if (!ampc_scaler_is_enabled(r->scaler) || steps == 0 || skipped < steps) return 0;
+    char blame[520];
+    scaler_diverged(r, epoch, 0, 0, "the grad scaler skipped all %" PRId64 " optimizer step(s) of the epoch (inf/NaN "
+                    "gradients down to scale %g): not one was applied%s", steps, (double)ampc_scaler_get_scale(r->scaler),
+                    doctor_blame(blame, sizeof blame));
+    return 2;
 }
 
 /* NaN/inf values in the weights and buffers (*model) and in the optimizer's state (*opt). */
@@ -460,6 +475,36 @@ static int mkdir_p(const char *path) {
     return 0;
 }
 
+/* Two runs writing one --out would mix their files: the first takes an exclusive flock(2) on
+   <out>/ampc-train.lock (released however the process ends; the file stays) and writes its pid
+   there; the second says who holds it. Rank 0 alone writes --out, so it alone locks. */
+static int lock_out(run *r) {
+    char *path = path_join(r->out, "ampc-train.lock");
+    if (!path) return -1;
+    FILE *f = ampc_output_fopen(path, "--out lock", "a+");   /* never truncated before it is ours */
+    int rc = 0;
+    if (!f) {
+        rc = fail_lib("--out");
+    } else if (flock(fileno(f), LOCK_EX | LOCK_NB) != 0) {
+        int e = errno;
+        long pid = 0;
+        rewind(f);
+        if (fscanf(f, "%ld", &pid) != 1) pid = 0;   /* the holder may not have written it yet */
+        char who[48] = "another process";
+        if (pid > 0) snprintf(who, sizeof who, "another " PROG " (pid %ld)", pid);
+        rc = e == EWOULDBLOCK ? fail("--out '%s' is in use: %s holds %s; give another --out or wait for it to end", r->out, who, path)
+                              : fail("--out '%s': can't lock %s: %s", r->out, path, strerror(e));
+        fclose(f);
+    } else if (ftruncate(fileno(f), 0) != 0 || fprintf(f, "%ld\n", (long)getpid()) < 0 || fflush(f) != 0) {
+        rc = fail("--out '%s': can't write %s: %s", r->out, path, strerror(errno));
+        fclose(f);
+    } else {
+        r->out_lock = f;
+    }
+    free(path);
+    return rc;
+}
+
 char *path_join(const char *dir, const char *name) {
     char *p = NULL;
     if (asprintf(&p, "%s/%s", dir, name) < 0) {
@@ -640,6 +685,12 @@ int train_run(settings *s, run_result *res) {
     memset(res, 0, sizeof *res);
     run r = {.s = s};
     int rc = 0;
+    /* the checkpoint holds the run's own weights: a --pretrained file would be ignored or would
+       overwrite them, neither of which a user means */
+    if (*sval(s, OPT_RESUME) && *sval(s, OPT_PRETRAINED)) {
+        rc = usage_error("--pretrained starts a new run from those weights; --resume continues from the checkpoint's own: give one of them");
+        goto done;
+    }
     if (*sval(s, OPT_RESUME) && (rc = resume_settings(s, &r.meta)) < 0) goto done;
     if ((rc = agree_settings(&r)) < 0 || (rc = run_build(&r)) < 0) goto done;
     if (ampc_autocast_fp32_modules(sval(s, OPT_FP32_MODULES)) < 0) {
@@ -692,7 +743,7 @@ int train_run(settings *s, run_result *res) {
         rc = fail("out of memory");
         goto done;
     }
-    if (r.rank == 0 && (rc = mkdir_p(r.out)) < 0) goto done;
+    if (r.rank == 0 && ((rc = mkdir_p(r.out)) < 0 || (rc = lock_out(&r)) < 0)) goto done;
     if (!(r.ckpt_path = path_join(r.out, "checkpoint.safetensors")) || !(r.model_path = path_join(r.out, "model.safetensors")) ||
         !(r.diverged_path = path_join(r.out, "diverged.safetensors")) ||
         (rc = open_metrics(&r)) < 0 || (rc = steplog_open(&r)) < 0) {
@@ -719,7 +770,10 @@ int train_run(settings *s, run_result *res) {
         if (!cont) r.epoch_skipped0 = ampc_scaler_steps_skipped(r.scaler);
         pass_stats tr, va;
         int pr = run_pass(&r, true, e, &tr, cont ? &r.resume_train : NULL);
+        if (pr == 0) pr = check_epoch_applied(&r, e, &tr);
         if (pr == 0) pr = run_pass(&r, false, e, &va, NULL);
+        /* the weights give NaN on the validation data: they are not a good checkpoint */
+        if (pr == 0 && va.samples > 0 && !isfinite(va.loss)) pr = diverged(&r, e, 0, 0, "the validation loss is %g", va.loss);
         if (pr < 0) {
             if (g_err_status == AMPC_ERR_OOM && strcmp(sval(s, OPT_MAX_MEMORY), "none") != 0) oom_advice(&r, rval(s, OPT_MAX_MEMORY));
             rc = -1;
