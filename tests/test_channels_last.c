@@ -326,16 +326,46 @@ static void test_models_fp32_match(void **state) {
     }
 }
 
-/* Autocast bf16: each layer rounds to bf16 (2^-8) in places that depend on summation order, so
-   the two runs agree to a few bf16 ulps per layer, not to fp32 precision. */
+/* Relative L2 distance of parameter i's gradient in a from b's. */
+static double grad_dist(const run_result *a, const run_result *b, int i) {
+    double dd = 0, nn = 0;
+    for (int64_t j = 0; j < b->sizes[i]; j++) {
+        dd += (a->grads[i][j] - b->grads[i][j]) * (a->grads[i][j] - b->grads[i][j]);
+        nn += b->grads[i][j] * b->grads[i][j];
+    }
+    return sqrt(dd / nn);
+}
+
+/* Autocast bf16: each layer rounds to bf16 (2^-8) where the kernel's summation order decides, and
+   through 18 layers of a batch of 4 that moves the first layers' gradients far: against the fp64
+   REF backend's exact gradient, conv1's is off by 0.36-0.41 in norm with every kernel (measured:
+   AVX512-BF16 0.36, AMX 0.37, and AMX's channels-last 0.36). The two layouts agree bit for bit
+   where oneDNN runs both through one computation (AVX512-BF16), but not on AMX, whose kernels for
+   the two layouts round in other places: there they differ by up to 0.28. So each layout is held
+   to the exact gradient, not to the other: channels-last's error is within 1.5x contiguous's
+   (+0.02 for the smallest), measured 1.14 at worst; a layout mistake moves a whole gradient by
+   O(1) (an error of ~1.4). And neither is farther than 0.6 from it. */
 static void test_models_bf16_match(void **state) {
     (void)state;
+    if (!ampc_dtype_supported(AMPC_DEVICE_CPU, AMPC_BF16)) {   /* AVX2 only: oneDNN has no bf16 kernels */
+        print_message("skipped: no bf16 kernels on this CPU (%s)\n", ampc_cpu_features());
+        return;
+    }
     const int64_t xs[4] = {4, 3, 16, 16};
     run_result c = run_model("resnet18", AMPC_CONTIGUOUS_FORMAT, AMPC_DEVICE_CPU, true, true, xs, 10);
     run_result l = run_model("resnet18", AMPC_CHANNELS_LAST, AMPC_DEVICE_CPU, true, true, xs, 10);
-    compare_models("resnet18 bf16", &l, &c, 0.1);
+    run_result r = run_model("resnet18", AMPC_CONTIGUOUS_FORMAT, AMPC_DEVICE_REF, false, true, xs, 10);
+    assert_int_equal(c.n, r.n);
+    assert_int_equal(l.n, r.n);
+    for (int i = 0; i < r.n; i++) {
+        double ec = grad_dist(&c, &r, i), el = grad_dist(&l, &r, i);
+        if (!(ec <= 0.6 && el <= 0.6 && el <= 1.5 * ec + 0.02))
+            fail_msg("resnet18 bf16: gradient of parameter %d (%lld values) off the fp64 reference by %.3g (channels-last) and %.3g "
+                     "(contiguous)", i, (long long)r.sizes[i], el, ec);
+    }
     free_result(&c);
     free_result(&l);
+    free_result(&r);
 }
 
 /* REF has no channels-last kernels: every op converts, and the result is the contiguous one. */

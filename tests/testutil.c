@@ -318,3 +318,5 @@ FILE *tu_open_fixture(const char *name) {
     if (!f) fail_msg("can't open %s", path);
     return f;
 }
+
+bool tu_impl_bf16_native(const char *impl) { return strstr(impl, "avx512_core_bf16") || strstr(impl, "avx512_core_amx"); }

@@ -33,6 +33,9 @@ double tu_eps(ampc_dtype dt);
 /* v rounded to dt as the library's conversions round it (ampc_f32_to_f16/bf16, through f32);
    f64 and the integer dtypes: v as it is. */
 double tu_round_to(ampc_dtype dt, double v);
+/* Whether a oneDNN implementation name ("brgconv:avx512_core_amx_bf16", "jit:avx512_core_bf16")
+   runs on bf16 arithmetic: AVX512-BF16 or AMX, whichever the CPU has (never assert one of them). */
+bool tu_impl_bf16_native(const char *impl);
 
 /* Asserts |got - ref| <= atol + rtol*|ref| elementwise (NaN must match NaN); names the worst. */
 void tu_assert_close(const char *what, const double *got, const double *ref, size_t n, double atol, double rtol);
