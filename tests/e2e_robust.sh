@@ -502,7 +502,9 @@ SIG=(--model cnn --limit-train 1024 --limit-val 128 --batch-size 32 --epochs 2 -
 if timeout "$LIMIT" "$TRAIN" "${SIG[@]}" --out "$W/sref" >/dev/null 2>&1; then
     for sig in INT TERM; do
         d="$W/s$sig"
-        timeout "$LIMIT" "$TRAIN" "${SIG[@]}" --out "$d" >"$d.out" 2>"$d.err" &
+        # --foreground: timeout(1) passes a signal on to ampc-train alone; without it, it also sends
+        # it to its process group, ampc-train included, and a second SIGINT stops at once
+        timeout --foreground "$LIMIT" "$TRAIN" "${SIG[@]}" --out "$d" >"$d.out" 2>"$d.err" &
         pid=$!
         # wait for the second epoch's first progress line: the signal lands mid-epoch
         for ((t = 0; t < 600; t++)); do grep -q '^epoch 2/2 train' "$d.out" 2>/dev/null && break; sleep 0.1; done

@@ -151,7 +151,7 @@ const opt_def OPTS[OPT_COUNT] = {
                             "every K-th optimizer step, per op: the amax of its outputs and gradients and the share of "
                             "values the 16-bit type flushes to zero, keeps only as subnormals or saturates at the current "
                             "loss scale; a table at the end and numerics.csv in --out (0: off)"},
-    [OPT_COLLECTIVE_TIMEOUT] = {"collective-timeout", V_REAL, "1800", NULL, 0, 1e9, false, 0, "SECONDS",
+    [OPT_COLLECTIVE_TIMEOUT] = {"collective-timeout", V_INT, "1800", NULL, 0, 1e9, false, 0, "SECONDS",
                                 "under mpirun: the longest any process waits in a collective (an all-reduce, a broadcast) "
                                 "for the others; past it the job ends naming the step and the collective (a process "
                                 "stopped, hung or dead; 0: wait for ever)"},
