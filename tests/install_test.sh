@@ -47,6 +47,15 @@ if [[ $NEEDED == *plplot* ]]; then die "libampc.so needs PLplot: $NEEDED"; else 
 export PKG_CONFIG_PATH=$LIB/pkgconfig
 PCV=$(pkg-config --modversion ampc)
 [ "$PCV" = "$V" ] && echo "ok: version $V (version.h, SONAME, ampc.pc)" || die "ampc.pc says version '$PCV', version.h '$V'"
+# --- the licence: the text beside the changelog, named by ampc.pc, the CMake package and the programs
+cmp -s "$SRC/LICENSE" "$P/share/doc/ampc/LICENSE" && [ -f "$P/share/doc/ampc/CHANGELOG.md" ] || die "LICENSE/CHANGELOG.md not installed in share/doc/ampc"
+grep -q "^Description: .*(MIT licence)" "$LIB/pkgconfig/ampc.pc" || die "ampc.pc does not name the licence"
+grep -q 'set(ampc_LICENSE "MIT")' "$LIB/cmake/ampc/ampcConfig.cmake" || die "ampcConfig.cmake does not name the licence"
+grep -q "^## $V (" "$SRC/CHANGELOG.md" || die "CHANGELOG.md has no entry for $V"
+for prog in ampc-train ampc-bench; do
+    "$BUILD/$prog" --version | grep -qx "$prog (ampc) $V.*" || die "$prog --version: $("$BUILD/$prog" --version 2>&1 | head -1)"
+done
+echo "ok: MIT licence installed and named; CHANGELOG.md has $V; ampc-train and ampc-bench --version say $V"
 grep -rlF -e "$SRC" -e "$BUILD" "$P/include" "$LIB/cmake" "$LIB/pkgconfig" >"$W/paths" && die "installed files name the build machine's trees: $(cat "$W/paths")"
 
 # --- README's example

@@ -596,7 +596,8 @@ static void usage(FILE *f) {
             "                          (its cost; default no)\n"
             "  --keep-casts yes|no     autocast's weight copies kept across steps and rewritten by\n"
             "                    the optimizer's pass (default yes; no: recast in every step)\n"
-            "  --help            this text\n");
+            "  --help            this text\n"
+            "  --version         ampc's and oneDNN's versions\n");
 }
 
 /* Parses a comma list against names[]; sets on[i]. Returns -1 on an unknown name. */
@@ -661,6 +662,10 @@ int main(int argc, char **argv) {
         int rc = 0;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
+            return 0;
+        } else if (!strcmp(a, "--version")) {
+            const dnnl_version_t *dv = dnnl_version();
+            printf("ampc-bench (ampc) %s, oneDNN %d.%d.%d\nLicence: MIT (see LICENSE)\n", ampc_version(), dv->major, dv->minor, dv->patch);
             return 0;
         } else if (!strcmp(a, "--workloads")) rc = parse_list(v, wl_names, N_WORKLOADS, wl_on);
         else if (!strcmp(a, "--resnet50")) wl_on[3] = true;

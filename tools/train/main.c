@@ -123,8 +123,9 @@ int main(int argc, char **argv) {
     settings s;
     const char *cmp_a = NULL, *cmp_b = NULL;
     int prc = parse_args(argc, argv, &s, &cmp_a, &cmp_b), rc = prc < 0 ? -1 : 0;
-    if (prc == 1) {
-        print_help();
+    if (prc == 1 || prc == 2) {
+        if (prc == 1) print_help();
+        else printf(PROG " (ampc) %s\nLicence: MIT (see LICENSE)\n", ampc_version());
         settings_free(&s);
         return 0;
     }

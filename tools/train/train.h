@@ -106,7 +106,7 @@ int settings_copy(settings *dst, const settings *src);
 /* Checks text against option i and writes its canonical form to out; on a bad value, -1 and the
    reason in err. */
 int canonical(int i, const char *text, char *out, size_t n, char *err, size_t errn);
-/* Command line -> settings (defaults for what is not given). Returns 0, 1 for --help, or -1
+/* Command line -> settings (defaults for what is not given). Returns 0, 1 for --help, 2 for --version, or -1
    (usage_error). Callable any number of times: it resets getopt_long's state. */
 int parse_args(int argc, char **argv, settings *s, const char **cmp_a, const char **cmp_b);
 void print_help(void);
