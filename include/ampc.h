@@ -54,9 +54,12 @@
  * is stale once its user freed it, even while a subset or loader still reads it. No address is
  * ever handed out twice, so a freed handle never names a new object, however many were made
  * since: headers come from reserved address space, and the memory of freed ones goes back to
- * the system, but not their addresses (about 200 bytes of address space per tensor ever made:
- * some 10^11 tensors fit in a 47-bit address space; past that, making one fails with
- * AMPC_ERR_OOM). A tensor whose scope ended while autograd still holds it (saved for backward)
+ * the system, page tables included, but not their addresses (about 200 bytes of address space
+ * per tensor ever made: some 10^11 tensors fit in a 47-bit address space; past that, making one
+ * fails with AMPC_ERR_OOM). So memory stays flat over a long run: what stays is a 4 KiB page
+ * table and a memory mapping or two (Linux allows 65530) per 2 MiB stretch of headers that
+ * holds a live object (a parameter, say), and per GiB of headers (~5 million tensors) that does.
+ * A tensor whose scope ended while autograd still holds it (saved for backward)
  * stays readable until backward releases it; only ampc_tensor_free/keep/own reject it then. An optimizer refuses to step (AMPC_ERR_STATE)
  * once the module its parameters belong to was freed or replaced (ampc_module_replace).
  */

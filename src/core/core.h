@@ -105,7 +105,7 @@ void ampc__pool_drain(ampc_pool *pool);
 /* Pools of user-visible handles (tensors, modules, optimizers, scalers, datasets, loaders,
    transforms, metrics logs, data-parallel wrappers; handles.c): no address is handed out twice, so a freed handle
    never names a live object, and stays readable (a marker written before put stays, or reads
-   as zero once its slab is given back). Only the obj_size field is set by the owner. */
+   as zero once its slab, or its 2 MiB region, is given back). Only the obj_size field is set by the owner. */
 typedef struct {
     size_t obj_size;
     size_t slab_bytes;   /* set at the first get */
