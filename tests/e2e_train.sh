@@ -46,12 +46,14 @@ same_tensors() {
 }
 
 # expect_error NAME PATTERN ARGS...: a non-zero exit that is not a signal (< 128), exactly one
-# "ampc-train: error: " line on stderr matching PATTERN, no sanitizer report.
+# "ampc-train: error: " line on stderr matching PATTERN, no sanitizer report. The exit status is
+# left in ERR_RC.
 expect_error() {
     local name=$1 pattern=$2
     shift 2
     "$TRAIN" "$@" >"$W/$name.out" 2>"$W/$name.err"
     local rc=$?
+    ERR_RC=$rc
     local n
     n=$(grep -c '^ampc-train: error: ' "$W/$name.err")
     if [ $rc -eq 0 ] || [ $rc -ge 128 ]; then
@@ -288,7 +290,15 @@ mkdir -p "$W/corrupt"
 head -c 4096 /dev/zero >"$W/corrupt/train-images-idx3-ubyte"
 cp "$FM/train-labels-idx1-ubyte"* "$W/corrupt/"
 expect_error corrupt_idx 'train-images' --data "$W/corrupt" --epochs 1
-expect_error unknown_flag "unknown option '--bogus'" --bogus 3
+expect_error unknown_flag "unknown option '--bogus' \(see --help\)$" --bogus 3   # far from every flag: no guess
+# a near miss names the flag meant, and is still a bad command line (exit 2)
+typo() {
+    expect_error "typo_$1" "unknown option '--$1' \(did you mean --$2\?\)" --"$1" 3 &&
+        { [ "$ERR_RC" -eq 2 ] || bad "typo_$1: exit $ERR_RC, want 2"; }
+}
+typo epoch epochs
+typo batchsize batch-size
+typo lr-shedule lr-schedule
 expect_error bad_value 'batch-size' --batch-size 0
 expect_error bad_size 'max-memory' --max-memory 12Q
 expect_error bad_choice 'optimizer' --optimizer rmsprop
