@@ -155,6 +155,10 @@ const opt_def OPTS[OPT_COUNT] = {
                                 "under mpirun: the longest any process waits in a collective (an all-reduce, a broadcast) "
                                 "for the others; past it the job ends naming the step and the collective (a process "
                                 "stopped, hung or dead; 0: wait for ever)"},
+    [OPT_LABEL_SMOOTHING] = {"label-smoothing", V_REAL, "0", NULL, 0, 1, false, O_SAVE | O_RUN, "X",
+                             "the training loss is PyTorch's CrossEntropyLoss(label_smoothing=X): the target mixes the "
+                             "true class (1 - X) with a uniform share X over the classes; validation keeps plain cross "
+                             "entropy, as timm does, so its loss stays comparable (0: off)"},
 };
 
 
