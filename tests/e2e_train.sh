@@ -46,12 +46,14 @@ same_tensors() {
 }
 
 # expect_error NAME PATTERN ARGS...: a non-zero exit that is not a signal (< 128), exactly one
-# "ampc-train: error: " line on stderr matching PATTERN, no sanitizer report.
+# "ampc-train: error: " line on stderr matching PATTERN, no sanitizer report. The exit status is
+# left in ERR_RC.
 expect_error() {
     local name=$1 pattern=$2
     shift 2
     "$TRAIN" "$@" >"$W/$name.out" 2>"$W/$name.err"
     local rc=$?
+    ERR_RC=$rc
     local n
     n=$(grep -c '^ampc-train: error: ' "$W/$name.err")
     if [ $rc -eq 0 ] || [ $rc -ge 128 ]; then
@@ -227,6 +229,30 @@ if run first "${SMALL[@]}" --amp-dtype fp16 --epochs 1 --out "$W/b" && cp "$W/b/
 fi
 
 # ---------------------------------------------------------------------------------------------
+# --label-smoothing: the training loss alone changes (steps.csv); 0 is the default, bit for bit;
+# it defines the run, so a resume holds it to the checkpoint's (an older one's without it: 0)
+LS=(--model mlp "${SMALL[@]}" --epochs 1 --step-log yes)
+expect_error ls_range "--label-smoothing takes a number in \[0, 1\], not '1.5'" --label-smoothing 1.5
+if run ls_off "${LS[@]}" --out "$W/ls_off" && run ls_zero "${LS[@]}" --label-smoothing 0 --out "$W/ls_zero" &&
+    run ls_on "${LS[@]}" --label-smoothing 0.1 --out "$W/ls_on"; then
+    same_tensors "--label-smoothing 0 == the default" "$W/ls_off/checkpoint.safetensors" "$W/ls_zero/checkpoint.safetensors"
+    # the first step's weights are the same in both runs: the smoothed loss exceeds the plain one
+    # by X times the batch's mean margin of the true class's logit over the mean logit
+    a=$(awk -F, 'NR == 2 { print $4 }' "$W/ls_off/steps.csv") b=$(awk -F, 'NR == 2 { print $4 }' "$W/ls_on/steps.csv")
+    lt "$a" "$b" && ok "--label-smoothing 0.1: the first step's loss $b > $a" || bad "--label-smoothing 0.1: the first step's loss $b, not > $a"
+    "$TRAIN" --compare-checkpoints "$W/ls_off/checkpoint.safetensors" "$W/ls_on/checkpoint.safetensors" >"$W/ls_cmp.out"
+    [ $? -eq 1 ] && ok "--label-smoothing 0.1 trains other weights" || bad "--label-smoothing 0.1: the same weights as without"
+    expect_error ls_resume "--label-smoothing 0.2 differs from the checkpoint's --label-smoothing 0.1" \
+        --resume "$W/ls_on/checkpoint.safetensors" --label-smoothing 0.2 --epochs 2 --out "$W/x"
+    # a checkpoint from before the flag: its metadata key blanked (JSON whitespace, the same length)
+    perl -e 'open(F, "<:raw", $ARGV[0]) or die; local $/; my $d = <F>; my $n = unpack("Q<", substr($d, 0, 8));
+             substr($d, 8, $n) =~ s/("ampc_train\.config\.label-smoothing":"[^"]*",)/" " x length($1)/e or die "no key\n";
+             open(O, ">:raw", $ARGV[1]) or die; print O $d' "$W/ls_on/checkpoint.safetensors" "$W/ls_old.safetensors" &&
+        expect_error ls_older "--label-smoothing 0.1 differs from the checkpoint's --label-smoothing 0 .*predates" \
+            --resume "$W/ls_old.safetensors" --label-smoothing 0.1 --epochs 2 --out "$W/x"
+fi
+
+# ---------------------------------------------------------------------------------------------
 # --compare: fp32 then AMP side by side, with a data wait row
 if run compare --limit-train 64 --limit-val 32 --batch-size 32 --progress off --epochs 1 --compare --out "$W/cmp"; then
     grep -qE '^data wait \(training\) +[0-9]+\.[0-9]% +[0-9]+\.[0-9]%$' "$W/compare.out" && ok "compare: data wait row" ||
@@ -288,7 +314,15 @@ mkdir -p "$W/corrupt"
 head -c 4096 /dev/zero >"$W/corrupt/train-images-idx3-ubyte"
 cp "$FM/train-labels-idx1-ubyte"* "$W/corrupt/"
 expect_error corrupt_idx 'train-images' --data "$W/corrupt" --epochs 1
-expect_error unknown_flag "unknown option '--bogus'" --bogus 3
+expect_error unknown_flag "unknown option '--bogus' \(see --help\)$" --bogus 3   # far from every flag: no guess
+# a near miss names the flag meant, and is still a bad command line (exit 2)
+typo() {
+    expect_error "typo_$1" "unknown option '--$1' \(did you mean --$2\?\)" --"$1" 3 &&
+        { [ "$ERR_RC" -eq 2 ] || bad "typo_$1: exit $ERR_RC, want 2"; }
+}
+typo epoch epochs
+typo batchsize batch-size
+typo lr-shedule lr-schedule
 expect_error bad_value 'batch-size' --batch-size 0
 expect_error bad_size 'max-memory' --max-memory 12Q
 expect_error bad_choice 'optimizer' --optimizer rmsprop

@@ -337,6 +337,8 @@ static void make_train_args(void) {
         ARGS("compare", "--compare-checkpoints\0a\0b"),
         ARGS("resume", "--resume\0runs/latest/checkpoint.safetensors\0--epochs\0" "8\0--keep-casts=no"),
         ARGS("bad", "--bogus\0--lr\0nan\0--lr\0-1"),
+        ARGS("typo", "--epoch\0" "3\0--lr-shedule=cosine"),   /* did you mean */
+        ARGS("smoothing", "--label-smoothing\0" "0.1\0--model\0mlp"),
         ARGS("help", "--help"),
 #undef ARGS
     };

@@ -223,8 +223,11 @@ int resume_settings(settings *s, ampc_checkpoint_meta **meta_out) {
     for (int i = 0; i < OPT_COUNT && rc == 0; i++) {
         if (!(OPTS[i].flags & (O_RUN | O_RESTORE))) continue;
         snprintf(key, sizeof key, META_PREFIX "config.%s", OPTS[i].name);
-        /* an option newer than the checkpoint: its default (or "auto") is what that run did */
-        if (!(v = ampc_checkpoint_meta_find(meta, key))) continue;
+        /* an option newer than the checkpoint: its default is what that run did, so a flag that
+           defines the run is held to it ("auto" is decided anew, as it was then) */
+        const bool predates = !(v = ampc_checkpoint_meta_find(meta, key));
+        if (predates && (!(OPTS[i].flags & O_RUN) || undecided(OPTS[i].def))) continue;
+        if (predates) v = OPTS[i].def;
         /* what the checkpoint says must itself be a valid value */
         char why[256];
         if (canonical(i, v, canon, sizeof canon, why, sizeof why) < 0 || strcmp(canon, v) != 0 || undecided(v)) {
@@ -247,6 +250,7 @@ int resume_settings(settings *s, ampc_checkpoint_meta **meta_out) {
             if (i == OPT_BATCH_SIZE && global % world == 0)
                 snprintf(hint, sizeof hint, "; on %" PRId64 " process(es), --batch-size %" PRId64 " keeps its global batch of %" PRId64,
                          world, global / world, global);
+            if (predates) snprintf(hint, sizeof hint, "; the checkpoint predates --%s: its run had the default", OPTS[i].name);
             rc = fail("--%s %s differs from the checkpoint's --%s %s (a resumed run keeps its configuration%s)", OPTS[i].name,
                       s->val[i], OPTS[i].name, v, hint);
         } else if (!s->given[i] || (OPTS[i].flags & O_RUN)) {

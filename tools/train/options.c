@@ -155,6 +155,10 @@ const opt_def OPTS[OPT_COUNT] = {
                                 "under mpirun: the longest any process waits in a collective (an all-reduce, a broadcast) "
                                 "for the others; past it the job ends naming the step and the collective (a process "
                                 "stopped, hung or dead; 0: wait for ever)"},
+    [OPT_LABEL_SMOOTHING] = {"label-smoothing", V_REAL, "0", NULL, 0, 1, false, O_SAVE | O_RUN, "X",
+                             "the training loss is PyTorch's CrossEntropyLoss(label_smoothing=X): the target mixes the "
+                             "true class (1 - X) with a uniform share X over the classes; validation keeps plain cross "
+                             "entropy, as timm does, so its loss stays comparable (0: off)"},
 };
 
 
@@ -348,6 +352,48 @@ static const struct option *exact_option(const struct option *longopts, const ch
     return NULL;
 }
 
+/* The Levenshtein distance between a (n bytes) and b, case-sensitive; SIZE_MAX for a b of 64
+   bytes or more (no flag is that long). */
+static size_t edit_distance(const char *a, size_t n, const char *b) {
+    size_t m = strlen(b), row[64];
+    if (m >= 64) return SIZE_MAX;
+    for (size_t j = 0; j <= m; j++) row[j] = j;
+    for (size_t i = 1; i <= n; i++) {
+        size_t diag = row[0];   /* row[i-1][j-1] */
+        row[0] = i;
+        for (size_t j = 1; j <= m; j++) {
+            size_t up = row[j], best = diag + (a[i - 1] != b[j - 1]);
+            if (up + 1 < best) best = up + 1;
+            if (row[j - 1] + 1 < best) best = row[j - 1] + 1;
+            row[j] = best;
+            diag = up;
+        }
+    }
+    return row[m];
+}
+
+/* " (did you mean --epochs?)" for the unknown name (len bytes) into buf, or "": the flags it
+   begins when there are at most three (--limit: --limit-train or --limit-val), or else the nearest
+   by edit distance when they are close: at most 2 edits, or a third of the name for long ones,
+   and never the whole name ("--x" is 2 edits from "--lr", and no typo of it). Ties are all named:
+   picking one would be a guess. */
+static const char *did_you_mean(const struct option *longopts, const char *name, size_t len, char *buf, size_t n) {
+    size_t prefixes = 0, best = SIZE_MAX, at = 0;
+    for (const struct option *o = longopts; o->name; o++) {
+        prefixes += len > 0 && strncmp(o->name, name, len) == 0;
+        size_t d = len < 64 ? edit_distance(name, len, o->name) : SIZE_MAX;   /* longer than any flag by far */
+        best = d < best ? d : best;
+    }
+    const bool by_prefix = prefixes >= 1 && prefixes <= 3;
+    const bool close = best <= (len / 3 > 2 ? len / 3 : 2) && best < len;
+    buf[0] = '\0';
+    for (const struct option *o = longopts; o->name && (by_prefix || close); o++)
+        if (by_prefix ? strncmp(o->name, name, len) == 0 : edit_distance(name, len, o->name) == best)
+            appendf(buf, n, &at, "%s--%s", at ? " or " : " (did you mean ", o->name);
+    if (at) appendf(buf, n, &at, "?)");
+    return buf;
+}
+
 /* A yes/no flag that may stand alone for yes ("--sync-bn"). */
 static bool bare(int id) { return id == OPT_SYNC_BN; }
 
@@ -383,7 +429,9 @@ int parse_args(int argc, char **argv, settings *s, const char **cmp_a, const cha
         if (c == 'h') return 1;
         size_t len;
         const struct option *o = exact_option(longopts, arg, &len);
-        if (!o || c == '?') return usage_error("unknown option '%.*s'", (int)(len + 2), arg);
+        char hint[256];
+        if (!o) return usage_error("unknown option '%.*s'%s", (int)(len + 2), arg, did_you_mean(longopts, arg + 2, len, hint, sizeof hint));
+        if (c == '?') return usage_error("unknown option '%.*s'", (int)(len + 2), arg);
         if (c == ':') return usage_error("--%s needs a value (%s)", o->name, OPTS[o->val - 256].metavar);
         if (c == LONG_HELP) return 1;
         if (c == LONG_VERSION) return 2;

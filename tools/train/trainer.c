@@ -277,6 +277,11 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
        step each; a stop (signal, --stop-after-steps) waits for the end of its group, so a
        checkpoint never holds half-accumulated gradients */
     const int64_t accum = training ? ival(r->s, OPT_ACCUMULATE) : 1;
+    /* --label-smoothing: the training loss only (validation's stays comparable between runs);
+       0 passes no options, the very call of a run without the flag */
+    ampc_cross_entropy_options ce = ampc_cross_entropy_defaults();
+    ce.label_smoothing = rval(r->s, OPT_LABEL_SMOOTHING);
+    const ampc_cross_entropy_options *ce_opts = training && ce.label_smoothing > 0 ? &ce : NULL;
     int64_t group_start = done;
     double group_loss = 0;   /* the sum of the group's batch losses, for steps.csv */
     double t0 = progress_now() - st->seconds;
@@ -336,7 +341,7 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
         if (b > 0) {
             ampc_autocast_enter(r->amp_dtype, r->use_amp);
             logits = ampc_module_forward(r->net, x);
-            loss = ampc_cross_entropy(logits, y, NULL);
+            loss = ampc_cross_entropy(logits, y, ce_opts);
             ampc_autocast_exit();
             if (!loss) {
                 rc = fail_lib(training ? "training (forward)" : "validation");
