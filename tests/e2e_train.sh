@@ -253,6 +253,52 @@ if run ls_off "${LS[@]}" --out "$W/ls_off" && run ls_zero "${LS[@]}" --label-smo
 fi
 
 # ---------------------------------------------------------------------------------------------
+# Progress after a mid-epoch resume (issue 26, item 6): the rate and the time left come from this
+# session's steps. Stopped at step 560 of 640, the resumed run's one line (90%, step 576) showed
+# 576 steps over the time of 16, 36x too fast. Its rate is held to 8x the uninterrupted run's on
+# the same line (generous: a loaded machine's rates vary, and the resumed session's 16 steps,
+# its first ones, are usually slower than the other's average). Its time left is the steps left
+# at that rate. A log holds no '\r' or escape code, auto or an explicit --progress bar (lines
+# instead, with a note).
+PR=(--model mlp --limit-val 64 --batch-size 16 --epochs 1)
+# prog_line OUT PCT: "done total rate left_seconds" of the training line at PCT%
+prog_line() {
+    awk -v p="$2%" '$1 == "epoch" && $3 == "train" && $4 == p { split($5, d, "/"); n = split($8, t, ":");
+         s = n == 3 ? t[1] * 3600 + t[2] * 60 + t[3] : t[1] * 60 + t[2]; print d[1], d[2], $10, s }' "$1"
+}
+if run prog_whole "${PR[@]}" --limit-train 10240 --progress lines --out "$W/pw" &&
+    run prog_cut "${PR[@]}" --limit-train 10240 --progress lines --stop-after-steps 560 --out "$W/pc" &&
+    run prog_resume --resume "$W/pc/checkpoint.safetensors" --epochs 1 --progress lines; then
+    read -r _ _ rate_w _ <<<"$(prog_line "$W/prog_whole.out" 90)"
+    read -r at of rate_r left_r <<<"$(prog_line "$W/prog_resume.out" 90)"
+    if [ -z "${rate_w:-}" ] || [ -z "${rate_r:-}" ]; then
+        bad "progress: no 90% line in the uninterrupted run or after the resume"
+    elif [ "$at/$of" != "576/640" ]; then
+        bad "progress after the resume: the 90% line is at $at/$of, want 576/640"
+    elif awk -v r="$rate_r" -v w="$rate_w" 'BEGIN { exit !(r > 0 && r <= 8 * w) }'; then
+        ok "progress after a mid-epoch resume: $rate_r it/s (uninterrupted: $rate_w it/s)"
+    else
+        bad "progress after a mid-epoch resume: $rate_r it/s, more than 8x the uninterrupted run's $rate_w it/s"
+    fi
+    # time left = steps left / rate, shown rounded to the second
+    awk -v d="${at:-0}" -v t="${of:-0}" -v r="${rate_r:-0}" -v s="${left_r:--9}" \
+        'BEGIN { e = r > 0 ? (t - d) / r : -1; exit !(e >= 0 && s >= e - 1 && s <= e + 1) }' &&
+        ok "progress after a mid-epoch resume: ${left_r}s left for $((of - at)) steps" ||
+        bad "progress after a mid-epoch resume: ${left_r:-?}s left for $((${of:-0} - ${at:-0})) steps at ${rate_r:-?} it/s"
+fi
+if "$TRAIN" "${PR[@]}" --limit-train 640 --progress bar --out "$W/pb" >"$W/prog_bar.out" 2>"$W/prog_bar.err"; then
+    if LC_ALL=C grep -q $'[\r\033]' "$W/prog_whole.out" "$W/prog_resume.out" "$W/prog_bar.out" "$W/prog_bar.err"; then
+        bad "progress: a log holds '\\r' or an escape code"
+    elif ! grep -q -- '--progress bar: .* a line per 10% instead' "$W/prog_bar.err" || ! grep -q '^epoch 1/1 train  50% ' "$W/prog_bar.out"; then
+        bad "progress: --progress bar to a file: no note, or no lines instead"
+    else
+        ok "progress: no '\\r' or escape code in a log; --progress bar to a file gives lines and a note"
+    fi
+else
+    bad "progress: --progress bar to a file failed"
+fi
+
+# ---------------------------------------------------------------------------------------------
 # --compare: fp32 then AMP side by side, with a data wait row
 if run compare --limit-train 64 --limit-val 32 --batch-size 32 --progress off --epochs 1 --compare --out "$W/cmp"; then
     grep -qE '^data wait \(training\) +[0-9]+\.[0-9]% +[0-9]+\.[0-9]%$' "$W/compare.out" && ok "compare: data wait row" ||

@@ -44,6 +44,7 @@
 
 #include <dnnl.h>
 #include <inttypes.h>
+#include <jansson.h>
 #include <math.h>
 #include <omp.h>
 #include <stdio.h>
@@ -323,6 +324,13 @@ static void run_config(const workload *w0, const mode *m, const settings *s, res
         snprintf(r->error, sizeof r->error, "setting up: %s", ampc_last_error());
         goto done;
     }
+    /* tests only (tests/bench_json.sh): the config fails with this text, quotes, backslashes,
+       newlines and all, to show that an error reaches the JSON as it is */
+    const char *injected = getenv("AMPC_BENCH_FAIL");
+    if (injected) {
+        snprintf(r->error, sizeof r->error, "%s", injected);
+        goto done;
+    }
 
     long rss0 = proc_status_kib("VmRSS");
     bool hwm = rss0 >= 0 && reset_hwm();
@@ -496,70 +504,87 @@ static void print_tables(const result *rs, int n) {
     }
 }
 
-static void json_peak(FILE *f, const bench_peak *p, bool have) {
-    if (!have) {
-        fprintf(f, "null");
-        return;
-    }
-    fprintf(f,
-            "{\"threads\": %d, \"fp32_gflops_1t\": %.2f, \"fp32_gflops_all\": %.2f, \"bf16_gflops_1t\": %.2f, "
-            "\"bf16_gflops_all\": %.2f, \"fp32_gflops_peak\": %.2f, \"bf16_gflops_peak\": %.2f, \"message\": \"%s\"}",
-            p->threads, p->fp32_1t, p->fp32_all, p->bf16_1t, p->bf16_all, p->threads * p->fp32_1t,
-            p->threads * p->bf16_1t, p->message);
+// ---------------------------------------------------------------------------------------------
+// JSON (jansson): strings escaped by the library, non-finite numbers as null (JSON has none)
+
+/* A number, or null for NaN/inf (json_real refuses them). New reference. */
+static json_t *jnum(double v) { return isfinite(v) ? json_real(v) : json_null(); }
+
+/* A string; bytes that are not UTF-8 (jansson refuses them) become '?'. New reference. */
+static json_t *jstr(const char *s) {
+    json_t *j = json_string(s);
+    if (j) return j;
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s", s);
+    for (char *c = buf; *c; c++)
+        if ((unsigned char)*c >= 0x80) *c = '?';
+    return json_string(buf);
 }
 
+static json_t *json_peak(const bench_peak *p, bool have) {
+    if (!have) return json_null();
+    return json_pack("{s:i, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "threads", p->threads, "fp32_gflops_1t", jnum(p->fp32_1t),
+                     "fp32_gflops_all", jnum(p->fp32_all), "bf16_gflops_1t", jnum(p->bf16_1t), "bf16_gflops_all",
+                     jnum(p->bf16_all), "fp32_gflops_peak", jnum(p->threads * p->fp32_1t), "bf16_gflops_peak",
+                     jnum(p->threads * p->bf16_1t), "message", jstr(p->message));
+}
+
+/* One config's object: the failed ones carry their error instead of figures. New reference or NULL. */
+static json_t *json_result(const result *r) {
+    json_t *o = json_pack("{s:o, s:o, s:I, s:b}", "workload", jstr(r->w->name), "mode", jstr(r->m->name), "batch",
+                          (json_int_t)r->w->batch, "ok", r->ok);
+    if (!o || !r->ok) {
+        if (o && json_object_set_new(o, "error", jstr(r->error)) < 0) json_decref(o), o = NULL;
+        return o;
+    }
+    json_t *mem = json_object(), *ms = json_array();
+    for (int k = 0; mem && k < AMPC_MEM_KIND_COUNT; k++)
+        if (json_object_set_new(mem, ampc_mem_kind_name((ampc_mem_kind)k), json_integer((json_int_t)r->mem.peak[k])) < 0)
+            json_decref(mem), mem = NULL;
+    if (mem && json_object_set_new(mem, "total", json_integer((json_int_t)r->mem.peak_total)) < 0) json_decref(mem), mem = NULL;
+    for (int k = 0; ms && k < r->steps; k++)
+        if (json_array_append_new(ms, jnum(r->ms[k])) < 0) json_decref(ms), ms = NULL;
+    json_t *more = json_pack(
+        "{s:o, s:o, s:o, s:o, s:o, s:o, s:i, s:o, s:o}", "gflop_per_step", jnum(step_flops(r->w) * 1e-9), "ms_median",
+        jnum(r->median_ms), "ms_min", jnum(r->min_ms), "ms_max", jnum(r->max_ms), "samples_per_s", jnum(r->samples_s),
+        "gflops", jnum(r->gflops), "world", r->world, "ddp_exposed_ms", jnum(r->exposed_ms), "ddp_copy_ms", jnum(r->copy_ms));
+    /* pct_peak only where there is a peak, as before; the keys in their old order */
+    if (more && r->pct_peak >= 0 && json_object_set_new(more, "pct_peak", jnum(r->pct_peak)) < 0) json_decref(more), more = NULL;
+    json_t *rest = json_pack(
+        "{s:o, s:I, s:I, s:I, s:o, s:o, s:o, s:I, s:o}", "mem_peak_bytes", mem, "activations_step_bytes",
+        (json_int_t)step_activations(r), "reserved_bytes", (json_int_t)(r->mem.current_total + r->mem.cached),
+        "rss_growth_bytes", (json_int_t)(r->rss_growth_kib >= 0 ? r->rss_growth_kib * 1024 : -1), "mallocs_per_step",
+        jnum(r->mallocs_per_step), "final_loss", jnum(r->final_loss), "scaler_scale", jnum((double)r->scale),
+        "steps_skipped", (json_int_t)r->skipped, "ms_steps", ms);
+    if (!more || !rest || json_object_update(o, more) < 0 || json_object_update(o, rest) < 0) json_decref(o), o = NULL;
+    json_decref(more);
+    json_decref(rest);
+    return o;
+}
+
+/* Writes the results as JSON, indented; 0, or -1 with a message on stderr. */
 static int write_json(const char *path, const result *rs, int n, const settings *s, const char *wait_policy,
                       const char *load0, const char *load1) {
-    FILE *f = fopen(path, "w");
-    if (!f) {
-        fprintf(stderr, "ampc-bench: cannot write %s\n", path);
-        return -1;
-    }
     const dnnl_version_t *dv = dnnl_version();
     const char *omp_nt = getenv("OMP_NUM_THREADS");
-    fprintf(f, "{\n  \"tool\": \"ampc-bench\",\n");
-    fprintf(f, "  \"machine\": {\"cpu_features\": \"%s\", \"threads\": %d, \"omp_wait_policy\": \"%s\", "
-               "\"omp_num_threads_env\": \"%s\", \"onednn\": \"%d.%d.%d\", \"loadavg_start\": \"%s\", "
-               "\"loadavg_end\": \"%s\"},\n",
-            ampc_cpu_features(), ampc_get_num_threads(), wait_policy, omp_nt ? omp_nt : "unset", dv->major, dv->minor,
-            dv->patch, load0, load1);
-    fprintf(f, "  \"settings\": {\"steps\": %d, \"warmup\": %d, \"optimizer\": \"sgd lr 0.01 momentum 0.9\", "
-               "\"conv_memory_format\": \"%s\", \"keep_weight_casts\": %s},\n",
-            s->steps, s->warmup, g_channels_last ? "channels_last" : "contiguous",
-            ampc_autocast_keeps_weight_casts() ? "true" : "false");
-    fprintf(f, "  \"peak\": ");
-    json_peak(f, &s->peak, s->have_peak);
-    fprintf(f, ",\n  \"results\": [");
-    for (int i = 0; i < n; i++) {
-        const result *r = &rs[i];
-        fprintf(f, "%s\n    {\"workload\": \"%s\", \"mode\": \"%s\", \"batch\": %lld, \"ok\": %s", i ? "," : "", r->w->name,
-                r->m->name, (long long)r->w->batch, r->ok ? "true" : "false");
-        if (!r->ok) {
-            fprintf(f, ", \"error\": \"");
-            for (const char *c = r->error; *c; c++) fputs(*c == '"' || *c == '\\' ? "'" : (char[2]){*c, 0}, f);
-            fprintf(f, "\"}");
-            continue;
-        }
-        fprintf(f, ", \"gflop_per_step\": %.4f, \"ms_median\": %.4f, \"ms_min\": %.4f, \"ms_max\": %.4f",
-                step_flops(r->w) * 1e-9, r->median_ms, r->min_ms, r->max_ms);
-        fprintf(f, ", \"samples_per_s\": %.2f, \"gflops\": %.2f", r->samples_s, r->gflops);
-        fprintf(f, ", \"world\": %d, \"ddp_exposed_ms\": %.4f, \"ddp_copy_ms\": %.4f", r->world, r->exposed_ms, r->copy_ms);
-        if (r->pct_peak >= 0) fprintf(f, ", \"pct_peak\": %.2f", r->pct_peak);
-        fprintf(f, ", \"mem_peak_bytes\": {");
-        for (int k = 0; k < AMPC_MEM_KIND_COUNT; k++)
-            fprintf(f, "%s\"%s\": %zu", k ? ", " : "", ampc_mem_kind_name((ampc_mem_kind)k), r->mem.peak[k]);
-        fprintf(f, ", \"total\": %zu}", r->mem.peak_total);
-        fprintf(f, ", \"activations_step_bytes\": %zu", step_activations(r));
-        fprintf(f, ", \"reserved_bytes\": %zu", r->mem.current_total + r->mem.cached);
-        fprintf(f, ", \"rss_growth_bytes\": %lld", r->rss_growth_kib >= 0 ? (long long)r->rss_growth_kib * 1024 : -1LL);
-        fprintf(f, ", \"mallocs_per_step\": %.2f, \"final_loss\": %.6g, \"scaler_scale\": %g, \"steps_skipped\": %lld",
-                r->mallocs_per_step, r->final_loss, (double)r->scale, (long long)r->skipped);
-        fprintf(f, ", \"ms_steps\": [");
-        for (int k = 0; k < r->steps; k++) fprintf(f, "%s%.4f", k ? ", " : "", r->ms[k]);
-        fprintf(f, "]}");
-    }
-    fprintf(f, "\n  ]\n}\n");
-    return fclose(f) == 0 ? 0 : -1;
+    char onednn[48];
+    snprintf(onednn, sizeof onednn, "%d.%d.%d", dv->major, dv->minor, dv->patch);
+    json_t *results = json_array();
+    for (int i = 0; results && i < n; i++)
+        if (json_array_append_new(results, json_result(&rs[i])) < 0) json_decref(results), results = NULL;
+    json_t *doc = json_pack(
+        "{s:s, s:{s:o, s:i, s:o, s:o, s:s, s:o, s:o}, s:{s:i, s:i, s:s, s:s, s:b}, s:o, s:o}", "tool", "ampc-bench",
+        "machine", "cpu_features", jstr(ampc_cpu_features()), "threads", ampc_get_num_threads(), "omp_wait_policy",
+        jstr(wait_policy), "omp_num_threads_env", jstr(omp_nt ? omp_nt : "unset"), "onednn", onednn, "loadavg_start",
+        jstr(load0), "loadavg_end", jstr(load1), "settings", "steps", s->steps, "warmup", s->warmup, "optimizer",
+        "sgd lr 0.01 momentum 0.9", "conv_memory_format", g_channels_last ? "channels_last" : "contiguous",
+        "keep_weight_casts", ampc_autocast_keeps_weight_casts(), "peak", json_peak(&s->peak, s->have_peak), "results",
+        results);
+    /* 10 significant digits: more than the figures' precision, without binary noise (0.1, not 0.10000000000000001) */
+    int rc = doc ? json_dump_file(doc, path, JSON_INDENT(2) | JSON_REAL_PRECISION(10)) : -1;
+    if (rc < 0) fprintf(stderr, "ampc-bench: cannot write %s%s\n", path, doc ? "" : " (building the JSON failed)");
+    json_decref(doc);
+    return rc < 0 ? -1 : 0;
 }
 
 static void print_peak(const bench_peak *p) {

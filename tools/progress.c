@@ -3,11 +3,13 @@
  *
  *     epoch 1/3 train  43%|█████▏      | 203/469 [00:12<00:16, 16.52it/s, loss=0.4123]
  *
- * redrawn in place with '\r' at most 10 times a second, or, when neither stderr nor stdout is a
- * terminal, one plain line at each 10% of the loop so that a log file stays short.
+ * redrawn in place with '\r' at most 10 times a second, or, when stdout is not a terminal (a log
+ * file, a pipe, mpirun's forwarding), one plain line at each 10% of the loop so that the log stays
+ * short and holds no '\r' or escape codes.
  */
 #include "progress.h"
 
+#include <errno.h>   /* program_invocation_short_name */
 #include <math.h>
 #include <stdarg.h>
 #include <stdlib.h>
@@ -24,9 +26,9 @@ double progress_now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-progress_mode progress_detect(void) {
-    return isatty(STDERR_FILENO) || isatty(STDOUT_FILENO) ? PROGRESS_BAR : PROGRESS_LINES;
-}
+/* stdout decides: a log of it (tee, a file, mpirun) must not fill with redrawn bars, even when
+   stderr, where the bar would go, is a terminal. */
+progress_mode progress_detect(void) { return isatty(STDOUT_FILENO) ? PROGRESS_BAR : PROGRESS_LINES; }
 
 void progress_set_mode(progress_mode mode) { g_mode = mode; }
 
@@ -60,23 +62,41 @@ const char *progress_format_time(double s, char *buf, size_t n) {
     return buf;
 }
 
-void progress_begin(progress *p, const char *label, int64_t total) {
+void progress_begin(progress *p, const char *label, int64_t total, int64_t initial) {
+    static bool noted;
     memset(p, 0, sizeof *p);
     p->mode = g_mode == PROGRESS_AUTO ? progress_detect() : g_mode;
-    p->out = isatty(STDERR_FILENO) || !isatty(STDOUT_FILENO) ? stderr : stdout;
+    p->out = isatty(STDERR_FILENO) ? stderr : stdout;
+    /* an explicit bar with no terminal to redraw it on would fill a file with '\r' and escape codes */
+    if (p->mode == PROGRESS_BAR && !isatty(fileno(p->out))) {
+        if (!noted)
+            fprintf(stderr, "%s: --progress bar: neither stderr nor stdout is a terminal; a line per 10%% instead\n",
+                    program_invocation_short_name);
+        noted = true;
+        p->mode = PROGRESS_LINES;
+    }
     if (p->mode == PROGRESS_LINES) p->out = stdout;   /* lines belong to the log */
     snprintf(p->label, sizeof p->label, "%s", label);
     p->total = total > 0 ? total : 0;
+    p->initial = initial < 0 ? 0 : initial < p->total ? initial : p->total;
+    p->done = p->initial;
     p->t0 = progress_now();
     p->last_draw = -1;
-    p->last_decile = 0;
+    p->last_decile = p->total ? (int)(10 * p->initial / p->total) : 0;   /* the next line at the next 10% */
     p->utf8 = env_utf8();
+}
+
+/* This process's rate (steps per second since progress_begin) and the seconds left at it: the
+   steps done before a resume took no time here, so they count in neither. */
+static void rate_eta(const progress *p, double el, double *rate, double *eta) {
+    *rate = el > 0 ? (double)(p->done - p->initial) / el : 0;
+    *eta = *rate > 0 ? (double)(p->total - p->done) / *rate : -1;
 }
 
 /* The bar: "label  43%|█████▏     | 203/469 [00:12<00:16, 16.52it/s, loss=0.4123]" */
 static void draw_bar(progress *p, double now) {
-    double el = now - p->t0, rate = el > 0 ? (double)p->done / el : 0;
-    double eta = rate > 0 ? (double)(p->total - p->done) / rate : -1;
+    double el = now - p->t0, rate, eta;
+    rate_eta(p, el, &rate, &eta);
     double frac = p->total ? (double)p->done / (double)p->total : 1;
     char e1[32], e2[32], tail[256];
     snprintf(tail, sizeof tail, "| %lld/%lld [%s<%s, %.2fit/s%s%s]", (long long)p->done, (long long)p->total,
@@ -108,8 +128,8 @@ static void draw_bar(progress *p, double now) {
 }
 
 static void draw_line(progress *p, double now) {
-    double el = now - p->t0, rate = el > 0 ? (double)p->done / el : 0;
-    double eta = rate > 0 ? (double)(p->total - p->done) / rate : -1;
+    double el = now - p->t0, rate, eta;
+    rate_eta(p, el, &rate, &eta);
     char e1[32], e2[32];
     fprintf(p->out, "%s %3d%% %lld/%lld [%s elapsed, %s left, %.2f it/s]%s%s\n", p->label,
             p->total ? (int)(100 * p->done / p->total) : 100, (long long)p->done, (long long)p->total,

@@ -1,9 +1,9 @@
 /*
  * progress.h - progress report for a loop of known length: a tqdm-style bar redrawn in place on
- * a terminal, or plain lines every 10% when the output is a file or a pipe (CI logs).
+ * a terminal, or plain lines every 10% when the output is a file or a pipe (CI logs, mpirun).
  *
  *     progress p;
- *     progress_begin(&p, "epoch 1/3 train", n_batches, "batch");
+ *     progress_begin(&p, "epoch 1/3 train", n_batches, 0);
  *     for (b = 0; b < n_batches; b++) { ...; progress_update(&p, b + 1, "loss=%.4f", loss); }
  *     progress_end(&p);
  */
@@ -15,8 +15,8 @@
 #include <stdio.h>
 
 typedef enum {
-    PROGRESS_AUTO = 0,   /* a bar if stderr or stdout is a terminal, else lines */
-    PROGRESS_BAR,
+    PROGRESS_AUTO = 0,   /* a bar if stdout is a terminal, else lines */
+    PROGRESS_BAR,        /* a bar on whichever of stderr and stdout is a terminal; lines if neither is */
     PROGRESS_LINES,
     PROGRESS_OFF,
 } progress_mode;
@@ -26,6 +26,7 @@ typedef struct {
     FILE *out;            /* where the bar or the lines go */
     char label[64];
     int64_t total, done;
+    int64_t initial;      /* done before this process began the loop (a resumed epoch) */
     double t0, last_draw;
     int last_decile;      /* LINES: the last 10% step printed */
     bool utf8;            /* draw the bar with block characters */
@@ -38,7 +39,9 @@ double progress_now(void);
 progress_mode progress_detect(void);
 /* Sets the mode every later progress_begin uses (default PROGRESS_AUTO). */
 void progress_set_mode(progress_mode mode);
-void progress_begin(progress *p, const char *label, int64_t total);
+/* initial of total were done before (a resumed epoch): the bar starts there, and the rate and the
+   time left count only the steps this process takes (tqdm's initial=). */
+void progress_begin(progress *p, const char *label, int64_t total, int64_t initial);
 /* done of total finished; postfix (printf format, may be NULL) shows after the rate. */
 void progress_update(progress *p, int64_t done, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 /* Draws the final state and ends the line (the bar stays on screen, as tqdm leaves it). */

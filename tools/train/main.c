@@ -134,10 +134,15 @@ int main(int argc, char **argv) {
     if (rc == 0 && ampc_dist_set_timeout(rval(&s, OPT_COLLECTIVE_TIMEOUT)) < 0) rc = fail_lib("--collective-timeout");
     if (rc == 0) {
         const char *pm = sval(&s, OPT_PROGRESS);
-        progress_set_mode(rank > 0 || !strcmp(pm, "off") ? PROGRESS_OFF
-                          : !strcmp(pm, "bar")           ? PROGRESS_BAR
-                          : !strcmp(pm, "lines")         ? PROGRESS_LINES
-                                                         : PROGRESS_AUTO);
+        /* under mpirun rank 0's stdout is the launcher's pty (Open MPI), a terminal to isatty
+           wherever mpirun's own output goes (a log file as often as not): lines, never a bar */
+        const bool launched = ampc_dist_launched();
+        if (rank == 0 && launched && !strcmp(pm, "bar"))
+            fprintf(stderr, PROG ": --progress bar under mpirun: a line per 10%% instead (its output may be a file)\n");
+        progress_set_mode(rank > 0 || !strcmp(pm, "off")          ? PROGRESS_OFF
+                          : launched || !strcmp(pm, "lines")     ? PROGRESS_LINES
+                          : !strcmp(pm, "bar")                   ? PROGRESS_BAR
+                                                                 : PROGRESS_AUTO);
         if (strcmp(sval(&s, OPT_MAX_MEMORY), "none") != 0) ampc_memory_set_limit((size_t)strtod(sval(&s, OPT_MAX_MEMORY), NULL));
         ampc_autocast_keep_weight_casts(yes(&s, OPT_KEEP_CASTS));
     }

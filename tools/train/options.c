@@ -71,7 +71,7 @@ const opt_def OPTS[OPT_COUNT] = {
                  "output folder, created if needed (with --resume: the checkpoint's folder)"},
     [OPT_RESUME] = {"resume", V_TEXT, "", NULL, 0, 0, false, 0, "FILE", "continue the run saved in this checkpoint"},
     [OPT_PROGRESS] = {"progress", V_CHOICE, "auto", "auto|bar|lines|off", 0, 0, false, 0, "MODE",
-                      "progress display (auto: a bar on a terminal, a line per 10% otherwise)"},
+                      "progress display (auto: a bar when stdout is a terminal, a line per 10% otherwise and under mpirun)"},
     [OPT_CHANNELS_LAST] = {"channels-last", V_YESNO, "yes", NULL, 0, 0, false, O_SAVE, "yes|no",
                            "cnn/ResNet activations in channels-last memory format (faster: no layout reorders "
                            "around the convolutions; the same results up to summation order)"},

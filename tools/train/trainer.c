@@ -286,7 +286,7 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
     double group_loss = 0;   /* the sum of the group's batch losses, for steps.csv */
     double t0 = progress_now() - st->seconds;
     progress p;
-    progress_begin(&p, label, n_batches);
+    progress_begin(&p, label, n_batches, done);
     if (!training && p.mode == PROGRESS_LINES) p.mode = PROGRESS_OFF;   /* a log gets the epoch's line only */
     if (!training) ampc_no_grad_enter();
     int depth = ampc_scope_depth(), rc = 0;
