@@ -253,13 +253,11 @@ if run ls_off "${LS[@]}" --out "$W/ls_off" && run ls_zero "${LS[@]}" --label-smo
 fi
 
 # ---------------------------------------------------------------------------------------------
-# Progress after a mid-epoch resume (issue 26, item 6): the rate and the time left come from this
-# session's steps. Stopped at step 560 of 640, the resumed run's one line (90%, step 576) showed
-# 576 steps over the time of 16, 36x too fast. Its rate is held to 8x the uninterrupted run's on
-# the same line (generous: a loaded machine's rates vary, and the resumed session's 16 steps,
-# its first ones, are usually slower than the other's average). Its time left is the steps left
-# at that rate. A log holds no '\r' or escape code, auto or an explicit --progress bar (lines
-# instead, with a note).
+# Progress after a mid-epoch resume (issue 26, item 6): the resumed run's 90% line (step 576 of
+# 640, stopped at 560) and its time left, the steps left at its rate. The rate itself (this
+# session's steps over this session's time) is checked in test_progress, with the time set:
+# rates of two runs on a shared machine vary too much to compare here. A log holds no '\r' or
+# escape code, auto or an explicit --progress bar (lines instead, with a note).
 PR=(--model mlp --limit-val 64 --batch-size 16 --epochs 1)
 # prog_line OUT PCT: "done total rate left_seconds" of the training line at PCT%
 prog_line() {
@@ -269,16 +267,13 @@ prog_line() {
 if run prog_whole "${PR[@]}" --limit-train 10240 --progress lines --out "$W/pw" &&
     run prog_cut "${PR[@]}" --limit-train 10240 --progress lines --stop-after-steps 560 --out "$W/pc" &&
     run prog_resume --resume "$W/pc/checkpoint.safetensors" --epochs 1 --progress lines; then
-    read -r _ _ rate_w _ <<<"$(prog_line "$W/prog_whole.out" 90)"
     read -r at of rate_r left_r <<<"$(prog_line "$W/prog_resume.out" 90)"
-    if [ -z "${rate_w:-}" ] || [ -z "${rate_r:-}" ]; then
-        bad "progress: no 90% line in the uninterrupted run or after the resume"
+    if [ -z "${rate_r:-}" ]; then
+        bad "progress: no 90% line after the resume"
     elif [ "$at/$of" != "576/640" ]; then
         bad "progress after the resume: the 90% line is at $at/$of, want 576/640"
-    elif awk -v r="$rate_r" -v w="$rate_w" 'BEGIN { exit !(r > 0 && r <= 8 * w) }'; then
-        ok "progress after a mid-epoch resume: $rate_r it/s (uninterrupted: $rate_w it/s)"
     else
-        bad "progress after a mid-epoch resume: $rate_r it/s, more than 8x the uninterrupted run's $rate_w it/s"
+        ok "progress after a mid-epoch resume: the 90% line at 576/640"
     fi
     # time left = steps left / rate, shown rounded to the second
     awk -v d="${at:-0}" -v t="${of:-0}" -v r="${rate_r:-0}" -v s="${left_r:--9}" \
