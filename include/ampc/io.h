@@ -12,8 +12,10 @@
  *     free(meta);
  *
  * The file is a plain safetensors file: the model's tensors under their state_dict names
- * ("conv1.weight", "bn1.running_mean"), so `safetensors.torch.load_file` + `load_state_dict`
- * read the weights in PyTorch. Optimizer state is stored as extra tensors
+ * ("conv1.weight", "bn1.running_mean"), so `safetensors.torch.load_file` reads them in PyTorch;
+ * a checkpoint with optimizer state also holds the "optimizer.*" tensors below, so
+ * `load_state_dict(strict=True)` takes the weights-only file (ampc_checkpoint_save with opt NULL,
+ * ampc-train's model.safetensors) and not a training checkpoint as it is. Optimizer state is stored as extra tensors
  * "optimizer.<param name>.<momentum_buffer|exp_avg|exp_avg_sq|max_exp_avg_sq>"; step counts,
  * the learning rate, the scaler, the RNG and the caller's key/values are strings in the header's
  * "__metadata__" (keys "format", "ampc.*", "optimizer.*", "scaler.*" and "rng.*" are reserved).
