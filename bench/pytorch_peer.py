@@ -169,15 +169,18 @@ def run_one(name, mode, steps, warmup, threads, channels_last=False):
     }
 
 
-def run_one_cuda(name, mode, steps, warmup, channels_last, batch=0):
-    """One config on the GPU, as ampc-bench --device cuda runs it: torch.autocast("cuda") with
-    bf16 or fp16 (fp16 with torch.amp.GradScaler), fp32 with TF32 off for matmuls and
-    convolutions, tf32 with both on; SGD momentum 0.9; timed with a synchronize per step."""
+def cuda_step(name, mode, channels_last, batch=0, compiled=False):
+    """(step, batch) for one config on the GPU, as ampc-bench --device cuda runs it:
+    torch.autocast("cuda") with bf16 or fp16 (fp16 with torch.amp.GradScaler), fp32 with TF32 off
+    for matmuls and convolutions, tf32 with both on; SGD momentum 0.9; cudnn.benchmark on, as the
+    seed's users set it. step() runs one training step and returns loss.item() (synchronising, as
+    ampc-bench's step does). compiled: the model through torch.compile."""
     import torch
     import torch.nn.functional as F
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
+    torch.backends.cudnn.benchmark = True
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mode == "tf32"
     b, shape, classes = WORKLOADS[name]
     b = batch or b
@@ -191,26 +194,40 @@ def run_one_cuda(name, mode, steps, warmup, channels_last, batch=0):
     amp = mode.startswith("amp-")
     dt = torch.float16 if mode == "amp-fp16" else torch.bfloat16
     scaler = torch.amp.GradScaler("cuda", enabled=mode == "amp-fp16")
+    fwd = torch.compile(model) if compiled else model
 
     def step():
         with torch.autocast("cuda", dtype=dt, enabled=amp):
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(fwd(x), y)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-        return loss.item()   # synchronizes, as ampc-bench's step does
+        return loss.item()
 
-    for _ in range(warmup):
+    return step, b
+
+
+def run_one_cuda(name, mode, steps, warmup, channels_last, batch=0, compiled=False):
+    """One config on the GPU (cuda_step), each step timed with CUDA events; compiled: its
+    compilation in the warm-up steps."""
+    import torch
+
+    step, b = cuda_step(name, mode, channels_last, batch, compiled)
+    for _ in range(max(warmup, 3 if compiled else 0)):
         step()
     torch.cuda.reset_peak_memory_stats()
     ms = []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
         loss = step()
-        ms.append((time.perf_counter() - t0) * 1e3)
+        t1.record()
+        t1.synchronize()
+        ms.append(t0.elapsed_time(t1))
     med = statistics.median(ms)
     return {"workload": name, "mode": mode, "batch": b, "device": torch.cuda.get_device_name(),
+            "peer": "torch.compile" if compiled else "eager", "cudnn_benchmark": True,
             "ms_median": med, "ms_min": min(ms), "ms_max": max(ms), "samples_per_s": b / (med * 1e-3),
             "peak_allocated_bytes": torch.cuda.max_memory_allocated(), "final_loss": loss, "torch": torch.__version__}
 
@@ -219,10 +236,13 @@ def cuda_main(args):
     rows = []
     for w in args.workloads:
         for m in args.modes:
-            r = run_one_cuda(w, m, args.steps, args.warmup, args.channels_last == "yes", args.batch)
-            rows.append(r)
-            print(f"{w:9s} {m:9s} batch {r['batch']:4d} {r['ms_median']:9.2f} ms/step {r['samples_per_s']:10.1f} samples/s "
-                  f"peak {r['peak_allocated_bytes'] / 2**20:9.1f} MiB", flush=True)
+            for compiled in ([False, True] if args.compile == "yes" else [False]):
+                if compiled and (w not in args.compile_workloads or m not in args.compile_modes):
+                    continue
+                r = run_one_cuda(w, m, args.steps, args.warmup, args.channels_last == "yes", args.batch, compiled)
+                rows.append(r)
+                print(f"{w:9s} {m:9s} {r['peer']:13s} batch {r['batch']:4d} {r['ms_median']:9.2f} ms/step "
+                      f"{r['samples_per_s']:10.1f} samples/s peak {r['peak_allocated_bytes'] / 2**20:9.1f} MiB", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tool": "pytorch_peer", "device": "cuda", "results": rows}, f, indent=1)
@@ -397,11 +417,17 @@ def main():
                     help="PyTorch's conv nets and inputs in torch.channels_last (default no: PyTorch's default)")
     ap.add_argument("--ampc-channels-last", choices=("yes", "no"), default="yes",
                     help="ampc-bench --channels-last (default yes: ampc-bench's default)")
+    ap.add_argument("--compile", choices=("yes", "no"), default="no",
+                    help="cuda: also time the model through torch.compile (a second peer)")
+    ap.add_argument("--compile-workloads", default="resnet50", help="cuda: the workloads --compile runs (default resnet50)")
+    ap.add_argument("--compile-modes", default="amp-fp16", help="cuda: the modes --compile runs (default amp-fp16)")
     ap.add_argument("--one", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.device == "cuda":   # in this process, all configs (the GPU's numbers need no fresh RSS)
         args.workloads = [w for w in args.workloads.split(",") if w]
         args.modes = (args.modes or "fp32,tf32,amp-bf16,amp-fp16").split(",")
+        args.compile_workloads = [w for w in args.compile_workloads.split(",") if w]
+        args.compile_modes = [m for m in args.compile_modes.split(",") if m]
         cuda_main(args)
         return
     if args.one:

@@ -31,7 +31,19 @@ static int64_t store_at(const int64_t *sh, bool cl, int64_t i) {
 
 /* A tensor of dtype dt on dev (in the current scope) holding v (logical order, numel values,
    exact in dt) in the given layout; v NULL: zeros. */
+static ampc_tensor *mk(ampc_device dev, ampc_dtype dt, int nd, const int64_t *sh, bool cl, const double *v);
+
+/* On CUDA: made on the CPU and copied (ampc_tensor_to keeps the memory format). */
+static ampc_tensor *mk_dev(ampc_device dev, ampc_dtype dt, int nd, const int64_t *sh, bool cl, const double *v) {
+    if (dev != AMPC_DEVICE_CUDA) return mk(dev, dt, nd, sh, cl, v);
+    ampc_tensor *t = ampc_tensor_to(mk(AMPC_DEVICE_CPU, dt, nd, sh, cl, v), AMPC_DEVICE_CUDA, dt);
+    ASSERT_NOT_NULL_MSG(t);
+    assert_int_equal(ampc_tensor_memory_format(t), cl ? AMPC_CHANNELS_LAST : AMPC_CONTIGUOUS_FORMAT);
+    return t;
+}
+
 static ampc_tensor *mk(ampc_device dev, ampc_dtype dt, int nd, const int64_t *sh, bool cl, const double *v) {
+    if (dev == AMPC_DEVICE_CUDA) return mk_dev(dev, dt, nd, sh, cl, v);
     ampc_tensor *t = ampc__scope_adopt(ampc__tensor_new_fmt(dt, dev, nd, sh, cl ? AMPC_CHANNELS_LAST : AMPC_CONTIGUOUS_FORMAT));
     ASSERT_NOT_NULL_MSG(t);
     size_t n = (size_t)ampc_tensor_numel(t);
@@ -49,6 +61,10 @@ static ampc_tensor *mk(ampc_device dev, ampc_dtype dt, int nd, const int64_t *sh
 
 /* Values of t in logical order (malloc'd), read from its storage by hand. */
 static double *vals(const ampc_tensor *t) {
+    if (ampc_tensor_device(t) == AMPC_DEVICE_CUDA) {
+        t = ampc_tensor_to(t, AMPC_DEVICE_CPU, ampc_tensor_dtype(t));
+        ASSERT_NOT_NULL_MSG(t);
+    }
     size_t n = (size_t)ampc_tensor_numel(t);
     double *v = malloc((n ? n : 1) * sizeof *v);
     bool cl = ampc_tensor_memory_format(t) == AMPC_CHANNELS_LAST;
@@ -229,15 +245,15 @@ static void test_batch_norm_cl_long_rows(void **state) {
     }
 }
 
-/* x = 1000 + noise per channel: the variance (~1e-5) survives (centred sums at every merge of
-   tiles and blocks); many tiles and all row blocks in use. */
-static void test_batch_norm_cl_offset(void **state) {
-    (void)state;
-    const int64_t sh[] = {8, 5, 40, 40}, C = 5, HW = 1600, N = 8, n = 8 * 5 * 1600;
-    const ampc_backend *be = ampc__backend(AMPC_DEVICE_CPU);
-    double *x = malloc((size_t)n * sizeof *x), want_m[5], want_v[5], want_vb[5];
+/* x = 1000 + noise (f32; channel c's noise scaled by 1 + c) of an (N, C, HW) tensor, logical
+   order; outlier >= 0: that channel's first value is 1000.5. The batch mean, unbiased and biased
+   variances per channel, in f64, into want_m, want_v, want_vb. */
+static double *offset_input(int64_t N, int64_t C, int64_t HW, int outlier, double *want_m, double *want_v, double *want_vb) {
+    int64_t n = N * C * HW;
+    double *x = malloc((size_t)n * sizeof *x);
     tu_fill_uniform(x, (size_t)n, 11, -0.01, 0.01);
     for (int64_t i = 0; i < n; i++) x[i] = tu_round_to(AMPC_F32, 1000 + x[i] * (1 + (double)(i / HW % C)));
+    if (outlier >= 0) x[outlier * HW] = 1000.5;
     for (int64_t c = 0; c < C; c++) {
         double s = 0, q = 0;
         for (int64_t r = 0; r < N; r++)
@@ -248,6 +264,16 @@ static void test_batch_norm_cl_offset(void **state) {
         want_v[c] = q / (double)(N * HW - 1);
         want_vb[c] = q / (double)(N * HW);
     }
+    return x;
+}
+
+/* x = 1000 + noise per channel: the variance (~1e-5) survives (centred sums at every merge of
+   tiles and blocks); many tiles and all row blocks in use. */
+static void test_batch_norm_cl_offset(void **state) {
+    (void)state;
+    const int64_t sh[] = {8, 5, 40, 40}, C = 5, HW = 1600, N = 8, n = 8 * 5 * 1600;
+    const ampc_backend *be = ampc__backend(AMPC_DEVICE_CPU);
+    double want_m[5], want_v[5], want_vb[5], *x = offset_input(N, C, HW, -1, want_m, want_v, want_vb);
     ampc_scope_begin();
     ampc_tensor *xt = mk(AMPC_DEVICE_CPU, AMPC_F32, 4, sh, true, x), *y = mk(AMPC_DEVICE_CPU, AMPC_F32, 4, sh, true, NULL);
     ampc_tensor *rm = mk(AMPC_DEVICE_CPU, AMPC_F32, 1, &C, false, NULL), *rv = mk(AMPC_DEVICE_CPU, AMPC_F32, 1, &C, false, NULL);
@@ -349,12 +375,18 @@ static void run_pool(ampc_device dev, ampc_dtype dt, const pool_cfg *c, const in
     ampc_tensor *xt = mk(dev, dt, 4, sh, cl, x), *y = mk(dev, dt, 4, osh, cl, NULL);
     ampc_tensor *gyt = mk(dev, dt, 4, osh, cl, gy), *gx = mk(dev, dt, 4, sh, cl, NULL);
     size_t wsz = be->pool2d_workspace_size(&d, dt);
-    void *ws = wsz ? aligned_alloc(64, (wsz + 63) / 64 * 64) : NULL;
+    void *ws = NULL, *host_ws = NULL;
+    if (wsz && dev == AMPC_DEVICE_CUDA) {   /* device memory: a tensor of the allocator's */
+        int64_t nw = (int64_t)(wsz / 4 + 1);
+        ws = ampc__data(mk(dev, AMPC_F32, 1, &nw, false, NULL));
+    } else if (wsz) {
+        ws = host_ws = aligned_alloc(64, (wsz + 63) / 64 * 64);
+    }
     ASSERT_OK(be->pool2d(&d, xt, y, ws));
     ASSERT_OK(be->pool2d_backward(&d, gyt, gx, ws));
     *y_out = vals(y);
     *gx_out = vals(gx);
-    free(ws);
+    free(host_ws);
     ampc_scope_end();
 }
 
@@ -439,6 +471,168 @@ static void test_pool_cl_mismatch(void **state) {
     ampc_scope_end();
 }
 
+// ---------------------------------------------------------------------------------------------
+// The CUDA backend's channels-last kernels (where a GPU is present): C a multiple of the 16-byte
+// vector (8 halves, 4 floats) takes the vector kernels, other C the per-element ones; both
+// against REF in f64 with the tolerances above.
+
+static void bn_case_cuda(ampc_dtype dt, const int64_t *sh, const bn_cfg *cfg, uint64_t seed, double lo, double hi) {
+    int64_t C = sh[1], n = sh[0] * C * sh[2] * sh[3];
+    double *x = rand_vals((size_t)n, seed, lo, hi, dt), *gy = rand_vals((size_t)n, seed + 1, -1, 1, dt);
+    double *w = rand_vals((size_t)C, seed + 2, 0.5, 1.5, AMPC_F32), *b = rand_vals((size_t)C, seed + 3, -1, 1, AMPC_F32);
+    bn_out got = run_bn(AMPC_DEVICE_CUDA, dt, sh, true, cfg, x, gy, w, b);
+    bn_out ref = run_bn(AMPC_DEVICE_REF, AMPC_F64, sh, false, cfg, x, gy, w, b);
+    char what[160];
+    snprintf(what, sizeof what, "cuda bn %s (%lld,%lld,%lld,%lld) train %d w %d b %d x in [%g, %g): cl vs ref", ampc_dtype_name(dt),
+             (long long)sh[0], (long long)sh[1], (long long)sh[2], (long long)sh[3], cfg->training, cfg->weight, cfg->bias, lo, hi);
+    check_bn(what, &got, &ref, dt, sh, cfg, x, gy, w, b);
+    bn_out_free(&got), bn_out_free(&ref);
+    free(x), free(gy), free(w), free(b);
+}
+
+static void test_batch_norm_cl_cuda(void **state) {
+    (void)state;
+    if (!tu_cuda_available()) skip();
+    const int64_t shapes[][4] = {
+        {2, 8, 5, 7},      /* one f16 vector per row */
+        {3, 24, 4, 5},     /* 3 vectors: a block of 3 x 85 threads */
+        {4, 64, 9, 11},
+        {2, 264, 3, 5},    /* 33 (f16) / 66 (f32) vectors: a partial second block column */
+        {16, 64, 30, 30},  /* 14,400 rows: many partitions */
+        {3, 2048, 2, 3},   /* layer4's width */
+        {2, 19, 4, 5},     /* not a multiple of a vector: per-element kernels */
+        {2, 1, 1, 1},      /* M 2, one channel */
+    };
+    const bn_cfg cfgs[] = {{true, true, true}, {true, false, false}, {false, true, true}};
+    for (size_t d = 0; d < sizeof cpu_dtypes / sizeof *cpu_dtypes; d++)
+        for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++)
+            for (size_t c = 0; c < sizeof cfgs / sizeof *cfgs; c++)
+                bn_case_cuda(cpu_dtypes[d], shapes[s], &cfgs[c], 100 + 10 * s + c, -1, 3);
+    /* values far from zero: the one-pass sums about the channel's first value keep the variance */
+    const bn_cfg train = {true, true, true};
+    const int64_t sh[] = {8, 16, 20, 20};
+    for (size_t d = 0; d < sizeof cpu_dtypes / sizeof *cpu_dtypes; d++) bn_case_cuda(cpu_dtypes[d], sh, &train, 7, 60, 64);
+}
+
+/* x = 1000 + noise (f32, variance ~1e-5), channels-last with C = 8 on the vector kernels: the
+   running statistics against f64 sums made here. */
+static void test_batch_norm_cl_cuda_offset(void **state) {
+    (void)state;
+    if (!tu_cuda_available()) skip();
+    const int64_t N = 8, C = 8, HW = 1600, sh[] = {8, 8, 40, 40};
+    const ampc_backend *be = ampc__backend(AMPC_DEVICE_CUDA);
+    double want_m[8], want_v[8], want_vb[8], *x = offset_input(N, C, HW, 3, want_m, want_v, want_vb);
+    ampc_scope_begin();
+    ampc_tensor *xt = mk(AMPC_DEVICE_CUDA, AMPC_F32, 4, sh, true, x), *y = mk(AMPC_DEVICE_CUDA, AMPC_F32, 4, sh, true, NULL);
+    ampc_tensor *rm = mk(AMPC_DEVICE_CUDA, AMPC_F32, 1, &C, false, NULL), *rv = mk(AMPC_DEVICE_CUDA, AMPC_F32, 1, &C, false, NULL);
+    ASSERT_OK(be->batch_norm(xt, NULL, NULL, rm, rv, y, NULL, NULL, true, 1.0, 0.0, false));
+    double *gm = vals(rm), *gv = vals(rv);
+    tu_assert_close("cuda cl offset running_mean", gm, want_m, (size_t)C, 0, 8 * U32);
+    tu_assert_close("cuda cl offset running_var", gv, want_v, (size_t)C, 0, 8 * U32);
+    free(x), free(gm), free(gv);
+    ampc_scope_end();
+}
+
+/* batch_norm_relu on the vector kernels equals batch_norm followed by a ReLU, bit for bit: the
+   same coefficients, and a backward whose mask is the forward's stored output (gy zeroed where
+   y <= 0, then the plain backward). */
+static void test_batch_norm_relu_cl_cuda(void **state) {
+    (void)state;
+    if (!tu_cuda_available()) skip();
+    const ampc_backend *be = ampc__backend(AMPC_DEVICE_CUDA);
+    const int64_t shapes[][4] = {{4, 64, 9, 11}, {2, 264, 3, 5}, {2, 19, 4, 5}};
+    for (size_t d = 0; d < sizeof cpu_dtypes / sizeof *cpu_dtypes; d++)
+        for (size_t k = 0; k < sizeof shapes / sizeof *shapes; k++) {
+            ampc_dtype dt = cpu_dtypes[d];
+            const int64_t *sh = shapes[k];
+            int64_t C = sh[1], n = sh[0] * C * sh[2] * sh[3], C3 = AMPC_BN_RELU_STAT_ROWS * C;
+            double *x = rand_vals((size_t)n, 31 + k, -2, 2, dt), *gy = rand_vals((size_t)n, 32 + k, -1, 1, dt);
+            double *w = rand_vals((size_t)C, 33, 0.5, 1.5, AMPC_F32), *b = rand_vals((size_t)C, 34, -1, 1, AMPC_F32);
+            ampc_scope_begin();
+            ampc_tensor *xt = mk(AMPC_DEVICE_CUDA, dt, 4, sh, true, x), *gyt = mk(AMPC_DEVICE_CUDA, dt, 4, sh, true, gy);
+            ampc_tensor *wt = mk(AMPC_DEVICE_CUDA, AMPC_F32, 1, &C, false, w), *bt = mk(AMPC_DEVICE_CUDA, AMPC_F32, 1, &C, false, b);
+            ampc_tensor *y1 = mk(AMPC_DEVICE_CUDA, dt, 4, sh, true, NULL), *y2 = mk(AMPC_DEVICE_CUDA, dt, 4, sh, true, NULL);
+            ampc_tensor *st = mk(AMPC_DEVICE_CUDA, AMPC_F32, 1, &C3, false, NULL);
+            ampc_tensor *sm = mk(AMPC_DEVICE_CUDA, AMPC_F32, 1, &C, false, NULL), *si = mk(AMPC_DEVICE_CUDA, AMPC_F32, 1, &C, false, NULL);
+            ampc_tensor *g1[3], *g2[3];
+            for (int j = 0; j < 3; j++) {
+                g1[j] = j ? mk(AMPC_DEVICE_CUDA, AMPC_F32, 1, &C, false, NULL) : mk(AMPC_DEVICE_CUDA, dt, 4, sh, true, NULL);
+                g2[j] = j ? mk(AMPC_DEVICE_CUDA, AMPC_F32, 1, &C, false, NULL) : mk(AMPC_DEVICE_CUDA, dt, 4, sh, true, NULL);
+            }
+            ASSERT_OK(be->batch_norm_relu(xt, wt, bt, NULL, NULL, y1, st, true, 0.1, 1e-5, false));
+            ASSERT_OK(be->batch_norm(xt, wt, bt, NULL, NULL, y2, sm, si, true, 0.1, 1e-5, false));
+            double *v1 = vals(y1), *v2 = vals(y2), *gm = malloc((size_t)n * sizeof *gm);
+            for (int64_t i = 0; i < n; i++) {
+                double r = v2[i] < 0 ? 0 : v2[i];   /* relu of the stored plain output */
+                if (v1[i] != r && !(isnan(v1[i]) && isnan(r)))
+                    fail_msg("cuda bn_relu %s shape %zu: y[%lld] %.9g, relu(bn) %.9g", ampc_dtype_name(dt), k, (long long)i, v1[i], r);
+                gm[i] = v1[i] > 0 ? gy[i] : 0;
+            }
+            ampc_tensor *gmt = mk(AMPC_DEVICE_CUDA, dt, 4, sh, true, gm);
+            ASSERT_OK(be->batch_norm_relu_backward(xt, gyt, wt, st, true, false, g1[0], g1[1], g1[2]));
+            ASSERT_OK(be->batch_norm_backward(xt, gmt, wt, sm, si, true, false, g2[0], g2[1], g2[2]));
+            for (int j = 0; j < 3; j++) {
+                double *a = vals(g1[j]), *o = vals(g2[j]);
+                int64_t m = j ? C : n;
+                for (int64_t i = 0; i < m; i++)
+                    if (a[i] != o[i])
+                        fail_msg("cuda bn_relu %s shape %zu: %s[%lld] %.9g, masked plain backward %.9g", ampc_dtype_name(dt), k,
+                                 j == 0 ? "gx" : j == 1 ? "gw" : "gb", (long long)i, a[i], o[i]);
+                free(a), free(o);
+            }
+            free(v1), free(v2), free(gm);
+            ampc_scope_end();
+            free(x), free(gy), free(w), free(b);
+        }
+}
+
+static void pool_case_cuda(ampc_dtype dt, const pool_cfg *c, const int64_t *sh, bool ties) {
+    ampc_pool_desc d = pool_desc(c, sh, false);
+    int64_t n = sh[0] * sh[1] * sh[2] * sh[3], no = sh[0] * sh[1] * d.OH * d.OW, HW = sh[2] * sh[3];
+    double *x = pool_input(sh), *gy = rand_vals((size_t)no, 98, -1, 1, dt);
+    if (ties)   /* runs of 3 equal values along w: the first of a tie wins */
+        for (int64_t i = 0; i < n; i++) x[i] = (double)((i % HW) / 3 % 97 - 48) / 16;
+    double *yg, *gg, *yr, *gr;
+    run_pool(AMPC_DEVICE_CUDA, dt, c, sh, true, x, gy, &yg, &gg);
+    run_pool(AMPC_DEVICE_REF, AMPC_F64, c, sh, false, x, gy, &yr, &gr);
+    char what[160];
+    snprintf(what, sizeof what, "cuda pool %s %s (%lld,%lld,%lld,%lld)%s", c->name, ampc_dtype_name(dt), (long long)sh[0],
+             (long long)sh[1], (long long)sh[2], (long long)sh[3], ties ? " ties" : "");
+    double k = c->kind == AMPC_POOL_ADAPTIVE_AVG ? (double)((sh[2] / d.OH + 2) * (sh[3] / d.OW + 2)) : c->k[0] * c->k[1];
+    double kb = c->kind == AMPC_POOL_ADAPTIVE_AVG ? 4 : (double)((c->k[0] + c->s[0] - 1) / c->s[0] * ((c->k[1] + c->s[1] - 1) / c->s[1]));
+    double e = tu_eps(dt), ty = 2 * k * U32 * max_abs(x, (size_t)n), tg = 2 * kb * U32 * max_abs(gy, (size_t)no);
+    char msg[200];
+    snprintf(msg, sizeof msg, "%s y vs ref", what);
+    tu_assert_close(msg, yg, yr, (size_t)no, ty, 2 * e);
+    snprintf(msg, sizeof msg, "%s gx vs ref", what);
+    tu_assert_close(msg, gg, gr, (size_t)n, tg, 2 * e);
+    if (c->kind == AMPC_POOL_MAX)
+        for (int64_t i = 0; i < no; i++)
+            if (yg[i] != yr[i]) fail_msg("%s: max y[%lld] %g, ref %g", what, (long long)i, yg[i], yr[i]);
+    free(x), free(gy), free(yg), free(gg), free(yr), free(gr);
+}
+
+static void test_pool_cl_cuda(void **state) {
+    (void)state;
+    if (!tu_cuda_available()) skip();
+    const pool_cfg cfgs[] = {
+        {"max_2x2", AMPC_POOL_MAX, {2, 2}, {2, 2}, {0, 0}, false, 0, 0},
+        {"max_3x3_s2_p1", AMPC_POOL_MAX, {3, 3}, {2, 2}, {1, 1}, false, 0, 0},
+        {"max_3x3_s2_ceil", AMPC_POOL_MAX, {3, 3}, {2, 2}, {0, 0}, true, 0, 0},
+        {"max_3x2_rect", AMPC_POOL_MAX, {3, 2}, {1, 2}, {1, 0}, false, 0, 0},
+        {"max_3x3_s1_p1", AMPC_POOL_MAX, {3, 3}, {1, 1}, {1, 1}, false, 0, 0},
+        {"avg_incl_3x3_s2_p1", AMPC_POOL_AVG_INCLUDE_PAD, {3, 3}, {2, 2}, {1, 1}, false, 0, 0},
+        {"adaptive_1x1", AMPC_POOL_ADAPTIVE_AVG, {0, 0}, {0, 0}, {0, 0}, false, 1, 1},
+    };
+    const int64_t shapes[][4] = {{2, 8, 7, 9}, {3, 24, 8, 8}, {2, 64, 11, 13}, {2, 40, 11, 13}, {1, 19, 5, 7}};
+    for (size_t d = 0; d < sizeof cpu_dtypes / sizeof *cpu_dtypes; d++)
+        for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++)
+            for (size_t c = 0; c < sizeof cfgs / sizeof *cfgs; c++) {
+                pool_case_cuda(cpu_dtypes[d], &cfgs[c], shapes[s], false);
+                if (cfgs[c].kind == AMPC_POOL_MAX) pool_case_cuda(cpu_dtypes[d], &cfgs[c], shapes[s], true);
+            }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_batch_norm_cl),
@@ -448,6 +642,10 @@ int main(void) {
         cmocka_unit_test(test_batch_norm_cl_mixed_formats),
         cmocka_unit_test(test_pool_cl),
         cmocka_unit_test(test_pool_cl_mismatch),
+        cmocka_unit_test(test_batch_norm_cl_cuda),
+        cmocka_unit_test(test_batch_norm_cl_cuda_offset),
+        cmocka_unit_test(test_batch_norm_relu_cl_cuda),
+        cmocka_unit_test(test_pool_cl_cuda),
     };
     return cmocka_run_group_tests_name("cl_kernels", tests, tu_group_setup, tu_group_teardown);
 }

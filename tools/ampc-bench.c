@@ -43,6 +43,9 @@
 #include "bench_common.h"
 
 #include <dnnl.h>
+#ifdef AMPC_HAVE_CUDA
+#include <cuda_profiler_api.h>
+#endif
 #include <inttypes.h>
 #include <jansson.h>
 #include <math.h>
@@ -342,10 +345,22 @@ static void run_config(const workload *w0, const mode *m, const settings *s, res
     const int64_t skipped0 = ampc_scaler_steps_skipped(scaler);
     ampc_ddp_stats d0 = {0}, d1 = {0};
     if (ddp) ampc_ddp_get_stats(ddp, &d0);
+    /* AMPC_BENCH_CUDA_PROFILE_STEP=1: the first timed step between cudaProfilerStart and Stop,
+       so that `ncu --profile-from-start off` times that step's kernels alone (scripts/gpu/run.sh
+       profile); the step ends with the loss read back, so its kernels are done at Stop */
+#ifdef AMPC_HAVE_CUDA
+    bool cuda_profile = g_device == AMPC_DEVICE_CUDA && getenv("AMPC_BENCH_CUDA_PROFILE_STEP");
+#endif
     for (int i = 0; i < s->steps; i++) {
+#ifdef AMPC_HAVE_CUDA
+        if (cuda_profile && i == 0) cudaProfilerStart();
+#endif
         double t0 = bench_now();
         r->final_loss = train_step(net, opt, scaler, m, x, y, r);
         r->ms[i] = (bench_now() - t0) * 1e3;
+#ifdef AMPC_HAVE_CUDA
+        if (cuda_profile && i == 0) cudaProfilerStop();
+#endif
         if (r->error[0]) goto done;
     }
     if (ddp) {

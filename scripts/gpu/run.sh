@@ -1,11 +1,15 @@
 #!/bin/bash
 # On a GPU machine, from the repository root: unpacks .gpu/bundle.tar.xz (scripts/gpu/pack.sh)
 # into /tmp/ampc, finds CUDA's libraries (/usr/local/cuda, else the pip packages beside PyTorch)
-# and runs the steps named: env, tests, train, e2e (tests/e2e_cuda.sh), bench ARGS..., peer ARGS...
-# Everything it prints also goes to $OUT/gpu.log when $OUT is set.
+# and runs the step named: env, tests [PROGRAMS...], train ARGS..., e2e (tests/e2e_cuda.sh),
+# bench ARGS..., peer ARGS..., profile [WORKLOAD MODE BATCH]. scripts/gpu/session.sh runs them all
+# within a time budget and keeps every output under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-mkdir -p /tmp/ampc && tar -C /tmp/ampc -xJf .gpu/bundle.tar.xz
+# unpacked once per machine (again when the bundle is newer)
+if [ ! -f /tmp/ampc/.unpacked ] || [ .gpu/bundle.tar.xz -nt /tmp/ampc/.unpacked ]; then
+    mkdir -p /tmp/ampc && tar -C /tmp/ampc -xJf .gpu/bundle.tar.xz && touch /tmp/ampc/.unpacked
+fi
 BIN=/tmp/ampc/bin
 libs=/tmp/ampc/lib
 for d in /usr/local/cuda/lib64 /usr/local/cuda/lib; do [ -d "$d" ] && libs="$libs:$d"; done
@@ -23,11 +27,13 @@ env)
 tests)
     fails=0
     for t in "${@:-$BIN/test_*}"; do
+        case $t in /*) ;; *) t=$BIN/$t ;; esac   # a bare name: the bundle's program
         for p in $t; do
             start=$(date +%s.%N)
             if timeout 150 "$p" >/tmp/ampc/out.txt 2>&1; then r=ok; else r=FAIL; fails=$((fails + 1)); fi
             printf "%-28s %s (%s s)\n" "$(basename "$p")" "$r" "$(( $(date +%s) - ${start%.*} ))"
             grep -E 'NOTE|FAILED|ERROR|error|\[  FAIL' /tmp/ampc/out.txt | head -20
+            if [ $r = FAIL ] && [ -n "${OUT:-}" ]; then { echo "=== $p"; tail -80 /tmp/ampc/out.txt; } >>"$OUT/tests_failed.log"; fi
         done
     done
     echo "failed programs: $fails" ;;
@@ -35,5 +41,19 @@ train) "$BIN/ampc-train" "$@" ;;
 e2e) bash tests/e2e_cuda.sh "$BIN/ampc-train" ;;
 bench) "$BIN/ampc-bench" "$@" ;;
 peer) python3 bench/pytorch_peer.py "$@" ;;
+profile)
+    # One training step's kernels timed by Nsight Compute (one metric, clock control off: the
+    # clocks as a run has them), the one timed step after 5 warm-up steps of ampc-bench, grouped by op
+    # family beside torch.profiler's table for the same model (bench/profile_step.py).
+    w=${1:-resnet50} m=${2:-amp-fp16} b=${3:-256}
+    dir=${OUT:-/tmp/ampc}
+    NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -n "$NCU" ] || { echo "profile: ncu not found"; exit 1; }
+    AMPC_BENCH_CUDA_PROFILE_STEP=1 "$NCU" --csv --print-units base --metrics gpu__time_duration.sum --clock-control none \
+        --profile-from-start off \
+        "$BIN/ampc-bench" --device cuda --workloads "$w" --modes "$m" --batch "$b" --warmup 5 --steps 1 --no-peak \
+        >"$dir/ncu_${w}_${m}.csv" 2>/tmp/ampc/ncu.err || { tail -5 /tmp/ampc/ncu.err; exit 1; }
+    python3 bench/profile_step.py --one-step --ncu-csv "$dir/ncu_${w}_${m}.csv" --workload "$w" --mode "$m" --batch "$b" \
+        --json "$dir/profile_${w}_${m}.json" ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac

@@ -6,7 +6,8 @@
  * (PyTorch's include-pad divisor under ceil_mode, adaptive windows, NaN propagation and ties to
  * the first maximum, which cuDNN's pooling does not promise), f16 and bf16 activations with f32
  * statistics, the unbiased running variance, the fused ReLU's exact mask, and they run on NHWC
- * and NCHW alike. Both are memory bound: one read of x per statistics pass.
+ * and NCHW alike. Both are memory bound: one read of x per statistics pass (channels-last with
+ * whole 16-byte vectors per row: one pass in all, dnn.cu).
  */
 #include "backend/cuda/dnn.h"
 

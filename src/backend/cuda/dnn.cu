@@ -17,6 +17,16 @@
  * Batch norm is the CPU backend's algorithm: mean, then the centred sum of squares (no
  * E[x^2] - E[x]^2 cancellation), f64 per-channel coefficients applied in f32 with one rounding.
  *
+ * Channels-last data whose C is a multiple of a 16-byte vector (8 halves, 4 floats), with
+ * 16-byte aligned arrays, takes faster kernels of the same results' rules (the layout of the
+ * ResNets under AMP): every thread moves whole vectors; batch norm's statistics are one pass of
+ * f64 sums about each channel's first value (K): mean = K + S/M, centred sum of squares Q - S^2/M,
+ * which loses at most log2(M + 1) bits of f64 because (K - mean)^2 <= M var; the partial rows are
+ * summed by a warp per channel in a fixed order; the elementwise passes keep each thread's
+ * channel coefficients in registers and stream rows; max pooling's window arithmetic is 32-bit.
+ * On an H100 (resnet50 batch 256 amp-fp16, one step under Nsight Compute) batch norm went from
+ * 42.3 to 18.5 ms and pooling from 2.2 (first version; 10.3 before) to 1.5 ms (bench/NOTES.md).
+ *
  * Elementwise kernels index in 32 bits when the tensor has fewer than 2^31 elements (64-bit
  * division is slow on the GPU), else in 64.
  */
@@ -312,32 +322,68 @@ template <class T, class I> __global__ void bias_add_kernel(I total, I C, I S, b
 
 __device__ __forceinline__ double nan_d() { return __longlong_as_double(0x7ff8000000000000LL); }
 
-/* Per channel: statistics (batch or running), running-stat update, saved stats and the f32
-   coefficients (the CPU's bn_finish_channel). */
+/* A warp per channel (blocks of 256 threads: 8 channels): *c, and the totals over the P partial
+   rows of part's two columns, lane l adding rows l, l + 32, ... in order, then a fixed shuffle
+   tree (deterministic). True in lane 0 of a warp whose channel exists. */
+__device__ __forceinline__ bool warp_parts(const double *part, int P, long long C, long long *c, double *a, double *b) {
+    *c = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (*c >= C) return false;   /* whole warps leave together */
+    double ta = 0, tb = 0;
+    for (int p = lane; p < P; p += 32) ta += part[((long long)p * C + *c) * 2], tb += part[((long long)p * C + *c) * 2 + 1];
+    ta = warp_sum(ta);
+    tb = warp_sum(tb);
+    *a = ta, *b = tb;
+    return lane == 0;
+}
+
+/* Channel c's running-stat update (training), saved stats and the f32 coefficients from its
+   statistics (the CPU's bn_finish_channel). */
+__device__ __forceinline__ void bn_set_channel(long long C, long long c, double mean, double var, double unbiased,
+                                               const ampc_cu_bn_fwd_args &a) {
+    if (a.training) {
+        if (a.rm) a.rm[c] = (float)((1 - a.momentum) * (double)a.rm[c] + a.momentum * mean);
+        if (a.rv) a.rv[c] = (float)((1 - a.momentum) * (double)a.rv[c] + a.momentum * unbiased);
+    }
+    double invstd = 1 / sqrt(var + a.eps), w = a.w ? a.w[c] : 1.0, b = a.b ? a.b[c] : 0.0;
+    if (a.save_mean) a.save_mean[c] = (float)mean;
+    if (a.save_invstd) a.save_invstd[c] = (float)invstd;
+    /* the mean as a float plus a remainder folded into the shift */
+    float m = (float)mean;
+    a.coef[c] = m;
+    a.coef[C + c] = (float)(invstd * w);
+    a.coef[2 * C + c] = (float)(b - (mean - (double)m) * invstd * w);
+}
+
+/* Per channel: statistics (batch: the RED_SUM and RED_SQDEV passes' partial rows; or running),
+   then bn_set_channel. */
 __global__ void bn_finish_fwd(long long C, long long M, ampc_cu_bn_fwd_args a) {
     GRID_LOOP(long long, c, C) {
-        double mean, var;
         if (a.training) {
-            mean = part_total(a.part, a.P, C, c, 0) / (double)M;
+            double mean = part_total(a.part, a.P, C, c, 0) / (double)M;
             double q = part_total(a.part + 2 * (long long)a.P * C, a.P, C, c, 0);
-            var = q / (double)M;
             double unbiased = M > 1 ? q / (double)(M - 1) : nan_d();   /* the op refuses M == 1 */
-            if (a.rm) a.rm[c] = (float)((1 - a.momentum) * (double)a.rm[c] + a.momentum * mean);
-            if (a.rv) a.rv[c] = (float)((1 - a.momentum) * (double)a.rv[c] + a.momentum * unbiased);
+            bn_set_channel(C, c, mean, q / (double)M, unbiased, a);
         } else {
-            mean = a.rm[c];
-            var = a.rv[c];
+            bn_set_channel(C, c, a.rm[c], a.rv[c], 0, a);
         }
-        double invstd = 1 / sqrt(var + a.eps), w = a.w ? a.w[c] : 1.0, b = a.b ? a.b[c] : 0.0;
-        if (a.save_mean) a.save_mean[c] = (float)mean;
-        if (a.save_invstd) a.save_invstd[c] = (float)invstd;
-        /* the mean as a float plus a remainder folded into the shift */
-        float m = (float)mean;
-        a.coef[c] = m;
-        a.coef[C + c] = (float)(invstd * w);
-        a.coef[2 * C + c] = (float)(b - (mean - (double)m) * invstd * w);
     }
 }
+
+/* The same from the one-pass shifted sums of the channels-last path (part row 0 after
+   collapse_parts: S = sum(x - K), Q = sum((x - K)^2) with K = x[0, c], the channel's first
+   value): mean = K + S / M, centred sum of squares Q - S^2 / M. K is one of the values, so
+   (K - mean)^2 <= M var: the cancellation costs at most log2(M + 1) of f64's 53 bits. */
+template <class T> __global__ void bn_finish_fwd_shift(long long C, long long M, const T *x, ampc_cu_bn_fwd_args a) {
+    double S, Q;
+    long long c;
+    if (!warp_parts(a.part, a.P, C, &c, &S, &Q)) return;
+    double K = (double)to_f<T>(x[c]), q = Q - S * (S / (double)M);
+    if (q < 0) q = 0;
+    double unbiased = M > 1 ? q / (double)(M - 1) : nan_d();
+    bn_set_channel(C, c, K + S / (double)M, q / (double)M, unbiased, a);
+}
+
 
 /* y = fma(x - m, scale, shift) rounded once; with relu a value that rounds below zero becomes +0
    (-0 and NaN stay, as relu of the stored output) */
@@ -353,20 +399,31 @@ __global__ void bn_apply_kernel(I total, I C, I S, bool cl, const T *x, T *y, co
 
 /* Per channel from sg = sum(g), sgx = sum(g (x - mean)) (P == 0: no sums, both 0): gw, gb and
    gx = k g + a (x - mean) + b (the CPU's bn_grad_coefs). */
-__global__ void bn_finish_bwd(long long C, long long M, ampc_cu_bn_bwd_args a) {
-    GRID_LOOP(long long, c, C) {
-        double sg = part_total(a.part, a.P, C, c, 0), sgx = part_total(a.part, a.P, C, c, 1), is = a.invstd[c];
-        if (a.gw) a.gw[c] = (float)(sgx * is);
-        if (a.gb) a.gb[c] = (float)sg;
-        double kk = (a.w ? a.w[c] : 1.0) * is, aa = 0, bb = 0;
-        if (a.training) {   /* gx = w invstd (gy - sg/M - xhat sum(gy xhat)/M) */
-            aa = -kk * is * is * sgx / (double)M;
-            bb = -kk * sg / (double)M;
-        }
-        a.kab[c] = (float)kk;
-        a.kab[C + c] = (float)aa;
-        a.kab[2 * C + c] = (float)bb;
+__device__ __forceinline__ void bn_bwd_channel(long long C, long long M, long long c, double sg, double sgx,
+                                               const ampc_cu_bn_bwd_args &a) {
+    double is = a.invstd[c];
+    if (a.gw) a.gw[c] = (float)(sgx * is);
+    if (a.gb) a.gb[c] = (float)sg;
+    double kk = (a.w ? a.w[c] : 1.0) * is, aa = 0, bb = 0;
+    if (a.training) {   /* gx = w invstd (gy - sg/M - xhat sum(gy xhat)/M) */
+        aa = -kk * is * is * sgx / (double)M;
+        bb = -kk * sg / (double)M;
     }
+    a.kab[c] = (float)kk;
+    a.kab[C + c] = (float)aa;
+    a.kab[2 * C + c] = (float)bb;
+}
+
+__global__ void bn_finish_bwd(long long C, long long M, ampc_cu_bn_bwd_args a) {
+    GRID_LOOP(long long, c, C) bn_bwd_channel(C, M, c, part_total(a.part, a.P, C, c, 0), part_total(a.part, a.P, C, c, 1), a);
+}
+
+/* bn_finish_bwd with a warp per channel summing the P partial rows (a.P 0: no sums) */
+__global__ void bn_finish_bwd_warp(long long C, long long M, ampc_cu_bn_bwd_args a) {
+    double sg, sgx;
+    long long c;
+    if (!warp_parts(a.part, a.P, C, &c, &sg, &sgx)) return;
+    bn_bwd_channel(C, M, c, sg, sgx, a);
 }
 
 template <class T, class I>
@@ -380,7 +437,357 @@ __global__ void bn_grad_apply_kernel(I total, I C, I S, bool cl, const T *x, con
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Channels-last fast paths: each thread moves 16-byte vectors of V = 16 / sizeof(T) channels
+// (C a multiple of V, every array 16-byte aligned, fewer than 2^31 rows and vectors)
+
+template <class T> struct vec_of { static constexpr int V = 16 / (int)sizeof(T); };
+
+template <class T> __device__ __forceinline__ uint4 ld16(const T *p) { return __ldg(reinterpret_cast<const uint4 *>(p)); }
+
+/* the V values of a vector as floats */
+template <class T> __device__ __forceinline__ void unpack(const uint4 &u, float *f) {
+    const T *t = reinterpret_cast<const T *>(&u);
+#pragma unroll
+    for (int l = 0; l < vec_of<T>::V; l++) f[l] = to_f<T>(t[l]);
+}
+
+/* V values rounded to T (nearest even, one rounding each) */
+template <class T> __device__ __forceinline__ uint4 pack(const float *f) {
+    uint4 u;
+    T *t = reinterpret_cast<T *>(&u);
+#pragma unroll
+    for (int l = 0; l < vec_of<T>::V; l++) t[l] = from_f<T>(f[l]);
+    return u;
+}
+
+/* Partial sums of channels-last x (M, C) (and gy): block (TX * TY threads; grid (ceil(CV / TX),
+   P)) sums rows [p * chunk, (p + 1) * chunk) for the channel vectors blockIdx.x * TX + tx, thread
+   (tx, ty) walking rows ty, ty + TY, ... four at a time (eight loads in flight for RED_GRAD),
+   accumulating in f64 per element; the block's threads then add their rows in ty order: out[(p
+   * C + c) * 2 + {0, 1}] depends only on the shape. RED_SUM here is the one-pass shifted pass:
+   a = sum(x - K), b = sum((x - K)^2) with K = x[0, c]. RED_GRAD: a = sum(g), b = sum(g (x -
+   mean)), g masked by the fused ReLU's recomputed output when rc. */
+template <class T, int MODE>
+__global__ void __launch_bounds__(256) reduce_vec(int M, int C, int TX, int TY, const T *x, const T *gy, const float *mean_f,
+                                                  const float *rc, double *out) {
+    constexpr int V = vec_of<T>::V;
+    const int CV = C / V, tx = threadIdx.x % TX, ty = threadIdx.x / TX, cv = blockIdx.x * TX + tx, p = blockIdx.y;
+    const int chunk = (int)(((long long)M + gridDim.y - 1) / gridDim.y);
+    const int r1 = (int)min((long long)M, ((long long)p + 1) * chunk);
+    double a[V], b[V];
+#pragma unroll
+    for (int l = 0; l < V; l++) a[l] = 0, b[l] = 0;
+    if (ty < TY && cv < CV) {
+        const int c0 = cv * V;
+        double m[V];
+        float rm[V], ra[V], rb[V];
+        const bool relu = MODE == RED_GRAD && rc;
+        if (MODE == RED_SUM) {
+            float k[V];
+            unpack<T>(ld16(x + c0), k);
+#pragma unroll
+            for (int l = 0; l < V; l++) m[l] = k[l];
+        } else {
+#pragma unroll
+            for (int l = 0; l < V; l++) {
+                m[l] = mean_f[c0 + l];
+                rm[l] = relu ? rc[c0 + l] : 0.0f;
+                ra[l] = relu ? rc[C + c0 + l] : 0.0f;
+                rb[l] = relu ? rc[2 * C + c0 + l] : 0.0f;
+            }
+        }
+        auto add = [&](const uint4 &ux, const uint4 &ug) {
+            float xv[V];
+            unpack<T>(ux, xv);
+            if (MODE == RED_SUM) {
+#pragma unroll
+                for (int l = 0; l < V; l++) {
+                    double d = (double)xv[l] - m[l];
+                    a[l] += d;
+                    b[l] = fma(d, d, b[l]);
+                }
+            } else {
+                float gv[V];
+                unpack<T>(ug, gv);
+#pragma unroll
+                for (int l = 0; l < V; l++) {
+                    float g = gv[l];
+                    if (relu && !relu_pos<T>(xv[l], rm[l], ra[l], rb[l])) g = 0.0f;
+                    a[l] += (double)g;
+                    b[l] = fma((double)g, (double)xv[l] - m[l], b[l]);
+                }
+            }
+        };
+        int r = (int)min((long long)M, (long long)p * chunk) + ty;
+        for (; r + 3 * TY < r1; r += 4 * TY) {
+            uint4 ux[4], ug[4];
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                long long o = (long long)(r + q * TY) * C + c0;
+                ux[q] = ld16(x + o);
+                if (MODE == RED_GRAD) ug[q] = ld16(gy + o);
+            }
+#pragma unroll
+            for (int q = 0; q < 4; q++) add(ux[q], ug[q]);
+        }
+        for (; r < r1; r += TY) {
+            long long o = (long long)r * C + c0;
+            uint4 ux = ld16(x + o), ug = ux;
+            if (MODE == RED_GRAD) ug = ld16(gy + o);
+            add(ux, ug);
+        }
+    }
+    __shared__ double sa[256 * 8], sb[256 * 8];
+#pragma unroll
+    for (int l = 0; l < V; l++) sa[threadIdx.x * V + l] = a[l], sb[threadIdx.x * V + l] = b[l];
+    __syncthreads();
+    const int width = TX * V;   /* channels of the block: sa[(ty * TX + tx) * V + l] = sa[ty * width + j] */
+    for (int j = threadIdx.x; j < width; j += blockDim.x) {
+        long long c = (long long)blockIdx.x * width + j;
+        if (c >= C) break;
+        double ta = 0, tb = 0;
+        for (int k = 0; k < TY; k++) ta += sa[k * width + j], tb += sb[k * width + j];
+        out[((long long)p * C + c) * 2] = ta;
+        out[((long long)p * C + c) * 2 + 1] = tb;
+    }
+}
+
+/* part[(c) * 2 + k] = sum over p of part[(p * C + c) * 2 + k]: one warp per channel, lane l
+   adding partitions l, l + 32, ... in order, then a fixed shuffle tree (deterministic); the
+   warp reads all of its channel's column before lane 0 overwrites row 0. */
+__global__ void collapse_parts(double *part, int P, long long C) {
+    long long c = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (c >= C) return;   /* whole warps leave together */
+    double a = 0, b = 0;
+    for (int p = lane; p < P; p += 32) a += part[((long long)p * C + c) * 2], b += part[((long long)p * C + c) * 2 + 1];
+    a = warp_sum(a);
+    b = warp_sum(b);
+    if (lane == 0) part[c * 2] = a, part[c * 2 + 1] = b;
+}
+
+/* The elementwise passes of channels-last batch norm: block (TX * TY threads, grid (ceil(CV /
+   TX), gy)) as reduce_vec; thread (tx, ty) keeps its V channels' coefficients in registers and
+   streams rows ty + TY * blockIdx.y, then every TY * gy rows, four loads (per input) in flight. */
+template <bool TWO, class T, class F>
+__device__ __forceinline__ void stream_rows(long long M, int C, int c0, int TY, int ty, const T *x, const T *gy, F body) {
+    const long long step = (long long)TY * gridDim.y;
+    long long r = (long long)blockIdx.y * TY + ty;
+    for (; r + 3 * step < M; r += 4 * step) {
+        uint4 ux[4], ug[4];
+        long long o[4];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            o[q] = (r + q * step) * C + c0;
+            ux[q] = ld16(x + o[q]);
+            ug[q] = TWO ? ld16(gy + o[q]) : ux[q];
+        }
+#pragma unroll
+        for (int q = 0; q < 4; q++) body(ux[q], ug[q], o[q]);
+    }
+    for (; r < M; r += step) {
+        long long o = r * C + c0;
+        uint4 ux = ld16(x + o), ug = TWO ? ld16(gy + o) : ux;
+        body(ux, ug, o);
+    }
+}
+
+/* y = fma(x - m, scale, shift) per element as bn_apply_kernel */
+template <class T>
+__global__ void __launch_bounds__(256) bn_apply_rows(int M, int C, int TX, int TY, const T *x, T *y, const float *coef, bool relu) {
+    constexpr int V = vec_of<T>::V;
+    const int tx = threadIdx.x % TX, ty = threadIdx.x / TX, cv = blockIdx.x * TX + tx;
+    if (ty >= TY || cv >= C / V) return;
+    const int c0 = cv * V;
+    float m[V], sc[V], sh[V];
+#pragma unroll
+    for (int l = 0; l < V; l++) m[l] = coef[c0 + l], sc[l] = coef[C + c0 + l], sh[l] = coef[2 * C + c0 + l];
+    stream_rows<false>(M, C, c0, TY, ty, x, x, [&](const uint4 &ux, const uint4 &, long long o) {
+        float f[V];
+        unpack<T>(ux, f);
+#pragma unroll
+        for (int l = 0; l < V; l++) {
+            float v = to_f<T>(from_f<T>(__fmaf_rn(f[l] - m[l], sc[l], sh[l])));
+            f[l] = relu && v < 0.0f ? 0.0f : v;
+        }
+        *reinterpret_cast<uint4 *>(y + o) = pack<T>(f);
+    });
+}
+
+/* gx = fma(k, g, fma(a, x - mean, b)) per element as bn_grad_apply_kernel */
+template <class T>
+__global__ void __launch_bounds__(256) bn_grad_apply_rows(int M, int C, int TX, int TY, const T *x, const T *gy, T *gx,
+                                                          const float *mean, const float *kab, const float *rc) {
+    constexpr int V = vec_of<T>::V;
+    const int tx = threadIdx.x % TX, ty = threadIdx.x / TX, cv = blockIdx.x * TX + tx;
+    if (ty >= TY || cv >= C / V) return;
+    const int c0 = cv * V;
+    float mn[V], k[V], a[V], b[V], rm[V], ra[V], rb[V];
+#pragma unroll
+    for (int l = 0; l < V; l++) {
+        mn[l] = mean[c0 + l], k[l] = kab[c0 + l], a[l] = kab[C + c0 + l], b[l] = kab[2 * C + c0 + l];
+        rm[l] = rc ? rc[c0 + l] : 0.0f, ra[l] = rc ? rc[C + c0 + l] : 0.0f, rb[l] = rc ? rc[2 * C + c0 + l] : 0.0f;
+    }
+    stream_rows<true>(M, C, c0, TY, ty, x, gy, [&](const uint4 &ux, const uint4 &ug, long long o) {
+        float xv[V], gv[V];
+        unpack<T>(ux, xv);
+        unpack<T>(ug, gv);
+#pragma unroll
+        for (int l = 0; l < V; l++) {
+            float g = gv[l];
+            if (rc && !relu_pos<T>(xv[l], rm[l], ra[l], rb[l])) g = 0.0f;
+            gv[l] = __fmaf_rn(k[l], g, __fmaf_rn(a[l], xv[l] - mn[l], b[l]));
+        }
+        *reinterpret_cast<uint4 *>(gx + o) = pack<T>(gv);
+    });
+}
+
+/* Max pooling, channels-last: one thread per V-channel vector of an output (forward) or of an
+   input element (backward), the window arithmetic in 32 bits, the rules of pool_fwd_kernel and
+   pool_bwd_kernel (ties to the first, NaN wins; gx gathers in output order). */
+struct mp_geom {
+    int C, H, W, OH, OW, kh, kw, sh, sw, ph, pw;
+};
+
+template <class T> __global__ void maxpool_fwd_vec(mp_geom g, unsigned nv, const T *x, T *y, int32_t *arg) {
+    constexpr int V = vec_of<T>::V;
+    const unsigned CV = g.C / V;
+    GRID_LOOP(unsigned, v, nv) {
+        unsigned t = v / CV, cv = v - t * CV;
+        int ow = (int)(t % g.OW);
+        t /= g.OW;
+        int oh = (int)(t % g.OH), n = (int)(t / g.OH);
+        int h0 = oh * g.sh - g.ph, w0 = ow * g.sw - g.pw, h1 = min(h0 + g.kh, g.H), w1 = min(w0 + g.kw, g.W);
+        h0 = max(h0, 0);
+        w0 = max(w0, 0);
+        float m[V];
+        int at[V];
+#pragma unroll
+        for (int l = 0; l < V; l++) m[l] = neg_inf(), at[l] = h0 * g.W + w0;
+        for (int h = h0; h < h1; h++)
+            for (int w = w0; w < w1; w++) {
+                float f[V];
+                unpack<T>(ld16(x + ((size_t)((long long)n * g.H + h) * g.W + w) * g.C + cv * V), f);
+#pragma unroll
+                for (int l = 0; l < V; l++)
+                    if (f[l] > m[l] || f[l] != f[l]) m[l] = f[l], at[l] = h * g.W + w;
+            }
+        *reinterpret_cast<uint4 *>(y + (size_t)v * V) = pack<T>(m);
+        if (arg)
+#pragma unroll
+            for (int q = 0; q < V / 4; q++)
+                reinterpret_cast<int4 *>(arg + (size_t)v * V)[q] = make_int4(at[4 * q], at[4 * q + 1], at[4 * q + 2], at[4 * q + 3]);
+    }
+}
+
+template <class T> __global__ void maxpool_bwd_vec(mp_geom g, unsigned nv, const T *gy, T *gx, const int32_t *arg) {
+    constexpr int V = vec_of<T>::V;
+    const unsigned CV = g.C / V;
+    GRID_LOOP(unsigned, v, nv) {
+        unsigned t = v / CV, cv = v - t * CV;
+        int w = (int)(t % g.W);
+        t /= g.W;
+        int h = (int)(t % g.H), n = (int)(t / g.H), me = h * g.W + w;
+        int fh = h + g.ph - g.kh, fw = w + g.pw - g.kw;
+        int oh0 = fh >= 0 ? fh / g.sh + 1 : 0, oh1 = min((h + g.ph) / g.sh + 1, g.OH);
+        int ow0 = fw >= 0 ? fw / g.sw + 1 : 0, ow1 = min((w + g.pw) / g.sw + 1, g.OW);
+        float acc[V];
+#pragma unroll
+        for (int l = 0; l < V; l++) acc[l] = 0.0f;
+        for (int oh = oh0; oh < oh1; oh++) {
+            int hs = oh * g.sh - g.ph;
+            if (h < max(hs, 0) || h >= min(hs + g.kh, g.H)) continue;
+            for (int ow = ow0; ow < ow1; ow++) {
+                int ws = ow * g.sw - g.pw;
+                if (w < max(ws, 0) || w >= min(ws + g.kw, g.W)) continue;
+                size_t o = ((size_t)((long long)n * g.OH + oh) * g.OW + ow) * g.C + cv * V;
+                float gv[V];
+                int a[V];
+                unpack<T>(ld16(gy + o), gv);
+#pragma unroll
+                for (int q = 0; q < V / 4; q++) {
+                    int4 a4 = __ldg(reinterpret_cast<const int4 *>(arg + o) + q);
+                    a[4 * q] = a4.x, a[4 * q + 1] = a4.y, a[4 * q + 2] = a4.z, a[4 * q + 3] = a4.w;
+                }
+#pragma unroll
+                for (int l = 0; l < V; l++)
+                    if (a[l] == me) acc[l] += gv[l];
+            }
+        }
+        *reinterpret_cast<uint4 *>(gx + (size_t)v * V) = pack<T>(acc);
+    }
+}
+
 unsigned chan_blocks(int64_t C) { return blocks_for(C, 128); }
+
+bool al16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+/* Whether channels-last data of M rows of C channels in dt takes the vector kernels. */
+bool vec_ok(const ampc_cu_chan_geom *g, ampc_dtype dt) {
+    int V = dt == AMPC_F32 ? 4 : 8;
+    return g->cl && g->C % V == 0 && g->N * g->S < ((int64_t)1 << 31) && g->C < ((int64_t)1 << 31) && g->N * g->S > 0;
+}
+
+/* Launch shape of reduce_vec: TX channel vectors x TY rows per block, grid (gx, P'), P' <= P
+   (the scratch's partitions) and at least four rows per thread. */
+struct vec_launch {
+    int TX, TY, gx, P;
+};
+vec_launch vec_shape(const ampc_cu_chan_geom *g, ampc_dtype dt, int P) {
+    int V = dt == AMPC_F32 ? 4 : 8, CV = (int)(g->C / V);
+    vec_launch l;
+    l.TX = CV < 32 ? CV : 32;
+    l.TY = 256 / l.TX;
+    l.gx = (CV + l.TX - 1) / l.TX;
+    int64_t most = (g->N * g->S + 4 * l.TY - 1) / (4 * l.TY);
+    l.P = (int)(most < P ? most : P);
+    if (l.P < 1) l.P = 1;
+    return l;
+}
+
+template <class T, int MODE>
+void launch_reduce_vec(const ampc_cu_chan_geom *g, const vec_launch &l, const T *x, const T *gy, const float *mean_f,
+                       const float *rc, double *out, cudaStream_t s) {
+    reduce_vec<T, MODE><<<dim3((unsigned)l.gx, (unsigned)l.P), l.TX * l.TY, 0, s>>>((int)(g->N * g->S), (int)g->C, l.TX, l.TY, x, gy,
+                                                                                  mean_f, rc, out);
+}
+
+int sm_count() {
+    static int n = 0;
+    if (!n) {
+        int v = 0;
+        int dev = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v < 1)
+            v = 32;
+        n = v;
+    }
+    return n;
+}
+
+/* grid of the elementwise row kernels: the reduction's channel blocks, about 8 blocks per
+   multiprocessor, at least 4 rows per thread */
+dim3 rows_grid(const ampc_cu_chan_geom *g, const vec_launch &l) {
+    int64_t want = (8 * (int64_t)sm_count() + l.gx - 1) / l.gx, most = (g->N * g->S + 4 * l.TY - 1) / (4 * l.TY);
+    int64_t gy = want < most ? want : most;
+    if (gy < 1) gy = 1;
+    if (gy > 65535) gy = 65535;
+    return dim3((unsigned)l.gx, (unsigned)gy);
+}
+
+/* Max pooling on the vector kernels: channels-last, C a multiple of V, 16-byte aligned arrays,
+   every index in 32 bits (n: the larger tensor's elements). */
+bool mp_vec(const ampc_cu_pool_geom *g, ampc_dtype dt, int64_t n, const void *a, const void *b, const int32_t *arg) {
+    int V = dt == AMPC_F32 ? 4 : 8;
+    return g->kind == AMPC_CU_POOL_MAX && g->cl && g->C % V == 0 && n < ((int64_t)1 << 31) && al16(a) && al16(b) &&
+           (!arg || al16(arg)) && g->kernel[0] >= 1 && g->kernel[1] >= 1;
+}
+
+mp_geom mp_of(const ampc_cu_pool_geom *g) {
+    mp_geom m = {(int)g->C, (int)g->H, (int)g->W, (int)g->OH, (int)g->OW, g->kernel[0], g->kernel[1], g->stride[0], g->stride[1],
+                 g->pad_begin[0], g->pad_begin[1]};
+    return m;
+}
 
 }  // namespace
 
@@ -392,6 +799,13 @@ extern "C" cudaError_t ampc_cu_pool_fwd(const ampc_cu_pool_geom *g, ampc_dtype d
     int64_t total = g->N * g->C * g->OH * g->OW;
     if (total <= 0) return cudaSuccess;
     int64_t xn = g->N * g->C * g->H * g->W;
+    if (mp_vec(g, dt, total > xn ? total : xn, x, y, argmax)) {
+        mp_geom m = mp_of(g);
+        AMPC_CU_FLOAT_TYPES(dt, T,
+                            unsigned nv = (unsigned)(total / vec_of<T>::V);
+                            maxpool_fwd_vec<T><<<blocks_for(nv), 256, 0, s>>>(m, nv, (const T *)x, (T *)y, argmax));
+        return cudaGetLastError();
+    }
     AMPC_CU_FLOAT_TYPES(dt, T,
                         AMPC_CU_INDEX(total > xn ? total : xn, I,
                                       pool_fwd_kernel<T, I><<<blocks_for(total), 256, 0, s>>>(*g, (const T *)x, (T *)y, argmax,
@@ -403,6 +817,14 @@ extern "C" cudaError_t ampc_cu_pool_bwd(const ampc_cu_pool_geom *g, ampc_dtype d
                                         const int32_t *argmax, cudaStream_t s) {
     int64_t total = g->N * g->C * g->H * g->W;
     if (total <= 0) return cudaSuccess;
+    int64_t yn = g->N * g->C * g->OH * g->OW;
+    if (yn > 0 && argmax && mp_vec(g, dt, total > yn ? total : yn, gy, gx, argmax)) {
+        mp_geom m = mp_of(g);
+        AMPC_CU_FLOAT_TYPES(dt, T,
+                            unsigned nv = (unsigned)(total / vec_of<T>::V);
+                            maxpool_bwd_vec<T><<<blocks_for(nv), 256, 0, s>>>(m, nv, (const T *)gy, (T *)gx, argmax));
+        return cudaGetLastError();
+    }
     AMPC_CU_FLOAT_TYPES(dt, T,
                         AMPC_CU_INDEX(total, I,
                                       pool_bwd_kernel<T, I><<<blocks_for(total), 256, 0, s>>>(*g, (const T *)gy, (T *)gx, argmax,
@@ -411,11 +833,11 @@ extern "C" cudaError_t ampc_cu_pool_bwd(const ampc_cu_pool_geom *g, ampc_dtype d
 }
 
 extern "C" int ampc_cu_chan_parts(const ampc_cu_chan_geom *g, int sm_count) {
-    int64_t M = g->N * g->S, target = 8 * (int64_t)(sm_count > 0 ? sm_count : 1);
+    int64_t M = g->N * g->S, target = (g->cl ? 4 : 8) * (int64_t)(sm_count > 0 ? sm_count : 1);
     if (M <= 0 || g->C <= 0) return 1;
     /* blocks per partition row, and the fewest elements (planar) or rows (channels-last) a
        block should get */
-    int64_t row = g->cl ? (g->C + 31) / 32 : g->C, least = g->cl ? 64 : 4096;
+    int64_t row = g->cl ? (g->C + 255) / 256 : g->C, least = g->cl ? 64 : 4096;
     int64_t P = (target + row - 1) / row, most = (M + least - 1) / least;
     if (P > most) P = most;
     if (P > 1024) P = 1024;
@@ -429,6 +851,8 @@ extern "C" cudaError_t ampc_cu_chan_sum(const ampc_cu_chan_geom *g, ampc_dtype d
         P = 0;   /* empty: the totals are 0 */
     } else {
         AMPC_CU_FLOAT_TYPES(dt, T, launch_reduce<T, RED_SUM>(*g, (const T *)x, nullptr, nullptr, nullptr, nullptr, part, P, s));
+        collapse_parts<<<(unsigned)((g->C + 7) / 8), 256, 0, s>>>(part, P, g->C);
+        P = 1;
     }
     AMPC_CU_FLOAT_TYPES(out_dt, D, chan_total_kernel<D><<<chan_blocks(g->C), 128, 0, s>>>(g->C, part, P, (D *)out));
     return cudaGetLastError();
@@ -448,6 +872,24 @@ extern "C" cudaError_t ampc_cu_bn_forward(const ampc_cu_chan_geom *g, ampc_dtype
                                           const ampc_cu_bn_fwd_args *a, cudaStream_t s) {
     int64_t total = g->N * g->C * g->S, M = g->N * g->S;
     if (g->C <= 0) return cudaSuccess;
+    bool vec = vec_ok(g, dt) && al16(x) && al16(y);
+    if (vec) {
+        ampc_cu_bn_fwd_args b = *a;
+        vec_launch l = vec_shape(g, dt, a->training ? a->P : 1);
+        if (a->training) {
+            b.P = l.P;
+            AMPC_CU_FLOAT_TYPES(dt, T,
+                                launch_reduce_vec<T, RED_SUM>(g, l, (const T *)x, nullptr, nullptr, nullptr, a->part, s);
+                                bn_finish_fwd_shift<T><<<(unsigned)((g->C + 7) / 8), 256, 0, s>>>(g->C, M, (const T *)x, b));
+        } else {
+            bn_finish_fwd<<<chan_blocks(g->C), 128, 0, s>>>(g->C, M, b);
+        }
+        dim3 grid = rows_grid(g, l);
+        AMPC_CU_FLOAT_TYPES(dt, T,
+                            bn_apply_rows<T><<<grid, l.TX * l.TY, 0, s>>>((int)M, (int)g->C, l.TX, l.TY, (const T *)x, (T *)y,
+                                                                          a->coef, a->relu));
+        return cudaGetLastError();
+    }
     if (a->training) {
         if (M <= 0) return cudaErrorInvalidValue;
         double *p1 = a->part, *p2 = a->part + 2 * (int64_t)a->P * g->C;
@@ -469,6 +911,23 @@ extern "C" cudaError_t ampc_cu_bn_backward(const ampc_cu_chan_geom *g, ampc_dtyp
     if (g->C <= 0) return cudaSuccess;
     ampc_cu_bn_bwd_args b = *a;
     bool sums = a->gw || a->gb || (gx && a->training);
+    if (vec_ok(g, dt) && al16(x) && al16(gy) && (!gx || al16(gx))) {
+        vec_launch l = vec_shape(g, dt, sums ? a->P : 1);
+        b.P = 0;   /* no sums: both 0 */
+        if (sums) {
+            AMPC_CU_FLOAT_TYPES(dt, T,
+                                launch_reduce_vec<T, RED_GRAD>(g, l, (const T *)x, (const T *)gy, a->mean, a->rc, a->part, s));
+            b.P = l.P;
+        }
+        bn_finish_bwd_warp<<<(unsigned)((g->C + 7) / 8), 256, 0, s>>>(g->C, M, b);
+        if (gx) {
+            dim3 grid = rows_grid(g, l);
+            AMPC_CU_FLOAT_TYPES(dt, T,
+                                bn_grad_apply_rows<T><<<grid, l.TX * l.TY, 0, s>>>((int)M, (int)g->C, l.TX, l.TY, (const T *)x,
+                                                                                   (const T *)gy, (T *)gx, a->mean, a->kab, a->rc));
+        }
+        return cudaGetLastError();
+    }
     if (sums && M > 0) {
         AMPC_CU_FLOAT_TYPES(dt, T,
                             launch_reduce<T, RED_GRAD>(*g, (const T *)x, (const T *)gy, nullptr, a->mean, a->rc, a->part, a->P, s));
