@@ -35,22 +35,29 @@ typedef struct {
     bool cl, training;
 } bn_case;
 
-/* Everything one run produces: y, x.grad, w.grad, b.grad, running mean and var (values). */
+/* Everything one run produces: y, x.grad, w.grad, b.grad, running mean and var, z.grad (values;
+   z.grad only for the add variants). */
 typedef struct {
-    double *v[6];
+    double *v[7];
 } bn_run;
 
-static const char *run_names[] = {"y", "x.grad", "weight.grad", "bias.grad", "running_mean", "running_var"};
+static const char *run_names[] = {"y", "x.grad", "weight.grad", "bias.grad", "running_mean", "running_var", "z.grad"};
+
+/* What run_case computes: relu(bn(x)) as two ops or the fused op, relu(bn(x) + z) as three ops
+   or ampc__batch_norm2d_add_relu */
+enum { COMPOSITE, FUSED, ADD_COMPOSITE, ADD_FUSED };
 
 /* x: uniform in [-2, 2] with, per channel 0, exact zeros, and NaN in the last channel's first
    element; running_mean[0] = 0 and bias[0] = 0, so in evaluation x = 0 gives a pre-activation
    of exactly 0 (relu keeps it, its backward masks it). */
-static bn_run run_case(ampc_device dev, ampc_dtype dt, const bn_case *k, bool fused) {
+static bn_run run_case(ampc_device dev, ampc_dtype dt, const bn_case *k, int mode) {
+    bool fused = mode == FUSED, add = mode >= ADD_COMPOSITE;
     const int64_t *sh = k->shape, N = sh[0], C = sh[1], S = sh[2] * sh[3], n = N * C * S;
     ampc_dtype sdt = dev == AMPC_DEVICE_REF ? AMPC_F64 : AMPC_F32;
     double *x = malloc((size_t)n * sizeof *x), *g = malloc((size_t)n * sizeof *g);
     double *w = malloc((size_t)C * sizeof *w), *b = malloc((size_t)C * sizeof *b);
-    double *rm = malloc((size_t)C * sizeof *rm), *rv = malloc((size_t)C * sizeof *rv);
+    double *rm = malloc((size_t)C * sizeof *rm), *rv = malloc((size_t)C * sizeof *rv), *z = malloc((size_t)n * sizeof *z);
+    tu_fill_uniform(z, (size_t)n, 15, -1, 1);
     tu_fill_uniform(x, (size_t)n, 11, -2, 2);
     tu_fill_uniform(g, (size_t)n, 12, -1, 1);
     tu_fill_uniform(w, (size_t)C, 13, 0.5, 1.5);
@@ -68,36 +75,47 @@ static bn_run run_case(ampc_device dev, ampc_dtype dt, const bn_case *k, bool fu
     ASSERT_OK(ampc_tensor_set_requires_grad(xt, true));
     ASSERT_OK(ampc_tensor_set_requires_grad(wt, true));
     ASSERT_OK(ampc_tensor_set_requires_grad(bt, true));
+    ampc_tensor *zt = ampc_tensor_from_f64(dt, 4, sh, z);
+    ASSERT_OK(ampc_tensor_set_requires_grad(zt, true));
     ampc_tensor *xin = k->cl ? ampc_to_memory_format(xt, AMPC_CHANNELS_LAST) : xt;
     ampc_tensor *gin = k->cl ? ampc_to_memory_format(gt, AMPC_CHANNELS_LAST) : gt;
-    ampc_tensor *y = fused ? ampc__batch_norm2d_relu(xin, wt, bt, rmt, rvt, k->training, 0.1, 1e-5)
-                           : ampc_relu(ampc_batch_norm2d(xin, wt, bt, rmt, rvt, k->training, 0.1, 1e-5));
+    ampc_tensor *zin = k->cl ? ampc_to_memory_format(zt, AMPC_CHANNELS_LAST) : zt;
+    ampc_tensor *y = mode == FUSED       ? ampc__batch_norm2d_relu(xin, wt, bt, rmt, rvt, k->training, 0.1, 1e-5)
+                     : mode == ADD_FUSED ? ampc__batch_norm2d_add_relu(xin, wt, bt, rmt, rvt, zin, k->training, 0.1, 1e-5, false)
+                     : add               ? ampc_relu(ampc_add(ampc_batch_norm2d(xin, wt, bt, rmt, rvt, k->training, 0.1, 1e-5), zin))
+                                         : ampc_relu(ampc_batch_norm2d(xin, wt, bt, rmt, rvt, k->training, 0.1, 1e-5));
     ASSERT_NOT_NULL_MSG(y);
     assert_int_equal(ampc_tensor_memory_format(y), k->cl ? AMPC_CHANNELS_LAST : AMPC_CONTIGUOUS_FORMAT);
-    assert_string_equal(ampc_tensor_grad_fn_name(y), fused ? "NativeBatchNormReluBackward" : "ReluBackward");
+    /* the add is one op where the backend has the kernels (CUDA), three elsewhere */
+    bool one_op = mode == ADD_FUSED && ampc__backend(dev)->batch_norm_add_relu;
+    assert_string_equal(ampc_tensor_grad_fn_name(y), fused ? "NativeBatchNormReluBackward"
+                                                     : one_op ? "NativeBatchNormAddReluBackward" : "ReluBackward");
     ASSERT_OK(ampc_backward_with_grad(y, gin));
     bn_run r = {{tu_values(y), tu_values(ampc_tensor_grad(xt)), tu_values(ampc_tensor_grad(wt)),
-                 tu_values(ampc_tensor_grad(bt)), tu_values(rmt), tu_values(rvt)}};
+                 tu_values(ampc_tensor_grad(bt)), tu_values(rmt), tu_values(rvt), add ? tu_values(ampc_tensor_grad(zt)) : NULL}};
     ampc_scope_end();
     ampc_set_default_device(AMPC_DEVICE_CPU);
-    free(x), free(g), free(w), free(b), free(rm), free(rv);
+    free(x), free(g), free(w), free(b), free(rm), free(rv), free(z);
     return r;
 }
 
-static void compare_case(ampc_device dev, ampc_dtype dt, const bn_case *k) {
-    bn_run f = run_case(dev, dt, k, true), c = run_case(dev, dt, k, false);
+/* the fused op against its composite (add: the residual variant) */
+static void compare_case_add(ampc_device dev, ampc_dtype dt, const bn_case *k, bool add) {
+    bn_run f = run_case(dev, dt, k, add ? ADD_FUSED : FUSED), c = run_case(dev, dt, k, add ? ADD_COMPOSITE : COMPOSITE);
     const int64_t *sh = k->shape;
     size_t n = (size_t)(sh[0] * sh[1] * sh[2] * sh[3]), C = (size_t)sh[1];
-    size_t sizes[6] = {n, n, C, C, C, C};
-    for (int i = 0; i < 6; i++) {
+    size_t sizes[7] = {n, n, C, C, C, C, n};
+    for (int i = 0; i < (add ? 7 : 6); i++) {
         char what[160];
-        snprintf(what, sizeof what, "%s %s (%lld,%lld,%lld,%lld)%s %s: %s", ampc_device_name(dev), ampc_dtype_name(dt),
+        snprintf(what, sizeof what, "%s %s (%lld,%lld,%lld,%lld)%s %s%s: %s", ampc_device_name(dev), ampc_dtype_name(dt),
                  (long long)sh[0], (long long)sh[1], (long long)sh[2], (long long)sh[3], k->cl ? " cl" : "",
-                 k->training ? "train" : "eval", run_names[i]);
+                 k->training ? "train" : "eval", add ? " + z" : "", run_names[i]);
         assert_same_bits(what, f.v[i], c.v[i], sizes[i]);
-        free(f.v[i]), free(c.v[i]);
     }
+    for (int i = 0; i < 7; i++) free(f.v[i]), free(c.v[i]);
 }
+
+static void compare_case(ampc_device dev, ampc_dtype dt, const bn_case *k) { compare_case_add(dev, dt, k, false); }
 
 /* per channel (S >= 32), per column (S < 32), channels-last (long rows: C > the staging chunk) */
 static const bn_case cases[] = {
@@ -111,6 +129,31 @@ static void test_fused_equals_composite_cpu(void **state) {
     const ampc_dtype dts[] = {AMPC_F32, AMPC_F16, AMPC_BF16};
     for (size_t d = 0; d < 3; d++)
         for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) compare_case(AMPC_DEVICE_CPU, dts[d], &cases[i]);
+}
+
+/* On the GPU: both fusions against their composites, on the vector kernels (channels-last, C a
+   multiple of 8) and the per-element ones (the other cases). */
+static void test_fused_equals_composite_cuda(void **state) {
+    (void)state;
+    if (!tu_cuda_available()) skip();
+    static const bn_case vec_cases[] = {
+        {{2, 64, 5, 7}, true, true}, {{2, 64, 5, 7}, true, false}, {{3, 16, 3, 3}, true, true}, {{2, 264, 3, 5}, true, true},
+    };
+    const ampc_dtype dts[] = {AMPC_F32, AMPC_F16, AMPC_BF16};
+    for (size_t d = 0; d < 3; d++)
+        for (int add = 0; add < 2; add++) {
+            for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) compare_case_add(AMPC_DEVICE_CUDA, dts[d], &cases[i], add);
+            for (size_t i = 0; i < sizeof vec_cases / sizeof *vec_cases; i++)
+                compare_case_add(AMPC_DEVICE_CUDA, dts[d], &vec_cases[i], add);
+        }
+}
+
+/* Where the backend has no add kernels (CPU, REF) the op is the composite itself. */
+static void test_add_relu_composes_cpu_ref(void **state) {
+    (void)state;
+    const ampc_dtype dts[] = {AMPC_F32, AMPC_BF16};
+    for (size_t d = 0; d < 2; d++) compare_case_add(AMPC_DEVICE_CPU, dts[d], &cases[4], true);
+    compare_case_add(AMPC_DEVICE_REF, AMPC_F64, &cases[0], true);
 }
 
 static void test_fused_equals_composite_ref(void **state) {
@@ -256,8 +299,10 @@ static void test_resnet18_replaced_relu(void **state) {
 }
 
 int main(void) {
+    setenv("AMPC_CUDA_BN_ADD_RELU", "1", 1);   /* the CUDA backend's fused add kernels (opt-in): under test here */
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fused_equals_composite_cpu), cmocka_unit_test(test_fused_equals_composite_ref),
+        cmocka_unit_test(test_fused_equals_composite_cuda), cmocka_unit_test(test_add_relu_composes_cpu_ref),
         cmocka_unit_test(test_tiny_negatives),             cmocka_unit_test(test_resnet18_fp32),
         cmocka_unit_test(test_resnet18_amp_bf16_cl),       cmocka_unit_test(test_resnet18_replaced_relu),
     };

@@ -7,20 +7,24 @@
 #
 #     bash scripts/gpu/session.sh [STEPS]     STEPS: comma list, default all, in this order:
 #       env       the GPU, the driver, the CPU's AMX flags
-#       kernels   test_cl_kernels (the channels-last batch-norm and pooling kernels against REF)
+#       kernels   test_cl_kernels, test_bn_relu (batch norm and pooling kernels against REF, the fusions
+#                 against their composites)
 #       bench     ampc-bench resnet50 amp-fp16,amp-bf16 batch 256, then the PyTorch peer (eager,
 #                 cudnn.benchmark) on the same configs
 #       profile   one resnet50 amp-fp16 step under Nsight Compute beside torch.profiler
-#       tests     every test program (CUDA op checks; the CPU suite on this host's CPU)
+#       benchall  every workload and mode of ampc-bench and of the peer
+#       tests     the test programs that run ops on CUDA ($TESTS: others)
 #       e2e       tests/e2e_cuda.sh (Fashion-MNIST from $AMPC_FASHION_MNIST_DIR or .gpu/fashion-mnist)
-#       benchall  every workload and mode of ampc-bench and the peer, torch.compile on resnet50
+#       train     ampc-train --device cuda on Fashion-MNIST (the cnn, bf16, batch 256): its samples/s
+#                 and data wait beside ampc-bench's cnn step on the same batch
+#       compile   the peer through torch.compile on resnet50 amp-fp16
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/ampc-out}
 export OUT
 mkdir -p "$OUT"
 BUDGET=${BUDGET:-420}
-STEPS=,${1:-env,kernels,bench,profile,tests,e2e,benchall},
+STEPS=,${1:-env,kernels,bench,profile,benchall,tests,e2e,train,compile},
 T0=$(date +%s)
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
 R="bash scripts/gpu/run.sh"
@@ -46,17 +50,24 @@ step() {
     date -u
     step env 5 $R env
     step env 5 sh -c 'grep -o -E "amx_[a-z0-9]+|avx512_fp16|avx512_bf16" /proc/cpuinfo | sort | uniq -c; nproc --all'
-    step kernels 30 $R tests test_cl_kernels
+    step kernels 30 $R tests test_cl_kernels test_bn_relu
     step bench 60 $R bench --device cuda --workloads resnet50 --modes amp-fp16,amp-bf16 --batch 256 --steps 10 --warmup 3 \
         --no-peak --json "$OUT/ampc_bench.json"
     step bench 60 $R peer --device cuda --workloads resnet50 --modes amp-fp16,amp-bf16 --batch 256 --channels-last yes \
         --steps 10 --warmup 3 --json "$OUT/peer.json"
-    step profile 90 $R profile resnet50 amp-fp16 256
-    step tests 120 $R tests
-    step e2e 90 $R e2e
-    step benchall 150 $R bench --device cuda --workloads mlp,cnn,resnet18,resnet50 --modes fp32,tf32,amp-bf16,amp-fp16 \
+    step profile 60 $R profile resnet50 amp-fp16 256
+    step benchall 60 $R bench --device cuda --workloads mlp,cnn,resnet18,resnet50 --modes fp32,tf32,amp-bf16,amp-fp16 \
         --batch 256 --steps 10 --warmup 3 --json "$OUT/ampc_bench_all.json"
     step benchall 120 $R peer --device cuda --workloads mlp,cnn,resnet18,resnet50 --modes fp32,tf32,amp-bf16,amp-fp16 \
-        --batch 256 --channels-last yes --steps 10 --warmup 3 --compile yes --json "$OUT/peer_all.json"
+        --batch 256 --channels-last yes --steps 10 --warmup 3 --json "$OUT/peer_all.json"
+    # the test programs that run ops on the GPU (the rest are the CPU suite, which CI runs)
+    step tests 60 $R tests ${TESTS:-test_ops test_norm test_pool test_loss test_matmul test_conv test_conv_cl test_channels_last \
+        test_gemm_skinny test_optim test_scaler test_autocast test_models test_train test_kept_casts test_dtype}
+    step e2e 90 $R e2e
+    step train 40 $R train --device cuda --model cnn --epochs 2 --batch-size 256 --amp-dtype bf16 --progress off \
+        --out /tmp/ampc-train-run
+    step train 20 $R bench --device cuda --workloads cnn --modes amp-bf16 --batch 256 --steps 50 --warmup 5 --no-peak
+    step compile 100 $R peer --device cuda --workloads resnet50 --modes amp-fp16 --batch 256 --channels-last yes \
+        --steps 10 --warmup 3 --compile yes --json "$OUT/peer_compile.json"
     date -u
 } 2>&1 | tee "$OUT/session.log"

@@ -205,6 +205,21 @@ typedef struct ampc_backend {
     int (*batch_norm_relu_backward)(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                     const ampc_tensor *stats, bool training, bool sync, ampc_tensor *gx,
                                     ampc_tensor *gw, ampc_tensor *gb);
+    /* The end of a ResNet block in one pass: y = relu(batch_norm(x) + z), bit for bit the
+       composite (the normalised value rounded once to y's dtype, the add in f32 rounded once,
+       then relu with NaN kept); z has x's dtype, shape and memory format. stats (2, C) in the
+       statistics dtype, or NULL when no backward follows: row 0 the mean, row 1 1/sqrt(var+eps)
+       (batch_norm's save_mean / save_invstd). No SyncBatchNorm (the op composes then). The
+       backward masks gy where the forward's output y was not positive (relu's backward), writes
+       that masked gradient to gz (required: the add passes it on unchanged) and gx, gw, gb (each
+       may be NULL) as batch_norm_backward of it. Optional: where NULL, the op composes
+       batch_norm, add and relu (the CPU and REF backends). */
+    int (*batch_norm_add_relu)(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
+                               ampc_tensor *running_mean, ampc_tensor *running_var, const ampc_tensor *z,
+                               ampc_tensor *y, ampc_tensor *stats, bool training, double momentum, double eps);
+    int (*batch_norm_add_relu_backward)(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *y,
+                                        const ampc_tensor *weight, const ampc_tensor *stats, bool training,
+                                        ampc_tensor *gx, ampc_tensor *gz, ampc_tensor *gw, ampc_tensor *gb);
     /* Layer norm of x viewed as (rows, cols); mean/rstd (rows) f32 (f64 on REF); weight/bias
        (cols) in any float dtype or NULL. Backward: gx, gw, gb each may be NULL. */
     int (*layer_norm)(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,

@@ -108,21 +108,30 @@ ampc_module *ampc_conv2d_new(int64_t in_channels, int64_t out_channels, int kern
 // BatchNorm2d: weight/bias (C), buffers running_mean/running_var (C) and num_batches_tracked
 // (an int64 scalar); config.batchnorm2d: C, momentum, eps.
 
-ampc_tensor *ampc__batchnorm2d_forward(ampc_module *m, ampc_tensor *x, bool relu) {
+/* relu: relu(bn(x)); add: relu(bn(x) + z) (z NULL: the error of whatever failed to make it) */
+static ampc_tensor *bn_forward(ampc_module *m, ampc_tensor *x, bool relu, bool add, ampc_tensor *z) {
     char buf[96];
     if (ampc_tensor_ndim(x) != 4)
         return ampc__err_null(AMPC_ERR_SHAPE, "BatchNorm2d(%lld): expected 4D input (got %s)", (long long)m->config.batchnorm2d.num_features,
                               shape_of(x, buf, sizeof buf));
-    ampc_tensor *y = ampc__batch_norm2d_ex(x, ampc__module_param(m, "weight"), ampc__module_param(m, "bias"),
-                                           ampc__module_buffer(m, "running_mean"), ampc__module_buffer(m, "running_var"),
-                                           m->training, m->config.batchnorm2d.momentum, m->config.batchnorm2d.eps, relu,
-                                           m->config.batchnorm2d.sync);
+    ampc_tensor *w = ampc__module_param(m, "weight"), *b = ampc__module_param(m, "bias");
+    ampc_tensor *rm = ampc__module_buffer(m, "running_mean"), *rv = ampc__module_buffer(m, "running_var");
+    double mom = m->config.batchnorm2d.momentum, eps = m->config.batchnorm2d.eps;
+    bool sync = m->config.batchnorm2d.sync;
+    ampc_tensor *y = add ? ampc__batch_norm2d_add_relu(x, w, b, rm, rv, z, m->training, mom, eps, sync)
+                       : ampc__batch_norm2d_ex(x, w, b, rm, rv, m->training, mom, eps, relu, sync);
     if (y && m->training) {
         /* the counter lives in the buffer (not the module) so a loaded checkpoint continues
            from its value */
         if (ampc__batch_norm_count(ampc__module_buffer(m, "num_batches_tracked")) < 0) return NULL;
     }
     return y;
+}
+
+ampc_tensor *ampc__batchnorm2d_forward(ampc_module *m, ampc_tensor *x, bool relu) { return bn_forward(m, x, relu, false, NULL); }
+
+ampc_tensor *ampc__batchnorm2d_forward_add_relu(ampc_module *m, ampc_tensor *x, ampc_tensor *z) {
+    return bn_forward(m, x, true, true, z);
 }
 
 static ampc_tensor *batchnorm2d_forward(ampc_module *m, ampc_tensor *x) { return ampc__batchnorm2d_forward(m, x, false); }

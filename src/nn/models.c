@@ -11,7 +11,9 @@
  * relu(bn(x)) (the ResNet stem, and bn1/bn2 of the blocks) runs as one fused op,
  * ampc__batch_norm2d_relu, when the two children are still the library's BatchNorm2d and ReLU
  * (or SyncBatchNorm; checked at each forward by type name): the same bits as the two modules, without the ReLU's
- * own passes over the activation (forward and backward).
+ * own passes over the activation (forward and backward). Likewise the end of each block,
+ * relu(bn(x) + identity), is ampc__batch_norm2d_add_relu: one op where the backend has the kernels
+ * (CUDA), the three ops elsewhere.
  */
 #include "nn/nn.h"
 #include "ops/ops.h"
@@ -66,6 +68,17 @@ static ampc_tensor *bn_relu(ampc_module *m, const char *bn_name, ampc_tensor *x)
     if (!x || !ampc__fuse_bn_relu || !std_bn || !relu || strcmp(relu->vt->type, "ReLU"))
         return fwd(m, "relu", fwd(m, bn_name, x));   /* the modules' own errors, too */
     return ampc__batchnorm2d_forward(bn, x, true);
+}
+
+/* relu(bn(x) + identity) through the children bn_name and "relu": one op (batch norm, the
+   residual add and the ReLU in the same kernels where the backend has them) under the same
+   conditions as bn_relu; else the modules' forwards and ampc_add. */
+static ampc_tensor *bn_add_relu(ampc_module *m, const char *bn_name, ampc_tensor *x, ampc_tensor *identity) {
+    ampc_module *bn = ampc__module_get_child(m, bn_name), *relu = ampc__module_get_child(m, "relu");
+    bool std_bn = bn && (!strcmp(bn->vt->type, "BatchNorm2d") || !strcmp(bn->vt->type, "SyncBatchNorm"));
+    if (!x || !ampc__fuse_bn_relu || !std_bn || !relu || strcmp(relu->vt->type, "ReLU"))
+        return fwd(m, "relu", ampc_add(fwd(m, bn_name, x), identity));
+    return ampc__batchnorm2d_forward_add_relu(bn, x, identity);
 }
 
 /* Identity: stands where the CIFAR adaptation removes ResNet's max pooling. */
@@ -133,18 +146,18 @@ static ampc_module *resnet_conv(int64_t in, int64_t out, int k, int stride, int 
 /* out = relu(bn2(conv2(relu(bn1(conv1(x))))) + identity), identity = downsample(x) if any */
 static ampc_tensor *basic_block_forward(ampc_module *m, ampc_tensor *x) {
     ampc_tensor *h = bn_relu(m, "bn1", fwd(m, "conv1", x));
-    h = fwd(m, "bn2", fwd(m, "conv2", h));
+    h = fwd(m, "conv2", h);
     ampc_tensor *identity = ampc__module_get_child(m, "downsample") ? fwd(m, "downsample", x) : x;
-    return fwd(m, "relu", ampc_add(h, identity));
+    return bn_add_relu(m, "bn2", h, identity);
 }
 
 /* 1x1 reduce, 3x3 (with the stride: v1.5), 1x1 expand by 4, then the residual add */
 static ampc_tensor *bottleneck_forward(ampc_module *m, ampc_tensor *x) {
     ampc_tensor *h = bn_relu(m, "bn1", fwd(m, "conv1", x));
     h = bn_relu(m, "bn2", fwd(m, "conv2", h));
-    h = fwd(m, "bn3", fwd(m, "conv3", h));
+    h = fwd(m, "conv3", h);
     ampc_tensor *identity = ampc__module_get_child(m, "downsample") ? fwd(m, "downsample", x) : x;
-    return fwd(m, "relu", ampc_add(h, identity));
+    return bn_add_relu(m, "bn3", h, identity);
 }
 
 static const ampc_module_vtable basic_block_vtable = {"BasicBlock", basic_block_forward, NULL};

@@ -121,5 +121,7 @@ extern bool ampc__fuse_bn_relu;
 /* BatchNorm2d m's forward (its parameters, buffers, momentum, eps, num_batches_tracked), with
    the ReLU fused into the op when relu (models.c's relu(bn(x))). */
 ampc_tensor *ampc__batchnorm2d_forward(ampc_module *m, ampc_tensor *x, bool relu);
+/* relu(bn(x) + z) with the BatchNorm2d module m (ampc__batch_norm2d_add_relu: one op on CUDA) */
+ampc_tensor *ampc__batchnorm2d_forward_add_relu(ampc_module *m, ampc_tensor *x, ampc_tensor *z);
 
 #endif /* AMPC_NN_H */

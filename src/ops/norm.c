@@ -21,6 +21,8 @@
  */
 #include "ops/ops.h"
 
+#include <string.h>
+
 static ampc_tensor *fail_args(ampc_op_args *a) {
     ampc__op_args_release(a);
     return NULL;
@@ -54,6 +56,23 @@ static int hand_over(int rc, ampc_tensor *out[3], ampc_tensor **gx) {
 
 // ---------------------------------------------------------------------------------------------
 // Batch norm
+
+/* batch_norm_add_relu's node (inputs x, weight, bias, z): saved x, weight, the statistics (2, C)
+   and a view of the output y (whose sign masks the gradient) */
+static int batch_norm_add_relu_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
+    ampc_tensor *x = n->saved[0], *w = n->saved[1], *stats = n->saved[2], *y = n->saved[3];
+    const ampc_backend *be = ampc__backend(x->device);
+    if (!be->batch_norm_add_relu_backward) return unsupported("batch_norm_add_relu_backward", x->device);
+    ampc_tensor *gy = ampc__k_cast(gy_in, x->dtype);
+    if (!gy) return ampc_last_status();
+    ampc_tensor *out[3] = {NULL, NULL, NULL}, *gz = ampc__tensor_like(x, x->dtype);   /* the kernel always writes gz */
+    int rc = gz ? alloc_grads(n, x, out) : ampc_last_status();
+    if (rc >= 0) rc = be->batch_norm_add_relu_backward(x, gy, y, w, stats, n->args.batch_norm.training, out[0], gz, out[1], out[2]);
+    ampc__release(gy);
+    if (rc < 0 || !n->next[3]) ampc__release(gz);
+    else gx[3] = gz;
+    return hand_over(rc, out, gx);
+}
 
 /* saved: x, weight (NULL if none), then mean, invstd, or with the fused ReLU (args.batch_norm.relu)
    the statistics tensor of batch_norm_relu */
@@ -91,13 +110,17 @@ static int check_channel_param(const ampc_tensor *x, const ampc_tensor *p, const
 }
 
 /* ampc_batch_norm2d, followed by ReLU in the same kernels when relu, with the statistics of all
-   processes when sync */
-ampc_tensor *ampc__batch_norm2d_ex(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
-                                   ampc_tensor *running_var, bool training, double momentum, double eps, bool relu,
-                                   bool sync) {
+   processes when sync; z (then relu, not sync): relu(batch_norm(x) + z) in the backend's
+   batch_norm_add_relu kernels */
+static ampc_tensor *bn_op(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
+                          ampc_tensor *running_var, ampc_tensor *z, bool training, double momentum, double eps, bool relu,
+                          bool sync) {
     ampc_op_args a;
+    /* z stays out of the front door, which would make a channels-last z contiguous (the op
+       table lets batch norm keep only x's format) and has no cast for it (PASSTHROUGH): the
+       fusable check (add_relu_fusable) made sure it is live and like x */
     if (ampc__op_prepare(AMPC_OP_BATCH_NORM, &a, 3, (ampc_tensor *[]){x, weight, bias}, 6u) < 0) return NULL;
-    ampc_tensor *X = a.in[0], *W = a.in[1], *B = a.in[2];
+    ampc_tensor *X = a.in[0], *W = a.in[1], *B = a.in[2], *Z = z;
     char s1[96];
     if (ampc__check_float(X, "batch_norm2d", "input") < 0) return fail_args(&a);
     if (X->ndim < 2 || X->ndim > 4) {
@@ -130,31 +153,49 @@ ampc_tensor *ampc__batch_norm2d_ex(ampc_tensor *x, ampc_tensor *weight, ampc_ten
     }
     sync = sync && training && ampc__comm()->size > 1;   /* else nothing to exchange: the plain kernels */
     const ampc_backend *be = ampc__backend(X->device);
-    if (relu ? !be->batch_norm_relu : !be->batch_norm) {
-        unsupported(relu ? "batch_norm_relu" : "batch_norm", X->device);
+    if (Z && (Z->device != X->device || Z->dtype != X->dtype || Z->ndim != X->ndim || memcmp(Z->shape, X->shape, sizeof(int64_t) * (size_t)X->ndim) ||
+              ampc__is_cl(Z) != ampc__is_cl(X))) {
+        char s2[96];
+        ampc__err(AMPC_ERR_INVALID, "batch_norm_add_relu: z %s %s does not match x %s %s (dtype, shape, memory format)",
+                  ampc_dtype_name(Z->dtype), ampc__shape_str(Z, s1, sizeof s1), ampc_dtype_name(X->dtype), ampc__shape_str(X, s2, sizeof s2));
         return fail_args(&a);
     }
-    bool grad = ampc__needs_grad(a.in, 3);
-    int64_t C = X->shape[1], stat_shape[2] = {AMPC_BN_RELU_STAT_ROWS, C};
+    if (Z ? !be->batch_norm_add_relu || sync : relu ? !be->batch_norm_relu : !be->batch_norm) {
+        unsupported(Z ? "batch_norm_add_relu" : relu ? "batch_norm_relu" : "batch_norm", X->device);
+        return fail_args(&a);
+    }
+    int nin = Z ? 4 : 3;
+    bool grad = ampc__needs_grad((ampc_tensor *[]){X, W, B, Z}, nin);
+    int64_t C = X->shape[1], stat_shape[2] = {Z ? 2 : AMPC_BN_RELU_STAT_ROWS, C};
     ampc_tensor *y = ampc__tensor_like(X, X->dtype), *mean = NULL, *invstd = NULL;
     ampc_node *node = NULL;
     int rc = y ? AMPC_OK : ampc_last_status();
-    if (rc >= 0 && grad && relu) {   /* one tensor: mean, invstd and the mask's coefficients */
+    if (rc >= 0 && grad && (relu || Z)) {   /* one tensor: mean, invstd (and the mask's coefficients) */
         if (!(mean = ampc__tensor_new(sdt, X->device, 2, stat_shape))) rc = ampc_last_status();
     } else if (rc >= 0 && grad) {   /* the statistics only matter to the backward */
         mean = ampc__tensor_new(sdt, X->device, 1, &C);
         invstd = mean ? ampc__tensor_new(sdt, X->device, 1, &C) : NULL;
         if (!invstd) rc = ampc_last_status();
     }
-    if (rc >= 0 && relu) rc = be->batch_norm_relu(X, W, B, running_mean, running_var, y, mean, training, momentum, eps, sync);
+    if (rc >= 0 && Z) rc = be->batch_norm_add_relu(X, W, B, running_mean, running_var, Z, y, mean, training, momentum, eps);
+    else if (rc >= 0 && relu) rc = be->batch_norm_relu(X, W, B, running_mean, running_var, y, mean, training, momentum, eps, sync);
     else if (rc >= 0) rc = be->batch_norm(X, W, B, running_mean, running_var, y, mean, invstd, training, momentum, eps, sync);
     if (rc >= 0 && grad) {
-        node = ampc__node_new(relu ? "NativeBatchNormReluBackward" : "NativeBatchNormBackward", batch_norm_backward, a.in, 3);
+        node = ampc__node_new(Z ? "NativeBatchNormAddReluBackward" : relu ? "NativeBatchNormReluBackward" : "NativeBatchNormBackward",
+                              Z ? batch_norm_add_relu_backward : batch_norm_backward, (ampc_tensor *[]){X, W, B, Z}, nin);
         if (node) {
             ampc__node_save(node, 0, X);
             if (W) ampc__node_save(node, 1, W);
             ampc__node_save(node, 2, mean);
             if (invstd) ampc__node_save(node, 3, invstd);
+            if (Z) {
+                /* a header of its own over y's storage: saving y itself would make y own its node
+                   and the node own y, a cycle that leaks when backward never runs */
+                ampc_tensor *v = ampc__tensor_view(y, y->ndim, y->shape);
+                if (v) ampc__node_save(node, 3, v);
+                else rc = ampc_last_status();
+                ampc__release(v);
+            }
             node->args.batch_norm.training = training;
             node->args.batch_norm.relu = relu;
             node->args.batch_norm.sync = sync;
@@ -165,10 +206,39 @@ ampc_tensor *ampc__batch_norm2d_ex(ampc_tensor *x, ampc_tensor *weight, ampc_ten
     ampc__release(mean);
     ampc__release(invstd);
     if (rc < 0) {
+        if (node) ampc__node_release(node);
+        node = NULL;
         ampc__release(y);
         y = NULL;
     }
     return ampc__op_finish(&a, y, node);
+}
+
+ampc_tensor *ampc__batch_norm2d_ex(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
+                                   ampc_tensor *running_var, bool training, double momentum, double eps, bool relu,
+                                   bool sync) {
+    return bn_op(x, weight, bias, running_mean, running_var, NULL, training, momentum, eps, relu, sync);
+}
+
+/* Whether relu(batch_norm(x) + z) runs as one op: a backend with the kernels, no statistics to
+   exchange, z like x (the dtype, shape and memory format the kernels take; under autocast batch
+   norm passes the activation through, so x's dtype is the one it runs in). */
+static bool add_relu_fusable(const ampc_tensor *x, const ampc_tensor *z, bool training, bool sync) {
+    if (!x || !z || !x->gen || !z->gen) return false;   /* the composite reports it */
+    const ampc_backend *be = ampc__backend(x->device);
+    return be && be->batch_norm_add_relu && !(sync && training && ampc__comm()->size > 1) && z->device == x->device &&
+           z->dtype == x->dtype && z->ndim == x->ndim && !memcmp(z->shape, x->shape, sizeof(int64_t) * (size_t)x->ndim) &&
+           ampc__is_cl(z) == ampc__is_cl(x);
+}
+
+ampc_tensor *ampc__batch_norm2d_add_relu(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
+                                         ampc_tensor *running_var, ampc_tensor *z, bool training, double momentum, double eps,
+                                         bool sync) {
+    if (!add_relu_fusable(x, z, training, sync))   /* the composite: the same bits in three ops */
+        return ampc_relu(ampc_add(ampc__batch_norm2d_ex(x, weight, bias, running_mean, running_var, training, momentum, eps, false,
+                                                        sync),
+                                  z));
+    return bn_op(x, weight, bias, running_mean, running_var, z, training, momentum, eps, true, sync);
 }
 
 ampc_tensor *ampc_batch_norm2d(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,

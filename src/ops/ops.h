@@ -80,6 +80,12 @@ int ampc__batch_norm_count(ampc_tensor *num_batches_tracked);
    running statistics (src/ops/norm.c); for the model code, not public API. */
 ampc_tensor *ampc__batch_norm2d_relu(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
                                      ampc_tensor *running_var, bool training, double momentum, double eps);
+/* ampc_relu(ampc_add(ampc_batch_norm2d(x, ...), z)) as one op where the backend has the kernels
+   (batch_norm_add_relu: the CUDA backend) and z is like x, bit for bit the composite, which runs
+   elsewhere (CPU, REF, SyncBatchNorm across processes, mismatched z); for the model code. */
+ampc_tensor *ampc__batch_norm2d_add_relu(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
+                                         ampc_tensor *running_var, ampc_tensor *z, bool training, double momentum, double eps,
+                                         bool sync);
 /* The four batch norms in one call: ReLU fused (relu), statistics of all processes (sync). */
 ampc_tensor *ampc__batch_norm2d_ex(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
                                    ampc_tensor *running_var, bool training, double momentum, double eps, bool relu,

@@ -184,7 +184,7 @@ __global__ void pool_bwd_kernel(ampc_cu_pool_geom g, const T *gy, T *gx, const i
 // ---------------------------------------------------------------------------------------------
 // Per-channel reductions
 
-enum { RED_SUM = 0, RED_SQDEV = 1, RED_GRAD = 2 };
+enum { RED_SUM = 0, RED_SQDEV = 1, RED_GRAD = 2, RED_GRADM = 3 };   /* RED_GRADM: reduce_vec only */
 
 /* sum over partitions (in order) of column k of channel c's partial rows */
 __device__ __forceinline__ double part_total(const double *part, int P, long long C, long long c, int k) {
@@ -388,13 +388,19 @@ template <class T> __global__ void bn_finish_fwd_shift(long long C, long long M,
 /* y = fma(x - m, scale, shift) rounded once; with relu a value that rounds below zero becomes +0
    (-0 and NaN stay, as relu of the stored output) */
 template <class T, class I>
-__global__ void bn_apply_kernel(I total, I C, I S, bool cl, const T *x, T *y, const float *coef, bool relu) {
+__global__ void bn_apply_kernel(I total, I C, I S, bool cl, const T *x, T *y, const float *coef, bool relu, const T *z) {
     GRID_LOOP(I, i, total) {
         I c = chan_of<I>(i, C, S, cl);
         T o = from_f<T>(__fmaf_rn(to_f<T>(x[i]) - coef[c], coef[C + c], coef[2 * C + c]));
+        if (z) o = from_f<T>(to_f<T>(o) + to_f<T>(z[i]));   /* the residual add, rounded once */
         if (relu && to_f<T>(o) < 0.0f) o = from_f<T>(0.0f);
         y[i] = o;
     }
+}
+
+/* gz = gy where y > 0, else +0 (relu's backward on its output) */
+template <class T, class I> __global__ void relu_mask_kernel(I total, const T *y, const T *gy, T *gz) {
+    GRID_LOOP(I, i, total) gz[i] = to_f<T>(y[i]) > 0.0f ? gy[i] : from_f<T>(0.0f);
 }
 
 /* Per channel from sg = sum(g), sgx = sum(g (x - mean)) (P == 0: no sums, both 0): gw, gb and
@@ -470,8 +476,9 @@ template <class T> __device__ __forceinline__ uint4 pack(const float *f) {
    mean)), g masked by the fused ReLU's recomputed output when rc. */
 template <class T, int MODE>
 __global__ void __launch_bounds__(256) reduce_vec(int M, int C, int TX, int TY, const T *x, const T *gy, const float *mean_f,
-                                                  const float *rc, double *out) {
+                                                  const float *rc, double *out, const T *ym, T *gz) {
     constexpr int V = vec_of<T>::V;
+    constexpr bool GRAD = MODE == RED_GRAD || MODE == RED_GRADM;
     const int CV = C / V, tx = threadIdx.x % TX, ty = threadIdx.x / TX, cv = blockIdx.x * TX + tx, p = blockIdx.y;
     const int chunk = (int)(((long long)M + gridDim.y - 1) / gridDim.y);
     const int r1 = (int)min((long long)M, ((long long)p + 1) * chunk);
@@ -497,7 +504,8 @@ __global__ void __launch_bounds__(256) reduce_vec(int M, int C, int TX, int TY, 
                 rb[l] = relu ? rc[2 * C + c0 + l] : 0.0f;
             }
         }
-        auto add = [&](const uint4 &ux, const uint4 &ug) {
+        /* RED_GRADM: g = gy where the output ym > 0, else +0, written to gz */
+        auto add = [&](const uint4 &ux, const uint4 &ug, const uint4 &uy, long long o) {
             float xv[V];
             unpack<T>(ux, xv);
             if (MODE == RED_SUM) {
@@ -508,34 +516,39 @@ __global__ void __launch_bounds__(256) reduce_vec(int M, int C, int TX, int TY, 
                     b[l] = fma(d, d, b[l]);
                 }
             } else {
-                float gv[V];
+                float gv[V], yv[V];
                 unpack<T>(ug, gv);
+                if (MODE == RED_GRADM) unpack<T>(uy, yv);
 #pragma unroll
                 for (int l = 0; l < V; l++) {
                     float g = gv[l];
                     if (relu && !relu_pos<T>(xv[l], rm[l], ra[l], rb[l])) g = 0.0f;
+                    if (MODE == RED_GRADM && !(yv[l] > 0.0f)) g = 0.0f;
+                    gv[l] = g;
                     a[l] += (double)g;
                     b[l] = fma((double)g, (double)xv[l] - m[l], b[l]);
                 }
+                if (MODE == RED_GRADM) *reinterpret_cast<uint4 *>(gz + o) = pack<T>(gv);
             }
         };
         int r = (int)min((long long)M, (long long)p * chunk) + ty;
         for (; r + 3 * TY < r1; r += 4 * TY) {
-            uint4 ux[4], ug[4];
+            uint4 ux[4], ug[4], uy[4];
+            long long o[4];
 #pragma unroll
             for (int q = 0; q < 4; q++) {
-                long long o = (long long)(r + q * TY) * C + c0;
-                ux[q] = ld16(x + o);
-                if (MODE == RED_GRAD) ug[q] = ld16(gy + o);
+                o[q] = (long long)(r + q * TY) * C + c0;
+                ux[q] = ld16(x + o[q]);
+                ug[q] = GRAD ? ld16(gy + o[q]) : ux[q];
+                uy[q] = MODE == RED_GRADM ? ld16(ym + o[q]) : ux[q];
             }
 #pragma unroll
-            for (int q = 0; q < 4; q++) add(ux[q], ug[q]);
+            for (int q = 0; q < 4; q++) add(ux[q], ug[q], uy[q], o[q]);
         }
         for (; r < r1; r += TY) {
             long long o = (long long)r * C + c0;
-            uint4 ux = ld16(x + o), ug = ux;
-            if (MODE == RED_GRAD) ug = ld16(gy + o);
-            add(ux, ug);
+            uint4 ux = ld16(x + o), ug = GRAD ? ld16(gy + o) : ux, uy = MODE == RED_GRADM ? ld16(ym + o) : ux;
+            add(ux, ug, uy, o);
         }
     }
     __shared__ double sa[256 * 8], sb[256 * 8];
@@ -593,9 +606,10 @@ __device__ __forceinline__ void stream_rows(long long M, int C, int c0, int TY, 
     }
 }
 
-/* y = fma(x - m, scale, shift) per element as bn_apply_kernel */
+/* y = fma(x - m, scale, shift) per element as bn_apply_kernel (z: plus the residual z) */
 template <class T>
-__global__ void __launch_bounds__(256) bn_apply_rows(int M, int C, int TX, int TY, const T *x, T *y, const float *coef, bool relu) {
+__global__ void __launch_bounds__(256) bn_apply_rows(int M, int C, int TX, int TY, const T *x, T *y, const float *coef, bool relu,
+                                                     const T *z) {
     constexpr int V = vec_of<T>::V;
     const int tx = threadIdx.x % TX, ty = threadIdx.x / TX, cv = blockIdx.x * TX + tx;
     if (ty >= TY || cv >= C / V) return;
@@ -603,16 +617,22 @@ __global__ void __launch_bounds__(256) bn_apply_rows(int M, int C, int TX, int T
     float m[V], sc[V], sh[V];
 #pragma unroll
     for (int l = 0; l < V; l++) m[l] = coef[c0 + l], sc[l] = coef[C + c0 + l], sh[l] = coef[2 * C + c0 + l];
-    stream_rows<false>(M, C, c0, TY, ty, x, x, [&](const uint4 &ux, const uint4 &, long long o) {
-        float f[V];
+    auto body = [&](const uint4 &ux, const uint4 &uz, long long o, bool add) {
+        float f[V], fz[V];
         unpack<T>(ux, f);
+        if (add) unpack<T>(uz, fz);
 #pragma unroll
         for (int l = 0; l < V; l++) {
             float v = to_f<T>(from_f<T>(__fmaf_rn(f[l] - m[l], sc[l], sh[l])));
+            if (add) v = to_f<T>(from_f<T>(v + fz[l]));
             f[l] = relu && v < 0.0f ? 0.0f : v;
         }
         *reinterpret_cast<uint4 *>(y + o) = pack<T>(f);
-    });
+    };
+    if (z)
+        stream_rows<true>(M, C, c0, TY, ty, x, z, [&](const uint4 &ux, const uint4 &uz, long long o) { body(ux, uz, o, true); });
+    else
+        stream_rows<false>(M, C, c0, TY, ty, x, x, [&](const uint4 &ux, const uint4 &uz, long long o) { body(ux, uz, o, false); });
 }
 
 /* gx = fma(k, g, fma(a, x - mean, b)) per element as bn_grad_apply_kernel */
@@ -748,9 +768,9 @@ vec_launch vec_shape(const ampc_cu_chan_geom *g, ampc_dtype dt, int P) {
 
 template <class T, int MODE>
 void launch_reduce_vec(const ampc_cu_chan_geom *g, const vec_launch &l, const T *x, const T *gy, const float *mean_f,
-                       const float *rc, double *out, cudaStream_t s) {
+                       const float *rc, double *out, cudaStream_t s, const T *ym = nullptr, T *gz = nullptr) {
     reduce_vec<T, MODE><<<dim3((unsigned)l.gx, (unsigned)l.P), l.TX * l.TY, 0, s>>>((int)(g->N * g->S), (int)g->C, l.TX, l.TY, x, gy,
-                                                                                  mean_f, rc, out);
+                                                                                  mean_f, rc, out, ym, gz);
 }
 
 int sm_count() {
@@ -872,7 +892,7 @@ extern "C" cudaError_t ampc_cu_bn_forward(const ampc_cu_chan_geom *g, ampc_dtype
                                           const ampc_cu_bn_fwd_args *a, cudaStream_t s) {
     int64_t total = g->N * g->C * g->S, M = g->N * g->S;
     if (g->C <= 0) return cudaSuccess;
-    bool vec = vec_ok(g, dt) && al16(x) && al16(y);
+    bool vec = vec_ok(g, dt) && al16(x) && al16(y) && (!a->z || al16(a->z));
     if (vec) {
         ampc_cu_bn_fwd_args b = *a;
         vec_launch l = vec_shape(g, dt, a->training ? a->P : 1);
@@ -887,7 +907,7 @@ extern "C" cudaError_t ampc_cu_bn_forward(const ampc_cu_chan_geom *g, ampc_dtype
         dim3 grid = rows_grid(g, l);
         AMPC_CU_FLOAT_TYPES(dt, T,
                             bn_apply_rows<T><<<grid, l.TX * l.TY, 0, s>>>((int)M, (int)g->C, l.TX, l.TY, (const T *)x, (T *)y,
-                                                                          a->coef, a->relu));
+                                                                          a->coef, a->relu, (const T *)a->z));
         return cudaGetLastError();
     }
     if (a->training) {
@@ -901,7 +921,8 @@ extern "C" cudaError_t ampc_cu_bn_forward(const ampc_cu_chan_geom *g, ampc_dtype
         AMPC_CU_FLOAT_TYPES(dt, T,
                             AMPC_CU_INDEX(total, I,
                                           bn_apply_kernel<T, I><<<blocks_for(total), 256, 0, s>>>(
-                                              (I)total, (I)g->C, (I)g->S, g->cl, (const T *)x, (T *)y, a->coef, a->relu)));
+                                              (I)total, (I)g->C, (I)g->S, g->cl, (const T *)x, (T *)y, a->coef, a->relu,
+                                              (const T *)a->z)));
     return cudaGetLastError();
 }
 
@@ -911,10 +932,16 @@ extern "C" cudaError_t ampc_cu_bn_backward(const ampc_cu_chan_geom *g, ampc_dtyp
     if (g->C <= 0) return cudaSuccess;
     ampc_cu_bn_bwd_args b = *a;
     bool sums = a->gw || a->gb || (gx && a->training);
-    if (vec_ok(g, dt) && al16(x) && al16(gy) && (!gx || al16(gx))) {
-        vec_launch l = vec_shape(g, dt, sums ? a->P : 1);
+    if (vec_ok(g, dt) && al16(x) && al16(gy) && (!gx || al16(gx)) && (!a->ymask || (al16(a->ymask) && al16(a->gz)))) {
+        vec_launch l = vec_shape(g, dt, sums || a->ymask ? a->P : 1);
         b.P = 0;   /* no sums: both 0 */
-        if (sums) {
+        if (a->ymask) {   /* the masked gradient written as it is summed; the rest reads it */
+            AMPC_CU_FLOAT_TYPES(dt, T,
+                                launch_reduce_vec<T, RED_GRADM>(g, l, (const T *)x, (const T *)gy, a->mean, nullptr, a->part, s,
+                                                                (const T *)a->ymask, (T *)a->gz));
+            b.P = l.P;
+            gy = a->gz;
+        } else if (sums) {
             AMPC_CU_FLOAT_TYPES(dt, T,
                                 launch_reduce_vec<T, RED_GRAD>(g, l, (const T *)x, (const T *)gy, a->mean, a->rc, a->part, s));
             b.P = l.P;
@@ -927,6 +954,13 @@ extern "C" cudaError_t ampc_cu_bn_backward(const ampc_cu_chan_geom *g, ampc_dtyp
                                                                                    (const T *)gy, (T *)gx, a->mean, a->kab, a->rc));
         }
         return cudaGetLastError();
+    }
+    if (a->ymask && total > 0) {   /* relu's backward first: gz, which the batch norm backward reads */
+        AMPC_CU_FLOAT_TYPES(dt, T,
+                            AMPC_CU_INDEX(total, I,
+                                          relu_mask_kernel<T, I><<<blocks_for(total), 256, 0, s>>>(
+                                              (I)total, (const T *)a->ymask, (const T *)gy, (T *)a->gz)));
+        gy = a->gz;
     }
     if (sums && M > 0) {
         AMPC_CU_FLOAT_TYPES(dt, T,

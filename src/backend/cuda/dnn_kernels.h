@@ -61,6 +61,7 @@ cudaError_t ampc_cu_bias_add(const ampc_cu_chan_geom *g, ampc_dtype dt, void *y,
 typedef struct {
     bool training, relu;
     double momentum, eps;
+    const void *z;   /* batch_norm_add_relu: y = relu(bn(x) + z) (relu set), z in x's dtype and layout */
     const float *w, *b;
     float *rm, *rv, *save_mean, *save_invstd, *coef;
     double *part;
@@ -74,6 +75,8 @@ cudaError_t ampc_cu_bn_forward(const ampc_cu_chan_geom *g, ampc_dtype dt, const 
    recomputed output when not NULL. kab: 3 * C floats of scratch; part: 2 * P * C doubles. */
 typedef struct {
     bool training;
+    const void *ymask;   /* batch_norm_add_relu: gy masked where this output (x's dtype) is <= 0 ... */
+    void *gz;            /* ... and the masked gradient written here (both or neither) */
     const float *w, *mean, *invstd, *rc;
     float *gw, *gb, *kab;
     double *part;
