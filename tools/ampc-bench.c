@@ -41,6 +41,7 @@
 #include "ampc.h"
 #include "ampc/dist.h"
 #include "bench_common.h"
+#include "waitpolicy.h"
 
 #include <dnnl.h>
 #ifdef AMPC_HAVE_CUDA
@@ -680,6 +681,7 @@ static int parse_yes_no(const char *flag, const char *v, bool *out) {
 }
 
 int main(int argc, char **argv) {
+    ampc_tool_wait_policy(argv);
     bool wl_on[N_WORKLOADS] = {true, true, true, false}, mode_on[N_MODES] = {true, false, true, true};
     const char *wl_names[N_WORKLOADS], *mode_names[N_MODES];
     for (int i = 0; i < N_WORKLOADS; i++) wl_names[i] = WORKLOADS[i].name;
@@ -762,11 +764,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "ampc-bench: init failed: %s\n", ampc_last_error());
         return 1;
     }
-    const char *wp = getenv("OMP_WAIT_POLICY");
-    const char *wait_policy = wp ? wp : "unset";
+    const char *wait_policy = ampc_tool_wait_policy_desc();
     char load0[64], load1[64];
     loadavg(load0, sizeof load0);
-    printf("ampc-bench: %d threads, OMP_WAIT_POLICY=%s, cpu: %s, oneDNN %d.%d.%d, conv nets %s, load average %s\n",
+    printf("ampc-bench: %d threads, wait policy %s, cpu: %s, oneDNN %d.%d.%d, conv nets %s, load average %s\n",
            ampc_get_num_threads(), wait_policy, ampc_cpu_features(), dnnl_version()->major, dnnl_version()->minor,
            dnnl_version()->patch, g_channels_last ? "channels-last" : "contiguous (NCHW)", load0);
 

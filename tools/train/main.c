@@ -41,6 +41,7 @@
  */
 #include "train.h"
 #include "progress.h"
+#include "waitpolicy.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -114,6 +115,7 @@ static int check_omp_env(void) {
 }
 
 int main(int argc, char **argv) {
+    ampc_tool_wait_policy(argv);   /* first: it may execute the program again */
     if (ampc_dist_launched() && ampc_dist_init(&argc, &argv) < 0) {
         fprintf(stderr, PROG ": error: starting MPI: %s\n", ampc_last_error());
         return 1;

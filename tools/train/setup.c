@@ -7,6 +7,7 @@
  */
 #include "train.h"
 #include "progress.h"
+#include "waitpolicy.h"
 
 #include <inttypes.h>
 #include <math.h>
@@ -137,7 +138,8 @@ static int freeze(run *r, const char *model) {
 
 void print_setup(run *r) {
     print_config(r->s, r->d.desc, r->use_amp);
-    printf("  %-14s %s, %d threads\n", "cpu", ampc_cpu_features(), ampc_get_num_threads());
+    printf("  %-14s %s, %d threads, wait policy %s\n", "cpu", ampc_cpu_features(), ampc_get_num_threads(),
+           ampc_tool_wait_policy_desc());
     if (r->world > 1)
         printf("  %-14s %d processes (MPI), batch %" PRId64 " each: global batch %" PRId64 "\n", "world", r->world,
                ival(r->s, OPT_BATCH_SIZE), r->world * ival(r->s, OPT_BATCH_SIZE));
