@@ -2,7 +2,7 @@
 BUILD ?= build
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps demo test asan clean fuzz fuzz-corpus install
+.PHONY: all deps demo test test-long asan clean fuzz fuzz-corpus install
 
 all:
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release >/dev/null
@@ -19,8 +19,14 @@ demo: deps all
 	./$(BUILD)/mlp_amp
 	./$(BUILD)/linear_walkthrough
 
+# Every module's tests, without the long end-to-end runs (about 5 minutes with the build on 2
+# cores); test-long runs those (ampc-train end to end: training, resume, crashes, bad input,
+# several processes), as CI does.
 test: deps all
-	cd $(BUILD) && ctest --output-on-failure -j 2
+	cd $(BUILD) && ctest --output-on-failure -j 2 -LE long
+
+test-long: deps all
+	cd $(BUILD) && ctest --output-on-failure -j 2 -L long
 
 # Builds, then installs the headers, libampc.so/.a, the CMake package (find_package(ampc)), ampc.pc
 # and ampc-train into PREFIX: `make install PREFIX=$HOME/.local`.
