@@ -77,7 +77,7 @@ cp "$W/example.c" "$W/cmake-src/example.c"
 cat >"$W/cmake-src/CMakeLists.txt" <<'EOF'
 cmake_minimum_required(VERSION 3.18)
 project(ampc_user LANGUAGES C)
-find_package(ampc REQUIRED)
+find_package(ampc REQUIRED COMPONENTS static)
 add_executable(example_shared example.c)
 target_link_libraries(example_shared PRIVATE ampc::ampc)
 add_executable(example_static example.c)
@@ -97,7 +97,38 @@ else
     die "CMake build against the prefix: $(tail -n 20 "$W/cmake.log")"
 fi
 
-# pkg-config: shared, then static (-l:libampc.a so that the archive, not the .so, is taken)
+# A program linking the shared library needs none of the static one's development files:
+# find_package(ampc) with MPI, OpenMP and CUDA hidden still gives ampc::ampc (and says the
+# component "static" was not found); asking for that component then fails, naming what is missing.
+mkdir -p "$W/cmake-src2"
+cp "$W/example.c" "$W/cmake-src2/example.c"
+cat >"$W/cmake-src2/CMakeLists.txt" <<'EOF2'
+cmake_minimum_required(VERSION 3.18)
+project(ampc_shared_user LANGUAGES C)
+find_package(ampc REQUIRED)
+add_executable(example_shared example.c)
+target_link_libraries(example_shared PRIVATE ampc::ampc)
+file(WRITE ${CMAKE_BINARY_DIR}/static_found "${ampc_static_FOUND}")
+EOF2
+HIDE=(-DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON -DCMAKE_DISABLE_FIND_PACKAGE_OpenMP=ON -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON)
+if cmake -S "$W/cmake-src2" -B "$W/cmake-build2" -DCMAKE_PREFIX_PATH="$P" -DCMAKE_C_COMPILER="$CC" "${HIDE[@]}" \
+         -DCMAKE_C_FLAGS="$CFLAGS" -DCMAKE_EXE_LINKER_FLAGS="$EXTRA" >"$W/cmake2.log" 2>&1 &&
+   cmake --build "$W/cmake-build2" -j 2 >>"$W/cmake2.log" 2>&1; then
+    [ "$(cat "$W/cmake-build2/static_found")" = "FALSE" ] || die "with OpenMP hidden, ampc_static_FOUND is '$(cat "$W/cmake-build2/static_found")'"
+    links_shared cmake-shared-only "$W/cmake-build2/example_shared" yes
+    run cmake-shared-only "$W/cmake-build2/example_shared"
+    echo "ok: find_package(ampc) for the shared library needs no MPI, OpenMP or CUDA files"
+else
+    die "find_package(ampc) with MPI/OpenMP/CUDA hidden: $(tail -n 20 "$W/cmake2.log")"
+fi
+sed -i 's/find_package(ampc REQUIRED)/find_package(ampc REQUIRED COMPONENTS static)/' "$W/cmake-src2/CMakeLists.txt"
+if cmake -S "$W/cmake-src2" -B "$W/cmake-build3" -DCMAKE_PREFIX_PATH="$P" -DCMAKE_C_COMPILER="$CC" "${HIDE[@]}" >"$W/cmake3.log" 2>&1; then
+    die "find_package(ampc COMPONENTS static) succeeded with OpenMP hidden"
+fi
+grep -q "ampc::ampc_static needs.*OpenMP" "$W/cmake3.log" || die "the static component's failure does not name OpenMP: $(tail -n 8 "$W/cmake3.log")"
+echo "ok: find_package(ampc COMPONENTS static) without OpenMP fails naming it"
+
+# pkg-config: shared (ampc.pc), then static (ampc-static.pc: the archive by its path)
 # shellcheck disable=SC2046,SC2086
 if "$CC" $CFLAGS "$W/example.c" -o "$W/pc_shared" $(pkg-config --cflags --libs ampc) $EXTRA 2>"$W/pc.log"; then
     echo "ok: pkg-config built the example"
@@ -106,14 +137,14 @@ if "$CC" $CFLAGS "$W/example.c" -o "$W/pc_shared" $(pkg-config --cflags --libs a
 else
     die "cc \$(pkg-config --cflags --libs ampc): $(tail -n 20 "$W/pc.log")"
 fi
-STATIC_LIBS=$(pkg-config --static --libs ampc | sed 's/-lampc\b/-l:libampc.a/')
+STATIC_LIBS=$(pkg-config --libs ampc-static)
 # shellcheck disable=SC2046,SC2086
 if "$CC" $CFLAGS "$W/example.c" -o "$W/pc_static" $(pkg-config --cflags ampc) $STATIC_LIBS $EXTRA 2>"$W/pcs.log"; then
-    echo "ok: pkg-config --static built the example ($STATIC_LIBS)"
+    echo "ok: pkg-config ampc-static built the example ($STATIC_LIBS)"
     links_shared pc-static "$W/pc_static" no
     run pc-static "$W/pc_static"
 else
-    die "cc with pkg-config --static ($STATIC_LIBS): $(tail -n 20 "$W/pcs.log")"
+    die "cc with pkg-config --libs ampc-static ($STATIC_LIBS): $(tail -n 20 "$W/pcs.log")"
 fi
 
 echo "install_test: all passed"
