@@ -61,8 +61,8 @@ grep -rlF -e "$SRC" -e "$BUILD" "$P/include" "$LIB/cmake" "$LIB/pkgconfig" >"$W/
 # --- README's example
 awk '/^## A short example/ { s = 1 } s && /^```c$/ { p = 1; next } p && /^```$/ { exit } p' "$SRC/README.md" >"$W/example.c"
 grep -q 'int main' "$W/example.c" || die "no \`\`\`c example after '## A short example' in README.md"
-run() {   # name binary: runs it, expects exit 0
-    if LD_LIBRARY_PATH=$LIB "$2" >"$W/$1.out" 2>&1; then echo "ok: $1 ran"; else die "$1 exited $?: $(tail -n 5 "$W/$1.out")"; fi
+run() {   # name binary: runs it, expects exit 0; no LD_LIBRARY_PATH: the binary finds libampc.so itself (rpath)
+    if env -u LD_LIBRARY_PATH "$2" >"$W/$1.out" 2>&1; then echo "ok: $1 ran"; else die "$1 exited $?: $(tail -n 5 "$W/$1.out")"; fi
 }
 links_shared() {   # name binary yes|no: whether libampc.so.MAJOR is in its NEEDED list
     local got=no
