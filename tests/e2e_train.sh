@@ -112,6 +112,20 @@ if run straight "${SMALL[@]}" --amp-dtype fp16 --epochs 2 --out "$W/a"; then
     for p in loss accuracy; do
         is_png "$W/a/$p.png" && ok "$p.png is a PNG" || bad "$p.png is not a PNG"
     done
+    # confusion.csv: the last validation's matrix, 10 class rows, every validation sample once,
+    # its diagonal the accuracy of metrics.csv; the summary's per-class lines agree with it
+    cf="$W/a/confusion.csv"
+    if [ -f "$cf" ] && [ "$(wc -l <"$cf")" -eq 11 ]; then
+        read -r total diag < <(awk -F, 'NR > 1 { for (k = 2; k <= 11; k++) { t += $k; if (k == $1 + 2) d += $k } } END { print t, d }' "$cf")
+        acc=$(csv_field "$m" 2 5)
+        [ "$total" = 64 ] && awk -v d="$diag" -v t="$total" -v a="$acc" 'BEGIN { exit !(d / t - a < 1e-6 && a - d / t < 1e-6) }' &&
+            ok "confusion.csv: $total samples, diagonal $diag = the validation accuracy $acc" ||
+            bad "confusion.csv: $total samples (want 64), diagonal $diag against accuracy $acc"
+        n=$(grep -cE '^ +[0-9]+ .* [0-9]+\.[0-9]{2}% of [0-9]+$' "$W/straight.out")
+        [ "$n" -eq 10 ] && ok "the summary lists 10 classes' accuracy" || bad "the summary lists $n classes' accuracy (want 10)"
+    else
+        bad "confusion.csv missing or not 11 lines"
+    fi
     [ -s "$W/a/checkpoint.safetensors" ] && ok "checkpoint written" || bad "no checkpoint"
     # model.safetensors: the checkpoint's model tensors, the same bits, and nothing else (no
     # optimizer state: PyTorch's load_state_dict(strict=True) takes it as it is)

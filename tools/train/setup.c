@@ -31,6 +31,7 @@ void run_free(run *r) {
     free(r->diverged_path);
     ampc_checkpoint_meta_free(r->meta);
     free(r->logits_buf);
+    free(r->confusion);
     memset(r, 0, sizeof *r);
 }
 
@@ -429,6 +430,7 @@ int run_build(run *r) {
     lo.transforms = r->d.tf_val;
     if (!(r->val_ld = ampc_loader_new(r->d.val, &lo))) return fail_lib("data loader");
     if (!(r->logits_buf = malloc((size_t)(bs * r->d.num_classes) * sizeof *r->logits_buf))) return fail("out of memory");
+    if (!(r->confusion = calloc((size_t)(r->d.num_classes * r->d.num_classes), sizeof *r->confusion))) return fail("out of memory");
     /* the learning rate by optimizer step: epochs in optimizer steps of this run's loader (one per
        --accumulate batches, the last group of an epoch perhaps shorter) */
     const int64_t nb = ampc_loader_num_batches(r->train_ld), acc = ival(s, OPT_ACCUMULATE);

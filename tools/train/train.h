@@ -196,6 +196,8 @@ typedef struct {
     char *model_path;        /* model.safetensors: the state_dict alone, for load_state_dict(strict=True) */
     char *diverged_path;     /* diverged.safetensors: where the grad scaler's guard rails stopped the run */
     float *logits_buf;       /* (batch, classes) f32 copy of the logits, to count correct answers */
+    double *confusion;       /* (classes, classes): validation rows = true class, columns = predicted, this epoch */
+    bool confusion_valid;    /* a validation pass of this run filled it */
     /* --resume of a checkpoint written mid-epoch (after a signal): epoch epoch0 + 1 continues
        after training step resume_step at global sample resume_train.samples (the dataset's size
        or its last drop: only validation is left) with these totals, on any number of ranks */

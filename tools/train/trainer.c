@@ -241,8 +241,9 @@ static int save_checkpoint(run *r, int64_t epochs_done, int64_t step, const pass
 // ---------------------------------------------------------------------------------------------
 // Training and validation
 
-/* Number of rows of logits (B, C) whose argmax (the first maximum) equals the label. */
-static int count_correct(run *r, ampc_tensor *logits, ampc_tensor *labels, int64_t *correct) {
+/* Number of rows of logits (B, C) whose argmax (the first maximum) equals the label; with
+   confusion (C, C), each row also counted at (label, argmax). */
+static int count_correct(run *r, ampc_tensor *logits, ampc_tensor *labels, int64_t *correct, double *confusion) {
     int64_t b = ampc_tensor_dim(logits, 0), c = ampc_tensor_dim(logits, 1);
     if (ampc_tensor_to_f32(logits, r->logits_buf, (size_t)(b * c)) < 0) return fail_lib("reading the logits");
     const int64_t *y = ampc_tensor_cdata(labels);
@@ -252,8 +253,65 @@ static int count_correct(run *r, ampc_tensor *logits, ampc_tensor *labels, int64
         for (int64_t k = 1; k < c; k++)
             if (row[k] > row[best]) best = k;
         *correct += best == y[i];
+        if (confusion && y[i] >= 0 && y[i] < c) confusion[y[i] * c + best] += 1;
     }
     return 0;
+}
+
+/* After a validation pass: confusion.csv in the output folder (rank 0; the job's counts), rows
+   the true class, columns the predicted one, with the classes' names where the data has them. */
+static int write_confusion(run *r) {
+    if (r->rank != 0) return 0;
+    int64_t C = r->d.num_classes;
+    char *path = path_join(r->out, "confusion.csv");
+    FILE *f = path ? ampc_output_fopen(path, "confusion.csv", "w") : NULL;
+    free(path);
+    if (!f) return fail_lib("confusion.csv");
+    fprintf(f, "true\\predicted");
+    for (int64_t k = 0; k < C; k++) fprintf(f, ",%" PRId64, k);
+    fprintf(f, ",samples,accuracy,class\n");
+    for (int64_t t = 0; t < C; t++) {
+        double n = 0;
+        fprintf(f, "%" PRId64, t);
+        for (int64_t k = 0; k < C; k++) {
+            fprintf(f, ",%.0f", r->confusion[t * C + k]);
+            n += r->confusion[t * C + k];
+        }
+        const char *name = ampc_dataset_class_name(r->d.val ? r->d.val : r->d.train, t);
+        fprintf(f, ",%.0f,%.6f,", n, n > 0 ? r->confusion[t * C + t] / n : NAN);
+        for (const char *q = name ? name : ""; *q; q++) fputc(*q == ',' || *q == '\n' ? ' ' : *q, f);   /* a name as one CSV field */
+        fputc('\n', f);
+    }
+    return fclose(f) == 0 ? 0 : fail("writing confusion.csv: %s", strerror(errno));
+}
+
+/* The last validation's per-class accuracy: every class when there are at most 20, else the five
+   with the lowest (ties: the lower index). */
+static void print_per_class(run *r) {
+    int64_t C = r->d.num_classes, shown = 0;
+    bool all = C <= 20;
+    printf("  per-class validation accuracy (%s; confusion.csv has the matrix):\n", all ? "every class" : "the 5 lowest");
+    bool *done = calloc((size_t)C, sizeof *done);
+    if (!done) return;
+    for (int64_t i = 0; i < (all ? C : 5) && i < C; i++) {
+        int64_t pick = all ? i : -1;
+        double worst = 2;
+        for (int64_t t = 0; !all && t < C; t++) {
+            double n = 0;
+            for (int64_t k = 0; k < C; k++) n += r->confusion[t * C + k];
+            double a = n > 0 ? r->confusion[t * C + t] / n : 2;
+            if (!done[t] && a < worst) worst = a, pick = t;
+        }
+        if (pick < 0) break;
+        done[pick] = true;
+        double n = 0;
+        for (int64_t k = 0; k < C; k++) n += r->confusion[pick * C + k];
+        const char *name = ampc_dataset_class_name(r->d.val ? r->d.val : r->d.train, pick);
+        printf("    %3" PRId64 " %-24.24s %6.2f%% of %.0f\n", pick, name ? name : "", n > 0 ? 100 * r->confusion[pick * C + pick] / n : NAN, n);
+        shown++;
+    }
+    (void)shown;
+    free(done);
 }
 
 /* One pass over a loader: training (autocast forward, scaled backward, scaler step) or
@@ -288,7 +346,10 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
     progress p;
     progress_begin(&p, label, n_batches, done);
     if (!training && p.mode == PROGRESS_LINES) p.mode = PROGRESS_OFF;   /* a log gets the epoch's line only */
-    if (!training) ampc_no_grad_enter();
+    if (!training) {
+        ampc_no_grad_enter();
+        memset(r->confusion, 0, (size_t)(r->d.num_classes * r->d.num_classes) * sizeof *r->confusion);
+    }
     int depth = ampc_scope_depth(), rc = 0;
     for (;;) {
         const bool boundary = !training || done == group_start;   /* validation: every batch */
@@ -418,7 +479,7 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
             break;
         }
         st->loss_sum += lv * (double)b;
-        if (b > 0 && (rc = count_correct(r, logits, y_cpu, &st->correct)) < 0) break;
+        if (b > 0 && (rc = count_correct(r, logits, y_cpu, &st->correct, training ? NULL : r->confusion)) < 0) break;
         st->samples += b;
         ampc_scope_end();
         done++;
@@ -446,6 +507,8 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
         st->loss_sum = c0.loss_sum + v[0];
         st->correct = c0.correct + (int64_t)v[1];
         st->samples = c0.samples + (int64_t)v[2];
+        if (!training && rc == 0 && ampc_dist_allreduce_sum_f64(r->confusion, r->d.num_classes * r->d.num_classes) < 0)
+            return fail_lib("summing the ranks' confusion matrices");
     }
     if (rc == 0) progress_end(&p);
     st->seconds = progress_now() - t0;
@@ -777,6 +840,10 @@ int train_run(settings *s, run_result *res) {
         int pr = run_pass(&r, true, e, &tr, cont ? &r.resume_train : NULL);
         if (pr == 0) pr = check_epoch_applied(&r, e, &tr);
         if (pr == 0) pr = run_pass(&r, false, e, &va, NULL);
+        if (pr == 0 && va.samples > 0) {
+            if (write_confusion(&r) < 0) pr = -1;
+            else r.confusion_valid = true;
+        }
         /* the weights give NaN on the validation data: they are not a good checkpoint */
         if (pr == 0 && va.samples > 0 && !isfinite(va.loss)) pr = diverged(&r, e, 0, 0, "the validation loss is %g", va.loss);
         if (pr < 0) {
@@ -862,6 +929,7 @@ int train_run(settings *s, run_result *res) {
         printf("  grad scaler: off (0 skipped steps, scale 1)\n");
     printf("  final: train loss %.4f acc %.2f%% | validation loss %.4f acc %.2f%%\n", res->train_loss, 100 * res->train_acc,
            res->val_loss, 100 * res->val_acc);
+    if (r.confusion_valid) print_per_class(&r);
     printf("  outputs: %s\n", r.out);
     res->ok = true;
 done:
