@@ -127,6 +127,20 @@ if run straight "${SMALL[@]}" --amp-dtype fp16 --epochs 2 --out "$W/a"; then
         bad "confusion.csv missing or not 11 lines"
     fi
     [ -s "$W/a/checkpoint.safetensors" ] && ok "checkpoint written" || bad "no checkpoint"
+    # --eval-only: the checkpoint's model (and model.safetensors as --pretrained) on the same
+    # validation samples gives the last epoch's accuracy, and writes nothing
+    before=$(ls -l --time-style=+%s.%N "$W/a" | md5sum)
+    for src in "--resume $W/a/checkpoint.safetensors" "--pretrained $W/a/model.safetensors"; do
+        # shellcheck disable=SC2086
+        if run eval_only --eval-only yes $src --limit-val 64 --batch-size 32 --progress off; then
+            got=$(grep -oE '^evaluation: 64 validation samples, loss [0-9.]+, accuracy [0-9.]+%' "$W/eval_only.out" | grep -oE '[0-9.]+%$' | tr -d %)
+            want=$(awk -v a="$(csv_field "$m" 2 5)" 'BEGIN { printf "%.2f", 100 * a }')
+            [ -n "$got" ] && [ "$got" = "$want" ] && ok "--eval-only ${src%% *}: accuracy $got% = the last epoch's" ||
+                bad "--eval-only ${src%% *}: accuracy '$got' against the last epoch's $want%"
+        fi
+    done
+    [ "$(ls -l --time-style=+%s.%N "$W/a" | md5sum)" = "$before" ] && ok "--eval-only wrote nothing" || bad "--eval-only changed $W/a"
+    expect_error eval_nothing "--resume FILE.*--pretrained FILE" --eval-only yes "${SMALL[@]}"
     # model.safetensors: the checkpoint's model tensors, the same bits, and nothing else (no
     # optimizer state: PyTorch's load_state_dict(strict=True) takes it as it is)
     "$TRAIN" --compare-checkpoints "$W/a/checkpoint.safetensors" "$W/a/model.safetensors" >"$W/model_cmp.out" 2>&1

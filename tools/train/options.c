@@ -159,6 +159,10 @@ const opt_def OPTS[OPT_COUNT] = {
                              "the training loss is PyTorch's CrossEntropyLoss(label_smoothing=X): the target mixes the "
                              "true class (1 - X) with a uniform share X over the classes; validation keeps plain cross "
                              "entropy, as timm does, so its loss stays comparable (0: off)"},
+    [OPT_EVAL_ONLY] = {"eval-only", V_YESNO, "no", NULL, 0, 0, false, 0, "yes|no",
+                       "evaluate the model of --resume's checkpoint or --pretrained's weights on the validation data "
+                       "(loss, accuracy, each class's accuracy) and stop: no training, no files written "
+                       "(torchvision's train.py --test-only)"},
 };
 
 

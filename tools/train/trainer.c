@@ -759,6 +759,10 @@ int train_run(settings *s, run_result *res) {
         rc = usage_error("--pretrained starts a new run from those weights; --resume continues from the checkpoint's own: give one of them");
         goto done;
     }
+    if (yes(s, OPT_EVAL_ONLY) && !*sval(s, OPT_RESUME) && !*sval(s, OPT_PRETRAINED)) {
+        rc = usage_error("--eval-only evaluates a trained model: give its checkpoint (--resume FILE) or its weights (--pretrained FILE)");
+        goto done;
+    }
     if (*sval(s, OPT_RESUME) && (rc = resume_settings(s, &r.meta)) < 0) goto done;
     if ((rc = agree_settings(&r)) < 0 || (rc = run_build(&r)) < 0) goto done;
     if (ampc_autocast_fp32_modules(sval(s, OPT_FP32_MODULES)) < 0) {
@@ -779,6 +783,21 @@ int train_run(settings *s, run_result *res) {
     }
     g_oom_hint = "try a smaller --batch-size or --use-amp yes";
     print_setup(&r);
+    if (yes(s, OPT_EVAL_ONLY)) {   /* the model as loaded, on the validation data, and nothing else */
+        pass_stats va;
+        int pr = run_pass(&r, false, r.epoch0, &va, NULL);
+        if (pr != 0) {
+            rc = pr < 0 ? -1 : interrupted(&r);
+            goto done;
+        }
+        printf("evaluation: %" PRId64 " validation samples, loss %.4f, accuracy %.2f%%\n", va.samples, va.loss, 100 * va.acc);
+        r.confusion_valid = va.samples > 0;
+        if (r.confusion_valid) print_per_class(&r);
+        res->val_loss = va.loss;
+        res->val_acc = va.acc;
+        res->ok = true;
+        goto done;
+    }
     int64_t n_epochs = ival(s, OPT_EPOCHS);
     if (*sval(s, OPT_RESUME)) {
         if (r.resume_step > 0)
