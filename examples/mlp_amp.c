@@ -152,6 +152,12 @@ int main(int argc, char **argv) {
            amp.first_loss, amp.final_loss, amp.seconds, (double)amp.scale, (long long)amp.skipped);
     printf("final loss difference amp - fp32: %.3g (relative %.3g)\n", amp.final_loss - fp32.final_loss,
            fabs(amp.final_loss - fp32.final_loss) / fp32.final_loss);
+    if (amp.seconds > 1.5 * fp32.seconds)   /* say why, rather than leave a newcomer to guess */
+        printf("note: %s autocast took %.1fx the fp32 time here: this CPU (%s) has no %s arithmetic, so the 16-bit\n"
+               "      ops compute in f32 and round to %s on top; the memory saving stays. AMP pays off in speed on\n"
+               "      CPUs with %s (and on GPUs); try --dtype %s.\n",
+               name, amp.seconds / fp32.seconds, ampc_cpu_features(), name, name,
+               dtype == AMPC_BF16 ? "AVX512-BF16 or AMX" : "AVX512-FP16", dtype == AMPC_BF16 ? "fp16" : "bf16");
     for (int b = 0; b < N_DATA; b++) {
         ampc_tensor_free(d.x[b]);
         ampc_tensor_free(d.y[b]);
