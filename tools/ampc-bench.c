@@ -260,6 +260,10 @@ static size_t step_activations(const result *r) {
     return pk > r->act_resident ? pk - r->act_resident : 0;
 }
 
+static bool g_quiet;   /* --largest-batch's probes: a failed config says nothing */
+
+static void run_workload(const workload *w, const mode *m, const settings *s, result *r);
+
 static void run_config(const workload *w0, const mode *m, const settings *s, result *r) {
     static workload ws[N_WORKLOADS * 4];   /* a workload with --batch applied lives as long as its result */
     static int nws;
@@ -269,6 +273,11 @@ static void run_config(const workload *w0, const mode *m, const settings *s, res
         ws[nws].batch = ws[nws].shape[0] = g_batch;
         w = &ws[nws++];
     }
+    run_workload(w, m, s, r);
+}
+
+/* One config as given (w's batch); r->w points at w. */
+static void run_workload(const workload *w, const mode *m, const settings *s, result *r) {
     memset(r, 0, sizeof *r);
     ampc_set_allow_tf32(!strcmp(m->name, "tf32"));
     r->w = w;
@@ -405,7 +414,7 @@ static void run_config(const workload *w0, const mode *m, const settings *s, res
     }
 
 done:
-    if (!r->ok) fprintf(stderr, "ampc-bench: %s %s: %s\n", w->name, m->name, r->error);
+    if (!r->ok && !g_quiet) fprintf(stderr, "ampc-bench: %s %s: %s\n", w->name, m->name, r->error);
     ampc_tensor_free(x);
     ampc_tensor_free(u);
     ampc_tensor_free(y);
@@ -614,6 +623,64 @@ static void print_peak(const bench_peak *p) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// --largest-batch: the seed's memory claim, the largest batch whose training step fits the
+// --max-memory budget, per mode (AMP should take about twice fp32's)
+
+/* Whether a step of w at batch b trains under the budget (one warm-up step and one timed). */
+static bool fits(const workload *w0, const mode *m, int64_t b, size_t *peak) {
+    workload w = *w0;
+    w.batch = w.shape[0] = b;
+    settings s = {.steps = 1, .warmup = 1};
+    result r;
+    g_quiet = true;
+    run_workload(&w, m, &s, &r);
+    g_quiet = false;
+    bool ok = r.ok;
+    if (ok && peak) *peak = r.mem.peak_total;
+    if (!ok && !strstr(r.error, "out of memory") && !strstr(r.error, "memory budget"))
+        fprintf(stderr, "ampc-bench: %s %s batch %lld failed other than by memory: %s\n", w0->name, m->name, (long long)b, r.error);
+    free(r.ms);
+    return ok;
+}
+
+/* Doubling from 1, then bisection: the largest batch that fits (0: not even 1; at most 2^20). */
+static int64_t largest_batch(const workload *w, const mode *m, size_t *peak) {
+    int64_t lo = 0, hi = 1;
+    while (hi <= ((int64_t)1 << 20) && fits(w, m, hi, peak)) lo = hi, hi *= 2;
+    if (hi > ((int64_t)1 << 20)) return lo;
+    while (hi - lo > 1) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (fits(w, m, mid, NULL)) lo = mid;
+        else hi = mid;
+    }
+    if (lo > 0) fits(w, m, lo, peak);   /* the peak at the answer */
+    return lo;
+}
+
+static int run_largest(const bool *wl_on, const bool *mode_on, size_t limit) {
+    printf("largest batch whose training step (SGD momentum, cross-entropy) fits --max-memory %.1f MiB on %s:\n",
+           mib(limit), ampc_device_name(g_device));
+    printf("%-9s %-9s %9s %9s %12s\n", "workload", "mode", "batch", "x fp32", "peak MiB");
+    int failed = 0;
+    for (int wi = 0; wi < N_WORKLOADS; wi++) {
+        int64_t base = 0;
+        for (int mi = 0; mi < N_MODES; mi++) {
+            if (!wl_on[wi] || !mode_on[mi]) continue;
+            size_t peak = 0;
+            int64_t b = largest_batch(&WORKLOADS[wi], &MODES[mi], &peak);
+            if (!strcmp(MODES[mi].name, "fp32")) base = b;
+            printf("%-9s %-9s %9lld", WORKLOADS[wi].name, MODES[mi].name, (long long)b);
+            if (base > 0 && b > 0) printf(" %8.2fx", (double)b / (double)base);
+            else printf(" %9s", "-");
+            printf(" %12.1f\n", mib(peak));
+            fflush(stdout);
+            failed += b == 0;
+        }
+    }
+    return failed ? 1 : 0;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Command line
 
 static void usage(FILE *f) {
@@ -632,6 +699,10 @@ static void usage(FILE *f) {
             "  --no-peak         skip the peak measurement (no %%peak column)\n"
             "  --profile         after each config, time each kernel over extra steps\n"
             "  --json FILE       write the results as JSON (default: none)\n"
+            "  --max-memory SIZE memory budget (512M, 2G, ...: powers of 1024): an allocation past it\n"
+            "                    fails as out of memory (a device of that size emulated)\n"
+            "  --largest-batch   with --max-memory: the largest batch whose step fits, per\n"
+            "                    workload and mode, and each mode's against fp32's\n"
             "  --channels-last yes|no  cnn/ResNet activations channels-last (default yes)\n"
             "  --doctor yes|no         the numerics doctor on: every op's output checked for NaN/inf\n"
             "                          (its cost; default no)\n"
@@ -688,7 +759,8 @@ int main(int argc, char **argv) {
     for (int i = 0; i < N_MODES; i++) mode_names[i] = MODES[i].name;
     settings s = {.steps = 10, .warmup = 3};
     int threads = 0;
-    bool peak_only = false, no_peak = false;
+    bool peak_only = false, no_peak = false, largest = false;
+    size_t max_memory = 0;
     const char *json = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -696,7 +768,7 @@ int main(int argc, char **argv) {
         bool takes = !strcmp(a, "--workloads") || !strcmp(a, "--modes") || !strcmp(a, "--steps") ||
                      !strcmp(a, "--warmup") || !strcmp(a, "--threads") || !strcmp(a, "--json") ||
                      !strcmp(a, "--channels-last") || !strcmp(a, "--keep-casts") || !strcmp(a, "--device") ||
-                     !strcmp(a, "--batch") || !strcmp(a, "--doctor");
+                     !strcmp(a, "--batch") || !strcmp(a, "--doctor") || !strcmp(a, "--max-memory");
         if (takes && !v) {
             fprintf(stderr, "ampc-bench: %s needs a value\n", a);
             return 2;
@@ -738,6 +810,20 @@ int main(int argc, char **argv) {
             rc = parse_yes_no(a, v, &on);
             ampc_doctor_enable(on);
         }
+        else if (!strcmp(a, "--max-memory")) {
+            char *end = NULL;
+            double x = strtod(v, &end);
+            double mult = !end || !*end ? 1 : (*end == 'K' || *end == 'k') ? 1024.0 : (*end == 'M' || *end == 'm') ? 1048576.0
+                          : (*end == 'G' || *end == 'g') ? 1073741824.0 : (*end == 'T' || *end == 't') ? 1099511627776.0 : -1;
+            bool tail_ok = !end || !*end || !end[1] || !strcmp(end + 1, "iB") || !strcmp(end + 1, "B");
+            if (!(x > 0) || mult < 0 || !tail_ok || x * mult >= 1.8e19) {
+                fprintf(stderr, "ampc-bench: --max-memory takes a size such as 512M or 2G, not '%s'\n", v);
+                rc = -1;
+            } else {
+                max_memory = (size_t)(x * mult);
+            }
+        }
+        else if (!strcmp(a, "--largest-batch")) largest = true;
         else if (!strcmp(a, "--peak")) peak_only = true;
         else if (!strcmp(a, "--no-peak")) no_peak = true;
         else if (!strcmp(a, "--profile")) s.profile = true;
@@ -793,6 +879,14 @@ int main(int argc, char **argv) {
     if (peak_only) {
         loadavg(load1, sizeof load1);
         return json && write_json(json, NULL, 0, &s, wait_policy, load0, load1) < 0 ? 1 : 0;
+    }
+    if (max_memory) ampc_memory_set_limit(max_memory);
+    if (largest) {
+        int lrc = max_memory ? run_largest(wl_on, mode_on, max_memory) : 2;
+        if (!max_memory) fprintf(stderr, "ampc-bench: --largest-batch needs --max-memory SIZE (the budget to fit)\n");
+        ampc_dist_finalize();
+        ampc_shutdown();
+        return lrc;
     }
     printf("steps: %d timed after %d warm-up; SGD lr 0.01 momentum 0.9; cross-entropy; fp16 with GradScaler\n",
            s.steps, s.warmup);

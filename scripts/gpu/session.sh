@@ -12,6 +12,8 @@
 #       bench     ampc-bench resnet50 amp-fp16,amp-bf16 batch 256, then the PyTorch peer (eager,
 #                 cudnn.benchmark) on the same configs
 #       profile   one resnet50 amp-fp16 step under Nsight Compute beside torch.profiler
+#       memory    the largest resnet50 batch whose step fits 16 GiB, fp32 and AMP (the seed's "double
+#                 the batch")
 #       benchall  every workload and mode of ampc-bench and of the peer
 #       tests     the test programs that run ops on CUDA ($TESTS: others)
 #       e2e       tests/e2e_cuda.sh (Fashion-MNIST from $AMPC_FASHION_MNIST_DIR or .gpu/fashion-mnist)
@@ -24,7 +26,7 @@ OUT=${OUT:-/tmp/ampc-out}
 export OUT
 mkdir -p "$OUT"
 BUDGET=${BUDGET:-420}
-STEPS=,${1:-env,kernels,bench,profile,benchall,tests,e2e,train,compile},
+STEPS=,${1:-env,kernels,bench,profile,memory,benchall,tests,e2e,train,compile},
 T0=$(date +%s)
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
 R="bash scripts/gpu/run.sh"
@@ -56,6 +58,7 @@ step() {
     step bench 60 $R peer --device cuda --workloads resnet50 --modes amp-fp16,amp-bf16 --batch 256 --channels-last yes \
         --steps 10 --warmup 3 --json "$OUT/peer.json"
     step profile 60 $R profile resnet50 amp-fp16 256
+    step memory 90 $R bench --device cuda --workloads resnet50 --modes fp32,amp-fp16 --max-memory 16G --largest-batch --no-peak
     step benchall 60 $R bench --device cuda --workloads mlp,cnn,resnet18,resnet50 --modes fp32,tf32,amp-bf16,amp-fp16 \
         --batch 256 --steps 10 --warmup 3 --json "$OUT/ampc_bench_all.json"
     step benchall 120 $R peer --device cuda --workloads mlp,cnn,resnet18,resnet50 --modes fp32,tf32,amp-bf16,amp-fp16 \
