@@ -165,6 +165,11 @@ int ampc_device_synchronize(ampc_device dev);
    torch.backends.cuda.matmul.allow_tf32): off by default, as PyTorch's matmul. */
 void ampc_set_allow_tf32(bool on);
 bool ampc_allow_tf32(void);
+/* cuDNN convolution algorithms chosen by timing them on the first call of each shape (PyTorch's
+   torch.backends.cudnn.benchmark) instead of by cuDNN's heuristics; deterministic algorithms
+   only, so a run repeats its own bits. Off for now (to be turned on once measured on a GPU). */
+void ampc_set_cudnn_benchmark(bool on);
+bool ampc_cudnn_benchmark(void);
 /* Whether dev's matmuls and convolutions run in dt, so autocast to dt works there: on the CPU,
    bf16 needs oneDNN's AVX-512 kernels (not on AVX2-only CPUs, nor under ONEDNN_MAX_CPU_ISA=AVX2);
    fp16 always works (computed in fp32 and rounded once, as tensor cores do). */

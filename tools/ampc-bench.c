@@ -704,6 +704,8 @@ static void usage(FILE *f) {
             "  --largest-batch   with --max-memory: the largest batch whose step fits, per\n"
             "                    workload and mode, and each mode's against fp32's\n"
             "  --channels-last yes|no  cnn/ResNet activations channels-last (default yes)\n"
+            "  --cudnn-benchmark yes|no  CUDA: cuDNN's convolution algorithms timed on each shape's first\n"
+            "                    call (PyTorch's cudnn.benchmark; deterministic ones only; default no)\n"
             "  --doctor yes|no         the numerics doctor on: every op's output checked for NaN/inf\n"
             "                          (its cost; default no)\n"
             "  --keep-casts yes|no     autocast's weight copies kept across steps and rewritten by\n"
@@ -768,7 +770,8 @@ int main(int argc, char **argv) {
         bool takes = !strcmp(a, "--workloads") || !strcmp(a, "--modes") || !strcmp(a, "--steps") ||
                      !strcmp(a, "--warmup") || !strcmp(a, "--threads") || !strcmp(a, "--json") ||
                      !strcmp(a, "--channels-last") || !strcmp(a, "--keep-casts") || !strcmp(a, "--device") ||
-                     !strcmp(a, "--batch") || !strcmp(a, "--doctor") || !strcmp(a, "--max-memory");
+                     !strcmp(a, "--batch") || !strcmp(a, "--doctor") || !strcmp(a, "--max-memory") ||
+                     !strcmp(a, "--cudnn-benchmark");
         if (takes && !v) {
             fprintf(stderr, "ampc-bench: %s needs a value\n", a);
             return 2;
@@ -804,6 +807,11 @@ int main(int argc, char **argv) {
             bool on = true;
             rc = parse_yes_no(a, v, &on);
             ampc_autocast_keep_weight_casts(on);
+        }
+        else if (!strcmp(a, "--cudnn-benchmark")) {   /* cuDNN's algorithms timed per shape (cudnn.benchmark) */
+            bool on = false;
+            rc = parse_yes_no(a, v, &on);
+            ampc_set_cudnn_benchmark(on);
         }
         else if (!strcmp(a, "--doctor")) {   /* the numerics doctor watching every op's output */
             bool on = false;

@@ -10,7 +10,8 @@
 #       kernels   test_cl_kernels, test_bn_relu (batch norm and pooling kernels against REF, the fusions
 #                 against their composites)
 #       bench     ampc-bench resnet50 amp-fp16,amp-bf16 batch 256, then the PyTorch peer (eager,
-#                 cudnn.benchmark) on the same configs
+#                 cudnn.benchmark) on the same configs; ampc with --cudnn-benchmark yes and with
+#                 AMPC_CUDA_BN_ADD_RELU=1 (both opt-in until measured there)
 #       profile   one resnet50 amp-fp16 step under Nsight Compute beside torch.profiler
 #       memory    the largest resnet50 batch whose step fits 16 GiB, fp32 and AMP (the seed's "double
 #                 the batch")
@@ -57,6 +58,10 @@ step() {
         --no-peak --json "$OUT/ampc_bench.json"
     step bench 60 $R peer --device cuda --workloads resnet50 --modes amp-fp16,amp-bf16 --batch 256 --channels-last yes \
         --steps 10 --warmup 3 --json "$OUT/peer.json"
+    step bench 40 $R bench --device cuda --workloads resnet50 --modes fp32,amp-fp16 --batch 256 --steps 10 --warmup 3 \
+        --no-peak --cudnn-benchmark yes
+    step bench 40 env AMPC_CUDA_BN_ADD_RELU=1 $R bench --device cuda --workloads resnet50 --modes amp-fp16,amp-bf16 --batch 256 \
+        --steps 10 --warmup 3 --no-peak
     step profile 60 $R profile resnet50 amp-fp16 256
     step memory 90 $R bench --device cuda --workloads resnet50 --modes fp32,amp-fp16 --max-memory 16G --largest-batch --no-peak
     step benchall 60 $R bench --device cuda --workloads mlp,cnn,resnet18,resnet50 --modes fp32,tf32,amp-bf16,amp-fp16 \
@@ -71,6 +76,6 @@ step() {
         --out /tmp/ampc-train-run
     step train 20 $R bench --device cuda --workloads cnn --modes amp-bf16 --batch 256 --steps 50 --warmup 5 --no-peak
     step compile 100 $R peer --device cuda --workloads resnet50 --modes amp-fp16 --batch 256 --channels-last yes \
-        --steps 10 --warmup 3 --compile yes --json "$OUT/peer_compile.json"
+        --steps 10 --warmup 3 --compile yes
     date -u
 } 2>&1 | tee "$OUT/session.log"

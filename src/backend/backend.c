@@ -16,6 +16,9 @@ static const char *no_cuda(void) { return "this build of ampc has no CUDA backen
 static _Atomic bool allow_tf32 = false;
 void ampc_set_allow_tf32(bool on) { allow_tf32 = on; }
 bool ampc_allow_tf32(void) { return allow_tf32; }
+static _Atomic bool cudnn_benchmark = false;
+void ampc_set_cudnn_benchmark(bool on) { cudnn_benchmark = on; }
+bool ampc_cudnn_benchmark(void) { return cudnn_benchmark; }
 
 static void fill_tables(void) {
     ampc__ensure_init();   /* CPU features and conversions first: the kernels use them */

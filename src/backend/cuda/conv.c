@@ -195,11 +195,62 @@ static int pick_algo(cudnnHandle_t h, const conv_descs *c, conv_pass pass, bool 
     return rc;
 }
 
-/* The cached choice for (d, dt, pass), picked on first use; sets the descriptor's math type. */
+/* ampc_cudnn_benchmark(): the fastest deterministic algorithm (with plain FMA math when strict)
+   of cuDNN's timed trials on the real operands a, b into out (written by the trials; the pass
+   writes it again), with as much workspace as the allocator gives up to 256 MiB. */
+#define PICK_TIMED(PERF_T, COUNT, CALL)                                                            \
+    do {                                                                                           \
+        PERF_T perf[COUNT];                                                                        \
+        int got = 0;                                                                               \
+        rc = dnn_check(CALL, #CALL);                                                               \
+        for (int i = 0; rc >= 0 && i < got && !found; i++)                                         \
+            if (perf[i].status == CUDNN_STATUS_SUCCESS && perf[i].determinism == CUDNN_DETERMINISTIC && \
+                perf[i].memory <= ws_bytes && (!strict || perf[i].mathType == CUDNN_FMA_MATH)) {   \
+                e->algo = (int)perf[i].algo;                                                       \
+                e->math = perf[i].mathType;                                                        \
+                e->ws = perf[i].memory;                                                            \
+                found = true;                                                                      \
+            }                                                                                      \
+    } while (0)
+
+static int time_algo(cudnnHandle_t h, const conv_descs *c, conv_pass pass, bool strict, const void *a, const void *b, void *out,
+                     algo_entry *e, bool *found_out) {
+    bool found = false;
+    int rc = AMPC_OK;
+    size_t ws_bytes = (size_t)256 << 20, block = 0;
+    void *ws = NULL;
+    while (ws_bytes >= ((size_t)1 << 20) && !(ws = ampc__cu_scratch(ws_bytes, &block))) {
+        ampc_clear_error();
+        ws_bytes /= 2;
+    }
+    if (!ws) ws_bytes = 0;
+    if (pass == PASS_FWD)
+        PICK_TIMED(cudnnConvolutionFwdAlgoPerf_t, CUDNN_CONVOLUTION_FWD_ALGO_COUNT,
+                   cudnnFindConvolutionForwardAlgorithmEx(h, c->x, a, c->w, b, c->conv, c->y, out, CUDNN_CONVOLUTION_FWD_ALGO_COUNT,
+                                                          &got, perf, ws, ws_bytes));
+    else if (pass == PASS_BWD_DATA)
+        PICK_TIMED(cudnnConvolutionBwdDataAlgoPerf_t, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT,
+                   cudnnFindConvolutionBackwardDataAlgorithmEx(h, c->w, b, c->y, a, c->conv, c->x, out,
+                                                               CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, &got, perf, ws, ws_bytes));
+    else
+        PICK_TIMED(cudnnConvolutionBwdFilterAlgoPerf_t, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT,
+                   cudnnFindConvolutionBackwardFilterAlgorithmEx(h, c->x, a, c->y, b, c->conv, c->w, out,
+                                                                 CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, &got, perf, ws, ws_bytes));
+    ampc__cu_scratch_free(ws, block);
+    if (rc >= 0 && found) rc = dnn_check(cudnnSetConvolutionMathType(c->conv, e->math), "cudnnSetConvolutionMathType");
+    *found_out = found;
+    return rc;
+}
+
+/* The cached choice for (d, dt, pass), picked on first use (timed when ampc_cudnn_benchmark(),
+   else cuDNN's heuristics; the heuristics too when no timed one qualifies); sets the
+   descriptor's math type. a, b, out: the pass's operands (the timed trials run on them). */
 static int algo_get(cudnnHandle_t h, const conv_descs *c, const ampc_conv_desc *d, ampc_dtype dt, conv_pass pass,
-                    cudnnMathType_t math, algo_entry *out) {
+                    cudnnMathType_t math, const void *a, const void *b, void *out_ptr, algo_entry *out) {
     int64_t key[KEY_LEN];
+    bool bench = ampc_cudnn_benchmark();
     make_key(d, dt, pass, math, key);
+    key[KEY_LEN - 1] = (int64_t)math * 2 + bench;   /* a timed choice and a heuristic one apart */
     for (int i = 0; i < cache_n; i++)
         if (!memcmp(cache[i].key, key, sizeof key)) {
             *out = cache[i];
@@ -207,7 +258,9 @@ static int algo_get(cudnnHandle_t h, const conv_descs *c, const ampc_conv_desc *
         }
     algo_entry e;
     memcpy(e.key, key, sizeof key);
-    int rc = pick_algo(h, c, pass, dt == AMPC_F32 && math == CUDNN_FMA_MATH, &e, pass_name(pass));
+    bool strict = dt == AMPC_F32 && math == CUDNN_FMA_MATH, timed = false;
+    int rc = bench ? time_algo(h, c, pass, strict, a, b, out_ptr, &e, &timed) : AMPC_OK;
+    if (rc >= 0 && !timed) rc = pick_algo(h, c, pass, strict, &e, pass_name(pass));
     if (rc < 0) return rc;
     int slot = cache_n < ALGO_CACHE ? cache_n++ : cache_next++ % ALGO_CACHE;
     cache[slot] = e;
@@ -231,7 +284,7 @@ static int run_pass(const ampc_conv_desc *d, ampc_dtype dt, conv_pass pass, cons
     void *ws = NULL;
     size_t ws_bytes = 0;
     const float one = 1.0f, zero = 0.0f;
-    if ((rc = algo_get(h, &c, d, dt, pass, math, &e)) < 0) goto out;
+    if ((rc = algo_get(h, &c, d, dt, pass, math, a, b, out, &e)) < 0) goto out;
     if (e.ws && !(ws = ampc__cu_scratch(e.ws, &ws_bytes))) {
         rc = ampc_last_status();
         goto out;
