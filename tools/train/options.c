@@ -465,14 +465,15 @@ int parse_args(int argc, char **argv, settings *s, const char **cmp_a, const cha
 /* The settings that shape every run (always shown), then those that differ from their defaults
    (given on the command line, or a resumed checkpoint's); --help lists every default. */
 void print_config(const settings *s, const char *data_desc, bool use_amp) {
-    static const int always[] = {OPT_MODEL, OPT_DATA, OPT_BATCH_SIZE, OPT_EPOCHS, OPT_USE_AMP, OPT_AMP_DTYPE, OPT_LR, OPT_DEVICE};
+    static const int always[] = {OPT_MODEL, OPT_DATA, OPT_BATCH_SIZE, OPT_EPOCHS, OPT_USE_AMP,
+                                 OPT_AMP_DTYPE, OPT_GRAD_SCALER, OPT_LR, OPT_DEVICE};
     char b1[32], b2[32], b3[64], def[256], err[128];
     printf("configuration (the defaults of the rest: --help):\n");
     for (int i = 0; i < OPT_COUNT; i++) {
         if (i == OPT_PROGRESS) continue;
         bool shown = false;
         for (size_t k = 0; k < sizeof always / sizeof *always; k++) shown = shown || always[k] == i;
-        if (i == OPT_AMP_DTYPE && !use_amp) shown = false;   /* does not apply */
+        if ((i == OPT_AMP_DTYPE || i == OPT_GRAD_SCALER) && !use_amp) shown = false;   /* do not apply */
         if (!shown && (OPTS[i].flags & O_AUTO) && !s->given[i]) continue;   /* resolved from "auto" by the data and model */
         if (!shown && (canonical(i, OPTS[i].def, def, sizeof def, err, sizeof err) < 0 || strcmp(def, s->val[i]) == 0)) continue;
         const char *v = s->val[i];
