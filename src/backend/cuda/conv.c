@@ -141,10 +141,11 @@ typedef struct {
 static algo_entry cache[ALGO_CACHE];
 static int cache_n, cache_next;
 
-static void make_key(const ampc_conv_desc *d, ampc_dtype dt, conv_pass pass, cudnnMathType_t math, int64_t *k) {
+/* timed: a choice by timing (ampc_cudnn_benchmark) is kept apart from a heuristic one */
+static void make_key(const ampc_conv_desc *d, ampc_dtype dt, conv_pass pass, cudnnMathType_t math, bool timed, int64_t *k) {
     const int64_t v[KEY_LEN] = {d->N, d->C, d->H, d->W, d->O, d->KH, d->KW, d->OH, d->OW, d->stride[0], d->stride[1],
                                 d->padding[0], d->padding[1], d->dilation[0], d->dilation[1], d->groups, d->channels_last,
-                                dt, pass, math};
+                                dt, pass, (int64_t)math * 2 + timed};
     memcpy(k, v, sizeof v);
 }
 
@@ -249,8 +250,7 @@ static int algo_get(cudnnHandle_t h, const conv_descs *c, const ampc_conv_desc *
                     cudnnMathType_t math, const void *a, const void *b, void *out_ptr, algo_entry *out) {
     int64_t key[KEY_LEN];
     bool bench = ampc_cudnn_benchmark();
-    make_key(d, dt, pass, math, key);
-    key[KEY_LEN - 1] = (int64_t)math * 2 + bench;   /* a timed choice and a heuristic one apart */
+    make_key(d, dt, pass, math, bench, key);
     for (int i = 0; i < cache_n; i++)
         if (!memcmp(cache[i].key, key, sizeof key)) {
             *out = cache[i];

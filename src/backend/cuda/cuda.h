@@ -24,8 +24,6 @@ int ampc__cu_on_device(const ampc_tensor *t, const char *who);
    freed at once after queueing is safe on the one stream. */
 void *ampc__cu_scratch(size_t nbytes, size_t *block_bytes);
 void ampc__cu_scratch_free(void *p, size_t block_bytes);
-/* Multiprocessor count of the device. */
-int ampc__cu_sm_count(void);
 
 /* Each kernel file fills its part of the table. */
 void ampc__cuda_register_elementwise(ampc_backend *be);  /* unary, binary, sum_to, expand, copy_block, dropout */

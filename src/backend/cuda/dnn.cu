@@ -306,10 +306,6 @@ void launch_reduce(const ampc_cu_chan_geom &g, const T *x, const T *gy, const do
         reduce_planar<T, MODE><<<dim3((unsigned)g.C, (unsigned)P), 256, 0, s>>>(g, x, gy, prev, mean_f, rc, out, P);
 }
 
-template <class D> __global__ void chan_total_kernel(long long C, const double *part, int P, D *out) {
-    GRID_LOOP(long long, c, C) out[c] = from_d<D>(part_total(part, P, C, c, 0));
-}
-
 /* channel of storage index i */
 template <class I> __device__ __forceinline__ I chan_of(I i, I C, I S, bool cl) { return cl ? i % C : (i / S) % C; }
 
@@ -370,8 +366,8 @@ __global__ void bn_finish_fwd(long long C, long long M, ampc_cu_bn_fwd_args a) {
     }
 }
 
-/* The same from the one-pass shifted sums of the channels-last path (part row 0 after
-   collapse_parts: S = sum(x - K), Q = sum((x - K)^2) with K = x[0, c], the channel's first
+/* The same from the one-pass shifted sums of the channels-last path (reduce_vec's partial rows,
+   summed by warp_parts: S = sum(x - K), Q = sum((x - K)^2) with K = x[0, c], the channel's first
    value): mean = K + S / M, centred sum of squares Q - S^2 / M. K is one of the values, so
    (K - mean)^2 <= M var: the cancellation costs at most log2(M + 1) of f64's 53 bits. */
 template <class T> __global__ void bn_finish_fwd_shift(long long C, long long M, const T *x, ampc_cu_bn_fwd_args a) {
@@ -422,6 +418,14 @@ __device__ __forceinline__ void bn_bwd_channel(long long C, long long M, long lo
 
 __global__ void bn_finish_bwd(long long C, long long M, ampc_cu_bn_bwd_args a) {
     GRID_LOOP(long long, c, C) bn_bwd_channel(C, M, c, part_total(a.part, a.P, C, c, 0), part_total(a.part, a.P, C, c, 1), a);
+}
+
+/* out[c] = channel c's total of the first column over the P partial rows (P 0: 0), in D; a warp
+   per channel (warp_parts) */
+template <class D> __global__ void chan_total_warp(long long C, const double *part, int P, D *out) {
+    double a, b;
+    long long c;
+    if (warp_parts(part, P, C, &c, &a, &b)) out[c] = from_d<D>(a);
 }
 
 /* bn_finish_bwd with a warp per channel summing the P partial rows (a.P 0: no sums) */
@@ -564,20 +568,6 @@ __global__ void __launch_bounds__(256) reduce_vec(int M, int C, int TX, int TY, 
         out[((long long)p * C + c) * 2] = ta;
         out[((long long)p * C + c) * 2 + 1] = tb;
     }
-}
-
-/* part[(c) * 2 + k] = sum over p of part[(p * C + c) * 2 + k]: one warp per channel, lane l
-   adding partitions l, l + 32, ... in order, then a fixed shuffle tree (deterministic); the
-   warp reads all of its channel's column before lane 0 overwrites row 0. */
-__global__ void collapse_parts(double *part, int P, long long C) {
-    long long c = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x & 31;
-    if (c >= C) return;   /* whole warps leave together */
-    double a = 0, b = 0;
-    for (int p = lane; p < P; p += 32) a += part[((long long)p * C + c) * 2], b += part[((long long)p * C + c) * 2 + 1];
-    a = warp_sum(a);
-    b = warp_sum(b);
-    if (lane == 0) part[c * 2] = a, part[c * 2 + 1] = b;
 }
 
 /* The elementwise passes of channels-last batch norm: block (TX * TY threads, grid (ceil(CV /
@@ -773,22 +763,10 @@ void launch_reduce_vec(const ampc_cu_chan_geom *g, const vec_launch &l, const T 
                                                                                   mean_f, rc, out, ym, gz);
 }
 
-int sm_count() {
-    static int n = 0;
-    if (!n) {
-        int v = 0;
-        int dev = 0;
-        if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v < 1)
-            v = 32;
-        n = v;
-    }
-    return n;
-}
-
 /* grid of the elementwise row kernels: the reduction's channel blocks, about 8 blocks per
    multiprocessor, at least 4 rows per thread */
 dim3 rows_grid(const ampc_cu_chan_geom *g, const vec_launch &l) {
-    int64_t want = (8 * (int64_t)sm_count() + l.gx - 1) / l.gx, most = (g->N * g->S + 4 * l.TY - 1) / (4 * l.TY);
+    int64_t want = (8 * (int64_t)ampc__cu_sm_count() + l.gx - 1) / l.gx, most = (g->N * g->S + 4 * l.TY - 1) / (4 * l.TY);
     int64_t gy = want < most ? want : most;
     if (gy < 1) gy = 1;
     if (gy > 65535) gy = 65535;
@@ -871,10 +849,8 @@ extern "C" cudaError_t ampc_cu_chan_sum(const ampc_cu_chan_geom *g, ampc_dtype d
         P = 0;   /* empty: the totals are 0 */
     } else {
         AMPC_CU_FLOAT_TYPES(dt, T, launch_reduce<T, RED_SUM>(*g, (const T *)x, nullptr, nullptr, nullptr, nullptr, part, P, s));
-        collapse_parts<<<(unsigned)((g->C + 7) / 8), 256, 0, s>>>(part, P, g->C);
-        P = 1;
     }
-    AMPC_CU_FLOAT_TYPES(out_dt, D, chan_total_kernel<D><<<chan_blocks(g->C), 128, 0, s>>>(g->C, part, P, (D *)out));
+    AMPC_CU_FLOAT_TYPES(out_dt, D, chan_total_warp<D><<<(unsigned)((g->C + 7) / 8), 256, 0, s>>>(g->C, part, P, (D *)out));
     return cudaGetLastError();
 }
 

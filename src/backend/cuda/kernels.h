@@ -28,6 +28,9 @@ cudaError_t ampc_cu_convert_permute(const void *src, ampc_dtype sdt, void *dst, 
                                     int64_t HW, bool to_cl, cudaStream_t s);
 /* every element = v (in dt, rounded to nearest even; i64 truncated) */
 cudaError_t ampc_cu_fill(void *dst, ampc_dtype dt, int64_t n, double v, cudaStream_t s);
+/* Multiprocessor count of the device (cuda_backend.c; after the backend started), for launch
+   shapes. */
+int ampc__cu_sm_count(void);
 
 #ifdef __cplusplus
 }
