@@ -41,6 +41,7 @@
 #include "ampc.h"
 #include "ampc/dist.h"
 #include "bench_common.h"
+#include "size.h"
 #include "waitpolicy.h"
 
 #include <dnnl.h>
@@ -643,17 +644,17 @@ static bool fits(const workload *w0, const mode *m, int64_t b, size_t *peak) {
     return ok;
 }
 
-/* Doubling from 1, then bisection: the largest batch that fits (0: not even 1; at most 2^20). */
+/* Doubling from 1, then bisection: the largest batch that fits (0: not even 1; at most 2^20).
+   Every success raises lo and a failure leaves *peak alone, so *peak ends as lo's. */
 static int64_t largest_batch(const workload *w, const mode *m, size_t *peak) {
     int64_t lo = 0, hi = 1;
     while (hi <= ((int64_t)1 << 20) && fits(w, m, hi, peak)) lo = hi, hi *= 2;
     if (hi > ((int64_t)1 << 20)) return lo;
     while (hi - lo > 1) {
         int64_t mid = lo + (hi - lo) / 2;
-        if (fits(w, m, mid, NULL)) lo = mid;
+        if (fits(w, m, mid, peak)) lo = mid;
         else hi = mid;
     }
-    if (lo > 0) fits(w, m, lo, peak);   /* the peak at the answer */
     return lo;
 }
 
@@ -819,16 +820,12 @@ int main(int argc, char **argv) {
             ampc_doctor_enable(on);
         }
         else if (!strcmp(a, "--max-memory")) {
-            char *end = NULL;
-            double x = strtod(v, &end);
-            double mult = !end || !*end ? 1 : (*end == 'K' || *end == 'k') ? 1024.0 : (*end == 'M' || *end == 'm') ? 1048576.0
-                          : (*end == 'G' || *end == 'g') ? 1073741824.0 : (*end == 'T' || *end == 't') ? 1099511627776.0 : -1;
-            bool tail_ok = !end || !*end || !end[1] || !strcmp(end + 1, "iB") || !strcmp(end + 1, "B");
-            if (!(x > 0) || mult < 0 || !tail_ok || x * mult >= 1.8e19) {
+            double bytes = 0;
+            if (!tool_parse_size(v, &bytes) || bytes < 1) {
                 fprintf(stderr, "ampc-bench: --max-memory takes a size such as 512M or 2G, not '%s'\n", v);
                 rc = -1;
             } else {
-                max_memory = (size_t)(x * mult);
+                max_memory = (size_t)bytes;
             }
         }
         else if (!strcmp(a, "--largest-batch")) largest = true;

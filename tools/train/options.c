@@ -5,6 +5,7 @@
  * reads the command line ('--flag value' or '--flag=value'; exact names only, as before).
  */
 #include "train.h"
+#include "size.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -191,26 +192,6 @@ int settings_copy(settings *dst, const settings *src) {
     return 0;
 }
 
-/* "512M" -> bytes; K, M, G, T (optionally followed by "iB" or "B") are powers of 1024. */
-static bool parse_size(const char *s, double *bytes) {
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (end == s || errno || !isfinite(v) || v < 0) return false;
-    double mul = 1;
-    static const char units[] = "KMGT";
-    const char *u = *end ? strchr(units, toupper((unsigned char)*end)) : NULL;
-    if (u) {
-        mul = pow(1024, (double)(u - units) + 1);
-        end++;
-        if (strcasecmp(end, "iB") == 0) end += 2;
-    }
-    if (strcasecmp(end, "B") == 0) end++;
-    if (*end) return false;
-    *bytes = floor(v * mul);
-    return *bytes < 9.0e18;
-}
-
 int canonical(int i, const char *text, char *out, size_t n, char *err, size_t errn) {
     const opt_def *o = &OPTS[i];
     if ((o->flags & O_AUTO) && strcmp(text, "auto") == 0) {
@@ -266,7 +247,7 @@ int canonical(int i, const char *text, char *out, size_t n, char *err, size_t er
             snprintf(out, n, "none");
             return 0;
         }
-        if (!parse_size(text, &b) || b < 1)
+        if (!tool_parse_size(text, &b) || b < 1)
             return snprintf(err, errn, "--%s takes a size like 512M, 2G or 1.5GiB (or none), not '%s'", o->name, text), -1;
         snprintf(out, n, "%.0f", b);
         return 0;

@@ -258,6 +258,14 @@ static int count_correct(run *r, ampc_tensor *logits, ampc_tensor *labels, int64
     return 0;
 }
 
+/* Validation samples of class t in the confusion matrix, and the class's name (NULL: none). */
+static double class_samples(const run *r, int64_t t) {
+    double n = 0;
+    for (int64_t k = 0; k < r->d.num_classes; k++) n += r->confusion[t * r->d.num_classes + k];
+    return n;
+}
+static const char *class_name(const run *r, int64_t t) { return ampc_dataset_class_name(r->d.val ? r->d.val : r->d.train, t); }
+
 /* After a validation pass: confusion.csv in the output folder (rank 0; the job's counts), rows
    the true class, columns the predicted one, with the classes' names where the data has them. */
 static int write_confusion(run *r) {
@@ -271,13 +279,10 @@ static int write_confusion(run *r) {
     for (int64_t k = 0; k < C; k++) fprintf(f, ",%" PRId64, k);
     fprintf(f, ",samples,accuracy,class\n");
     for (int64_t t = 0; t < C; t++) {
-        double n = 0;
         fprintf(f, "%" PRId64, t);
-        for (int64_t k = 0; k < C; k++) {
-            fprintf(f, ",%.0f", r->confusion[t * C + k]);
-            n += r->confusion[t * C + k];
-        }
-        const char *name = ampc_dataset_class_name(r->d.val ? r->d.val : r->d.train, t);
+        for (int64_t k = 0; k < C; k++) fprintf(f, ",%.0f", r->confusion[t * C + k]);
+        double n = class_samples(r, t);
+        const char *name = class_name(r, t);
         fprintf(f, ",%.0f,%.6f,", n, n > 0 ? r->confusion[t * C + t] / n : NAN);
         for (const char *q = name ? name : ""; *q; q++) fputc(*q == ',' || *q == '\n' ? ' ' : *q, f);   /* a name as one CSV field */
         fputc('\n', f);
@@ -286,32 +291,29 @@ static int write_confusion(run *r) {
 }
 
 /* The last validation's per-class accuracy: every class when there are at most 20, else the five
-   with the lowest (ties: the lower index). */
+   with the lowest (ties: the lower index; classes without samples left out). */
 static void print_per_class(run *r) {
-    int64_t C = r->d.num_classes, shown = 0;
-    bool all = C <= 20;
-    printf("  per-class validation accuracy (%s; confusion.csv has the matrix):\n", all ? "every class" : "the 5 lowest");
-    bool *done = calloc((size_t)C, sizeof *done);
-    if (!done) return;
-    for (int64_t i = 0; i < (all ? C : 5) && i < C; i++) {
-        int64_t pick = all ? i : -1;
-        double worst = 2;
-        for (int64_t t = 0; !all && t < C; t++) {
-            double n = 0;
-            for (int64_t k = 0; k < C; k++) n += r->confusion[t * C + k];
-            double a = n > 0 ? r->confusion[t * C + t] / n : 2;
-            if (!done[t] && a < worst) worst = a, pick = t;
-        }
-        if (pick < 0) break;
-        done[pick] = true;
-        double n = 0;
-        for (int64_t k = 0; k < C; k++) n += r->confusion[pick * C + k];
-        const char *name = ampc_dataset_class_name(r->d.val ? r->d.val : r->d.train, pick);
-        printf("    %3" PRId64 " %-24.24s %6.2f%% of %.0f\n", pick, name ? name : "", n > 0 ? 100 * r->confusion[pick * C + pick] / n : NAN, n);
-        shown++;
+    int64_t C = r->d.num_classes, show = C <= 20 ? C : 5;
+    printf("  per-class validation accuracy (%s; confusion.csv has the matrix):\n", C <= 20 ? "every class" : "the 5 lowest");
+    double *acc = malloc((size_t)C * sizeof *acc);
+    if (!acc) return;
+    for (int64_t t = 0; t < C; t++) {
+        double n = class_samples(r, t);
+        acc[t] = n > 0 ? r->confusion[t * C + t] / n : 2;   /* 2: no samples */
     }
-    (void)shown;
-    free(done);
+    for (int64_t i = 0; i < show; i++) {
+        int64_t pick = C > 20 ? 0 : i;
+        if (C > 20) {   /* the lowest not printed yet (printed ones are set to 3) */
+            for (int64_t t = 1; t < C; t++)
+                if (acc[t] < acc[pick]) pick = t;
+            if (acc[pick] >= 2) break;   /* the rest have no samples or were printed */
+        }
+        const char *name = class_name(r, pick);
+        double n = class_samples(r, pick);
+        printf("    %3" PRId64 " %-24.24s %6.2f%% of %.0f\n", pick, name ? name : "", n > 0 ? 100 * r->confusion[pick * C + pick] / n : NAN, n);
+        if (C > 20) acc[pick] = 3;
+    }
+    free(acc);
 }
 
 /* One pass over a loader: training (autocast forward, scaled backward, scaler step) or
