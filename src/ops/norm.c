@@ -21,8 +21,6 @@
  */
 #include "ops/ops.h"
 
-#include <string.h>
-
 static ampc_tensor *fail_args(ampc_op_args *a) {
     ampc__op_args_release(a);
     return NULL;
@@ -109,6 +107,11 @@ static int check_channel_param(const ampc_tensor *x, const ampc_tensor *p, const
     return AMPC_OK;
 }
 
+/* z as the batch_norm_add_relu kernels take it: x's device, dtype, shape and memory format */
+static bool like(const ampc_tensor *z, const ampc_tensor *x) {
+    return z->device == x->device && z->dtype == x->dtype && ampc__same_shape(z, x) && z->format == x->format;
+}
+
 /* ampc_batch_norm2d, followed by ReLU in the same kernels when relu, with the statistics of all
    processes when sync; z (then relu, not sync): relu(batch_norm(x) + z) in the backend's
    batch_norm_add_relu kernels */
@@ -153,8 +156,7 @@ static ampc_tensor *bn_op(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias
     }
     sync = sync && training && ampc__comm()->size > 1;   /* else nothing to exchange: the plain kernels */
     const ampc_backend *be = ampc__backend(X->device);
-    if (Z && (Z->device != X->device || Z->dtype != X->dtype || Z->ndim != X->ndim || memcmp(Z->shape, X->shape, sizeof(int64_t) * (size_t)X->ndim) ||
-              ampc__is_cl(Z) != ampc__is_cl(X))) {
+    if (Z && !like(Z, X)) {
         char s2[96];
         ampc__err(AMPC_ERR_INVALID, "batch_norm_add_relu: z %s %s does not match x %s %s (dtype, shape, memory format)",
                   ampc_dtype_name(Z->dtype), ampc__shape_str(Z, s1, sizeof s1), ampc_dtype_name(X->dtype), ampc__shape_str(X, s2, sizeof s2));
@@ -226,9 +228,7 @@ ampc_tensor *ampc__batch_norm2d_ex(ampc_tensor *x, ampc_tensor *weight, ampc_ten
 static bool add_relu_fusable(const ampc_tensor *x, const ampc_tensor *z, bool training, bool sync) {
     if (!x || !z || !x->gen || !z->gen) return false;   /* the composite reports it */
     const ampc_backend *be = ampc__backend(x->device);
-    return be && be->batch_norm_add_relu && !(sync && training && ampc__comm()->size > 1) && z->device == x->device &&
-           z->dtype == x->dtype && z->ndim == x->ndim && !memcmp(z->shape, x->shape, sizeof(int64_t) * (size_t)x->ndim) &&
-           ampc__is_cl(z) == ampc__is_cl(x);
+    return be && be->batch_norm_add_relu && !(sync && training && ampc__comm()->size > 1) && like(z, x);
 }
 
 ampc_tensor *ampc__batch_norm2d_add_relu(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
