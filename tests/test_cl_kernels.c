@@ -400,9 +400,27 @@ static double *pool_input(const int64_t *sh) {
     return v;
 }
 
-static void pool_case(ampc_dtype dt, const pool_cfg *c, const int64_t *sh) {
+/* A pooling's y and gx (logical order) against another run's, "<what> y <pair>" / "<what> gx
+   <pair>" in the messages. k: values summed into an output (window area) or into an input
+   gradient (overlapping windows); f32 sums of k terms bounded by max|x| or max|gy|, one rounding
+   to dt. */
+static void check_pool(const char *what, const char *pair, ampc_dtype dt, const pool_cfg *c, const int64_t *sh, const double *x,
+                       const double *gy, const double *y, const double *gx, const double *y_want, const double *gx_want) {
     ampc_pool_desc d = pool_desc(c, sh, false);
     int64_t n = sh[0] * sh[1] * sh[2] * sh[3], no = sh[0] * sh[1] * d.OH * d.OW;
+    double k = c->kind == AMPC_POOL_ADAPTIVE_AVG ? (double)((sh[2] / d.OH + 2) * (sh[3] / d.OW + 2)) : c->k[0] * c->k[1];
+    double kb = c->kind == AMPC_POOL_ADAPTIVE_AVG ? 4 : (double)((c->k[0] + c->s[0] - 1) / c->s[0] * ((c->k[1] + c->s[1] - 1) / c->s[1]));
+    double e = tu_eps(dt), ty = 2 * k * U32 * max_abs(x, (size_t)n), tg = 2 * kb * U32 * max_abs(gy, (size_t)no);
+    char msg[200];
+    snprintf(msg, sizeof msg, "%s y %s", what, pair);
+    tu_assert_close(msg, y, y_want, (size_t)no, ty, 2 * e);
+    snprintf(msg, sizeof msg, "%s gx %s", what, pair);
+    tu_assert_close(msg, gx, gx_want, (size_t)n, tg, 2 * e);
+}
+
+static void pool_case(ampc_dtype dt, const pool_cfg *c, const int64_t *sh) {
+    ampc_pool_desc d = pool_desc(c, sh, false);
+    int64_t no = sh[0] * sh[1] * d.OH * d.OW;
     double *x = pool_input(sh), *gy = rand_vals((size_t)no, 99, -1, 1, dt);
     double *ycl, *gcl, *y0, *g0, *yr, *gr;
     run_pool(AMPC_DEVICE_CPU, dt, c, sh, true, x, gy, &ycl, &gcl);
@@ -411,20 +429,8 @@ static void pool_case(ampc_dtype dt, const pool_cfg *c, const int64_t *sh) {
     char what[160];
     snprintf(what, sizeof what, "pool %s %s (%lld,%lld,%lld,%lld)", c->name, ampc_dtype_name(dt), (long long)sh[0],
              (long long)sh[1], (long long)sh[2], (long long)sh[3]);
-    /* k: values summed into an output (window area) or into an input gradient (overlapping
-       windows); f32 sums of k terms bounded by max|x| or max|gy|, one rounding to dt */
-    double k = c->kind == AMPC_POOL_ADAPTIVE_AVG ? (double)((sh[2] / d.OH + 2) * (sh[3] / d.OW + 2)) : c->k[0] * c->k[1];
-    double kb = c->kind == AMPC_POOL_ADAPTIVE_AVG ? 4 : (double)((c->k[0] + c->s[0] - 1) / c->s[0] * ((c->k[1] + c->s[1] - 1) / c->s[1]));
-    double e = tu_eps(dt), ty = 2 * k * U32 * max_abs(x, (size_t)n), tg = 2 * kb * U32 * max_abs(gy, (size_t)no);
-    char msg[200];
-    snprintf(msg, sizeof msg, "%s y cl vs ref", what);
-    tu_assert_close(msg, ycl, yr, (size_t)no, ty, 2 * e);
-    snprintf(msg, sizeof msg, "%s gx cl vs ref", what);
-    tu_assert_close(msg, gcl, gr, (size_t)n, tg, 2 * e);
-    snprintf(msg, sizeof msg, "%s y cl vs nchw", what);
-    tu_assert_close(msg, ycl, y0, (size_t)no, ty, 2 * e);
-    snprintf(msg, sizeof msg, "%s gx cl vs nchw", what);
-    tu_assert_close(msg, gcl, g0, (size_t)n, tg, 2 * e);
+    check_pool(what, "cl vs ref", dt, c, sh, x, gy, ycl, gcl, yr, gr);
+    check_pool(what, "cl vs nchw", dt, c, sh, x, gy, ycl, gcl, y0, g0);
     if (c->kind == AMPC_POOL_MAX)   /* the same maxima, the same routing: exact */
         for (int64_t i = 0; i < no; i++)
             if (ycl[i] != y0[i] || ycl[i] != yr[i]) fail_msg("%s: max y[%lld] %g, nchw %g, ref %g", what, (long long)i, ycl[i], y0[i], yr[i]);
@@ -598,14 +604,7 @@ static void pool_case_cuda(ampc_dtype dt, const pool_cfg *c, const int64_t *sh, 
     char what[160];
     snprintf(what, sizeof what, "cuda pool %s %s (%lld,%lld,%lld,%lld)%s", c->name, ampc_dtype_name(dt), (long long)sh[0],
              (long long)sh[1], (long long)sh[2], (long long)sh[3], ties ? " ties" : "");
-    double k = c->kind == AMPC_POOL_ADAPTIVE_AVG ? (double)((sh[2] / d.OH + 2) * (sh[3] / d.OW + 2)) : c->k[0] * c->k[1];
-    double kb = c->kind == AMPC_POOL_ADAPTIVE_AVG ? 4 : (double)((c->k[0] + c->s[0] - 1) / c->s[0] * ((c->k[1] + c->s[1] - 1) / c->s[1]));
-    double e = tu_eps(dt), ty = 2 * k * U32 * max_abs(x, (size_t)n), tg = 2 * kb * U32 * max_abs(gy, (size_t)no);
-    char msg[200];
-    snprintf(msg, sizeof msg, "%s y vs ref", what);
-    tu_assert_close(msg, yg, yr, (size_t)no, ty, 2 * e);
-    snprintf(msg, sizeof msg, "%s gx vs ref", what);
-    tu_assert_close(msg, gg, gr, (size_t)n, tg, 2 * e);
+    check_pool(what, "vs ref", dt, c, sh, x, gy, yg, gg, yr, gr);
     if (c->kind == AMPC_POOL_MAX)
         for (int64_t i = 0; i < no; i++)
             if (yg[i] != yr[i]) fail_msg("%s: max y[%lld] %g, ref %g", what, (long long)i, yg[i], yr[i]);
