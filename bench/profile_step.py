@@ -4,9 +4,9 @@ PyTorch's (torch.profiler), grouped by op family.
 
 ampc side: the CSV that `ncu --csv --metrics gpu__time_duration.sum --clock-control none
 --print-units base --profile-from-start off` writes for `AMPC_BENCH_CUDA_PROFILE_STEP=1 ampc-bench
---device cuda --warmup 5 --steps 1 ...` (--one-step: the kernels of that one step); without
---one-step, a CSV of a whole run, whose last step is found as the repeating tail of the kernel
-sequence. Kernel times are summed per family.
+--device cuda --warmup 5 --steps 1 ...`: the kernels of that one step (scripts/gpu/run.sh profile
+makes it), summed per family. (A whole run's CSV does not do: its steps differ, the GradScaler
+skipping the optimizer in the first ones.)
 PyTorch side: the same workload as bench/pytorch_peer.py runs it (cudnn.benchmark on, autocast,
 GradScaler for fp16, channels-last), warmed up, then `--torch-steps` steps under torch.profiler;
 device time per kernel divided by the steps.
@@ -52,17 +52,6 @@ def read_ncu(path):
         scale = {"ns": 1, "nsecond": 1, "us": 1e3, "usecond": 1e3, "ms": 1e6, "msecond": 1e6, "s": 1e9, "second": 1e9}.get(unit, 1)
         rows[int(r["ID"])] = (r["Kernel Name"], v * scale)
     return [rows[k] for k in sorted(rows)]
-
-
-def last_step(kernels):
-    """The kernels of the last step: the shortest tail of at least 20 kernels that repeats right
-    before itself (names in order); None when there is none."""
-    names = [k[0] for k in kernels]
-    n = len(names)
-    for t in range(20, n // 2 + 1):
-        if names[n - t:] == names[n - 2 * t:n - t]:
-            return kernels[n - t:]
-    return None
 
 
 def group(pairs):
@@ -113,28 +102,19 @@ def torch_profile(workload, mode, batch, steps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ncu-csv", help="ncu's CSV of the ampc-bench run (omit: PyTorch only)")
+    ap.add_argument("--ncu-csv", help="ncu's CSV of one ampc-bench step (omit: PyTorch only)")
     ap.add_argument("--workload", default="resnet50")
     ap.add_argument("--mode", default="amp-fp16")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--torch-steps", type=int, default=3)
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--one-step", action="store_true",
-                    help="the CSV holds one step's kernels (ampc-bench with AMPC_BENCH_CUDA_PROFILE_STEP=1 under "
-                         "ncu --profile-from-start off)")
     ap.add_argument("--json")
     args = ap.parse_args()
     res = {"workload": args.workload, "mode": args.mode, "batch": args.batch}
     cols = []
     if args.ncu_csv:
-        ks = read_ncu(args.ncu_csv)
-        step = ks if args.one_step else last_step(ks)
-        if step is None:
-            print(f"ampc: no repeating step found in {len(ks)} kernels; all of them, halved", file=sys.stderr)
-            step, div = ks, 2.0
-        else:
-            div = 1.0
-        pairs = [(n, ns * 1e-6 / div) for n, ns in step]
+        step = read_ncu(args.ncu_csv)   # one step's kernels
+        pairs = [(n, ns * 1e-6) for n, ns in step]
         res["ampc"] = {"kernels_per_step": len(step), "families_ms": group(pairs), "top": top_kernels(pairs)}
         cols.append(("ampc ms", res["ampc"]["families_ms"]))
     if not args.no_torch:

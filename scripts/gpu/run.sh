@@ -53,7 +53,7 @@ profile)
         --profile-from-start off \
         "$BIN/ampc-bench" --device cuda --workloads "$w" --modes "$m" --batch "$b" --warmup 5 --steps 1 --no-peak \
         >"$dir/ncu_${w}_${m}.csv" 2>/tmp/ampc/ncu.err || { tail -5 /tmp/ampc/ncu.err; exit 1; }
-    python3 bench/profile_step.py --one-step --ncu-csv "$dir/ncu_${w}_${m}.csv" --workload "$w" --mode "$m" --batch "$b" \
+    python3 bench/profile_step.py --ncu-csv "$dir/ncu_${w}_${m}.csv" --workload "$w" --mode "$m" --batch "$b" \
         --json "$dir/profile_${w}_${m}.json" ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac
