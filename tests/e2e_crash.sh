@@ -21,7 +21,27 @@ ts=$(date +%s%N)
 ref_ms=$((($(date +%s%N) - ts) / 1000000))
 echo "reference run: ${ref_ms} ms"
 
-kills=0 mid_write=0 retries=0
+# No run may hang: one that outlives LIMIT seconds (30 reference runs, at least 60 s) is a
+# failure, reported with what its threads were doing (wchan, gdb's backtraces where gdb may attach),
+# then killed, so a hang names itself instead of running into ctest's timeout.
+LIMIT=${CRASH_LIMIT:-$((ref_ms * 30 / 1000))}; [ -z "${CRASH_LIMIT:-}" ] && [ $LIMIT -lt 60 ] && LIMIT=60
+hung() {   # hung PID RUN: report and kill a run past LIMIT
+    bad "run $2: ampc-train (pid $1) still running after $LIMIT s; its threads (state, wchan):"
+    for t in /proc/"$1"/task/*; do
+        echo "  thread ${t##*/}: $(awk '{ print $3 }' "$t/stat" 2>/dev/null) $(cat "$t/wchan" 2>/dev/null)"
+    done
+    command -v gdb >/dev/null && timeout 60 gdb -p "$1" -batch -ex 'thread apply all bt' 2>&1 | grep -E '^(Thread|#)' | head -80
+    echo "  its stderr: $(tail -5 "$d.err" | tr '\n' ' ')"
+    kill -KILL "$1" 2>/dev/null
+}
+alive_within() {   # alive_within PID START: true while PID runs and LIMIT has not passed since START
+    kill -0 "$1" 2>/dev/null || return 1
+    [ $((SECONDS - $2)) -le $LIMIT ] && return 0
+    hung "$1" "$i"
+    return 1
+}
+
+kills=0 mid_write=0 retries=0 hangs=0
 shopt -s nullglob
 for ((i = 1; i <= RUNS; i++)); do
     d="$W/r$i"
@@ -37,14 +57,14 @@ for ((i = 1; i <= RUNS; i++)); do
             cmd=("${ARGS[@]}" --out "$d")
         fi
         "$TRAIN" "${cmd[@]}" >"$d.out" 2>"$d.err" &
-        pid=$!
+        pid=$! started=$SECONDS
         if [ $killed -eq 0 ]; then
             if [ $mode -eq 0 ]; then
                 sleep "$(awk -v r=$RANDOM -v t="$bound_ms" 'BEGIN { printf "%.3f", r / 32768 * t / 1000 }')"
             else
                 # the n-th checkpoint write of the run (n = 1..3), caught while its temporary exists
                 n=$((RANDOM % 3 + 1)) seen=0 last=""
-                while kill -0 $pid 2>/dev/null; do
+                while alive_within $pid $started; do
                     tmps=("$d"/checkpoint.safetensors.tmp.*)
                     if [ ${#tmps[@]} -gt 0 ] && [ "${tmps[0]}" != "$last" ]; then
                         seen=$((seen + 1)) last=${tmps[0]}
@@ -58,8 +78,10 @@ for ((i = 1; i <= RUNS; i++)); do
                 [ $mode -eq 1 ] && [ ${#tmps[@]} -gt 0 ] && mid_write=$((mid_write + 1))
             fi
         fi
+        while alive_within $pid $started; do sleep 0.05; done
         wait $pid 2>/dev/null
         rc=$?
+        [ $((SECONDS - started)) -gt $LIMIT ] && { hangs=$((hangs + 1)); rc=1; break; }
         if [ $rc -eq 0 ] && [ $killed -eq 0 ] && [ $attempt -lt 12 ]; then
             # finished before the kill landed: start this run again, killing at a random moment
             # of a shorter window (12 halvings reach a few milliseconds, still inside the run)
@@ -79,6 +101,7 @@ for ((i = 1; i <= RUNS; i++)); do
             break
         fi
     done
+    [ $hangs -ge 2 ] && { bad "two runs hung: the remaining runs are not tried"; break; }
     if [ $rc -eq 0 ]; then
         if "$TRAIN" --compare-checkpoints "$W/ref/checkpoint.safetensors" "$d/checkpoint.safetensors" >"$d.cmp"; then
             :
@@ -93,5 +116,5 @@ for ((i = 1; i <= RUNS; i++)); do
     rm -rf "$d" "$d".*
 done
 [ $kills -ge "$RUNS" ] || bad "only $kills SIGKILLs landed in $RUNS runs"
-echo "e2e_crash: $RUNS runs, $kills SIGKILLs ($mid_write during a checkpoint write, $retries run(s) restarted because they finished first), $FAILS failure(s) in $((SECONDS - T0)) s"
+echo "e2e_crash: $RUNS runs, $kills SIGKILLs ($mid_write during a checkpoint write, $retries run(s) restarted because they finished first, $hangs hung), $FAILS failure(s) in $((SECONDS - T0)) s"
 [ "$FAILS" -eq 0 ]
