@@ -156,9 +156,11 @@ static void adopt_tensor(ampc_module *m, ampc_tensor *t) {
 int ampc__module_add_param(ampc_module *m, const char *name, ampc_tensor *t) {
     if (!t) return ampc_last_status() ? ampc_last_status() : ampc__err(AMPC_ERR_INVALID, "parameter %s is NULL", name);
     adopt_tensor(m, t);
-    int rc = ampc_tensor_set_requires_grad(t, true);
-    if (rc >= 0 && list_find(&m->params, name)) rc = ampc__err(AMPC_ERR_INVALID, "parameter %s registered twice", name);
-    if (rc >= 0) rc = list_push(&m->params, name, t);
+    /* t is a float leaf (nn.h; every caller passes a fresh ampc__param_dtype() tensor): the flag is
+       set directly, as ampc_module_requires_grad does, so nn calls nothing of autograd's */
+    t->requires_grad = true;
+    int rc = list_find(&m->params, name) ? ampc__err(AMPC_ERR_INVALID, "parameter %s registered twice", name)
+                                         : list_push(&m->params, name, t);
     if (rc < 0) {
         ampc__release(t);
         return rc;
