@@ -5,8 +5,8 @@
 # README's example stops compiling) four ways and runs each binary:
 #   CMake find_package(ampc) with ampc::ampc and ampc::ampc_static; pkg-config, shared and --static.
 # Also checks the SONAME and links of libampc.so (from the installed ampc/version.h), that its
-# NEEDED list has no PLplot, that ampc.pc and the CMake package report that version, and that no
-# installed text file names the source or build tree.
+# NEEDED list has no cairo (ampc-train's plots), that ampc.pc and the CMake package report that
+# version, and that no installed text file names the source or build tree.
 #
 #     install_test.sh SOURCE_DIR BUILD_DIR C_COMPILER [EXTRA_CFLAGS]   (ctest: install_test)
 # EXTRA_CFLAGS: what the library was built with that its users must repeat (the sanitizers).
@@ -42,7 +42,7 @@ SONAME=$(readelf -d "$LIB/libampc.so" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
 [ "$(readlink "$LIB/libampc.so.$MAJOR")" = "libampc.so.$V" ] || die "libampc.so.$MAJOR does not link to libampc.so.$V"
 [ "$(readlink "$LIB/libampc.so")" = "libampc.so.$MAJOR" ] || die "libampc.so does not link to libampc.so.$MAJOR"
 NEEDED=$(readelf -d "$LIB/libampc.so" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p' | tr '\n' ' ')
-if [[ $NEEDED == *plplot* ]]; then die "libampc.so needs PLplot: $NEEDED"; else echo "ok: NEEDED: $NEEDED"; fi
+if [[ $NEEDED == *cairo* ]]; then die "libampc.so needs cairo: $NEEDED"; else echo "ok: NEEDED: $NEEDED"; fi
 [[ $NEEDED == *libdnnl* ]] || die "libampc.so does not record oneDNN in NEEDED: $NEEDED"
 export PKG_CONFIG_PATH=$LIB/pkgconfig
 PCV=$(pkg-config --modversion ampc)

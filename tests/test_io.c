@@ -19,6 +19,7 @@
 #include <libgen.h>
 #include <math.h>
 #include <png.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1720,15 +1721,85 @@ static unsigned char *decode_png(const char *path, unsigned *w, unsigned *h) {
     return px;
 }
 
-/* Pixels within 40 of an RGB colour. */
-static int count_color(const unsigned char *px, unsigned w, unsigned h, int r, int g, int b) {
+/* Pixels within 40 of an RGB colour (in box b, or anywhere when b is NULL). */
+typedef struct { int x0, y0, x1, y1; } pbox;   /* pixels, inclusive */
+static int count_color_in(const unsigned char *px, unsigned w, unsigned h, int r, int g, int b, const pbox *in) {
     int n = 0;
-    for (size_t i = 0; i < (size_t)w * h; i++) {
-        const unsigned char *p = px + 4 * i;
-        n += abs(p[0] - r) + abs(p[1] - g) + abs(p[2] - b) < 40;
-    }
+    for (unsigned y = 0; y < h; y++)
+        for (unsigned x = 0; x < w; x++) {
+            const unsigned char *p = px + 4 * ((size_t)y * w + x);
+            bool inside = !in || ((int)x >= in->x0 && (int)x <= in->x1 && (int)y >= in->y0 && (int)y <= in->y1);
+            n += inside && abs(p[0] - r) + abs(p[1] - g) + abs(p[2] - b) < 40;
+        }
     return n;
 }
+static int count_color(const unsigned char *px, unsigned w, unsigned h, int r, int g, int b) {
+    return count_color_in(px, w, h, r, g, b, NULL);
+}
+
+/* Bounding box of the pixels within 15 of an RGB colour strictly inside box in (anywhere: NULL);
+   false if there are none. */
+static bool color_bbox(const unsigned char *px, unsigned w, unsigned h, int r, int g, int b, const pbox *in, pbox *out) {
+    *out = (pbox){(int)w, (int)h, -1, -1};
+    for (unsigned y = 0; y < h; y++)
+        for (unsigned x = 0; x < w; x++) {
+            if (in && ((int)x <= in->x0 || (int)x >= in->x1 || (int)y <= in->y0 || (int)y >= in->y1)) continue;
+            const unsigned char *p = px + 4 * ((size_t)y * w + x);
+            if (abs(p[0] - r) + abs(p[1] - g) + abs(p[2] - b) >= 15) continue;
+            if ((int)x < out->x0) out->x0 = (int)x;
+            if ((int)x > out->x1) out->x1 = (int)x;
+            if ((int)y < out->y0) out->y0 = (int)y;
+            if ((int)y > out->y1) out->y1 = (int)y;
+        }
+    return out->x1 >= 0;
+}
+
+static bool is_black(const unsigned char *px, unsigned w, unsigned x, unsigned y) {
+    const unsigned char *p = px + 4 * ((size_t)y * w + x);
+    return p[0] + p[1] + p[2] < 60;
+}
+
+/* The panels' frames, top to bottom: black rows longer than half the image (top and bottom
+   edges, in pairs), then in each pair's span the columns black for more than half of it. */
+static int find_frames(const unsigned char *px, unsigned w, unsigned h, pbox *out, int max) {
+    int rows[2 * 16], nr = 0;
+    for (unsigned y = 0; y < h && nr < 2 * max; y++) {
+        unsigned n = 0;
+        for (unsigned x = 0; x < w; x++) n += is_black(px, w, x, y);
+        if (n > w / 2) rows[nr++] = (int)y;
+    }
+    int nf = 0;
+    for (int i = 0; i + 1 < nr; i += 2) {
+        pbox f = {-1, rows[i], -1, rows[i + 1]};
+        for (unsigned x = 0; x < w; x++) {
+            int n = 0;
+            for (int y = f.y0; y <= f.y1; y++) n += is_black(px, w, x, (unsigned)y);
+            if (n > (f.y1 - f.y0) / 2) {
+                if (f.x0 < 0) f.x0 = (int)x;
+                f.x1 = (int)x;
+            }
+        }
+        out[nf++] = f;
+    }
+    return nf;
+}
+
+/* Whether a pixel within 1 of where data point (x, y) falls in frame f (its 1 px edges outside the
+   plot area) has the colour, for axes ranged [x0, x1] by [y0, y1]. */
+static bool color_at(const unsigned char *px, unsigned w, const pbox *f, double x, double y, double x0, double x1,
+                     double y0, double y1, int r, int g, int b) {
+    double X = f->x0 + 1 + (x - x0) / (x1 - x0) * (f->x1 - f->x0 - 1), Y = f->y1 - (y - y0) / (y1 - y0) * (f->y1 - f->y0 - 1);
+    for (int dy = -1; dy <= 1; dy++)
+        for (int dx = -1; dx <= 1; dx++) {
+            const unsigned char *p = px + 4 * ((size_t)(lround(Y) + dy) * w + (size_t)(lround(X) + dx));
+            if (abs(p[0] - r) + abs(p[1] - g) + abs(p[2] - b) < 40) return true;
+        }
+    return false;
+}
+
+#define BLUE 31, 119, 180     /* tab10's first two colours */
+#define ORANGE 255, 127, 14
+#define LEGEND_EDGE 204, 204, 204
 
 static void test_plot_png(void **state) {
     (void)state;
@@ -1749,9 +1820,18 @@ static void test_plot_png(void **state) {
     assert_int_equal(w, 800);
     assert_int_equal(h, 600);
     assert_true(count_color(px, w, h, 255, 255, 255) > (int)(w * h / 2));   /* white background */
-    assert_true(count_color(px, w, h, 31, 119, 180) > 200);                   /* series 1 (blue) drawn */
-    assert_true(count_color(px, w, h, 255, 127, 14) > 200);                   /* series 2 (orange) */
-    assert_true(count_color(px, w, h, 44, 160, 44) > 20);                     /* the single point's marker */
+    assert_true(count_color(px, w, h, BLUE) > 200);                           /* series 1 (blue) drawn */
+    assert_true(count_color(px, w, h, ORANGE) > 200);                         /* series 2 (orange) */
+    assert_true(count_color(px, w, h, 44, 160, 44) > 20);                    /* the single point's marker */
+    pbox fr;
+    assert_int_equal(find_frames(px, w, h, &fr, 1), 1);
+    /* axes: x over [1, 12] padded by 2 %, y over the train loss' range padded by 5 %; the constant
+       line at 0.9 runs through x = 6, where the train loss has its gap */
+    double lo = 2.0 * exp(-0.3 * 11) + 0.1, hi = 2.1, dx = 11 * 0.02, dy = (hi - lo) * 0.05;
+    assert_true(color_at(px, w, &fr, 6, 0.9, 1 - dx, 12 + dx, lo - dy, hi + dy, ORANGE));
+    assert_true(color_at(px, w, &fr, 1, 2.1, 1 - dx, 12 + dx, lo - dy, hi + dy, BLUE));
+    /* the gap: no blue halfway between x = 5 and 7 on the line that would join them */
+    assert_false(color_at(px, w, &fr, 6, (loss[4] + loss[6]) / 2, 1 - dx, 12 + dx, lo - dy, hi + dy, BLUE));
     free(px);
 
     /* degenerate inputs still give a PNG */
@@ -1760,17 +1840,185 @@ static void test_plot_png(void **state) {
     plot_series empty = {"nothing", nan2, nan2, 2, false};
     ASSERT_OK(plot_curves(tpath("empty.png"), NULL, NULL, NULL, &empty, 1));
     px = decode_png(tpath("empty.png"), &w, &h);
+    assert_int_equal(find_frames(px, w, h, &fr, 1), 1);   /* empty axes */
+    free(px);
+    /* text that is not UTF-8 is drawn with '?' for the bad bytes (cairo would fail the figure) */
+    plot_series latin1 = {"caf\xe9", x, loss, 12, false};
+    ASSERT_OK(plot_curves(tpath("latin1.png"), "r\xe9sum\xe9 \xf0\x9f", "\xc0\xaf", "ok \xc3\xa9", &latin1, 1));
+}
+
+/* A diagonal from (0, 0) to (10, 1): every marker where the axes (padded 2 % and 5 %) put it,
+   the line inside the plot area and nowhere else; the legend in the empty top-left corner. */
+static void test_plot_geometry(void **state) {
+    (void)state;
+    double x[11], y[11];
+    for (int i = 0; i <= 10; i++) x[i] = i, y[i] = i / 10.0;
+    plot_series s = {"diagonal", x, y, 11, false};
+    const char *p = tpath("diagonal.png");
+    ASSERT_OK(plot_curves(p, "diagonal", "x", "y", &s, 1));
+    unsigned w, h;
+    unsigned char *px = decode_png(p, &w, &h);
+    pbox fr, blue, legend;
+    assert_int_equal(find_frames(px, w, h, &fr, 1), 1);
+    assert_true(fr.x0 > 40 && fr.x1 < 790 && fr.y0 > 10 && fr.y1 < 570 && fr.x1 - fr.x0 > 500 && fr.y1 - fr.y0 > 400);
+    for (int i = 0; i <= 10; i++) assert_true(color_at(px, w, &fr, x[i], y[i], -0.2, 10.2, -0.05, 1.05, BLUE));
+    assert_false(color_at(px, w, &fr, 2, 0.8, -0.2, 10.2, -0.05, 1.05, BLUE));   /* off the line: nothing */
+    assert_true(color_bbox(px, w, h, BLUE, NULL, &blue));
+    assert_true(blue.x0 > fr.x0 && blue.x1 < fr.x1 && blue.y0 > fr.y0 && blue.y1 < fr.y1);
+    assert_int_equal(count_color(px, w, h, BLUE) - count_color_in(px, w, h, BLUE, &fr), 0);
+    assert_true(blue.x1 - blue.x0 > 0.9 * (fr.x1 - fr.x0));   /* the data spans 96 % of the width */
+    assert_true(color_bbox(px, w, h, LEGEND_EDGE, &fr, &legend));
+    assert_true(legend.x1 < (fr.x0 + fr.x1) / 2 && legend.y1 < (fr.y0 + fr.y1) / 2);   /* top left */
     free(px);
 
-    /* errors: unwritable path, bad series */
+    /* points top-left, top-right and bottom-right: the legend goes bottom-left */
+    double cx[3] = {0, 1, 1}, cy[3] = {1, 1, 0};
+    plot_series c = {"corner", cx, cy, 3, false};
+    ASSERT_OK(plot_curves(p, NULL, NULL, NULL, &c, 1));
+    px = decode_png(p, &w, &h);
+    assert_int_equal(find_frames(px, w, h, &fr, 1), 1);
+    assert_true(color_bbox(px, w, h, LEGEND_EDGE, &fr, &legend));
+    assert_true(legend.x1 < (fr.x0 + fr.x1) / 2 && legend.y0 > (fr.y0 + fr.y1) / 2);
+    free(px);
+
+    /* 1000 points on a line: about 60 markers (squares, reaching 3 px off the line), the last kept */
+    double lx[1000], ly[1000];
+    for (int i = 0; i < 1000; i++) lx[i] = i, ly[i] = 0.5;
+    plot_series sq[2] = {{NULL, lx, ly, 0, false}, {NULL, lx, ly, 1000, false}};   /* the second: orange */
+    ASSERT_OK(plot_curves(p, NULL, NULL, NULL, sq, 2));
+    px = decode_png(p, &w, &h);
+    assert_int_equal(find_frames(px, w, h, &fr, 1), 1);
+    int line_y = (int)lround(fr.y1 - 0.5 * (fr.y1 - fr.y0 - 1));   /* 0.5 in the middle of [0.45, 0.55] */
+    pbox on = {fr.x0, line_y, fr.x1, line_y}, off = {fr.x0, line_y - 3, fr.x1, line_y - 3};
+    assert_true(count_color_in(px, w, h, ORANGE, &on) > 0.9 * (fr.x1 - fr.x0));   /* the line */
+    int marked = count_color_in(px, w, h, ORANGE, &off);
+    assert_true(marked > 120 && marked < 0.8 * (fr.x1 - fr.x0));   /* markers, not one per point */
+    assert_true(color_at(px, w, &fr, 999, 0.5 + 3 * 0.1 / (fr.y1 - fr.y0), -19.98, 1018.98, 0.45, 0.55, ORANGE));
+    free(px);
+}
+
+/* Two panels, the top one on a log10 y axis: 800 x 1000, each series in its panel, 1, 10 and
+   100 evenly spaced on the log axis (a non-positive point skipped, not ranging x). */
+static void test_plot_figure(void **state) {
+    (void)state;
+    double lx[4] = {0, 1, 2, 3}, ly[4] = {1, 10, 100, -1};
+    double ex[3] = {1, 2, 3}, tl[3] = {3, 2, 1}, vl[3] = {3.5, 2.5, 2};
+    plot_series top = {"per step", lx, ly, 4, false};
+    plot_series bottom[2] = {{"train", ex, tl, 3, false}, {"validation", ex, vl, 3, false}};
+    plot_panel pn[2] = {{"per step", "step", "loss", &top, 1, true}, {"per epoch", "epoch", "loss", bottom, 2, false}};
+    const char *p = tpath("figure.png");
+    ASSERT_OK(plot_figure(p, "fp32 vs AMP", pn, 2));
+    assert_int_equal(count_temp_files(), 0);
+    unsigned w, h;
+    unsigned char *px = decode_png(p, &w, &h);
+    assert_int_equal(w, 800);
+    assert_int_equal(h, 1000);
+    pbox fr[3];
+    assert_int_equal(find_frames(px, w, h, fr, 3), 2);
+    assert_true(fr[0].y1 < 500 && fr[1].y0 > 500);
+    assert_int_equal(fr[0].x0, fr[1].x0);   /* one left edge */
+    assert_int_equal(count_color_in(px, w, h, ORANGE, &fr[1]), count_color(px, w, h, ORANGE));
+    assert_true(count_color_in(px, w, h, ORANGE, &fr[1]) > 100);
+    assert_true(count_color_in(px, w, h, BLUE, &fr[0]) > 100 && count_color_in(px, w, h, BLUE, &fr[1]) > 100);
+    double xr0 = -0.04, xr1 = 2.04, yr0 = -0.1, yr1 = 2.1;   /* log10 units, padded */
+    for (int i = 0; i < 3; i++) assert_true(color_at(px, w, &fr[0], lx[i], log10(ly[i]), xr0, xr1, yr0, yr1, BLUE));
+    assert_false(color_at(px, w, &fr[0], 1, yr0 + 9.0 / 99 * (yr1 - yr0), xr0, xr1, yr0, yr1, BLUE));   /* a linear axis' 10 */
+    assert_true(color_at(px, w, &fr[1], 3, 2, 1 - 0.04, 3 + 0.04, 1 - 0.125, 3.5 + 0.125, ORANGE));
+    free(px);
+
+    /* plot_curves is the one-panel figure: the same pixels */
+    ASSERT_OK(plot_curves(tpath("a.png"), "per epoch", "epoch", "loss", bottom, 2));
+    ASSERT_OK(plot_figure(tpath("b.png"), NULL, &pn[1], 1));
+    size_t na, nb;
+    unsigned char *a = read_all(tpath("a.png"), &na), *b = read_all(tpath("b.png"), &nb);
+    assert_true(na == nb && memcmp(a, b, na) == 0);
+    free(a);
+    free(b);
+}
+
+static void test_plot_errors(void **state) {
+    (void)state;
+    double x[3] = {1, 2, 3};
+    plot_series s = {"s", x, x, 3, false};
+    plot_panel pn = {"t", "x", "y", &s, 1, false};
+    /* unwritable: a missing folder, and a path that is a folder (the rename fails: the temporary goes) */
     char missing[300];
     snprintf(missing, sizeof missing, "%s/no/such/dir/plot.png", tmpdir);
-    assert_int_equal(plot_curves(missing, "t", "x", "y", s, 3), AMPC_ERR_IO);
+    assert_int_equal(plot_curves(missing, "t", "x", "y", &s, 1), AMPC_ERR_IO);
+    assert_non_null(strstr(ampc_last_error(), missing));
     assert_false(file_exists(missing));
-    plot_series bad = {"bad", NULL, NULL, 3, false};
-    assert_int_equal(plot_curves(tpath("bad.png"), "t", "x", "y", &bad, 1), AMPC_ERR_INVALID);
-    assert_int_equal(plot_curves(tpath("bad.png"), "t", "x", "y", s, 0), AMPC_ERR_INVALID);
-    assert_false(file_exists(tpath("bad.png")));
+    const char *dir = tpath("a_folder.png");
+    assert_int_equal(mkdir(dir, 0700), 0);
+    assert_int_equal(plot_figure(dir, NULL, &pn, 1), AMPC_ERR_IO);
+    assert_non_null(strstr(ampc_last_error(), dir));
+    assert_int_equal(count_temp_files(), 0);
+    rmdir(dir);
+    /* bad arguments: nothing written */
+    const char *bad = tpath("bad.png");
+    plot_series nodata = {"bad", NULL, NULL, 3, false}, negative = {"neg", x, x, -1, false};
+    plot_panel panels[PLOT_MAX_PANELS + 1];
+    for (int i = 0; i <= PLOT_MAX_PANELS; i++) panels[i] = pn;
+    assert_int_equal(plot_curves(bad, "t", "x", "y", &nodata, 1), AMPC_ERR_INVALID);
+    assert_int_equal(plot_curves(bad, "t", "x", "y", &negative, 1), AMPC_ERR_INVALID);
+    assert_int_equal(plot_curves(bad, "t", "x", "y", &s, 0), AMPC_ERR_INVALID);
+    assert_int_equal(plot_curves(bad, "t", "x", "y", NULL, 1), AMPC_ERR_INVALID);
+    assert_int_equal(plot_curves(NULL, "t", "x", "y", &s, 1), AMPC_ERR_INVALID);
+    assert_int_equal(plot_figure(bad, NULL, panels, 0), AMPC_ERR_INVALID);
+    assert_int_equal(plot_figure(bad, NULL, NULL, 1), AMPC_ERR_INVALID);
+    assert_int_equal(plot_figure(bad, NULL, panels, PLOT_MAX_PANELS + 1), AMPC_ERR_INVALID);
+    panels[1].series = &nodata;
+    assert_int_equal(plot_figure(bad, NULL, panels, 2), AMPC_ERR_INVALID);
+    assert_false(file_exists(bad));
+    panels[1].series = &s;
+    ASSERT_OK(plot_figure(bad, NULL, panels, PLOT_MAX_PANELS));   /* the most panels: 800 x 6600 */
+    unsigned w, h;
+    free(decode_png(bad, &w, &h));
+    assert_int_equal(h, 600 + 400 * (PLOT_MAX_PANELS - 1));
+    /* values near DBL_MAX, and denormals: a PNG, no overflow into NaN pixels */
+    double big[2] = {-1.7e308, 1.7e308}, tiny[2] = {5e-324, 1e-320};
+    plot_series edge[2] = {{"big", big, big, 2, false}, {"tiny", tiny, tiny, 2, true}};
+    ASSERT_OK(plot_curves(bad, "edges", "x", "y", edge, 1));   /* too wide to pad: markers on the frame, clipped */
+    pbox fr;
+    unsigned char *px = decode_png(bad, &w, &h);
+    assert_int_equal(find_frames(px, w, h, &fr, 1), 1);
+    assert_true(count_color_in(px, w, h, BLUE, &fr) > 100);
+    assert_int_equal(count_color(px, w, h, BLUE), count_color_in(px, w, h, BLUE, &fr));
+    free(px);
+    ASSERT_OK(plot_curves(bad, "edges", "x", "y", edge + 1, 1));
+    plot_panel logtiny = {"log", "x", "y", edge + 1, 1, true};
+    ASSERT_OK(plot_figure(bad, NULL, &logtiny, 1));
+    assert_int_equal(count_temp_files(), 0);
+}
+
+/* Figures drawn from several threads at once, two of them to one path: all complete. */
+typedef struct { char path[256]; int rc; } plot_job;
+static void *plot_thread(void *arg) {
+    plot_job *j = arg;
+    double x[200], y[200];
+    for (int i = 0; i < 200; i++) x[i] = i, y[i] = sin(i * 0.1);
+    plot_series s = {"sin", x, y, 200, false};
+    plot_panel pn[2] = {{"a", "x", "y", &s, 1, false}, {"b", "x", "y", &s, 1, false}};
+    j->rc = 0;
+    for (int k = 0; k < 3 && j->rc == 0; k++) j->rc = plot_figure(j->path, "threads", pn, 2);
+    return NULL;
+}
+
+static void test_plot_threads(void **state) {
+    (void)state;
+    enum { N = 4 };
+    plot_job jobs[N];
+    pthread_t th[N];
+    for (int i = 0; i < N; i++) {
+        snprintf(jobs[i].path, sizeof jobs[i].path, "%s/thread%d.png", tmpdir, i % 3);   /* 0 and 3 share */
+        assert_int_equal(pthread_create(&th[i], NULL, plot_thread, &jobs[i]), 0);
+    }
+    for (int i = 0; i < N; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < N; i++) {
+        assert_int_equal(jobs[i].rc, 0);
+        unsigned w, h;
+        free(decode_png(jobs[i].path, &w, &h));
+        assert_int_equal(h, 1000);
+    }
     assert_int_equal(count_temp_files(), 0);
 }
 
@@ -1803,6 +2051,10 @@ int main(void) {
         cmocka_unit_test(test_failed_save_keeps_previous),
         cmocka_unit_test(test_metrics_csv),
         cmocka_unit_test(test_plot_png),
+        cmocka_unit_test(test_plot_geometry),
+        cmocka_unit_test(test_plot_figure),
+        cmocka_unit_test(test_plot_errors),
+        cmocka_unit_test(test_plot_threads),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

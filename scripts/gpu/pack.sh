@@ -1,9 +1,11 @@
 #!/bin/bash
 # Builds ampc with the CUDA backend here (nvcc, cuBLASLt and cuDNN under /usr/local/cuda) and
 # packs what a GPU machine without ampc's Debian libraries needs to run its tests, ampc-train and
-# ampc-bench: the programs and the shared libraries they load (oneDNN, libpng, ...; not glibc and
-# not CUDA's, which the GPU machine has) into .gpu/bundle.tar.xz, and Fashion-MNIST into
-# .gpu/fashion-mnist. scripts/gpu/run.sh unpacks the bundle there.
+# ampc-bench: the programs and the shared libraries they load (oneDNN, libpng, cairo and its X11,
+# fontconfig and freetype libraries, ...; not glibc and not CUDA's, which the GPU machine has) into
+# .gpu/bundle.tar.xz, and Fashion-MNIST into .gpu/fashion-mnist. scripts/gpu/run.sh unpacks the
+# bundle there. No fonts travel: on a machine without any, cairo draws the plots' text in its
+# built-in font.
 # Usage: bash scripts/gpu/pack.sh [build dir, default build-gpu]
 set -euo pipefail
 cd "$(dirname "$0")/../.."

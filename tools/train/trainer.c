@@ -610,11 +610,6 @@ static int draw_plots(run *r) {
     plot_series as[2] = {{"train", x, ta, n, false}, {"validation", x, va, n, false}};
     if (rc == 0 && plot_curves(acc_png, title, "epoch", "accuracy (%)", as, 2) < 0) rc = fail_lib("accuracy.png");
     if (rc == 0) rc = steplog_plot(r);
-    if (rc < 0 && g_err_status == AMPC_ERR_UNSUPPORTED) {   /* no pngcairo driver: keep training */
-        warn("no plots: %s", g_err);
-        error_reset();
-        rc = 0;
-    }
     free(loss_png);
     free(acc_png);
     free(x);
