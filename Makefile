@@ -12,14 +12,15 @@ deps:
 	bash scripts/install-deps.sh
 
 # The default cnn on Fashion-MNIST for one epoch in fp32 and one under bf16 autocast, side by
-# side (time, samples/s, peak memory, test accuracy; outputs in runs/demo/{fp32,amp}). Builds
+# side (time, samples/s, peak memory, test accuracy; outputs in a new runs/<date>-<time>/{fp32,amp},
+# runs/latest pointing at it). Builds
 # ampc-train alone, its log in $(BUILD)/demo-build.log (the tail of it on a failure), and ends on
 # the comparison table.
 demo: deps
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release >/dev/null
 	@echo "building ampc-train (log: $(BUILD)/demo-build.log) ..."
 	@cmake --build $(BUILD) -j $(JOBS) --target ampc-train >$(BUILD)/demo-build.log 2>&1 || { tail -n 30 $(BUILD)/demo-build.log; exit 1; }
-	./$(BUILD)/ampc-train --compare --epochs 1 --out runs/demo
+	./$(BUILD)/ampc-train --compare --epochs 1
 
 # Every module's tests, without the long end-to-end runs (about 5 minutes with the build on 2
 # cores); test-long runs those (ampc-train end to end: training, resume, crashes, bad input,

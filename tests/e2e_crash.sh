@@ -54,7 +54,7 @@ for ((i = 1; i <= RUNS; i++)); do
         if [ -s "$d/checkpoint.safetensors" ]; then
             cmd=(--resume "$d/checkpoint.safetensors")
         else
-            cmd=("${ARGS[@]}" --out "$d")
+            cmd=("${ARGS[@]}" --out "$d" --overwrite yes)   # what a kill before the first checkpoint left is replaced
         fi
         "$TRAIN" "${cmd[@]}" >"$d.out" 2>"$d.err" &
         pid=$! started=$SECONDS

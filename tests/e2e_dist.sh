@@ -327,7 +327,7 @@ rc=$?
 "$TRAIN" --compare-checkpoints "$W/v3/model.safetensors" "$W/v1/model.safetensors" >"$W/v31.cmp" 2>&1
 "$TRAIN" --compare-checkpoints "$W/v1/model.safetensors" "$W/v0/model.safetensors" >"$W/v10.cmp" 2>&1
 d=$(update_rel "$W/v31.cmp" "$W/v10.cmp")
-loss_rel=$(paste -d, "$W/v3/steps.csv" "$W/v1/steps.csv" | awk -F, 'NR > 1 { r = ($4 - $11) / $11; if (r < 0) r = -r; if (r > m) m = r } END { printf "%g", m }')
+loss_rel=$(paste -d, "$W/v3/steps.csv" "$W/v1/steps.csv" | awk -F, 'NR > 1 { r = ($4 - $12) / $12; if (r < 0) r = -r; if (r > m) m = r } END { printf "%g", m }')
 val3=$(grep -o 'val loss [0-9.]* acc [0-9.]*%' "$W/v3.out"); val1=$(grep -o 'val loss [0-9.]* acc [0-9.]*%' "$W/v1.out")
 if [ $rc -eq 0 ] && [ "$(wc -l <"$W/v3/steps.csv")" -eq 12 ] && [ "$(wc -l <"$W/v1/steps.csv")" -eq 12 ] &&
     [ -n "$d" ] && [ -n "$loss_rel" ] && awk -v x="$loss_rel" -v y="$d" 'BEGIN { exit !(x <= 1e-5 && y <= 1e-5) }' && [ -n "$val1" ] && [ "$val3" = "$val1" ]; then

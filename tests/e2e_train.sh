@@ -109,9 +109,17 @@ if run straight "${SMALL[@]}" --amp-dtype fp16 --epochs 2 --out "$W/a"; then
     v2=$(csv_field "$m" 2 4)
     lt "$v2" 2.0 && ok "validation loss $v2 < 2.0 (chance: ln 10 = 2.30)" || bad "validation loss $v2"
     [ "$(csv_field "$m" 2 8)" != "1" ] && ok "grad scaler on (scale $(csv_field "$m" 2 8))" || bad "fp16 run without a scaler"
-    for p in loss accuracy; do
+    for p in loss accuracy steps scale; do
         is_png "$W/a/$p.png" && ok "$p.png is a PNG" || bad "$p.png is not a PNG"
     done
+    # steps.csv (on by default): a row per optimizer step, its samples_per_s positive and finite
+    s="$W/a/steps.csv"
+    if [ "$(head -1 "$s")" = "step,epoch,batch,loss,scale,skipped,lr,samples_per_s" ] &&
+        awk -F, 'NR > 1 { n++; if (!($8 > 0 && $8 < 1e12)) bad++ } END { exit !(n > 0 && !bad) }' "$s"; then
+        ok "steps.csv: $(($(wc -l <"$s") - 1)) steps, each with its samples/s"
+    else
+        bad "steps.csv: header '$(head -1 "$s")' or a samples_per_s not positive: $(awk -F, 'NR > 1 && !($8 > 0) { print; exit }' "$s")"
+    fi
     # confusion.csv: the last validation's matrix, 10 class rows, every validation sample once,
     # its diagonal the accuracy of metrics.csv; the summary's per-class lines agree with it
     cf="$W/a/confusion.csv"
@@ -327,6 +335,9 @@ if run compare --limit-train 64 --limit-val 32 --batch-size 32 --progress off --
     grep -qE '^data wait \(training\) +[0-9]+\.[0-9]% +[0-9]+\.[0-9]%$' "$W/compare.out" && ok "compare: data wait row" ||
         bad "compare: no data wait row: $(grep -i 'data wait' "$W/compare.out")"
     [ -s "$W/cmp/fp32/metrics.csv" ] && [ -s "$W/cmp/amp/metrics.csv" ] || bad "compare: metrics.csv missing"
+    # one figure, fp32 and AMP overlaid: two panels, 800 x 1000 (the PNG's IHDR)
+    [ "$(od -An -tu1 -j16 -N8 "$W/cmp/compare.png" 2>/dev/null | tr -s ' ')" = " 0 0 3 32 0 0 3 232" ] &&
+        ok "compare: compare.png, 800 x 1000" || bad "compare: no compare.png of 800 x 1000"
 fi
 
 # ---------------------------------------------------------------------------------------------

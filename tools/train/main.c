@@ -43,8 +43,49 @@
 #include "progress.h"
 #include "waitpolicy.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <stdio.h>
+#include <time.h>
+
+// ---------------------------------------------------------------------------------------------
+// The run's folder: --out, or runs/<--name>, or a new runs/<date>-<time>
+
+#define RUNS_ROOT "runs"
+
+static bool good_name(const char *n) {
+    if (!*n || strlen(n) > 200 || !strcmp(n, ".") || !strcmp(n, "..") || !strcmp(n, "latest")) return false;
+    for (const char *c = n; *c; c++)
+        if (!(isalnum((unsigned char)*c) || *c == '.' || *c == '-' || *c == '_')) return false;
+    return true;
+}
+
+/* Sets --out where the command line leaves it to us (out_make, when the run first writes, makes
+   the folder; a dated one may then take a suffix). */
+static int choose_out(settings *s) {
+    const bool named = !is_auto(s, OPT_NAME), resume = *sval(s, OPT_RESUME) != '\0';
+    if (named && !good_name(sval(s, OPT_NAME)))
+        return usage_error("--name '%s': a folder name of letters, digits, '.', '-' and '_' (not 'latest')", sval(s, OPT_NAME));
+    if (s->given[OPT_OUT] && !is_auto(s, OPT_OUT)) return named ? usage_error("--out and --name both name the run's folder: give one") : 0;
+    if (resume) {   /* continue in the checkpoint's folder */
+        if (named) return usage_error("--resume continues in the checkpoint's folder: --name does not apply (--out moves the run)");
+        const char *res = sval(s, OPT_RESUME), *slash = strrchr(res, '/');
+        char *dir = slash ? strndup(res, (size_t)(slash - res)) : strdup(".");
+        int rc = dir ? set_val(s, OPT_OUT, *dir ? dir : "/") : fail("out of memory");
+        free(dir);
+        return rc;
+    }
+    char stamp[32];
+    time_t now = time(NULL);
+    struct tm tm;
+    strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", localtime_r(&now, &tm));
+    char *dir = path_join(RUNS_ROOT, named ? sval(s, OPT_NAME) : stamp);
+    int rc = dir ? set_val(s, OPT_OUT, dir) : -1;
+    free(dir);
+    s->link_latest = rc == 0;
+    s->dated = rc == 0 && !named;
+    return rc;
+}
 
 // ---------------------------------------------------------------------------------------------
 // --compare: fp32, then AMP, from the same seed, side by side
@@ -55,6 +96,7 @@ static int compare_runs(const settings *base) {
     for (int k = 0; k < 2; k++) {
         settings s;
         if (settings_copy(&s, base) < 0) return -1;
+        s.link_latest = s.dated = false;   /* the pair's folder is the run's (runs/latest: it) */
         char *out = path_join(sval(base, OPT_OUT), names[k]);
         int rc = out ? set_val(&s, OPT_OUT, out) : -1;
         if (rc == 0) rc = set_val(&s, OPT_USE_AMP, k ? "yes" : "no");
@@ -71,6 +113,12 @@ static int compare_runs(const settings *base) {
         if (k) names[1] = strcmp(dt, "fp16") == 0 ? "AMP (fp16)" : strcmp(dt, "bf16") == 0 ? "AMP (bf16)" : "fp32 (fastest)";
     }
     if (!rr[0].ok || rr[0].epochs_run == 0) return 0;
+    if (ampc_dist_rank() == 0) {   /* the two runs' loss and throughput per step, overlaid */
+        const char *legend[2] = {"fp32", names[1]};
+        char title[160];
+        snprintf(title, sizeof title, "%s: fp32 vs %s", sval(base, OPT_MODEL), names[1]);
+        if (steplog_compare_plot(sval(base, OPT_OUT), legend, title) < 0) return -1;
+    }
     char a[32], b[32];
     printf("\n%-26s %16s %16s\n", "", "fp32", names[1]);
     printf("%-26s %16.1f %16.1f\n", "time (s)", rr[0].seconds, rr[1].seconds);
@@ -158,14 +206,9 @@ int main(int argc, char **argv) {
         }
     } else if (rc == 0 && s.compare) {
         if (*sval(&s, OPT_RESUME)) rc = usage_error("--compare starts fresh runs: it does not take --resume");
-        else rc = compare_runs(&s);
+        else if ((rc = choose_out(&s)) == 0 && (rank > 0 || (rc = out_make(&s)) == 0)) rc = compare_runs(&s);
     } else if (rc == 0) {
-        if (*sval(&s, OPT_RESUME) && !s.given[OPT_OUT]) {   /* continue in the checkpoint's folder */
-            const char *res = sval(&s, OPT_RESUME), *slash = strrchr(res, '/');
-            char *dir = slash ? strndup(res, (size_t)(slash - res)) : strdup(".");
-            rc = dir ? set_val(&s, OPT_OUT, *dir ? dir : "/") : fail("out of memory");
-            free(dir);
-        }
+        rc = choose_out(&s);
         run_result res;
         if (rc == 0) rc = train_run(&s, &res);
     }

@@ -68,8 +68,16 @@ const opt_def OPTS[OPT_COUNT] = {
     [OPT_MAX_MEMORY] = {"max-memory", V_SIZE, "none", NULL, 0, 0, false, O_SAVE, "SIZE",
                         "memory budget emulating a device of that size, e.g. 512M, 2G, 1.5GiB (K, M, G, T are "
                         "powers of 1024; none: what the machine or its cgroup allows at start)"},
-    [OPT_OUT] = {"out", V_TEXT, "runs/latest", NULL, 0, 0, false, O_SAVE, "DIR",
-                 "output folder, created if needed (with --resume: the checkpoint's folder)"},
+    [OPT_OUT] = {"out", V_TEXT, "auto", NULL, 0, 0, false, O_SAVE | O_AUTO, "DIR",
+                 "the run's folder, created if needed; one that holds a run is refused (see --overwrite) (auto: "
+                 "runs/<--name>, or a new runs/<date>-<time>, with runs/latest linking to it; with --resume: the "
+                 "checkpoint's folder)"},
+    [OPT_NAME] = {"name", V_TEXT, "auto", NULL, 0, 0, false, O_AUTO, "NAME",
+                  "the run's folder is runs/NAME (letters, digits, '.', '-', '_'; auto: the date and time the run "
+                  "starts, as runs/20261127-093012)"},
+    [OPT_OVERWRITE] = {"overwrite", V_YESNO, "no", NULL, 0, 0, false, 0, "yes|no",
+                       "start afresh in an --out folder that holds an earlier run: that run's files (metrics, plots, "
+                       "logs, checkpoints) are deleted first (no: the folder is refused, so no run is ever lost)"},
     [OPT_RESUME] = {"resume", V_TEXT, "", NULL, 0, 0, false, 0, "FILE", "continue the run saved in this checkpoint"},
     [OPT_PROGRESS] = {"progress", V_CHOICE, "auto", "auto|bar|lines|off", 0, 0, false, 0, "MODE",
                       "progress display (auto: a bar when stdout is a terminal, a line per 10% otherwise and under mpirun)"},
@@ -134,10 +142,11 @@ const opt_def OPTS[OPT_COUNT] = {
                         "gradient accumulation: N batches per optimizer step, each loss divided by N, one unscale, "
                         "clip and step (an effective batch of N x --batch-size; the last group of an epoch may be "
                         "shorter and is divided by its own length; under mpirun, one all-reduce per step)"},
-    [OPT_STEP_LOG] = {"step-log", V_YESNO, "no", NULL, 0, 0, false, O_SAVE | O_RESTORE, "yes|no",
-                      "steps.csv in --out: a row per optimizer step (step, epoch, batch, loss, scale, skipped, lr; "
-                      "under mpirun the job's loss, all processes' samples), and with the grad scaler scale.png, the loss scale over the run "
-                      "with the skipped steps marked"},
+    [OPT_STEP_LOG] = {"step-log", V_YESNO, "yes", NULL, 0, 0, false, O_SAVE | O_RESTORE, "yes|no",
+                      "steps.csv in --out: a row per optimizer step (step, epoch, batch, loss, scale, skipped, lr, "
+                      "samples_per_s; under mpirun the job's loss, all processes' samples), and the plots drawn from it: "
+                      "steps.png (the loss and the throughput per step), with the grad scaler scale.png (the loss scale "
+                      "over the run with the skipped steps marked), and with --compare compare.png (fp32 and AMP overlaid)"},
     [OPT_DOCTOR] = {"doctor", V_YESNO, "no", NULL, 0, 0, false, O_SAVE | O_RESTORE, "yes|no",
                     "the numerics doctor: on a skipped step (and when the run diverges), name the first op, forward or "
                     "backward, whose output went NaN/inf, by module path, and whether a smaller loss scale fixes it "
@@ -164,6 +173,11 @@ const opt_def OPTS[OPT_COUNT] = {
                        "evaluate the model of --resume's checkpoint or --pretrained's weights on the validation data "
                        "(loss, accuracy, each class's accuracy) and stop: no training, no files written "
                        "(torchvision's train.py --test-only)"},
+    [OPT_TENSORBOARD] = {"tensorboard", V_YESNO, "yes", NULL, 0, 0, false, O_SAVE | O_RESTORE, "yes|no",
+                         "a TensorBoard event file in --out (tensorboard --logdir runs): per optimizer step train/loss, "
+                         "train/lr, train/skipped_steps, train/samples_per_s and, with the grad scaler, train/loss_scale; "
+                         "per epoch epoch/train_loss, epoch/val_loss, epoch/train_accuracy, epoch/val_accuracy, epoch/lr, "
+                         "epoch/samples_per_s, epoch/skipped_steps"},
 };
 
 
@@ -189,6 +203,8 @@ int settings_copy(settings *dst, const settings *src) {
         if (set_val(dst, i, src->val[i]) < 0) return -1;
     memcpy(dst->given, src->given, sizeof dst->given);
     dst->compare = src->compare;
+    dst->link_latest = src->link_latest;
+    dst->dated = src->dated;
     return 0;
 }
 

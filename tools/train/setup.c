@@ -19,6 +19,7 @@ void run_free(run *r) {
     ampc_loader_free(r->val_ld);
     ampc_metrics_close(r->metrics);
     steplog_close(r);
+    tensorboard_close(r);
     ampc_scaler_free(r->scaler);
     ampc_optimizer_free(r->opt);
     ampc_module_free(r->net);

@@ -1,6 +1,7 @@
 /*
  * steplog.c - what each optimizer step did, for the run's numerics: steps.csv (--step-log), the
- * loss-scale plot scale.png, and a line on stdout for each step the GradScaler skips (at most
+ * plots drawn from it (steps.png: loss and throughput per step; scale.png: the loss scale;
+ * --compare's compare.png: fp32 and AMP overlaid), and a line on stdout for each step the GradScaler skips (at most
  * one per 2 s; the ones in between are counted in the next line and in the epoch's line).
  *
  * steps.csv never runs ahead of the checkpoint a resume continues from: on --resume its rows
@@ -16,12 +17,14 @@
 #include <stdio.h>
 #include <unistd.h>
 
-static const char *const STEP_COLS[] = {"step", "epoch", "batch", "loss", "scale", "skipped", "lr"};
+static const char *const STEP_COLS[] = {"step", "epoch", "batch", "loss", "scale", "skipped", "lr", "samples_per_s"};
 enum { N_STEP_COLS = sizeof STEP_COLS / sizeof *STEP_COLS };
+/* steps.csv as ampc-train wrote it before samples_per_s: resuming such a run adds the column
+   ("nan" in the rows before) */
+static const char OLD_HEADER[] = "step,epoch,batch,loss,scale,skipped,lr\n";
 #define SKIP_LINE_INTERVAL 2.0   /* seconds between skipped-step lines */
 
-/* Optimizer steps the run has taken: applied ones (the optimizer's count) and skipped ones. */
-static int64_t steps_so_far(const run *r) {
+int64_t steps_so_far(const run *r) {
     return ampc_optimizer_steps_taken(r->opt) + ampc_scaler_steps_skipped(r->scaler);
 }
 
@@ -43,12 +46,21 @@ int steplog_cut_back(const char *path, int64_t keep) {
     char *line = NULL;
     size_t cap = 0;
     ssize_t len;
+    bool upgrade = false;
     for (int64_t n = 0; (len = getline(&line, &cap, in)) > 0; n++) {
         if (line[len - 1] != '\n') break;   /* cut short by a kill */
+        if (n == 0 && (size_t)len == sizeof OLD_HEADER - 1 && !memcmp(line, OLD_HEADER, (size_t)len)) {
+            upgrade = true;
+            for (int k = 0; k < N_STEP_COLS; k++) fprintf(out, "%s%c", STEP_COLS[k], k + 1 < N_STEP_COLS ? ',' : '\n');
+            continue;
+        }
         char *end;
         long long step = strtoll(line, &end, 10);
         /* fwrite: a NUL byte in a line would end fputs there and join it to the next */
-        if (n == 0 || (end != line && *end == ',' && step >= 1 && step <= keep)) fwrite(line, 1, (size_t)len, out);
+        if (n == 0 || (end != line && *end == ',' && step >= 1 && step <= keep)) {
+            fwrite(line, 1, (size_t)len - (n > 0 && upgrade), out);
+            if (n > 0 && upgrade) fputs(",nan\n", out);
+        }
     }
     free(line);
     fclose(in);
@@ -71,7 +83,7 @@ int steplog_open(run *r) {
     return rc;
 }
 
-int steplog_step(run *r, int64_t epoch, int64_t batch, double loss, double scale, bool skipped) {
+int steplog_step(run *r, int64_t epoch, int64_t batch, double loss, double scale, bool skipped, double samples_per_s) {
     if (r->rank > 0) return 0;
     if (skipped) {
         double now = progress_now();
@@ -91,48 +103,134 @@ int steplog_step(run *r, int64_t epoch, int64_t batch, double loss, double scale
     }
     if (!r->steps) return 0;
     double row[N_STEP_COLS] = {(double)steps_so_far(r), (double)(epoch + 1), (double)batch, loss, scale, skipped ? 1.0 : 0.0,
-                               ampc_optimizer_get_lr(r->opt)};
+                               ampc_optimizer_get_lr(r->opt), samples_per_s};
     return ampc_metrics_row(r->steps, row) < 0 ? fail_lib("steps.csv") : 0;
 }
 
-int steplog_plot(run *r) {
-    if (!r->steps || !ampc_scaler_is_enabled(r->scaler)) return 0;
-    char *path = path_join(r->out, "steps.csv"), *png = path_join(r->out, "scale.png");
-    FILE *f = path ? ampc_output_fopen(path, "steps.csv", "r") : NULL;
-    double *x = NULL, *y = NULL, *sx = NULL, *sy = NULL;
-    int n = 0, ns = 0, rows = 0, rc = 0;
-    if (!path || !png) rc = -1;
-    else if (!f) rc = fail_lib("--step-log");
+// ---------------------------------------------------------------------------------------------
+// Plots from steps.csv: scale.png, steps.png, and --compare's compare.png
+
+/* steps.csv's rows as columns, in one malloc'd block (x: the step) */
+typedef struct {
+    int n;
+    double *x, *loss, *scale, *skipped, *sps;
+} step_rows;
+
+/* Reads steps.csv at path (rows that do not parse are skipped; an older file's missing
+   samples_per_s reads as NaN). 0, 1 when the file does not exist, or -1 with the error kept. */
+static int read_steps(const char *path, step_rows *d) {
+    memset(d, 0, sizeof *d);
+    FILE *f = ampc_output_fopen(path, "steps.csv", "r");   /* a FIFO or a link there: refused, not read */
+    if (!f) return errno == ENOENT ? 1 : fail_lib("steps.csv");
     char line[512];
-    while (rc == 0 && fgets(line, sizeof line, f)) rows++;   /* the header and a line per step: room for all */
-    if (rc == 0) {
-        rewind(f);
-        x = malloc((size_t)(rows + 1) * 4 * sizeof *x);
-        if (!x) rc = fail("out of memory");
-        else y = x + rows + 1, sx = y + rows + 1, sy = sx + rows + 1;
+    int rows = 0;
+    while (fgets(line, sizeof line, f)) rows++;   /* the header and a line per step: room for all */
+    rewind(f);
+    if (!(d->x = malloc((size_t)(rows + 1) * 5 * sizeof *d->x))) {
+        fclose(f);
+        return fail("out of memory");
     }
-    for (int k = 0; rc == 0 && k <= rows && fgets(line, sizeof line, f); k++) {
+    d->loss = d->x + rows + 1, d->scale = d->loss + rows + 1, d->skipped = d->scale + rows + 1, d->sps = d->skipped + rows + 1;
+    for (int k = 0; k <= rows && fgets(line, sizeof line, f); k++) {
         double v[N_STEP_COLS];
-        if (k == 0 || sscanf(line, "%lf,%lf,%lf,%lf,%lf,%lf,%lf", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6]) != 7) continue;
-        x[n] = v[0];
-        y[n] = v[4] > 0 ? log2(v[4]) : NAN;
-        n++;
-        if (v[5] != 0) {
-            sx[ns] = v[0];
-            sy[ns++] = v[4] > 0 ? log2(v[4]) : NAN;
-        }
+        v[7] = NAN;
+        int got = k ? sscanf(line, "%lf,%lf,%lf,%lf,%lf,%lf,%lf,%lf", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7]) : 0;
+        if (got < 7) continue;
+        d->x[d->n] = v[0], d->loss[d->n] = v[3], d->scale[d->n] = v[4], d->skipped[d->n] = v[5], d->sps[d->n] = v[7];
+        d->n++;
     }
-    if (f) fclose(f);
-    if (rc == 0) {
-        char title[64];
-        snprintf(title, sizeof title, "loss scale: %d skipped of %d steps", ns, n);
-        plot_series s[2] = {{"scale", x, y, n, false}, {"skipped step", sx, sy, ns, true}};
-        if (plot_curves(png, title, "optimizer step", "log2(loss scale)", s, ns ? 2 : 1) < 0) rc = fail_lib("scale.png");
+    fclose(f);
+    return 0;
+}
+
+/* out[i]: the mean of y over the k steps ending at i (the finite ones), a trend through noisy
+   per-step values; k grows with the run so that the curve has about 40 independent stretches */
+static int trailing_mean(const double *y, int n, double *out) {
+    int k = n / 40 < 2 ? 2 : n / 40 > 500 ? 500 : n / 40, m = 0;
+    double sum = 0;
+    for (int i = 0; i < n; i++) {
+        if (isfinite(y[i])) sum += y[i], m++;
+        if (i >= k && isfinite(y[i - k])) sum -= y[i - k], m--;
+        out[i] = m ? sum / m : NAN;
     }
-    free(x);   /* y, sx and sy are parts of it */
-    free(path);
-    free(png);
+    return k;
+}
+
+/* scale.png: log2 of the loss scale per step, the skipped steps marked */
+static int plot_scale(const step_rows *d, const char *png) {
+    double *y = malloc((size_t)(d->n + 1) * 3 * sizeof *y), *sx = y ? y + d->n + 1 : NULL, *sy = sx ? sx + d->n + 1 : NULL;
+    if (!y) return fail("out of memory");
+    int ns = 0;
+    for (int i = 0; i < d->n; i++) {
+        y[i] = d->scale[i] > 0 ? log2(d->scale[i]) : NAN;
+        if (d->skipped[i] != 0) sx[ns] = d->x[i], sy[ns++] = y[i];
+    }
+    char title[64];
+    snprintf(title, sizeof title, "loss scale: %d skipped of %d steps", ns, d->n);
+    plot_series s[2] = {{"scale", d->x, y, d->n, false}, {"skipped step", sx, sy, ns, true}};
+    int rc = plot_curves(png, title, "optimizer step", "log2(loss scale)", s, ns ? 2 : 1) < 0 ? fail_lib("scale.png") : 0;
+    free(y);
     return rc;
+}
+
+/* steps.png (one run) or compare.png (runs side by side): the training loss and the throughput
+   per optimizer step, each run's raw values and a trailing mean (one run), or the trailing
+   means overlaid (several: raw per-step values of two runs hide each other) */
+static int plot_steps(const step_rows *d, const char *const *names, int n_runs, const char *png, const char *title) {
+    int total = 0;
+    for (int k = 0; k < n_runs; k++) total += d[k].n + 1;
+    double *mean = malloc((size_t)total * 2 * sizeof *mean);
+    if (!mean) return fail("out of memory");
+    plot_series loss[2 * 2], sps[2 * 2];
+    char label[2][1][64];
+    int nl = 0, at = 0;
+    for (int k = 0; k < n_runs && k < 2; k++) {
+        double *lm = mean + at, *sm = mean + total + at;
+        int w = trailing_mean(d[k].loss, d[k].n, lm);
+        trailing_mean(d[k].sps, d[k].n, sm);
+        at += d[k].n + 1;
+        if (n_runs == 1) {
+            loss[nl] = (plot_series){"per step", d[k].x, d[k].loss, d[k].n, false};
+            sps[nl++] = (plot_series){"per step", d[k].x, d[k].sps, d[k].n, false};
+        }
+        if (n_runs == 1) snprintf(label[k][0], sizeof label[k][0], "mean of %d steps", w);
+        else snprintf(label[k][0], sizeof label[k][0], "%s (mean of %d steps)", names[k], w);
+        loss[nl] = (plot_series){label[k][0], d[k].x, lm, d[k].n, false};
+        sps[nl++] = (plot_series){label[k][0], d[k].x, sm, d[k].n, false};
+    }
+    plot_panel p[2] = {{"training loss per optimizer step", "optimizer step", "cross-entropy loss", loss, nl, false},
+                       {"throughput per optimizer step (data loading included)", "optimizer step", "samples/s", sps, nl, false}};
+    int rc = plot_figure(png, title, p, 2) < 0 ? fail_lib(png) : 0;
+    free(mean);
+    return rc;
+}
+
+int steplog_plot(run *r, const char *title) {
+    if (!r->steps) return 0;
+    char *path = path_join(r->out, "steps.csv"), *scale_png = path_join(r->out, "scale.png"), *steps_png = path_join(r->out, "steps.png");
+    step_rows d = {0};
+    int rc = path && scale_png && steps_png ? read_steps(path, &d) : -1;
+    if (rc == 0 && ampc_scaler_is_enabled(r->scaler)) rc = plot_scale(&d, scale_png);
+    if (rc == 0) rc = plot_steps(&d, NULL, 1, steps_png, title);
+    free(d.x);   /* the other columns are parts of it */
+    free(path);
+    free(scale_png);
+    free(steps_png);
+    return rc < 0 ? -1 : 0;
+}
+
+int steplog_compare_plot(const char *dir, const char *const names[2], const char *title) {
+    step_rows d[2] = {{0}, {0}};
+    char *p0 = path_join(dir, "fp32/steps.csv"), *p1 = path_join(dir, "amp/steps.csv"), *png = path_join(dir, "compare.png");
+    int rc = p0 && p1 && png ? read_steps(p0, &d[0]) : -1;
+    if (rc == 0) rc = read_steps(p1, &d[1]);
+    if (rc == 0) rc = plot_steps(d, names, 2, png, title);
+    free(d[0].x);
+    free(d[1].x);
+    free(p0);
+    free(p1);
+    free(png);
+    return rc < 0 ? -1 : 0;   /* 0 too when a run has no steps.csv (--step-log no): no plot */
 }
 
 void steplog_close(run *r) {

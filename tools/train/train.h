@@ -76,9 +76,9 @@ enum {
 typedef enum {
     OPT_MODEL, OPT_DATA, OPT_BATCH_SIZE, OPT_USE_AMP, OPT_AMP_DTYPE, OPT_GRAD_SCALER, OPT_EPOCHS, OPT_LR,
     OPT_OPTIMIZER, OPT_MOMENTUM, OPT_WEIGHT_DECAY, OPT_SEED, OPT_VAL_SPLIT, OPT_IMAGE_SIZE, OPT_INDEX_CSV, OPT_LIMIT_TRAIN,
-    OPT_LIMIT_VAL, OPT_THREADS, OPT_DEVICE, OPT_NUM_WORKERS, OPT_MAX_MEMORY, OPT_OUT, OPT_RESUME, OPT_PROGRESS, OPT_CHANNELS_LAST,
+    OPT_LIMIT_VAL, OPT_THREADS, OPT_DEVICE, OPT_NUM_WORKERS, OPT_MAX_MEMORY, OPT_OUT, OPT_NAME, OPT_OVERWRITE, OPT_RESUME, OPT_PROGRESS, OPT_CHANNELS_LAST,
     OPT_KEEP_CASTS, OPT_MAX_SKIPPED, OPT_MAX_LOSS, OPT_SYNC_BN, OPT_ZERO, OPT_LR_SCHEDULE, OPT_LR_STEP_SIZE, OPT_LR_GAMMA,
-    OPT_WARMUP_STEPS, OPT_CLIP_GRAD_NORM, OPT_PRETRAINED, OPT_PRETRAINED_STRICT, OPT_FREEZE, OPT_STOP_AFTER_STEPS, OPT_AUGMENT, OPT_EXCLUDE_CLASS, OPT_ACCUMULATE, OPT_STEP_LOG, OPT_DOCTOR, OPT_EXPLAIN, OPT_FP32_MODULES, OPT_NUMERICS_EVERY, OPT_MIN_LOSS_SCALE, OPT_COLLECTIVE_TIMEOUT, OPT_LABEL_SMOOTHING, OPT_EVAL_ONLY, OPT_COUNT
+    OPT_WARMUP_STEPS, OPT_CLIP_GRAD_NORM, OPT_PRETRAINED, OPT_PRETRAINED_STRICT, OPT_FREEZE, OPT_STOP_AFTER_STEPS, OPT_AUGMENT, OPT_EXCLUDE_CLASS, OPT_ACCUMULATE, OPT_STEP_LOG, OPT_DOCTOR, OPT_EXPLAIN, OPT_FP32_MODULES, OPT_NUMERICS_EVERY, OPT_MIN_LOSS_SCALE, OPT_COLLECTIVE_TIMEOUT, OPT_LABEL_SMOOTHING, OPT_EVAL_ONLY, OPT_TENSORBOARD, OPT_COUNT
 } opt_id;
 
 typedef struct {
@@ -98,6 +98,8 @@ typedef struct {
     char *val[OPT_COUNT];   /* canonical text of each option (malloc'd) */
     bool given[OPT_COUNT];  /* on the command line */
     bool compare;           /* --compare: fp32 then AMP, side by side */
+    bool link_latest;       /* --out was chosen (runs/<name>): the run points runs/latest at it */
+    bool dated;             /* ... and named by the date and time: a suffix where that folder exists */
 } settings;
 
 void settings_free(settings *s);
@@ -228,6 +230,7 @@ typedef struct {
     bool explaining;         /* --explain: the first step of this session is being recorded */
     bool numerics;           /* --numerics-every: collecting */
     int64_t numerics_steps;  /* optimizer steps sampled */
+    struct tb_writer *tb;    /* --tensorboard: the session's event file (rank 0; tools/tbevents.h) */
 } run;
 
 // The per-step log and skipped-step lines (steplog.c)
@@ -241,11 +244,18 @@ int steplog_cut_back(const char *path, int64_t keep);
 /* After an optimizer step (every rank: the skipped-step line is rank 0's): its row and, when the
    scaler skipped it, a line on stdout (at most one per 2 s; the others counted in the next).
    scale: the scale the step's gradients carried; loss: the mean of its batches' losses. */
-int steplog_step(run *r, int64_t epoch, int64_t batch, double loss, double scale, bool skipped);
-/* scale.png: log2 of the loss scale per optimizer step, the skipped ones marked (from steps.csv;
-   nothing without --step-log or the scaler). */
-int steplog_plot(run *r);
+int steplog_step(run *r, int64_t epoch, int64_t batch, double loss, double scale, bool skipped, double samples_per_s);
+/* From steps.csv (nothing without --step-log): steps.png, the training loss and the throughput
+   per optimizer step (each raw and as a trailing mean) under the figure title `title`; with the
+   scaler, scale.png, log2 of the loss scale per step with the skipped ones marked. */
+int steplog_plot(run *r, const char *title);
+/* --compare: <dir>/compare.png, the two runs' (<dir>/fp32, <dir>/amp) loss and throughput per
+   step overlaid, from their steps.csv; names: the two runs' legend names. Nothing (0) when a
+   run has no steps.csv. */
+int steplog_compare_plot(const char *dir, const char *const names[2], const char *title);
 void steplog_close(run *r);
+/* Optimizer steps the run has taken: applied ones (the optimizer's count) and skipped ones. */
+int64_t steps_so_far(const run *r);
 /* --doctor: a step starts (its loss scale); what the doctor blames, as a clause to append to a
    message ("; the first non-finite output: ..."; "" when off or clean), written into buf. */
 void doctor_step_begin(run *r);
@@ -258,6 +268,19 @@ int explain_print(run *r);
 int numerics_open(run *r);
 void numerics_step_begin(run *r);
 int numerics_report(run *r);
+
+// TensorBoard event files (tensorboard.c; the tags are listed there)
+
+/* --tensorboard yes on rank 0: a new event file in --out; on resume it starts with SessionLog
+   START at the step the run continues with, so TensorBoard drops a killed run's later events. */
+int tensorboard_open(run *r);
+/* After an optimizer step (after steplog_step): loss as steps.csv's, scale the scale its
+   gradients carried, samples the job's samples in it, seconds since the previous step ended. */
+int tensorboard_step(run *r, double loss, double scale, double samples, double seconds);
+/* After an epoch's metrics.csv row (COLS), at the global step of its last optimizer step; flushes. */
+int tensorboard_epoch(run *r, const double *row);
+/* Flushes and closes the file (a failure is a warning); nothing when none is open. */
+void tensorboard_close(run *r);
 
 // Checkpoint metadata (meta.c)
 
@@ -293,6 +316,11 @@ void print_setup(run *r);
 
 /* "dir/name", malloc'd; NULL (with the error kept) when out of memory. */
 char *path_join(const char *dir, const char *name);
+/* Makes --out (rank 0, before the run's first file): a dated folder exclusively, with a suffix
+   -2, -3, ... where it exists (two runs started in the same second get two), then points
+   runs/latest at it where the name was chosen (a "latest" that is not a link is left as it is,
+   with a warning). 0 or -1 with the error kept. */
+int out_make(settings *s);
 
 /* A whole run: build, optionally resume, train the remaining epochs, write the outputs. */
 int train_run(settings *s, run_result *res);

@@ -11,6 +11,7 @@
 #include "progress.h"
 
 #include <errno.h>
+#include <glob.h>
 #include <inttypes.h>
 #include <math.h>
 #include <signal.h>
@@ -344,6 +345,7 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
     const ampc_cross_entropy_options *ce_opts = training && ce.label_smoothing > 0 ? &ce : NULL;
     int64_t group_start = done;
     double group_loss = 0;   /* the sum of the group's batch losses, for steps.csv */
+    double group_rows = 0, group_t0 = progress_now();   /* the job's samples in the group, since when: --tensorboard */
     double t0 = progress_now() - st->seconds;
     progress p;
     progress_begin(&p, label, n_batches, done);
@@ -469,10 +471,18 @@ static int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const 
             }
             job_lv = v[0] / v[1];
         }
-        if (training) group_loss += job_lv;
+        if (training) {
+            group_loss += job_lv;
+            group_rows += (double)global_rows;
+        }
         if (stepped) {
-            if ((rc = steplog_step(r, epoch, done + 1, group_loss / (double)g, step_scale, step_skipped)) < 0) break;
-            group_loss = 0;
+            const double group_s = progress_now() - group_t0;
+            if ((rc = steplog_step(r, epoch, done + 1, group_loss / (double)g, step_scale, step_skipped,
+                                   group_s > 0 ? group_rows / group_s : NAN)) < 0 ||
+                (rc = tensorboard_step(r, group_loss / (double)g, step_scale, group_rows, group_s)) < 0)
+                break;
+            group_loss = group_rows = 0;
+            group_t0 = progress_now();
             if (r->explaining && (rc = explain_print(r)) < 0) break;
         }
         const int cs = training ? check_step(r, epoch, done + 1, n_batches, job_lv, x, stepped) : 0;
@@ -545,6 +555,98 @@ static int mkdir_p(const char *path) {
     return 0;
 }
 
+static void link_latest(const char *out) {
+    const char *slash = strrchr(out, '/');
+    char *parent = slash ? strndup(out, (size_t)(slash - out)) : strdup("."), *link = NULL, *tmp = NULL;
+    const char *base = slash ? slash + 1 : out;
+    struct stat st;
+    if (!parent || !(link = path_join(*parent ? parent : "/", "latest")) || asprintf(&tmp, "%s.tmp.%ld", link, (long)getpid()) < 0) {
+        tmp = NULL;
+        warn("out of memory: %s/latest not updated", parent ? parent : ".");
+    } else if (lstat(link, &st) == 0 && !S_ISLNK(st.st_mode)) {
+        warn("%s is not a link (an older ampc-train's run?): left as it is; this run is %s", link, out);
+    } else if ((unlink(tmp), symlink(base, tmp)) != 0 || rename(tmp, link) != 0) {
+        warn("can't point %s at %s: %s", link, out, strerror(errno));
+        unlink(tmp);
+    }
+    free(tmp);
+    free(link);
+    free(parent);
+}
+
+int out_make(settings *s) {
+    int rc = 0;
+    if (s->dated) {   /* runs/<date>-<time>[-k]: mkdir(2) fails on a folder that exists */
+        const char *stamp = sval(s, OPT_OUT), *slash = strrchr(stamp, '/');
+        char *root = slash ? strndup(stamp, (size_t)(slash - stamp)) : strdup("."), *dir = NULL;
+        if (!root) return fail("out of memory");
+        rc = mkdir_p(root);
+        for (int k = 1; rc == 0; k++) {
+            free(dir);
+            if (asprintf(&dir, k == 1 ? "%s" : "%s-%d", stamp, k) < 0) {
+                dir = NULL;
+                rc = fail("out of memory");
+            } else if (mkdir(dir, 0777) == 0) {
+                rc = set_val(s, OPT_OUT, dir);
+                break;
+            } else if (errno != EEXIST || k == 1000) {
+                rc = fail("--out: can't create '%s': %s", dir, strerror(errno));
+            }
+        }
+        free(dir);
+        free(root);
+        s->dated = false;
+    } else {
+        rc = mkdir_p(sval(s, OPT_OUT));
+    }
+    if (rc == 0 && s->link_latest) link_latest(sval(s, OPT_OUT));
+    s->link_latest = false;
+    return rc;
+}
+
+/* What an ampc-train run writes in --out; a folder with any of the first N_RUN_MARKS holds a run. */
+static const char *const RUN_FILES[] = {"metrics.csv", "checkpoint.safetensors", "model.safetensors", "diverged.safetensors",
+                                        "steps.csv", "numerics.csv", "confusion.csv", "loss.png", "accuracy.png", "scale.png",
+                                        "steps.png", "events.out.tfevents.*"};
+enum { N_RUN_MARKS = 5, N_RUN_FILES = sizeof RUN_FILES / sizeof *RUN_FILES };
+
+/* A new run (or one resumed into another folder) never takes over a folder that holds a run,
+   unless --overwrite yes deletes that run's files first. Only regular files count and go: a link
+   or a FIFO planted under such a name is refused later, by the code that opens it. Called with
+   the folder locked. */
+static int out_check(run *r) {
+    const settings *s = r->s;
+    struct stat a, b;
+    const char *res = sval(s, OPT_RESUME);
+    if (*res) {   /* resuming in the checkpoint's own folder: that run is this one */
+        const char *slash = strrchr(res, '/');
+        char *dir = slash ? strndup(res, (size_t)(slash - res)) : strdup(".");
+        bool same = dir && stat(*dir ? dir : "/", &a) == 0 && stat(r->out, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+        free(dir);
+        if (same) return 0;
+    }
+    const bool overwrite = yes(s, OPT_OVERWRITE);
+    for (int i = 0; i < N_RUN_FILES; i++) {
+        char *pat = path_join(r->out, RUN_FILES[i]);
+        if (!pat) return -1;
+        glob_t g;
+        int found = glob(pat, GLOB_NOSORT, NULL, &g) == 0 ? (int)g.gl_pathc : 0, rc = 0;
+        free(pat);
+        for (int k = 0; k < found && rc == 0; k++) {
+            if (lstat(g.gl_pathv[k], &a) != 0 || !S_ISREG(a.st_mode)) continue;
+            if (!overwrite && i < N_RUN_MARKS)
+                rc = fail("--out '%s' holds an earlier run (%s): give a new --out or --name, --resume its checkpoint to "
+                          "continue it, or --overwrite yes to replace it",
+                          r->out, RUN_FILES[i]);
+            else if (overwrite && unlink(g.gl_pathv[k]) != 0 && errno != ENOENT)
+                rc = fail("--overwrite: can't delete '%s': %s", g.gl_pathv[k], strerror(errno));
+        }
+        if (found) globfree(&g);
+        if (rc < 0) return rc;
+    }
+    return 0;
+}
+
 /* Two runs writing one --out would mix their files: the first takes an exclusive flock(2) on
    <out>/ampc-train.lock (released however the process ends; the file stays) and writes its pid
    there; the second says who holds it. Rank 0 alone writes --out, so it alone locks. */
@@ -609,7 +711,8 @@ static int draw_plots(run *r) {
     snprintf(title, sizeof title, "%s on %s (%s): accuracy", sval(r->s, OPT_MODEL), what, prec);
     plot_series as[2] = {{"train", x, ta, n, false}, {"validation", x, va, n, false}};
     if (rc == 0 && plot_curves(acc_png, title, "epoch", "accuracy (%)", as, 2) < 0) rc = fail_lib("accuracy.png");
-    if (rc == 0) rc = steplog_plot(r);
+    snprintf(title, sizeof title, "%s on %s (%s)", sval(r->s, OPT_MODEL), what, prec);
+    if (rc == 0) rc = steplog_plot(r, title);
     free(loss_png);
     free(acc_png);
     free(x);
@@ -823,14 +926,15 @@ int train_run(settings *s, run_result *res) {
         res->ok = true;
         goto done;
     }
+    if (r.rank == 0 && (rc = out_make(s)) < 0) goto done;
     if (!(r.out = strdup(sval(s, OPT_OUT)))) {
         rc = fail("out of memory");
         goto done;
     }
-    if (r.rank == 0 && ((rc = mkdir_p(r.out)) < 0 || (rc = lock_out(&r)) < 0)) goto done;
+    if (r.rank == 0 && ((rc = lock_out(&r)) < 0 || (rc = out_check(&r)) < 0)) goto done;
     if (!(r.ckpt_path = path_join(r.out, "checkpoint.safetensors")) || !(r.model_path = path_join(r.out, "model.safetensors")) ||
         !(r.diverged_path = path_join(r.out, "diverged.safetensors")) ||
-        (rc = open_metrics(&r)) < 0 || (rc = steplog_open(&r)) < 0) {
+        (rc = open_metrics(&r)) < 0 || (rc = steplog_open(&r)) < 0 || (rc = tensorboard_open(&r)) < 0) {
         rc = -1;
         goto done;
     }
@@ -902,7 +1006,7 @@ int train_run(settings *s, run_result *res) {
             rc = fail_lib("metrics.csv");
             goto done;
         }
-        if ((rc = draw_plots(&r)) < 0) goto done;
+        if ((rc = tensorboard_epoch(&r, row)) < 0 || (rc = draw_plots(&r)) < 0) goto done;
         res->epochs_run++;
         res->samples += tr.samples;
         res->train_seconds += tr.seconds;
