@@ -21,13 +21,16 @@
 #       train     ampc-train --device cuda on Fashion-MNIST (the cnn, bf16, batch 256): its samples/s
 #                 and data wait beside ampc-bench's cnn step on the same batch
 #       compile   the peer through torch.compile on resnet50 amp-fp16
+#       tensorboard  ampc-train's event files (a CPU run stopped, killed and resumed) read by the real
+#                 TensorBoard's EventAccumulator (tests/tensorboard_accumulator.py; pip's tensorboard
+#                 is on that machine, not in Debian)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/ampc-out}
 export OUT
 mkdir -p "$OUT"
 BUDGET=${BUDGET:-420}
-STEPS=,${1:-env,kernels,bench,profile,memory,benchall,tests,e2e,train,compile},
+STEPS=,${1:-env,kernels,bench,profile,memory,benchall,tests,e2e,train,compile,tensorboard},
 T0=$(date +%s)
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
 R="bash scripts/gpu/run.sh"
@@ -73,9 +76,10 @@ step() {
         test_gemm_skinny test_optim test_scaler test_autocast test_models test_train test_kept_casts test_dtype}
     step e2e 90 $R e2e
     step train 40 $R train --device cuda --model cnn --epochs 2 --batch-size 256 --amp-dtype bf16 --progress off \
-        --out /tmp/ampc-train-run
+        --out /tmp/ampc-train-run --overwrite yes
     step train 20 $R bench --device cuda --workloads cnn --modes amp-bf16 --batch 256 --steps 50 --warmup 5 --no-peak
     step compile 100 $R peer --device cuda --workloads resnet50 --modes amp-fp16 --batch 256 --channels-last yes \
         --steps 10 --warmup 3 --compile yes
+    step tensorboard 30 bash scripts/gpu/tensorboard_check.sh
     date -u
 } 2>&1 | tee "$OUT/session.log"
