@@ -34,6 +34,16 @@ would pick its AVX2 kernels; OPENBLAS_CORETYPE=SkylakeX selects its AVX-512 ones
 faster here). --blas system measures PyTorch as installed. Convolutions and every bf16
 matmul run on PyTorch's bundled oneDNN (2.6.3, the version ampc uses) either way.
 
+Tuning (--tuning guide, the default): PyTorch as its CPU performance tuning guide sets it up
+(pytorch.org/tutorials/recipes/recipes/tuning_guide.html, and Intel's guide for PyTorch): Debian's
+jemalloc preloaded (libjemalloc2; fetched with `apt-get download` into --jemalloc-dir when not
+installed) with the guide's MALLOC_CONF, which keeps freed memory instead of unmapping it (glibc's
+default unmaps every large tensor, and the page faults dominate a small model's step: mlp bf16
+120-136 ms instead of 18.7 ms); OMP_NUM_THREADS, OMP_SCHEDULE=STATIC, OMP_PROC_BIND=CLOSE and
+GOMP_CPU_AFFINITY binding one thread per core (PyTorch links GNU OpenMP); channels_last for the
+conv nets (--channels-last auto). --tuning none runs PyTorch as installed (glibc malloc, no binding,
+NCHW). --compare runs both and prints the untuned figure as a second column.
+
 Each config runs in a fresh process (this script with --one), so that its resident-set growth
 is its own: VmHWM after the warm-up and timed steps minus VmRSS before the first step
 (/proc/self/clear_refs resets the high-water mark), i.e. activations, gradients, optimizer
@@ -161,11 +171,12 @@ def run_one(name, mode, steps, warmup, threads, channels_last=False):
     with open("/proc/self/maps") as f:   # which BLAS the process actually loaded
         maps = f.read()
     blas = "openblas" if "openblas" in maps else "mkl" if "libmkl" in maps else "netlib" if "libblas" in maps else "?"
+    allocator = "jemalloc" if "jemalloc" in maps else "tcmalloc" if "tcmalloc" in maps else "glibc"
     return {
         "workload": name, "mode": mode, "batch": batch, "threads": torch.get_num_threads(),
         "ms_median": med, "ms_min": min(ms), "ms_max": max(ms), "samples_per_s": batch / (med * 1e-3),
         "rss_growth_bytes": (hwm - rss0) * 1024 if hwm_ok and hwm >= 0 else -1,
-        "final_loss": loss, "ms_steps": ms, "torch": torch.__version__, "blas": blas,
+        "final_loss": loss, "ms_steps": ms, "torch": torch.__version__, "blas": blas, "allocator": allocator,
     }
 
 
@@ -253,29 +264,62 @@ def cuda_main(args):
 
 
 OPENBLAS_SYSTEM = "/usr/lib/x86_64-linux-gnu/openblas-pthread"
+JEMALLOC_SYSTEM = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
+# jemalloc's settings in Intel's PyTorch tuning guide (its launcher's): freed memory is kept
+JEMALLOC_CONF = ("oversize_threshold:1,background_thread:true,metadata_thp:auto,dirty_decay_ms:9000000000,"
+                 "muzzy_decay_ms:9000000000")
+
+
+def debian_lib(root, package, path):
+    """path inside Debian package `package`, unpacked under root with `apt-get download` (no root
+    needed, the system left as it is); None when it can't be fetched."""
+    root = os.path.abspath(root)
+    lib = os.path.join(root, "root" + path)
+    if not os.path.exists(lib):
+        os.makedirs(root, exist_ok=True)
+        sys.stderr.write(f"pytorch_peer: fetching Debian's {package} into {root}\n")
+        try:
+            subprocess.run(["apt-get", "download", package], cwd=root, check=True, capture_output=True, text=True)
+            debs = sorted(f for f in os.listdir(root) if f.startswith(package) and f.endswith(".deb"))
+            subprocess.run(["dpkg", "-x", os.path.join(root, debs[-1]), os.path.join(root, "root")], check=True)
+        except (OSError, IndexError, subprocess.CalledProcessError) as e:
+            sys.stderr.write(f"pytorch_peer: cannot get {package}: {e}\n")
+            return None
+    return lib if os.path.exists(lib) else None
+
+
+def jemalloc_lib(args):
+    if not hasattr(args, "_jemalloc"):
+        args._jemalloc = JEMALLOC_SYSTEM if os.path.exists(JEMALLOC_SYSTEM) else \
+            debian_lib(args.jemalloc_dir, "libjemalloc2", JEMALLOC_SYSTEM)
+    return args._jemalloc
 
 
 def openblas_lib_dir(args):
     """Directory holding OpenBLAS's libblas.so.3: the system's, or a private unpacked copy."""
     if os.path.exists(os.path.join(OPENBLAS_SYSTEM, "libblas.so.3")):
         return OPENBLAS_SYSTEM
-    root = os.path.abspath(args.openblas_dir)
-    lib = os.path.join(root, "root" + OPENBLAS_SYSTEM)
-    if not os.path.exists(os.path.join(lib, "libblas.so.3")):
-        os.makedirs(root, exist_ok=True)
-        sys.stderr.write(f"pytorch_peer: fetching Debian's libopenblas0-pthread into {root}\n")
-        try:
-            subprocess.run(["apt-get", "download", "libopenblas0-pthread"], cwd=root, check=True,
-                           capture_output=True, text=True)
-            debs = sorted(f for f in os.listdir(root) if f.startswith("libopenblas0-pthread") and f.endswith(".deb"))
-            subprocess.run(["dpkg", "-x", os.path.join(root, debs[-1]), os.path.join(root, "root")], check=True)
-        except (OSError, IndexError, subprocess.CalledProcessError) as e:
-            raise SystemExit(f"pytorch_peer: cannot get OpenBLAS ({e}); install libopenblas0-pthread or use --blas system")
-    return lib
+    lib = debian_lib(args.openblas_dir, "libopenblas0-pthread", OPENBLAS_SYSTEM + "/libblas.so.3")
+    if not lib:
+        raise SystemExit("pytorch_peer: cannot get OpenBLAS; install libopenblas0-pthread or use --blas system")
+    return os.path.dirname(lib)
 
 
-def peer_env(args):
+def peer_env(args, tuned):
+    """The environment of a PyTorch process: its BLAS and, tuned, the guide's allocator and OpenMP
+    settings (the allocator named in args._allocator)."""
     env = dict(os.environ)
+    if tuned:
+        lib = jemalloc_lib(args)
+        if lib:
+            env["LD_PRELOAD"] = lib + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
+            env["MALLOC_CONF"] = JEMALLOC_CONF
+            args._allocator = "jemalloc (preloaded, the guide's MALLOC_CONF)"
+        else:   # the same effect from glibc: large blocks kept, never trimmed
+            env["MALLOC_MMAP_THRESHOLD_"] = env["MALLOC_TRIM_THRESHOLD_"] = "4294967296"
+            args._allocator = "glibc with MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ 4 GiB (no jemalloc)"
+        env.update(OMP_NUM_THREADS=str(args.threads), OMP_SCHEDULE="STATIC", OMP_PROC_BIND="CLOSE",
+                   GOMP_CPU_AFFINITY=f"0-{args.threads - 1}")
     if args.blas == "openblas":
         if not hasattr(args, "_openblas"):
             args._openblas = openblas_lib_dir(args)
@@ -287,10 +331,12 @@ def peer_env(args):
     return env
 
 
-def run_peer_config(args, name, mode):
+def run_peer_config(args, name, mode, tuned=None):
+    tuned = args.tuning == "guide" if tuned is None else tuned
+    cl = args.channels_last if args.channels_last != "auto" else "yes" if tuned else "no"
     cmd = [sys.executable, os.path.abspath(__file__), "--one", name, mode, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--threads", str(args.threads), "--channels-last", args.channels_last]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=peer_env(args))
+           "--warmup", str(args.warmup), "--threads", str(args.threads), "--channels-last", cl]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=peer_env(args, tuned))
     if p.returncode != 0:
         sys.stderr.write(p.stderr)
         raise SystemExit(f"pytorch_peer: {name} {mode} failed")
@@ -328,11 +374,13 @@ def compare(args):
     rows = []
     for name in args.workloads:
         for mode in args.modes:
-            a_runs, t_runs = [], []
-            for _ in range(args.repeat):   # interleaved, so both see the same machine load
+            a_runs, t_runs, u_runs = [], [], []
+            for _ in range(args.repeat):   # interleaved, so all see the same machine load
                 a_runs.append(run_ampc_config(args, name, mode))
                 if mode in TORCH_MODES:
                     t_runs.append(run_peer_config(args, name, mode))
+                    if args.tuning == "guide":
+                        u_runs.append(run_peer_config(args, name, mode, tuned=False))
             a = a_runs[0]
             row = {"workload": name, "mode": mode, "batch": a["batch"], "gflop_per_step": a["gflop_per_step"],
                    "ampc_ms": median_of(a_runs, "ms_median"),
@@ -341,12 +389,17 @@ def compare(args):
                    "ampc_ms_runs": [r["ms_median"] for r in a_runs]}
             if t_runs:
                 row.update({"torch_ms": median_of(t_runs, "ms_median"), "torch_blas": t_runs[0]["blas"],
+                            "torch_allocator": t_runs[0]["allocator"],
                             "torch_rss_growth_bytes": median_of(t_runs, "rss_growth_bytes"),
                             "torch_ms_runs": [r["ms_median"] for r in t_runs]})
+            if u_runs:
+                row.update({"torch_untuned_ms": median_of(u_runs, "ms_median"),
+                            "torch_untuned_ms_runs": [r["ms_median"] for r in u_runs]})
             rows.append(row)
             args.torch_version = t_runs[0]["torch"] if t_runs else getattr(args, "torch_version", "?")
             sys.stderr.write(f"  {name:9s} {mode:9s} ampc {row['ampc_ms']:9.2f} ms"
-                             + (f"  torch {row['torch_ms']:9.2f} ms" if t_runs else "") + "\n")
+                             + (f"  torch {row['torch_ms']:9.2f} ms" if t_runs else "")
+                             + (f"  untuned {row['torch_untuned_ms']:9.2f} ms" if u_runs else "") + "\n")
     # again at the end, keeping the larger figures (a busy core lowers one measurement only)
     peak2 = run_ampc_config(args, None, None, peak=True)["peak"]
     if peak and peak2:
@@ -356,6 +409,7 @@ def compare(args):
         with open(args.json, "w") as f:
             json.dump({"peak": peak, "threads": args.threads, "steps": args.steps, "warmup": args.warmup,
                        "repeat": args.repeat, "blas": args.blas, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+                       "tuning": args.tuning, "allocator": getattr(args, "_allocator", "glibc (as installed)"),
                        "rows": rows}, f, indent=1)
 
 
@@ -372,17 +426,22 @@ def print_table(args, peak, rows):
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, {args.steps} timed steps after "
           f"{args.warmup} warm-up, median of {args.repeat} run(s) of each (one process per run)")
     fmt = {"yes": "channels-last", "no": "contiguous (NCHW)"}
-    print(f"conv nets: ampc {fmt[args.ampc_channels_last]}, PyTorch {fmt[args.channels_last]}")
+    torch_cl = args.channels_last if args.channels_last != "auto" else "yes" if args.tuning == "guide" else "no"
+    print(f"conv nets: ampc {fmt[args.ampc_channels_last]}, PyTorch {fmt[torch_cl]}")
+    if args.tuning == "guide":
+        print(f"PyTorch tuned as its CPU guide says: {getattr(args, '_allocator', '?')}, OMP_PROC_BIND=CLOSE, "
+              f"GOMP_CPU_AFFINITY=0-{args.threads - 1}; 'untuned': as installed (glibc malloc, no binding, NCHW)")
     if peak:
         print(f"peak on {peak['threads']} threads (per-core x threads): fp32 {peak['fp32_gflops_peak']:.0f} GFLOP/s, "
               f"bf16 {peak['bf16_gflops_peak']:.0f} GFLOP/s (measured on all threads at once: "
               f"{peak['fp32_gflops_all']:.0f}, {peak['bf16_gflops_all']:.0f})")
-    print(f"{'workload':9s} {'mode':9s} {'ampc ms':>9s} {'torch ms':>9s} {'ampc/torch':>10s} "
+    print(f"{'workload':9s} {'mode':9s} {'ampc ms':>9s} {'torch ms':>9s} {'ampc/torch':>10s} {'untuned':>9s} {'ampc/unt':>8s} "
           f"{'ampc %pk':>8s} {'torch %pk':>9s} {'ampc MiB':>8s} {'ampc RSS':>8s} {'torch RSS':>9s}")
     for r in rows:
-        t = r.get("torch_ms")
+        t, u = r.get("torch_ms"), r.get("torch_untuned_ms")
         print(f"{r['workload']:9s} {r['mode']:9s} {r['ampc_ms']:9.2f} "
               + (f"{t:9.2f} {r['ampc_ms'] / t:10.2f} " if t else f"{'-':>9s} {'-':>10s} ")
+              + (f"{u:9.2f} {r['ampc_ms'] / u:8.2f} " if u else f"{'-':>9s} {'-':>8s} ")
               + f"{pct(r['gflop_per_step'], r['ampc_ms'], r['mode']):>8s} "
               + (f"{pct(r['gflop_per_step'], t, r['mode']):>9s} " if t else f"{'-':>9s} ")
               + f"{mib(r['ampc_alloc_peak_bytes'])} {mib(r['ampc_rss_growth_bytes'])} "
@@ -413,8 +472,12 @@ def main():
     ap.add_argument("--blas", choices=("openblas", "system"), default="openblas",
                     help="BLAS for PyTorch's fp32 Linear (default openblas; system: as installed)")
     ap.add_argument("--openblas-dir", default="build/peer-openblas", help="where to unpack OpenBLAS if not installed")
-    ap.add_argument("--channels-last", choices=("yes", "no"), default="no",
-                    help="PyTorch's conv nets and inputs in torch.channels_last (default no: PyTorch's default)")
+    ap.add_argument("--tuning", choices=("guide", "none"), default="guide",
+                    help="guide (default): PyTorch as its CPU tuning guide sets it up (jemalloc, thread binding, "
+                         "channels_last); none: as installed. --compare with guide also times 'none'")
+    ap.add_argument("--jemalloc-dir", default="build/peer-jemalloc", help="where to unpack jemalloc if not installed")
+    ap.add_argument("--channels-last", choices=("auto", "yes", "no"), default="auto",
+                    help="PyTorch's conv nets and inputs in torch.channels_last (auto: yes when tuned, as the guide says)")
     ap.add_argument("--ampc-channels-last", choices=("yes", "no"), default="yes",
                     help="ampc-bench --channels-last (default yes: ampc-bench's default)")
     ap.add_argument("--compile", choices=("yes", "no"), default="no",
