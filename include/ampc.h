@@ -113,7 +113,7 @@ int ampc_init(void);
 void ampc_shutdown(void);
 void ampc_set_num_threads(int n);        /* OpenMP threads for kernels (and oneDNN) */
 int ampc_get_num_threads(void);
-const char *ampc_cpu_features(void);     /* e.g. "avx512_bf16 avx512f f16c avx2" (static) */
+const char *ampc_cpu_features(void);     /* e.g. "avx512_bf16 avx512f f16c avx2 amx_bf16" (static) */
 void ampc_manual_seed(uint64_t seed);    /* seeds init and dropout; same seed, same numbers */
 /* The global generator's state (seed and position), for checkpoints: restoring it replays the
    same random numbers (init, dropout, shuffling) from that point. */

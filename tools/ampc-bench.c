@@ -470,7 +470,7 @@ static void set_pct_peak(result *r, const settings *s) {
         r->pct_peak = peak > 0 && r->ok ? 100 * r->gflops / peak : -1;
         return;
     }
-    double peak = s->peak.threads * (r->m->amp && r->m->dtype == AMPC_BF16 ? s->peak.bf16_1t : s->peak.fp32_1t);
+    double peak = s->peak.threads * (r->m->amp && r->m->dtype == AMPC_BF16 ? bench_peak_bf16_1t(&s->peak) : s->peak.fp32_1t);
     r->pct_peak = s->have_peak && peak > 0 && r->ok ? 100 * r->gflops / peak : -1;
 }
 
@@ -549,10 +549,11 @@ static json_t *jstr(const char *s) {
 
 static json_t *json_peak(const bench_peak *p, bool have) {
     if (!have) return json_null();
-    return json_pack("{s:i, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "threads", p->threads, "fp32_gflops_1t", jnum(p->fp32_1t),
-                     "fp32_gflops_all", jnum(p->fp32_all), "bf16_gflops_1t", jnum(p->bf16_1t), "bf16_gflops_all",
-                     jnum(p->bf16_all), "fp32_gflops_peak", jnum(p->threads * p->fp32_1t), "bf16_gflops_peak",
-                     jnum(p->threads * p->bf16_1t), "message", jstr(p->message));
+    return json_pack("{s:i, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "threads", p->threads, "fp32_gflops_1t",
+                     jnum(p->fp32_1t), "fp32_gflops_all", jnum(p->fp32_all), "bf16_gflops_1t", jnum(p->bf16_1t),
+                     "bf16_gflops_all", jnum(p->bf16_all), "amx_bf16_gflops_1t", jnum(p->amx_1t), "amx_bf16_gflops_all",
+                     jnum(p->amx_all), "fp32_gflops_peak", jnum(p->threads * p->fp32_1t), "bf16_gflops_peak",
+                     jnum(p->threads * bench_peak_bf16_1t(p)), "message", jstr(p->message));
 }
 
 /* One config's object: the failed ones carry their error instead of figures. New reference or NULL. */
@@ -619,8 +620,11 @@ static void print_peak(const bench_peak *p) {
         printf("peak fp32 (vfmadd231ps): %8.1f GFLOP/s on 1 thread, %8.1f measured on %d threads (%%peak uses %.1f)\n",
                p->fp32_1t, p->fp32_all, p->threads, p->threads * p->fp32_1t);
     if (p->have_bf16)
-        printf("peak bf16 (vdpbf16ps):   %8.1f GFLOP/s on 1 thread, %8.1f measured on %d threads (%%peak uses %.1f)\n",
-               p->bf16_1t, p->bf16_all, p->threads, p->threads * p->bf16_1t);
+        printf("peak bf16 (vdpbf16ps):   %8.1f GFLOP/s on 1 thread, %8.1f measured on %d threads%s\n", p->bf16_1t,
+               p->bf16_all, p->threads, p->have_amx ? "" : " (%peak uses their 1-thread x threads)");
+    if (p->have_amx)
+        printf("peak bf16 (AMX tdpbf16ps): %8.1f GFLOP/s on 1 thread, %8.1f measured on %d threads (bf16 %%peak uses %.1f)\n",
+               p->amx_1t, p->amx_all, p->threads, p->threads * bench_peak_bf16_1t(p));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -921,6 +925,7 @@ int main(int argc, char **argv) {
         bench_peak_measure(&again, s.peak.threads, 0.1);
         s.peak.fp32_1t = fmax(s.peak.fp32_1t, again.fp32_1t), s.peak.fp32_all = fmax(s.peak.fp32_all, again.fp32_all);
         s.peak.bf16_1t = fmax(s.peak.bf16_1t, again.bf16_1t), s.peak.bf16_all = fmax(s.peak.bf16_all, again.bf16_all);
+        s.peak.amx_1t = fmax(s.peak.amx_1t, again.amx_1t), s.peak.amx_all = fmax(s.peak.amx_all, again.amx_all);
         printf("\npeak measured again at the end; the larger figures are kept:\n");
         print_peak(&s.peak);
     }

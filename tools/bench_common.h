@@ -14,19 +14,22 @@ double bench_now(void);   /* monotonic seconds */
 // ---------------------------------------------------------------------------------------------
 // Machine peak (bench_peak.c)
 
-/* GFLOP/s of this machine's widest fp32 FMA (AVX-512 vfmadd231ps) and bf16 dot product
-   (AVX512_BF16 vdpbf16ps), on one thread and on `threads` OpenMP threads. A rate is 0 when
-   the instruction is missing (the message says which). */
+/* GFLOP/s of this machine's widest fp32 FMA (AVX-512 vfmadd231ps) and bf16 dot products
+   (AVX512_BF16 vdpbf16ps; AMX tdpbf16ps where the CPU has AMX), on one thread and on `threads`
+   OpenMP threads. A rate is 0 when the instruction is missing (the message says which). */
 typedef struct {
-    bool have_fp32, have_bf16;
+    bool have_fp32, have_bf16, have_amx;
     int threads;
     double fp32_1t, fp32_all;   /* GFLOP/s */
-    double bf16_1t, bf16_all;
+    double bf16_1t, bf16_all;   /* vdpbf16ps */
+    double amx_1t, amx_all;     /* tdpbf16ps */
     char message[160];          /* why a rate is missing, or "" */
 } bench_peak;
 
 /* Measures for about seconds_each per figure (best of a few repeats). */
 void bench_peak_measure(bench_peak *p, int threads, double seconds_each);
+/* The bf16 peak of one thread: the faster of vdpbf16ps and AMX (oneDNN uses AMX where it can). */
+double bench_peak_bf16_1t(const bench_peak *p);
 
 // ---------------------------------------------------------------------------------------------
 // Per-kernel profile (bench_profile.c): wraps the CPU backend's kernel table with timers.

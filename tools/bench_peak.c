@@ -9,6 +9,12 @@
  * for AVX-512 through target attributes and run only after a __builtin_cpu_supports check,
  * so the program still starts on a machine without them.
  *
+ * bf16 on a CPU with AMX (Sapphire Rapids and later): a loop of tile dot products (tdpbf16ps:
+ * a 16x16 f32 tile += a 16x32 bf16 tile times a 32x16 one, 16 x 16 x 32 x 2 = 16384 FLOPs per
+ * instruction) on four accumulator tiles, since oneDNN runs bf16 matmuls and convolutions there:
+ * the bf16 peak is the larger of the two. Linux hands a process the tile state only when asked
+ * (arch_prctl ARCH_REQ_XCOMP_PERM); without it, or without AMX, that loop is not run.
+ *
  * The multi-thread figure runs the same loop on every OpenMP thread at once and divides all
  * threads' FLOPs by the wall time of the parallel region: what the machine sustains when the
  * other cores are busy too (clock and power limits included).
@@ -19,7 +25,9 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 double bench_now(void) {
     struct timespec ts;
@@ -84,6 +92,52 @@ PEAK_OPT __attribute__((target("avx512f,avx512bf16"))) static float dpbf16_loop(
     return _mm512_reduce_add_ps(s);
 }
 
+/* iters x 4 tile dot products into tiles 0-3 from A tiles 4, 5 and B tiles 6, 7 (all 16 rows
+   of 64 bytes); the inputs are zero, so the sums stay 0 and finite. Per thread: the tile
+   configuration is a thread's own state. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+PEAK_OPT __attribute__((target("amx-tile,amx-bf16"))) static float amx_loop(int64_t iters) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t it = 0; it < iters; it++) {
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    float out[16 * 16];
+    _tile_stored(0, out, 64);
+    _tile_release();
+    return out[0];
+}
+
+/* AMX usable: the CPU has it and Linux grants this process the tile data state. */
+static bool amx_usable(void) {
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+#ifdef SYS_arch_prctl
+    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return false;
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // Timing
 
@@ -139,4 +193,11 @@ void bench_peak_measure(bench_peak *p, int threads, double seconds_each) {
         p->bf16_1t = rate(dpbf16_loop, dp_flops, 1, seconds_each);
         p->bf16_all = p->threads > 1 ? rate(dpbf16_loop, dp_flops, p->threads, seconds_each) : p->bf16_1t;
     }
+    if ((p->have_amx = amx_usable())) {
+        const double amx_flops = 4.0 * 16 * 16 * 32 * 2;
+        p->amx_1t = rate(amx_loop, amx_flops, 1, seconds_each);
+        p->amx_all = p->threads > 1 ? rate(amx_loop, amx_flops, p->threads, seconds_each) : p->amx_1t;
+    }
 }
+
+double bench_peak_bf16_1t(const bench_peak *p) { return p->amx_1t > p->bf16_1t ? p->amx_1t : p->bf16_1t; }

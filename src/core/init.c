@@ -19,6 +19,7 @@ static void do_init(void) {
         {__builtin_cpu_supports("avx512bf16"), "avx512_bf16"}, {__builtin_cpu_supports("avx512bw"), "avx512bw"},
         {__builtin_cpu_supports("avx512f"), "avx512f"},        {__builtin_cpu_supports("f16c"), "f16c"},
         {__builtin_cpu_supports("avx2"), "avx2"},              {__builtin_cpu_supports("fma"), "fma"},
+        {__builtin_cpu_supports("amx-bf16"), "amx_bf16"},      {__builtin_cpu_supports("avx512fp16"), "avx512_fp16"},
     };
     size_t k = 0;
     for (size_t i = 0; i < sizeof f / sizeof *f; i++)
