@@ -58,19 +58,19 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     settings s;
     char *argv[] = {(char *)PROG, (char *)"--resume", path, NULL};
     if (parse_args(3, argv, &s, &(const char *){NULL}, &(const char *){NULL}) != 0) abort();
-    run r = {.s = &s, .net = fm.m, .opt = fm.opt, .scaler = fm.s};
+    run r = {.s = &s, .m = {.net = fm.m, .opt = fm.opt, .scaler = fm.s}};
     r.d.train = r.d.val = ds;
     r.d.num_classes = 10;
-    rc = resume_settings(&s, &r.meta);
+    rc = resume_settings(&s, &r.resume.meta);
     fuzz_report("resume_settings", rc == 0);
     if (rc == 0) {
         rc = resume_state(&r);
         fuzz_report("resume_state", rc == 0);
     }
     if (rc < 0 && !g_err[0]) abort();   /* a refusal says why */
-    if (rc == 0 && (r.hist.n != r.epoch0 || r.resume_step < 0 || r.resume_step > N_SAMPLES)) abort();
-    ampc_checkpoint_meta_free(r.meta);
-    free(r.hist.rows);
+    if (rc == 0 && (r.out.hist.n != r.resume.epoch0 || r.resume.step < 0 || r.resume.step > N_SAMPLES)) abort();
+    ampc_checkpoint_meta_free(r.resume.meta);
+    free(r.out.hist.rows);
     settings_free(&s);
     ampc_dataset_free(ds);
     fuzz_model_free(&fm);

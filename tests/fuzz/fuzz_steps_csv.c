@@ -114,19 +114,19 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     /* appended to (its header checked) and parsed for the plots, as a resumed run does */
     static const char *const cols[] = {"step", "epoch", "batch", "loss", "scale", "skipped", "lr", "samples_per_s"};
     run r = {0};
-    r.out = (char *)fuzz_dir();
-    r.scaler = ampc_scaler_new(NULL);
-    r.steps = ampc_metrics_open(path, cols, 8, true);
-    fuzz_report("metrics_open append", r.steps != NULL);
-    if (r.steps && r.scaler) {
+    r.out.dir = (char *)fuzz_dir();
+    r.m.scaler = ampc_scaler_new(NULL);
+    r.out.steps = ampc_metrics_open(path, cols, 8, true);
+    fuzz_report("metrics_open append", r.out.steps != NULL);
+    if (r.out.steps && r.m.scaler) {
         g_lines++;   /* the row appended */
         const double row[8] = {(double)keep + 1, 1, 1, 0.5, 65536, 1, 0.001, 1000};
-        if (ampc_metrics_row(r.steps, row) < 0) abort();
+        if (ampc_metrics_row(r.out.steps, row) < 0) abort();
         rc = steplog_plot(&r, "fuzz");
         fuzz_report("steplog_plot", rc == 0);
         if (rc < 0 && !g_err[0]) abort();
     }
     steplog_close(&r);
-    ampc_scaler_free(r.scaler);
+    ampc_scaler_free(r.m.scaler);
     return 0;
 }

@@ -135,16 +135,16 @@ int agree_built(run *r) {
     if (r->world <= 1) return 0;
     static facts fs;
     fs.n = 0;
-    add(&fs, "the precision", "%s", r->use_amp ? (r->amp_dtype == AMPC_BF16 ? "bf16 autocast" : "fp16 autocast") : "fp32");
-    add(&fs, "the grad scaler", "%s", ampc_scaler_is_enabled(r->scaler) ? "on" : "off");
+    add(&fs, "the precision", "%s", r->m.use_amp ? (r->m.amp_dtype == AMPC_BF16 ? "bf16 autocast" : "fp16 autocast") : "fp32");
+    add(&fs, "the grad scaler", "%s", ampc_scaler_is_enabled(r->m.scaler) ? "on" : "off");
     add(&fs, "the training data", "%" PRId64 " samples, fingerprint %016" PRIx64, ampc_dataset_size(r->d.train),
         ampc_dataset_fingerprint(r->d.train));
     add(&fs, "the validation data", "%" PRId64 " samples, fingerprint %016" PRIx64, ampc_dataset_size(r->d.val),
         ampc_dataset_fingerprint(r->d.val));
     add(&fs, "the classes", "%" PRId64, r->d.num_classes);
     add(&fs, "the sample shape", "%" PRId64 "x%" PRId64 "x%" PRId64, r->d.c, r->d.h, r->d.w);
-    add(&fs, "the model", "%" PRId64 " parameters, %" PRId64 " trainable", ampc_module_num_parameters(r->net, false),
-        ampc_module_num_parameters(r->net, true));
-    add(&fs, "the starting epoch", "%" PRId64 " step %" PRId64, r->epoch0, r->resume_step);
+    add(&fs, "the model", "%" PRId64 " parameters, %" PRId64 " trainable", ampc_module_num_parameters(r->m.net, false),
+        ampc_module_num_parameters(r->m.net, true));
+    add(&fs, "the starting epoch", "%" PRId64 " step %" PRId64, r->resume.epoch0, r->resume.step);
     return agree(&fs, "on what they built");
 }

@@ -11,7 +11,7 @@
 
 void doctor_step_begin(run *r) {
     if (!ampc_doctor_is_enabled()) return;
-    ampc_doctor_step_begin(ampc_scaler_is_enabled(r->scaler) ? (double)ampc_scaler_get_scale(r->scaler) : 1.0);
+    ampc_doctor_step_begin(ampc_scaler_is_enabled(r->m.scaler) ? (double)ampc_scaler_get_scale(r->m.scaler) : 1.0);
 }
 
 const char *doctor_blame(char *buf, size_t n) {
@@ -30,7 +30,7 @@ const char *doctor_blame(char *buf, size_t n) {
 int explain_begin(run *r) {
     if (!yes(r->s, OPT_EXPLAIN) || r->rank > 0) return 0;
     if (ampc_explain_begin() < 0) return fail_lib("--explain");
-    r->explaining = true;
+    r->diag.explaining = true;
     return 0;
 }
 
@@ -42,13 +42,13 @@ static const char *dtypes(const ampc_dtype *d, int n, char *buf, size_t cap) {
 }
 
 int explain_print(run *r) {
-    if (!r->explaining) return 0;
-    r->explaining = false;
+    if (!r->diag.explaining) return 0;
+    r->diag.explaining = false;
     ampc_explain_row *rows;
     int n = ampc_explain_end(&rows);
     if (n < 0) return fail_lib("--explain");
     printf("explain: the first training step's %d ops, %s (policies from the op table)\n", n,
-           r->use_amp ? (r->amp_dtype == AMPC_BF16 ? "under bf16 autocast" : "under fp16 autocast") : "without autocast");
+           r->m.use_amp ? (r->m.amp_dtype == AMPC_BF16 ? "under bf16 autocast" : "under fp16 autocast") : "without autocast");
     printf("  %4s  %-8s  %-18s  %-28s  %-15s  %-30s  %-6s  %s\n", "#", "pass", "module", "op", "policy", "inputs given -> run",
            "output", "cast bytes");
     int64_t cast = 0, fwd = 0;
@@ -76,30 +76,30 @@ int explain_print(run *r) {
 
 int numerics_open(run *r) {
     if (ival(r->s, OPT_NUMERICS_EVERY) <= 0) return 0;
-    if (ampc_numerics_begin(r->use_amp ? r->amp_dtype : AMPC_F16) < 0) return fail_lib("--numerics-every");
+    if (ampc_numerics_begin(r->m.use_amp ? r->m.amp_dtype : AMPC_F16) < 0) return fail_lib("--numerics-every");
     ampc_numerics_pause(true);
-    r->numerics = true;
+    r->diag.numerics = true;
     return 0;
 }
 
 void numerics_step_begin(run *r) {
-    if (!r->numerics) return;
-    bool sample = r->steps_run % ival(r->s, OPT_NUMERICS_EVERY) == 0;
+    if (!r->diag.numerics) return;
+    bool sample = r->stop.steps_run % ival(r->s, OPT_NUMERICS_EVERY) == 0;
     ampc_numerics_pause(!sample);
-    r->numerics_steps += sample;
+    r->diag.numerics_steps += sample;
 }
 
 static double share(int64_t k, int64_t n) { return n ? 100.0 * (double)k / (double)n : 0.0; }
 
 int numerics_report(run *r) {
-    if (!r->numerics) return 0;
-    r->numerics = false;
+    if (!r->diag.numerics) return 0;
+    r->diag.numerics = false;
     ampc_numerics_row *rows;
     int n = ampc_numerics_end(&rows);
     if (n < 0) return fail_lib("--numerics-every");
     int rc = 0;
     if (r->rank == 0 && n > 0) {
-        const char *t = r->use_amp && r->amp_dtype == AMPC_BF16 ? "bf16" : "fp16";
+        const char *t = r->m.use_amp && r->m.amp_dtype == AMPC_BF16 ? "bf16" : "fp16";
         /* the table: the rows losing most (flushed + subnormal + saturated), at most 15 */
         int *order = malloc((size_t)n * sizeof *order);
         if (!order) {
@@ -117,7 +117,7 @@ int numerics_report(run *r) {
                 order[j - 1] = tmp;
             }
         printf("numerics: %" PRId64 " sampled step(s), %d ops; what %s would lose, the ops losing most first (all in numerics.csv):\n",
-               r->numerics_steps, n, t);
+               r->diag.numerics_steps, n, t);
         printf("  %-8s  %-20s  %-28s  %11s  %8s  %10s  %9s  %8s\n", "pass", "module", "op", "amax", "flushed", "subnormal", "saturated",
                "zeros");
         for (int k = 0; k < n && k < 15; k++) {
@@ -127,7 +127,7 @@ int numerics_report(run *r) {
                    share(x->saturated, x->values), share(x->zeros, x->values));
         }
         free(order);
-        char *path = path_join(r->out, "numerics.csv");
+        char *path = path_join(r->out.dir, "numerics.csv");
         FILE *f = path ? ampc_output_fopen(path, "numerics.csv", "w") : NULL;   /* a FIFO or a link there: refused */
         if (!path) rc = -1;
         else if (!f) rc = fail_lib("--numerics-every");

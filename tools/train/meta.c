@@ -66,8 +66,8 @@ static void kv_free(kv_list *l) {
 /* Records the checkpoint a diverging run falls back to: path, after epochs_done epochs and `step`
    steps of the next one. */
 static void set_last_good(run *r, const char *path, int64_t epochs_done, int64_t step) {
-    if (step > 0) snprintf(r->last_good, sizeof r->last_good, "%s (in epoch %" PRId64 ", after step %" PRId64 ")", path, epochs_done + 1, step);
-    else snprintf(r->last_good, sizeof r->last_good, "%s (after epoch %" PRId64 ")", path, epochs_done);
+    if (step > 0) snprintf(r->stop.last_good, sizeof r->stop.last_good, "%s (in epoch %" PRId64 ", after step %" PRId64 ")", path, epochs_done + 1, step);
+    else snprintf(r->stop.last_good, sizeof r->stop.last_good, "%s (after epoch %" PRId64 ")", path, epochs_done);
 }
 
 /* The run after epochs_done epochs and, when a signal stopped epoch epochs_done + 1, `step` of its
@@ -92,7 +92,7 @@ int checkpoint_save(run *r, const char *path, const char *diverged, int64_t epoc
         snprintf(v[2], sizeof v[2], "%" PRId64, partial->samples);
         fmt_real(partial->data_seconds, v[3], sizeof v[3]);
         fmt_real(partial->seconds, v[4], sizeof v[4]);
-        snprintf(v[5], sizeof v[5], "%" PRId64, ampc_scaler_steps_skipped(r->scaler) - r->epoch_skipped0);
+        snprintf(v[5], sizeof v[5], "%" PRId64, ampc_scaler_steps_skipped(r->m.scaler) - r->stop.epoch_skipped0);
         fmt_real(epoch_seconds, v[6], sizeof v[6]);
         snprintf(text, sizeof text, "%s,%s,%s,%s,%s,%s,%s", v[0], v[1], v[2], v[3], v[4], v[5], v[6]);
         rc = kv_add(&kv, META_PREFIX "partial", text);
@@ -109,19 +109,19 @@ int checkpoint_save(run *r, const char *path, const char *diverged, int64_t epoc
     snprintf(buf, sizeof buf, "%" PRId64, r->d.num_classes);
     rc = rc < 0 ? rc : kv_add(&kv, META_PREFIX "num_classes", buf);
     for (int c = 0; c < N_COLS && rc == 0; c++) {   /* "0.51,0.32,0.29" per column */
-        size_t cap = (size_t)r->hist.n * 26 + 1, at = 0;
+        size_t cap = (size_t)r->out.hist.n * 26 + 1, at = 0;
         char *text = malloc(cap);
         if (!text) {
             rc = fail("out of memory");
             break;
         }
         text[0] = '\0';
-        for (int e = 0; e < r->hist.n; e++) at += (size_t)snprintf(text + at, cap - at, "%s%s", e ? "," : "", fmt_real(r->hist.rows[e][c], buf, sizeof buf));
+        for (int e = 0; e < r->out.hist.n; e++) at += (size_t)snprintf(text + at, cap - at, "%s%s", e ? "," : "", fmt_real(r->out.hist.rows[e][c], buf, sizeof buf));
         snprintf(key, sizeof key, META_PREFIX "history.%s", COLS[c]);
         rc = kv_add(&kv, key, text);
         free(text);
     }
-    if (rc == 0 && ampc_checkpoint_save(path, r->net, r->opt, r->scaler, (const char *const *)kv.kv) < 0)
+    if (rc == 0 && ampc_checkpoint_save(path, r->m.net, r->m.opt, r->m.scaler, (const char *const *)kv.kv) < 0)
         rc = fail_lib("saving the checkpoint");
     kv_free(&kv);
     if (rc == 0 && !diverged) set_last_good(r, path, epochs_done, step);
@@ -179,13 +179,13 @@ static int resume_partial(run *r, const ampc_checkpoint_meta *meta, const char *
        from, on any number of ranks. Each step took at least one; the steps before a change of
        the number of ranks took more per step than those after or fewer, so nothing tighter holds */
     const double n_train = (double)ampc_dataset_size(r->d.train);
-    if (!ok || n != 7 || v[2] > n_train || v[2] != floor(v[2]) || v[2] < (double)r->resume_step || v[1] > v[2] || v[1] != floor(v[1]) ||
-        v[5] != floor(v[5]) || v[5] > (double)r->resume_step)
-        return fail("--resume '%s': bad metadata '" META_PREFIX "partial' for step %" PRId64, path, r->resume_step);
-    r->resume_train = (pass_stats){.loss_sum = v[0], .correct = (int64_t)v[1], .samples = (int64_t)v[2], .data_seconds = v[3],
-                                   .seconds = v[4], .steps = r->resume_step};
-    r->epoch_skipped0 = ampc_scaler_steps_skipped(r->scaler) - (int64_t)v[5];
-    r->resume_epoch_seconds = v[6];
+    if (!ok || n != 7 || v[2] > n_train || v[2] != floor(v[2]) || v[2] < (double)r->resume.step || v[1] > v[2] || v[1] != floor(v[1]) ||
+        v[5] != floor(v[5]) || v[5] > (double)r->resume.step)
+        return fail("--resume '%s': bad metadata '" META_PREFIX "partial' for step %" PRId64, path, r->resume.step);
+    r->resume.train = (pass_stats){.loss_sum = v[0], .correct = (int64_t)v[1], .samples = (int64_t)v[2], .data_seconds = v[3],
+                                   .seconds = v[4], .steps = r->resume.step};
+    r->stop.epoch_skipped0 = ampc_scaler_steps_skipped(r->m.scaler) - (int64_t)v[5];
+    r->resume.epoch_seconds = v[6];
     return 0;
 }
 
@@ -282,7 +282,7 @@ static int resume_remedies(run *r, const ampc_checkpoint_meta *meta, const char 
     }
     const char *why = ampc_checkpoint_meta_find(meta, META_PREFIX "diverged");
     const bool diverged = why != NULL;
-    *fresh = ampc_scaler_is_enabled(r->scaler) && (precision || diverged);
+    *fresh = ampc_scaler_is_enabled(r->m.scaler) && (precision || diverged);
     if (diverged)
         printf("note: %s was saved by a run that diverged (%.500s)\n", path, why);
     if (at)
@@ -292,7 +292,7 @@ static int resume_remedies(run *r, const ampc_checkpoint_meta *meta, const char 
              "--fp32-modules for the module --doctor names, --clip-grad-norm or --use-amp no");
     if (*fresh) {
         char sc[32];
-        printf("note: the grad scaler starts afresh at scale %s (%s)\n", fmt_real(ampc_scaler_get_scale(r->scaler), sc, sizeof sc),
+        printf("note: the grad scaler starts afresh at scale %s (%s)\n", fmt_real(ampc_scaler_get_scale(r->m.scaler), sc, sizeof sc),
                diverged ? "the checkpoint's had collapsed" : "the precision changed");
     }
     return 0;
@@ -300,49 +300,49 @@ static int resume_remedies(run *r, const ampc_checkpoint_meta *meta, const char 
 
 int resume_state(run *r) {
     const char *path = sval(r->s, OPT_RESUME);
-    const ampc_checkpoint_meta *meta = r->meta;   /* resume_settings' */
+    const ampc_checkpoint_meta *meta = r->resume.meta;   /* resume_settings' */
     char key[128];
     /* the metadata first: whether the grad scaler's state is loaded depends on it */
     bool fresh_scaler = false;
     int rc = resume_remedies(r, meta, path, &fresh_scaler);
-    if (rc == 0 && ampc_checkpoint_load(path, r->net, r->opt, fresh_scaler ? NULL : r->scaler, NULL) < 0) rc = fail_lib("--resume");
+    if (rc == 0 && ampc_checkpoint_load(path, r->m.net, r->m.opt, fresh_scaler ? NULL : r->m.scaler, NULL) < 0) rc = fail_lib("--resume");
     /* the load restores the checkpoint's rate; a --lr given anew (the guard rails' remedy) is the
        rate from here on (a schedule derives each step's from it anyway) */
-    if (rc == 0 && r->s->given[OPT_LR]) ampc_optimizer_set_lr(r->opt, rval(r->s, OPT_LR));
+    if (rc == 0 && r->s->given[OPT_LR]) ampc_optimizer_set_lr(r->m.opt, rval(r->s, OPT_LR));
     if (rc < 0) return rc;
     int64_t n_train, n_val, n_classes;
     const int64_t max_epochs = (int64_t)OPTS[OPT_EPOCHS].hi, max_size = INT64_C(1) << 48;
-    rc = meta_int(meta, path, META_PREFIX "epoch", 0, max_epochs, &r->epoch0);
+    rc = meta_int(meta, path, META_PREFIX "epoch", 0, max_epochs, &r->resume.epoch0);
     if (rc == 0) rc = meta_int(meta, path, META_PREFIX "train_size", 0, max_size, &n_train);
     if (rc == 0) rc = meta_int(meta, path, META_PREFIX "val_size", 0, max_size, &n_val);
     if (rc == 0) rc = meta_int(meta, path, META_PREFIX "num_classes", 0, max_size, &n_classes);
-    r->resume_step = 0;   /* checkpoints written at an epoch's end before signals were handled have no step */
+    r->resume.step = 0;   /* checkpoints written at an epoch's end before signals were handled have no step */
     if (rc == 0 && ampc_checkpoint_meta_find(meta, META_PREFIX "step"))
-        rc = meta_int(meta, path, META_PREFIX "step", 0, ampc_dataset_size(r->d.train), &r->resume_step);
+        rc = meta_int(meta, path, META_PREFIX "step", 0, ampc_dataset_size(r->d.train), &r->resume.step);
     if (rc == 0 && (n_train != ampc_dataset_size(r->d.train) || n_val != ampc_dataset_size(r->d.val) || n_classes != r->d.num_classes))
         rc = fail("--resume '%s' was trained on %" PRId64 " + %" PRId64 " samples of %" PRId64 " classes, but the data has %" PRId64
                   " + %" PRId64 " of %" PRId64,
                   path, n_train, n_val, n_classes, ampc_dataset_size(r->d.train), ampc_dataset_size(r->d.val), r->d.num_classes);
     /* the global batch the checkpoint's processes took, for the note when it changes */
     int64_t saved_bs = 0;
-    r->saved_world = 1;   /* checkpoints from before data-parallel training: one process */
+    r->resume.saved_world = 1;   /* checkpoints from before data-parallel training: one process */
     if (rc == 0 && ampc_checkpoint_meta_find(meta, META_PREFIX "world_size"))
-        rc = meta_int(meta, path, META_PREFIX "world_size", 1, INT32_MAX, &r->saved_world);
+        rc = meta_int(meta, path, META_PREFIX "world_size", 1, INT32_MAX, &r->resume.saved_world);
     if (rc == 0) rc = meta_int(meta, path, META_PREFIX "config.batch-size", 1, INT32_MAX, &saved_bs);
-    r->saved_global_batch = saved_bs * r->saved_world;
-    if (rc == 0 && r->resume_step > 0) rc = resume_partial(r, meta, path);
+    r->resume.saved_global_batch = saved_bs * r->resume.saved_world;
+    if (rc == 0 && r->resume.step > 0) rc = resume_partial(r, meta, path);
     /* the history has one value per finished epoch: count them before trusting the epoch number */
     const char *first = NULL;
     snprintf(key, sizeof key, META_PREFIX "history.%s", COLS[0]);
-    if (rc == 0 && (rc = meta_get(meta, path, key, &first)) == 0 && count_values(first) != r->epoch0)
-        rc = fail("--resume '%s': metadata '%s' has %" PRId64 " values for %" PRId64 " epochs", path, key, count_values(first), r->epoch0);
+    if (rc == 0 && (rc = meta_get(meta, path, key, &first)) == 0 && count_values(first) != r->resume.epoch0)
+        rc = fail("--resume '%s': metadata '%s' has %" PRId64 " values for %" PRId64 " epochs", path, key, count_values(first), r->resume.epoch0);
     double (*cols)[N_COLS] = NULL;
-    if (rc == 0 && r->epoch0 > 0 && !(cols = calloc((size_t)r->epoch0, sizeof *cols))) rc = fail("out of memory");
+    if (rc == 0 && r->resume.epoch0 > 0 && !(cols = calloc((size_t)r->resume.epoch0, sizeof *cols))) rc = fail("out of memory");
     for (int c = 0; c < N_COLS && rc == 0; c++) {
         const char *text;
         snprintf(key, sizeof key, META_PREFIX "history.%s", COLS[c]);
         if (c == COL_DATA_WAIT && !ampc_checkpoint_meta_find(meta, key)) {   /* older checkpoint: not measured */
-            for (int64_t e = 0; e < r->epoch0; e++) cols[e][c] = NAN;
+            for (int64_t e = 0; e < r->resume.epoch0; e++) cols[e][c] = NAN;
             continue;
         }
         if ((rc = meta_get(meta, path, key, &text)) < 0) break;
@@ -350,15 +350,15 @@ int resume_state(run *r) {
         for (const char *p = text; *p && rc == 0;) {
             char *end;
             double v = strtod(p, &end);
-            if (end == p || (*end && *end != ',') || n >= r->epoch0) rc = fail("--resume '%s': bad metadata '%s'", path, key);
+            if (end == p || (*end && *end != ',') || n >= r->resume.epoch0) rc = fail("--resume '%s': bad metadata '%s'", path, key);
             else cols[n++][c] = v;
             p = *end ? end + 1 : end;
         }
-        if (rc == 0 && n != r->epoch0)
-            rc = fail("--resume '%s': metadata '%s' has %" PRId64 " values for %" PRId64 " epochs", path, key, n, r->epoch0);
+        if (rc == 0 && n != r->resume.epoch0)
+            rc = fail("--resume '%s': metadata '%s' has %" PRId64 " values for %" PRId64 " epochs", path, key, n, r->resume.epoch0);
     }
-    for (int64_t e = 0; e < r->epoch0 && rc == 0; e++) rc = history_push(&r->hist, cols[e]);
+    for (int64_t e = 0; e < r->resume.epoch0 && rc == 0; e++) rc = history_push(&r->out.hist, cols[e]);
     free(cols);
-    if (rc == 0) set_last_good(r, path, r->epoch0, r->resume_step);
+    if (rc == 0) set_last_good(r, path, r->resume.epoch0, r->resume.step);
     return rc;
 }

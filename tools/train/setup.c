@@ -14,25 +14,25 @@
 #include <stdio.h>
 
 void run_free(run *r) {
-    ampc_ddp_free(r->ddp);
-    ampc_loader_free(r->train_ld);
-    ampc_loader_free(r->val_ld);
-    ampc_metrics_close(r->metrics);
+    ampc_ddp_free(r->m.ddp);
+    ampc_loader_free(r->d.train_ld);
+    ampc_loader_free(r->d.val_ld);
+    ampc_metrics_close(r->out.metrics);
     steplog_close(r);
     tensorboard_close(r);
-    ampc_scaler_free(r->scaler);
-    ampc_optimizer_free(r->opt);
-    ampc_module_free(r->net);
+    ampc_scaler_free(r->m.scaler);
+    ampc_optimizer_free(r->m.opt);
+    ampc_module_free(r->m.net);
     data_free(&r->d);
-    free(r->hist.rows);
-    free(r->out);
-    if (r->out_lock) fclose(r->out_lock);   /* and the lock with it */
-    free(r->ckpt_path);
-    free(r->model_path);
-    free(r->diverged_path);
-    ampc_checkpoint_meta_free(r->meta);
-    free(r->logits_buf);
-    free(r->confusion);
+    free(r->out.hist.rows);
+    free(r->out.dir);
+    if (r->out.lock) fclose(r->out.lock);   /* and the lock with it */
+    free(r->out.ckpt_path);
+    free(r->out.model_path);
+    free(r->out.diverged_path);
+    ampc_checkpoint_meta_free(r->resume.meta);
+    free(r->tally.logits_buf);
+    free(r->tally.confusion);
     memset(r, 0, sizeof *r);
 }
 
@@ -76,7 +76,7 @@ static int load_pretrained(run *r) {
     FILE *rep = open_memstream(&text, &n);
     if (!rep) return fail("out of memory");
     ampc_load_report lr;
-    int rc = ampc_load_state_dict(path, r->net, strcmp(strict, "yes") == 0, rep, &lr);
+    int rc = ampc_load_state_dict(path, r->m.net, strcmp(strict, "yes") == 0, rep, &lr);
     fclose(rep);
     bool stem = false;
     const int misses = rc < 0 ? 0 : backbone_misses(model, text, names, sizeof names, &stem);
@@ -93,7 +93,7 @@ static int load_pretrained(run *r) {
         return fail("--pretrained '%s': none of its tensors matched the model's (%d missing, %d unexpected, %d of another shape): "
                     "a file for another --model than %s?", path, lr.missing, lr.unexpected, lr.mismatched, model);
     if (misses) warn("--pretrained-strict no: %d backbone tensor(s) keep new values: %s%s", misses, names, stem_why);
-    snprintf(r->pretrained_note, sizeof r->pretrained_note, "%s: %d tensors loaded, %d missing, %d unexpected, %d of another shape (kept new)",
+    snprintf(r->m.pretrained_note, sizeof r->m.pretrained_note, "%s: %d tensors loaded, %d missing, %d unexpected, %d of another shape (kept new)",
              path, lr.loaded, lr.missing, lr.unexpected, lr.mismatched);
     return 0;
 }
@@ -118,7 +118,7 @@ static int choose_stem(run *r, const char *model, bool *small) {
         }
         free(t);
     }
-    snprintf(r->stem_note, sizeof r->stem_note, "%s: %s, as %s%s%s", model,
+    snprintf(r->m.stem_note, sizeof r->m.stem_note, "%s: %s, as %s%s%s", model,
              *small ? "3x3 stride 1, no max-pool (the small-input stem)" : "7x7 stride 2 with max-pool (torchvision's)", why,
              *shape ? " " : "", shape);
     return 0;
@@ -131,7 +131,7 @@ static int freeze(run *r, const char *model) {
     if (strcmp(sval(r->s, OPT_FREEZE), "backbone") != 0) return 0;
     ampc_tensor **p;
     const char **names;
-    int n = ampc_module_parameters(r->net, &p, &names);
+    int n = ampc_module_parameters(r->m.net, &p, &names);
     if (n < 0) return fail_lib("--freeze");
     for (int i = 0; i < n; i++)
         if (strncmp(names[i], head, strlen(head)) != 0 && ampc_tensor_set_requires_grad(p[i], false) < 0) return fail_lib("--freeze");
@@ -139,7 +139,7 @@ static int freeze(run *r, const char *model) {
 }
 
 void print_setup(run *r) {
-    print_config(r->s, r->d.desc, r->use_amp);
+    print_config(r->s, r->d.desc, r->m.use_amp);
     printf("  %-14s %s, %d threads, wait policy %s\n", "cpu", ampc_cpu_features(), ampc_get_num_threads(),
            ampc_tool_wait_policy_desc());
     if (r->world > 1)
@@ -148,22 +148,22 @@ void print_setup(run *r) {
     if (ival(r->s, OPT_ACCUMULATE) > 1)
         printf("  %-14s %" PRId64 " batches per optimizer step: %" PRId64 " samples a step\n", "accumulate", ival(r->s, OPT_ACCUMULATE),
                ival(r->s, OPT_ACCUMULATE) * ival(r->s, OPT_BATCH_SIZE) * r->world);
-    if (r->zero_all > 0) {
+    if (r->m.zero_all > 0) {
         char b1[32], b2[32];
         printf("  %-14s optimizer state shared out by element over %d processes: %s on rank 0 of %s\n", "zero", r->world,
-               fmt_bytes((double)r->zero_here, b1, sizeof b1), fmt_bytes((double)r->zero_all, b2, sizeof b2));
+               fmt_bytes((double)r->m.zero_here, b1, sizeof b1), fmt_bytes((double)r->m.zero_all, b2, sizeof b2));
     }
-    if (r->scheduled) {
-        printf("  %-14s %s", "lr schedule", r->sched.kind == AMPC_LR_STEP ? "step" : r->sched.kind == AMPC_LR_COSINE ? "cosine" : "constant");
-        if (r->sched.kind == AMPC_LR_STEP) printf(": x %g every %" PRId64 " steps", r->sched.gamma, r->sched.step_size);
-        if (r->sched.kind == AMPC_LR_COSINE) printf(" to 0 over %" PRId64 " steps", r->sched.t_max);
-        if (r->sched.warmup_steps) printf(", after a linear warm-up over %" PRId64 " steps from a third", r->sched.warmup_steps);
+    if (r->m.scheduled) {
+        printf("  %-14s %s", "lr schedule", r->m.sched.kind == AMPC_LR_STEP ? "step" : r->m.sched.kind == AMPC_LR_COSINE ? "cosine" : "constant");
+        if (r->m.sched.kind == AMPC_LR_STEP) printf(": x %g every %" PRId64 " steps", r->m.sched.gamma, r->m.sched.step_size);
+        if (r->m.sched.kind == AMPC_LR_COSINE) printf(" to 0 over %" PRId64 " steps", r->m.sched.t_max);
+        if (r->m.sched.warmup_steps) printf(", after a linear warm-up over %" PRId64 " steps from a third", r->m.sched.warmup_steps);
         printf(" (by applied optimizer steps)\n");
     }
-    if (r->stem_note[0]) printf("  %-14s %s\n", "stem", r->stem_note);
-    if (r->pretrained_note[0]) printf("  %-14s %s\n", "weights", r->pretrained_note);
-    if (r->sync_bn > 0)
-        printf("  %-14s %d BatchNorm layers with the statistics of all %d processes' batches\n", "sync-bn", r->sync_bn, r->world);
+    if (r->m.stem_note[0]) printf("  %-14s %s\n", "stem", r->m.stem_note);
+    if (r->m.pretrained_note[0]) printf("  %-14s %s\n", "weights", r->m.pretrained_note);
+    if (r->m.sync_bn > 0)
+        printf("  %-14s %d BatchNorm layers with the statistics of all %d processes' batches\n", "sync-bn", r->m.sync_bn, r->world);
     int64_t ntr = ampc_dataset_size(r->d.train), nva = ampc_dataset_size(r->d.val);
     char c1[32], c2[32], c3[32], c4[32];
     printf("data: %s training samples", fmt_count(ntr, c1, sizeof c1));
@@ -171,8 +171,8 @@ void print_setup(run *r) {
     printf(", %s validation samples (%s", fmt_count(nva, c2, sizeof c2), r->d.val_name);
     if (nva != r->d.full_val) printf(", first of %s", fmt_count(r->d.full_val, c4, sizeof c4));
     printf("); %" PRId64 " classes, %" PRId64 "x%" PRId64 "x%" PRId64 " images\n", r->d.num_classes, r->d.c, r->d.h, r->d.w);
-    printf("%s total parameters.\n", fmt_count(ampc_module_num_parameters(r->net, false), c1, sizeof c1));
-    printf("%s trainable parameters.\n", fmt_count(ampc_module_num_parameters(r->net, true), c1, sizeof c1));
+    printf("%s total parameters.\n", fmt_count(ampc_module_num_parameters(r->m.net, false), c1, sizeof c1));
+    printf("%s trainable parameters.\n", fmt_count(ampc_module_num_parameters(r->m.net, true), c1, sizeof c1));
     fflush(stdout);
 }
 
@@ -182,9 +182,9 @@ static int check_model_input(run *r) {
     const int64_t shape[4] = {1, r->d.c, r->d.h, r->d.w};
     ampc_scope_begin();
     ampc_no_grad_enter();
-    ampc_module_train(r->net, false);
+    ampc_module_train(r->m.net, false);
     ampc_tensor *x = ampc_tensor_zeros(AMPC_F32, 4, shape);
-    ampc_tensor *y = x ? ampc_module_forward(r->net, x) : NULL;
+    ampc_tensor *y = x ? ampc_module_forward(r->m.net, x) : NULL;
     int rc = 0;
     if (!y)
         rc = ampc_last_status() == AMPC_ERR_OOM
@@ -214,13 +214,13 @@ static double probe_step(run *r, bool amp, ampc_dtype dt, int64_t b) {
     ampc_tensor *x = ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){b, r->d.c, r->d.h, r->d.w});
     ampc_tensor *y = ampc_tensor_zeros(AMPC_I64, 1, (int64_t[]){b});
     ampc_autocast_enter(dt, amp);
-    ampc_tensor *loss = x && y ? ampc_cross_entropy(ampc_module_forward(r->net, x), y, NULL) : NULL;
+    ampc_tensor *loss = x && y ? ampc_cross_entropy(ampc_module_forward(r->m.net, x), y, NULL) : NULL;
     ampc_autocast_exit();
     int rc = loss ? ampc_backward(loss) : -1;
-    if (rc >= 0) rc = ampc_device_synchronize(r->device);
+    if (rc >= 0) rc = ampc_device_synchronize(r->m.device);
     double t = progress_now() - t0;
     ampc_scope_end();
-    ampc_optimizer_zero_grad(r->opt);
+    ampc_optimizer_zero_grad(r->m.opt);
     if (rc < 0) ampc_clear_error();
     return rc < 0 ? -1 : t;
 }
@@ -237,10 +237,10 @@ static int amp_fastest(run *r, const char *hw_dtype) {
         ampc_dtype dt;
         double t[FASTEST_ROUNDS];
     } c[3] = {{"fp32", false, AMPC_F32, {0}}, {"bf16", true, AMPC_BF16, {0}}, {"fp16", true, AMPC_F16, {0}}};
-    bool offered[3] = {true, ampc_dtype_supported(r->device, AMPC_BF16), ampc_dtype_supported(r->device, AMPC_F16)};
+    bool offered[3] = {true, ampc_dtype_supported(r->m.device, AMPC_BF16), ampc_dtype_supported(r->m.device, AMPC_F16)};
     const int64_t b = ival(r->s, OPT_BATCH_SIZE);
     ampc_tensor **sd;
-    int n_sd = ampc_module_state_dict(r->net, &sd, NULL);
+    int n_sd = ampc_module_state_dict(r->m.net, &sd, NULL);
     if (n_sd < 0) return fail_lib("--amp-dtype fastest");
     uint64_t seed, offset;
     ampc_rng_get_state(&seed, &offset);
@@ -250,12 +250,12 @@ static int amp_fastest(run *r, const char *hw_dtype) {
     ampc_tensor **saved = calloc((size_t)(n_sd ? n_sd : 1), sizeof *saved);
     int rc = saved ? 0 : fail("out of memory");
     for (int i = 0; i < n_sd && rc == 0; i++)   /* the buffers: what a forward pass in training mode writes */
-        if (!ampc_tensor_requires_grad(sd[i]) && !(saved[i] = ampc_tensor_to(sd[i], r->device, ampc_tensor_dtype(sd[i]))))
+        if (!ampc_tensor_requires_grad(sd[i]) && !(saved[i] = ampc_tensor_to(sd[i], r->m.device, ampc_tensor_dtype(sd[i]))))
             rc = fail_lib("--amp-dtype fastest");
     printf("amp-dtype fastest: timing a training step's forward and backward pass (batch %" PRId64 ") in fp32%s%s ...\n", b,
            offered[1] ? ", bf16" : "", offered[2] ? ", fp16" : "");
     fflush(stdout);
-    ampc_module_train(r->net, true);
+    ampc_module_train(r->m.net, true);
     for (int round = -1; round < FASTEST_ROUNDS && rc == 0; round++)   /* round -1: warm-up (kernels, allocator) */
         for (int k = 0; k < 3; k++) {
             if (!offered[k]) continue;
@@ -285,13 +285,13 @@ static int amp_fastest(run *r, const char *hw_dtype) {
     printf("amp-dtype fastest:");
     for (int k = 0; k < 3; k++)
         if (med[k] < INFINITY) printf(" %s %.3f ms,", c[k].name, 1e3 * med[k]);
-        else printf(" %s %s,", c[k].name, k == 0 || ampc_dtype_supported(r->device, c[k].dt) ? "out of memory" : "not on this device");
+        else printf(" %s %s,", c[k].name, k == 0 || ampc_dtype_supported(r->m.device, c[k].dt) ? "out of memory" : "not on this device");
     printf(" per step (median of %d) -> %s%s\n", FASTEST_ROUNDS, c[best].name, best == 0 ? " (--use-amp no)" : "");
     fflush(stdout);
-    r->use_amp = c[best].amp;
-    if (r->use_amp) r->amp_dtype = c[best].dt;
-    if (set_val(r->s, OPT_USE_AMP, r->use_amp ? "yes" : "no") < 0) return -1;
-    return set_val(r->s, OPT_AMP_DTYPE, r->use_amp ? c[best].name : hw_dtype);
+    r->m.use_amp = c[best].amp;
+    if (r->m.use_amp) r->m.amp_dtype = c[best].dt;
+    if (set_val(r->s, OPT_USE_AMP, r->m.use_amp ? "yes" : "no") < 0) return -1;
+    return set_val(r->s, OPT_AMP_DTYPE, r->m.use_amp ? c[best].name : hw_dtype);
 }
 
 /* The memory the run may use: --max-memory, or else what the machine or its cgroup allows, made
@@ -300,13 +300,13 @@ static int amp_fastest(run *r, const char *hw_dtype) {
 static void memory_limit(run *r) {
     const char *host_src;
     const uint64_t host = ampc_memory_available(&host_src);
-    r->host_limit = host == UINT64_MAX ? 0 : (double)host;
+    r->m.host_limit = host == UINT64_MAX ? 0 : (double)host;
     if (strcmp(sval(r->s, OPT_MAX_MEMORY), "none") != 0) {
-        r->mem_limit = rval(r->s, OPT_MAX_MEMORY);   /* main() set it */
-        r->limit_src = "--max-memory";
+        r->m.mem_limit = rval(r->s, OPT_MAX_MEMORY);   /* main() set it */
+        r->m.limit_src = "--max-memory";
     } else {
-        r->mem_limit = r->host_limit;
-        r->limit_src = host_src;
+        r->m.mem_limit = r->m.host_limit;
+        r->m.limit_src = host_src;
         if (host != UINT64_MAX) ampc_memory_set_limit((size_t)host);
     }
 }
@@ -315,49 +315,137 @@ static void memory_limit(run *r) {
    limit (--image-size 4096) is an error now, with the --batch-size that fits. */
 static int batch_fits(run *r) {
     const double per = 4.0 * (double)(r->d.c * r->d.h * r->d.w), bs = (double)ival(r->s, OPT_BATCH_SIZE);
-    if (r->mem_limit <= 0 || per * bs <= r->mem_limit) return 0;
+    if (r->m.mem_limit <= 0 || per * bs <= r->m.mem_limit) return 0;
     char a[32], b[32];
-    const int64_t fit = (int64_t)(r->mem_limit / per);
+    const int64_t fit = (int64_t)(r->m.mem_limit / per);
     char how[96] = "not even one image fits: a smaller --image-size";
     if (fit >= 1) snprintf(how, sizeof how, "--batch-size %" PRId64 " at most, or a smaller --image-size", fit);
     return fail("a batch of %.0f images of %" PRId64 "x%" PRId64 "x%" PRId64 " takes %s in f32 before any activation, more than the %s that %s "
                 "allows: %s",
-                bs, r->d.c, r->d.h, r->d.w, fmt_bytes(per * bs, a, sizeof a), fmt_bytes(r->mem_limit, b, sizeof b), r->limit_src, how);
+                bs, r->d.c, r->d.h, r->d.w, fmt_bytes(per * bs, a, sizeof a), fmt_bytes(r->m.mem_limit, b, sizeof b), r->m.limit_src, how);
+}
+
+/* --device, --use-amp and --amp-dtype: auto resolved (under mpirun, rank 0 decides for the job)
+   and checked against the device's kernels. *hw_dtype: auto's choice (fastest's until measured);
+   *fastest: --amp-dtype fastest is to time the precisions once the model is built. */
+static int choose_precision(run *r, const char **hw_dtype, bool *fastest) {
+    settings *s = r->s;
+    r->m.use_amp = yes(s, OPT_USE_AMP);
+    r->m.device = ampc_device_from_name(sval(s, OPT_DEVICE));
+    if (!ampc_device_available(r->m.device))
+        return fail("--device %s: %s", sval(s, OPT_DEVICE), ampc_device_unavailable_reason(r->m.device));
+    bool bf16_ok = ampc_dtype_supported(r->m.device, AMPC_BF16), bf16_fast = ampc_dtype_native(r->m.device, AMPC_BF16);
+    bool auto_dtype = is_auto(s, OPT_AMP_DTYPE);
+    *fastest = strcmp(sval(s, OPT_AMP_DTYPE), "fastest") == 0;
+    bool job_bf16 = bf16_fast;   /* auto's choice for the job */
+    if ((auto_dtype || *fastest) && ampc_dist_world_size() > 1) {   /* decided once, on rank 0, for the whole job */
+        int fast0 = bf16_fast;
+        if (ampc_dist_broadcast(&fast0, sizeof fast0, 0) < 0) return fail_lib("agreeing on --amp-dtype");
+        if (fast0 && !bf16_ok && r->m.use_amp)
+            return fail("--amp-dtype auto: rank 0 chose bf16 for the job (its CPU has bf16 arithmetic), but this process's CPU has "
+                        "no bf16 kernels (cpu: %s%s): give every process --amp-dtype fp16", ampc_cpu_features(),
+                        getenv("ONEDNN_MAX_CPU_ISA") ? ", ONEDNN_MAX_CPU_ISA set" : "");
+        job_bf16 = fast0;
+    }
+    *hw_dtype = job_bf16 ? "bf16" : "fp16";   /* auto's choice; fastest's until measured */
+    if ((auto_dtype || *fastest) && set_val(s, OPT_AMP_DTYPE, *hw_dtype) < 0) return -1;
+    *fastest = *fastest && r->m.use_amp;   /* --use-amp no: nothing to choose */
+    r->m.amp_dtype = strcmp(sval(s, OPT_AMP_DTYPE), "fp16") == 0 ? AMPC_F16 : AMPC_BF16;
+    if (r->m.use_amp && r->m.amp_dtype == AMPC_BF16 && !bf16_ok)
+        return fail("--amp-dtype bf16: this CPU has no bf16 kernels (oneDNN's need AVX-512; cpu: %s%s): use --amp-dtype fp16 "
+                    "(the default here) or --use-amp no", ampc_cpu_features(),
+                    getenv("ONEDNN_MAX_CPU_ISA") ? ", ONEDNN_MAX_CPU_ISA set" : "");
+    if (r->m.use_amp && r->m.amp_dtype == AMPC_BF16 && !bf16_fast)
+        warn("bf16 is emulated on this CPU (no AVX512-BF16): expect it several times slower than fp32; --amp-dtype fp16 "
+             "(the default here) or --use-amp no run faster");
+    if (r->m.use_amp && auto_dtype && !job_bf16)
+        printf("note: --amp-dtype fp16, since this CPU has no bf16 arithmetic (AVX512-BF16); fp16 is computed in fp32 here, so AMP saves memory but likely not time (--amp-dtype fastest measures it)\n");
+    return 0;
+}
+
+/* --optimizer with --lr, --momentum and --weight-decay, over the model's trainable parameters. */
+static int make_optimizer(run *r) {
+    const settings *s = r->s;
+    const char *optname = sval(s, OPT_OPTIMIZER);
+    double lr = rval(s, OPT_LR), wd = rval(s, OPT_WEIGHT_DECAY);
+    if (strcmp(optname, "sgd") == 0) {
+        ampc_sgd_options o = ampc_sgd_defaults();
+        o.lr = lr;
+        o.momentum = rval(s, OPT_MOMENTUM);
+        o.weight_decay = wd;
+        r->m.opt = ampc_sgd_new(r->m.net, &o);
+    } else {
+        bool w = strcmp(optname, "adamw") == 0;
+        ampc_adam_options o = w ? ampc_adamw_defaults() : ampc_adam_defaults();
+        o.lr = lr;
+        o.weight_decay = wd;
+        r->m.opt = w ? ampc_adamw_new(r->m.net, &o) : ampc_adam_new(r->m.net, &o);
+    }
+    if (!r->m.opt) return fail_lib("--optimizer");
+    return 0;
+}
+
+/* The training loader (shuffled, --num-workers, this rank's shard) and the validation one, and
+   the buffers that count correct answers. */
+static int make_loaders(run *r) {
+    const settings *s = r->s;
+    int64_t bs = ival(s, OPT_BATCH_SIZE);
+    ampc_loader_options lo = ampc_loader_defaults();
+    lo.batch_size = bs;
+    lo.seed = (uint64_t)ival(s, OPT_SEED);
+    lo.num_workers = (int)ival(s, OPT_NUM_WORKERS);
+    lo.shuffle = true;
+    lo.transforms = r->d.tf_train;
+    lo.shard_rank = r->rank = ampc_dist_rank();   /* data-parallel: each rank its shard of every epoch */
+    lo.shard_count = r->world = ampc_dist_world_size();
+    /* SyncBatchNorm needs a sample on every rank in every training step: an epoch's last global
+       batch smaller than the world is left out, and said so (validation keeps it: eval mode does
+       not communicate) */
+    lo.drop_short_tail = r->m.sync_bn > 0;
+    const int64_t tail = ampc_dataset_size(r->d.train) % (bs * r->world);
+    if (r->m.sync_bn > 0 && tail > 0 && tail < r->world)
+        printf("note: --sync-bn: each epoch's last %" PRId64 " training sample(s), fewer than the %d processes, are left out (SyncBatchNorm "
+               "needs a sample on every process)\n", tail, r->world);
+    if (!(r->d.train_ld = ampc_loader_new(r->d.train, &lo))) return fail_lib("data loader");
+    lo.shuffle = false;
+    lo.drop_short_tail = false;
+    lo.transforms = r->d.tf_val;
+    if (!(r->d.val_ld = ampc_loader_new(r->d.val, &lo))) return fail_lib("data loader");
+    if (!(r->tally.logits_buf = malloc((size_t)(bs * r->d.num_classes) * sizeof *r->tally.logits_buf))) return fail("out of memory");
+    if (!(r->tally.confusion = calloc((size_t)(r->d.num_classes * r->d.num_classes), sizeof *r->tally.confusion))) return fail("out of memory");
+    return 0;
+}
+
+/* The learning-rate schedule, in optimizer steps. */
+static void make_schedule(run *r) {
+    const settings *s = r->s;
+    /* the learning rate by optimizer step: epochs in optimizer steps of this run's loader (one per
+       --accumulate batches, the last group of an epoch perhaps shorter) */
+    const int64_t nb = ampc_loader_num_batches(r->d.train_ld), acc = ival(s, OPT_ACCUMULATE);
+    const int64_t per_epoch = nb > 0 ? (nb + acc - 1) / acc : 1;
+    const char *sk = sval(s, OPT_LR_SCHEDULE);
+    /* in optimizer steps, saturated: a product past INT64_MAX is a step never reached */
+    int64_t all, step_size;
+    if (__builtin_mul_overflow(ival(s, OPT_EPOCHS), per_epoch, &all)) all = INT64_MAX;
+    if (__builtin_mul_overflow(ival(s, OPT_LR_STEP_SIZE), per_epoch, &step_size)) step_size = INT64_MAX;
+    const int64_t warm = ival(s, OPT_WARMUP_STEPS);
+    r->m.sched = (ampc_lr_schedule){.kind = !strcmp(sk, "step") ? AMPC_LR_STEP : !strcmp(sk, "cosine") ? AMPC_LR_COSINE : AMPC_LR_CONSTANT,
+                                  .step_size = step_size,
+                                  .gamma = rval(s, OPT_LR_GAMMA),
+                                  .t_max = all - warm > 1 ? all - warm : 1,
+                                  .eta_min = 0,
+                                  .warmup_steps = warm,
+                                  .warmup_start_factor = 1.0 / 3};
+    r->m.scheduled = r->m.sched.kind != AMPC_LR_CONSTANT || warm > 0;
 }
 
 int run_build(run *r) {
     settings *s = r->s;
     const char *model = sval(s, OPT_MODEL), *optname = sval(s, OPT_OPTIMIZER);
     bool sgd = strcmp(optname, "sgd") == 0;
-    r->use_amp = yes(s, OPT_USE_AMP);
-    r->device = ampc_device_from_name(sval(s, OPT_DEVICE));
-    if (!ampc_device_available(r->device))
-        return fail("--device %s: %s", sval(s, OPT_DEVICE), ampc_device_unavailable_reason(r->device));
-    bool bf16_ok = ampc_dtype_supported(r->device, AMPC_BF16), bf16_fast = ampc_dtype_native(r->device, AMPC_BF16);
-    bool auto_dtype = is_auto(s, OPT_AMP_DTYPE), fastest = strcmp(sval(s, OPT_AMP_DTYPE), "fastest") == 0;
-    bool job_bf16 = bf16_fast;   /* auto's choice for the job */
-    if ((auto_dtype || fastest) && ampc_dist_world_size() > 1) {   /* decided once, on rank 0, for the whole job */
-        int fast0 = bf16_fast;
-        if (ampc_dist_broadcast(&fast0, sizeof fast0, 0) < 0) return fail_lib("agreeing on --amp-dtype");
-        if (fast0 && !bf16_ok && r->use_amp)
-            return fail("--amp-dtype auto: rank 0 chose bf16 for the job (its CPU has bf16 arithmetic), but this process's CPU has "
-                        "no bf16 kernels (cpu: %s%s): give every process --amp-dtype fp16", ampc_cpu_features(),
-                        getenv("ONEDNN_MAX_CPU_ISA") ? ", ONEDNN_MAX_CPU_ISA set" : "");
-        job_bf16 = fast0;
-    }
-    const char *hw_dtype = job_bf16 ? "bf16" : "fp16";   /* auto's choice; fastest's until measured */
-    if ((auto_dtype || fastest) && set_val(s, OPT_AMP_DTYPE, hw_dtype) < 0) return -1;
-    fastest = fastest && r->use_amp;   /* --use-amp no: nothing to choose */
-    r->amp_dtype = strcmp(sval(s, OPT_AMP_DTYPE), "fp16") == 0 ? AMPC_F16 : AMPC_BF16;
-    if (r->use_amp && r->amp_dtype == AMPC_BF16 && !bf16_ok)
-        return fail("--amp-dtype bf16: this CPU has no bf16 kernels (oneDNN's need AVX-512; cpu: %s%s): use --amp-dtype fp16 "
-                    "(the default here) or --use-amp no", ampc_cpu_features(),
-                    getenv("ONEDNN_MAX_CPU_ISA") ? ", ONEDNN_MAX_CPU_ISA set" : "");
-    if (r->use_amp && r->amp_dtype == AMPC_BF16 && !bf16_fast)
-        warn("bf16 is emulated on this CPU (no AVX512-BF16): expect it several times slower than fp32; --amp-dtype fp16 "
-             "(the default here) or --use-amp no run faster");
-    if (r->use_amp && auto_dtype && !job_bf16)
-        printf("note: --amp-dtype fp16, since this CPU has no bf16 arithmetic (AVX512-BF16); fp16 is computed in fp32 here, so AMP saves memory but likely not time (--amp-dtype fastest measures it)\n");
+    const char *hw_dtype = NULL;
+    bool fastest = false;
+    if (choose_precision(r, &hw_dtype, &fastest) < 0) return -1;
     if (is_auto(s, OPT_LR) && set_val(s, OPT_LR, sgd ? "0.01" : "0.001") < 0) return -1;
     if (is_auto(s, OPT_WEIGHT_DECAY) && set_val(s, OPT_WEIGHT_DECAY, strcmp(optname, "adamw") == 0 ? "0.01" : "0") < 0) return -1;
     if (is_auto(s, OPT_THREADS)) {
@@ -372,83 +460,29 @@ int run_build(run *r) {
     if (data_open(s, &r->d) < 0 || batch_fits(r) < 0) return -1;
 
     static char hint[256];
-    snprintf(hint, sizeof hint, "the model and its optimizer state need more than %s allows: %s or choose a smaller --model", r->limit_src,
-             strcmp(r->limit_src, "--max-memory") == 0 ? "raise it" : "free memory");
+    snprintf(hint, sizeof hint, "the model and its optimizer state need more than %s allows: %s or choose a smaller --model", r->m.limit_src,
+             strcmp(r->m.limit_src, "--max-memory") == 0 ? "raise it" : "free memory");
     g_oom_hint = hint;
     ampc_manual_seed((uint64_t)ival(s, OPT_SEED));
     bool small = false;
     if (strncmp(model, "resnet", 6) == 0 && choose_stem(r, model, &small) < 0) return -1;
     ampc_model_options mo = {.num_classes = r->d.num_classes, .in_channels = r->d.c, .small_input = small,
                              .memory_format = yes(s, OPT_CHANNELS_LAST) ? AMPC_CHANNELS_LAST : AMPC_CONTIGUOUS_FORMAT};
-    ampc_set_default_device(r->device);   /* the model's tensors are made there (same values as on the CPU) */
-    if (!(r->net = ampc_model_new(model, &mo))) return fail_lib("--model");
+    ampc_set_default_device(r->m.device);   /* the model's tensors are made there (same values as on the CPU) */
+    if (!(r->m.net = ampc_model_new(model, &mo))) return fail_lib("--model");
     if (check_model_input(r) < 0) return -1;
     if (*sval(s, OPT_PRETRAINED) && !*sval(s, OPT_RESUME) && load_pretrained(r) < 0) return -1;   /* resume has its own weights */
     if (freeze(r, model) < 0) return -1;
-    if (yes(s, OPT_SYNC_BN) && (r->sync_bn = ampc_module_convert_sync_batchnorm(r->net)) < 0) return fail_lib("--sync-bn");
-    if (yes(s, OPT_SYNC_BN) && r->sync_bn == 0) warn("--sync-bn: --model %s has no BatchNorm layers", model);
-    double lr = rval(s, OPT_LR), wd = rval(s, OPT_WEIGHT_DECAY);
-    if (sgd) {
-        ampc_sgd_options o = ampc_sgd_defaults();
-        o.lr = lr;
-        o.momentum = rval(s, OPT_MOMENTUM);
-        o.weight_decay = wd;
-        r->opt = ampc_sgd_new(r->net, &o);
-    } else {
-        bool w = strcmp(optname, "adamw") == 0;
-        ampc_adam_options o = w ? ampc_adamw_defaults() : ampc_adam_defaults();
-        o.lr = lr;
-        o.weight_decay = wd;
-        r->opt = w ? ampc_adamw_new(r->net, &o) : ampc_adam_new(r->net, &o);
-    }
-    if (!r->opt) return fail_lib("--optimizer");
+    if (yes(s, OPT_SYNC_BN) && (r->m.sync_bn = ampc_module_convert_sync_batchnorm(r->m.net)) < 0) return fail_lib("--sync-bn");
+    if (yes(s, OPT_SYNC_BN) && r->m.sync_bn == 0) warn("--sync-bn: --model %s has no BatchNorm layers", model);
+    if (make_optimizer(r) < 0) return -1;
     if (fastest && amp_fastest(r, hw_dtype) < 0) return -1;
-    if (is_auto(s, OPT_GRAD_SCALER) && set_val(s, OPT_GRAD_SCALER, r->use_amp && r->amp_dtype == AMPC_F16 ? "yes" : "no") < 0) return -1;
+    if (is_auto(s, OPT_GRAD_SCALER) && set_val(s, OPT_GRAD_SCALER, r->m.use_amp && r->m.amp_dtype == AMPC_F16 ? "yes" : "no") < 0) return -1;
     ampc_scaler_options so = ampc_scaler_defaults();
     so.enabled = yes(s, OPT_GRAD_SCALER);
-    if (!(r->scaler = ampc_scaler_new(&so))) return fail_lib("grad scaler");
+    if (!(r->m.scaler = ampc_scaler_new(&so))) return fail_lib("grad scaler");
 
-    int64_t bs = ival(s, OPT_BATCH_SIZE);
-    ampc_loader_options lo = ampc_loader_defaults();
-    lo.batch_size = bs;
-    lo.seed = (uint64_t)ival(s, OPT_SEED);
-    lo.num_workers = (int)ival(s, OPT_NUM_WORKERS);
-    lo.shuffle = true;
-    lo.transforms = r->d.tf_train;
-    lo.shard_rank = r->rank = ampc_dist_rank();   /* data-parallel: each rank its shard of every epoch */
-    lo.shard_count = r->world = ampc_dist_world_size();
-    /* SyncBatchNorm needs a sample on every rank in every training step: an epoch's last global
-       batch smaller than the world is left out, and said so (validation keeps it: eval mode does
-       not communicate) */
-    lo.drop_short_tail = r->sync_bn > 0;
-    const int64_t tail = ampc_dataset_size(r->d.train) % (bs * r->world);
-    if (r->sync_bn > 0 && tail > 0 && tail < r->world)
-        printf("note: --sync-bn: each epoch's last %" PRId64 " training sample(s), fewer than the %d processes, are left out (SyncBatchNorm "
-               "needs a sample on every process)\n", tail, r->world);
-    if (!(r->train_ld = ampc_loader_new(r->d.train, &lo))) return fail_lib("data loader");
-    lo.shuffle = false;
-    lo.drop_short_tail = false;
-    lo.transforms = r->d.tf_val;
-    if (!(r->val_ld = ampc_loader_new(r->d.val, &lo))) return fail_lib("data loader");
-    if (!(r->logits_buf = malloc((size_t)(bs * r->d.num_classes) * sizeof *r->logits_buf))) return fail("out of memory");
-    if (!(r->confusion = calloc((size_t)(r->d.num_classes * r->d.num_classes), sizeof *r->confusion))) return fail("out of memory");
-    /* the learning rate by optimizer step: epochs in optimizer steps of this run's loader (one per
-       --accumulate batches, the last group of an epoch perhaps shorter) */
-    const int64_t nb = ampc_loader_num_batches(r->train_ld), acc = ival(s, OPT_ACCUMULATE);
-    const int64_t per_epoch = nb > 0 ? (nb + acc - 1) / acc : 1;
-    const char *sk = sval(s, OPT_LR_SCHEDULE);
-    /* in optimizer steps, saturated: a product past INT64_MAX is a step never reached */
-    int64_t all, step_size;
-    if (__builtin_mul_overflow(ival(s, OPT_EPOCHS), per_epoch, &all)) all = INT64_MAX;
-    if (__builtin_mul_overflow(ival(s, OPT_LR_STEP_SIZE), per_epoch, &step_size)) step_size = INT64_MAX;
-    const int64_t warm = ival(s, OPT_WARMUP_STEPS);
-    r->sched = (ampc_lr_schedule){.kind = !strcmp(sk, "step") ? AMPC_LR_STEP : !strcmp(sk, "cosine") ? AMPC_LR_COSINE : AMPC_LR_CONSTANT,
-                                  .step_size = step_size,
-                                  .gamma = rval(s, OPT_LR_GAMMA),
-                                  .t_max = all - warm > 1 ? all - warm : 1,
-                                  .eta_min = 0,
-                                  .warmup_steps = warm,
-                                  .warmup_start_factor = 1.0 / 3};
-    r->scheduled = r->sched.kind != AMPC_LR_CONSTANT || warm > 0;
+    if (make_loaders(r) < 0) return -1;
+    make_schedule(r);
     return 0;
 }

@@ -25,7 +25,7 @@ static const char OLD_HEADER[] = "step,epoch,batch,loss,scale,skipped,lr\n";
 #define SKIP_LINE_INTERVAL 2.0   /* seconds between skipped-step lines */
 
 int64_t steps_so_far(const run *r) {
-    return ampc_optimizer_steps_taken(r->opt) + ampc_scaler_steps_skipped(r->scaler);
+    return ampc_optimizer_steps_taken(r->m.opt) + ampc_scaler_steps_skipped(r->m.scaler);
 }
 
 int steplog_cut_back(const char *path, int64_t keep) {
@@ -72,13 +72,13 @@ int steplog_cut_back(const char *path, int64_t keep) {
 }
 
 int steplog_open(run *r) {
-    r->skip_printed_at = -INFINITY;
+    r->out.skip_printed_at = -INFINITY;
     if (r->rank > 0 || !yes(r->s, OPT_STEP_LOG)) return 0;
-    char *path = path_join(r->out, "steps.csv");
+    char *path = path_join(r->out.dir, "steps.csv");
     if (!path) return -1;
     bool resumed = *sval(r->s, OPT_RESUME) != '\0';
     int rc = resumed ? steplog_cut_back(path, steps_so_far(r)) : 0;
-    if (rc == 0 && !(r->steps = ampc_metrics_open(path, STEP_COLS, N_STEP_COLS, resumed))) rc = fail_lib("steps.csv");
+    if (rc == 0 && !(r->out.steps = ampc_metrics_open(path, STEP_COLS, N_STEP_COLS, resumed))) rc = fail_lib("steps.csv");
     free(path);
     return rc;
 }
@@ -87,24 +87,24 @@ int steplog_step(run *r, int64_t epoch, int64_t batch, double loss, double scale
     if (r->rank > 0) return 0;
     if (skipped) {
         double now = progress_now();
-        if (now - r->skip_printed_at >= SKIP_LINE_INTERVAL) {
+        if (now - r->out.skip_printed_at >= SKIP_LINE_INTERVAL) {
             char more[96] = "";
-            if (r->skips_unprinted)
-                snprintf(more, sizeof more, " (and %" PRId64 " more since the last such line)", r->skips_unprinted);
+            if (r->out.skips_unprinted)
+                snprintf(more, sizeof more, " (and %" PRId64 " more since the last such line)", r->out.skips_unprinted);
             char blame[520];
             printf("skipped step %" PRId64 " (epoch %" PRId64 ", batch %" PRId64 "): inf/NaN gradients at loss scale %g; the scale is now %g%s%s\n",
-                   steps_so_far(r), epoch + 1, batch, scale, (double)ampc_scaler_get_scale(r->scaler), doctor_blame(blame, sizeof blame), more);
+                   steps_so_far(r), epoch + 1, batch, scale, (double)ampc_scaler_get_scale(r->m.scaler), doctor_blame(blame, sizeof blame), more);
             fflush(stdout);
-            r->skip_printed_at = now;
-            r->skips_unprinted = 0;
+            r->out.skip_printed_at = now;
+            r->out.skips_unprinted = 0;
         } else {
-            r->skips_unprinted++;
+            r->out.skips_unprinted++;
         }
     }
-    if (!r->steps) return 0;
+    if (!r->out.steps) return 0;
     double row[N_STEP_COLS] = {(double)steps_so_far(r), (double)(epoch + 1), (double)batch, loss, scale, skipped ? 1.0 : 0.0,
-                               ampc_optimizer_get_lr(r->opt), samples_per_s};
-    return ampc_metrics_row(r->steps, row) < 0 ? fail_lib("steps.csv") : 0;
+                               ampc_optimizer_get_lr(r->m.opt), samples_per_s};
+    return ampc_metrics_row(r->out.steps, row) < 0 ? fail_lib("steps.csv") : 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -206,11 +206,11 @@ static int plot_steps(const step_rows *d, const char *const *names, int n_runs, 
 }
 
 int steplog_plot(run *r, const char *title) {
-    if (!r->steps) return 0;
-    char *path = path_join(r->out, "steps.csv"), *scale_png = path_join(r->out, "scale.png"), *steps_png = path_join(r->out, "steps.png");
+    if (!r->out.steps) return 0;
+    char *path = path_join(r->out.dir, "steps.csv"), *scale_png = path_join(r->out.dir, "scale.png"), *steps_png = path_join(r->out.dir, "steps.png");
     step_rows d = {0};
     int rc = path && scale_png && steps_png ? read_steps(path, &d) : -1;
-    if (rc == 0 && ampc_scaler_is_enabled(r->scaler)) rc = plot_scale(&d, scale_png);
+    if (rc == 0 && ampc_scaler_is_enabled(r->m.scaler)) rc = plot_scale(&d, scale_png);
     if (rc == 0) rc = plot_steps(&d, NULL, 1, steps_png, title);
     free(d.x);   /* the other columns are parts of it */
     free(path);
@@ -234,6 +234,6 @@ int steplog_compare_plot(const char *dir, const char *const names[2], const char
 }
 
 void steplog_close(run *r) {
-    if (r->steps && ampc_metrics_close(r->steps) < 0) warn("steps.csv: %s", ampc_last_error());
-    r->steps = NULL;
+    if (r->out.steps && ampc_metrics_close(r->out.steps) < 0) warn("steps.csv: %s", ampc_last_error());
+    r->out.steps = NULL;
 }

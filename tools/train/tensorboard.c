@@ -29,32 +29,32 @@ enum { N_EPOCH_TAGS = sizeof EPOCH_TAGS / sizeof *EPOCH_TAGS };
 int tensorboard_open(run *r) {
     if (r->rank > 0 || !yes(r->s, OPT_TENSORBOARD)) return 0;
     char err[1200];
-    if (!(r->tb = tb_writer_open(r->out, err, sizeof err))) return fail("--tensorboard: %s", err);
-    if (*sval(r->s, OPT_RESUME) && tb_writer_session_start(r->tb, steps_so_far(r) + 1) < 0)
-        return fail("--tensorboard: %s", tb_writer_error(r->tb));
+    if (!(r->out.tb = tb_writer_open(r->out.dir, err, sizeof err))) return fail("--tensorboard: %s", err);
+    if (*sval(r->s, OPT_RESUME) && tb_writer_session_start(r->out.tb, steps_so_far(r) + 1) < 0)
+        return fail("--tensorboard: %s", tb_writer_error(r->out.tb));
     return 0;
 }
 
 int tensorboard_step(run *r, double loss, double scale, double samples, double seconds) {
-    if (!r->tb) return 0;
-    const double v[N_STEP_TAGS] = {loss, ampc_optimizer_get_lr(r->opt), (double)ampc_scaler_steps_skipped(r->scaler),
+    if (!r->out.tb) return 0;
+    const double v[N_STEP_TAGS] = {loss, ampc_optimizer_get_lr(r->m.opt), (double)ampc_scaler_steps_skipped(r->m.scaler),
                                    seconds > 0 ? samples / seconds : 0, scale};
-    const int n = ampc_scaler_is_enabled(r->scaler) ? N_STEP_TAGS : N_STEP_TAGS - 1;   /* loss_scale last */
-    return tb_writer_scalars(r->tb, steps_so_far(r), n, STEP_TAGS, v) < 0 ? fail("--tensorboard: %s", tb_writer_error(r->tb)) : 0;
+    const int n = ampc_scaler_is_enabled(r->m.scaler) ? N_STEP_TAGS : N_STEP_TAGS - 1;   /* loss_scale last */
+    return tb_writer_scalars(r->out.tb, steps_so_far(r), n, STEP_TAGS, v) < 0 ? fail("--tensorboard: %s", tb_writer_error(r->out.tb)) : 0;
 }
 
 int tensorboard_epoch(run *r, const double *row) {
-    if (!r->tb) return 0;
+    if (!r->out.tb) return 0;
     const double v[N_EPOCH_TAGS] = {row[COL_TRAIN_LOSS], row[COL_VAL_LOSS], row[COL_TRAIN_ACC], row[COL_VAL_ACC],
-                                    ampc_optimizer_get_lr(r->opt), row[COL_SPS], row[COL_SKIPPED]};
-    if (tb_writer_scalars(r->tb, steps_so_far(r), N_EPOCH_TAGS, EPOCH_TAGS, v) < 0 || tb_writer_flush(r->tb) < 0)
-        return fail("--tensorboard: %s", tb_writer_error(r->tb));
+                                    ampc_optimizer_get_lr(r->m.opt), row[COL_SPS], row[COL_SKIPPED]};
+    if (tb_writer_scalars(r->out.tb, steps_so_far(r), N_EPOCH_TAGS, EPOCH_TAGS, v) < 0 || tb_writer_flush(r->out.tb) < 0)
+        return fail("--tensorboard: %s", tb_writer_error(r->out.tb));
     return 0;
 }
 
 void tensorboard_close(run *r) {
     char err[1200];
-    const bool said = r->tb && tb_writer_error(r->tb)[0];   /* the run's error already: once is enough */
-    if (tb_writer_close(r->tb, err, sizeof err) < 0 && !said) warn("--tensorboard: %s", err);
-    r->tb = NULL;
+    const bool said = r->out.tb && tb_writer_error(r->out.tb)[0];   /* the run's error already: once is enough */
+    if (tb_writer_close(r->out.tb, err, sizeof err) < 0 && !said) warn("--tensorboard: %s", err);
+    r->out.tb = NULL;
 }

@@ -6,7 +6,15 @@
  *     datasets.c  --data: IDX files or an image folder, transforms, splits and limits
  *     meta.c      the checkpoint's "ampc_train.*" metadata: written after each epoch, read on --resume
  *     setup.c     a run built from the settings: model, optimizer, scaler, loaders
- *     trainer.c   the epoch loop: passes, divergence, signals, out-of-memory advice, outputs
+ *     agree.c     data-parallel: what every rank of an mpirun job must share
+ *     pass.c      one training or validation pass over a loader
+ *     diverge.c   divergence checks, the checkpoint saved after each epoch, diverged.safetensors
+ *     outputs.c   --out: the folder and its lock, metrics.csv, the plots, confusion.csv
+ *     steplog.c   --step-log (steps.csv, steps.png, scale.png) and skipped-step lines
+ *     tensorboard.c  --tensorboard's event file
+ *     doctor.c    --doctor, --explain and --numerics-every
+ *     oom.c       after running out of memory under --max-memory: what fits
+ *     trainer.c   a run from start to end: build, resume, the epoch loop, signals, the summary
  *     main.c      main, --compare and --compare-checkpoints
  */
 #ifndef AMPC_TRAIN_H
@@ -15,6 +23,7 @@
 #include "ampc.h"
 #include "ampc/dist.h"
 
+#include <signal.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -133,6 +142,7 @@ typedef struct {
     int64_t num_classes;
     int64_t full_train, full_val;   /* before --limit-* */
     ampc_transforms *tf_train, *tf_val;
+    ampc_loader *train_ld, *val_ld;   /* made by run_build (setup.c), freed by run_free */
 } data;
 
 /* Resolves --image-size and --num-workers ("auto") for the kind of data, then opens it. */
@@ -175,62 +185,96 @@ typedef struct {
     int64_t correct, samples, steps;
 } pass_stats;
 
+/* A run's state, split by job; each piece is filled by the file named and read where needed.
+   Functions take the narrowest piece that serves them (a run_outputs, a run_tally), or the run. */
+
+/* The model and how it learns (setup.c; resume_state restores it from a checkpoint). */
 typedef struct {
-    settings *s;
-    data d;
     ampc_module *net;
     ampc_optimizer *opt;
     ampc_scaler *scaler;
-    ampc_loader *train_ld, *val_ld;
     ampc_ddp *ddp;           /* data-parallel (under mpirun): gradients averaged over the ranks */
-    int rank, world;         /* this process's rank and the number of processes (0, 1 alone) */
     int sync_bn;             /* --sync-bn: BatchNorm layers made SyncBatchNorm */
     int64_t zero_here, zero_all;   /* --zero 1: optimizer state bytes this rank keeps, all ranks (0: unsharded) */
-    ampc_metrics *metrics;
-    history hist;
-    int64_t epoch0;          /* epochs finished before this session (from --resume) */
     bool use_amp;
     ampc_dtype amp_dtype;
     ampc_device device;   /* --device: the model and each batch live there (the loader works on the CPU) */
-    char *out;               /* output folder */
-    FILE *out_lock;          /* <out>/ampc-train.lock, flock'd while the run writes there (rank 0) */
-    char *ckpt_path;
-    char *model_path;        /* model.safetensors: the state_dict alone, for load_state_dict(strict=True) */
-    char *diverged_path;     /* diverged.safetensors: where the grad scaler's guard rails stopped the run */
-    float *logits_buf;       /* (batch, classes) f32 copy of the logits, to count correct answers */
-    double *confusion;       /* (classes, classes): validation rows = true class, columns = predicted, this epoch */
-    bool confusion_valid;    /* a validation pass of this run filled it */
-    /* --resume of a checkpoint written mid-epoch (after a signal): epoch epoch0 + 1 continues
-       after training step resume_step at global sample resume_train.samples (the dataset's size
-       or its last drop: only validation is left) with these totals, on any number of ranks */
-    int64_t resume_step;
-    int64_t steps_run;       /* training steps in this session, for --stop-after-steps */
-    char pretrained_note[512];   /* --pretrained: what was loaded, for the setup lines */
-    char stem_note[256];     /* a ResNet's stem and what chose it, for the setup lines */
-    ampc_checkpoint_meta *meta;   /* --resume: the checkpoint's metadata, parsed once */
+    ampc_lr_schedule sched;  /* --lr-schedule, --warmup-steps: the rate of each optimizer step */
+    bool scheduled;          /* a schedule or a warm-up: the rate changes */
     /* the memory the run may use: --max-memory, or else what the machine or its cgroup has
        (ampc_memory_available, made the allocator's limit); limit_src names it. host_limit: the
        machine's alone (0: unknown), which out-of-memory probes never go past */
     double mem_limit, host_limit;
     const char *limit_src;
-    ampc_lr_schedule sched;  /* --lr-schedule, --warmup-steps: the rate of each optimizer step */
-    bool scheduled;          /* a schedule or a warm-up: the rate changes */
-    bool stop_asked;         /* --stop-after-steps reached: the pass stopped as for a signal */
-    int64_t saved_world, saved_global_batch;   /* --resume: the processes that wrote it, their global batch */
-    pass_stats resume_train;
-    double resume_epoch_seconds;
+    char pretrained_note[512];   /* --pretrained: what was loaded, for the setup lines */
+    char stem_note[256];     /* a ResNet's stem and what chose it, for the setup lines */
+} run_model;
+
+/* What the run writes in --out (outputs.c opens it; rank 0 alone writes, the other ranks hold
+   NULLs but for the paths), and the metrics history the plots and the checkpoint are made from. */
+typedef struct {
+    char *dir;               /* the output folder */
+    FILE *lock;              /* <out>/ampc-train.lock, flock'd while the run writes there (rank 0) */
+    char *ckpt_path;
+    char *model_path;        /* model.safetensors: the state_dict alone, for load_state_dict(strict=True) */
+    char *diverged_path;     /* diverged.safetensors: where the grad scaler's guard rails stopped the run */
+    ampc_metrics *metrics;   /* metrics.csv, one row per epoch */
+    ampc_metrics *steps;     /* --step-log: steps.csv, one row per optimizer step (rank 0) */
+    struct tb_writer *tb;    /* --tensorboard: the session's event file (rank 0; tools/tbevents.h) */
+    history hist;            /* one row per finished epoch, this session's and the checkpoint's */
+    double skip_printed_at;  /* when the last skipped-step line was printed (progress_now), or -inf */
+    int64_t skips_unprinted; /* skipped steps since then that got no line of their own */
+} run_outputs;
+
+/* --resume (meta.c): what the checkpoint says about where the run stands. A checkpoint written
+   mid-epoch (after a signal): epoch epoch0 + 1 continues after training step `step` at global
+   sample train.samples (the dataset's size or its last drop: only validation is left) with these
+   totals, on any number of ranks. */
+typedef struct {
+    ampc_checkpoint_meta *meta;   /* the checkpoint's metadata, parsed once */
+    int64_t epoch0;          /* epochs finished before this session (0 without --resume) */
+    int64_t step;
+    pass_stats train;
+    double epoch_seconds;
+    int64_t saved_world, saved_global_batch;   /* the processes that wrote it, their global batch */
+} run_resume;
+
+/* When the run stops (diverge.c, pass.c): the divergence checks, --stop-after-steps and the last
+   good checkpoint. */
+typedef struct {
     /* divergence checks: the scaler's skipped-step count last seen, and the run of skips */
     int64_t skipped_seen, skipped_in_a_row;
     char diverged_why[1024];  /* a divergence the grad scaler saw (consistent on every rank): why, for the message */
     int64_t epoch_skipped0;   /* the scaler's skipped-step count when the current epoch began */
     char last_good[4200];    /* "<path> (after epoch N)" of the last checkpoint written or resumed, or "" */
-    ampc_metrics *steps;     /* --step-log: steps.csv, one row per optimizer step (rank 0) */
-    double skip_printed_at;  /* when the last skipped-step line was printed (progress_now), or -inf */
-    int64_t skips_unprinted; /* skipped steps since then that got no line of their own */
+    int64_t steps_run;       /* training steps in this session, for --stop-after-steps */
+    bool asked;              /* --stop-after-steps reached: the pass stopped as for a signal */
+} run_stops;
+
+/* --explain and --numerics-every (doctor.c). */
+typedef struct {
     bool explaining;         /* --explain: the first step of this session is being recorded */
     bool numerics;           /* --numerics-every: collecting */
     int64_t numerics_steps;  /* optimizer steps sampled */
-    struct tb_writer *tb;    /* --tensorboard: the session's event file (rank 0; tools/tbevents.h) */
+} run_diag;
+
+/* Counting correct answers (pass.c) and the last validation's confusion matrix (outputs.c). */
+typedef struct {
+    float *logits_buf;       /* (batch, classes) f32 copy of the logits, to count correct answers */
+    double *confusion;       /* (classes, classes): validation rows = true class, columns = predicted, this epoch */
+    bool valid;              /* a validation pass of this run filled confusion */
+} run_tally;
+
+typedef struct {
+    settings *s;
+    int rank, world;         /* this process's rank and the number of processes (0, 1 alone) */
+    data d;                  /* the datasets and their loaders */
+    run_model m;
+    run_outputs out;
+    run_resume resume;
+    run_stops stop;
+    run_diag diag;
+    run_tally tally;
 } run;
 
 // The per-step log and skipped-step lines (steplog.c)
@@ -312,7 +356,37 @@ int run_build(run *r);
 void run_free(run *r);
 void print_setup(run *r);
 
-// Training (trainer.c)
+// One pass (pass.c)
+
+/* One pass over a loader: training (autocast forward, scaled backward, scaler step) or
+   validation (eval mode, no-grad, autocast, no scaler; it fills r->tally.confusion). A training
+   pass may continue one that a signal stopped (the totals so far in *carry): at sample
+   carry->samples of the epoch, which all ranks together had taken in carry->steps steps, on this
+   or any other number of ranks. Returns 0 at the end of the pass, 1 when a signal or
+   --stop-after-steps stopped it (st holds the totals so far), 2 when the grad scaler's guard rails
+   did (r->stop.diverged_why; every rank alike), -1 on an error. */
+int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const pass_stats *carry);
+
+// Divergence and checkpoints (diverge.c)
+
+/* After a training batch: the loss and, when it ended an optimizer step, the grad scaler's skips
+   and scale. x is the batch. Returns 0, 1 when the scaler's guard rails stop the run (why in
+   r->stop.diverged_why), or -1 (an error, or a divergence that stops without saving). */
+int check_step(run *r, int64_t epoch, int64_t step, int64_t n_steps, double loss, ampc_tensor *x, bool stepped);
+/* After an epoch's training pass: an epoch whose optimizer steps the grad scaler all skipped stops
+   the run as the guard rails do (2, as run_pass), or 0. */
+int check_epoch_applied(run *r, int64_t epoch, const pass_stats *tr);
+/* A divergence seen in one process ("in epoch E at step S of N: <why>", no step when 0): stops
+   without saving, naming the last good checkpoint; -1 with exit status 3. */
+int diverged(run *r, int64_t epoch, int64_t step, int64_t n_steps, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+/* The grad scaler's guard rails stopped the run: saves diverged.safetensors where it stopped
+   (unless the weights hold NaN/inf) and keeps the error with the remedies; -1, exit status 3. */
+int diverged_save(run *r, int64_t epoch, const pass_stats *tr, double epoch_seconds);
+/* The checkpoint (and model.safetensors) replaces the last one after epochs_done epochs and `step`
+   steps of the next (partial: its totals so far), unless the weights or optimizer state hold NaN/inf. */
+int save_checkpoint(run *r, int64_t epochs_done, int64_t step, const pass_stats *partial, double epoch_seconds);
+
+// Outputs (outputs.c)
 
 /* "dir/name", malloc'd; NULL (with the error kept) when out of memory. */
 char *path_join(const char *dir, const char *name);
@@ -321,6 +395,28 @@ char *path_join(const char *dir, const char *name);
    runs/latest at it where the name was chosen (a "latest" that is not a link is left as it is,
    with a warning). 0 or -1 with the error kept. */
 int out_make(settings *s);
+/* Before the first epoch: --out made (rank 0), locked and checked, its paths set in r->out,
+   metrics.csv, steps.csv and the TensorBoard file opened, stale temporaries removed, and the
+   "outputs:" line printed. */
+int outputs_open(run *r);
+/* metrics.csv's history drawn (rank 0): loss.png, accuracy.png and steplog_plot's. */
+int draw_plots(run *r);
+/* After a validation pass: confusion.csv (rank 0; the job's counts). */
+int write_confusion(run *r);
+/* The last validation's per-class accuracy, for the summary. */
+void print_per_class(run *r);
+
+// Out of memory (oom.c)
+
+/* After an out-of-memory error in training under --max-memory `limit`: measures what fits and
+   points g_oom_hint at the advice. */
+void oom_advice(run *r, double limit);
+
+// The run (trainer.c)
+
+/* Set by SIGINT/SIGTERM while epochs run (the signal's number): the pass stops at the next step
+   boundary and the run saves where it stands. */
+extern volatile sig_atomic_t g_signal;
 
 /* A whole run: build, optionally resume, train the remaining epochs, write the outputs. */
 int train_run(settings *s, run_result *res);
