@@ -12,7 +12,8 @@
 #    public (include/) or in a layer USES allows; a computed include is refused.
 # 2. Symbols (with OBJECT_DIR): every source has its object (a wrong or half-built OBJECT_DIR can't
 #    pass), and no object of layer L refers to a function or variable defined by a layer L may not
-#    use, public API included: a forbidden call cannot hide behind include/ampc.h.
+#    use, public API included: a forbidden call cannot hide behind include/ampc.h; nor a name of
+#    PRIVATE outside the layer that defines it.
 # 3. Tools: tools/ includes only include/, tools/ and system headers, and its objects refer to no
 #    symbol of the library that include/ does not declare (ampc__ names never are); each exception
 #    (TOOL_EXCEPTIONS) names its file, its headers and why, and allows only those headers' names.
@@ -33,6 +34,10 @@ declare -A USES=(
     [data]="core"                    # datasets, transforms, loader: core only
     [io]="core backend autograd ops nn optim amp dist data"
 )
+# Names private to the layer that defines them, though the table lets layers above use that layer:
+# the kernel tables (ampc__backend), which every layer above reaches through the door instead
+# (src/backend/dispatch.c: one place checks device and dtype).
+PRIVATE=(ampc__backend)
 # Tools use include/ and tools/; these files use internal headers too (and those headers' names).
 #   file under tools/ | the src/ headers it may include | why
 TOOL_EXCEPTIONS=(
@@ -156,7 +161,11 @@ check_symbols() {
         layer=${rel%%/*}
         [ -n "${RANK[$layer]+x}" ] || { echo "$rel: not in a layer (${LAYERS[*]})"; bad=1; continue; }
         while read -r sym owner; do
-            may_use "$layer" "$owner" || { echo "$rel uses $sym: defined in $owner; $WHY"; bad=1; }
+            if [ "$layer" != "$owner" ] && [[ " ${PRIVATE[*]} " == *" $sym "* ]]; then
+                echo "$rel uses $sym: private to $owner (PRIVATE)"; bad=1
+            else
+                may_use "$layer" "$owner" || { echo "$rel uses $sym: defined in $owner; $WHY"; bad=1; }
+            fi
         done < <(nm -u "$o" | awk '{ print $2 }' | sort -u | join - "$defs")
     done < <(find "$obj" -name '*.o' | sort)
     return $bad
@@ -293,7 +302,7 @@ TOBJ=$T/build/CMakeFiles/tool.dir/tools
 compile() { mkdir -p "$(dirname "$1")" && echo "$2" | cc -x c -c -o "$1" -; }
 if [ -n "$OBJ" ]; then   # objects for the symbol checks, in a tree of their own (src/ with no plants)
     S=$T/sym
-    for f in core/core.c ops/op.c autograd/engine.c nn/layer.c nn/planted.c data/planted.c; do plant "sym/src/$f" ''; done
+    for f in core/core.c ops/op.c autograd/engine.c nn/layer.c nn/planted.c data/planted.c backend/table.c backend/door.c ops/private.c; do plant "sym/src/$f" ''; done
     plant sym/src/core/missing.c ''
     plant sym/tools/planted.c ''
     plant sym/tools/plot.c ''
@@ -301,6 +310,10 @@ if [ -n "$OBJ" ]; then   # objects for the symbol checks, in a tree of their own
         int ampc_planted_hidden(void) { return 0; } int ampc_public(void) { return 0; }
         int ampc_op_policy_planted(void); int f(void) { return ampc_op_policy_planted(); }'
     compile "$OBJS/ops/op.c.o" 'int ampc_op_policy_planted(void) { return 0; }'
+    PRIVATE+=(ampc__planted_private)
+    compile "$OBJS/backend/table.c.o" 'int ampc__planted_private(void) { return 0; }'
+    compile "$OBJS/backend/door.c.o" 'int ampc__planted_private(void); int k(void) { return ampc__planted_private(); }'
+    compile "$OBJS/ops/private.c.o" 'int ampc__planted_private(void); int q(void) { return ampc__planted_private(); }'
     compile "$OBJS/autograd/engine.c.o" 'int ampc_planted_set_grad(void) { return 0; }'
     compile "$OBJS/nn/layer.c.o" 'int ampc_planted_layer(void) { return 0; }'
     compile "$OBJS/nn/planted.c.o" 'int ampc_planted_set_grad(void), ampc_public(void); int g(void) { return ampc_planted_set_grad() + ampc_public(); }'
@@ -339,12 +352,13 @@ if [ -n "$OBJ" ]; then
     expect "nn calling autograd" 'nn/planted.c.o uses ampc_planted_set_grad: defined in autograd; nn uses only core ops, not autograd'
     expect "data calling nn" 'data/planted.c.o uses ampc_planted_layer: defined in nn; data uses only core, not nn'
     expect "source without its object" 'src/core/missing.c has no object'
+    expect "private name used above its layer" 'ops/private.c.o uses ampc__planted_private: private to backend (PRIVATE)'
     expect "tool calling an ampc__ function" 'CMakeFiles/tool.dir/tools/planted.c.o uses ampc__planted_internal: internal to core'
     expect "tool calling a function include/ doesn't declare" 'CMakeFiles/tool.dir/tools/planted.c.o uses ampc_planted_hidden: internal to core'
 fi
 # the allowed uses: same folder, "./", "../" within the rules, angles, include/, system headers,
 # public symbols, an excepted tool's own headers and their names
-if grep -E 'src/nn/ok\.c|tools/ok\.c|tools/bench_profile\.c|tools/plot\.c:1 |uses ampc_public|plot\.c\.o uses' <<<"$planted_out"; then
+if grep -E 'src/nn/ok\.c|tools/ok\.c|tools/bench_profile\.c|tools/plot\.c:1 |uses ampc_public|plot\.c\.o uses|door\.c\.o' <<<"$planted_out"; then
     echo "FAIL: the check refused an allowed use (above)"
     FAILS=$((FAILS + 1))
 fi

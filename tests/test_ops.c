@@ -3,7 +3,8 @@
  * op-check table (finite differences on REF in f64, then CPU f32/f16/bf16 forward and
  * backward against REF), plus errors, type promotion, large threaded tensors, in-place
  * aliasing, what each op saves for backward, the bits of the bf16 register path (widen,
- * compute in f32, round once, for every bf16 input) and sum_to of 16-bit x into f32.
+ * compute in f32, round once, for every bf16 input), sum_to of 16-bit x into f32, and the door
+ * to the kernels (unknown devices, kernels a table lacks, ampc__backend_supports).
  */
 #include "testutil.h"
 
@@ -721,6 +722,64 @@ static void test_sum_to_f32_out(void **state) {
     ampc_scope_end();
 }
 
+// ---------------------------------------------------------------------------------------------
+// The door to the kernels (dispatch.c): unknown devices, missing kernels, supports
+
+static void test_kernel_door(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    /* an unknown device is an error, never the CPU's table */
+    assert_null(ampc__backend((ampc_device)7));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+    assert_non_null(strstr(ampc_last_error(), "unknown device 7"));
+    ampc_tensor *x = ampc_tensor_from_f32(AMPC_F32, 1, (int64_t[]){3}, (float[]){-1, 2, -3});
+    x->device = (ampc_device)7;   /* a corrupt tensor: the door refuses it before any kernel runs */
+    assert_int_equal(ampc__k_unary_into(AMPC_OP_RELU, x, x, 0), AMPC_ERR_INVALID);
+    assert_non_null(strstr(ampc_last_error(), "unknown device 7"));
+    assert_int_equal(ampc__backend_check(AMPC_K_softmax, AMPC_F32, (ampc_device)-1), AMPC_ERR_INVALID);
+    x->device = AMPC_DEVICE_CPU;
+    assert_true(((const float *)ampc_tensor_data(x))[0] == -1.0f);   /* no CPU result written */
+    assert_false(ampc__backend_supports(AMPC_K_unary, AMPC_F32, (ampc_device)7));
+
+    /* a kernel the table lacks (REF composes batch_norm_add_relu): unsupported, named */
+    const ampc_backend *ref = ampc__backend(AMPC_DEVICE_REF);
+    assert_null(ref->batch_norm_add_relu);
+    ampc_tensor *r = ampc_tensor_to(ampc_tensor_rand(AMPC_F32, 4, (int64_t[]){2, 3, 2, 2}, -1, 1), AMPC_DEVICE_REF, AMPC_F64);
+    ampc_tensor *ry = ampc_tensor_to(r, AMPC_DEVICE_REF, AMPC_F64);
+    assert_int_equal(ampc__k_batch_norm_add_relu(r, NULL, NULL, NULL, NULL, r, ry, NULL, true, 0.1, 1e-5),
+                     AMPC_ERR_UNSUPPORTED);
+    assert_non_null(strstr(ampc_last_error(), "batch_norm_add_relu"));
+    assert_non_null(strstr(ampc_last_error(), "f64"));
+    assert_non_null(strstr(ampc_last_error(), "ref"));
+    /* a dtype the device does not hold */
+    assert_int_equal(ampc__backend_check(AMPC_K_softmax, AMPC_BF16, AMPC_DEVICE_REF), AMPC_ERR_UNSUPPORTED);
+    assert_non_null(strstr(ampc_last_error(), "softmax"));
+    assert_non_null(strstr(ampc_last_error(), "bf16"));
+    assert_non_null(strstr(ampc_last_error(), "ref"));
+
+    /* supports answers from the tables and the devices' dtypes, and agrees with the check */
+    for (int dev = 0; dev < AMPC_DEVICE_COUNT; dev++) {
+        const ampc_backend *be = ampc__backend((ampc_device)dev);
+        for (int dt = 0; dt < AMPC_DTYPE_COUNT; dt++) {
+            bool held = be->device.dtypes[dt];
+            assert_int_equal(ampc__backend_supports(AMPC_K_softmax, (ampc_dtype)dt, (ampc_device)dev), held && be->softmax);
+            assert_int_equal(ampc__backend_supports(AMPC_K_gemm, (ampc_dtype)dt, (ampc_device)dev), held && be->gemm);
+            assert_int_equal(ampc__backend_supports(AMPC_K_copy_block, (ampc_dtype)dt, (ampc_device)dev), held && be->copy_block);
+            assert_int_equal(ampc__backend_supports(AMPC_K_batch_norm_add_relu, (ampc_dtype)dt, (ampc_device)dev),
+                             held && be->batch_norm_add_relu);
+            for (int k = 0; k < AMPC_K_COUNT; k++)
+                assert_int_equal(ampc__backend_supports((ampc_kernel)k, (ampc_dtype)dt, (ampc_device)dev),
+                                 ampc__backend_check((ampc_kernel)k, (ampc_dtype)dt, (ampc_device)dev) == AMPC_OK);
+        }
+    }
+    assert_true(ampc__backend_supports(AMPC_K_softmax, AMPC_BF16, AMPC_DEVICE_CPU));
+    assert_true(ampc__backend_supports(AMPC_K_softmax, AMPC_F64, AMPC_DEVICE_REF));
+    assert_false(ampc__backend_supports(AMPC_K_softmax, AMPC_F32, AMPC_DEVICE_REF));
+    assert_false(ampc__backend_supports(AMPC_K_batch_norm_add_relu, AMPC_F32, AMPC_DEVICE_CPU));
+    assert_string_equal(ampc__kernel_name(AMPC_K_layer_norm_backward), "layer_norm_backward");
+    ampc_scope_end();
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_unary_ops),
@@ -737,6 +796,7 @@ int main(void) {
         cmocka_unit_test(test_bf16_rounding_in_registers),
         cmocka_unit_test(test_bf16_register_path_bits),
         cmocka_unit_test(test_sum_to_f32_out),
+        cmocka_unit_test(test_kernel_door),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
 }

@@ -23,11 +23,8 @@ double ampc_clip_grad_norm(ampc_optimizer *opt, double max_norm) {
     for (int i = 0; i < opt->n; i++) {
         ampc_tensor *p = opt->params[i];
         if (!p || !p->grad) continue;
-        const ampc_backend *be = ampc__backend(p->grad->device);
-        if (!be->sum_squares)
-            return ampc__err(AMPC_ERR_UNSUPPORTED, "sum_squares on device %s", ampc_device_name(p->grad->device));
         double s;
-        int rc = be->sum_squares(p->grad, &s);
+        int rc = ampc__k_sum_squares(p->grad, &s);
         if (rc < 0) return rc;
         sumsq += s;
         n_grads++;
@@ -39,10 +36,7 @@ double ampc_clip_grad_norm(ampc_optimizer *opt, double max_norm) {
         for (int i = 0; i < opt->n; i++) {
             ampc_tensor *p = opt->params[i];
             if (!p || !p->grad) continue;
-            const ampc_backend *be = ampc__backend(p->grad->device);
-            if (!be->unary)
-                return ampc__err(AMPC_ERR_UNSUPPORTED, "unary scale on device %s", ampc_device_name(p->grad->device));
-            int rc = be->unary(AMPC_OP_MUL_SCALAR, p->grad, p->grad, clip_coef);
+            int rc = ampc__k_unary_into(AMPC_OP_MUL_SCALAR, p->grad, p->grad, clip_coef);
             if (rc < 0) return rc;
         }
     }

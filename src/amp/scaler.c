@@ -227,11 +227,8 @@ static int unscale_grads(ampc_scaler *s, ampc_optimizer *opt, opt_state *st, boo
             if (p && p->grad && p->grad->device == (ampc_device)d) s->grads[n++] = p->grad;
         }
         if (!n) continue;
-        const ampc_backend *be = ampc__backend((ampc_device)d);
-        if (!be->unscale_check)
-            return ampc__err(AMPC_ERR_UNSUPPORTED, "unscale_check on device %s", ampc_device_name((ampc_device)d));
         float dev_found_inf = 0.0f;
-        int rc = be->unscale_check(s->grads, n, check_only ? 1.0f : inv_scale, &dev_found_inf);
+        int rc = ampc__k_unscale_check(s->grads, n, check_only ? 1.0f : inv_scale, &dev_found_inf);
         if (rc < 0) return rc;
         found_inf += dev_found_inf;
         recorded = true;

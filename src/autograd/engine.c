@@ -200,12 +200,12 @@ static int accumulate_into(ampc_tensor **acc, ampc_tensor *g, ampc_mem_kind kind
     }
     int rc;
     if (ampc__grad_exclusive(a)) {
-        rc = ampc__backend(a->device)->binary(AMPC_OP_ADD, a, g, a);
+        rc = ampc__k_binary_into(AMPC_OP_ADD, a, g, a);
     } else {   /* someone else sees a: add out of place */
         ampc_mem_kind prev = ampc__mem_kind_push(kind);
         ampc_tensor *s = ampc__tensor_like(a, a->dtype);
         ampc__mem_kind_pop(prev);
-        rc = s ? ampc__backend(a->device)->binary(AMPC_OP_ADD, a, g, s) : ampc_last_status();
+        rc = s ? ampc__k_binary_into(AMPC_OP_ADD, a, g, s) : ampc_last_status();
         if (rc >= 0) {
             ampc__release(a);
             *acc = s;

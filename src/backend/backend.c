@@ -33,12 +33,18 @@ static void fill_tables(void) {
     for (int d = 0; d < AMPC_DEVICE_COUNT; d++) ampc__device_register((ampc_device)d, &backends[d].device);
 }
 
-/* Any program that runs an op links this file (ops call ampc__backend), hence the tables. */
+/* Any program that runs an op links this file (the door in dispatch.c calls ampc__backend), hence the tables. */
 __attribute__((constructor)) static void register_devices(void) { pthread_once(&tables_once, fill_tables); }
 
 const ampc_backend *ampc__backend(ampc_device dev) {
     pthread_once(&tables_once, fill_tables);
-    return &backends[(unsigned)dev < AMPC_DEVICE_COUNT ? dev : AMPC_DEVICE_CPU];
+    if ((unsigned)dev >= AMPC_DEVICE_COUNT) return ampc__err_null(AMPC_ERR_INVALID, "unknown device %d", (int)dev);
+    return &backends[dev];
+}
+
+bool ampc__backend_channels_last(ampc_device dev) {
+    pthread_once(&tables_once, fill_tables);
+    return (unsigned)dev < AMPC_DEVICE_COUNT && backends[dev].channels_last;
 }
 
 bool ampc_dtype_supported(ampc_device dev, ampc_dtype dt) {

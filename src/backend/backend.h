@@ -1,11 +1,15 @@
 /*
  * backend.h - the device seam: a table of kernel function pointers per device.
  *
- * Ops (src/ops) check shapes and dtypes, then call ampc__backend(dev)->kernel(...). Nothing
- * above src/backend/ knows which table runs. A NULL entry means "not supported here": the op
- * reports AMPC_ERR_UNSUPPORTED. All tensors given to kernels are dense, row-major unless a 4-D
- * one is channels-last (format) where the kernel says it takes that; kernels never
- * allocate tensors, only scratch through ampc__alloc(..., AMPC_MEM_WORKSPACE, ...).
+ * One door: every layer above src/backend/ reaches a kernel through the dispatch functions of
+ * dispatch.c (ampc__k_*), never through a table. The door checks once what every kernel needs:
+ * a known device (else AMPC_ERR_INVALID), an entry in that device's table and a dtype that
+ * device holds (else AMPC_ERR_UNSUPPORTED naming the kernel, dtype and device);
+ * ampc__backend_supports asks the same question without calling. The ops check shapes and
+ * their own arguments before. A NULL entry means "not supported here". All tensors given to
+ * kernels are dense, row-major unless a 4-D one is channels-last (format) where the kernel
+ * says it takes that; kernels never allocate tensors, only scratch through
+ * ampc__alloc(..., AMPC_MEM_WORKSPACE, ...).
  *
  * CPU (src/backend/cpu): f32/f16/bf16 storage, f32 compute, oneDNN for matmul.
  * REF (src/backend/ref): f64 only, plain loops: the oracle of the tests.
@@ -233,12 +237,94 @@ typedef struct ampc_backend {
                       int64_t dst_off, int64_t dst_ld, int64_t rows, int64_t cols);
 } ampc_backend;
 
+/* dev's table, or NULL with AMPC_ERR_INVALID ("unknown device N") for a device out of range.
+   For src/backend, the kernel tests and ampc-bench's profiler only: the layers above go through
+   the door below. */
 const ampc_backend *ampc__backend(ampc_device dev);
+/* Whether dev's kernels may keep 4-D tensors channels-last (ampc_backend.channels_last). */
+bool ampc__backend_channels_last(ampc_device dev);
 
 // ---------------------------------------------------------------------------------------------
-// Kernel calls (dispatch.c), for the op layer and the autograd engine
+// The door (dispatch.c): the kernel calls of the op layer, autograd, amp and optim
 
-/* Kernel wrappers: new owned tensor or NULL with the error set. */
+/* The table's kernel entries, one name each (the door's checks and messages use them). */
+#define AMPC_KERNEL_TABLE(K)                                                                      \
+    K(unary) K(unary_backward) K(binary) K(sum_to) K(expand) K(softmax) K(softmax_backward) K(gemm)  \
+    K(cross_entropy) K(cross_entropy_backward) K(dropout) K(dropout_backward) K(unscale_check)     \
+    K(sum_squares) K(sgd_step) K(adam_step) K(conv2d) K(conv2d_backward_data)                      \
+    K(conv2d_backward_weights) K(pool2d_workspace_size) K(pool2d) K(pool2d_backward) K(batch_norm) \
+    K(batch_norm_backward) K(batch_norm_relu) K(batch_norm_relu_backward) K(batch_norm_add_relu)   \
+    K(batch_norm_add_relu_backward) K(layer_norm) K(layer_norm_backward) K(copy_block)
+typedef enum {
+#define AMPC_KERNEL_ENUM_(k) AMPC_K_##k,
+    AMPC_KERNEL_TABLE(AMPC_KERNEL_ENUM_)
+#undef AMPC_KERNEL_ENUM_
+    AMPC_K_COUNT
+} ampc_kernel;
+const char *ampc__kernel_name(ampc_kernel k);   /* "softmax"; "?" out of range */
+/* Whether dev's table has kernel k and dev holds dtype dt (its device.dtypes: the one dtype
+   mask per backend). False for an unknown device. Sets no error. */
+bool ampc__backend_supports(ampc_kernel k, ampc_dtype dt, ampc_device dev);
+/* The same as a status: AMPC_OK, AMPC_ERR_INVALID "unknown device N", or AMPC_ERR_UNSUPPORTED
+   naming the kernel, dtype and device (the error set). */
+int ampc__backend_check(ampc_kernel k, ampc_dtype dt, ampc_device dev);
+
+/* One dispatch function per table entry, with the entry's arguments and status: the door's
+   checks on the device and dtype of the first tensor argument, then the kernel. */
+int ampc__k_unary_into(ampc_op op, const ampc_tensor *x, ampc_tensor *y, double alpha);
+int ampc__k_binary_into(ampc_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out);
+int ampc__k_softmax(const ampc_tensor *x, ampc_tensor *y, ampc_axis_desc ax, bool log);
+int ampc__k_softmax_backward(const ampc_tensor *y, const ampc_tensor *gy, ampc_tensor *gx, ampc_axis_desc ax, bool log);
+int ampc__k_cross_entropy(const ampc_tensor *logits, const ampc_tensor *targets, const ampc_cross_entropy_options *o,
+                          ampc_tensor *out, double *weight_out);
+int ampc__k_cross_entropy_backward(const ampc_tensor *logits, const ampc_tensor *targets, const ampc_tensor *gy,
+                                   const ampc_cross_entropy_options *o, double weight, ampc_tensor *gx);
+int ampc__k_dropout(const ampc_tensor *x, ampc_tensor *y, uint8_t *mask, double p, ampc_rng_state rng);
+int ampc__k_dropout_backward(const ampc_tensor *gy, const uint8_t *mask, double p, ampc_tensor *gx);
+/* grads all on one device (checked: each grad's dtype) */
+int ampc__k_unscale_check(ampc_tensor **grads, int n, float inv_scale, float *found_inf);
+int ampc__k_sum_squares(const ampc_tensor *t, double *out);
+/* items (n >= 1) all on one device; the door checks items[0].param */
+int ampc__k_sgd_step(const ampc_optim_item *items, int n, const ampc_sgd_hparams *h);
+int ampc__k_adam_step(const ampc_optim_item *items, int n, const ampc_adam_hparams *h);
+int ampc__k_conv2d(const ampc_conv_desc *d, const ampc_tensor *x, const ampc_tensor *w, const ampc_tensor *b,
+                   ampc_tensor *y);
+int ampc__k_conv2d_backward_data(const ampc_conv_desc *d, const ampc_tensor *gy, const ampc_tensor *w, ampc_tensor *gx);
+int ampc__k_conv2d_backward_weights(const ampc_conv_desc *d, const ampc_tensor *x, const ampc_tensor *gy, ampc_tensor *gw,
+                                    ampc_tensor *gb);
+/* pool2d_workspace_size on dev; 0 with the error set when the door refuses */
+size_t ampc__k_pool2d_workspace_size(ampc_device dev, const ampc_pool_desc *d, ampc_dtype dt);
+int ampc__k_pool2d(const ampc_pool_desc *d, const ampc_tensor *x, ampc_tensor *y, void *ws);
+int ampc__k_pool2d_backward(const ampc_pool_desc *d, const ampc_tensor *gy, ampc_tensor *gx, const void *ws);
+int ampc__k_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias, ampc_tensor *running_mean,
+                       ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *save_mean, ampc_tensor *save_invstd,
+                       bool training, double momentum, double eps, bool sync);
+int ampc__k_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                                const ampc_tensor *save_mean, const ampc_tensor *save_invstd, bool training, bool sync,
+                                ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb);
+int ampc__k_batch_norm_relu(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
+                            ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *stats,
+                            bool training, double momentum, double eps, bool sync);
+int ampc__k_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                                     const ampc_tensor *stats, bool training, bool sync, ampc_tensor *gx, ampc_tensor *gw,
+                                     ampc_tensor *gb);
+int ampc__k_batch_norm_add_relu(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
+                                ampc_tensor *running_mean, ampc_tensor *running_var, const ampc_tensor *z, ampc_tensor *y,
+                                ampc_tensor *stats, bool training, double momentum, double eps);
+int ampc__k_batch_norm_add_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *y,
+                                         const ampc_tensor *weight, const ampc_tensor *stats, bool training,
+                                         ampc_tensor *gx, ampc_tensor *gz, ampc_tensor *gw, ampc_tensor *gb);
+int ampc__k_layer_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias, ampc_tensor *y,
+                       ampc_tensor *mean, ampc_tensor *rstd, double eps);
+int ampc__k_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                                const ampc_tensor *mean, const ampc_tensor *rstd, ampc_tensor *gx, ampc_tensor *gw,
+                                ampc_tensor *gb);
+/* rows or cols 0: nothing to copy, AMPC_OK */
+int ampc__k_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, ampc_tensor *dst, int64_t dst_off,
+                       int64_t dst_ld, int64_t rows, int64_t cols);
+
+/* The elementwise, sum_to/expand and gemm entries through wrappers that allocate the output:
+   new owned tensor or NULL with the error set. */
 ampc_tensor *ampc__k_cast(ampc_tensor *x, ampc_dtype dt);   /* same dtype: new ref to x */
 /* x in dtype dt and memory format fmt, in one pass (a new ref to x when both agree; a view
    relabelled when the two formats order the elements alike: H * W == 1 or C == 1). */

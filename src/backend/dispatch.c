@@ -1,7 +1,10 @@
 /*
- * dispatch.c - kernel calls that return owned tensors: each allocates its output on the
- * input's device and runs that device's kernel (no autograd, no autocast). The op layer and
- * the autograd engine call these instead of the tables.
+ * dispatch.c - the one door to the kernels: every kernel call from the layers above
+ * src/backend/ comes through here. Each call checks once what is common to every kernel (the
+ * device is known, its table has the kernel, it holds the dtype: ampc__backend_check) and
+ * then runs that device's kernel, which trusts what it is given (no autograd, no autocast).
+ * The ampc__k_<kernel> functions take a table entry's arguments; the wrappers further down
+ * allocate their output on the input's device first.
  */
 #include "backend/backend.h"
 
@@ -25,12 +28,163 @@ int ampc__broadcast_shapes(const ampc_tensor *a, const ampc_tensor *b, int *ndim
 }
 
 // ---------------------------------------------------------------------------------------------
-// Kernel wrappers
+// The checks
 
-#define BACKEND_CALL(t, kernel, ...)                                                               \
-    (ampc__backend((t)->device)->kernel                                                            \
-         ? ampc__backend((t)->device)->kernel(__VA_ARGS__)                                         \
-         : ampc__err(AMPC_ERR_UNSUPPORTED, "%s on device %s", #kernel, ampc_device_name((t)->device)))
+const char *ampc__kernel_name(ampc_kernel k) {
+    switch (k) {
+#define KERNEL_NAME_(k) case AMPC_K_##k: return #k;
+        AMPC_KERNEL_TABLE(KERNEL_NAME_)
+#undef KERNEL_NAME_
+    default: return "?";
+    }
+}
+
+static bool has_kernel(const ampc_backend *be, ampc_kernel k) {
+    switch (k) {
+#define HAS_KERNEL_(k) case AMPC_K_##k: return be->k != NULL;
+        AMPC_KERNEL_TABLE(HAS_KERNEL_)
+#undef HAS_KERNEL_
+    default: return false;
+    }
+}
+
+static bool supported(const ampc_backend *be, ampc_kernel k, ampc_dtype dt) {
+    return has_kernel(be, k) && (unsigned)dt < AMPC_DTYPE_COUNT && be->device.dtypes[dt];
+}
+
+bool ampc__backend_supports(ampc_kernel k, ampc_dtype dt, ampc_device dev) {
+    return (unsigned)dev < AMPC_DEVICE_COUNT && supported(ampc__backend(dev), k, dt);
+}
+
+int ampc__backend_check(ampc_kernel k, ampc_dtype dt, ampc_device dev) {
+    const ampc_backend *be = ampc__backend(dev);
+    if (!be) return ampc_last_status();
+    if (!supported(be, k, dt))
+        return ampc__err(AMPC_ERR_UNSUPPORTED, "kernel %s on %s is not supported on device %s%s", ampc__kernel_name(k),
+                         (unsigned)dt < AMPC_DTYPE_COUNT ? ampc_dtype_name(dt) : "an unknown dtype", ampc_device_name(dev),
+                         has_kernel(be, k) ? " (the device does not hold that dtype)" : "");
+    return AMPC_OK;
+}
+
+/* Kernel k of tensor t's device with the arguments, after the door's checks. */
+#define BACKEND_CALL(t, k, ...)                                                                    \
+    (ampc__backend_check(AMPC_K_##k, (t)->dtype, (t)->device) < 0 ? ampc_last_status()              \
+                                                                  : ampc__backend((t)->device)->k(__VA_ARGS__))
+
+// ---------------------------------------------------------------------------------------------
+// One function per table entry
+
+int ampc__k_unary_into(ampc_op op, const ampc_tensor *x, ampc_tensor *y, double alpha) {
+    return BACKEND_CALL(x, unary, op, x, y, alpha);
+}
+int ampc__k_binary_into(ampc_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out) {
+    return BACKEND_CALL(a, binary, op, a, b, out);
+}
+int ampc__k_softmax(const ampc_tensor *x, ampc_tensor *y, ampc_axis_desc ax, bool log) {
+    return BACKEND_CALL(x, softmax, x, y, ax, log);
+}
+int ampc__k_softmax_backward(const ampc_tensor *y, const ampc_tensor *gy, ampc_tensor *gx, ampc_axis_desc ax, bool log) {
+    return BACKEND_CALL(y, softmax_backward, y, gy, gx, ax, log);
+}
+int ampc__k_cross_entropy(const ampc_tensor *logits, const ampc_tensor *targets, const ampc_cross_entropy_options *o,
+                          ampc_tensor *out, double *weight_out) {
+    return BACKEND_CALL(logits, cross_entropy, logits, targets, o, out, weight_out);
+}
+int ampc__k_cross_entropy_backward(const ampc_tensor *logits, const ampc_tensor *targets, const ampc_tensor *gy,
+                                   const ampc_cross_entropy_options *o, double weight, ampc_tensor *gx) {
+    return BACKEND_CALL(logits, cross_entropy_backward, logits, targets, gy, o, weight, gx);
+}
+int ampc__k_dropout(const ampc_tensor *x, ampc_tensor *y, uint8_t *mask, double p, ampc_rng_state rng) {
+    return BACKEND_CALL(x, dropout, x, y, mask, p, rng);
+}
+int ampc__k_dropout_backward(const ampc_tensor *gy, const uint8_t *mask, double p, ampc_tensor *gx) {
+    return BACKEND_CALL(gy, dropout_backward, gy, mask, p, gx);
+}
+int ampc__k_unscale_check(ampc_tensor **grads, int n, float inv_scale, float *found_inf) {
+    if (n <= 0) return AMPC_OK;
+    for (int i = 1; i < n; i++)
+        if (ampc__backend_check(AMPC_K_unscale_check, grads[i]->dtype, grads[0]->device) < 0) return ampc_last_status();
+    return BACKEND_CALL(grads[0], unscale_check, grads, n, inv_scale, found_inf);
+}
+int ampc__k_sum_squares(const ampc_tensor *t, double *out) { return BACKEND_CALL(t, sum_squares, t, out); }
+int ampc__k_sgd_step(const ampc_optim_item *items, int n, const ampc_sgd_hparams *h) {
+    return n <= 0 ? AMPC_OK : BACKEND_CALL(items[0].param, sgd_step, items, n, h);
+}
+int ampc__k_adam_step(const ampc_optim_item *items, int n, const ampc_adam_hparams *h) {
+    return n <= 0 ? AMPC_OK : BACKEND_CALL(items[0].param, adam_step, items, n, h);
+}
+int ampc__k_conv2d(const ampc_conv_desc *d, const ampc_tensor *x, const ampc_tensor *w, const ampc_tensor *b,
+                   ampc_tensor *y) {
+    return BACKEND_CALL(x, conv2d, d, x, w, b, y);
+}
+int ampc__k_conv2d_backward_data(const ampc_conv_desc *d, const ampc_tensor *gy, const ampc_tensor *w, ampc_tensor *gx) {
+    return BACKEND_CALL(gy, conv2d_backward_data, d, gy, w, gx);
+}
+int ampc__k_conv2d_backward_weights(const ampc_conv_desc *d, const ampc_tensor *x, const ampc_tensor *gy, ampc_tensor *gw,
+                                    ampc_tensor *gb) {
+    return BACKEND_CALL(x, conv2d_backward_weights, d, x, gy, gw, gb);
+}
+size_t ampc__k_pool2d_workspace_size(ampc_device dev, const ampc_pool_desc *d, ampc_dtype dt) {
+    if (ampc__backend_check(AMPC_K_pool2d_workspace_size, dt, dev) < 0) return 0;
+    return ampc__backend(dev)->pool2d_workspace_size(d, dt);
+}
+int ampc__k_pool2d(const ampc_pool_desc *d, const ampc_tensor *x, ampc_tensor *y, void *ws) {
+    return BACKEND_CALL(x, pool2d, d, x, y, ws);
+}
+int ampc__k_pool2d_backward(const ampc_pool_desc *d, const ampc_tensor *gy, ampc_tensor *gx, const void *ws) {
+    return BACKEND_CALL(gy, pool2d_backward, d, gy, gx, ws);
+}
+int ampc__k_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias, ampc_tensor *running_mean,
+                       ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *save_mean, ampc_tensor *save_invstd,
+                       bool training, double momentum, double eps, bool sync) {
+    return BACKEND_CALL(x, batch_norm, x, weight, bias, running_mean, running_var, y, save_mean, save_invstd, training,
+                        momentum, eps, sync);
+}
+int ampc__k_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                                const ampc_tensor *save_mean, const ampc_tensor *save_invstd, bool training, bool sync,
+                                ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
+    return BACKEND_CALL(x, batch_norm_backward, x, gy, weight, save_mean, save_invstd, training, sync, gx, gw, gb);
+}
+int ampc__k_batch_norm_relu(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
+                            ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *stats,
+                            bool training, double momentum, double eps, bool sync) {
+    return BACKEND_CALL(x, batch_norm_relu, x, weight, bias, running_mean, running_var, y, stats, training, momentum, eps,
+                        sync);
+}
+int ampc__k_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                                     const ampc_tensor *stats, bool training, bool sync, ampc_tensor *gx, ampc_tensor *gw,
+                                     ampc_tensor *gb) {
+    return BACKEND_CALL(x, batch_norm_relu_backward, x, gy, weight, stats, training, sync, gx, gw, gb);
+}
+int ampc__k_batch_norm_add_relu(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
+                                ampc_tensor *running_mean, ampc_tensor *running_var, const ampc_tensor *z, ampc_tensor *y,
+                                ampc_tensor *stats, bool training, double momentum, double eps) {
+    return BACKEND_CALL(x, batch_norm_add_relu, x, weight, bias, running_mean, running_var, z, y, stats, training,
+                        momentum, eps);
+}
+int ampc__k_batch_norm_add_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *y,
+                                         const ampc_tensor *weight, const ampc_tensor *stats, bool training,
+                                         ampc_tensor *gx, ampc_tensor *gz, ampc_tensor *gw, ampc_tensor *gb) {
+    return BACKEND_CALL(x, batch_norm_add_relu_backward, x, gy, y, weight, stats, training, gx, gz, gw, gb);
+}
+int ampc__k_layer_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias, ampc_tensor *y,
+                       ampc_tensor *mean, ampc_tensor *rstd, double eps) {
+    return BACKEND_CALL(x, layer_norm, x, weight, bias, y, mean, rstd, eps);
+}
+int ampc__k_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+                                const ampc_tensor *mean, const ampc_tensor *rstd, ampc_tensor *gx, ampc_tensor *gw,
+                                ampc_tensor *gb) {
+    return BACKEND_CALL(x, layer_norm_backward, x, gy, weight, mean, rstd, gx, gw, gb);
+}
+int ampc__k_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, ampc_tensor *dst, int64_t dst_off,
+                       int64_t dst_ld, int64_t rows, int64_t cols) {
+    int rc = ampc__backend_check(AMPC_K_copy_block, dst->dtype, dst->device);
+    if (rc < 0 || rows == 0 || cols == 0) return rc;
+    return ampc__backend(dst->device)->copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Wrappers that allocate the output
 
 static ampc_tensor *finish_kernel(ampc_tensor *out, int rc) {
     if (rc < 0) {
@@ -58,7 +212,7 @@ ampc_tensor *ampc__k_cast(ampc_tensor *x, ampc_dtype dt) { return ampc__k_conver
 ampc_tensor *ampc__k_unary(ampc_op op, ampc_tensor *x, double alpha) {
     ampc_tensor *y = ampc__tensor_like(x, x->dtype);
     if (!y) return NULL;
-    return finish_kernel(y, BACKEND_CALL(x, unary, op, x, y, alpha));
+    return finish_kernel(y, ampc__k_unary_into(op, x, y, alpha));
 }
 
 ampc_tensor *ampc__k_unary_backward(ampc_op op, ampc_tensor *x, ampc_tensor *y, ampc_tensor *gy, double alpha) {
@@ -83,7 +237,7 @@ ampc_tensor *ampc__k_binary(ampc_op op, ampc_tensor *a, ampc_tensor *b) {
         return ampc__err_null(AMPC_ERR_INVALID, "binary kernel on channels-last tensors of different shapes or formats");
     ampc_tensor *out = ampc__tensor_new_fmt(a->dtype, a->device, nd, shape, a->format);
     if (!out) return NULL;
-    return finish_kernel(out, BACKEND_CALL(a, binary, op, a, b, out));
+    return finish_kernel(out, ampc__k_binary_into(op, a, b, out));
 }
 
 /* A channels-last x changing shape is read in contiguous order (sum_to/expand index by shape);

@@ -18,14 +18,6 @@ static void split(int ndim, const int64_t *shape, int d, int64_t *outer, int64_t
     for (int i = d + 1; i < ndim; i++) *inner *= shape[i];
 }
 
-static int copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, ampc_tensor *dst, int64_t dst_off,
-                      int64_t dst_ld, int64_t rows, int64_t cols) {
-    const ampc_backend *be = ampc__backend(dst->device);
-    if (!be->copy_block) return ampc__err(AMPC_ERR_UNSUPPORTED, "copy_block on device %s", ampc_device_name(dst->device));
-    if (rows == 0 || cols == 0) return AMPC_OK;
-    return be->copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols);
-}
-
 /* args.cat.dim: the dim */
 static int cat_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
     int d = n->args.cat.dim;
@@ -37,7 +29,7 @@ static int cat_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
         int64_t cols = m->shape[d] * inner;
         if (n->next[i]) {
             gx[i] = ampc__tensor_new(gy->dtype, gy->device, m->ndim, m->shape);
-            if (!gx[i] || copy_block(gy, off, total, gx[i], 0, cols, outer, cols) < 0) return ampc_last_status();
+            if (!gx[i] || ampc__k_copy_block(gy, off, total, gx[i], 0, cols, outer, cols) < 0) return ampc_last_status();
         }
         off += cols;
     }
@@ -86,7 +78,7 @@ ampc_tensor *ampc_cat(ampc_tensor *const *xs, int n, int dim) {
     split(x0->ndim, shape, d, &outer, &inner);
     for (int i = 0; i < n; i++) {
         int64_t cols = c[i]->shape[d] * inner;
-        if (copy_block(c[i], 0, cols, out, off, shape[d] * inner, outer, cols) < 0) {
+        if (ampc__k_copy_block(c[i], 0, cols, out, off, shape[d] * inner, outer, cols) < 0) {
             ampc__release(out);
             out = NULL;
             goto done;

@@ -21,7 +21,7 @@ static int channels_last_inputs(ampc_op op, ampc_op_args *a) {
         if (a->in[i] && ampc__is_cl(a->in[i])) cl |= 1u << i;
     if (!cl) return AMPC_OK;
     const ampc_tensor *first = NULL;
-    if (ampc__backend(a->in[0] ? a->in[0]->device : AMPC_DEVICE_CPU)->channels_last) {
+    if (ampc__backend_channels_last(a->in[0] ? a->in[0]->device : AMPC_DEVICE_CPU)) {
         ok = ampc_op_channels_last_inputs(op);
         /* the elementwise ones: every input of one shape and format, or none stays */
         for (int i = 0; i < a->n && ok > 1; i++) {

@@ -111,15 +111,13 @@ static int conv2d_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
     ampc_conv_desc d = make_desc(n->in[0].shape, n->in[1].shape, &o);
     d.channels_last = n->in[0].format == AMPC_CHANNELS_LAST;   /* gy arrives in it too */
     ampc_dtype dt = n->in[1].dtype;
-    const ampc_backend *be = ampc__backend(gy_in->device);
     ampc_tensor *gy = ampc__k_cast(gy_in, dt);
     if (!gy) return ampc_last_status();
     int rc = AMPC_OK;
     if (n->next[0]) {   /* gx (N, C, H, W) from gy and w */
         gx[0] = ampc__tensor_new_fmt(dt, gy->device, 4, n->in[0].shape, n->in[0].format);
         if (!gx[0]) rc = ampc_last_status();
-        else if (!be->conv2d_backward_data) rc = ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d_backward_data on device %s", be->device.name);
-        else rc = be->conv2d_backward_data(&d, gy, n->saved[1], gx[0]);
+        else rc = ampc__k_conv2d_backward_data(&d, gy, n->saved[1], gx[0]);
     }
     if (rc >= 0 && n->next[1]) {   /* gw (and gb in the same pass) from x and gy */
         /* under autocast straight into fp32 (both or neither: one kernel call writes them),
@@ -131,10 +129,9 @@ static int conv2d_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
         if (n->next[2] && gx[1]) gx[2] = ampc__tensor_new(gdt, gy->device, 1, n->in[2].shape);
         ampc__mem_kind_pop(prev);
         if (!gx[1] || (n->next[2] && !gx[2])) rc = ampc_last_status();
-        else if (!be->conv2d_backward_weights) rc = ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d_backward_weights on device %s", be->device.name);
         else {
             ampc_tensor *x = ampc__k_cast(n->saved[0], n->in[0].dtype);   /* saved uncast: ampc__input_to_save */
-            rc = x ? be->conv2d_backward_weights(&d, x, gy, gx[1], gx[2]) : ampc_last_status();
+            rc = x ? ampc__k_conv2d_backward_weights(&d, x, gy, gx[1], gx[2]) : ampc_last_status();
             ampc__release(x);
         }
     } else if (rc >= 0 && n->next[2]) {   /* gb alone: gy summed over (N, OH, OW) */
@@ -163,13 +160,8 @@ ampc_tensor *ampc_conv2d(ampc_tensor *x, ampc_tensor *w, ampc_tensor *b, const a
     if (normalize_options(opts, &o) < 0 || check_dtypes(a.in) < 0 || check_shapes(X, W, B, &o) < 0) return fail_args(&a);
     ampc_conv_desc d = make_desc(X->shape, W->shape, &o);
     d.channels_last = ampc__is_cl(X);   /* the output keeps the input's memory format */
-    const ampc_backend *be = ampc__backend(X->device);
-    if (!be->conv2d) {
-        ampc__err(AMPC_ERR_UNSUPPORTED, "conv2d on device %s", be->device.name);
-        return fail_args(&a);
-    }
     ampc_tensor *y = ampc__tensor_new_fmt(X->dtype, X->device, 4, (int64_t[]){d.N, d.O, d.OH, d.OW}, X->format);
-    if (y && be->conv2d(&d, X, W, B, y) < 0) {
+    if (y && ampc__k_conv2d(&d, X, W, B, y) < 0) {
         ampc__release(y);
         y = NULL;
     }

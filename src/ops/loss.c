@@ -35,12 +35,9 @@ static ampc_axis_desc axis_of(const ampc_tensor *x, int d) {
 static int softmax_backward_fn(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
     ampc_tensor *y = n->saved[0];
     ampc_axis_desc ax = {n->args.softmax.outer, n->args.softmax.dim, n->args.softmax.inner};
-    const ampc_backend *be = ampc__backend(y->device);
-    if (!be->softmax_backward)
-        return ampc__err(AMPC_ERR_UNSUPPORTED, "softmax_backward on device %s", ampc_device_name(y->device));
     ampc_tensor *g = ampc__tensor_like(y, y->dtype);
     if (!g) return ampc_last_status();
-    int rc = be->softmax_backward(y, gy, g, ax, n->args.softmax.log);
+    int rc = ampc__k_softmax_backward(y, gy, g, ax, n->args.softmax.log);
     if (rc < 0) {
         ampc__release(g);
         return rc;
@@ -57,14 +54,9 @@ static ampc_tensor *softmax_common(ampc_tensor *x, int dim, bool is_log) {
     ampc_tensor *in = a.in[0];
     int d;
     if (ampc__check_float(in, name, "input") < 0 || ampc__norm_dim(dim, in->ndim, &d) < 0) return fail(&a, NULL, NULL);
-    const ampc_backend *be = ampc__backend(in->device);
-    if (!be->softmax) {
-        ampc__err(AMPC_ERR_UNSUPPORTED, "%s on device %s", name, ampc_device_name(in->device));
-        return fail(&a, NULL, NULL);
-    }
     ampc_axis_desc ax = axis_of(in, d);
     ampc_tensor *y = ampc__tensor_like(in, in->dtype);
-    if (!y || be->softmax(in, y, ax, is_log) < 0) return fail(&a, y, NULL);
+    if (!y || ampc__k_softmax(in, y, ax, is_log) < 0) return fail(&a, y, NULL);
     ampc_node *node = NULL;
     if (ampc__needs_grad(a.in, 1)) {
         node = ampc__node_new(is_log ? "LogSoftmaxBackward" : "SoftmaxBackward", softmax_backward_fn, a.in, 1);
@@ -181,12 +173,9 @@ ampc_cross_entropy_options ampc_cross_entropy_defaults(void) {
 static int cross_entropy_backward_fn(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
     ampc_tensor *logits = n->saved[0], *targets = n->saved[1];
     ampc_cross_entropy_options o = n->args.cross_entropy.opts;
-    const ampc_backend *be = ampc__backend(logits->device);
-    if (!be->cross_entropy_backward)
-        return ampc__err(AMPC_ERR_UNSUPPORTED, "cross_entropy_backward on device %s", ampc_device_name(logits->device));
     ampc_tensor *g = ampc__tensor_like(logits, logits->dtype);
     if (!g) return ampc_last_status();
-    int rc = be->cross_entropy_backward(logits, targets, gy, &o, n->args.cross_entropy.divisor, g);
+    int rc = ampc__k_cross_entropy_backward(logits, targets, gy, &o, n->args.cross_entropy.divisor, g);
     if (rc < 0) {
         ampc__release(g);
         return rc;
@@ -219,15 +208,10 @@ ampc_tensor *ampc_cross_entropy(ampc_tensor *logits, ampc_tensor *targets, const
         ampc__err(AMPC_ERR_INVALID, "cross_entropy: label_smoothing %g outside [0, 1]", o.label_smoothing);
         return fail(&a, NULL, NULL);
     }
-    const ampc_backend *be = ampc__backend(x->device);
-    if (!be->cross_entropy) {
-        ampc__err(AMPC_ERR_UNSUPPORTED, "cross_entropy on device %s", ampc_device_name(x->device));
-        return fail(&a, NULL, NULL);
-    }
     bool none = o.reduction == AMPC_REDUCTION_NONE;
     ampc_tensor *out = ampc__tensor_new(x->dtype, x->device, none ? 1 : 0, x->shape);
     double count = 0;
-    if (!out || be->cross_entropy(x, t, &o, out, &count) < 0) return fail(&a, out, NULL);
+    if (!out || ampc__k_cross_entropy(x, t, &o, out, &count) < 0) return fail(&a, out, NULL);
     ampc_node *node = NULL;
     if (ampc__needs_grad(a.in, 1)) {
         node = ampc__node_new("CrossEntropyBackward", cross_entropy_backward_fn, a.in, 1);
@@ -244,12 +228,9 @@ ampc_tensor *ampc_cross_entropy(ampc_tensor *logits, ampc_tensor *targets, const
 // Dropout: the 0/1 mask (one byte per element) lives in node->extra until backward.
 
 static int dropout_backward_fn(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
-    const ampc_backend *be = ampc__backend(gy->device);
-    if (!be->dropout_backward)
-        return ampc__err(AMPC_ERR_UNSUPPORTED, "dropout_backward on device %s", ampc_device_name(gy->device));
     ampc_tensor *g = ampc__tensor_like(gy, gy->dtype);
     if (!g) return ampc_last_status();
-    int rc = be->dropout_backward(gy, n->extra, n->args.dropout.p, g);
+    int rc = ampc__k_dropout_backward(gy, n->extra, n->args.dropout.p, g);
     if (rc < 0) {
         ampc__release(g);
         return rc;
@@ -269,11 +250,7 @@ ampc_tensor *ampc_dropout(ampc_tensor *x, double p, bool training) {
     }
     if (!training || p == 0.0)
         return ampc__op_finish(&a, ampc__alias_record(in, in->ndim, in->shape, "AliasBackward"), NULL);
-    const ampc_backend *be = ampc__backend(in->device);
-    if (!be->dropout) {
-        ampc__err(AMPC_ERR_UNSUPPORTED, "dropout on device %s", ampc_device_name(in->device));
-        return fail(&a, NULL, NULL);
-    }
+    if (ampc__backend_check(AMPC_K_dropout, in->dtype, in->device) < 0) return fail(&a, NULL, NULL);
     ampc_tensor *y = ampc__tensor_like(in, in->dtype);
     size_t mask_bytes = 0;
     uint8_t *mask = y ? ampc__alloc(in->device, (size_t)(in->numel ? in->numel : 1), AMPC_MEM_ACTIVATIONS,
@@ -282,7 +259,7 @@ ampc_tensor *ampc_dropout(ampc_tensor *x, double p, bool training) {
     if (!mask) return fail(&a, y, NULL);
     ampc_rng_state st = ampc__rng_reserve((uint64_t)in->numel);
     ampc_node *node = NULL;
-    if (be->dropout(in, y, mask, p, st) < 0 ||
+    if (ampc__k_dropout(in, y, mask, p, st) < 0 ||
         (ampc__needs_grad(a.in, 1) && !(node = ampc__node_new("DropoutBackward", dropout_backward_fn, a.in, 1)))) {
         ampc__free(in->device, mask, mask_bytes, AMPC_MEM_ACTIVATIONS);
         return fail(&a, y, NULL);

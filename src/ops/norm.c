@@ -29,10 +29,6 @@ static ampc_tensor *fail_args(ampc_op_args *a) {
 /* Statistics dtype of a device: f32 where the device holds it (CPU), else f64 (REF). */
 static ampc_dtype stat_dtype(ampc_device dev) { return ampc__device(dev)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64; }
 
-static int unsupported(const char *kernel, ampc_device dev) {
-    return ampc__err(AMPC_ERR_UNSUPPORTED, "%s on device %s", kernel, ampc_device_name(dev));
-}
-
 /* The gradients a norm node (inputs x, weight, bias) must produce: gx like x, gw/gb with their
    input's metadata; NULL where no gradient is needed. */
 static int alloc_grads(const ampc_node *n, const ampc_tensor *x, ampc_tensor *out[3]) {
@@ -59,13 +55,11 @@ static int hand_over(int rc, ampc_tensor *out[3], ampc_tensor **gx) {
    and a view of the output y (whose sign masks the gradient) */
 static int batch_norm_add_relu_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
     ampc_tensor *x = n->saved[0], *w = n->saved[1], *stats = n->saved[2], *y = n->saved[3];
-    const ampc_backend *be = ampc__backend(x->device);
-    if (!be->batch_norm_add_relu_backward) return unsupported("batch_norm_add_relu_backward", x->device);
     ampc_tensor *gy = ampc__k_cast(gy_in, x->dtype);
     if (!gy) return ampc_last_status();
     ampc_tensor *out[3] = {NULL, NULL, NULL}, *gz = ampc__tensor_like(x, x->dtype);   /* the kernel always writes gz */
     int rc = gz ? alloc_grads(n, x, out) : ampc_last_status();
-    if (rc >= 0) rc = be->batch_norm_add_relu_backward(x, gy, y, w, stats, n->args.batch_norm.training, out[0], gz, out[1], out[2]);
+    if (rc >= 0) rc = ampc__k_batch_norm_add_relu_backward(x, gy, y, w, stats, n->args.batch_norm.training, out[0], gz, out[1], out[2]);
     ampc__release(gy);
     if (rc < 0 || !n->next[3]) ampc__release(gz);
     else gx[3] = gz;
@@ -77,15 +71,12 @@ static int batch_norm_add_relu_backward(ampc_node *n, ampc_tensor *gy_in, ampc_t
 static int batch_norm_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
     ampc_tensor *x = n->saved[0], *w = n->saved[1], *mean = n->saved[2], *invstd = n->saved[3];
     bool relu = n->args.batch_norm.relu, sync = n->args.batch_norm.sync, training = n->args.batch_norm.training;
-    const ampc_backend *be = ampc__backend(x->device);
-    if (relu ? !be->batch_norm_relu_backward : !be->batch_norm_backward)
-        return unsupported(relu ? "batch_norm_relu_backward" : "batch_norm_backward", x->device);
     ampc_tensor *gy = ampc__k_cast(gy_in, x->dtype);
     if (!gy) return ampc_last_status();
     ampc_tensor *out[3] = {NULL, NULL, NULL};
     int rc = alloc_grads(n, x, out);
-    if (rc >= 0 && relu) rc = be->batch_norm_relu_backward(x, gy, w, mean, training, sync, out[0], out[1], out[2]);
-    else if (rc >= 0) rc = be->batch_norm_backward(x, gy, w, mean, invstd, training, sync, out[0], out[1], out[2]);
+    if (rc >= 0 && relu) rc = ampc__k_batch_norm_relu_backward(x, gy, w, mean, training, sync, out[0], out[1], out[2]);
+    else if (rc >= 0) rc = ampc__k_batch_norm_backward(x, gy, w, mean, invstd, training, sync, out[0], out[1], out[2]);
     ampc__release(gy);
     return hand_over(rc, out, gx);
 }
@@ -155,15 +146,14 @@ static ampc_tensor *bn_op(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias
         return fail_args(&a);
     }
     sync = sync && training && ampc__comm()->size > 1;   /* else nothing to exchange: the plain kernels */
-    const ampc_backend *be = ampc__backend(X->device);
     if (Z && !like(Z, X)) {
         char s2[96];
         ampc__err(AMPC_ERR_INVALID, "batch_norm_add_relu: z %s %s does not match x %s %s (dtype, shape, memory format)",
                   ampc_dtype_name(Z->dtype), ampc__shape_str(Z, s1, sizeof s1), ampc_dtype_name(X->dtype), ampc__shape_str(X, s2, sizeof s2));
         return fail_args(&a);
     }
-    if (Z ? !be->batch_norm_add_relu || sync : relu ? !be->batch_norm_relu : !be->batch_norm) {
-        unsupported(Z ? "batch_norm_add_relu" : relu ? "batch_norm_relu" : "batch_norm", X->device);
+    if (Z && sync) {
+        ampc__err(AMPC_ERR_UNSUPPORTED, "batch_norm_add_relu with SyncBatchNorm (compose batch_norm, add and relu)");
         return fail_args(&a);
     }
     int nin = Z ? 4 : 3;
@@ -179,9 +169,9 @@ static ampc_tensor *bn_op(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias
         invstd = mean ? ampc__tensor_new(sdt, X->device, 1, &C) : NULL;
         if (!invstd) rc = ampc_last_status();
     }
-    if (rc >= 0 && Z) rc = be->batch_norm_add_relu(X, W, B, running_mean, running_var, Z, y, mean, training, momentum, eps);
-    else if (rc >= 0 && relu) rc = be->batch_norm_relu(X, W, B, running_mean, running_var, y, mean, training, momentum, eps, sync);
-    else if (rc >= 0) rc = be->batch_norm(X, W, B, running_mean, running_var, y, mean, invstd, training, momentum, eps, sync);
+    if (rc >= 0 && Z) rc = ampc__k_batch_norm_add_relu(X, W, B, running_mean, running_var, Z, y, mean, training, momentum, eps);
+    else if (rc >= 0 && relu) rc = ampc__k_batch_norm_relu(X, W, B, running_mean, running_var, y, mean, training, momentum, eps, sync);
+    else if (rc >= 0) rc = ampc__k_batch_norm(X, W, B, running_mean, running_var, y, mean, invstd, training, momentum, eps, sync);
     if (rc >= 0 && grad) {
         node = ampc__node_new(Z ? "NativeBatchNormAddReluBackward" : relu ? "NativeBatchNormReluBackward" : "NativeBatchNormBackward",
                               Z ? batch_norm_add_relu_backward : batch_norm_backward, (ampc_tensor *[]){X, W, B, Z}, nin);
@@ -227,8 +217,7 @@ ampc_tensor *ampc__batch_norm2d_ex(ampc_tensor *x, ampc_tensor *weight, ampc_ten
    norm passes the activation through, so x's dtype is the one it runs in). */
 static bool add_relu_fusable(const ampc_tensor *x, const ampc_tensor *z, bool training, bool sync) {
     if (!x || !z || !x->gen || !z->gen) return false;   /* the composite reports it */
-    const ampc_backend *be = ampc__backend(x->device);
-    return be && be->batch_norm_add_relu && !(sync && training && ampc__comm()->size > 1) && like(z, x);
+    return ampc__backend_supports(AMPC_K_batch_norm_add_relu, x->dtype, x->device) && !(sync && training && ampc__comm()->size > 1) && like(z, x);
 }
 
 ampc_tensor *ampc__batch_norm2d_add_relu(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
@@ -262,13 +251,11 @@ ampc_tensor *ampc__batch_norm2d_relu(ampc_tensor *x, ampc_tensor *weight, ampc_t
 /* saved: x, weight (NULL if none), mean, rstd */
 static int layer_norm_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
     ampc_tensor *x = n->saved[0], *w = n->saved[1], *mean = n->saved[2], *rstd = n->saved[3];
-    const ampc_backend *be = ampc__backend(x->device);
-    if (!be->layer_norm_backward) return unsupported("layer_norm_backward", x->device);
     ampc_tensor *gy = ampc__k_cast(gy_in, x->dtype);
     if (!gy) return ampc_last_status();
     ampc_tensor *out[3] = {NULL, NULL, NULL};
     int rc = alloc_grads(n, x, out);
-    if (rc >= 0) rc = be->layer_norm_backward(x, gy, w, mean, rstd, out[0], out[1], out[2]);
+    if (rc >= 0) rc = ampc__k_layer_norm_backward(x, gy, w, mean, rstd, out[0], out[1], out[2]);
     ampc__release(gy);
     return hand_over(rc, out, gx);
 }
@@ -305,11 +292,6 @@ ampc_tensor *ampc_layer_norm(ampc_tensor *x, int norm_ndim, ampc_tensor *weight,
         ampc__err(AMPC_ERR_INVALID, "layer_norm: eps %g must be >= 0", eps);
         return fail_args(&a);
     }
-    const ampc_backend *be = ampc__backend(X->device);
-    if (!be->layer_norm) {
-        unsupported("layer_norm", X->device);
-        return fail_args(&a);
-    }
     int64_t rows = 1;
     for (int i = 0; i < X->ndim - norm_ndim; i++) rows *= X->shape[i];
     ampc_dtype sdt = stat_dtype(X->device);
@@ -318,7 +300,7 @@ ampc_tensor *ampc_layer_norm(ampc_tensor *x, int norm_ndim, ampc_tensor *weight,
     int rc = AMPC_OK;
     if (!y || !(mean = ampc__tensor_new(sdt, X->device, 1, &rows)) || !(rstd = ampc__tensor_new(sdt, X->device, 1, &rows)))
         rc = ampc_last_status();
-    if (rc >= 0) rc = be->layer_norm(X, W, B, y, mean, rstd, eps);
+    if (rc >= 0) rc = ampc__k_layer_norm(X, W, B, y, mean, rstd, eps);
     if (rc >= 0 && ampc__needs_grad(a.in, 3)) {
         node = ampc__node_new("NativeLayerNormBackward", layer_norm_backward, a.in, 3);
         if (node) {
@@ -344,9 +326,7 @@ int ampc__batch_norm_count(ampc_tensor *t) {
         return ampc__err(AMPC_ERR_INVALID, "BatchNorm2d: num_batches_tracked must be one i64, not %lld %s",
                          (long long)t->numel, ampc_dtype_name(t->dtype));
     if (!ampc__device(t->device)->host_memory) {   /* counted where it lives: no copy, no wait */
-        const ampc_backend *be = ampc__backend(t->device);
-        int rc = be->unary ? be->unary(AMPC_OP_ADD_SCALAR, t, t, 1.0)
-                           : ampc__err(AMPC_ERR_UNSUPPORTED, "BatchNorm2d: num_batches_tracked on device %s", ampc_device_name(t->device));
+        int rc = ampc__k_unary_into(AMPC_OP_ADD_SCALAR, t, t, 1.0);
         if (rc >= 0) ampc__mark_written(t);
         return rc;
     }

@@ -64,7 +64,7 @@ static int pool_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
     int rc = AMPC_OK;
     gx[0] = ampc__tensor_new_fmt(m->dtype, gy->device, m->ndim, m->shape, m->format);
     if (!gx[0]) rc = ampc_last_status();
-    else if (gx[0]->numel) rc = ampc__backend(gy->device)->pool2d_backward(&d, gy, gx[0], n->extra);
+    else if (gx[0]->numel) rc = ampc__k_pool2d_backward(&d, gy, gx[0], n->extra);
     ampc__release(gy);
     return rc;
 }
@@ -73,11 +73,11 @@ static int pool_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
 static ampc_tensor *pool_run(ampc_op_args *a, const ampc_pool_args *pp, int64_t oh, int64_t ow, const char *grad_name) {
     ampc_tensor *x = a->in[0], *y = NULL;
     ampc_node *node = NULL;
-    const ampc_backend *be = ampc__backend(x->device);
-    if (!be->pool2d || !be->pool2d_backward || !be->pool2d_workspace_size) {
-        ampc__err(AMPC_ERR_UNSUPPORTED, "%s on device %s", ampc_op_name(a->op), ampc_device_name(x->device));
+    /* the backward's kernels too: a node that could not run is not recorded */
+    if (ampc__backend_check(AMPC_K_pool2d, x->dtype, x->device) < 0 ||
+        ampc__backend_check(AMPC_K_pool2d_backward, x->dtype, x->device) < 0 ||
+        ampc__backend_check(AMPC_K_pool2d_workspace_size, x->dtype, x->device) < 0)
         goto fail;
-    }
     ampc_pool_desc d = make_desc(pp, x->shape, oh, ow);
     d.channels_last = ampc__is_cl(x);   /* the output keeps the input's memory format */
     y = ampc__tensor_new_fmt(x->dtype, x->device, 4, (int64_t[]){x->shape[0], x->shape[1], oh, ow}, x->format);
@@ -86,9 +86,9 @@ static ampc_tensor *pool_run(ampc_op_args *a, const ampc_pool_args *pp, int64_t 
     if (ampc__needs_grad(&x, 1)) {
         if (!(node = ampc__node_new(grad_name, pool_backward, &x, 1))) goto fail;
         node->args.pool = *pp;
-        size_t bytes = y->numel ? be->pool2d_workspace_size(&d, x->dtype) : 0;
+        size_t bytes = y->numel ? ampc__k_pool2d_workspace_size(x->device, &d, x->dtype) : 0;
         if (pp->kind == AMPC_POOL_MAX && y->numel && !bytes) {
-            ampc__err(AMPC_ERR_BACKEND, "%s: no workspace size from backend %s (%s)", ampc_op_name(a->op), be->device.name, ampc_last_error());
+            ampc__err(AMPC_ERR_BACKEND, "%s: no workspace size from backend %s (%s)", ampc_op_name(a->op), ampc_device_name(x->device), ampc_last_error());
             goto fail;
         }
         if (bytes) {
@@ -99,7 +99,7 @@ static ampc_tensor *pool_run(ampc_op_args *a, const ampc_pool_args *pp, int64_t 
             ws = node->extra;
         }
     }
-    if (y->numel && be->pool2d(&d, x, y, ws) < 0) goto fail;
+    if (y->numel && ampc__k_pool2d(&d, x, y, ws) < 0) goto fail;
     return ampc__op_finish(a, y, node);
 fail:
     ampc__release(y);

@@ -260,11 +260,7 @@ static int check_step(const ampc_optimizer *opt, int i) {
                          ampc__shape_str(p, s1, sizeof s1), ampc_dtype_name(p->dtype), ampc__shape_str(g, s2, sizeof s2),
                          ampc_dtype_name(g->dtype));
     }
-    const ampc_backend *be = ampc__backend(p->device);
-    if (opt->kind == AMPC_OPTIM_SGD ? !be->sgd_step : !be->adam_step)
-        return ampc__err(AMPC_ERR_UNSUPPORTED, "%s on device %s", opt->kind == AMPC_OPTIM_SGD ? "sgd_step" : "adam_step",
-                         ampc_device_name(p->device));
-    return AMPC_OK;
+    return ampc__backend_check(opt->kind == AMPC_OPTIM_SGD ? AMPC_K_sgd_step : AMPC_K_adam_step, p->dtype, p->device);
 }
 
 /* Parameter i's update, its state allocated on first use; it->first tells that the state is
@@ -310,16 +306,15 @@ static int step_device(ampc_optimizer *opt, ampc_device dev, float grad_scale) {
        a part (ZeRO) leaves it to be recast */
     for (int k = 0; k < n && rc >= 0; k++) items[k].cast_out = items[k].count ? NULL : copy_to_refresh(items[k].param);
     if (rc >= 0) {
-        const ampc_backend *be = ampc__backend(dev);
         if (opt->kind == AMPC_OPTIM_SGD) {
             const ampc_sgd_options *o = &opt->sgd;
             ampc_sgd_hparams h = {o->lr, o->momentum, o->dampening, o->weight_decay, o->nesterov, grad_scale};
-            rc = be->sgd_step(items, n, &h);
+            rc = ampc__k_sgd_step(items, n, &h);
         } else {
             const ampc_adam_options *o = &opt->adam;
             ampc_adam_hparams h = {o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->amsgrad,
                                    opt->kind == AMPC_OPTIM_ADAMW, grad_scale};
-            rc = be->adam_step(items, n, &h);
+            rc = ampc__k_adam_step(items, n, &h);
         }
         for (int k = 0; k < n; k++) {
             mark_stepped(items[k].param, items[k].cast_out, rc);
