@@ -521,11 +521,11 @@ static ampc_tensor *ref_block(ampc_module *m, bool bottleneck, int layer, int b,
 
 /* torchvision's ResNet._forward_impl (with the CIFAR stem when small) */
 static ampc_tensor *ref_resnet(ampc_module *m, bool bottleneck, bool small, ampc_tensor *x, bool tr) {
-    static const int blocks18[4] = {2, 2, 2, 2}, blocks50[4] = {3, 4, 6, 3};
+    static const int blocks[2][4] = {{2, 2, 2, 2}, {3, 4, 6, 3}};   /* resnet18, resnet50 */
     ampc_tensor *h = ampc_relu(ref_bn(m, "bn1", ref_conv(m, "conv1", x, small ? 1 : 2, small ? 1 : 3, false), tr));
     if (!small) h = ampc_max_pool2d(h, &(ampc_pool2d_options){.kernel = {3, 3}, .stride = {2, 2}, .padding = {1, 1}});
     for (int l = 1; l <= 4; l++)
-        for (int b = 0; b < (bottleneck ? blocks50 : blocks18)[l - 1]; b++)
+        for (int b = 0; b < blocks[bottleneck][l - 1]; b++)
             h = ref_block(m, bottleneck, l, b, h, b == 0 && l > 1 ? 2 : 1, tr);
     h = ampc_flatten(ampc_adaptive_avg_pool2d(h, 1, 1), 1, -1);
     return ampc_linear(h, sd(m, "fc.weight"), sd(m, "fc.bias"));
