@@ -170,6 +170,16 @@ bool ampc_allow_tf32(void);
    only, so a run repeats its own bits. Off for now (to be turned on once measured on a GPU). */
 void ampc_set_cudnn_benchmark(bool on);
 bool ampc_cudnn_benchmark(void);
+/* Which of the machine's GPUs the cuda device is (index as CUDA numbers them, after
+   CUDA_VISIBLE_DEVICES; 0 by default). Set it before the process's first CUDA tensor or op:
+   AMPC_ERR_STATE once another GPU is in use, AMPC_ERR_INVALID for index < 0 (an index past the
+   GPUs found is reported when the device starts). Under an MPI launcher each process picks its
+   own (ampc-train: --device cuda:N, else its local rank modulo the GPUs). */
+int ampc_cuda_set_device(int index);
+/* The GPU the cuda device is, or will be at its start. */
+int ampc_cuda_device(void);
+/* The CUDA GPUs this process sees (0 without a CUDA build, a driver or a GPU). */
+int ampc_cuda_device_count(void);
 /* Whether dev's matmuls and convolutions run in dt, so autocast to dt works there: on the CPU,
    bf16 needs oneDNN's AVX-512 kernels (not on AVX2-only CPUs, nor under ONEDNN_MAX_CPU_ISA=AVX2);
    fp16 always works (computed in fp32 and rounded once, as tensor cores do). */

@@ -269,6 +269,11 @@ fi
 # it defines the run, so a resume holds it to the checkpoint's (an older one's without it: 0)
 LS=(--model mlp "${SMALL[@]}" --epochs 1 --step-log yes)
 expect_error ls_range "--label-smoothing takes a number in \[0, 1\], not '1.5'" --label-smoothing 1.5
+# --device cuda:N: a GPU by its number; a malformed one is a usage error; on a machine without that
+# GPU (or any) the error names it
+expect_error device_bad "--device takes cpu, cuda or cuda:N \(a GPU's number\), not 'cuda:x'" --device cuda:x --epochs 0
+[ "$ERR_RC" -eq 2 ] || bad "device_bad: exit $ERR_RC, not 2 (a usage error)"
+expect_error device_gpu "--device cuda:63: (no CUDA|GPU 63 asked for|this build of ampc has no CUDA)" --device cuda:63 --model mlp --epochs 0
 if run ls_off "${LS[@]}" --out "$W/ls_off" && run ls_zero "${LS[@]}" --label-smoothing 0 --out "$W/ls_zero" &&
     run ls_on "${LS[@]}" --label-smoothing 0.1 --out "$W/ls_on"; then
     same_tensors "--label-smoothing 0 == the default" "$W/ls_off/checkpoint.safetensors" "$W/ls_zero/checkpoint.safetensors"

@@ -279,8 +279,36 @@ static void test_philox_known_answer(void **state) {
     assert_int_equal(out[3], 0x9b00dbd8u);
 }
 
+/* The GPU of the cuda device: chosen before its start, fixed after; a bad index refused */
+static void test_cuda_device_choice(void **state) {
+    (void)state;
+    assert_int_equal(ampc_cuda_set_device(-1), AMPC_ERR_INVALID);
+    assert_non_null(strstr(ampc_last_error(), "GPU -1"));
+    assert_int_equal(ampc_cuda_device(), 0);   /* the default, unchanged by the refusal */
+    assert_int_equal(ampc_cuda_set_device(0), AMPC_OK);
+    const int n = ampc_cuda_device_count();
+    assert_true(n >= 0);
+    if (n == 0) assert_false(ampc_device_available(AMPC_DEVICE_CUDA));
+    /* asking whether cuda is available starts it in a CUDA build (on GPU 0): another GPU is
+       then refused; without a CUDA backend nothing starts and any index may be chosen */
+    const bool started = ampc_device_available(AMPC_DEVICE_CUDA) || n > 0 ||
+                         !strstr(ampc_device_unavailable_reason(AMPC_DEVICE_CUDA), "no CUDA backend");
+    int rc = ampc_cuda_set_device(1);
+    if (started) {
+        assert_int_equal(rc, AMPC_ERR_STATE);
+        assert_non_null(strstr(ampc_last_error(), "GPU 0 is in use"));
+        assert_int_equal(ampc_cuda_device(), 0);
+        assert_int_equal(ampc_cuda_set_device(0), AMPC_OK);   /* the one in use: fine */
+    } else {
+        assert_int_equal(rc, AMPC_OK);
+        assert_int_equal(ampc_cuda_device(), 1);
+        assert_int_equal(ampc_cuda_set_device(0), AMPC_OK);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_cuda_device_choice),
         cmocka_unit_test(test_create_and_read),
         cmocka_unit_test(test_scope_releases),
         cmocka_unit_test(test_own_and_free),

@@ -735,6 +735,26 @@ static void test_wrap(void **state) {
     ampc_module_free(net);
 }
 
+/* The machine-local rank against the launcher's own word for it (Open MPI sets
+   OMPI_COMM_WORLD_LOCAL_RANK/_SIZE): alone, 0 of 1 */
+static void test_local_rank(void **state) {
+    (void)state;
+    const int lr = ampc_dist_local_rank(), ls = ampc_dist_local_size();
+    assert_in_range(ls, 1, world);
+    assert_in_range(lr, 0, ls - 1);
+    const char *er = getenv("OMPI_COMM_WORLD_LOCAL_RANK"), *es = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    if (world > 1 && er && es) {
+        assert_int_equal(lr, atoi(er));
+        assert_int_equal(ls, atoi(es));
+    } else if (world == 1) {
+        assert_int_equal(lr, 0);
+        assert_int_equal(ls, 1);
+    }
+    double firsts = lr == 0;   /* one local rank 0 per machine: at most one per process, at least one */
+    assert_int_equal(ampc_dist_allreduce_sum_f64(&firsts, 1), AMPC_OK);
+    assert_in_range((int)firsts, 1, world);
+}
+
 int main(int argc, char **argv) {
     if (ampc_dist_launched() && ampc_dist_init(&argc, &argv) < 0) {
         fprintf(stderr, "dist_init: %s\n", ampc_last_error());
@@ -751,7 +771,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_buckets),       cmocka_unit_test(test_no_sync_accumulation),
         cmocka_unit_test(test_scaler_agrees), cmocka_unit_test(test_16bit_wire),      cmocka_unit_test(test_sync_buffers),
         cmocka_unit_test(test_sync_bn_op),    cmocka_unit_test(test_sync_bn_equivalence), cmocka_unit_test(test_zero),
-        cmocka_unit_test(test_uneven_join),   cmocka_unit_test(test_collective_timeout),
+        cmocka_unit_test(test_uneven_join),   cmocka_unit_test(test_collective_timeout), cmocka_unit_test(test_local_rank),
     };
     int failed = cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
     ampc_dist_finalize();

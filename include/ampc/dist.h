@@ -49,6 +49,11 @@ int ampc_dist_adopt(const void *mpi_comm);
 int ampc_dist_finalize(void);
 int ampc_dist_rank(void);         /* 0 without a world */
 int ampc_dist_world_size(void);   /* 1 without a world */
+/* This process's rank among the world's processes on its machine (those that can share memory
+   with it, MPI_COMM_TYPE_SHARED), in world order, and their number: 0 and 1 without a world.
+   Each process of a multi-GPU machine takes GPU local_rank (ampc_cuda_set_device). */
+int ampc_dist_local_rank(void);
+int ampc_dist_local_size(void);
 /* Ends every process of the world (MPI_Abort) with exit status code; returns only without one. */
 void ampc_dist_abort(int code);
 /* Sums n doubles over all ranks, in place (validation totals). */

@@ -20,6 +20,29 @@ static _Atomic bool cudnn_benchmark = false;
 void ampc_set_cudnn_benchmark(bool on) { cudnn_benchmark = on; }
 bool ampc_cudnn_benchmark(void) { return cudnn_benchmark; }
 
+static _Atomic int cuda_gpu = 0;          /* the GPU the cuda device is */
+static _Atomic bool cuda_gpu_taken = false;   /* the CUDA backend started on it */
+int ampc_cuda_set_device(int index) {
+    if (index < 0) return ampc__err(AMPC_ERR_INVALID, "cuda_set_device: GPU %d (want >= 0)", index);
+    if (cuda_gpu_taken && index != cuda_gpu)
+        return ampc__err(AMPC_ERR_STATE, "cuda_set_device: GPU %d is in use already; choose the GPU before the first CUDA tensor or op",
+                         (int)cuda_gpu);
+    cuda_gpu = index;
+    return AMPC_OK;
+}
+int ampc_cuda_device(void) { return cuda_gpu; }
+int ampc__cuda_gpu_take(void) {
+    cuda_gpu_taken = true;
+    return cuda_gpu;
+}
+int ampc_cuda_device_count(void) {
+#ifdef AMPC_HAVE_CUDA
+    return ampc__cu_device_count();
+#else
+    return 0;
+#endif
+}
+
 static void fill_tables(void) {
     ampc__ensure_init();   /* CPU features and conversions first: the kernels use them */
     ampc__cpu_backend_init(&backends[AMPC_DEVICE_CPU]);

@@ -388,6 +388,9 @@ int ampc__bn_sync_sums(double *sums, int64_t n);
 void ampc__cpu_backend_init(ampc_backend *be);
 void ampc__ref_backend_init(ampc_backend *be);
 void ampc__cuda_backend_init(ampc_backend *be);   /* src/backend/cuda, in builds with AMPC_CUDA */
+int ampc__cu_device_count(void);                  /* likewise: the GPUs the CUDA runtime sees */
+/* The GPU ampc_cuda_set_device chose, now fixed: the CUDA backend's start calls it once. */
+int ampc__cuda_gpu_take(void);
 /* The CPU table is assembled from these, one per kernel file. */
 void ampc__cpu_register_elementwise(ampc_backend *be);  /* unary, binary, sum_to, expand */
 void ampc__cpu_register_loss(ampc_backend *be);         /* softmax, cross_entropy, dropout */

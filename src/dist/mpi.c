@@ -51,7 +51,8 @@ static struct {
     MPI_Op sum16[2];         /* bf16, f16 */
     ampc_comm_req *free_reqs;
     ampc_comm_ops ops;
-} w = {.comm = MPI_COMM_NULL};
+    int local_rank, local_size;   /* among the world's processes on this machine */
+} w = {.comm = MPI_COMM_NULL, .local_size = 1};
 
 static int mpi_err(int code, const char *what) {
     char s[MPI_MAX_ERROR_STRING];
@@ -198,6 +199,16 @@ static int start_world(MPI_Comm from) {
     int rank = 0, size = 1;
     MPI_Comm_rank(w.comm, &rank);
     MPI_Comm_size(w.comm, &size);
+    /* this machine's processes: those that can share memory with this one (MPI-3), ranked in
+       world order, so that each can take its own GPU */
+    MPI_Comm node;
+    if ((e = MPI_Comm_split_type(w.comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node)) != MPI_SUCCESS) {
+        MPI_Comm_free(&w.comm);
+        return mpi_err(e, "MPI_Comm_split_type");
+    }
+    MPI_Comm_rank(node, &w.local_rank);
+    MPI_Comm_size(node, &w.local_size);
+    MPI_Comm_free(&node);
     MPI_Op_create(sum_bf16, 1, &w.sum16[0]);
     MPI_Op_create(sum_f16, 1, &w.sum16[1]);
     w.have = true;
@@ -247,6 +258,7 @@ int ampc_dist_finalize(void) {
         MPI_Op_free(&w.sum16[1]);
         MPI_Comm_free(&w.comm);
         w.have = false;
+        w.local_rank = 0, w.local_size = 1;
     }
     while (w.free_reqs) {
         ampc_comm_req *r = w.free_reqs;
@@ -267,6 +279,9 @@ void ampc_dist_abort(int code) {
     else if (w.we_initialized) MPI_Abort(MPI_COMM_WORLD, code);
 }
 
+int ampc_dist_local_rank(void) { return w.have ? w.local_rank : 0; }
+int ampc_dist_local_size(void) { return w.have ? w.local_size : 1; }
+
 #else   /* built without MPI */
 
 bool ampc_dist_available(void) { return false; }
@@ -283,6 +298,8 @@ int ampc_dist_adopt(const void *mpi_comm) {
 }
 int ampc_dist_finalize(void) { return AMPC_OK; }
 void ampc_dist_abort(int code) { (void)code; }
+int ampc_dist_local_rank(void) { return 0; }
+int ampc_dist_local_size(void) { return 1; }
 
 #endif
 

@@ -62,7 +62,8 @@ const opt_def OPTS[OPT_COUNT] = {
     [OPT_THREADS] = {"threads", V_INT, "auto", NULL, 1, 1024, false, O_SAVE | O_AUTO, "N",
                      "compute threads (auto: OpenMP's default, $OMP_NUM_THREADS or the cores)"},
     [OPT_DEVICE] = {"device", V_CHOICE, "cpu", "cpu|cuda", 0, 0, false, O_SAVE, "NAME",
-                    "where the model trains: cpu, or cuda (the first NVIDIA GPU; in builds with AMPC_CUDA)"},
+                    "where the model trains: cpu, or cuda (an NVIDIA GPU, in builds with AMPC_CUDA: GPU 0, or under "
+                    "mpirun each process the GPU of its rank on its machine, modulo the GPUs there), or cuda:N (GPU N)"},
     [OPT_NUM_WORKERS] = {"num-workers", V_INT, "auto", NULL, 0, 64, false, O_SAVE | O_AUTO, "N",
                          "data loader threads (auto: 0 for IDX data, 2 for image folders)"},
     [OPT_MAX_MEMORY] = {"max-memory", V_SIZE, "none", NULL, 0, 0, false, O_SAVE, "SIZE",
@@ -216,6 +217,12 @@ int canonical(int i, const char *text, char *out, size_t n, char *err, size_t er
     }
     switch (o->kind) {
     case V_CHOICE: {
+        int gpu = -1, used = 0;
+        if (i == OPT_DEVICE && sscanf(text, "cuda:%4d%n", &gpu, &used) == 1 && !text[used] && isdigit((unsigned char)text[5]) &&
+            gpu >= 0) {   /* a GPU by its number */
+            snprintf(out, n, "cuda:%d", gpu);
+            return 0;
+        }
         size_t len = strlen(text);
         for (const char *c = o->choices; *c;) {
             const char *bar = strchr(c, '|');
@@ -226,7 +233,8 @@ int canonical(int i, const char *text, char *out, size_t n, char *err, size_t er
             }
             c += l + (bar ? 1 : 0);
         }
-        return snprintf(err, errn, "--%s takes %s, not '%s'", o->name, o->choices, text), -1;
+        return snprintf(err, errn, "--%s takes %s, not '%s'", o->name, i == OPT_DEVICE ? "cpu, cuda or cuda:N (a GPU's number)" : o->choices,
+                        text), -1;
     }
     case V_YESNO:
         if (!strcmp(text, "yes") || !strcmp(text, "true") || !strcmp(text, "on") || !strcmp(text, "1")) snprintf(out, n, "yes");

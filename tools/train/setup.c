@@ -331,7 +331,15 @@ static int batch_fits(run *r) {
 static int choose_precision(run *r, const char **hw_dtype, bool *fastest) {
     settings *s = r->s;
     r->m.use_amp = yes(s, OPT_USE_AMP);
-    r->m.device = ampc_device_from_name(sval(s, OPT_DEVICE));
+    const char *dev = sval(s, OPT_DEVICE);
+    r->m.device = strncmp(dev, "cuda", 4) == 0 ? AMPC_DEVICE_CUDA : ampc_device_from_name(dev);
+    if (r->m.device == AMPC_DEVICE_CUDA) {   /* which GPU: cuda:N, else the rank's on its machine */
+        const int n = ampc_cuda_device_count(), local = ampc_dist_local_rank();
+        const int gpu = dev[4] == ':' ? atoi(dev + 5) : n > 0 ? local % n : 0;
+        if (ampc_cuda_set_device(gpu) < 0) return fail_lib("--device");
+        if (!dev[4] && ampc_dist_local_size() > n && n > 0 && local == 0)
+            warn("%d processes on this machine share its %d GPU(s) (process k takes GPU k mod %d)", ampc_dist_local_size(), n, n);
+    }
     if (!ampc_device_available(r->m.device))
         return fail("--device %s: %s", sval(s, OPT_DEVICE), ampc_device_unavailable_reason(r->m.device));
     bool bf16_ok = ampc_dtype_supported(r->m.device, AMPC_BF16), bf16_fast = ampc_dtype_native(r->m.device, AMPC_BF16);

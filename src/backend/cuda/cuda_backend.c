@@ -14,23 +14,45 @@ static struct {
     char why[256];            /* why not, else "" */
     cudaStream_t stream;
     int sm_count;
+    int gpu;                  /* which GPU (ampc_cuda_set_device) */
 } G = {.once = PTHREAD_ONCE_INIT};
+
+/* The runtime's current GPU is per host thread: each thread that reaches the device makes it
+   this process's GPU once (the stream and every allocation belong to it). */
+static _Thread_local bool thread_bound;
+static void bind_thread(void) {
+    if (!thread_bound && G.gpu != 0) cudaSetDevice(G.gpu);
+    thread_bound = true;
+}
+
+int ampc__cu_device_count(void) {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
 
 static void start(void) {
     int n = 0;
+    G.gpu = ampc__cuda_gpu_take();
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || n == 0) {
         snprintf(G.why, sizeof G.why, "no CUDA GPU found (%s)", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
         G.status = AMPC_ERR_UNSUPPORTED;
         return;
     }
-    if ((e = cudaSetDevice(0)) == cudaSuccess) e = cudaStreamCreateWithFlags(&G.stream, cudaStreamNonBlocking);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&G.sm_count, cudaDevAttrMultiProcessorCount, 0);
+    if (G.gpu >= n) {
+        snprintf(G.why, sizeof G.why, "GPU %d asked for, and this process sees %d (0 to %d; CUDA_VISIBLE_DEVICES may hide some)",
+                 G.gpu, n, n - 1);
+        G.status = AMPC_ERR_INVALID;
+        return;
+    }
+    if ((e = cudaSetDevice(G.gpu)) == cudaSuccess) e = cudaStreamCreateWithFlags(&G.stream, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&G.sm_count, cudaDevAttrMultiProcessorCount, G.gpu);
     if (e != cudaSuccess) {
-        snprintf(G.why, sizeof G.why, "the CUDA GPU could not be started (%s)", cudaGetErrorString(e));
+        snprintf(G.why, sizeof G.why, "CUDA GPU %d could not be started (%s)", G.gpu, cudaGetErrorString(e));
         G.status = AMPC_ERR_BACKEND;
         return;
     }
+    thread_bound = true;   /* start's own thread is bound by the cudaSetDevice above */
     G.status = AMPC_OK;
 }
 
@@ -41,10 +63,15 @@ static const char *cu_available(void) {
 
 int ampc__cu_ready(void) {
     const char *why = cu_available();
-    return why ? ampc__err(G.status, "device cuda: %s", why) : AMPC_OK;
+    if (why) return ampc__err(G.status, "device cuda: %s", why);
+    bind_thread();
+    return AMPC_OK;
 }
 
-cudaStream_t ampc__cu_stream(void) { return G.stream; }
+cudaStream_t ampc__cu_stream(void) {
+    bind_thread();
+    return G.stream;
+}
 int ampc__cu_sm_count(void) { return G.sm_count; }
 
 int ampc__cu_check(cudaError_t e, const char *what) {
