@@ -22,9 +22,23 @@
 #include "backend/optim_consts.h"
 #include "core/core.h"
 
-/* The elementwise kernels take an op of the op table (include/ampc.h): unary ones RELU, GELU,
-   TANH, SIGMOID, EXP, LOG, POW (x^alpha), MUL_SCALAR (alpha * x) and ADD_SCALAR (x + alpha);
-   binary ones ADD, SUB and MUL. An op a kernel does not have: AMPC_ERR_UNSUPPORTED. */
+/* The elementwise kernels take an op of the op table (include/ampc.h): unary ones those of
+   AMPC_UNARY_KERNEL_OPS; binary ones ADD, SUB and MUL. An op a kernel does not have:
+   AMPC_ERR_UNSUPPORTED. */
+
+/* The unary ops every backend's unary and unary_backward have a kernel for: POW is x^alpha,
+   MUL_SCALAR alpha * x, ADD_SCALAR x + alpha. */
+#define AMPC_UNARY_KERNEL_OPS(X) \
+    X(RELU) X(GELU) X(TANH) X(SIGMOID) X(EXP) X(LOG) X(POW) X(MUL_SCALAR) X(ADD_SCALAR) X(SILU)
+static inline bool ampc__unary_has_kernel(ampc_op op) {
+    switch (op) {
+#define AMPC_UNARY_CASE_(id) case AMPC_OP_##id:
+        AMPC_UNARY_KERNEL_OPS(AMPC_UNARY_CASE_)
+#undef AMPC_UNARY_CASE_
+        return true;
+    default: return false;
+    }
+}
 
 /* C[b] = op(A[b]) @ op(B[b]) (+ bias over columns), b < batch; op = transpose if ta/tb.
    A is (M, K) or (K, M) when ta; B is (K, N) or (N, K) when tb; C is (M, N), all row-major.
@@ -347,6 +361,11 @@ ampc_tensor *ampc__k_gemm_as(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tenso
 ampc_tensor *ampc__k_sum_to_as(ampc_tensor *x, ampc_dtype out_dt, int ndim, const int64_t *shape, double alpha);
 /* numpy broadcast of two shapes into out (ndim_out receives the rank); error if incompatible */
 int ampc__broadcast_shapes(const ampc_tensor *a, const ampc_tensor *b, int *ndim_out, int64_t *out);
+
+/* Strides (elements) of t along the nd dims of shape, right-aligned, 0 where t has size 1 or
+   lacks the dim; AMPC_ERR_SHAPE unless every dim of t is 1 or equal to shape's (extra leading
+   dims must be 1). who ("cpu", "ref", "cuda") starts the message. */
+int ampc__broadcast_strides(const ampc_tensor *t, int nd, const int64_t *shape, int64_t *st, const char *who);
 
 /* For backends with host memory: cross_entropy's shapes and targets (i64 (N), each in [0, C) or
    equal to ignore_index); *count receives the number of targets not ignored. */

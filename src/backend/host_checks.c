@@ -2,7 +2,7 @@
  * host_checks.c - what the backends share on the host side: checks of kernel arguments
  * (copy_block's blocks, layer norm's shape, the optimizer items' tensors; for the backends whose
  * memory the CPU reads, the data-dependent validation that must look at tensor contents), which
- * saved tensor a unary backward reads, and the optimizers' constants.
+ * saved tensor a unary backward reads, broadcast strides, and the optimizers' constants.
  */
 #include "backend/backend.h"
 
@@ -121,5 +121,22 @@ int ampc__unary_backward_operands(ampc_op op, const ampc_tensor **x, const ampc_
     if (reads != AMPC_READS_NONE && !*x && !*y)
         return ampc__err(AMPC_ERR_INVALID, "%s unary_backward of %s needs its saved %s", who, ampc_op_name(op),
                          reads == AMPC_READS_X ? "input" : "output");
+    return AMPC_OK;
+}
+
+int ampc__broadcast_strides(const ampc_tensor *t, int nd, const int64_t *shape, int64_t *st, const char *who) {
+    for (int j = 0; j < t->ndim - nd; j++)
+        if (t->shape[j] != 1)
+            return ampc__err(AMPC_ERR_SHAPE, "%s: tensor of %d dims does not broadcast to %d dims", who, t->ndim, nd);
+    int64_t s = 1;
+    for (int i = nd - 1; i >= 0; i--) {
+        int j = t->ndim - nd + i;
+        int64_t d = j >= 0 ? t->shape[j] : 1;
+        if (d != 1 && d != shape[i])
+            return ampc__err(AMPC_ERR_SHAPE, "%s: size %lld does not broadcast to %lld in dim %d", who, (long long)d,
+                             (long long)shape[i], i);
+        st[i] = d == 1 ? 0 : s;
+        s *= d;
+    }
     return AMPC_OK;
 }

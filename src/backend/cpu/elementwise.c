@@ -52,15 +52,6 @@ static float load_one(const ampc_tensor *t, int64_t off) {
 // ---------------------------------------------------------------------------------------------
 // Unary: y = f(x), and gx = gy * f'(x)
 
-/* the unary ops this file has kernels for */
-static bool unary_known(ampc_op op) {
-    switch (op) {
-    case AMPC_OP_RELU: case AMPC_OP_GELU: case AMPC_OP_TANH: case AMPC_OP_SIGMOID: case AMPC_OP_EXP:
-    case AMPC_OP_LOG: case AMPC_OP_POW: case AMPC_OP_MUL_SCALAR: case AMPC_OP_ADD_SCALAR: case AMPC_OP_SILU: return true;
-    default: return false;
-    }
-}
-
 /* ops with a register path (memory-bound); the others call libm per element */
 static bool simple_unary(ampc_op op) {
     return op == AMPC_OP_RELU || op == AMPC_OP_MUL_SCALAR || op == AMPC_OP_ADD_SCALAR;
@@ -141,7 +132,8 @@ static void unary_chunk(ampc_op op, const float *x, float *y, size_t n, float a)
 
 static int cpu_unary(ampc_op op, const ampc_tensor *x, ampc_tensor *y, double alpha) {
     if (check_float(x, "unary") < 0 || check_float(y, "unary") < 0) return ampc_last_status();
-    if (!unary_known(op)) return ampc__err(AMPC_ERR_UNSUPPORTED, "cpu unary: no kernel for %s", ampc_op_name(op));
+    if (!ampc__unary_has_kernel(op))
+        return ampc__err(AMPC_ERR_UNSUPPORTED, "cpu unary: no kernel for %s", ampc_op_name(op));
     if (x->numel != y->numel)
         return ampc__err(AMPC_ERR_SHAPE, "cpu unary: %lld inputs, %lld outputs", (long long)x->numel, (long long)y->numel);
     size_t n = (size_t)x->numel;
@@ -219,7 +211,8 @@ static void unary_backward_chunk(ampc_op op, const float *x, const float *y, con
 /* Reads x or y as the op table's backward-reads column says (the other is ignored). */
 static int cpu_unary_backward(ampc_op op, const ampc_tensor *x, const ampc_tensor *y, const ampc_tensor *gy,
                               ampc_tensor *gx, double alpha) {
-    if (!unary_known(op)) return ampc__err(AMPC_ERR_UNSUPPORTED, "cpu unary_backward: no kernel for %s", ampc_op_name(op));
+    if (!ampc__unary_has_kernel(op))
+        return ampc__err(AMPC_ERR_UNSUPPORTED, "cpu unary_backward: no kernel for %s", ampc_op_name(op));
     if (ampc__unary_backward_operands(op, &x, &y, "cpu") < 0) return ampc_last_status();
     const ampc_tensor *ts[4] = {x, y, gy, gx};
     for (int k = 0; k < 4; k++) {
@@ -261,24 +254,6 @@ typedef struct {
     int64_t shape[AMPC_MAX_DIMS];
     int64_t st[2][AMPC_MAX_DIMS];         /* element strides of each operand (0: broadcast) */
 } bplan;
-
-/* Strides of t along the nd dims of shape, right-aligned, 0 where t has size 1 or lacks the
-   dim. Fails unless every dim of t is 1 or equal to shape's (extra leading dims must be 1). */
-static int bcast_strides(const ampc_tensor *t, int nd, const int64_t *shape, int64_t *st) {
-    for (int j = 0; j < t->ndim - nd; j++)
-        if (t->shape[j] != 1) return ampc__err(AMPC_ERR_SHAPE, "cpu: tensor of %d dims does not broadcast to %d dims", t->ndim, nd);
-    int64_t s = 1;
-    for (int i = nd - 1; i >= 0; i--) {
-        int j = t->ndim - nd + i;
-        int64_t d = j >= 0 ? t->shape[j] : 1;
-        if (d != 1 && d != shape[i])
-            return ampc__err(AMPC_ERR_SHAPE, "cpu: size %lld does not broadcast to %lld in dim %d", (long long)d,
-                             (long long)shape[i], i);
-        st[i] = d == 1 ? 0 : s;
-        s *= d;
-    }
-    return AMPC_OK;
-}
 
 /* Drops size-1 dims and merges dim i into the one before it when, for every operand, the
    outer stride is the inner stride times the inner size (both contiguous, or both 0). */
@@ -455,7 +430,7 @@ static int broadcast_run(ampc_op op, const ampc_tensor *t0, const ampc_tensor *t
     bplan p = {.nd = out->ndim};
     memcpy(p.shape, out->shape, sizeof(int64_t) * (size_t)out->ndim);
     for (int k = 0; k < nops; k++)
-        if (bcast_strides(t[k], out->ndim, out->shape, p.st[k]) < 0) return ampc_last_status();
+        if (ampc__broadcast_strides(t[k], out->ndim, out->shape, p.st[k], "cpu") < 0) return ampc_last_status();
     size_t n = (size_t)out->numel;
     if (n == 0) return AMPC_OK;
     plan_collapse(&p, nops);
@@ -709,7 +684,7 @@ static int cpu_sum_to(const ampc_tensor *x, ampc_tensor *out, double alpha) {
         int j = x->ndim - p.nd + i;
         p.shape[i] = j >= 0 ? x->shape[j] : 1;
     }
-    if (bcast_strides(out, p.nd, p.shape, p.st[0]) < 0) return ampc_last_status();
+    if (ampc__broadcast_strides(out, p.nd, p.shape, p.st[0], "cpu") < 0) return ampc_last_status();
     if (x->numel == out->numel) return cpu_unary(AMPC_OP_MUL_SCALAR, x, out, alpha);   /* nothing summed */
     float a = (float)alpha;
     plan_collapse(&p, 1);

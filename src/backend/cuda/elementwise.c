@@ -34,18 +34,11 @@ static bool same_walk(const ampc_tensor *a, const ampc_tensor *b) {
 // ---------------------------------------------------------------------------------------------
 // Unary
 
-static bool unary_known(ampc_op op) {
-    switch (op) {
-    case AMPC_OP_RELU: case AMPC_OP_GELU: case AMPC_OP_TANH: case AMPC_OP_SIGMOID: case AMPC_OP_EXP:
-    case AMPC_OP_LOG: case AMPC_OP_POW: case AMPC_OP_MUL_SCALAR: case AMPC_OP_ADD_SCALAR: case AMPC_OP_SILU: return true;
-    default: return false;
-    }
-}
-
 static int cu_unary(ampc_op op, const ampc_tensor *x, ampc_tensor *y, double alpha) {
     int rc;
     if ((rc = ampc__cu_ready()) < 0) return rc;
-    if (!unary_known(op)) return ampc__err(AMPC_ERR_UNSUPPORTED, "cuda unary: no kernel for %s", ampc_op_name(op));
+    if (!ampc__unary_has_kernel(op))
+        return ampc__err(AMPC_ERR_UNSUPPORTED, "cuda unary: no kernel for %s", ampc_op_name(op));
     if (x->numel != y->numel)
         return ampc__err(AMPC_ERR_SHAPE, "cuda unary: %lld inputs, %lld outputs", (long long)x->numel, (long long)y->numel);
     if (op == AMPC_OP_ADD_SCALAR && x->dtype == AMPC_I64 && y->dtype == AMPC_I64) {   /* a counter on the GPU */
@@ -63,7 +56,8 @@ static int cu_unary_backward(ampc_op op, const ampc_tensor *x, const ampc_tensor
                              ampc_tensor *gx, double alpha) {
     int rc;
     if ((rc = ampc__cu_ready()) < 0) return rc;
-    if (!unary_known(op)) return ampc__err(AMPC_ERR_UNSUPPORTED, "cuda unary_backward: no kernel for %s", ampc_op_name(op));
+    if (!ampc__unary_has_kernel(op))
+        return ampc__err(AMPC_ERR_UNSUPPORTED, "cuda unary_backward: no kernel for %s", ampc_op_name(op));
     if ((rc = ampc__unary_backward_operands(op, &x, &y, "cuda")) < 0) return rc;
     const ampc_tensor *ts[4] = {x, y, gy, gx};
     for (int k = 0; k < 4; k++) {
@@ -81,23 +75,6 @@ static int cu_unary_backward(ampc_op op, const ampc_tensor *x, const ampc_tensor
 
 // ---------------------------------------------------------------------------------------------
 // Broadcast plans over the output's dims, adjacent dims merged where every operand allows
-
-/* Strides of t along the nd dims of shape (right-aligned), 0 where t has size 1 or lacks the dim. */
-static int plan_strides(const ampc_tensor *t, int nd, const int64_t *shape, int64_t *st) {
-    for (int j = 0; j < t->ndim - nd; j++)
-        if (t->shape[j] != 1) return ampc__err(AMPC_ERR_SHAPE, "cuda: tensor of %d dims does not broadcast to %d dims", t->ndim, nd);
-    int64_t step = 1;
-    for (int i = nd - 1; i >= 0; i--) {
-        int j = t->ndim - nd + i;
-        int64_t d = j >= 0 ? t->shape[j] : 1;
-        if (d != 1 && d != shape[i])
-            return ampc__err(AMPC_ERR_SHAPE, "cuda: size %lld does not broadcast to %lld in dim %d", (long long)d,
-                             (long long)shape[i], i);
-        st[i] = d == 1 ? 0 : step;
-        step *= d;
-    }
-    return AMPC_OK;
-}
 
 /* Drops size-1 dims; merges a dim into the previous one where, for every operand, the outer
    stride is the inner stride times the inner size. At least one dim remains. */
@@ -134,7 +111,7 @@ static int broadcast_run(const char *kernel, ampc_op op, const ampc_tensor *t0, 
     ampc_cu_bplan p = {.nd = out->ndim};
     memcpy(p.shape, out->shape, sizeof(int64_t) * (size_t)out->ndim);
     for (int k = 0; k < nops; k++)
-        if ((rc = plan_strides(t[k], out->ndim, out->shape, p.st[k])) < 0) return rc;
+        if ((rc = ampc__broadcast_strides(t[k], out->ndim, out->shape, p.st[k], "cuda")) < 0) return rc;
     if (out->numel == 0) return AMPC_OK;
     plan_merge(&p, nops);
     return ampc__cu_check(ampc_cu_binary(op, &p, ampc__data(t0), t1 ? ampc__data(t1) : NULL, c1, ampc__data(out), out->dtype,
@@ -176,7 +153,7 @@ static int cu_sum_to(const ampc_tensor *x, ampc_tensor *out, double alpha) {
         int j = x->ndim - p.nd + i;
         p.shape[i] = j >= 0 ? x->shape[j] : 1;
     }
-    if ((rc = plan_strides(out, p.nd, p.shape, p.st[0])) < 0) return rc;
+    if ((rc = ampc__broadcast_strides(out, p.nd, p.shape, p.st[0], "cuda")) < 0) return rc;
     if ((cl_order(x) || cl_order(out)) && !same_walk(x, out))
         return ampc__err(AMPC_ERR_INVALID, "cuda sum_to: a channels-last tensor changing shape (the op converts it first)");
     if (x->numel == out->numel) return cu_unary(AMPC_OP_MUL_SCALAR, x, out, alpha);   /* nothing summed */
