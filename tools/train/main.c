@@ -69,9 +69,8 @@ static int choose_out(settings *s) {
     if (s->given[OPT_OUT] && !is_auto(s, OPT_OUT)) return named ? usage_error("--out and --name both name the run's folder: give one") : 0;
     if (resume) {   /* continue in the checkpoint's folder */
         if (named) return usage_error("--resume continues in the checkpoint's folder: --name does not apply (--out moves the run)");
-        const char *res = sval(s, OPT_RESUME), *slash = strrchr(res, '/');
-        char *dir = slash ? strndup(res, (size_t)(slash - res)) : strdup(".");
-        int rc = dir ? set_val(s, OPT_OUT, *dir ? dir : "/") : fail("out of memory");
+        char *dir = path_dir(sval(s, OPT_RESUME));
+        int rc = dir ? set_val(s, OPT_OUT, dir) : -1;
         free(dir);
         return rc;
     }

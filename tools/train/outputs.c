@@ -39,11 +39,10 @@ static int mkdir_p(const char *path) {
 }
 
 static void link_latest(const char *out) {
-    const char *slash = strrchr(out, '/');
-    char *parent = slash ? strndup(out, (size_t)(slash - out)) : strdup("."), *link = NULL, *tmp = NULL;
-    const char *base = slash ? slash + 1 : out;
+    const char *slash = strrchr(out, '/'), *base = slash ? slash + 1 : out;
+    char *parent = path_dir(out), *link = NULL, *tmp = NULL;
     struct stat st;
-    if (!parent || !(link = path_join(*parent ? parent : "/", "latest")) || asprintf(&tmp, "%s.tmp.%ld", link, (long)getpid()) < 0) {
+    if (!parent || !(link = path_join(parent, "latest")) || asprintf(&tmp, "%s.tmp.%ld", link, (long)getpid()) < 0) {
         tmp = NULL;
         warn("out of memory: %s/latest not updated", parent ? parent : ".");
     } else if (lstat(link, &st) == 0 && !S_ISLNK(st.st_mode)) {
@@ -60,9 +59,9 @@ static void link_latest(const char *out) {
 int out_make(settings *s) {
     int rc = 0;
     if (s->dated) {   /* runs/<date>-<time>[-k]: mkdir(2) fails on a folder that exists */
-        const char *stamp = sval(s, OPT_OUT), *slash = strrchr(stamp, '/');
-        char *root = slash ? strndup(stamp, (size_t)(slash - stamp)) : strdup("."), *dir = NULL;
-        if (!root) return fail("out of memory");
+        const char *stamp = sval(s, OPT_OUT);
+        char *root = path_dir(stamp), *dir = NULL;
+        if (!root) return -1;
         rc = mkdir_p(root);
         for (int k = 1; rc == 0; k++) {
             free(dir);
@@ -101,9 +100,8 @@ static int out_check(const settings *s, const char *out) {
     struct stat a, b;
     const char *res = sval(s, OPT_RESUME);
     if (*res) {   /* resuming in the checkpoint's own folder: that run is this one */
-        const char *slash = strrchr(res, '/');
-        char *dir = slash ? strndup(res, (size_t)(slash - res)) : strdup(".");
-        bool same = dir && stat(*dir ? dir : "/", &a) == 0 && stat(out, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+        char *dir = path_dir(res);
+        bool same = dir && stat(dir, &a) == 0 && stat(out, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
         free(dir);
         if (same) return 0;
     }
@@ -157,6 +155,13 @@ static int lock_out(run_outputs *o) {
     }
     free(path);
     return rc;
+}
+
+char *path_dir(const char *path) {
+    const char *slash = strrchr(path, '/');
+    char *p = !slash ? strdup(".") : slash == path ? strdup("/") : strndup(path, (size_t)(slash - path));
+    if (!p) fail("out of memory");
+    return p;
 }
 
 char *path_join(const char *dir, const char *name) {

@@ -390,6 +390,9 @@ int save_checkpoint(run *r, int64_t epochs_done, int64_t step, const pass_stats 
 
 /* "dir/name", malloc'd; NULL (with the error kept) when out of memory. */
 char *path_join(const char *dir, const char *name);
+/* The folder path is in: "." for a bare name, "/" for one in the root; malloc'd, NULL (with the
+   error kept) when out of memory. */
+char *path_dir(const char *path);
 /* Makes --out (rank 0, before the run's first file): a dated folder exclusively, with a suffix
    -2, -3, ... where it exists (two runs started in the same second get two), then points
    runs/latest at it where the name was chosen (a "latest" that is not a link is left as it is,
