@@ -167,7 +167,9 @@ void ampc_set_allow_tf32(bool on);
 bool ampc_allow_tf32(void);
 /* cuDNN convolution algorithms chosen by timing them on the first call of each shape (PyTorch's
    torch.backends.cudnn.benchmark) instead of by cuDNN's heuristics; deterministic algorithms
-   only, so a run repeats its own bits. Off for now (to be turned on once measured on a GPU). */
+   only, so a run repeats its own bits. Off unless set here or by $AMPC_CUDNN_BENCHMARK=1: on an
+   H100 (2026-11-27) the timed choice made resnet50's amp-fp16 convolutions slower (18.7 ms a step
+   against the heuristics' 16.1; bench/RESULTS.md). */
 void ampc_set_cudnn_benchmark(bool on);
 bool ampc_cudnn_benchmark(void);
 /* Which of the machine's GPUs the cuda device is (index as CUDA numbers them, after

@@ -12,6 +12,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "backend/backend.h"
 #include "backend/cpu/cpu.h"
@@ -725,6 +727,32 @@ static void test_sum_to_f32_out(void **state) {
 // ---------------------------------------------------------------------------------------------
 // The door to the kernels (dispatch.c): unknown devices, missing kernels, supports
 
+/* ampc_cudnn_benchmark(): $AMPC_CUDNN_BENCHMARK decides until the program sets it ("0" off, any
+   other text on, unset or empty: off); each case in a child of its own, since the variable is
+   read once per process. The child's exit status: 10 + the answer before the set, + 20 after. */
+static int cudnn_benchmark_child(const char *env) {
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (env) setenv("AMPC_CUDNN_BENCHMARK", env, 1);
+        else unsetenv("AMPC_CUDNN_BENCHMARK");
+        int before = ampc_cudnn_benchmark();
+        ampc_set_cudnn_benchmark(!before);
+        _exit(10 + before + 20 * ampc_cudnn_benchmark());
+    }
+    int st = 0;
+    if (pid < 0 || waitpid(pid, &st, 0) != pid || !WIFEXITED(st)) return -1;
+    return WEXITSTATUS(st);
+}
+
+static void test_cudnn_benchmark_switch(void **state) {
+    (void)state;
+    assert_int_equal(cudnn_benchmark_child(NULL), 10 + 0 + 20);
+    assert_int_equal(cudnn_benchmark_child(""), 10 + 0 + 20);
+    assert_int_equal(cudnn_benchmark_child("0"), 10 + 0 + 20);
+    assert_int_equal(cudnn_benchmark_child("1"), 10 + 1 + 0);
+    assert_int_equal(cudnn_benchmark_child("yes"), 10 + 1 + 0);
+}
+
 static void test_kernel_door(void **state) {
     (void)state;
     ampc_scope_begin();
@@ -796,7 +824,7 @@ int main(void) {
         cmocka_unit_test(test_bf16_rounding_in_registers),
         cmocka_unit_test(test_bf16_register_path_bits),
         cmocka_unit_test(test_sum_to_f32_out),
-        cmocka_unit_test(test_kernel_door),
+        cmocka_unit_test(test_kernel_door), cmocka_unit_test(test_cudnn_benchmark_switch),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
 }

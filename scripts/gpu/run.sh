@@ -36,7 +36,8 @@ tests)
             if [ $r = FAIL ] && [ -n "${OUT:-}" ]; then { echo "=== $p"; tail -80 /tmp/ampc/out.txt; } >>"$OUT/tests_failed.log"; fi
         done
     done
-    echo "failed programs: $fails" ;;
+    echo "failed programs: $fails"
+    [ "$fails" -eq 0 ] ;;
 train) "$BIN/ampc-train" "$@" ;;
 e2e) bash tests/e2e_cuda.sh "$BIN/ampc-train" ;;
 bench) "$BIN/ampc-bench" "$@" ;;

@@ -5,6 +5,11 @@
 #include "backend/backend.h"
 
 #include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* cuDNN algorithms timed per shape unless asked otherwise (ampc_set_cudnn_benchmark) */
+#define AMPC_CUDNN_BENCHMARK_DEFAULT 0
 
 static ampc_backend backends[AMPC_DEVICE_COUNT];
 static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
@@ -16,9 +21,18 @@ static const char *no_cuda(void) { return "this build of ampc has no CUDA backen
 static _Atomic bool allow_tf32 = false;
 void ampc_set_allow_tf32(bool on) { allow_tf32 = on; }
 bool ampc_allow_tf32(void) { return allow_tf32; }
-static _Atomic bool cudnn_benchmark = false;
+/* -1 until set: then $AMPC_CUDNN_BENCHMARK (0 off, anything else on) decides, else the default */
+static _Atomic int cudnn_benchmark = -1;
 void ampc_set_cudnn_benchmark(bool on) { cudnn_benchmark = on; }
-bool ampc_cudnn_benchmark(void) { return cudnn_benchmark; }
+bool ampc_cudnn_benchmark(void) {
+    int v = cudnn_benchmark;
+    if (v < 0) {
+        const char *e = getenv("AMPC_CUDNN_BENCHMARK");
+        v = e && *e ? strcmp(e, "0") != 0 : AMPC_CUDNN_BENCHMARK_DEFAULT;
+        cudnn_benchmark = v;
+    }
+    return v;
+}
 
 static _Atomic int cuda_gpu = 0;          /* the GPU the cuda device is */
 static _Atomic bool cuda_gpu_taken = false;   /* the CUDA backend started on it */

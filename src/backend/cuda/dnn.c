@@ -284,11 +284,10 @@ void ampc__cuda_register_dnn(ampc_backend *be) {
     be->batch_norm_backward = cu_batch_norm_backward;
     be->batch_norm_relu = cu_batch_norm_relu;
     be->batch_norm_relu_backward = cu_batch_norm_relu_backward;
-    /* Opt-in until a GPU run has passed test_bn_relu's comparison with the composite (written
-       without a GPU at hand, 2026-11-26): AMPC_CUDA_BN_ADD_RELU=1. Without it the op composes
-       batch_norm, add and relu, as on the CPU. */
+    /* The fused kernels (on an H100, 2026-11-27: resnet50 amp-fp16 51.5 -> 44.6 ms a step);
+       AMPC_CUDA_BN_ADD_RELU=0 composes batch_norm, add and relu instead, as the CPU does. */
     const char *fuse = getenv("AMPC_CUDA_BN_ADD_RELU");
-    if (fuse && !strcmp(fuse, "1")) {
+    if (!fuse || strcmp(fuse, "0")) {
         be->batch_norm_add_relu = cu_batch_norm_add_relu;
         be->batch_norm_add_relu_backward = cu_batch_norm_add_relu_backward;
     }
