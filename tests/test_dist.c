@@ -23,6 +23,7 @@
 enum { GLOBAL = 64, PIX = 28 * 28, STEPS = 4 };
 #define LR 0.05
 static int rank, world;
+static ampc_device g_dev = AMPC_DEVICE_CPU;   /* where run_new's models and batch's tensors live */
 
 #define D_ASSERT(cond, ...)                                                                        \
     do {                                                                                           \
@@ -52,6 +53,7 @@ static void batch(int step, int lo, int hi, bool poison, ampc_tensor **x, ampc_t
     if (poison) xf[0] = 1e30f;
     *x = ampc_tensor_from_f32(AMPC_F32, 4, (int64_t[]){hi - lo, 1, 28, 28}, xf);
     *y = ampc_tensor_from_i64(1, (int64_t[]){hi - lo}, lab + lo);
+    if (g_dev == AMPC_DEVICE_REF) *x = ampc_tensor_to(*x, g_dev, AMPC_F64), *y = ampc_tensor_to(*y, g_dev, AMPC_I64);
     free(v);
     free(xf);
 }
@@ -84,7 +86,9 @@ static run run_new(const char *model, mode m, const ampc_ddp_options *ddp) {
     run r = {0};
     ampc_manual_seed(7);
     bool bn = !strncmp(model, "bn", 2);   /* "bn" (per-process statistics) or "bn-sync" */
+    ampc_set_default_device(g_dev);   /* REF: f64 parameters */
     r.net = bn ? bn_model(!strcmp(model, "bn-sync")) : ampc_model_new(model, &(ampc_model_options){0});
+    ampc_set_default_device(AMPC_DEVICE_CPU);
     ampc_module_train(r.net, bn);   /* no dropout: its masks depend on which rank draws them */
     r.opt = ampc_sgd_new(r.net, &(ampc_sgd_options){.lr = LR, .momentum = 0.9});
     ampc_scaler_options so = ampc_scaler_defaults();
@@ -218,6 +222,45 @@ static double equivalence_steps(const char *model, mode m, ampc_ddp_options o, i
 }
 
 static double equivalence(const char *model, mode m, ampc_ddp_options o) { return equivalence_steps(model, m, o, STEPS, false); }
+
+/* The buckets on the parameters' device: the mlp on the REF device (f64 parameters, standing in
+   for a GPU: the gradients are scaled into the device's buckets by its own kernel, and the wire,
+   f32 or bf16, is a converted copy in host memory) trains as one REF process on the whole batch.
+   Any world size (ctest also runs 3 ranks): a rank's loss is weighted by its share of the batch.
+   The wire rounds each f64 gradient to f32 (2^-24) or bf16 (2^-8) once per step, one rank too,
+   bounded as test_equivalence's fp32 and 16-bit cases. */
+static void test_device_buckets(void **state) {
+    (void)state;
+    const ampc_dtype wires[] = {AMPC_F32, AMPC_BF16};
+    for (int k = 0; k < 2; k++) {
+        g_dev = AMPC_DEVICE_REF;
+        ampc_ddp_options o = ampc_ddp_defaults();
+        o.comm_dtype = wires[k];
+        o.bucket_bytes = o.first_bucket_bytes = 4096;   /* two buckets (see test_buckets) */
+        run ref = run_new("mlp", FP32, NULL), dd = run_new("mlp", FP32, &o);
+        int64_t n;
+        float *init = weights(ref.net, &n);
+        const double share = (double)(my_hi() - my_lo()) * world / GLOBAL;
+        for (int s = 0; s < 2; s++) {
+            backward(&ref, FP32, s, 0, GLOBAL, 1, false);
+            step(&ref);
+            backward(&dd, FP32, s, my_lo(), my_hi(), share, false);
+            step(&dd);
+        }
+        ampc_ddp_stats st;
+        D_ASSERT(ampc_ddp_get_stats(dd.ddp, &st) == AMPC_OK && st.buckets > 1, "buckets: %lld", (long long)st.buckets);
+        assert_replicas_equal(dd.net);
+        double d = rel_update_diff(dd.net, ref.net, init);
+        double tol = wires[k] == AMPC_F32 ? 1e-4 : 4 * tu_eps(AMPC_BF16);
+        if (rank == 0) print_message("REF device, %d ranks, %s wire: weights differ by %.3g of the update (bound %.3g)\n", world,
+                                     ampc_dtype_name(wires[k]), d, tol);
+        D_ASSERT(d <= tol, "REF %s wire: %.3g > %.3g", ampc_dtype_name(wires[k]), d, tol);
+        free(init);
+        run_free(&ref);
+        run_free(&dd);
+        g_dev = AMPC_DEVICE_CPU;
+    }
+}
 
 static void test_equivalence(void **state) {
     (void)state;
@@ -366,84 +409,92 @@ static int64_t held_state(const ampc_optimizer *opt) {
    cnn's fc1 (96% of the parameters) split between ranks too; ampc_zero_consolidate gathers on
    rank 0 a state equal to the unsharded optimizer's, step counts included; a sharded state is
    neither saved nor loaded into. */
+static void zero_case(const char *model, int adam, int m) {
+    run a = run_new(model, (mode)m, dflt()), b = run_new(model, (mode)m, dflt());
+    if (adam) {
+        ampc_optimizer_free(a.opt);
+        ampc_optimizer_free(b.opt);
+        ampc_adam_options o = ampc_adam_defaults();
+        a.opt = ampc_adam_new(a.net, &o);
+        b.opt = ampc_adam_new(b.net, &o);
+        D_ASSERT(a.opt && b.opt, "adam");
+    }
+    int64_t here = -1, all = -1;
+    D_ASSERT(ampc_zero_shard(b.opt, &here, &all) == AMPC_OK, "zero_shard");
+    for (int s = 0; s < STEPS; s++) {
+        backward(&a, (mode)m, s, my_lo(), my_hi(), 1, s == 1 && rank == world - 1 && m == FP16);
+        backward(&b, (mode)m, s, my_lo(), my_hi(), 1, s == 1 && rank == world - 1 && m == FP16);
+        int ra = ampc_scaler_step(a.sc, a.opt), rb = ampc_scaler_step(b.sc, b.opt);
+        D_ASSERT(ra >= 0 && ra == rb, "step %d applied %d vs %d", s, ra, rb);
+        /* the grads after the step: unscaled on every rank as unsharded, the other ranks' parts included */
+        for (int i = 0; i < a.opt->n; i++) {
+            const ampc_tensor *ga = a.opt->params[i]->grad, *gb = b.opt->params[i]->grad;
+            D_ASSERT(ga && gb && memcmp(ampc__data(ga), ampc__data(gb), ampc__nbytes(ga)) == 0,
+                     "%s %s step %d: grad of parameter %d differs after the sharded step", adam ? "adam" : "sgd",
+                     MODE_NAMES[m], s, i);
+        }
+        D_ASSERT(ampc_scaler_update(a.sc) == AMPC_OK && ampc_scaler_update(b.sc) == AMPC_OK, "update");
+        ampc_optimizer_zero_grad(a.opt);
+        ampc_optimizer_zero_grad(b.opt);
+    }
+    int64_t n;
+    float *wa = weights(a.net, &n), *wb = weights(b.net, &n);
+    D_ASSERT(memcmp(wa, wb, sizeof(float) * (size_t)n) == 0, "%s %s: sharded weights differ", adam ? "adam" : "sgd",
+             MODE_NAMES[m]);
+
+    assert_replicas_equal(b.net);
+    int64_t full = held_state(a.opt), mine = held_state(b.opt), sum = mine;
+    double v = (double)mine;
+    D_ASSERT(ampc_dist_allreduce_sum_f64(&v, 1) == AMPC_OK, "allreduce");
+    sum = (int64_t)v;
+    if (rank == 0)
+        print_message("zero-1 %s %s %s: weights equal to unsharded DDP; optimizer state %.2f MiB on rank 0, %.2f MiB "
+                      "unsharded\n",
+                      ampc_device_name(g_dev), adam ? "adam" : "sgd", MODE_NAMES[m], (double)mine / 1048576,
+                      (double)full / 1048576);
+    D_ASSERT(mine == here && all == full && sum == full, "state bytes %lld (said %lld), all %lld (said %lld, full %lld)",
+             (long long)mine, (long long)here, (long long)sum, (long long)all, (long long)full);
+    /* by element: 1/world of the state, up to 16 elements of each slot at either boundary */
+    const int64_t slack = 2 * 16 * (int64_t)ampc__dt(a.opt->params[0]->dtype)->size * ampc__optimizer_slots_used(a.opt);
+    D_ASSERT(llabs(mine - full / world) <= slack, "rank %d holds %lld of %lld (slack %lld)", rank, (long long)mine,
+             (long long)full, (long long)slack);
+    if (world > 1) {   /* a part is no checkpoint, and a sharded optimizer takes none */
+        D_ASSERT(ampc_checkpoint_save("/dev/null", b.net, b.opt, NULL, NULL) == AMPC_ERR_INVALID &&
+                     strstr(ampc_last_error(), "ampc_zero_consolidate"),
+                 "save of a sharded state: %s", ampc_last_error());
+        D_ASSERT(ampc_checkpoint_load("/dev/null", b.net, b.opt, NULL, NULL) == AMPC_ERR_INVALID &&
+                     strstr(ampc_last_error(), "before ampc_zero_shard"),
+                 "load into a sharded optimizer: %s", ampc_last_error());
+    }
+    D_ASSERT(ampc_zero_consolidate(b.opt) == AMPC_OK, "consolidate");
+    if (rank == 0) {
+        D_ASSERT(held_state(b.opt) == full, "consolidated %lld of %lld", (long long)held_state(b.opt), (long long)full);
+        for (int i = 0; i < a.opt->n; i++) {
+            D_ASSERT(a.opt->steps[i] == b.opt->steps[i], "steps of %d", i);
+            for (int k = 0; k < 3; k++) {
+                ampc_tensor *x = a.opt->state[k][i], *y = b.opt->state[k][i];
+                D_ASSERT(!x == !y, "state %d of %d", k, i);
+                if (x)
+                    D_ASSERT(memcmp(ampc__data(x), ampc__data(y), ampc__nbytes(x)) == 0,
+                             "consolidated state %d of parameter %d differs", k, i);
+            }
+        }
+    }
+    D_ASSERT(ampc_zero_shard(b.opt, NULL, NULL) == AMPC_OK && held_state(b.opt) == mine, "re-shard");
+    free(wa), free(wb);
+    run_free(&a);
+    run_free(&b);
+}
+
+/* ...on the CPU (the cnn, SGD and Adam, fp32 and fp16 AMP) and on the REF device standing in for
+   a GPU (the mlp in fp32: f64 parameters, parts moved by the device's copy kernel) */
 static void test_zero(void **state) {
     (void)state;
     for (int adam = 0; adam < 2; adam++)
-        for (int m = FP32; m <= FP16; m += FP16 - FP32) {
-            run a = run_new("cnn", (mode)m, dflt()), b = run_new("cnn", (mode)m, dflt());
-            if (adam) {
-                ampc_optimizer_free(a.opt);
-                ampc_optimizer_free(b.opt);
-                ampc_adam_options o = ampc_adam_defaults();
-                a.opt = ampc_adam_new(a.net, &o);
-                b.opt = ampc_adam_new(b.net, &o);
-                D_ASSERT(a.opt && b.opt, "adam");
-            }
-            int64_t here = -1, all = -1;
-            D_ASSERT(ampc_zero_shard(b.opt, &here, &all) == AMPC_OK, "zero_shard");
-            for (int s = 0; s < STEPS; s++) {
-                backward(&a, (mode)m, s, my_lo(), my_hi(), 1, s == 1 && rank == world - 1 && m == FP16);
-                backward(&b, (mode)m, s, my_lo(), my_hi(), 1, s == 1 && rank == world - 1 && m == FP16);
-                int ra = ampc_scaler_step(a.sc, a.opt), rb = ampc_scaler_step(b.sc, b.opt);
-                D_ASSERT(ra >= 0 && ra == rb, "step %d applied %d vs %d", s, ra, rb);
-                /* the grads after the step: unscaled on every rank as unsharded, the other ranks' parts included */
-                for (int i = 0; i < a.opt->n; i++) {
-                    const ampc_tensor *ga = a.opt->params[i]->grad, *gb = b.opt->params[i]->grad;
-                    D_ASSERT(ga && gb && memcmp(ampc__data(ga), ampc__data(gb), (size_t)ga->numel * 4) == 0,
-                             "%s %s step %d: grad of parameter %d differs after the sharded step", adam ? "adam" : "sgd",
-                             MODE_NAMES[m], s, i);
-                }
-                D_ASSERT(ampc_scaler_update(a.sc) == AMPC_OK && ampc_scaler_update(b.sc) == AMPC_OK, "update");
-                ampc_optimizer_zero_grad(a.opt);
-                ampc_optimizer_zero_grad(b.opt);
-            }
-            int64_t n;
-            float *wa = weights(a.net, &n), *wb = weights(b.net, &n);
-            D_ASSERT(memcmp(wa, wb, sizeof(float) * (size_t)n) == 0, "%s %s: sharded weights differ", adam ? "adam" : "sgd",
-                     MODE_NAMES[m]);
-
-            assert_replicas_equal(b.net);
-            int64_t full = held_state(a.opt), mine = held_state(b.opt), sum = mine;
-            double v = (double)mine;
-            D_ASSERT(ampc_dist_allreduce_sum_f64(&v, 1) == AMPC_OK, "allreduce");
-            sum = (int64_t)v;
-            if (rank == 0)
-                print_message("zero-1 %s %s: weights equal to unsharded DDP; optimizer state %.2f MiB on rank 0, %.2f MiB "
-                              "unsharded\n",
-                              adam ? "adam" : "sgd", MODE_NAMES[m], (double)mine / 1048576, (double)full / 1048576);
-            D_ASSERT(mine == here && all == full && sum == full, "state bytes %lld (said %lld), all %lld (said %lld, full %lld)",
-                     (long long)mine, (long long)here, (long long)sum, (long long)all, (long long)full);
-            /* by element: 1/world of the state, up to 16 elements of each slot at either boundary */
-            const int64_t slack = 2 * 16 * 4 * ampc__optimizer_slots_used(a.opt);
-            D_ASSERT(llabs(mine - full / world) <= slack, "rank %d holds %lld of %lld (slack %lld)", rank, (long long)mine,
-                     (long long)full, (long long)slack);
-            if (world > 1) {   /* a part is no checkpoint, and a sharded optimizer takes none */
-                D_ASSERT(ampc_checkpoint_save("/dev/null", b.net, b.opt, NULL, NULL) == AMPC_ERR_INVALID &&
-                             strstr(ampc_last_error(), "ampc_zero_consolidate"),
-                         "save of a sharded state: %s", ampc_last_error());
-                D_ASSERT(ampc_checkpoint_load("/dev/null", b.net, b.opt, NULL, NULL) == AMPC_ERR_INVALID &&
-                             strstr(ampc_last_error(), "before ampc_zero_shard"),
-                         "load into a sharded optimizer: %s", ampc_last_error());
-            }
-            D_ASSERT(ampc_zero_consolidate(b.opt) == AMPC_OK, "consolidate");
-            if (rank == 0) {
-                D_ASSERT(held_state(b.opt) == full, "consolidated %lld of %lld", (long long)held_state(b.opt), (long long)full);
-                for (int i = 0; i < a.opt->n; i++) {
-                    D_ASSERT(a.opt->steps[i] == b.opt->steps[i], "steps of %d", i);
-                    for (int k = 0; k < 3; k++) {
-                        ampc_tensor *x = a.opt->state[k][i], *y = b.opt->state[k][i];
-                        D_ASSERT(!x == !y, "state %d of %d", k, i);
-                        if (x)
-                            D_ASSERT(memcmp(ampc__data(x), ampc__data(y), (size_t)x->numel * 4) == 0,
-                                     "consolidated state %d of parameter %d differs", k, i);
-                    }
-                }
-            }
-            D_ASSERT(ampc_zero_shard(b.opt, NULL, NULL) == AMPC_OK && held_state(b.opt) == mine, "re-shard");
-            free(wa), free(wb);
-            run_free(&a);
-            run_free(&b);
-        }
+        for (int m = FP32; m <= FP16; m += FP16 - FP32) zero_case("cnn", adam, m);
+    g_dev = AMPC_DEVICE_REF;
+    for (int adam = 0; adam < 2; adam++) zero_case("mlp", adam, FP32);
+    g_dev = AMPC_DEVICE_CPU;
 }
 
 /* Small buckets (many all-reduces, started during backward) give the same bits as one bucket:
@@ -762,7 +813,10 @@ int main(int argc, char **argv) {
     }
     rank = ampc_dist_rank();
     world = ampc_dist_world_size();
-    if (GLOBAL % world) {
+    /* TEST_DIST_FILTER: the tests to run (cmocka's pattern); the world-size rule is then theirs */
+    const char *filter = getenv("TEST_DIST_FILTER");
+    if (filter) cmocka_set_test_filter(filter);
+    if (GLOBAL % world && !filter) {
         fprintf(stderr, "test_dist needs a world size dividing %d\n", GLOBAL);
         return 1;
     }
@@ -772,6 +826,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_scaler_agrees), cmocka_unit_test(test_16bit_wire),      cmocka_unit_test(test_sync_buffers),
         cmocka_unit_test(test_sync_bn_op),    cmocka_unit_test(test_sync_bn_equivalence), cmocka_unit_test(test_zero),
         cmocka_unit_test(test_uneven_join),   cmocka_unit_test(test_collective_timeout), cmocka_unit_test(test_local_rank),
+        cmocka_unit_test(test_device_buckets),
     };
     int failed = cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
     ampc_dist_finalize();

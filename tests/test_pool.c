@@ -498,21 +498,57 @@ static void test_copy_block(void **state) {
         ASSERT_NOT_NULL_MSG(src);
         ASSERT_NOT_NULL_MSG(dst);
         /* 5 rows of 4 from src (ld 9, offset 2) into dst (ld 11, offset 3) */
-        ASSERT_OK(ampc__backend(AMPC_DEVICE_CPU)->copy_block(src, 2, 9, dst, 3, 11, 5, 4));
+        ASSERT_OK(ampc__backend(AMPC_DEVICE_CPU)->copy_block(src, 2, 9, dst, 3, 11, 5, 4, 1.0));
         ASSERT_OK(ampc_tensor_to_f64(dst, w, 80));
         for (int i = 0; i < 80; i++) {
             int r = (i - 3) / 11, c = (i - 3) % 11;
             double want = i >= 3 && r < 5 && c < 4 ? v[r * 9 + 2 + c] : 0;
             if (w[i] != want) fail_msg("%s: dst[%d] = %g, want %g", ampc_dtype_name(dts[di]), i, w[i], want);
         }
-        assert_true(ampc__backend(AMPC_DEVICE_CPU)->copy_block(src, 2, 9, dst, 3, 11, 8, 4) == AMPC_ERR_INVALID);
+        assert_true(ampc__backend(AMPC_DEVICE_CPU)->copy_block(src, 2, 9, dst, 3, 11, 8, 4, 1.0) == AMPC_ERR_INVALID);
         ampc_clear_error();
+        /* a scale: f32 only of these (16-bit and i64 refused, naming the dtype) */
+        int rc = ampc__k_copy_block(src, 2, 9, dst, 3, 11, 5, 4, 0.5);
+        if (dts[di] == AMPC_F32) ASSERT_OK(rc);
+        else assert_int_equal(rc, AMPC_ERR_DTYPE);
+        ampc_clear_error();
+        ampc_scope_end();
+    }
+}
+
+/* copy_block with a scale (the data-parallel buckets' gradient / world): each element
+   round(x * k) in the dtype, k = 1/3 rounded to the dtype, on every device there is, against
+   the same product computed here in that precision */
+static void test_copy_block_scale(void **state) {
+    (void)state;
+    const ampc_device devs[] = {AMPC_DEVICE_CPU, AMPC_DEVICE_REF, AMPC_DEVICE_CUDA};
+    for (size_t k = 0; k < 3; k++) {
+        if (!ampc_device_available(devs[k])) continue;
+        ampc_scope_begin();
+        ampc_dtype dt = devs[k] == AMPC_DEVICE_REF ? AMPC_F64 : AMPC_F32;
+        int64_t n = 1000, m = 1500;
+        double v[1000], w[1500];
+        for (int i = 0; i < n; i++) v[i] = (i * 7919 % 1000 - 500) * 0.123456789;
+        ampc_tensor *src = ampc_tensor_to(ampc_tensor_from_f64(dt == AMPC_F64 ? AMPC_F32 : dt, 1, &n, v), devs[k], dt);
+        ampc_tensor *dst = ampc_tensor_to(ampc_tensor_zeros(AMPC_F32, 1, &m), devs[k], dt);
+        ASSERT_NOT_NULL_MSG(src);
+        ASSERT_NOT_NULL_MSG(dst);
+        /* all 1000 as one row into dst at 250 (the buckets' use), then 3 rows of 10 strided */
+        ASSERT_OK(ampc__k_copy_block(src, 0, n, dst, 250, m, 1, n, 1.0 / 3));
+        ASSERT_OK(ampc__k_copy_block(src, 5, 100, dst, 0, 50, 3, 10, 1.0 / 3));
+        ASSERT_OK(ampc_tensor_to_f64(dst, w, (size_t)m));
+        for (int i = 0; i < m; i++) {
+            double x = i >= 250 && i < 1250 ? v[i - 250] : i < 150 && i % 50 < 10 ? v[i / 50 * 100 + 5 + i % 50] : 0;
+            double want = dt == AMPC_F32 ? (double)((float)x * (float)(1.0 / 3)) : (double)(float)x * (1.0 / 3);
+            if (w[i] != want) fail_msg("%s: dst[%d] = %.17g, want %.17g", ampc_device_name(devs[k]), i, w[i], want);
+        }
         ampc_scope_end();
     }
 }
 
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_copy_block_scale),
         cmocka_unit_test(test_pool_cases),
         cmocka_unit_test(test_cat_cases),
         cmocka_unit_test(test_output_sizes),

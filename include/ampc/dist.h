@@ -129,7 +129,8 @@ int ampc_ddp_get_stats(const ampc_ddp *ddp, ampc_ddp_stats *stats);
    Each rank steps its range only; after every step (ampc_optimizer_step or the GradScaler's)
    each rank's part of every updated parameter is broadcast from it, so every rank holds the same
    weights, bit for bit those of unsharded training. Gradients stay whole on every rank (DDP's
-   all-reduce). Host memory (CPU) only. Whole state present (a checkpoint loaded before, or
+   all-reduce). Parameters on any one device (a GPU's parts go through host memory where MPI
+   cannot read it). Whole state present (a checkpoint loaded before, or
    rank 0's after ampc_zero_consolidate) is cut down to this rank's part; calling it again after
    a consolidate re-shards the same way. *bytes_here and *bytes_all (may be NULL): the state
    bytes this rank will hold and all ranks together. A sharded optimizer's state is not saved

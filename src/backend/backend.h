@@ -245,10 +245,12 @@ typedef struct ampc_backend {
     int (*layer_norm_backward)(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                const ampc_tensor *mean, const ampc_tensor *rstd, ampc_tensor *gx,
                                ampc_tensor *gw, ampc_tensor *gb);
-    /* dst[r * dst_ld + dst_off + c] = src[r * src_ld + src_off + c] for r < rows, c < cols
-       (elements; same dtype): the slices of cat and of its backward */
+    /* dst[r * dst_ld + dst_off + c] = src[r * src_ld + src_off + c] * scale for r < rows,
+       c < cols (elements; same dtype): the slices of cat and of its backward (scale 1: the bits
+       as they are, any dtype), the data-parallel gradient buckets (scale 1 / world: f32 or f64,
+       one rounding per element) */
     int (*copy_block)(const ampc_tensor *src, int64_t src_off, int64_t src_ld, ampc_tensor *dst,
-                      int64_t dst_off, int64_t dst_ld, int64_t rows, int64_t cols);
+                      int64_t dst_off, int64_t dst_ld, int64_t rows, int64_t cols, double scale);
 } ampc_backend;
 
 /* dev's table, or NULL with AMPC_ERR_INVALID ("unknown device N") for a device out of range.
@@ -335,7 +337,7 @@ int ampc__k_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, con
                                 ampc_tensor *gb);
 /* rows or cols 0: nothing to copy, AMPC_OK */
 int ampc__k_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, ampc_tensor *dst, int64_t dst_off,
-                       int64_t dst_ld, int64_t rows, int64_t cols);
+                       int64_t dst_ld, int64_t rows, int64_t cols, double scale);
 
 /* The elementwise, sum_to/expand and gemm entries through wrappers that allocate the output:
    new owned tensor or NULL with the error set. */
@@ -377,10 +379,11 @@ int ampc__unary_backward_operands(ampc_op op, const ampc_tensor **x, const ampc_
 /* The optimizer kernels' per-parameter constants (backend/optim_consts.h); step >= 1. */
 ampc_sgd_consts ampc__sgd_consts(const ampc_sgd_hparams *h);
 ampc_adam_consts ampc__adam_consts(const ampc_adam_hparams *h, int64_t step);
-/* copy_block's arguments (same dtype, the blocks inside both tensors): AMPC_OK to copy, 1 when
-   there is nothing to copy (rows or cols <= 0), else the error. */
+/* copy_block's arguments (same dtype, the blocks inside both tensors, a scale other than 1 on f32
+   and f64 only): AMPC_OK to copy, 1 when there is nothing to copy (rows or cols <=
+   0), else the error. */
 int ampc__check_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, const ampc_tensor *dst,
-                           int64_t dst_off, int64_t dst_ld, int64_t rows, int64_t cols);
+                           int64_t dst_off, int64_t dst_ld, int64_t rows, int64_t cols, double scale);
 /* Layer norm's rows and cols of x from the statistics' length; who ("cpu ", "cuda ", "") and the
    kernel's name k start the messages. */
 int ampc__layer_norm_dims(const ampc_tensor *x, const ampc_tensor *stat, const char *who, const char *k, int64_t *rows,

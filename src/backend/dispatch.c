@@ -177,10 +177,10 @@ int ampc__k_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, con
     return BACKEND_CALL(x, layer_norm_backward, x, gy, weight, mean, rstd, gx, gw, gb);
 }
 int ampc__k_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, ampc_tensor *dst, int64_t dst_off,
-                       int64_t dst_ld, int64_t rows, int64_t cols) {
+                       int64_t dst_ld, int64_t rows, int64_t cols, double scale) {
     int rc = ampc__backend_check(AMPC_K_copy_block, dst->dtype, dst->device);
     if (rc < 0 || rows == 0 || cols == 0) return rc;
-    return ampc__backend(dst->device)->copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols);
+    return ampc__backend(dst->device)->copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols, scale);
 }
 
 // ---------------------------------------------------------------------------------------------

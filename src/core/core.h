@@ -311,7 +311,7 @@ void ampc__grad_fn_release(ampc_node *node);   /* NULL: nothing */
 // ---------------------------------------------------------------------------------------------
 // Collectives: the one seam between ampc and a communication library (core/comm.c). The dist
 // layer registers MPI's (src/dist/mpi.c); a GPU library (NCCL) would register its own table
-// the same way. Without a registration every call sees a world of one process: size 1, rank 0,
+// the same way, saying by `reads` that it takes device memory. Without a registration every call sees a world of one process: size 1, rank 0,
 // reductions and broadcasts leave the buffer as it is.
 
 typedef enum { AMPC_COMM_SUM = 0, AMPC_COMM_MAX } ampc_comm_op;
@@ -320,8 +320,9 @@ typedef struct ampc_comm_req ampc_comm_req;
 typedef struct {
     const char *name;            /* "mpi" */
     int rank, size;
-    /* In place over count elements of host memory: F32, F64 and I64 with op; BF16 and F16
-       (SUM only) are added in f32 and rounded once per addition. Blocking. */
+    /* In place over count elements of host memory (or of a device the table reads): F32, F64
+       and I64 with op; BF16 and F16 (SUM only) are added in f32 and rounded once per addition.
+       Blocking. */
     int (*allreduce)(void *buf, int64_t count, ampc_dtype dt, ampc_comm_op op);
     /* The same, non-blocking: *req receives the collective, completed by test or wait. buf must
        not be touched until then. Progress happens inside test and wait calls. */
@@ -330,10 +331,18 @@ typedef struct {
     int (*wait)(ampc_comm_req *req);               /* completes and frees req */
     int (*broadcast)(void *buf, size_t nbytes, int root);
     int (*barrier)(void);
+    /* Whether the buffers may be in dev's memory (NCCL: CUDA's); NULL: host-memory devices only,
+       and the callers stage other devices' data through host memory (MPI). */
+    bool (*reads)(ampc_device dev);
 } ampc_comm_ops;
 /* ops NULL: back to one process. The table must outlive its registration. */
 void ampc__comm_register(const ampc_comm_ops *ops);
 const ampc_comm_ops *ampc__comm(void);   /* never NULL */
+/* Whether the registered table reads dev's memory itself (else: stage through host memory). */
+bool ampc__comm_reads(ampc_device dev);
+/* t's bytes broadcast from rank root into every rank's t, on any device: in place where the
+   table reads t's memory, else through a host copy of t. */
+int ampc__comm_broadcast_tensor(ampc_tensor *t, int root);
 
 // ---------------------------------------------------------------------------------------------
 // Op tracing (trace.c): an observer of every op, forward and backward, with the module path it

@@ -4,11 +4,16 @@
  *
  * Buckets. The trainable parameters, in reverse state_dict order (backward produces the last
  * layers' gradients first), are packed into buckets of about bucket_bytes of fp32 (the first,
- * the last layers, smaller: first_bucket_bytes). Each bucket owns a flat f32 buffer (and a
- * 16-bit one for a 16-bit wire), allocated once when the model is wrapped.
+ * the last layers, smaller: first_bucket_bytes). Each bucket owns a flat tensor of the
+ * gradients' dtype (f32; f64 on REF, which holds no f32) on the parameters' device, allocated
+ * once when the model is wrapped, and a wire tensor that the collective reads and writes when it
+ * is not the flat one itself: the 16-bit copy for a 16-bit wire, on the device where it holds
+ * that dtype and the collectives read its memory, else in host memory (staging: a device whose
+ * memory the communication library cannot read, as MPI cannot read a GPU's).
  *
  * One backward. The engine calls leaf_ready when a parameter's gradient is final (its
- * AccumulateGrad node ran); the gradient, divided by the world size, is copied into its slot.
+ * AccumulateGrad node ran); the gradient times 1/world is copied into its slot by one kernel on
+ * its device (copy_block with a scale).
  * When a bucket's last slot is filled the bucket is ready, and ready buckets start their
  * non-blocking all-reduce strictly in bucket order, so every rank issues the same collectives
  * in the same order whatever order its gradients arrive in (MPI requires it). finish (after
@@ -28,6 +33,7 @@
  */
 #include "ampc/dist.h"
 #include "autograd/autograd.h"
+#include "backend/backend.h"
 #include "core/core.h"
 
 #include <pthread.h>
@@ -43,8 +49,8 @@ typedef struct {
 } ddp_param;
 
 typedef struct {
-    float *buf;         /* count f32 */
-    uint16_t *wire;     /* count 16-bit for a 16-bit wire, else NULL */
+    ampc_tensor *flat;  /* count elements of the gradients' dtype on the parameters' device */
+    ampc_tensor *wire;  /* what the collective reduces, when not flat (see the top), else NULL */
     int64_t count;
     int first, n;       /* its parameters: params[first .. first+n) */
     int pending;        /* parameters not ready this backward */
@@ -57,6 +63,10 @@ struct ampc_ddp {
     ampc_module *model;
     ampc_ddp_options o;
     const ampc_comm_ops *comm;
+    ampc_device dev;    /* the trainable parameters' device */
+    ampc_dtype gdt;     /* their dtype and their gradients': f32 (f64 on a device without f32) */
+    bool stage;         /* the collectives cannot read dev's memory: the wire is in host memory */
+    ampc_tensor *zeros; /* a slot's worth of zeros, made when a parameter first has no gradient */
     pthread_t owner;
     ddp_param *params;
     int n_params;
@@ -93,23 +103,35 @@ static int check_ddp(const ampc_ddp *d, const char *call) {
 // ---------------------------------------------------------------------------------------------
 // Buckets
 
+/* Zeros into parameter q's slot (no gradient on this rank). */
+static int zero_slot(ampc_ddp *d, ddp_param *q) {
+    ddp_bucket *b = &d->buckets[q->bucket];
+    if (!d->zeros) {
+        int64_t most = 0;
+        for (int i = 0; i < d->n_params; i++) most = d->params[i].p->numel > most ? d->params[i].p->numel : most;
+        ampc_mem_kind prev = ampc__mem_kind_push(AMPC_MEM_GRADIENTS);
+        d->zeros = ampc__tensor_new(d->gdt, d->dev, 1, &most);
+        ampc__mem_kind_pop(prev);
+        if (!d->zeros) return ampc_last_status();
+        int rc = ampc__device(d->dev)->fill(d->zeros, 0.0);
+        if (rc < 0) return rc;
+    }
+    return ampc__k_copy_block(d->zeros, 0, q->p->numel, b->flat, q->offset, b->count, 1, q->p->numel, 1.0);
+}
+
 static int start_bucket(ampc_ddp *d, ddp_bucket *b) {
-    for (int i = b->first; i < b->first + b->n; i++) {   /* no gradient on this rank: zeros */
-        ddp_param *q = &d->params[i];
-        if (!q->ready) memset(b->buf + q->offset, 0, (size_t)q->p->numel * sizeof(float));
-    }
-    int rc;
-    if (b->wire) {
-        ampc__dt(d->o.comm_dtype)->from_f32(b->buf, b->wire, (size_t)b->count);
-        rc = d->comm->iallreduce(b->wire, b->count, d->o.comm_dtype, AMPC_COMM_SUM, &b->req);
-    } else {
-        rc = d->comm->iallreduce(b->buf, b->count, AMPC_F32, AMPC_COMM_SUM, &b->req);
-    }
+    int rc = AMPC_OK;
+    for (int i = b->first; i < b->first + b->n && rc >= 0; i++)   /* no gradient on this rank: zeros */
+        if (!d->params[i].ready) rc = zero_slot(d, &d->params[i]);
+    ampc_tensor *w = b->wire ? b->wire : b->flat;
+    if (rc >= 0 && b->wire) rc = ampc__copy(b->flat, b->wire);   /* to the wire's dtype and memory */
+    if (rc >= 0 && d->stage && ampc__device(d->dev)->synchronize) rc = ampc__device(d->dev)->synchronize();
+    if (rc >= 0) rc = d->comm->iallreduce(ampc__data(w), b->count, w->dtype, AMPC_COMM_SUM, &b->req);
     if (rc < 0) return rc;
     b->started = true;
     b->done = b->req == NULL;   /* a one-process world completes at once */
     d->stats.allreduces++;
-    d->stats.bytes_sent += b->count * (int64_t)(b->wire ? 2 : 4);
+    d->stats.bytes_sent += b->count * (int64_t)ampc__dt(w->dtype)->size;
     return AMPC_OK;
 }
 
@@ -135,20 +157,19 @@ static int progress(ampc_ddp *d) {
 
 /* Copies the bucket's averages into its parameters' grads. */
 static int bucket_out(ampc_ddp *d, ddp_bucket *b) {
-    if (b->wire) ampc__dt(d->o.comm_dtype)->to_f32(b->wire, b->buf, (size_t)b->count);
-    for (int i = b->first; i < b->first + b->n; i++) {
+    int rc = b->wire ? ampc__copy(b->wire, b->flat) : AMPC_OK;
+    for (int i = b->first; i < b->first + b->n && rc >= 0; i++) {
         ampc_tensor *p = d->params[i].p;
         if (!p->grad) {
             ampc_mem_kind prev = ampc__mem_kind_push(AMPC_MEM_GRADIENTS);
-            p->grad = ampc__tensor_like(p, AMPC_F32);
+            p->grad = ampc__tensor_like(p, d->gdt);
             ampc__mem_kind_pop(prev);
             if (!p->grad) return ampc_last_status();
         }
-        int rc = ampc__write_bytes(p->grad, b->buf + d->params[i].offset, (size_t)p->numel * sizeof(float));
-        if (rc < 0) return rc;
-        ampc__mark_written(p->grad);
+        rc = ampc__k_copy_block(b->flat, d->params[i].offset, b->count, p->grad, 0, p->numel, 1, p->numel, 1.0);
+        if (rc >= 0) ampc__mark_written(p->grad);
     }
-    return AMPC_OK;
+    return rc;
 }
 
 static void reset_backward(ampc_ddp *d) {
@@ -168,20 +189,17 @@ static void reset_backward(ampc_ddp *d) {
 static int fill_slot(ampc_ddp *d, ddp_param *q) {
     double t0 = now();
     ddp_bucket *b = &d->buckets[q->bucket];
-    float *dst = b->buf + q->offset;
     ampc_tensor *g = q->p->grad;
+    int rc;
     if (g) {
-        if (g->dtype != AMPC_F32 || g->numel != q->p->numel)
-            return ampc__err(AMPC_ERR_DTYPE, "data-parallel: parameter gradient must be fp32 with the parameter's shape");
-        ampc_tensor *h = ampc__host_copy(g);
-        if (!h) return ampc_last_status();
-        const float *src = ampc__data(h);
-        const float world = (float)d->comm->size;
-        for (int64_t k = 0; k < g->numel; k++) dst[k] = src[k] / world;
-        ampc__release(h);
+        if (g->dtype != d->gdt || g->numel != q->p->numel || g->device != d->dev)
+            return ampc__err(AMPC_ERR_DTYPE, "data-parallel: a parameter's gradient must be %s with the parameter's shape, on %s",
+                             ampc_dtype_name(d->gdt), ampc_device_name(d->dev));
+        rc = ampc__k_copy_block(g, 0, g->numel, b->flat, q->offset, b->count, 1, g->numel, 1.0 / (double)d->comm->size);
     } else {
-        memset(dst, 0, (size_t)q->p->numel * sizeof(float));
+        rc = zero_slot(d, q);
     }
+    if (rc < 0) return rc;
     d->stats.copy_seconds += now() - t0;
     q->ready = true;
     d->any_ready++;
@@ -271,9 +289,11 @@ static int by_address(const void *a, const void *b, void *ctx) {
 
 static void ddp_release(ampc_ddp *d) {
     for (int k = 0; k < d->n_buckets; k++) {
-        free(d->buckets[k].buf);
-        free(d->buckets[k].wire);
+        ampc__release(d->buckets[k].flat);
+        ampc__release(d->buckets[k].wire);
     }
+    ampc__release(d->zeros);
+    d->zeros = NULL;
     free(d->buckets);
     free(d->params);
     free(d->by_ptr);
@@ -339,6 +359,10 @@ ampc_ddp *ampc_ddp_new(ampc_module *model, const ampc_ddp_options *opts) {
     d->comm = ampc__comm();
     d->owner = pthread_self();
     d->sync = true;
+    d->dev = AMPC_DEVICE_CPU;
+    d->gdt = AMPC_F32;
+    d->stage = false;
+    d->zeros = NULL;
     int n = 0;
     for (int i = 0; i < n_all; i++) n += params[i]->requires_grad;
     d->params = calloc((size_t)(n ? n : 1), sizeof *d->params);
@@ -351,13 +375,25 @@ ampc_ddp *ampc_ddp_new(ampc_module *model, const ampc_ddp_options *opts) {
     /* reverse order: the last layers' gradients come first in backward */
     for (int i = n_all - 1; i >= 0; i--) {
         if (!params[i]->requires_grad) continue;
-        if (params[i]->dtype != AMPC_F32) {
+        if (!d->n_params) {
+            d->dev = params[i]->device;
+            d->gdt = ampc__device(d->dev)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64;
+        }
+        if (params[i]->device != d->dev) {
+            ampc_device other = params[i]->device;
             ddp_release(d);
-            return ampc__err_null(AMPC_ERR_DTYPE, "ddp_new: parameter %d is %s; data-parallel models keep fp32 parameters "
-                                                  "(autocast makes the 16-bit copies)", i, ampc_dtype_name(params[i]->dtype));
+            return ampc__err_null(AMPC_ERR_INVALID, "ddp_new: parameter %d is on %s, others on %s: move the whole model to one device",
+                                  i, ampc_device_name(other), ampc_device_name(d->dev));
+        }
+        if (params[i]->dtype != d->gdt) {
+            ampc_dtype dt = params[i]->dtype, want = d->gdt;
+            ddp_release(d);
+            return ampc__err_null(AMPC_ERR_DTYPE, "ddp_new: parameter %d is %s; data-parallel models keep %s parameters "
+                                                  "(autocast makes the 16-bit copies)", i, ampc_dtype_name(dt), ampc_dtype_name(want));
         }
         d->params[d->n_params++].p = params[i];
     }
+    d->stage = !ampc__comm_reads(d->dev);   /* else the wire is staged in host memory */
     int rc = check_same_model(d, st, n_st);
     /* buckets: fill up to the cap, the first one to the smaller cap */
     for (int i = 0; i < d->n_params && rc >= 0; i++) {
@@ -372,14 +408,17 @@ ampc_ddp *ampc_ddp_new(ampc_module *model, const ampc_ddp_options *opts) {
         b->count += d->params[i].p->numel;
         b->n++;
     }
+    /* the wire: on the device when it holds the wire's dtype and the collectives read it there */
+    ampc_device wire_dev = !d->stage && ampc__device(d->dev)->dtypes[o.comm_dtype] ? d->dev : AMPC_DEVICE_CPU;
+    bool wired = o.comm_dtype != d->gdt || wire_dev != d->dev;
+    ampc_mem_kind prev = ampc__mem_kind_push(AMPC_MEM_GRADIENTS);
     for (int k = 0; k < d->n_buckets && rc >= 0; k++) {
         ddp_bucket *b = &d->buckets[k];
-        size_t bytes = ((size_t)b->count * 4 + 63) / 64 * 64;
-        b->buf = aligned_alloc(64, bytes ? bytes : 64);
-        if (o.comm_dtype != AMPC_F32) b->wire = aligned_alloc(64, ((size_t)b->count * 2 + 63) / 64 * 64 + 64);
-        if (!b->buf || (o.comm_dtype != AMPC_F32 && !b->wire))
-            rc = ampc__err(AMPC_ERR_OOM, "ddp_new: %lld-element gradient bucket", (long long)b->count);
+        b->flat = ampc__tensor_new(d->gdt, d->dev, 1, &b->count);
+        if (b->flat && wired) b->wire = ampc__tensor_new(o.comm_dtype, wire_dev, 1, &b->count);
+        if (!b->flat || (wired && !b->wire)) rc = ampc_last_status();
     }
+    ampc__mem_kind_pop(prev);
     d->stats.buckets = d->n_buckets;
     for (int i = 0; i < d->n_params; i++) d->by_ptr[i] = i;
     qsort_r(d->by_ptr, (size_t)d->n_params, sizeof *d->by_ptr, by_address, d);

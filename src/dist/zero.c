@@ -15,6 +15,7 @@
  * the step are those of unsharded training.)
  */
 #include "ampc/dist.h"
+#include "backend/backend.h"
 #include "optim/optim.h"
 
 #include <stdlib.h>
@@ -43,7 +44,8 @@ int ampc_zero_shard(ampc_optimizer *opt, int64_t *bytes_here, int64_t *bytes_all
     }
     bounds[W] = total;
     rc = ampc__optimizer_shard(opt, flat, bounds, W, comm->rank);
-    const int64_t per = ampc__optimizer_slots_used(opt) * (int64_t)sizeof(float);   /* the state's f32 slots */
+    /* the state's slots, each of the parameters' dtype (f32; f64 on REF) */
+    const int64_t per = ampc__optimizer_slots_used(opt) * (int64_t)(n ? ampc__dt(opt->params[0]->dtype)->size : sizeof(float));
     if (bytes_here) *bytes_here = per * (bounds[comm->rank + 1] - bounds[comm->rank]);
     if (bytes_all) *bytes_all = per * total;
     free(flat), free(bounds);
@@ -55,12 +57,10 @@ int ampc_zero_consolidate(ampc_optimizer *opt) {
     if (rc < 0 || !opt->flat) return rc;
     const ampc_comm_ops *comm = ampc__comm();
     const int me = comm->rank, slots = ampc__optimizer_slots_used(opt);
-    void *scratch = NULL;
-    size_t scratch_bytes = 0;
+    ampc_tensor *scratch = NULL;   /* a bystander's part */
     for (int i = 0; i < opt->n && rc >= 0; i++) {
         if (opt->flat[i] == opt->flat[i + 1]) continue;   /* whole on every rank already */
         ampc_tensor *p = opt->params[i];
-        const size_t es = ampc__dt(p->dtype)->size;
         int first = 0;   /* the first rank with a part says whether there is state yet (no step: none) */
         int64_t lo, count;
         for (;; first++) {
@@ -80,23 +80,25 @@ int ampc_zero_consolidate(ampc_optimizer *opt) {
                     break;
                 }
                 ampc__optimizer_part(opt, i, 0, &lo, &count);
-                if (count) memcpy((char *)ampc__data(whole) + lo * es, ampc__data(opt->state[s][i]), (size_t)count * es);
+                if (count) rc = ampc__k_copy_block(opt->state[s][i], 0, count, whole, lo, count, 1, count, 1.0);
             }
             for (int r = 1; r < opt->shard_world && rc >= 0; r++) {
                 ampc__optimizer_part(opt, i, r, &lo, &count);
                 if (!count) continue;
-                const size_t nb = (size_t)count * es;
-                void *buf = me == r ? ampc__data(opt->state[s][i]) : me == 0 ? (char *)ampc__data(whole) + lo * es : NULL;
-                if (!buf && nb > scratch_bytes) {   /* a bystander of the broadcast */
-                    void *q = realloc(scratch, nb);
-                    if (!q) {
-                        rc = ampc__err(AMPC_ERR_OOM, "ampc_zero_consolidate: out of memory");
-                        break;
+                if (me == r) {   /* the state slot is the part */
+                    rc = ampc__broadcast_range(opt->state[s][i], 0, count, r);
+                } else if (me == 0) {
+                    rc = ampc__broadcast_range(whole, lo, count, r);
+                } else {   /* a bystander of the broadcast */
+                    if (!scratch || scratch->numel < count) {
+                        ampc__release(scratch);
+                        if (!(scratch = ampc__tensor_new(p->dtype, p->device, 1, &count))) {
+                            rc = ampc_last_status();
+                            break;
+                        }
                     }
-                    scratch = q;
-                    scratch_bytes = nb;
+                    rc = ampc__broadcast_range(scratch, 0, count, r);
                 }
-                rc = comm->broadcast(buf ? buf : scratch, nb, r);
             }
             if (me == 0 && rc >= 0) {
                 ampc__release(opt->state[s][i]);
@@ -106,6 +108,6 @@ int ampc_zero_consolidate(ampc_optimizer *opt) {
             }
         }
     }
-    free(scratch);
+    ampc__release(scratch);
     return rc;
 }

@@ -29,7 +29,7 @@ static int cat_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
         int64_t cols = m->shape[d] * inner;
         if (n->next[i]) {
             gx[i] = ampc__tensor_new(gy->dtype, gy->device, m->ndim, m->shape);
-            if (!gx[i] || ampc__k_copy_block(gy, off, total, gx[i], 0, cols, outer, cols) < 0) return ampc_last_status();
+            if (!gx[i] || ampc__k_copy_block(gy, off, total, gx[i], 0, cols, outer, cols, 1.0) < 0) return ampc_last_status();
         }
         off += cols;
     }
@@ -78,7 +78,7 @@ ampc_tensor *ampc_cat(ampc_tensor *const *xs, int n, int dim) {
     split(x0->ndim, shape, d, &outer, &inner);
     for (int i = 0; i < n; i++) {
         int64_t cols = c[i]->shape[d] * inner;
-        if (ampc__k_copy_block(c[i], 0, cols, out, off, shape[d] * inner, outer, cols) < 0) {
+        if (ampc__k_copy_block(c[i], 0, cols, out, off, shape[d] * inner, outer, cols, 1.0) < 0) {
             ampc__release(out);
             out = NULL;
             goto done;

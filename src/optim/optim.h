@@ -55,12 +55,16 @@ int ampc__optimizer_step_scaled(ampc_optimizer *opt, float grad_scale);
    from here on this process steps only its range and keeps only its state (a whole parameter's
    state, as a checkpoint load or ampc_zero_consolidate leaves it, is cut down to this rank's
    part; state of another size is released), and every step ends with each stepped parameter's
-   parts broadcast from their ranks (host memory only). flat NULL: back to stepping everything
+   parts broadcast from their ranks (any device: staged through host memory where the
+   collectives cannot read the device's). flat NULL: back to stepping everything
    (state that is not whole is released). */
 int ampc__optimizer_shard(ampc_optimizer *opt, const int64_t *flat, const int64_t *bounds, int world, int rank);
 /* Rank r's part of parameter i: elements [*lo, *lo + *count) (*count 0: none); the whole
    parameter when unsharded or when i is not partitioned. */
 void ampc__optimizer_part(const ampc_optimizer *opt, int i, int r, int64_t *lo, int64_t *count);
+/* Elements [lo, lo + count) of t broadcast from rank root, on any device (staged through a
+   part-sized tensor and host memory where the collectives do not read t's memory). */
+int ampc__broadcast_range(ampc_tensor *t, int64_t lo, int64_t count, int root);
 /* State slot s of parameter i, allocated zero-filled if absent (NULL + error on OOM): the
    parameter's shape, or under ZeRO a 1-D tensor of this rank's part. */
 ampc_tensor *ampc__optimizer_state(ampc_optimizer *opt, int s, int i);

@@ -335,17 +335,29 @@ static int step_device(ampc_optimizer *opt, ampc_device dev, float grad_scale) {
    every parameter a grad) has each rank's part broadcast from that rank, in parameter order on
    every rank. Blocking: the next forward reads them. Memory another rank wrote is marked written,
    so autocast's kept 16-bit copy of the parameter is recast. */
-static int publish(ampc_optimizer *opt) {
+int ampc__broadcast_range(ampc_tensor *t, int64_t lo, int64_t count, int root) {
     const ampc_comm_ops *comm = ampc__comm();
+    if (ampc__comm_reads(t->device))
+        return comm->broadcast((char *)ampc__data(t) + lo * (int64_t)ampc__dt(t->dtype)->size,
+                               (size_t)count * ampc__dt(t->dtype)->size, root);
+    ampc_tensor *part = ampc__tensor_new(t->dtype, t->device, 1, &count);
+    if (!part) return ampc_last_status();
+    int rc = comm->rank == root ? ampc__k_copy_block(t, lo, count, part, 0, count, 1, count, 1.0) : AMPC_OK;
+    if (rc >= 0) rc = ampc__comm_broadcast_tensor(part, root);
+    if (rc >= 0 && comm->rank != root) rc = ampc__k_copy_block(part, 0, count, t, lo, count, 1, count, 1.0);
+    ampc__release(part);
+    return rc;
+}
+
+static int publish(ampc_optimizer *opt) {
     for (int i = 0; i < opt->n; i++) {
         ampc_tensor *p = opt->params[i];
         if (!p->grad || opt->flat[i] == opt->flat[i + 1]) continue;
-        const size_t es = ampc__dt(p->dtype)->size;
         for (int r = 0; r < opt->shard_world; r++) {
             int64_t lo, count;
             ampc__optimizer_part(opt, i, r, &lo, &count);
             if (count == 0) continue;
-            int rc = comm->broadcast((char *)ampc__data(p) + lo * es, (size_t)count * es, r);
+            int rc = ampc__broadcast_range(p, lo, count, r);
             if (rc < 0) return rc;
         }
         int64_t lo, mine;
@@ -368,10 +380,6 @@ int ampc__optimizer_shard(ampc_optimizer *opt, const int64_t *flat, const int64_
     bool same = same_partition(opt, flat, bounds, world);
     int64_t *f = NULL, *b = NULL;
     if (flat) {
-        for (int i = 0; i < opt->n; i++)
-            if (!ampc__device(opt->params[i]->device)->host_memory)
-                return ampc__err(AMPC_ERR_UNSUPPORTED, "ZeRO: parameter %d is on device %s; sharded optimizer state "
-                                 "needs parameters in host memory (CPU)", i, ampc_device_name(opt->params[i]->device));
         /* a part kept from another partition would be another part of the parameter */
         for (int i = 0; i < opt->n && !same; i++)
             for (int k = 0; k < 3; k++)
@@ -416,9 +424,11 @@ int ampc__optimizer_shard(ampc_optimizer *opt, const int64_t *flat, const int64_
         for (int k = 0; k < 3; k++) {
             ampc_tensor *t = opt->state[k][i], *part = cut[3 * i + k];
             if (!t || t->numel == count) continue;   /* nothing, or already this part */
-            if (part) {
-                const size_t es = ampc__dt(t->dtype)->size;
-                memcpy(ampc__data(part), (const char *)ampc__data(t) + lo * es, (size_t)count * es);
+            if (part && (rc = ampc__k_copy_block(t, lo, count, part, 0, count, 1, count, 1.0)) < 0) {
+                /* not expected (checked shapes on one device); the state stays whole */
+                for (int k2 = 0; k2 < 3 * opt->n; k2++) ampc__release(cut[k2]);
+                free(cut), free(f), free(b);
+                return rc;
             }
             /* else another rank's part, or one that cannot be whole again: released */
             ampc__release(t);
@@ -434,20 +444,22 @@ int ampc__optimizer_shard(ampc_optimizer *opt, const int64_t *flat, const int64_
 
 /* ZeRO with the GradScaler's unscale fused: the kernels wrote back the unscaled gradient of this
    rank's parts; the rest of every gradient, whole here too (DDP), gets the same product, so the
-   grads read unscaled after the step on every rank, as unsharded. Host memory (ZeRO's). */
-static void unscale_other_parts(ampc_optimizer *opt, float grad_scale) {
-    for (int i = 0; i < opt->n; i++) {
-        ampc_tensor *p = opt->params[i];
+   grads read unscaled after the step on every rank, as unsharded: the same f32 product in place
+   (copy_block with a scale), on the gradients' device. */
+static int unscale_other_parts(ampc_optimizer *opt, float grad_scale) {
+    int rc = AMPC_OK;
+    for (int i = 0; i < opt->n && rc >= 0 && grad_scale != 1.0f; i++) {
+        ampc_tensor *p = opt->params[i], *g = p->grad;
         int64_t lo, count;
         ampc__optimizer_part(opt, i, opt->shard_rank, &lo, &count);
-        if (!p->grad || count == p->numel) continue;
+        if (!g || count == p->numel) continue;
         /* before this rank's part, then after it (no part here: all of it; lo may lie past the end then) */
         const int64_t before = count ? lo : p->numel, after = count ? lo + count : p->numel;
-        float *g = ampc__data(p->grad);
-        for (int64_t k = 0; k < before; k++) g[k] *= grad_scale;
-        for (int64_t k = after; k < p->numel; k++) g[k] *= grad_scale;
-        ampc__mark_written(p->grad);
+        rc = ampc__k_copy_block(g, 0, before, g, 0, before, 1, before, grad_scale);
+        if (rc >= 0) rc = ampc__k_copy_block(g, after, p->numel - after, g, after, p->numel - after, 1, p->numel - after, grad_scale);
+        ampc__mark_written(g);
     }
+    return rc;
 }
 
 /* The step of ampc_optimizer_step (call names the entry point in errors). */
@@ -457,11 +469,10 @@ static int step(ampc_optimizer *opt, float grad_scale, const char *call) {
     if (ampc__optimizer_check(opt, call) < 0) return ampc_last_status();
     for (int i = 0; i < opt->n; i++)
         if (opt->params[i]->grad && check_step(opt, i) < 0) return ampc_last_status();
-    for (int d = 0; d < AMPC_DEVICE_COUNT; d++) {
-        int rc = step_device(opt, (ampc_device)d, grad_scale);
-        if (rc < 0) return rc;
-    }
-    if (opt->flat && grad_scale != 0) unscale_other_parts(opt, grad_scale);
+    int rc;
+    for (int d = 0; d < AMPC_DEVICE_COUNT; d++)
+        if ((rc = step_device(opt, (ampc_device)d, grad_scale)) < 0) return rc;
+    if (opt->flat && grad_scale != 0 && (rc = unscale_other_parts(opt, grad_scale)) < 0) return rc;
     return opt->flat ? publish(opt) : AMPC_OK;
 }
 

@@ -417,12 +417,24 @@ static int cpu_pool2d_backward(const ampc_pool_desc *d, const ampc_tensor *gy, a
 // Block copy: a row per memcpy, rows split over threads when there are many
 
 static int cpu_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, ampc_tensor *dst, int64_t dst_off,
-                          int64_t dst_ld, int64_t rows, int64_t cols) {
-    int rc = ampc__check_copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols);
+                          int64_t dst_ld, int64_t rows, int64_t cols, double scale) {
+    int rc = ampc__check_copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols, scale);
     if (rc != AMPC_OK) return rc < 0 ? rc : AMPC_OK;
     size_t sz = ampc__dt(src->dtype)->size, row = (size_t)cols * sz;
     const char *s = (const char *)ampc__data(src) + (size_t)src_off * sz;
     char *t = (char *)ampc__data(dst) + (size_t)dst_off * sz;
+    if (scale != 1.0) {   /* f32 or f64 (checked): one rounding of the product each */
+        const float k = (float)scale;
+        const bool f32 = src->dtype == AMPC_F32;
+        int nt = ampc__threads_for(rows * cols);
+#pragma omp parallel for num_threads(nt) schedule(static) collapse(2)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < cols; c++) {
+                if (f32) ((float *)t)[r * dst_ld + c] = ((const float *)s)[r * src_ld + c] * k;
+                else ((double *)t)[r * dst_ld + c] = ((const double *)s)[r * src_ld + c] * scale;
+            }
+        return AMPC_OK;
+    }
     int nt = rows > 1 ? ampc__threads_for(rows * cols) : 1;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t r = 0; r < rows; r++) memcpy(t + (size_t)(r * dst_ld) * sz, s + (size_t)(r * src_ld) * sz, row);

@@ -26,6 +26,16 @@ template <class S, class D> __global__ void permute_kernel(const S *src, D *dst,
 __global__ void copy_i64_kernel(const int64_t *src, int64_t *dst, int64_t n) { AMPC_CU_LOOP(i, n) dst[i] = src[i]; }
 
 template <class D> __global__ void fill_kernel(D *dst, int64_t n, D v) { AMPC_CU_LOOP(i, n) dst[i] = v; }
+__global__ void scale_rows_kernel(const float *src, int64_t src_ld, float *dst, int64_t dst_ld, int64_t cols, int64_t n, float k) {
+    AMPC_CU_LOOP(i, n) dst[i / cols * dst_ld + i % cols] = src[i / cols * src_ld + i % cols] * k;
+}
+
+extern "C" cudaError_t ampc_cu_scale_rows(const float *src, int64_t src_ld, float *dst, int64_t dst_ld, int64_t rows, int64_t cols,
+                                          float k, cudaStream_t s) {
+    int64_t n = rows * cols;
+    if (n > 0) scale_rows_kernel<<<blocks_for(n), 256, 0, s>>>(src, src_ld, dst, dst_ld, cols, n, k);
+    return cudaGetLastError();
+}
 
 extern "C" cudaError_t ampc_cu_convert(const void *src, ampc_dtype sdt, void *dst, ampc_dtype ddt, int64_t n, cudaStream_t s) {
     if (n <= 0) return cudaSuccess;

@@ -190,14 +190,19 @@ static int cu_sum_to(const ampc_tensor *x, ampc_tensor *out, double alpha) {
 // copy_block: rows of cols elements between strided places, one 2-D copy
 
 static int cu_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, ampc_tensor *dst, int64_t dst_off,
-                         int64_t dst_ld, int64_t rows, int64_t cols) {
+                         int64_t dst_ld, int64_t rows, int64_t cols, double scale) {
     int rc;
     if ((rc = ampc__cu_ready()) < 0) return rc;
     if ((rc = ampc__cu_on_device(src, "copy_block")) < 0 || (rc = ampc__cu_on_device(dst, "copy_block")) < 0) return rc;
-    if ((rc = ampc__check_copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols)) != AMPC_OK) return rc < 0 ? rc : AMPC_OK;
+    if ((rc = ampc__check_copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols, scale)) != AMPC_OK)
+        return rc < 0 ? rc : AMPC_OK;
     size_t sz = ampc__dt(src->dtype)->size, width = (size_t)cols * sz;
     const char *s = (const char *)ampc__data(src) + (size_t)src_off * sz;
     char *d = (char *)ampc__data(dst) + (size_t)dst_off * sz;
+    if (scale != 1.0)   /* f32 (checked) */
+        return ampc__cu_check(ampc_cu_scale_rows((const float *)s, src_ld, (float *)d, dst_ld, rows, cols, (float)scale,
+                                                 ampc__cu_stream()),
+                              "copy_block");
     if (rows == 1 || (src_ld == cols && dst_ld == cols))
         return ampc__cu_check(cudaMemcpyAsync(d, s, width * (size_t)rows, cudaMemcpyDeviceToDevice, ampc__cu_stream()), "copy_block");
     if (src_ld < cols || dst_ld < cols)

@@ -28,6 +28,9 @@ cudaError_t ampc_cu_convert_permute(const void *src, ampc_dtype sdt, void *dst, 
                                     int64_t HW, bool to_cl, cudaStream_t s);
 /* every element = v (in dt, rounded to nearest even; i64 truncated) */
 cudaError_t ampc_cu_fill(void *dst, ampc_dtype dt, int64_t n, double v, cudaStream_t s);
+/* dst[r * dst_ld + c] = src[r * src_ld + c] * k, r < rows, c < cols (copy_block with a scale) */
+cudaError_t ampc_cu_scale_rows(const float *src, int64_t src_ld, float *dst, int64_t dst_ld, int64_t rows, int64_t cols, float k,
+                               cudaStream_t s);
 /* Multiprocessor count of the device (cuda_backend.c; after the backend started), for launch
    shapes. */
 int ampc__cu_sm_count(void);

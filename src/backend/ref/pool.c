@@ -116,8 +116,8 @@ static int ref_pool2d_backward(const ampc_pool_desc *d, const ampc_tensor *gy, a
 // Block copy
 
 static int ref_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, ampc_tensor *dst, int64_t dst_off,
-                          int64_t dst_ld, int64_t rows, int64_t cols) {
-    int rc = ampc__check_copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols);
+                          int64_t dst_ld, int64_t rows, int64_t cols, double scale) {
+    int rc = ampc__check_copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols, scale);
     if (rc != AMPC_OK) return rc < 0 ? rc : AMPC_OK;
     if (src->dtype == AMPC_I64) {
         const int64_t *s = ampc__data(src);
@@ -128,7 +128,7 @@ static int ref_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_l
         const double *s = ampc__data(src);
         double *t = ampc__data(dst);
         for (int64_t r = 0; r < rows; r++)
-            for (int64_t c = 0; c < cols; c++) t[r * dst_ld + dst_off + c] = s[r * src_ld + src_off + c];
+            for (int64_t c = 0; c < cols; c++) t[r * dst_ld + dst_off + c] = s[r * src_ld + src_off + c] * scale;
     }
     return AMPC_OK;
 }
