@@ -14,7 +14,12 @@
  * CPU (src/backend/cpu): f32/f16/bf16 storage, f32 compute, oneDNN for matmul.
  * REF (src/backend/ref): f64 only, plain loops: the oracle of the tests.
  * CUDA (src/backend/cuda): f32/f16/bf16 storage on an NVIDIA GPU, f32 compute, cuBLASLt for
- * matmul, cuDNN for convolution, pooling and batch norm, ampc's kernels for the rest.
+ * matmul, cuDNN for convolution, ampc's kernels for the rest (pooling and batch norm included).
+ *
+ * The three backend folders share one file map, a file per op family (elementwise, loss:
+ * softmax and cross-entropy, random: dropout, gemm, conv, pool, batch_norm, layer_norm, optim),
+ * each filling its part of the table (ampc__<device>_register_<family>); cuda/ puts ampc's own
+ * kernels of a family in the .cu file of the same name.
  */
 #ifndef AMPC_BACKEND_H
 #define AMPC_BACKEND_H
