@@ -14,7 +14,12 @@
  * CPU (src/backend/cpu): f32/f16/bf16 storage, f32 compute, oneDNN for matmul.
  * REF (src/backend/ref): f64 only, plain loops: the oracle of the tests.
  * CUDA (src/backend/cuda): f32/f16/bf16 storage on an NVIDIA GPU, f32 compute, cuBLASLt for
- * matmul, cuDNN for convolution, pooling and batch norm, ampc's kernels for the rest.
+ * matmul, cuDNN for convolution, ampc's kernels for the rest (pooling and batch norm included).
+ *
+ * The three backend folders share one file map, a file per op family (elementwise, loss:
+ * softmax and cross-entropy, random: dropout, gemm, conv, pool, batch_norm, layer_norm, optim),
+ * each filling its part of the table (ampc__<device>_register_<family>); cuda/ puts ampc's own
+ * kernels of a family in the .cu file of the same name.
  */
 #ifndef AMPC_BACKEND_H
 #define AMPC_BACKEND_H
@@ -415,20 +420,24 @@ int ampc__cu_device_count(void);                  /* likewise: the GPUs the CUDA
 int ampc__cuda_gpu_take(void);
 /* The CPU table is assembled from these, one per kernel file. */
 void ampc__cpu_register_elementwise(ampc_backend *be);  /* unary, binary, sum_to, expand */
-void ampc__cpu_register_loss(ampc_backend *be);         /* softmax, cross_entropy, dropout */
+void ampc__cpu_register_loss(ampc_backend *be);         /* softmax, cross_entropy */
+void ampc__cpu_register_random(ampc_backend *be);       /* dropout */
 void ampc__cpu_register_gemm(ampc_backend *be);
 void ampc__cpu_register_optim(ampc_backend *be);        /* sgd_step, adam_step */
 void ampc__cpu_register_amp(ampc_backend *be);          /* unscale_check, sum_squares */
 void ampc__cpu_register_conv(ampc_backend *be);         /* conv2d and its backward passes */
 void ampc__cpu_register_pool(ampc_backend *be);         /* pooling, copy_block */
-void ampc__cpu_register_norm(ampc_backend *be);         /* batch_norm, layer_norm */
+void ampc__cpu_register_batch_norm(ampc_backend *be);   /* batch_norm, batch_norm_relu */
+void ampc__cpu_register_layer_norm(ampc_backend *be);
 void ampc__ref_register_elementwise(ampc_backend *be);
 void ampc__ref_register_loss(ampc_backend *be);
+void ampc__ref_register_random(ampc_backend *be);
 void ampc__ref_register_gemm(ampc_backend *be);
 void ampc__ref_register_optim(ampc_backend *be);
 void ampc__ref_register_amp(ampc_backend *be);
 void ampc__ref_register_conv(ampc_backend *be);
 void ampc__ref_register_pool(ampc_backend *be);
-void ampc__ref_register_norm(ampc_backend *be);
+void ampc__ref_register_batch_norm(ampc_backend *be);
+void ampc__ref_register_layer_norm(ampc_backend *be);
 
 #endif /* AMPC_BACKEND_H */

@@ -5,7 +5,7 @@
  *   src/core/convert_x86.c): the builtin is routed through a function that asks CPUID for F16C
  *   (leaf 1, ECX bit 29; usable only with AVX's OS support) and the builtin for the rest;
  * - target_clones on static functions gives their resolvers global names, so two files with a
- *   static sum_f32 (src/backend/cpu/elementwise.c, norm.c) clash at link time: the attribute
+ *   static sum_f32 (src/backend/cpu/elementwise.c, norm.h) clash at link time: the attribute
  *   becomes `unused`, and the kernels run their default (plain x86-64) versions.
  */
 #ifndef AMPC_FUZZ_CLANG14_COMPAT_H

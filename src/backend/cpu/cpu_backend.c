@@ -108,7 +108,7 @@ void ampc__cpu_backend_init(ampc_backend *be) {
     memset(be, 0, sizeof *be);
     be->device.name = "cpu";
     be->device.host_memory = true;
-    be->channels_last = true;   /* conv (conv.c), pooling (pool.c) and batch norm (norm.c) take NHWC */
+    be->channels_last = true;   /* conv (conv.c), pooling (pool.c) and batch norm (batch_norm.c) take NHWC */
     be->device.dtypes[AMPC_F32] = be->device.dtypes[AMPC_F16] = be->device.dtypes[AMPC_BF16] = be->device.dtypes[AMPC_I64] = true;
     be->computes = cpu_computes;
     be->native = cpu_native;
@@ -119,9 +119,11 @@ void ampc__cpu_backend_init(ampc_backend *be) {
     ampc__cpu_register_elementwise(be);
     ampc__cpu_register_gemm(be);
     ampc__cpu_register_loss(be);
+    ampc__cpu_register_random(be);
     ampc__cpu_register_optim(be);
     ampc__cpu_register_amp(be);
     ampc__cpu_register_conv(be);
     ampc__cpu_register_pool(be);
-    ampc__cpu_register_norm(be);
+    ampc__cpu_register_batch_norm(be);
+    ampc__cpu_register_layer_norm(be);
 }

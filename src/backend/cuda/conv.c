@@ -16,14 +16,14 @@
  * data type of x and dy, so it is computed in that dtype into scratch and widened to f32 -
  * the gradient PyTorch's autocast gets too (the 16-bit weight copy's gradient, cast back).
  * The bias (forward: added to y after the convolution, a second rounding for 16-bit y) and the
- * bias gradient (sum of gy over N, H, W per channel in f64) are dnn.cu's kernels.
+ * bias gradient (sum of gy over N, H, W per channel in f64) are batch_norm.cu's kernels.
  *
  * Algorithms: cuDNN's heuristics (cudnnGet*Algorithm_v7, what PyTorch uses without
  * cudnn.benchmark), the first one that cuDNN reports usable with the requested math type, cached
  * per (shape, dtype, format, pass, math) in a small table; workspace through core's caching
  * allocator (freed after queueing: one stream).
  */
-#include "backend/cuda/dnn.h"
+#include "backend/cuda/batch_norm.h"
 
 #include <cudnn.h>
 #include <limits.h>

@@ -25,11 +25,35 @@ int ampc__cu_on_device(const ampc_tensor *t, const char *who);
 void *ampc__cu_scratch(size_t nbytes, size_t *block_bytes);
 void ampc__cu_scratch_free(void *p, size_t block_bytes);
 
+/* f32, f16 or bf16 */
+static inline bool ampc__cu_is_float(ampc_dtype dt) { return dt == AMPC_F32 || dt == AMPC_F16 || dt == AMPC_BF16; }
+/* t (NULL allowed) is on the GPU and holds f32/f16/bf16 (elementwise.c, random.c) */
+static inline int ampc__cu_check_float(const ampc_tensor *t, const char *kernel) {
+    if (!t) return AMPC_OK;
+    int rc = ampc__cu_on_device(t, kernel);
+    if (rc < 0) return rc;
+    if (!ampc__cu_is_float(t->dtype)) return ampc__err(AMPC_ERR_DTYPE, "cuda %s on %s", kernel, ampc_dtype_name(t->dtype));
+    return AMPC_OK;
+}
+/* t is on the GPU and holds f32/f16/bf16; the error names the kernel's argument `what` (loss.c,
+   layer_norm.c) */
+static inline int ampc__cu_check_float_arg(const ampc_tensor *t, const char *kernel, const char *what) {
+    int rc = ampc__cu_on_device(t, kernel);
+    if (rc < 0) return rc;
+    if (t->dtype != AMPC_F32 && t->dtype != AMPC_F16 && t->dtype != AMPC_BF16)
+        return ampc__err(AMPC_ERR_DTYPE, "%s: %s is %s, not f32/f16/bf16", kernel, what, ampc_dtype_name(t->dtype));
+    return AMPC_OK;
+}
+
 /* Each kernel file fills its part of the table. */
-void ampc__cuda_register_elementwise(ampc_backend *be);  /* unary, binary, sum_to, expand, copy_block, dropout */
-void ampc__cuda_register_loss(ampc_backend *be);         /* softmax, cross_entropy, layer_norm */
+void ampc__cuda_register_elementwise(ampc_backend *be);  /* unary, binary, sum_to, expand, copy_block */
+void ampc__cuda_register_loss(ampc_backend *be);         /* softmax, cross_entropy */
+void ampc__cuda_register_random(ampc_backend *be);       /* dropout */
 void ampc__cuda_register_gemm(ampc_backend *be);         /* gemm on cuBLASLt */
 void ampc__cuda_register_optim(ampc_backend *be);        /* sgd_step, adam_step, unscale_check, sum_squares */
-void ampc__cuda_register_dnn(ampc_backend *be);          /* conv2d, pooling, batch_norm on cuDNN */
+void ampc__cuda_register_conv(ampc_backend *be);         /* conv2d and its backward passes on cuDNN */
+void ampc__cuda_register_pool(ampc_backend *be);         /* pooling (own kernels) */
+void ampc__cuda_register_batch_norm(ampc_backend *be);   /* batch_norm, _relu, _add_relu (own kernels) */
+void ampc__cuda_register_layer_norm(ampc_backend *be);   /* layer_norm (own kernels) */
 
 #endif /* AMPC_CUDA_H */

@@ -181,9 +181,14 @@ void ampc__cuda_backend_init(ampc_backend *be) {
     be->device.synchronize = cu_synchronize;
     be->computes = cu_computes;
     be->native = cu_native;
+    be->channels_last = true;   /* conv (conv.c), pooling (pool.c) and batch norm (batch_norm.c) take NHWC */
     ampc__cuda_register_elementwise(be);
     ampc__cuda_register_loss(be);
+    ampc__cuda_register_random(be);
     ampc__cuda_register_gemm(be);
     ampc__cuda_register_optim(be);
-    ampc__cuda_register_dnn(be);
+    ampc__cuda_register_conv(be);
+    ampc__cuda_register_pool(be);
+    ampc__cuda_register_batch_norm(be);
+    ampc__cuda_register_layer_norm(be);
 }

@@ -1,25 +1,13 @@
 /*
  * elementwise.c - the CUDA table's unary ops and derivatives, broadcasting binary ops,
- * sum_to, expand, copy_block and dropout: argument checks and broadcast plans here, the
- * kernels in elementwise.cu. Semantics are the CPU backend's (src/backend/cpu/elementwise.c):
+ * sum_to, expand and copy_block: argument checks and broadcast plans here, the kernels in
+ * elementwise.cu. Semantics are the CPU backend's (src/backend/cpu/elementwise.c):
  * f32 compute, one rounding on store, sums in f32.
  */
 #include "backend/cuda/cuda.h"
 #include "backend/cuda/ew_kernels.h"
 
-#include <math.h>
 #include <string.h>
-
-static bool is_float(ampc_dtype dt) { return dt == AMPC_F32 || dt == AMPC_F16 || dt == AMPC_BF16; }
-
-/* t (NULL allowed) is on the GPU and holds f32/f16/bf16 */
-static int check_float(const ampc_tensor *t, const char *kernel) {
-    if (!t) return AMPC_OK;
-    int rc = ampc__cu_on_device(t, kernel);
-    if (rc < 0) return rc;
-    if (!is_float(t->dtype)) return ampc__err(AMPC_ERR_DTYPE, "cuda %s on %s", kernel, ampc_dtype_name(t->dtype));
-    return AMPC_OK;
-}
 
 /* A 4-D channels-last tensor whose storage order differs from the contiguous one (C > 1 and
    H * W > 1): its elements can only be walked together with tensors of its shape and format. */
@@ -46,7 +34,7 @@ static int cu_unary(ampc_op op, const ampc_tensor *x, ampc_tensor *y, double alp
         return ampc__cu_check(ampc_cu_add_scalar_i64(ampc__data(x), ampc__data(y), x->numel, (int64_t)alpha, ampc__cu_stream()),
                               "add_scalar on i64");
     }
-    if ((rc = check_float(x, "unary")) < 0 || (rc = check_float(y, "unary")) < 0) return rc;
+    if ((rc = ampc__cu_check_float(x, "unary")) < 0 || (rc = ampc__cu_check_float(y, "unary")) < 0) return rc;
     return ampc__cu_check(ampc_cu_unary(op, ampc__data(x), x->dtype, ampc__data(y), y->dtype, x->numel, (float)alpha,
                                         ampc__cu_stream()),
                           ampc_op_name(op));
@@ -61,7 +49,7 @@ static int cu_unary_backward(ampc_op op, const ampc_tensor *x, const ampc_tensor
     if ((rc = ampc__unary_backward_operands(op, &x, &y, "cuda")) < 0) return rc;
     const ampc_tensor *ts[4] = {x, y, gy, gx};
     for (int k = 0; k < 4; k++) {
-        if ((rc = check_float(ts[k], "unary_backward")) < 0) return rc;
+        if ((rc = ampc__cu_check_float(ts[k], "unary_backward")) < 0) return rc;
         if (ts[k] && ts[k]->numel != gx->numel) return ampc__err(AMPC_ERR_SHAPE, "cuda unary_backward: sizes differ");
     }
     if (gx->dtype != gy->dtype)
@@ -122,7 +110,7 @@ static int broadcast_run(const char *kernel, ampc_op op, const ampc_tensor *t0, 
 static int cu_binary(ampc_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out) {
     int rc;
     if ((rc = ampc__cu_ready()) < 0) return rc;
-    if ((rc = check_float(a, "binary")) < 0 || (rc = check_float(b, "binary")) < 0 || (rc = check_float(out, "binary")) < 0)
+    if ((rc = ampc__cu_check_float(a, "binary")) < 0 || (rc = ampc__cu_check_float(b, "binary")) < 0 || (rc = ampc__cu_check_float(out, "binary")) < 0)
         return rc;
     if (op != AMPC_OP_ADD && op != AMPC_OP_SUB && op != AMPC_OP_MUL)
         return ampc__err(AMPC_ERR_UNSUPPORTED, "cuda binary: no kernel for %s", ampc_op_name(op));
@@ -132,7 +120,7 @@ static int cu_binary(ampc_op op, const ampc_tensor *a, const ampc_tensor *b, amp
 static int cu_expand(const ampc_tensor *x, ampc_tensor *out, double alpha) {
     int rc;
     if ((rc = ampc__cu_ready()) < 0) return rc;
-    if ((rc = check_float(x, "expand")) < 0 || (rc = check_float(out, "expand")) < 0) return rc;
+    if ((rc = ampc__cu_check_float(x, "expand")) < 0 || (rc = ampc__cu_check_float(out, "expand")) < 0) return rc;
     return broadcast_run("expand", AMPC_OP_MUL, x, NULL, (float)alpha, out);
 }
 
@@ -143,7 +131,7 @@ static int cu_expand(const ampc_tensor *x, ampc_tensor *out, double alpha) {
 static int cu_sum_to(const ampc_tensor *x, ampc_tensor *out, double alpha) {
     int rc;
     if ((rc = ampc__cu_ready()) < 0) return rc;
-    if ((rc = check_float(x, "sum_to")) < 0 || (rc = check_float(out, "sum_to")) < 0) return rc;
+    if ((rc = ampc__cu_check_float(x, "sum_to")) < 0 || (rc = ampc__cu_check_float(out, "sum_to")) < 0) return rc;
     if (out->dtype != x->dtype && out->dtype != AMPC_F32)
         return ampc__err(AMPC_ERR_DTYPE, "cuda sum_to: %s into %s (the output is x's dtype or f32)", ampc_dtype_name(x->dtype),
                          ampc_dtype_name(out->dtype));
@@ -213,33 +201,6 @@ static int cu_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld
                           "copy_block");
 }
 
-// ---------------------------------------------------------------------------------------------
-// Dropout: the mask (numel bytes of device memory) from the Philox stream of the CPU and REF
-// kernels, so every device drops the same elements for the same rng state.
-
-static float drop_scale(double p) { return p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.0f; }
-
-static int cu_dropout(const ampc_tensor *x, ampc_tensor *y, uint8_t *mask, double p, ampc_rng_state rng) {
-    int rc;
-    if ((rc = ampc__cu_ready()) < 0) return rc;
-    if ((rc = check_float(x, "dropout")) < 0 || (rc = check_float(y, "dropout")) < 0) return rc;
-    if (x->numel != y->numel) return ampc__err(AMPC_ERR_SHAPE, "cuda dropout: sizes differ");
-    uint32_t thr = (uint32_t)ceil(p * 0x1p24);   /* kept iff the draw's 24 bits >= p * 2^24 */
-    return ampc__cu_check(ampc_cu_dropout(ampc__data(x), x->dtype, ampc__data(y), y->dtype, mask, x->numel, rng.seed, rng.offset,
-                                          thr, drop_scale(p), ampc__cu_stream()),
-                          "dropout");
-}
-
-static int cu_dropout_backward(const ampc_tensor *gy, const uint8_t *mask, double p, ampc_tensor *gx) {
-    int rc;
-    if ((rc = ampc__cu_ready()) < 0) return rc;
-    if ((rc = check_float(gy, "dropout_backward")) < 0 || (rc = check_float(gx, "dropout_backward")) < 0) return rc;
-    if (gy->numel != gx->numel) return ampc__err(AMPC_ERR_SHAPE, "cuda dropout_backward: sizes differ");
-    return ampc__cu_check(ampc_cu_dropout_backward(ampc__data(gy), gy->dtype, mask, ampc__data(gx), gx->dtype, gy->numel,
-                                                   drop_scale(p), ampc__cu_stream()),
-                          "dropout_backward");
-}
-
 void ampc__cuda_register_elementwise(ampc_backend *be) {
     be->unary = cu_unary;
     be->unary_backward = cu_unary_backward;
@@ -247,6 +208,4 @@ void ampc__cuda_register_elementwise(ampc_backend *be) {
     be->sum_to = cu_sum_to;
     be->expand = cu_expand;
     be->copy_block = cu_copy_block;
-    be->dropout = cu_dropout;
-    be->dropout_backward = cu_dropout_backward;
 }

@@ -1,7 +1,7 @@
 /*
  * elementwise.cu - CUDA kernels of the unary ops and their derivatives, broadcasting binary
- * ops and expand, sum_to (broadcast-reduce) and dropout. The formulas are the CPU backend's
- * (src/backend/cpu/elementwise.c, loss.c) in f32, rounded once on store.
+ * ops and expand, and sum_to (broadcast-reduce). The formulas are the CPU backend's
+ * (src/backend/cpu/elementwise.c) in f32, rounded once on store.
  */
 #include "backend/cuda/reduce.cuh"
 
@@ -28,14 +28,6 @@ __device__ __forceinline__ float unary_f(ampc_op op, float v, float a) {
     }
 }
 
-/* n elements: body4(q) for elements 4q..4q+3 while whole groups last (vec: every array
-   aligned), then body1(i) for the rest */
-template <class F4, class F1> __device__ __forceinline__ void loop4(int64_t n, bool vec, F4 body4, F1 body1) {
-    int64_t n4 = vec ? n / 4 : 0;
-    AMPC_CU_LOOP(q, n4) body4(q);
-    AMPC_CU_LOOP(t, n - 4 * n4) body1(4 * n4 + t);
-}
-
 template <class TI, class TO> __global__ void unary_kernel(ampc_op op, const TI *x, TO *y, int64_t n, float a, bool vec) {
     loop4(
         n, vec,
@@ -47,9 +39,6 @@ template <class TI, class TO> __global__ void unary_kernel(ampc_op op, const TI 
         },
         [&](int64_t i) { y[i] = from_f<TO>(unary_f(op, to_f<TI>(x[i]), a)); });
 }
-
-/* blocks for n elements taken 4 at a time (vec) or one at a time */
-static unsigned blocks_vec(int64_t n, bool vec) { return blocks_for(vec ? (n + 3) / 4 : n); }
 
 extern "C" cudaError_t ampc_cu_unary(ampc_op op, const void *x, ampc_dtype xdt, void *y, ampc_dtype ydt, int64_t n,
                                      float alpha, cudaStream_t s) {
@@ -295,85 +284,5 @@ extern "C" cudaError_t ampc_cu_sum_to(const ampc_cu_rplan *p, const void *x, amp
         AMPC_CU_FLOAT_TYPES(odt, TO,
             sum_slices_kernel<TO><<<blocks_for(p->nout), 256, 0, s>>>(scratch, splits, p->nout, (TO *)out, alpha));
     }
-    return cudaGetLastError();
-}
-
-// ---------------------------------------------------------------------------------------------
-// Dropout: one thread per Philox block of 4 elements, the CPU's and REF's stream.
-
-__device__ __forceinline__ uint4 philox4x32_10(uint64_t seed, uint64_t ctr) {
-    uint32_t c0 = (uint32_t)ctr, c1 = (uint32_t)(ctr >> 32), c2 = 0, c3 = 0;
-    uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
-#pragma unroll
-    for (int r = 0; r < 10; r++) {
-        uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
-        uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
-        uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
-        c1 = lo1;
-        c3 = lo0;
-        c0 = n0;
-        c2 = n2;
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
-    }
-    return make_uint4(c0, c1, c2, c3);
-}
-
-/* x * 0 gives NaN for a dropped inf, as PyTorch */
-template <class TI, class TO>
-__global__ void dropout_kernel(const TI *x, TO *y, uint8_t *mask, int64_t n, uint64_t seed, uint64_t offset, uint32_t thr,
-                               float scale, bool vec) {
-    int64_t nb = (n + 3) / 4;
-    AMPC_CU_LOOP(b, nb) {
-        uint4 r = philox4x32_10(seed, offset + (uint64_t)b);
-        bool keep[4] = {(r.x >> 8) >= thr, (r.y >> 8) >= thr, (r.z >> 8) >= thr, (r.w >> 8) >= thr};
-        if (vec && 4 * b + 4 <= n) {
-            float f[4];
-            load4(x, b, f);
-            for (int l = 0; l < 4; l++) f[l] *= keep[l] ? scale : 0.0f;
-            store4(y, b, f);
-            ((uchar4 *)mask)[b] = make_uchar4(keep[0], keep[1], keep[2], keep[3]);
-            continue;
-        }
-        for (int l = 0; l < 4 && 4 * b + l < n; l++) {
-            int64_t i = 4 * b + l;
-            mask[i] = keep[l];
-            y[i] = from_f<TO>(to_f<TI>(x[i]) * (keep[l] ? scale : 0.0f));
-        }
-    }
-}
-
-extern "C" cudaError_t ampc_cu_dropout(const void *x, ampc_dtype xdt, void *y, ampc_dtype ydt, uint8_t *mask, int64_t n,
-                                       uint64_t seed, uint64_t offset, uint32_t thr, float scale, cudaStream_t s) {
-    if (n <= 0) return cudaSuccess;
-    AMPC_CU_FLOAT_TYPES(xdt, TI, AMPC_CU_FLOAT_TYPES(ydt, TO,
-        bool vec = aligned4(x, sizeof(TI)) && aligned4(y, sizeof(TO)) && aligned4(mask, 1);
-        dropout_kernel<TI, TO><<<blocks_for((n + 3) / 4), 256, 0, s>>>((const TI *)x, (TO *)y, mask, n, seed, offset, thr, scale, vec)));
-    return cudaGetLastError();
-}
-
-template <class TI, class TO>
-__global__ void dropout_backward_kernel(const TI *gy, const uint8_t *mask, TO *gx, int64_t n, float scale, bool vec) {
-    loop4(
-        n, vec,
-        [&](int64_t q) {
-            float f[4];
-            uchar4 m = ((const uchar4 *)mask)[q];
-            load4(gy, q, f);
-            f[0] *= m.x ? scale : 0.0f;
-            f[1] *= m.y ? scale : 0.0f;
-            f[2] *= m.z ? scale : 0.0f;
-            f[3] *= m.w ? scale : 0.0f;
-            store4(gx, q, f);
-        },
-        [&](int64_t i) { gx[i] = from_f<TO>(to_f<TI>(gy[i]) * (mask[i] ? scale : 0.0f)); });
-}
-
-extern "C" cudaError_t ampc_cu_dropout_backward(const void *gy, ampc_dtype gdt, const uint8_t *mask, void *gx,
-                                                ampc_dtype odt, int64_t n, float scale, cudaStream_t s) {
-    if (n <= 0) return cudaSuccess;
-    AMPC_CU_FLOAT_TYPES(gdt, TI, AMPC_CU_FLOAT_TYPES(odt, TO,
-        bool vec = aligned4(gy, sizeof(TI)) && aligned4(gx, sizeof(TO)) && aligned4(mask, 1);
-        dropout_backward_kernel<TI, TO><<<blocks_vec(n, vec), 256, 0, s>>>((const TI *)gy, mask, (TO *)gx, n, scale, vec)));
     return cudaGetLastError();
 }

@@ -1,6 +1,7 @@
 /*
  * ew_kernels.h - the launchers of the CUDA elementwise, reduction, softmax, loss, dropout and
- * layer-norm kernels (elementwise.cu, loss.cu), for their C sides (elementwise.c, loss.c).
+ * layer-norm kernels (elementwise.cu, loss.cu, random.cu, layer_norm.cu), for their C sides (the
+ * .c files of the same names).
  *
  * Same conventions as kernels.h: plain C types, device pointers, 64-bit element counts, work
  * queued on stream s, cudaGetLastError() returned. Float storage f32/f16/bf16 (the dtype is
@@ -59,6 +60,9 @@ int64_t ampc_cu_sum_to_splits(const ampc_cu_rplan *p, int sm_count);
 cudaError_t ampc_cu_sum_to(const ampc_cu_rplan *p, const void *x, ampc_dtype xdt, void *out, ampc_dtype odt, float alpha,
                            int64_t splits, float *scratch, cudaStream_t s);
 
+// ---------------------------------------------------------------------------------------------
+// random.cu
+
 /* Dropout: element i kept iff (Philox4x32-10 output i % 4 of counter offset + i / 4 under key
    seed) >> 8 >= thr; mask[i] = kept; y = x * (kept ? scale : 0). y may be x's array. */
 cudaError_t ampc_cu_dropout(const void *x, ampc_dtype xdt, void *y, ampc_dtype ydt, uint8_t *mask, int64_t n,
@@ -89,6 +93,9 @@ cudaError_t ampc_cu_cross_entropy(const void *logits, ampc_dtype dt, const int64
 cudaError_t ampc_cu_cross_entropy_backward(const void *logits, ampc_dtype dt, const int64_t *targets, int64_t N,
                                            int64_t C, const void *gy, ampc_dtype gdt, bool per_row, double weight,
                                            int64_t ignore_index, float eps, void *gx, ampc_dtype odt, cudaStream_t s);
+
+// ---------------------------------------------------------------------------------------------
+// layer_norm.cu
 
 /* Layer norm of x (rows, cols): w and b f32 (cols) or NULL; mean (rows, f32), rstd (rows, f32
    or NULL) */

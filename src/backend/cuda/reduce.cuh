@@ -1,7 +1,8 @@
 /*
- * reduce.cuh - what elementwise.cu and loss.cu share beyond common.cuh: loads and stores of a
- * dtype known only at run time (single values: a scalar gradient, a loss), warp and block
- * reductions, and the row kernels' choice between a warp and a block per row.
+ * reduce.cuh - what elementwise.cu, loss.cu, layer_norm.cu and random.cu share beyond
+ * common.cuh: loads and stores of a dtype known only at run time (single values: a scalar
+ * gradient, a loss), four elements at a time where aligned, warp and block reductions, and the
+ * row kernels' choice between a warp and a block per row.
  */
 #ifndef AMPC_CUDA_REDUCE_CUH
 #define AMPC_CUDA_REDUCE_CUH
@@ -57,6 +58,17 @@ template <class T> __device__ __forceinline__ void store4(T *p, int64_t q, const
 }
 /* p (NULL allowed) can be read 4 elements of elem bytes at a time */
 static inline bool aligned4(const void *p, size_t elem) { return (uintptr_t)p % (4 * elem) == 0; }
+
+/* n elements: body4(q) for elements 4q..4q+3 while whole groups last (vec: every array
+   aligned), then body1(i) for the rest */
+template <class F4, class F1> __device__ __forceinline__ void loop4(int64_t n, bool vec, F4 body4, F1 body1) {
+    int64_t n4 = vec ? n / 4 : 0;
+    AMPC_CU_LOOP(q, n4) body4(q);
+    AMPC_CU_LOOP(t, n - 4 * n4) body1(4 * n4 + t);
+}
+
+/* blocks for n elements taken 4 at a time (vec) or one at a time */
+static inline unsigned blocks_vec(int64_t n, bool vec) { return blocks_for(vec ? (n + 3) / 4 : n); }
 
 /* max that ignores NaN (a NaN reaches the result through the sums instead, as on the CPU) */
 __device__ __forceinline__ float max_nan_ignored(float a, float b) { return b > a ? b : a; }

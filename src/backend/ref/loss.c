@@ -1,8 +1,6 @@
 /*
- * loss.c - REF kernels of softmax / log-softmax, cross-entropy and dropout: the textbook
- * formulas in f64, one element at a time, the oracle of the CPU kernels (src/backend/cpu/loss.c).
- * The dropout mask uses draw i of the rng stream for element i, as the CPU kernel does, so both
- * devices drop the same elements for the same rng state.
+ * loss.c - REF kernels of softmax / log-softmax and cross-entropy: the textbook formulas in f64,
+ * one element at a time, the oracle of the CPU kernels (src/backend/cpu/loss.c).
  */
 #include "backend/backend.h"
 
@@ -140,37 +138,10 @@ static int ref_cross_entropy_backward(const ampc_tensor *logits, const ampc_tens
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dropout
-
-static int ref_dropout(const ampc_tensor *x, ampc_tensor *y, uint8_t *mask, double p, ampc_rng_state rng) {
-    int rc;
-    if ((rc = check_f64(x, "dropout", "x")) < 0 || (rc = check_f64(y, "dropout", "y")) < 0) return rc;
-    const double *xp = ampc__data(x);
-    double *yp = ampc__data(y), scale = p < 1 ? 1 / (1 - p) : 0;
-    for (int64_t i = 0; i < x->numel; i++) {
-        mask[i] = !(ampc__rng_uniform(rng, (uint64_t)i) < p);
-        yp[i] = xp[i] * (mask[i] ? scale : 0.0);
-    }
-    return AMPC_OK;
-}
-
-static int ref_dropout_backward(const ampc_tensor *gy, const uint8_t *mask, double p, ampc_tensor *gx) {
-    int rc;
-    if ((rc = check_f64(gy, "dropout_backward", "gy")) < 0 || (rc = check_f64(gx, "dropout_backward", "gx")) < 0)
-        return rc;
-    const double *g = ampc__data(gy);
-    double *o = ampc__data(gx), scale = p < 1 ? 1 / (1 - p) : 0;
-    for (int64_t i = 0; i < gy->numel; i++) o[i] = g[i] * (mask[i] ? scale : 0.0);
-    return AMPC_OK;
-}
-
-// ---------------------------------------------------------------------------------------------
 
 void ampc__ref_register_loss(ampc_backend *be) {
     be->softmax = ref_softmax;
     be->softmax_backward = ref_softmax_backward;
     be->cross_entropy = ref_cross_entropy;
     be->cross_entropy_backward = ref_cross_entropy_backward;
-    be->dropout = ref_dropout;
-    be->dropout_backward = ref_dropout_backward;
 }

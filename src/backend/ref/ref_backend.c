@@ -64,9 +64,11 @@ void ampc__ref_backend_init(ampc_backend *be) {
     ampc__ref_register_elementwise(be);
     ampc__ref_register_gemm(be);
     ampc__ref_register_loss(be);
+    ampc__ref_register_random(be);
     ampc__ref_register_optim(be);
     ampc__ref_register_amp(be);
     ampc__ref_register_conv(be);
     ampc__ref_register_pool(be);
-    ampc__ref_register_norm(be);
+    ampc__ref_register_batch_norm(be);
+    ampc__ref_register_layer_norm(be);
 }

@@ -1,41 +1,18 @@
 /*
- * norm.c - REF kernels of batch norm and layer norm: the textbook formulas in f64, one
- * element at a time (two-pass statistics), the oracle of the CPU kernels
- * (src/backend/cpu/norm.c).
+ * batch_norm.c - REF kernels of batch norm (and batch norm + ReLU): the textbook formulas in
+ * f64, one element at a time (two-pass statistics), the oracle of the CPU kernels
+ * (src/backend/cpu/batch_norm.c).
  *
- *   batch norm: x (N, C, S...) per channel c over the M = N * S elements x[n, c, s];
- *               y = (x - mean) * invstd * w + b, invstd = 1 / sqrt(var + eps) with the biased
- *               variance; running stats r = (1 - m) r + m stat with the unbiased variance.
- *   layer norm: x viewed as (rows, cols), statistics per row, w/b per column.
+ *   x (N, C, S...) per channel c over the M = N * S elements x[n, c, s];
+ *   y = (x - mean) * invstd * w + b, invstd = 1 / sqrt(var + eps) with the biased variance;
+ *   running stats r = (1 - m) r + m stat with the unbiased variance.
  */
-#include "backend/backend.h"
+#include "backend/ref/ref.h"
 
 #include <math.h>
 
 // ---------------------------------------------------------------------------------------------
-// Checks
-
-static int check_f64(const ampc_tensor *t, const char *kernel, const char *what) {
-    if (t && t->dtype != AMPC_F64)
-        return ampc__err(AMPC_ERR_DTYPE, "%s: %s is %s, the ref device computes in f64", kernel, what,
-                         ampc_dtype_name(t->dtype));
-    return AMPC_OK;
-}
-
-static int check_numel(const ampc_tensor *t, int64_t n, const char *kernel, const char *what) {
-    if (t && t->numel != n)
-        return ampc__err(AMPC_ERR_SHAPE, "%s: %s has %lld elements, expected %lld", kernel, what, (long long)t->numel,
-                         (long long)n);
-    return AMPC_OK;
-}
-
-/* Each tensor ts[i] (NULL allowed) is f64 with want[i] elements. */
-static int check_all(const ampc_tensor *const *ts, const char *const *names, const int64_t *want, int n, const char *k) {
-    int rc;
-    for (int i = 0; i < n; i++)
-        if ((rc = check_f64(ts[i], k, names[i])) < 0 || (rc = check_numel(ts[i], want[i], k, names[i])) < 0) return rc;
-    return AMPC_OK;
-}
+// Checks and workspace
 
 /* x (N, C, S...) as N, C and S (the product of the trailing dims). */
 static int bn_dims(const ampc_tensor *x, const char *kernel, int64_t *N, int64_t *C, int64_t *S) {
@@ -46,8 +23,6 @@ static int bn_dims(const ampc_tensor *x, const char *kernel, int64_t *N, int64_t
     for (int i = 2; i < x->ndim; i++) *S *= x->shape[i];
     return AMPC_OK;
 }
-
-static double at_or(const ampc_tensor *t, int64_t i, double dflt) { return t ? ((const double *)ampc__data(t))[i] : dflt; }
 
 /* n doubles of workspace on the REF device (released with ws_put) */
 static double *ws_get(int64_t n, size_t *bytes) {
@@ -232,78 +207,10 @@ static int ref_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Layer norm
 
-static int ref_layer_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias, ampc_tensor *y,
-                          ampc_tensor *mean, ampc_tensor *rstd, double eps) {
-    const char *k = "layer_norm";
-    int64_t rows = 0, cols = 0;
-    int rc;
-    if ((rc = ampc__layer_norm_dims(x, mean, "", k, &rows, &cols)) < 0) return rc;
-    const ampc_tensor *ts[] = {x, weight, bias, y, mean, rstd};
-    const char *names[] = {"x", "weight", "bias", "y", "mean", "rstd"};
-    if ((rc = check_all(ts, names, (int64_t[]){x->numel, cols, cols, x->numel, rows, rows}, 6, k)) < 0) return rc;
-    const double *xp = ampc__data(x);
-    double *yp = ampc__data(y);
-    for (int64_t r = 0; r < rows; r++) {
-        const double *xr = xp + r * cols;
-        double s = 0, q = 0;
-        for (int64_t i = 0; i < cols; i++) s += xr[i];
-        double mu = s / (double)cols;
-        for (int64_t i = 0; i < cols; i++) q += (xr[i] - mu) * (xr[i] - mu);
-        double rs = 1 / sqrt(q / (double)cols + eps);
-        ((double *)ampc__data(mean))[r] = mu;
-        if (rstd) ((double *)ampc__data(rstd))[r] = rs;
-        for (int64_t i = 0; i < cols; i++) yp[r * cols + i] = (xr[i] - mu) * rs * at_or(weight, i, 1) + at_or(bias, i, 0);
-    }
-    return AMPC_OK;
-}
-
-static int ref_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
-                                   const ampc_tensor *mean, const ampc_tensor *rstd, ampc_tensor *gx, ampc_tensor *gw,
-                                   ampc_tensor *gb) {
-    const char *k = "layer_norm_backward";
-    int64_t rows = 0, cols = 0;
-    int rc;
-    if ((rc = ampc__layer_norm_dims(x, mean, "", k, &rows, &cols)) < 0) return rc;
-    const ampc_tensor *ts[] = {x, gy, weight, mean, rstd, gx, gw, gb};
-    const char *names[] = {"x", "gy", "weight", "mean", "rstd", "gx", "gw", "gb"};
-    int64_t n = x->numel;
-    if ((rc = check_all(ts, names, (int64_t[]){n, n, cols, rows, rows, n, cols, cols}, 8, k)) < 0) return rc;
-    if (!rstd) return ampc__err(AMPC_ERR_INVALID, "%s: rstd missing", k);
-    const double *xp = ampc__data(x), *g = ampc__data(gy);
-    double *gwp = gw ? ampc__data(gw) : NULL, *gbp = gb ? ampc__data(gb) : NULL;
-    for (int64_t i = 0; i < cols; i++) {
-        if (gwp) gwp[i] = 0;
-        if (gbp) gbp[i] = 0;
-    }
-    for (int64_t r = 0; r < rows; r++) {
-        const double *xr = xp + r * cols, *gr = g + r * cols;
-        double mu = at_or(mean, r, 0), rs = at_or(rstd, r, 1), a = 0, b = 0;   /* a = sum(gy w), b = sum(gy w xhat) */
-        for (int64_t i = 0; i < cols; i++) {
-            double xhat = (xr[i] - mu) * rs, gw_i = gr[i] * at_or(weight, i, 1);
-            a += gw_i;
-            b += gw_i * xhat;
-            if (gwp) gwp[i] += gr[i] * xhat;
-            if (gbp) gbp[i] += gr[i];
-        }
-        if (!gx) continue;
-        double *o = (double *)ampc__data(gx) + r * cols, n = (double)cols;
-        for (int64_t i = 0; i < cols; i++) {
-            double xhat = (xr[i] - mu) * rs;
-            o[i] = rs / n * (n * gr[i] * at_or(weight, i, 1) - a - xhat * b);
-        }
-    }
-    return AMPC_OK;
-}
-
-// ---------------------------------------------------------------------------------------------
-
-void ampc__ref_register_norm(ampc_backend *be) {
+void ampc__ref_register_batch_norm(ampc_backend *be) {
     be->batch_norm = ref_batch_norm;
     be->batch_norm_backward = ref_batch_norm_backward;
     be->batch_norm_relu = ref_batch_norm_relu;
     be->batch_norm_relu_backward = ref_batch_norm_relu_backward;
-    be->layer_norm = ref_layer_norm;
-    be->layer_norm_backward = ref_layer_norm_backward;
 }
