@@ -435,39 +435,40 @@ typedef enum {
      OP(ID, name, autocast policy under f16, under bf16,
        channels-last inputs: bit i set when input i may stay channels-last on a backend with
          channels-last kernels (the others are converted to contiguous first),
-       what its backward reads: the op saves exactly that and its backward kernel reads it) */
-#define AMPC_OP_TABLE(OP)                                                             \
-    OP(CAST, "cast", PASSTHROUGH, PASSTHROUGH, 0x1, NONE)                             \
-    OP(ADD, "add", PASSTHROUGH, PASSTHROUGH, 0x3, NONE)                               \
-    OP(SUB, "sub", PASSTHROUGH, PASSTHROUGH, 0x3, NONE)                               \
-    OP(MUL, "mul", PASSTHROUGH, PASSTHROUGH, 0x3, X)                                  \
-    OP(ADD_SCALAR, "add_scalar", PASSTHROUGH, PASSTHROUGH, 0x1, NONE)                 \
-    OP(MUL_SCALAR, "mul_scalar", PASSTHROUGH, PASSTHROUGH, 0x1, NONE)                 \
-    OP(RELU, "relu", PASSTHROUGH, PASSTHROUGH, 0x1, Y)                                \
-    OP(GELU, "gelu", PASSTHROUGH, PASSTHROUGH, 0x1, X)                                \
-    OP(TANH, "tanh", PASSTHROUGH, PASSTHROUGH, 0x1, Y)                                \
-    OP(SIGMOID, "sigmoid", PASSTHROUGH, PASSTHROUGH, 0x1, Y)                          \
-    OP(EXP, "exp", FP32, FP32, 0x1, Y)                                                \
-    OP(LOG, "log", FP32, FP32, 0x1, X)                                                \
-    OP(POW, "pow", FP32, FP32, 0x1, X)                                                \
-    OP(SUM, "sum", FP32, FP32, 0x0, NONE)                                             \
-    OP(MEAN, "mean", PASSTHROUGH, PASSTHROUGH, 0x0, NONE)                             \
-    OP(RESHAPE, "reshape", PASSTHROUGH, PASSTHROUGH, 0x0, NONE)                       \
-    OP(SOFTMAX, "softmax", FP32, FP32, 0x0, Y)                                        \
-    OP(LOG_SOFTMAX, "log_softmax", FP32, FP32, 0x0, Y)                                \
-    OP(MATMUL, "matmul", LOWER, LOWER, 0x0, X)                                        \
-    OP(LINEAR, "linear", LOWER, LOWER, 0x0, X)                                        \
-    OP(MSE_LOSS, "mse_loss", FP32, FP32, 0x0, X)                                      \
-    OP(CROSS_ENTROPY, "cross_entropy", FP32, FP32, 0x0, X)                            \
-    OP(DROPOUT, "dropout", PASSTHROUGH, PASSTHROUGH, 0x1, NONE)                       \
-    OP(CONV2D, "conv2d", LOWER, LOWER, 0x1, X)                                        \
-    OP(MAX_POOL2D, "max_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE)                 \
-    OP(AVG_POOL2D, "avg_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE)                 \
-    OP(ADAPTIVE_AVG_POOL2D, "adaptive_avg_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE) \
-    OP(BATCH_NORM, "batch_norm", PASSTHROUGH, PASSTHROUGH, 0x1, X)                    \
-    OP(LAYER_NORM, "layer_norm", FP32, FP32, 0x0, X)                                  \
-    OP(CAT, "cat", PROMOTE, PROMOTE, 0x0, NONE)                                      \
-    OP(SILU, "silu", PASSTHROUGH, PASSTHROUGH, 0x1, X)
+       what its backward reads: the op saves exactly that and its backward kernel reads it,
+       the name of its backward node, its grad_fn: PyTorch's without the trailing 0) */
+#define AMPC_OP_TABLE(OP)                                                                                            \
+    OP(CAST, "cast", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "CastBackward")                                            \
+    OP(ADD, "add", PASSTHROUGH, PASSTHROUGH, 0x3, NONE, "AddBackward")                                               \
+    OP(SUB, "sub", PASSTHROUGH, PASSTHROUGH, 0x3, NONE, "SubBackward")                                               \
+    OP(MUL, "mul", PASSTHROUGH, PASSTHROUGH, 0x3, X, "MulBackward")                                                  \
+    OP(ADD_SCALAR, "add_scalar", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "AddBackward")                                 \
+    OP(MUL_SCALAR, "mul_scalar", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "MulBackward")                                 \
+    OP(RELU, "relu", PASSTHROUGH, PASSTHROUGH, 0x1, Y, "ReluBackward")                                               \
+    OP(GELU, "gelu", PASSTHROUGH, PASSTHROUGH, 0x1, X, "GeluBackward")                                               \
+    OP(TANH, "tanh", PASSTHROUGH, PASSTHROUGH, 0x1, Y, "TanhBackward")                                               \
+    OP(SIGMOID, "sigmoid", PASSTHROUGH, PASSTHROUGH, 0x1, Y, "SigmoidBackward")                                      \
+    OP(EXP, "exp", FP32, FP32, 0x1, Y, "ExpBackward")                                                                \
+    OP(LOG, "log", FP32, FP32, 0x1, X, "LogBackward")                                                                \
+    OP(POW, "pow", FP32, FP32, 0x1, X, "PowBackward")                                                                \
+    OP(SUM, "sum", FP32, FP32, 0x0, NONE, "SumBackward")                                                             \
+    OP(MEAN, "mean", PASSTHROUGH, PASSTHROUGH, 0x0, NONE, "MeanBackward")                                            \
+    OP(RESHAPE, "reshape", PASSTHROUGH, PASSTHROUGH, 0x0, NONE, "ReshapeBackward")                                   \
+    OP(SOFTMAX, "softmax", FP32, FP32, 0x0, Y, "SoftmaxBackward")                                                    \
+    OP(LOG_SOFTMAX, "log_softmax", FP32, FP32, 0x0, Y, "LogSoftmaxBackward")                                         \
+    OP(MATMUL, "matmul", LOWER, LOWER, 0x0, X, "MatmulBackward")                                                     \
+    OP(LINEAR, "linear", LOWER, LOWER, 0x0, X, "LinearBackward")                                                     \
+    OP(MSE_LOSS, "mse_loss", FP32, FP32, 0x0, X, "MseLossBackward")                                                  \
+    OP(CROSS_ENTROPY, "cross_entropy", FP32, FP32, 0x0, X, "CrossEntropyBackward")                                   \
+    OP(DROPOUT, "dropout", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "DropoutBackward")                                   \
+    OP(CONV2D, "conv2d", LOWER, LOWER, 0x1, X, "ConvolutionBackward")                                                \
+    OP(MAX_POOL2D, "max_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "MaxPool2DWithIndicesBackward")                \
+    OP(AVG_POOL2D, "avg_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "AvgPool2DBackward")                           \
+    OP(ADAPTIVE_AVG_POOL2D, "adaptive_avg_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "AdaptiveAvgPool2DBackward") \
+    OP(BATCH_NORM, "batch_norm", PASSTHROUGH, PASSTHROUGH, 0x1, X, "NativeBatchNormBackward")                        \
+    OP(LAYER_NORM, "layer_norm", FP32, FP32, 0x0, X, "NativeLayerNormBackward")                                      \
+    OP(CAT, "cat", PROMOTE, PROMOTE, 0x0, NONE, "CatBackward")                                                       \
+    OP(SILU, "silu", PASSTHROUGH, PASSTHROUGH, 0x1, X, "SiluBackward")
 /* Policies follow PyTorch's CUDA autocast lists (aten/src/ATen/autocast_mode.cpp) for the ops
    ampc has, for fp16 and bf16 alike: matmul-like ops run in the lower precision; reductions
    PyTorch lists as fp32 (sum, softmax, log_softmax, exp, log, pow), layer_norm and every loss
@@ -477,7 +478,7 @@ typedef enum {
    argmax and dropout its mask, not values (NONE). */
 
 typedef enum {
-#define AMPC_OP_ENUM_(id, name, f16, bf16, channels_last, reads) AMPC_OP_##id,
+#define AMPC_OP_ENUM_(id, name, f16, bf16, channels_last, reads, grad_fn) AMPC_OP_##id,
     AMPC_OP_TABLE(AMPC_OP_ENUM_)
 #undef AMPC_OP_ENUM_
     AMPC_OP_COUNT
@@ -490,15 +491,24 @@ const char *ampc_policy_name(ampc_policy p);
    channels-last (bit i: input i), and what its backward reads. */
 static inline const char *ampc_op_name(ampc_op op) {
     switch (op) {
-#define AMPC_OP_NAME_(id, name, f16, bf16, channels_last, reads) case AMPC_OP_##id: return name;
+#define AMPC_OP_NAME_(id, name, f16, bf16, channels_last, reads, grad_fn) case AMPC_OP_##id: return name;
         AMPC_OP_TABLE(AMPC_OP_NAME_)
 #undef AMPC_OP_NAME_
     default: return "?";
     }
 }
+/* The name of the op's backward node (its grad_fn): "ConvolutionBackward". */
+static inline const char *ampc_op_grad_fn(ampc_op op) {
+    switch (op) {
+#define AMPC_OP_GRAD_FN_(id, name, f16, bf16, channels_last, reads, grad_fn) case AMPC_OP_##id: return grad_fn;
+        AMPC_OP_TABLE(AMPC_OP_GRAD_FN_)
+#undef AMPC_OP_GRAD_FN_
+    default: return "?";
+    }
+}
 static inline unsigned ampc_op_channels_last_inputs(ampc_op op) {
     switch (op) {
-#define AMPC_OP_CL_(id, name, f16, bf16, channels_last, reads) case AMPC_OP_##id: return channels_last;
+#define AMPC_OP_CL_(id, name, f16, bf16, channels_last, reads, grad_fn) case AMPC_OP_##id: return channels_last;
         AMPC_OP_TABLE(AMPC_OP_CL_)
 #undef AMPC_OP_CL_
     default: return 0;
@@ -506,7 +516,7 @@ static inline unsigned ampc_op_channels_last_inputs(ampc_op op) {
 }
 static inline ampc_backward_reads ampc_op_backward_reads(ampc_op op) {
     switch (op) {
-#define AMPC_OP_READS_(id, name, f16, bf16, channels_last, reads) case AMPC_OP_##id: return AMPC_READS_##reads;
+#define AMPC_OP_READS_(id, name, f16, bf16, channels_last, reads, grad_fn) case AMPC_OP_##id: return AMPC_READS_##reads;
         AMPC_OP_TABLE(AMPC_OP_READS_)
 #undef AMPC_OP_READS_
     default: return AMPC_READS_NONE;

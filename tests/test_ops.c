@@ -210,6 +210,12 @@ static void test_output_shapes_and_names(void **state) {
         assert_string_equal(ampc_tensor_grad_fn_name(expect[i].t), expect[i].name);
     }
     assert_int_equal(ampc_tensor_ndim(expect[0].t), 3);
+    /* every op of the table names its backward node there */
+    for (int op = 0; op < AMPC_OP_COUNT; op++) {
+        const char *g = ampc_op_grad_fn((ampc_op)op);
+        assert_true(strlen(g) > 8 && !strcmp(g + strlen(g) - 8, "Backward"));
+    }
+    assert_string_equal(ampc_op_grad_fn(AMPC_OP_COUNT), "?");
     /* no history without grad */
     ampc_no_grad_enter();
     assert_null(ampc_tensor_grad_fn_name(ampc_relu(x)));

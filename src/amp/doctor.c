@@ -265,7 +265,7 @@ static void nm_observe(const ampc__trace_event *e) {
         if (!kept || (kept->dtype != AMPC_F16 && kept->dtype != AMPC_BF16) || !ampc__dt(t->dtype)->is_float) continue;
         /* a cast's backward narrows its incoming gradient itself: that is the value before */
         const ampc_tensor *gy = e->in[0];
-        if (e->backward && !strcmp(e->name, "CastBackward") && gy && gy->numel == kept->numel && gy->dtype == AMPC_F32) t = gy;
+        if (e->backward && !strcmp(e->name, ampc_op_grad_fn(AMPC_OP_CAST)) && gy && gy->numel == kept->numel && gy->dtype == AMPC_F32) t = gy;
         ampc_numerics_row *r = nm_row(module, e->name, e->backward);
         if (r) nm_count(r, t);
     }

@@ -86,7 +86,7 @@ ampc_tensor *ampc_cat(ampc_tensor *const *xs, int n, int dim) {
         off += cols;
     }
     if (ampc__needs_grad(c, n)) {
-        if ((node = ampc__node_new("CatBackward", cat_backward, c, n))) {
+        if ((node = ampc__node_new(ampc_op_grad_fn(AMPC_OP_CAT), cat_backward, c, n))) {
             node->args.cat.dim = d;
         } else {
             ampc__release(out);

@@ -173,7 +173,7 @@ ampc_tensor *ampc__cast_record(ampc_tensor *x, ampc_dtype dt) {
 }
 
 ampc_tensor *ampc__cast_record_done(ampc_tensor *x, ampc_tensor *y) {
-    return y ? record_unary(x, y, "CastBackward", cast_backward, ampc__dt(x->dtype)->size > ampc__dt(y->dtype)->size) : NULL;
+    return y ? record_unary(x, y, ampc_op_grad_fn(AMPC_OP_CAST), cast_backward, ampc__dt(x->dtype)->size > ampc__dt(y->dtype)->size) : NULL;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ static int alias_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
 }
 
 ampc_tensor *ampc__alias_record(ampc_tensor *x, int ndim, const int64_t *shape, const char *name) {
-    return record_unary(x, ampc__tensor_view(x, ndim, shape), name, alias_backward, false);
+    return record_unary(x, ampc__tensor_view(x, ndim, shape), name ? name : "AliasBackward", alias_backward, false);
 }
 
 ampc_tensor *ampc_cast(ampc_tensor *x, ampc_dtype dt) {
@@ -228,7 +228,7 @@ ampc_tensor *ampc_cast(ampc_tensor *x, ampc_dtype dt) {
         return ampc__err_null(AMPC_ERR_DTYPE, "cast to %s on device %s", ampc_dtype_name(dt), ampc_device_name(x->device));
     }
     ampc_tensor *y;
-    if (a.in[0]->dtype == dt) return ampc__op_finish(&a, ampc__alias_record(a.in[0], x->ndim, x->shape, "AliasBackward"), NULL);
+    if (a.in[0]->dtype == dt) return ampc__op_finish(&a, ampc__alias_record(a.in[0], x->ndim, x->shape, NULL), NULL);
     if (!ampc__dt(dt)->is_float || !ampc__dt(a.in[0]->dtype)->is_float) {
         y = ampc__k_cast(a.in[0], dt);   /* no gradient through integer casts */
     } else {
@@ -264,7 +264,7 @@ ampc_tensor *ampc_reshape(ampc_tensor *x, int ndim, const int64_t *shape) {
         return ampc__err_null(AMPC_ERR_SHAPE, "cannot reshape %s (%lld elements) to %d dims of %lld elements",
                               ampc__shape_str(x, buf, sizeof buf), (long long)x->numel, ndim, (long long)ampc__numel(ndim, s));
     }
-    return ampc__op_finish(&a, ampc__alias_record(a.in[0], ndim, s, "ReshapeBackward"), NULL);
+    return ampc__op_finish(&a, ampc__alias_record(a.in[0], ndim, s, ampc_op_grad_fn(AMPC_OP_RESHAPE)), NULL);
 }
 
 ampc_tensor *ampc_flatten(ampc_tensor *x, int start_dim, int end_dim) {

@@ -167,7 +167,7 @@ ampc_tensor *ampc_conv2d(ampc_tensor *x, ampc_tensor *w, ampc_tensor *b, const a
     }
     ampc_node *node = NULL;
     if (y && ampc__needs_grad(a.in, 3)) {
-        node = ampc__node_new("ConvolutionBackward", conv2d_backward, a.in, 3);
+        node = ampc__node_new(ampc_op_grad_fn(AMPC_OP_CONV2D), conv2d_backward, a.in, 3);
         if (!node) {
             ampc__release(y);
             return fail_args(&a);

@@ -70,8 +70,7 @@ static ampc_tensor *binary_op(ampc_op op, ampc_tensor *a_, ampc_tensor *b_) {
     ampc_node *node = NULL;
     ampc_tensor *xy[2] = {x, y};
     if (out && ampc__needs_grad(xy, 2)) {
-        static const char *names[] = {[AMPC_OP_ADD] = "AddBackward", [AMPC_OP_SUB] = "SubBackward", [AMPC_OP_MUL] = "MulBackward"};
-        node = ampc__node_new(names[op], op == AMPC_OP_MUL ? mul_backward : add_backward, xy, 2);
+        node = ampc__node_new(ampc_op_grad_fn(op), op == AMPC_OP_MUL ? mul_backward : add_backward, xy, 2);
         if (!node) {
             ampc__release(out);
             out = NULL;
@@ -109,7 +108,7 @@ static int unary_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
 }
 
 /* saves what the op table says its backward reads */
-static ampc_tensor *unary_op(ampc_op op, double alpha, const char *grad_name, ampc_tensor *x_) {
+static ampc_tensor *unary_op(ampc_op op, double alpha, ampc_tensor *x_) {
     ampc_op_args a;
     if (ampc__op_prepare(op, &a, 1, &x_, 0) < 0) return NULL;
     ampc_tensor *x = a.in[0];
@@ -117,7 +116,7 @@ static ampc_tensor *unary_op(ampc_op op, double alpha, const char *grad_name, am
     ampc_tensor *y = ampc__k_unary(op, x, alpha);
     ampc_node *node = NULL;
     if (y && ampc__needs_grad(&x, 1)) {
-        node = ampc__node_new(grad_name, unary_backward, &x, 1);
+        node = ampc__node_new(ampc_op_grad_fn(op), unary_backward, &x, 1);
         if (!node) {
             ampc__release(y);
             y = NULL;
@@ -145,22 +144,22 @@ static ampc_tensor *unary_op(ampc_op op, double alpha, const char *grad_name, am
 }
 
 ampc_tensor *ampc_add_scalar(ampc_tensor *x, double s) {
-    return unary_op(AMPC_OP_ADD_SCALAR, s, "AddBackward", x);
+    return unary_op(AMPC_OP_ADD_SCALAR, s, x);
 }
 ampc_tensor *ampc_mul_scalar(ampc_tensor *x, double s) {
-    return unary_op(AMPC_OP_MUL_SCALAR, s, "MulBackward", x);
+    return unary_op(AMPC_OP_MUL_SCALAR, s, x);
 }
-ampc_tensor *ampc_relu(ampc_tensor *x) { return unary_op(AMPC_OP_RELU, 0, "ReluBackward", x); }
-ampc_tensor *ampc_gelu(ampc_tensor *x) { return unary_op(AMPC_OP_GELU, 0, "GeluBackward", x); }
-ampc_tensor *ampc_silu(ampc_tensor *x) { return unary_op(AMPC_OP_SILU, 0, "SiluBackward", x); }
-ampc_tensor *ampc_tanh(ampc_tensor *x) { return unary_op(AMPC_OP_TANH, 0, "TanhBackward", x); }
+ampc_tensor *ampc_relu(ampc_tensor *x) { return unary_op(AMPC_OP_RELU, 0, x); }
+ampc_tensor *ampc_gelu(ampc_tensor *x) { return unary_op(AMPC_OP_GELU, 0, x); }
+ampc_tensor *ampc_silu(ampc_tensor *x) { return unary_op(AMPC_OP_SILU, 0, x); }
+ampc_tensor *ampc_tanh(ampc_tensor *x) { return unary_op(AMPC_OP_TANH, 0, x); }
 ampc_tensor *ampc_sigmoid(ampc_tensor *x) {
-    return unary_op(AMPC_OP_SIGMOID, 0, "SigmoidBackward", x);
+    return unary_op(AMPC_OP_SIGMOID, 0, x);
 }
-ampc_tensor *ampc_exp(ampc_tensor *x) { return unary_op(AMPC_OP_EXP, 0, "ExpBackward", x); }
-ampc_tensor *ampc_log(ampc_tensor *x) { return unary_op(AMPC_OP_LOG, 0, "LogBackward", x); }
+ampc_tensor *ampc_exp(ampc_tensor *x) { return unary_op(AMPC_OP_EXP, 0, x); }
+ampc_tensor *ampc_log(ampc_tensor *x) { return unary_op(AMPC_OP_LOG, 0, x); }
 ampc_tensor *ampc_pow(ampc_tensor *x, double exponent) {
-    return unary_op(AMPC_OP_POW, exponent, "PowBackward", x);
+    return unary_op(AMPC_OP_POW, exponent, x);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -185,7 +184,7 @@ static int reduce_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
     return gx[0] ? AMPC_OK : ampc_last_status();
 }
 
-static ampc_tensor *reduce_op(ampc_op op, const char *grad_name, bool mean, ampc_tensor *x_, int dim, bool keepdim) {
+static ampc_tensor *reduce_op(ampc_op op, bool mean, ampc_tensor *x_, int dim, bool keepdim) {
     ampc_op_args a;
     if (ampc__op_prepare(op, &a, 1, &x_, 0) < 0) return NULL;
     ampc_tensor *x = a.in[0];
@@ -208,7 +207,7 @@ static ampc_tensor *reduce_op(ampc_op op, const char *grad_name, bool mean, ampc
     }
     ampc_node *node = NULL;
     if (out && ampc__needs_grad(&x, 1)) {
-        node = ampc__node_new(grad_name, reduce_backward, &x, 1);
+        node = ampc__node_new(ampc_op_grad_fn(op), reduce_backward, &x, 1);
         if (!node) {
             ampc__release(out);
             out = NULL;
@@ -221,8 +220,8 @@ static ampc_tensor *reduce_op(ampc_op op, const char *grad_name, bool mean, ampc
 }
 
 ampc_tensor *ampc_sum(ampc_tensor *x, int dim, bool keepdim) {
-    return reduce_op(AMPC_OP_SUM, "SumBackward", false, x, dim, keepdim);
+    return reduce_op(AMPC_OP_SUM, false, x, dim, keepdim);
 }
 ampc_tensor *ampc_mean(ampc_tensor *x, int dim, bool keepdim) {
-    return reduce_op(AMPC_OP_MEAN, "MeanBackward", true, x, dim, keepdim);
+    return reduce_op(AMPC_OP_MEAN, true, x, dim, keepdim);
 }

@@ -112,7 +112,7 @@ ampc_tensor *ampc_linear(ampc_tensor *x, ampc_tensor *w, ampc_tensor *b) {
     ampc_tensor *y = ampc__k_gemm(&d, X, W, B, X->ndim, shape);
     ampc_node *node = NULL;
     if (y && ampc__needs_grad(a.in, 3)) {
-        node = ampc__node_new("LinearBackward", linear_backward, a.in, 3);
+        node = ampc__node_new(ampc_op_grad_fn(AMPC_OP_LINEAR), linear_backward, a.in, 3);
         if (!node) {
             ampc__release(y);
             return fail_args(&a);
@@ -242,7 +242,7 @@ ampc_tensor *ampc_matmul(ampc_tensor *a_in, ampc_tensor *b_in) {
     ampc_tensor *y = ampc__k_gemm(&d, A, B, NULL, p.out_ndim, p.out_shape);
     ampc_node *node = NULL;
     if (y && ampc__needs_grad(a.in, 2)) {
-        node = ampc__node_new("MatmulBackward", matmul_backward, a.in, 2);
+        node = ampc__node_new(ampc_op_grad_fn(AMPC_OP_MATMUL), matmul_backward, a.in, 2);
         if (!node) {
             ampc__release(y);
             return fail_args(&a);

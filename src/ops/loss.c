@@ -59,7 +59,7 @@ static ampc_tensor *softmax_common(ampc_tensor *x, int dim, bool is_log) {
     if (!y || ampc__k_softmax(in, y, ax, is_log) < 0) return fail(&a, y, NULL);
     ampc_node *node = NULL;
     if (ampc__needs_grad(a.in, 1)) {
-        node = ampc__node_new(is_log ? "LogSoftmaxBackward" : "SoftmaxBackward", softmax_backward_fn, a.in, 1);
+        node = ampc__node_new(ampc_op_grad_fn(is_log ? AMPC_OP_LOG_SOFTMAX : AMPC_OP_SOFTMAX), softmax_backward_fn, a.in, 1);
         ampc_tensor *saved = node ? ampc__tensor_view(y, y->ndim, y->shape) : NULL;
         if (!saved) return fail(&a, y, node);
         ampc__node_save(node, 0, saved);
@@ -152,7 +152,7 @@ ampc_tensor *ampc_mse_loss(ampc_tensor *input, ampc_tensor *target, ampc_reducti
     if (!out) return fail(&a, NULL, NULL);
     ampc_node *node = NULL;
     if (ampc__needs_grad(a.in, 2)) {
-        node = ampc__node_new("MseLossBackward", mse_backward_fn, a.in, 2);
+        node = ampc__node_new(ampc_op_grad_fn(AMPC_OP_MSE_LOSS), mse_backward_fn, a.in, 2);
         if (!node) return fail(&a, out, NULL);
         ampc__node_save(node, 0, in);
         ampc__node_save(node, 1, tg);
@@ -214,7 +214,7 @@ ampc_tensor *ampc_cross_entropy(ampc_tensor *logits, ampc_tensor *targets, const
     if (!out || ampc__k_cross_entropy(x, t, &o, out, &count) < 0) return fail(&a, out, NULL);
     ampc_node *node = NULL;
     if (ampc__needs_grad(a.in, 1)) {
-        node = ampc__node_new("CrossEntropyBackward", cross_entropy_backward_fn, a.in, 1);
+        node = ampc__node_new(ampc_op_grad_fn(AMPC_OP_CROSS_ENTROPY), cross_entropy_backward_fn, a.in, 1);
         if (!node) return fail(&a, out, NULL);
         ampc__node_save(node, 0, x);
         ampc__node_save(node, 1, t);
@@ -249,7 +249,7 @@ ampc_tensor *ampc_dropout(ampc_tensor *x, double p, bool training) {
         return fail(&a, NULL, NULL);
     }
     if (!training || p == 0.0)
-        return ampc__op_finish(&a, ampc__alias_record(in, in->ndim, in->shape, "AliasBackward"), NULL);
+        return ampc__op_finish(&a, ampc__alias_record(in, in->ndim, in->shape, NULL), NULL);
     if (ampc__backend_check(AMPC_K_dropout, in->dtype, in->device) < 0) return fail(&a, NULL, NULL);
     ampc_tensor *y = ampc__tensor_like(in, in->dtype);
     size_t mask_bytes = 0;
@@ -260,7 +260,7 @@ ampc_tensor *ampc_dropout(ampc_tensor *x, double p, bool training) {
     ampc_rng_state st = ampc__rng_reserve((uint64_t)in->numel);
     ampc_node *node = NULL;
     if (ampc__k_dropout(in, y, mask, p, st) < 0 ||
-        (ampc__needs_grad(a.in, 1) && !(node = ampc__node_new("DropoutBackward", dropout_backward_fn, a.in, 1)))) {
+        (ampc__needs_grad(a.in, 1) && !(node = ampc__node_new(ampc_op_grad_fn(AMPC_OP_DROPOUT), dropout_backward_fn, a.in, 1)))) {
         ampc__free(in->device, mask, mask_bytes, AMPC_MEM_ACTIVATIONS);
         return fail(&a, y, NULL);
     }

@@ -173,7 +173,7 @@ static ampc_tensor *bn_op(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias
     else if (rc >= 0 && relu) rc = ampc__k_batch_norm_relu(X, W, B, running_mean, running_var, y, mean, training, momentum, eps, sync);
     else if (rc >= 0) rc = ampc__k_batch_norm(X, W, B, running_mean, running_var, y, mean, invstd, training, momentum, eps, sync);
     if (rc >= 0 && grad) {
-        node = ampc__node_new(Z ? "NativeBatchNormAddReluBackward" : relu ? "NativeBatchNormReluBackward" : "NativeBatchNormBackward",
+        node = ampc__node_new(Z ? "NativeBatchNormAddReluBackward" : relu ? "NativeBatchNormReluBackward" : ampc_op_grad_fn(AMPC_OP_BATCH_NORM),
                               Z ? batch_norm_add_relu_backward : batch_norm_backward, (ampc_tensor *[]){X, W, B, Z}, nin);
         if (node) {
             ampc__node_save(node, 0, X);
@@ -302,7 +302,7 @@ ampc_tensor *ampc_layer_norm(ampc_tensor *x, int norm_ndim, ampc_tensor *weight,
         rc = ampc_last_status();
     if (rc >= 0) rc = ampc__k_layer_norm(X, W, B, y, mean, rstd, eps);
     if (rc >= 0 && ampc__needs_grad(a.in, 3)) {
-        node = ampc__node_new("NativeLayerNormBackward", layer_norm_backward, a.in, 3);
+        node = ampc__node_new(ampc_op_grad_fn(AMPC_OP_LAYER_NORM), layer_norm_backward, a.in, 3);
         if (node) {
             ampc__node_save(node, 0, X);
             if (W) ampc__node_save(node, 1, W);

@@ -8,7 +8,7 @@
  *     if (ampc__op_prepare(AMPC_OP_X, &a, 2, (ampc_tensor *[]){x, w}, 0) < 0) return NULL;
  *     // a.in[] are owned refs, already cast per the autocast policy
  *     ... checks, out = ampc__k_...(a.in[0], ...)
- *     if (ampc__needs_grad(a.in, a.n)) { node = ampc__node_new("XBackward", x_backward, a.in, a.n); save ...}
+ *     if (ampc__needs_grad(a.in, a.n)) { node = ampc__node_new(ampc_op_grad_fn(AMPC_OP_X), x_backward, a.in, a.n); save ...}
  *     return ampc__op_finish(&a, out, node);   // attaches node, releases a.in, adopts out into scope
  */
 #ifndef AMPC_OPS_H
@@ -47,8 +47,8 @@ ampc_tensor *ampc__cast_record(ampc_tensor *x, ampc_dtype dt);
    a float dtype, e.g. autocast's kept copy of a weight; NULL y: NULL. */
 ampc_tensor *ampc__cast_record_done(ampc_tensor *x, ampc_tensor *y);
 
-/* A view of x with another shape of the same numel, recording `name` (gradient: gy viewed
-   back) when x requires grad; owned result. */
+/* A view of x with another shape of the same numel, recording `name` (NULL: "AliasBackward";
+   gradient: gy viewed back) when x requires grad; owned result. */
 ampc_tensor *ampc__alias_record(ampc_tensor *x, int ndim, const int64_t *shape, const char *name);
 
 /* Records a differentiable change of memory format (the engine converts the gradient back);

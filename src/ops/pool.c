@@ -69,8 +69,8 @@ static int pool_backward(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
     return rc;
 }
 
-/* Pools a->in[0] (checked) into (N, C, oh, ow), recording grad_name; consumes a. */
-static ampc_tensor *pool_run(ampc_op_args *a, const ampc_pool_args *pp, int64_t oh, int64_t ow, const char *grad_name) {
+/* Pools a->in[0] (checked) into (N, C, oh, ow), recording op's backward node; consumes a. */
+static ampc_tensor *pool_run(ampc_op_args *a, const ampc_pool_args *pp, int64_t oh, int64_t ow, ampc_op op) {
     ampc_tensor *x = a->in[0], *y = NULL;
     ampc_node *node = NULL;
     /* the backward's kernels too: a node that could not run is not recorded */
@@ -84,7 +84,7 @@ static ampc_tensor *pool_run(ampc_op_args *a, const ampc_pool_args *pp, int64_t 
     if (!y) goto fail;
     void *ws = NULL;
     if (ampc__needs_grad(&x, 1)) {
-        if (!(node = ampc__node_new(grad_name, pool_backward, &x, 1))) goto fail;
+        if (!(node = ampc__node_new(ampc_op_grad_fn(op), pool_backward, &x, 1))) goto fail;
         node->args.pool = *pp;
         size_t bytes = y->numel ? ampc__k_pool2d_workspace_size(x->device, &d, x->dtype) : 0;
         if (pp->kind == AMPC_POOL_MAX && y->numel && !bytes) {
@@ -147,7 +147,7 @@ static ampc_tensor *pool_op(ampc_op op, ampc_tensor *x_, const ampc_pool2d_optio
                   pp.padding[0], pp.padding[1], (long long)oh, (long long)ow);
         goto fail;
     }
-    return pool_run(&a, &pp, oh, ow, max ? "MaxPool2DWithIndicesBackward" : "AvgPool2DBackward");
+    return pool_run(&a, &pp, oh, ow, max ? AMPC_OP_MAX_POOL2D : AMPC_OP_AVG_POOL2D);
 fail:
     ampc__op_args_release(&a);
     return NULL;
@@ -182,5 +182,5 @@ ampc_tensor *ampc_adaptive_avg_pool2d(ampc_tensor *x_, int out_h, int out_w) {
         pp.kernel[0] = pp.stride[0] = (int)(H / out_h);
         pp.kernel[1] = pp.stride[1] = (int)(W / out_w);
     }
-    return pool_run(&a, &pp, out_h, out_w, "AdaptiveAvgPool2DBackward");
+    return pool_run(&a, &pp, out_h, out_w, AMPC_OP_ADAPTIVE_AVG_POOL2D);
 }
