@@ -505,7 +505,7 @@ static void test_copy_block(void **state) {
             double want = i >= 3 && r < 5 && c < 4 ? v[r * 9 + 2 + c] : 0;
             if (w[i] != want) fail_msg("%s: dst[%d] = %g, want %g", ampc_dtype_name(dts[di]), i, w[i], want);
         }
-        assert_true(ampc__backend(AMPC_DEVICE_CPU)->copy_block(src, 2, 9, dst, 3, 11, 8, 4, 1.0) == AMPC_ERR_INVALID);
+        assert_true(ampc__k_copy_block(src, 2, 9, dst, 3, 11, 8, 4, 1.0) == AMPC_ERR_INVALID);   /* the door checks */
         ampc_clear_error();
         /* a scale: f32 only of these (16-bit and i64 refused, naming the dtype) */
         int rc = ampc__k_copy_block(src, 2, 9, dst, 3, 11, 5, 4, 0.5);
@@ -546,8 +546,44 @@ static void test_copy_block_scale(void **state) {
     }
 }
 
+/* The door refuses pooling arguments before any device's kernel sees them, with the same
+   status on CPU and REF: sizes or formats other than the descriptor's, tensors on two devices,
+   integer tensors, a bad window, max pooling's backward without its workspace. */
+static void test_pool_door(void **state) {
+    (void)state;
+    const ampc_device devs[] = {AMPC_DEVICE_CPU, AMPC_DEVICE_REF};
+    for (int k = 0; k < 2; k++) {
+        ampc_scope_begin();
+        ampc_device dev = devs[k];
+        ampc_dtype dt = dev == AMPC_DEVICE_REF ? AMPC_F64 : AMPC_F32;
+        ampc_pool_desc d = {.kind = AMPC_POOL_MAX, .N = 1, .C = 2, .H = 4, .W = 4, .OH = 2, .OW = 2,
+                            .kernel = {2, 2}, .stride = {2, 2}};
+        ampc_tensor *x = ampc_tensor_to(ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){1, 2, 4, 4}), dev, dt);
+        ampc_tensor *y = ampc_tensor_to(ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){1, 2, 2, 2}), dev, dt);
+        ampc_tensor *big = ampc_tensor_to(ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){1, 2, 3, 3}), dev, dt);
+        ampc_tensor *other = ampc_tensor_zeros(dev == AMPC_DEVICE_REF ? AMPC_F32 : AMPC_BF16, 4, (int64_t[]){1, 2, 2, 2});
+        ampc_tensor *ix = ampc_tensor_to(ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){1, 2, 4, 4}), dev, AMPC_I64);
+        ampc_tensor *iy = ampc_tensor_to(ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){1, 2, 2, 2}), dev, AMPC_I64);
+        ASSERT_NOT_NULL_MSG(x && y && big && other && ix && iy);
+        assert_int_equal(ampc__k_pool2d(&d, big, y, NULL), AMPC_ERR_INVALID);
+        assert_non_null(strstr(ampc_last_error(), "sizes do not match"));
+        /* REF and CPU tensors, or f32 and bf16 */
+        assert_int_equal(ampc__k_pool2d(&d, x, other, NULL), dev == AMPC_DEVICE_REF ? AMPC_ERR_INVALID : AMPC_ERR_DTYPE);
+        if (dev == AMPC_DEVICE_REF) assert_non_null(strstr(ampc_last_error(), "tensors on ref and cpu"));
+        assert_int_equal(ampc__k_pool2d(&d, ix, iy, NULL), AMPC_ERR_DTYPE);
+        ampc_pool_desc bad = d;
+        bad.stride[1] = 0;
+        assert_int_equal(ampc__k_pool2d(&bad, x, y, NULL), AMPC_ERR_INVALID);
+        assert_int_equal(ampc__k_pool2d_backward(&d, y, x, NULL), AMPC_ERR_INVALID);
+        assert_non_null(strstr(ampc_last_error(), "without the forward's workspace"));
+        ampc_clear_error();
+        ampc_scope_end();
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_pool_door),
         cmocka_unit_test(test_copy_block_scale),
         cmocka_unit_test(test_pool_cases),
         cmocka_unit_test(test_cat_cases),

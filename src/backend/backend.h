@@ -384,11 +384,6 @@ int ampc__unary_backward_operands(ampc_op op, const ampc_tensor **x, const ampc_
 /* The optimizer kernels' per-parameter constants (backend/optim_consts.h); step >= 1. */
 ampc_sgd_consts ampc__sgd_consts(const ampc_sgd_hparams *h);
 ampc_adam_consts ampc__adam_consts(const ampc_adam_hparams *h, int64_t step);
-/* copy_block's arguments (same dtype, the blocks inside both tensors, a scale other than 1 on f32
-   and f64 only): AMPC_OK to copy, 1 when there is nothing to copy (rows or cols <=
-   0), else the error. */
-int ampc__check_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, const ampc_tensor *dst,
-                           int64_t dst_off, int64_t dst_ld, int64_t rows, int64_t cols, double scale);
 /* Layer norm's rows and cols of x from the statistics' length; who ("cpu ", "cuda ", "") and the
    kernel's name k start the messages. */
 int ampc__layer_norm_dims(const ampc_tensor *x, const ampc_tensor *stat, const char *who, const char *k, int64_t *rows,

@@ -128,11 +128,32 @@ size_t ampc__k_pool2d_workspace_size(ampc_device dev, const ampc_pool_desc *d, a
     if (ampc__backend_check(AMPC_K_pool2d_workspace_size, dt, dev) < 0) return 0;
     return ampc__backend(dev)->pool2d_workspace_size(d, dt);
 }
+/* pooling's arguments, for every device: x (input or gx) and y (output or gy) on one device, of
+   one float dtype, of the descriptor's sizes and memory format; the window valid; max pooling's
+   backward with its forward's workspace */
+static int check_pool(const ampc_pool_desc *d, const ampc_tensor *x, const ampc_tensor *y, const void *ws, bool backward) {
+    const char *k = backward ? "pool2d_backward" : "pool2d";
+    if (x->device != y->device)
+        return ampc__err(AMPC_ERR_INVALID, "%s: tensors on %s and %s", k, ampc_device_name(x->device), ampc_device_name(y->device));
+    if (x->dtype != y->dtype || x->dtype == AMPC_I64)
+        return ampc__err(AMPC_ERR_DTYPE, "%s on %s and %s", k, ampc_dtype_name(x->dtype), ampc_dtype_name(y->dtype));
+    if (x->numel != d->N * d->C * d->H * d->W || y->numel != d->N * d->C * d->OH * d->OW)
+        return ampc__err(AMPC_ERR_INVALID, "%s: tensor sizes do not match the descriptor", k);
+    if (ampc__is_cl(x) != d->channels_last || ampc__is_cl(y) != d->channels_last)
+        return ampc__err(AMPC_ERR_INVALID, "%s: tensor memory formats do not match the descriptor", k);
+    if (d->kind != AMPC_POOL_ADAPTIVE_AVG &&
+        (d->stride[0] < 1 || d->stride[1] < 1 || d->kernel[0] < 1 || d->kernel[1] < 1 || d->pad_begin[0] < 0 || d->pad_begin[1] < 0))
+        return ampc__err(AMPC_ERR_INVALID, "%s: kernel %dx%d, stride %dx%d, padding %dx%d: kernel and stride must be >= 1, padding >= 0",
+                         k, d->kernel[0], d->kernel[1], d->stride[0], d->stride[1], d->pad_begin[0], d->pad_begin[1]);
+    if (backward && d->kind == AMPC_POOL_MAX && !ws && y->numel > 0)
+        return ampc__err(AMPC_ERR_INVALID, "max pool backward without the forward's workspace");
+    return ampc__backend_check(backward ? AMPC_K_pool2d_backward : AMPC_K_pool2d, x->dtype, x->device);
+}
 int ampc__k_pool2d(const ampc_pool_desc *d, const ampc_tensor *x, ampc_tensor *y, void *ws) {
-    return BACKEND_CALL(x, pool2d, d, x, y, ws);
+    return check_pool(d, x, y, ws, false) < 0 ? ampc_last_status() : ampc__backend(x->device)->pool2d(d, x, y, ws);
 }
 int ampc__k_pool2d_backward(const ampc_pool_desc *d, const ampc_tensor *gy, ampc_tensor *gx, const void *ws) {
-    return BACKEND_CALL(gy, pool2d_backward, d, gy, gx, ws);
+    return check_pool(d, gx, gy, ws, true) < 0 ? ampc_last_status() : ampc__backend(gy->device)->pool2d_backward(d, gy, gx, ws);
 }
 int ampc__k_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias, ampc_tensor *running_mean,
                        ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *save_mean, ampc_tensor *save_invstd,
@@ -176,10 +197,28 @@ int ampc__k_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, con
                                 ampc_tensor *gb) {
     return BACKEND_CALL(x, layer_norm_backward, x, gy, weight, mean, rstd, gx, gw, gb);
 }
+/* copy_block's arguments (same dtype, the blocks inside both tensors, a scale other than 1 on
+   f32 and f64 only): AMPC_OK, 1 when there is nothing to copy, else the error */
+static int check_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, const ampc_tensor *dst,
+                            int64_t dst_off, int64_t dst_ld, int64_t rows, int64_t cols, double scale) {
+    if (src->dtype != dst->dtype)
+        return ampc__err(AMPC_ERR_DTYPE, "copy_block between %s and %s", ampc_dtype_name(src->dtype), ampc_dtype_name(dst->dtype));
+    if (scale != 1.0 && src->dtype != AMPC_F32 && src->dtype != AMPC_F64)
+        return ampc__err(AMPC_ERR_DTYPE, "copy_block with a scale (%g) on %s: f32 and f64 only", scale, ampc_dtype_name(src->dtype));
+    if (rows <= 0 || cols <= 0) return 1;
+    if (src_off < 0 || dst_off < 0 || src_off + (rows - 1) * src_ld + cols > src->numel ||
+        dst_off + (rows - 1) * dst_ld + cols > dst->numel)
+        return ampc__err(AMPC_ERR_INVALID, "copy_block of %lld x %lld outside its tensors", (long long)rows, (long long)cols);
+    return AMPC_OK;
+}
+
 int ampc__k_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, ampc_tensor *dst, int64_t dst_off,
                        int64_t dst_ld, int64_t rows, int64_t cols, double scale) {
     int rc = ampc__backend_check(AMPC_K_copy_block, dst->dtype, dst->device);
-    if (rc < 0 || rows == 0 || cols == 0) return rc;
+    if (rc >= 0 && src->device != dst->device)
+        rc = ampc__err(AMPC_ERR_INVALID, "copy_block from %s to %s", ampc_device_name(src->device), ampc_device_name(dst->device));
+    if (rc >= 0) rc = check_copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols, scale);
+    if (rc != AMPC_OK) return rc < 0 ? rc : AMPC_OK;   /* 1: nothing to copy */
     return ampc__backend(dst->device)->copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols, scale);
 }
 

@@ -25,19 +25,6 @@ ampc_adam_consts ampc__adam_consts(const ampc_adam_hparams *h, int64_t step) {
     };
 }
 
-int ampc__check_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, const ampc_tensor *dst,
-                           int64_t dst_off, int64_t dst_ld, int64_t rows, int64_t cols, double scale) {
-    if (src->dtype != dst->dtype)
-        return ampc__err(AMPC_ERR_DTYPE, "copy_block between %s and %s", ampc_dtype_name(src->dtype), ampc_dtype_name(dst->dtype));
-    if (scale != 1.0 && src->dtype != AMPC_F32 && src->dtype != AMPC_F64)
-        return ampc__err(AMPC_ERR_DTYPE, "copy_block with a scale (%g) on %s: f32 and f64 only", scale, ampc_dtype_name(src->dtype));
-    if (rows <= 0 || cols <= 0) return 1;
-    if (src_off < 0 || dst_off < 0 || src_off + (rows - 1) * src_ld + cols > src->numel ||
-        dst_off + (rows - 1) * dst_ld + cols > dst->numel)
-        return ampc__err(AMPC_ERR_INVALID, "copy_block of %lld x %lld outside its tensors", (long long)rows, (long long)cols);
-    return AMPC_OK;
-}
-
 int ampc__layer_norm_dims(const ampc_tensor *x, const ampc_tensor *stat, const char *who, const char *k, int64_t *rows,
                           int64_t *cols) {
     if (!stat) return ampc__err(AMPC_ERR_INVALID, "%s%s: mean/rstd missing", who, k);

@@ -181,9 +181,6 @@ static int cu_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld
                          int64_t dst_ld, int64_t rows, int64_t cols, double scale) {
     int rc;
     if ((rc = ampc__cu_ready()) < 0) return rc;
-    if ((rc = ampc__cu_on_device(src, "copy_block")) < 0 || (rc = ampc__cu_on_device(dst, "copy_block")) < 0) return rc;
-    if ((rc = ampc__check_copy_block(src, src_off, src_ld, dst, dst_off, dst_ld, rows, cols, scale)) != AMPC_OK)
-        return rc < 0 ? rc : AMPC_OK;
     size_t sz = ampc__dt(src->dtype)->size, width = (size_t)cols * sz;
     const char *s = (const char *)ampc__data(src) + (size_t)src_off * sz;
     char *d = (char *)ampc__data(dst) + (size_t)dst_off * sz;

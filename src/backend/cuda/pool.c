@@ -1,6 +1,6 @@
 /*
- * pool.c - the CUDA table's 2-D pooling (own kernels, pool.cu): argument checks here, the
- * kernels there. The checks mirror the CPU backend's.
+ * pool.c - the CUDA table's 2-D pooling (own kernels, pool.cu): the launches here, the kernels
+ * there; the door (dispatch.c) checks the arguments.
  *
  * Why own kernels rather than cuDNN's pooling: they take every ampc_pool_desc (PyTorch's
  * include-pad divisor under ceil_mode, adaptive windows, NaN propagation and ties to the first
@@ -12,19 +12,8 @@
 // ---------------------------------------------------------------------------------------------
 // Pooling
 
-static int pool_check(const ampc_pool_desc *d, const ampc_tensor *x, const ampc_tensor *y, const char *what) {
-    int rc;
-    if ((rc = ampc__cu_on_device(x, what)) < 0 || (rc = ampc__cu_on_device(y, what)) < 0) return rc;
-    if (x->dtype != y->dtype || !ampc__cu_is_float(x->dtype))
-        return ampc__err(AMPC_ERR_DTYPE, "cuda %s on %s and %s", what, ampc_dtype_name(x->dtype), ampc_dtype_name(y->dtype));
-    if (x->numel != d->N * d->C * d->H * d->W || y->numel != d->N * d->C * d->OH * d->OW)
-        return ampc__err(AMPC_ERR_INVALID, "cuda %s: tensor sizes do not match the descriptor", what);
-    if (ampc__is_cl(x) != d->channels_last || ampc__is_cl(y) != d->channels_last)
-        return ampc__err(AMPC_ERR_INVALID, "cuda %s: tensor memory formats do not match the descriptor", what);
-    if (d->kind != AMPC_POOL_ADAPTIVE_AVG &&
-        (d->stride[0] < 1 || d->stride[1] < 1 || d->kernel[0] < 1 || d->kernel[1] < 1 || d->pad_begin[0] < 0 || d->pad_begin[1] < 0))
-        return ampc__err(AMPC_ERR_INVALID, "cuda %s: kernel %dx%d, stride %dx%d, padding %dx%d: kernel and stride must be >= 1, "
-                         "padding >= 0", what, d->kernel[0], d->kernel[1], d->stride[0], d->stride[1], d->pad_begin[0], d->pad_begin[1]);
+/* what the door does not check (dispatch.c: the rest): the argmax's 32 bits */
+static int pool_check(const ampc_pool_desc *d, const char *what) {
     if (d->H * d->W > INT32_MAX)
         return ampc__err(AMPC_ERR_UNSUPPORTED, "cuda %s: planes of %lld x %lld elements: the argmax is 32-bit, at most 2^31 - 1 "
                          "per plane", what, (long long)d->H, (long long)d->W);
@@ -53,7 +42,7 @@ static size_t cu_pool2d_workspace_size(const ampc_pool_desc *d, ampc_dtype dt) {
 }
 
 static int cu_pool2d(const ampc_pool_desc *d, const ampc_tensor *x, ampc_tensor *y, void *ws) {
-    int rc = pool_check(d, x, y, "pool2d");
+    int rc = pool_check(d, "pool2d");
     if (rc < 0 || y->numel == 0) return rc;
     ampc_cu_pool_geom g = pool_geom(d);
     return ampc__cu_check(ampc_cu_pool_fwd(&g, x->dtype, ampc__data(x), ampc__data(y), d->kind == AMPC_POOL_MAX ? ws : NULL,
@@ -62,10 +51,8 @@ static int cu_pool2d(const ampc_pool_desc *d, const ampc_tensor *x, ampc_tensor 
 }
 
 static int cu_pool2d_backward(const ampc_pool_desc *d, const ampc_tensor *gy, ampc_tensor *gx, const void *ws) {
-    int rc = pool_check(d, gx, gy, "pool2d_backward");
+    int rc = pool_check(d, "pool2d_backward");
     if (rc < 0 || gx->numel == 0) return rc;
-    if (d->kind == AMPC_POOL_MAX && !ws && gy->numel > 0)
-        return ampc__err(AMPC_ERR_INVALID, "max pool backward without the forward's workspace");
     ampc_cu_pool_geom g = pool_geom(d);
     /* with gy empty no window holds an element: the kernel writes zeros */
     return ampc__cu_check(ampc_cu_pool_bwd(&g, gy->dtype, ampc__data(gy), ampc__data(gx), ws, ampc__cu_stream()),
