@@ -412,7 +412,7 @@ static void test_f32_weight_grad(void **state) {
         }
         free(X), free(GY), free(AX), free(AGY);
     }
-    /* a 16-bit gb beside an f32 gw is refused */
+    /* a 16-bit gb beside an f32 gw is refused (by the door) */
     ampc_scope_begin();
     const ampc_conv_desc d = {.N = 1, .C = 2, .H = 3, .W = 3, .O = 2, .KH = 1, .KW = 1, .OH = 3, .OW = 3,
                               .stride = {1, 1}, .padding = {0, 0}, .dilation = {1, 1}, .groups = 1};
@@ -420,7 +420,7 @@ static void test_f32_weight_grad(void **state) {
     ampc_tensor *gy = ampc_tensor_zeros(AMPC_BF16, 4, (int64_t[]){1, 2, 3, 3});
     ampc_tensor *gw = ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){2, 2, 1, 1});
     ampc_tensor *gb = ampc_tensor_zeros(AMPC_BF16, 1, (int64_t[]){2});
-    assert_int_equal(ampc__backend(AMPC_DEVICE_CPU)->conv2d_backward_weights(&d, x, gy, gw, gb), AMPC_ERR_DTYPE);
+    assert_int_equal(ampc__k_conv2d_backward_weights(&d, x, gy, gw, gb), AMPC_ERR_DTYPE);
     ampc_clear_error();
     ampc_scope_end();
 }
@@ -568,8 +568,43 @@ static void test_impl_names(void **state) {
             }
 }
 
+/* The door refuses a convolution's bad arguments before any device's kernel sees them, the same
+   on CPU and REF: a window that does not fit the output size, tensors on two devices, sizes
+   other than the descriptor's, no weight gradient tensor. */
+static void test_conv_door(void **state) {
+    (void)state;
+    const ampc_device devs[] = {AMPC_DEVICE_CPU, AMPC_DEVICE_REF};
+    for (int k = 0; k < 2; k++) {
+        ampc_scope_begin();
+        ampc_dtype dt = devs[k] == AMPC_DEVICE_REF ? AMPC_F64 : AMPC_F32;
+        ampc_conv_desc d = {.N = 1, .C = 2, .H = 3, .W = 3, .O = 2, .KH = 1, .KW = 1, .OH = 3, .OW = 3,
+                            .stride = {1, 1}, .padding = {0, 0}, .dilation = {1, 1}, .groups = 1};
+        ampc_tensor *x = ampc_tensor_to(ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){1, 2, 3, 3}), devs[k], dt);
+        ampc_tensor *y = ampc_tensor_to(ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){1, 2, 3, 3}), devs[k], dt);
+        ampc_tensor *w = ampc_tensor_to(ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){2, 2, 1, 1}), devs[k], dt);
+        ampc_tensor *w9 = ampc_tensor_to(ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){2, 2, 3, 3}), devs[k], dt);
+        ampc_tensor *far = devs[k] == AMPC_DEVICE_REF ? ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){2, 2, 1, 1}) : NULL;
+        ASSERT_NOT_NULL_MSG(x && y && w && w9);
+        ASSERT_OK(ampc__k_conv2d(&d, x, w, NULL, y));
+        ampc_conv_desc bad = d;
+        bad.OH = 2;   /* a 1x1 window over 3 rows makes 3 */
+        assert_int_equal(ampc__k_conv2d(&bad, x, w, NULL, y), AMPC_ERR_INVALID);
+        assert_non_null(strstr(ampc_last_error(), "output size 2x3 does not match"));
+        assert_int_equal(ampc__k_conv2d(&d, x, w9, NULL, y), AMPC_ERR_INVALID);
+        assert_non_null(strstr(ampc_last_error(), "size does not match the descriptor"));
+        assert_int_equal(ampc__k_conv2d_backward_weights(&d, x, y, NULL, NULL), AMPC_ERR_INVALID);
+        if (far) {
+            assert_int_equal(ampc__k_conv2d(&d, x, far, NULL, y), AMPC_ERR_INVALID);
+            assert_non_null(strstr(ampc_last_error(), "more than one device"));
+        }
+        ampc_clear_error();
+        ampc_scope_end();
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_conv_door),
         cmocka_unit_test(test_conv_cases),
         cmocka_unit_test(test_partial_grads),
         cmocka_unit_test(test_conv_large),

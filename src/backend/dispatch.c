@@ -113,16 +113,56 @@ int ampc__k_sgd_step(const ampc_optim_item *items, int n, const ampc_sgd_hparams
 int ampc__k_adam_step(const ampc_optim_item *items, int n, const ampc_adam_hparams *h) {
     return n <= 0 ? AMPC_OK : BACKEND_CALL(items[0].param, adam_step, items, n, h);
 }
+static int64_t conv_out(int64_t in, int64_t k, int s, int p, int d) { return (in + 2 * p - (int64_t)d * (k - 1) - 1) / s + 1; }
+
+/* A convolution's arguments, for every device: x (or gx), w (or gw), y (or gy) and b (or gb,
+   may be NULL) on one device; one float dtype, except that grads (the weight pass) may write w
+   and b in f32 for 16-bit data (both then); activations in the descriptor's memory format,
+   weights OIHW; a valid descriptor whose output size follows from its input; every size the
+   descriptor's. Then the device's table (kernel k, the dtype). */
+static int check_conv(ampc_kernel kern, const ampc_conv_desc *d, const ampc_tensor *x, const ampc_tensor *w, const ampc_tensor *y,
+                      const ampc_tensor *b, bool grads) {
+    const char *what = ampc__kernel_name(kern);
+    if (!w) return ampc__err(AMPC_ERR_INVALID, "%s: no weight%s tensor", what, grads ? " gradient" : "");
+    if (w->device != x->device || y->device != x->device || (b && b->device != x->device))
+        return ampc__err(AMPC_ERR_INVALID, "%s: tensors on more than one device (x on %s)", what, ampc_device_name(x->device));
+    ampc_dtype dt = x->dtype, wdt = grads && w->dtype == AMPC_F32 ? AMPC_F32 : dt;
+    if (dt == AMPC_I64) return ampc__err(AMPC_ERR_DTYPE, "%s on %s tensors", what, ampc_dtype_name(dt));
+    if (w->dtype != wdt || y->dtype != dt || (b && b->dtype != wdt))
+        return ampc__err(AMPC_ERR_DTYPE, "%s: operands of different dtypes", what);
+    if (ampc__is_cl(x) != d->channels_last || ampc__is_cl(y) != d->channels_last || ampc__is_cl(w))
+        return ampc__err(AMPC_ERR_INVALID, "%s: activations must be %s as the descriptor says, weights OIHW", what,
+                         d->channels_last ? "channels-last" : "contiguous");
+    if (d->N < 0 || d->C < 0 || d->H < 0 || d->W < 0 || d->O < 0 || d->KH < 1 || d->KW < 1 || d->groups < 1 ||
+        d->C % d->groups || d->O % d->groups)
+        return ampc__err(AMPC_ERR_INVALID, "%s: invalid descriptor", what);
+    for (int i = 0; i < 2; i++)
+        if (d->stride[i] < 1 || d->dilation[i] < 1 || d->padding[i] < 0)
+            return ampc__err(AMPC_ERR_INVALID, "%s: invalid stride, dilation or padding", what);
+    if (d->OH != conv_out(d->H, d->KH, d->stride[0], d->padding[0], d->dilation[0]) ||
+        d->OW != conv_out(d->W, d->KW, d->stride[1], d->padding[1], d->dilation[1]) || d->OH < 1 || d->OW < 1)
+        return ampc__err(AMPC_ERR_INVALID, "%s: output size %lldx%lld does not match the descriptor", what, (long long)d->OH,
+                         (long long)d->OW);
+    if (x->numel != d->N * d->C * d->H * d->W || w->numel != d->O * (d->C / d->groups) * d->KH * d->KW ||
+        y->numel != d->N * d->O * d->OH * d->OW || (b && b->numel != d->O))
+        return ampc__err(AMPC_ERR_INVALID, "%s: a tensor's size does not match the descriptor", what);
+    return ampc__backend_check(kern, dt, x->device);
+}
+
 int ampc__k_conv2d(const ampc_conv_desc *d, const ampc_tensor *x, const ampc_tensor *w, const ampc_tensor *b,
                    ampc_tensor *y) {
-    return BACKEND_CALL(x, conv2d, d, x, w, b, y);
+    return check_conv(AMPC_K_conv2d, d, x, w, y, b, false) < 0 ? ampc_last_status() : ampc__backend(x->device)->conv2d(d, x, w, b, y);
 }
 int ampc__k_conv2d_backward_data(const ampc_conv_desc *d, const ampc_tensor *gy, const ampc_tensor *w, ampc_tensor *gx) {
-    return BACKEND_CALL(gy, conv2d_backward_data, d, gy, w, gx);
+    return check_conv(AMPC_K_conv2d_backward_data, d, gx, w, gy, NULL, false) < 0
+               ? ampc_last_status()
+               : ampc__backend(gy->device)->conv2d_backward_data(d, gy, w, gx);
 }
 int ampc__k_conv2d_backward_weights(const ampc_conv_desc *d, const ampc_tensor *x, const ampc_tensor *gy, ampc_tensor *gw,
                                     ampc_tensor *gb) {
-    return BACKEND_CALL(x, conv2d_backward_weights, d, x, gy, gw, gb);
+    return check_conv(AMPC_K_conv2d_backward_weights, d, x, gw, gy, gb, true) < 0
+               ? ampc_last_status()
+               : ampc__backend(x->device)->conv2d_backward_weights(d, x, gy, gw, gb);
 }
 size_t ampc__k_pool2d_workspace_size(ampc_device dev, const ampc_pool_desc *d, ampc_dtype dt) {
     if (ampc__backend_check(AMPC_K_pool2d_workspace_size, dt, dev) < 0) return 0;

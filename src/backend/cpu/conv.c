@@ -35,7 +35,7 @@
  * - weight gradients with many output channels on small maps are im2col + one matmul instead
  *   (cl_im2col).
  *
- * Files: conv.c (this: checks, f16 through f32 copies, the backend's entry points),
+ * Files: conv.c (this: f16 through f32 copies, the backend's entry points),
  * conv_choose.c (the strategy of each pass), conv_dnnl.c (oneDNN convolution primitives and
  * reorders), conv_gemm.c (1x1 as a matmul), conv_im2col.c (im2col + matmul), conv_split.c (bf16
  * weight gradients split over threads); conv.h what they share.
@@ -47,36 +47,6 @@
 
 // ---------------------------------------------------------------------------------------------
 // Kernels
-
-static int64_t conv_out(int64_t in, int64_t k, int s, int p, int d) { return (in + 2 * p - (int64_t)d * (k - 1) - 1) / s + 1; }
-
-/* grads: w and b are the weight and bias gradients, which may be f32 for 16-bit x and y (then
-   both are). */
-static int check(const ampc_conv_desc *d, const char *what, const ampc_tensor *x, const ampc_tensor *w, const ampc_tensor *y,
-                 const ampc_tensor *b, bool grads) {
-    ampc_dtype dt = x->dtype, wdt = grads && w->dtype == AMPC_F32 ? AMPC_F32 : dt;
-    if (dt != AMPC_F32 && dt != AMPC_F16 && dt != AMPC_BF16)
-        return ampc__err(AMPC_ERR_DTYPE, "%s on %s tensors", what, ampc_dtype_name(dt));
-    if (w->dtype != wdt || y->dtype != dt || (b && b->dtype != wdt))
-        return ampc__err(AMPC_ERR_DTYPE, "%s: operands of different dtypes", what);
-    if (ampc__is_cl(x) != d->channels_last || ampc__is_cl(y) != d->channels_last || ampc__is_cl(w))
-        return ampc__err(AMPC_ERR_INVALID, "%s: activations must be %s as the descriptor says, weights OIHW", what,
-                         d->channels_last ? "channels-last" : "contiguous");
-    if (d->N < 0 || d->C < 0 || d->H < 0 || d->W < 0 || d->O < 0 || d->KH < 1 || d->KW < 1 || d->groups < 1 ||
-        d->C % d->groups || d->O % d->groups)
-        return ampc__err(AMPC_ERR_INVALID, "%s: invalid descriptor", what);
-    for (int i = 0; i < 2; i++)
-        if (d->stride[i] < 1 || d->dilation[i] < 1 || d->padding[i] < 0)
-            return ampc__err(AMPC_ERR_INVALID, "%s: invalid stride, dilation or padding", what);
-    if (d->OH != conv_out(d->H, d->KH, d->stride[0], d->padding[0], d->dilation[0]) ||
-        d->OW != conv_out(d->W, d->KW, d->stride[1], d->padding[1], d->dilation[1]) || d->OH < 1 || d->OW < 1)
-        return ampc__err(AMPC_ERR_INVALID, "%s: output size %lldx%lld does not match the descriptor", what, (long long)d->OH,
-                         (long long)d->OW);
-    if (x->numel != d->N * d->C * d->H * d->W || w->numel != d->O * (d->C / d->groups) * d->KH * d->KW ||
-        y->numel != d->N * d->O * d->OH * d->OW || (b && b->numel != d->O))
-        return ampc__err(AMPC_ERR_INVALID, "%s: a tensor's size does not match the descriptor", what);
-    return AMPC_OK;
-}
 
 /* f16 operands as f32 workspace: n values of each f16 tensor converted in (inputs) or
    allocated (outputs), one block; f32 tensors (f32 weight gradients) are used in place. */
@@ -171,8 +141,7 @@ static int bias_grad(const ampc_conv_desc *d, const ampc_tensor *gy, ampc_tensor
 
 static int cpu_conv2d(const ampc_conv_desc *d, const ampc_tensor *x, const ampc_tensor *w, const ampc_tensor *b,
                       ampc_tensor *y) {
-    int rc = check(d, "conv2d", x, w, y, b, false);
-    if (rc < 0 || y->numel == 0) return rc;
+    if (y->numel == 0) return AMPC_OK;
     if (x->numel == 0) {   /* C == 0: y = bias broadcast over (N, OH, OW) */
         size_t sz = ampc__dt(y->dtype)->size, plane = (size_t)(d->OH * d->OW), O = (size_t)d->O;
         char *out = ampc__data(y);
@@ -188,17 +157,13 @@ static int cpu_conv2d(const ampc_conv_desc *d, const ampc_tensor *x, const ampc_
 }
 
 static int cpu_conv2d_backward_data(const ampc_conv_desc *d, const ampc_tensor *gy, const ampc_tensor *w, ampc_tensor *gx) {
-    int rc = check(d, "conv2d_backward_data", gx, w, gy, NULL, false);
-    if (rc < 0 || gx->numel == 0) return rc;
+    if (gx->numel == 0) return AMPC_OK;
     if (gy->numel == 0) return fill_zero(gx);   /* O == 0 */
     return run_tensors(AMPC_DNNL_CONV_BWD_DATA, d, (ampc_tensor *[]){(ampc_tensor *)gy, (ampc_tensor *)w, gx}, 3, false);
 }
 
 static int cpu_conv2d_backward_weights(const ampc_conv_desc *d, const ampc_tensor *x, const ampc_tensor *gy, ampc_tensor *gw,
                                        ampc_tensor *gb) {
-    if (!gw) return ampc__err(AMPC_ERR_INVALID, "conv2d_backward_weights: no weight gradient tensor");
-    int rc = check(d, "conv2d_backward_weights", x, gw, gy, gb, true);
-    if (rc < 0) return rc;
     if (gy->numel == 0 || x->numel == 0) {   /* N == 0, O == 0, or an empty input: empty sums */
         if (gb && gy->numel) bias_grad(d, gy, gb);
         else fill_zero(gb);
