@@ -619,8 +619,49 @@ static void test_steady_state_no_malloc(void **state) {
         }
 }
 
+/* The door refuses batch norm's bad arguments before any device's kernel sees them, the same
+   on CPU and REF (statistics in f32 there, f64 here): x of one dimension, evaluation without
+   running statistics, a statistic of another dtype or size, y on another device, a backward
+   without its saved statistics, the fused ReLU's stats of the wrong size. */
+static void test_batch_norm_door(void **state) {
+    (void)state;
+    const ampc_device devs[] = {AMPC_DEVICE_CPU, AMPC_DEVICE_REF};
+    for (int k = 0; k < 2; k++) {
+        ampc_scope_begin();
+        ampc_device dev = devs[k];
+        ampc_dtype dt = dev == AMPC_DEVICE_REF ? AMPC_F64 : AMPC_F32;
+        const int64_t C = 3;
+        ampc_tensor *x = ampc_tensor_to(ampc_tensor_rand(AMPC_F32, 4, (int64_t[]){2, 3, 2, 2}, -1, 1), dev, dt);
+        ampc_tensor *y = ampc_tensor_to(ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){2, 3, 2, 2}), dev, dt);
+        ampc_tensor *x1 = ampc_tensor_to(ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){3}), dev, dt);
+        ampc_tensor *sm = ampc_tensor_to(ampc_tensor_zeros(AMPC_F32, 1, &C), dev, dt);
+        ampc_tensor *si = ampc_tensor_to(ampc_tensor_zeros(AMPC_F32, 1, &C), dev, dt);
+        ampc_tensor *s4 = ampc_tensor_to(ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){4}), dev, dt);
+        ampc_tensor *st = ampc_tensor_to(ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){2 * C}), dev, dt);
+        ampc_tensor *far = dev == AMPC_DEVICE_REF ? ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){2, 3, 2, 2})
+                                                  : ampc_tensor_zeros(AMPC_BF16, 1, &C);   /* CPU: a bf16 statistic */
+        ASSERT_NOT_NULL_MSG(x && y && x1 && sm && si && s4 && st && far);
+        ASSERT_OK(ampc__k_batch_norm(x, NULL, NULL, NULL, NULL, y, sm, si, true, 0.1, 1e-5, false));
+        assert_int_equal(ampc__k_batch_norm(x1, NULL, NULL, NULL, NULL, x1, NULL, NULL, true, 0.1, 1e-5, false), AMPC_ERR_SHAPE);
+        assert_int_equal(ampc__k_batch_norm(x, NULL, NULL, NULL, NULL, y, NULL, NULL, false, 0.1, 1e-5, false), AMPC_ERR_INVALID);
+        assert_non_null(strstr(ampc_last_error(), "evaluation needs running_mean and running_var"));
+        assert_int_equal(ampc__k_batch_norm(x, NULL, NULL, NULL, NULL, y, s4, si, true, 0.1, 1e-5, false), AMPC_ERR_SHAPE);
+        if (dev == AMPC_DEVICE_REF) {
+            assert_int_equal(ampc__k_batch_norm(x, NULL, NULL, NULL, NULL, far, sm, si, true, 0.1, 1e-5, false), AMPC_ERR_INVALID);
+        } else {
+            assert_int_equal(ampc__k_batch_norm(x, NULL, NULL, NULL, NULL, y, far, si, true, 0.1, 1e-5, false), AMPC_ERR_DTYPE);
+        }
+        assert_int_equal(ampc__k_batch_norm_backward(x, y, NULL, NULL, si, true, false, y, NULL, NULL), AMPC_ERR_INVALID);
+        assert_non_null(strstr(ampc_last_error(), "missing"));
+        assert_int_equal(ampc__k_batch_norm_relu(x, NULL, NULL, NULL, NULL, y, st, true, 0.1, 1e-5, false), AMPC_ERR_SHAPE);
+        ampc_clear_error();
+        ampc_scope_end();
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_batch_norm_door),
         cmocka_unit_test(test_batch_norm_cases),
         cmocka_unit_test(test_batch_norm_long_rows),
         cmocka_unit_test(test_layer_norm_cases),

@@ -195,38 +195,114 @@ int ampc__k_pool2d(const ampc_pool_desc *d, const ampc_tensor *x, ampc_tensor *y
 int ampc__k_pool2d_backward(const ampc_pool_desc *d, const ampc_tensor *gy, ampc_tensor *gx, const void *ws) {
     return check_pool(d, gx, gy, ws, true) < 0 ? ampc_last_status() : ampc__backend(gy->device)->pool2d_backward(d, gy, gx, ws);
 }
+/* One argument of a batch norm kernel: rows 0 for a tensor shaped as x (y, gy, gx, z, the
+   saved output), else a per-channel tensor of rows x C elements (weight, bias, the running and
+   saved statistics, gw, gb; batch_norm_relu's stats). need: it must be there. */
+typedef struct {
+    const ampc_tensor *t;
+    const char *name;
+    int rows;
+    bool need;
+} bn_arg;
+
+/* Batch norm's arguments, every variant on every device: x (N, C, ...) of a float dtype held by
+   its device; the tensors shaped as x in x's dtype, size and memory format; the per-channel ones
+   in the device's statistics dtype (f32; f64 where the device holds no f32: REF); all on x's
+   device; a forward in evaluation mode with running statistics, in training with values per
+   channel. Then the device's table. */
+static int check_bn(ampc_kernel kern, const ampc_tensor *x, const bn_arg *a, int n, bool forward, bool training) {
+    const char *k = ampc__kernel_name(kern);
+    int rc = ampc__backend_check(kern, x->dtype, x->device);
+    if (rc < 0) return rc;
+    if (x->ndim < 2) return ampc__err(AMPC_ERR_SHAPE, "%s: x needs at least 2 dimensions (N, C, ...)", k);
+    if (x->dtype == AMPC_I64) return ampc__err(AMPC_ERR_DTYPE, "%s: x is %s, expected a float dtype", k, ampc_dtype_name(x->dtype));
+    const ampc_dtype sdt = ampc__device(x->device)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64;
+    const int64_t C = x->shape[1], M = x->numel / (C ? C : 1);
+    for (int i = 0; i < n; i++) {
+        const ampc_tensor *t = a[i].t;
+        if (!t) {
+            if (a[i].need) return ampc__err(AMPC_ERR_INVALID, "%s: %s missing", k, a[i].name);
+            continue;
+        }
+        ampc_dtype want = a[i].rows ? sdt : x->dtype;
+        int64_t numel = a[i].rows ? a[i].rows * C : x->numel;
+        if (t->device != x->device)
+            return ampc__err(AMPC_ERR_INVALID, "%s: %s on %s, x on %s", k, a[i].name, ampc_device_name(t->device),
+                             ampc_device_name(x->device));
+        if (t->dtype != want)
+            return ampc__err(AMPC_ERR_DTYPE, "%s: %s is %s, expected %s", k, a[i].name, ampc_dtype_name(t->dtype), ampc_dtype_name(want));
+        if (t->numel != numel)
+            return ampc__err(AMPC_ERR_SHAPE, "%s: %s has %lld elements, expected %lld", k, a[i].name, (long long)t->numel,
+                             (long long)numel);
+        if (!a[i].rows && ampc__is_cl(t) != ampc__is_cl(x))
+            return ampc__err(AMPC_ERR_INVALID, "%s: x and %s in different memory formats", k, a[i].name);
+    }
+    if (forward && !training && (!a[2].t || !a[3].t))   /* the forwards list weight, bias, running_mean, running_var first */
+        return ampc__err(AMPC_ERR_INVALID, "%s: evaluation needs running_mean and running_var", k);
+    if (forward && training && C > 0 && M < 1)
+        return ampc__err(AMPC_ERR_INVALID, "%s: no values per channel", k);
+    return AMPC_OK;
+}
+
+#define BN_CHECK(kern, forward, ...)                                                               \
+    (check_bn(AMPC_K_##kern, x, (const bn_arg[]){__VA_ARGS__}, (int)(sizeof((const bn_arg[]){__VA_ARGS__}) / sizeof(bn_arg)), \
+              forward, training) < 0)
+
 int ampc__k_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias, ampc_tensor *running_mean,
                        ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *save_mean, ampc_tensor *save_invstd,
                        bool training, double momentum, double eps, bool sync) {
-    return BACKEND_CALL(x, batch_norm, x, weight, bias, running_mean, running_var, y, save_mean, save_invstd, training,
-                        momentum, eps, sync);
+    if (BN_CHECK(batch_norm, true, {weight, "weight", 1, false}, {bias, "bias", 1, false}, {running_mean, "running_mean", 1, false},
+                 {running_var, "running_var", 1, false}, {y, "y", 0, true}, {save_mean, "save_mean", 1, false},
+                 {save_invstd, "save_invstd", 1, false}))
+        return ampc_last_status();
+    return ampc__backend(x->device)->batch_norm(x, weight, bias, running_mean, running_var, y, save_mean, save_invstd, training,
+                                                momentum, eps, sync);
 }
 int ampc__k_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                 const ampc_tensor *save_mean, const ampc_tensor *save_invstd, bool training, bool sync,
                                 ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
-    return BACKEND_CALL(x, batch_norm_backward, x, gy, weight, save_mean, save_invstd, training, sync, gx, gw, gb);
+    if (BN_CHECK(batch_norm_backward, false, {gy, "gy", 0, true}, {gx, "gx", 0, false}, {weight, "weight", 1, false},
+                 {save_mean, "statistics (save_mean)", 1, true}, {save_invstd, "statistics (save_invstd)", 1, true},
+                 {gw, "gw", 1, false}, {gb, "gb", 1, false}))
+        return ampc_last_status();
+    return ampc__backend(x->device)->batch_norm_backward(x, gy, weight, save_mean, save_invstd, training, sync, gx, gw, gb);
 }
 int ampc__k_batch_norm_relu(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                             ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *stats,
                             bool training, double momentum, double eps, bool sync) {
-    return BACKEND_CALL(x, batch_norm_relu, x, weight, bias, running_mean, running_var, y, stats, training, momentum, eps,
-                        sync);
+    if (BN_CHECK(batch_norm_relu, true, {weight, "weight", 1, false}, {bias, "bias", 1, false},
+                 {running_mean, "running_mean", 1, false}, {running_var, "running_var", 1, false}, {y, "y", 0, true},
+                 {stats, "stats", AMPC_BN_RELU_STAT_ROWS, false}))
+        return ampc_last_status();
+    return ampc__backend(x->device)->batch_norm_relu(x, weight, bias, running_mean, running_var, y, stats, training, momentum, eps,
+                                                     sync);
 }
 int ampc__k_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                      const ampc_tensor *stats, bool training, bool sync, ampc_tensor *gx, ampc_tensor *gw,
                                      ampc_tensor *gb) {
-    return BACKEND_CALL(x, batch_norm_relu_backward, x, gy, weight, stats, training, sync, gx, gw, gb);
+    if (BN_CHECK(batch_norm_relu_backward, false, {gy, "gy", 0, true}, {gx, "gx", 0, false}, {weight, "weight", 1, false},
+                 {stats, "statistics (stats)", AMPC_BN_RELU_STAT_ROWS, true}, {gw, "gw", 1, false}, {gb, "gb", 1, false}))
+        return ampc_last_status();
+    return ampc__backend(x->device)->batch_norm_relu_backward(x, gy, weight, stats, training, sync, gx, gw, gb);
 }
 int ampc__k_batch_norm_add_relu(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                                 ampc_tensor *running_mean, ampc_tensor *running_var, const ampc_tensor *z, ampc_tensor *y,
                                 ampc_tensor *stats, bool training, double momentum, double eps) {
-    return BACKEND_CALL(x, batch_norm_add_relu, x, weight, bias, running_mean, running_var, z, y, stats, training,
-                        momentum, eps);
+    if (BN_CHECK(batch_norm_add_relu, true, {weight, "weight", 1, false}, {bias, "bias", 1, false},
+                 {running_mean, "running_mean", 1, false}, {running_var, "running_var", 1, false}, {z, "z", 0, true},
+                 {y, "y", 0, true}, {stats, "stats", 2, false}))
+        return ampc_last_status();
+    return ampc__backend(x->device)->batch_norm_add_relu(x, weight, bias, running_mean, running_var, z, y, stats, training,
+                                                         momentum, eps);
 }
 int ampc__k_batch_norm_add_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *y,
                                          const ampc_tensor *weight, const ampc_tensor *stats, bool training,
                                          ampc_tensor *gx, ampc_tensor *gz, ampc_tensor *gw, ampc_tensor *gb) {
-    return BACKEND_CALL(x, batch_norm_add_relu_backward, x, gy, y, weight, stats, training, gx, gz, gw, gb);
+    if (BN_CHECK(batch_norm_add_relu_backward, false, {gy, "gy", 0, true}, {y, "y", 0, true}, {gx, "gx", 0, false},
+                 {gz, "gz", 0, true}, {weight, "weight", 1, false}, {stats, "statistics (stats)", 2, true},
+                 {gw, "gw", 1, false}, {gb, "gb", 1, false}))
+        return ampc_last_status();
+    return ampc__backend(x->device)->batch_norm_add_relu_backward(x, gy, y, weight, stats, training, gx, gz, gw, gb);
 }
 int ampc__k_layer_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias, ampc_tensor *y,
                        ampc_tensor *mean, ampc_tensor *rstd, double eps) {
