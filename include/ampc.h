@@ -436,39 +436,41 @@ typedef enum {
        channels-last inputs: bit i set when input i may stay channels-last on a backend with
          channels-last kernels (the others are converted to contiguous first),
        what its backward reads: the op saves exactly that and its backward kernel reads it,
-       the name of its backward node, its grad_fn: PyTorch's without the trailing 0) */
-#define AMPC_OP_TABLE(OP)                                                                                            \
-    OP(CAST, "cast", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "CastBackward")                                            \
-    OP(ADD, "add", PASSTHROUGH, PASSTHROUGH, 0x3, NONE, "AddBackward")                                               \
-    OP(SUB, "sub", PASSTHROUGH, PASSTHROUGH, 0x3, NONE, "SubBackward")                                               \
-    OP(MUL, "mul", PASSTHROUGH, PASSTHROUGH, 0x3, X, "MulBackward")                                                  \
-    OP(ADD_SCALAR, "add_scalar", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "AddBackward")                                 \
-    OP(MUL_SCALAR, "mul_scalar", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "MulBackward")                                 \
-    OP(RELU, "relu", PASSTHROUGH, PASSTHROUGH, 0x1, Y, "ReluBackward")                                               \
-    OP(GELU, "gelu", PASSTHROUGH, PASSTHROUGH, 0x1, X, "GeluBackward")                                               \
-    OP(TANH, "tanh", PASSTHROUGH, PASSTHROUGH, 0x1, Y, "TanhBackward")                                               \
-    OP(SIGMOID, "sigmoid", PASSTHROUGH, PASSTHROUGH, 0x1, Y, "SigmoidBackward")                                      \
-    OP(EXP, "exp", FP32, FP32, 0x1, Y, "ExpBackward")                                                                \
-    OP(LOG, "log", FP32, FP32, 0x1, X, "LogBackward")                                                                \
-    OP(POW, "pow", FP32, FP32, 0x1, X, "PowBackward")                                                                \
-    OP(SUM, "sum", FP32, FP32, 0x0, NONE, "SumBackward")                                                             \
-    OP(MEAN, "mean", PASSTHROUGH, PASSTHROUGH, 0x0, NONE, "MeanBackward")                                            \
-    OP(RESHAPE, "reshape", PASSTHROUGH, PASSTHROUGH, 0x0, NONE, "ReshapeBackward")                                   \
-    OP(SOFTMAX, "softmax", FP32, FP32, 0x0, Y, "SoftmaxBackward")                                                    \
-    OP(LOG_SOFTMAX, "log_softmax", FP32, FP32, 0x0, Y, "LogSoftmaxBackward")                                         \
-    OP(MATMUL, "matmul", LOWER, LOWER, 0x0, X, "MatmulBackward")                                                     \
-    OP(LINEAR, "linear", LOWER, LOWER, 0x0, X, "LinearBackward")                                                     \
-    OP(MSE_LOSS, "mse_loss", FP32, FP32, 0x0, X, "MseLossBackward")                                                  \
-    OP(CROSS_ENTROPY, "cross_entropy", FP32, FP32, 0x0, X, "CrossEntropyBackward")                                   \
-    OP(DROPOUT, "dropout", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "DropoutBackward")                                   \
-    OP(CONV2D, "conv2d", LOWER, LOWER, 0x1, X, "ConvolutionBackward")                                                \
-    OP(MAX_POOL2D, "max_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "MaxPool2DWithIndicesBackward")                \
-    OP(AVG_POOL2D, "avg_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "AvgPool2DBackward")                           \
-    OP(ADAPTIVE_AVG_POOL2D, "adaptive_avg_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "AdaptiveAvgPool2DBackward") \
-    OP(BATCH_NORM, "batch_norm", PASSTHROUGH, PASSTHROUGH, 0x1, X, "NativeBatchNormBackward")                        \
-    OP(LAYER_NORM, "layer_norm", FP32, FP32, 0x0, X, "NativeLayerNormBackward")                                      \
-    OP(CAT, "cat", PROMOTE, PROMOTE, 0x0, NONE, "CatBackward")                                                       \
-    OP(SILU, "silu", PASSTHROUGH, PASSTHROUGH, 0x1, X, "SiluBackward")
+       the name of its backward node, its grad_fn: PyTorch's without the trailing 0,
+       its kernels: UNARY (the backends' unary and unary_backward kernels, with alpha), BINARY
+         (their broadcasting binary kernel) or OWN (kernels of its own)) */
+#define AMPC_OP_TABLE(OP)                                                                                                 \
+    OP(CAST, "cast", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "CastBackward", OWN)                                            \
+    OP(ADD, "add", PASSTHROUGH, PASSTHROUGH, 0x3, NONE, "AddBackward", BINARY)                                            \
+    OP(SUB, "sub", PASSTHROUGH, PASSTHROUGH, 0x3, NONE, "SubBackward", BINARY)                                            \
+    OP(MUL, "mul", PASSTHROUGH, PASSTHROUGH, 0x3, X, "MulBackward", BINARY)                                               \
+    OP(ADD_SCALAR, "add_scalar", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "AddBackward", UNARY)                               \
+    OP(MUL_SCALAR, "mul_scalar", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "MulBackward", UNARY)                               \
+    OP(RELU, "relu", PASSTHROUGH, PASSTHROUGH, 0x1, Y, "ReluBackward", UNARY)                                             \
+    OP(GELU, "gelu", PASSTHROUGH, PASSTHROUGH, 0x1, X, "GeluBackward", UNARY)                                             \
+    OP(TANH, "tanh", PASSTHROUGH, PASSTHROUGH, 0x1, Y, "TanhBackward", UNARY)                                             \
+    OP(SIGMOID, "sigmoid", PASSTHROUGH, PASSTHROUGH, 0x1, Y, "SigmoidBackward", UNARY)                                    \
+    OP(EXP, "exp", FP32, FP32, 0x1, Y, "ExpBackward", UNARY)                                                              \
+    OP(LOG, "log", FP32, FP32, 0x1, X, "LogBackward", UNARY)                                                              \
+    OP(POW, "pow", FP32, FP32, 0x1, X, "PowBackward", UNARY)                                                              \
+    OP(SUM, "sum", FP32, FP32, 0x0, NONE, "SumBackward", OWN)                                                             \
+    OP(MEAN, "mean", PASSTHROUGH, PASSTHROUGH, 0x0, NONE, "MeanBackward", OWN)                                            \
+    OP(RESHAPE, "reshape", PASSTHROUGH, PASSTHROUGH, 0x0, NONE, "ReshapeBackward", OWN)                                   \
+    OP(SOFTMAX, "softmax", FP32, FP32, 0x0, Y, "SoftmaxBackward", OWN)                                                    \
+    OP(LOG_SOFTMAX, "log_softmax", FP32, FP32, 0x0, Y, "LogSoftmaxBackward", OWN)                                         \
+    OP(MATMUL, "matmul", LOWER, LOWER, 0x0, X, "MatmulBackward", OWN)                                                     \
+    OP(LINEAR, "linear", LOWER, LOWER, 0x0, X, "LinearBackward", OWN)                                                     \
+    OP(MSE_LOSS, "mse_loss", FP32, FP32, 0x0, X, "MseLossBackward", OWN)                                                  \
+    OP(CROSS_ENTROPY, "cross_entropy", FP32, FP32, 0x0, X, "CrossEntropyBackward", OWN)                                   \
+    OP(DROPOUT, "dropout", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "DropoutBackward", OWN)                                   \
+    OP(CONV2D, "conv2d", LOWER, LOWER, 0x1, X, "ConvolutionBackward", OWN)                                                \
+    OP(MAX_POOL2D, "max_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "MaxPool2DWithIndicesBackward", OWN)                \
+    OP(AVG_POOL2D, "avg_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "AvgPool2DBackward", OWN)                           \
+    OP(ADAPTIVE_AVG_POOL2D, "adaptive_avg_pool2d", PASSTHROUGH, PASSTHROUGH, 0x1, NONE, "AdaptiveAvgPool2DBackward", OWN) \
+    OP(BATCH_NORM, "batch_norm", PASSTHROUGH, PASSTHROUGH, 0x1, X, "NativeBatchNormBackward", OWN)                        \
+    OP(LAYER_NORM, "layer_norm", FP32, FP32, 0x0, X, "NativeLayerNormBackward", OWN)                                      \
+    OP(CAT, "cat", PROMOTE, PROMOTE, 0x0, NONE, "CatBackward", OWN)                                                       \
+    OP(SILU, "silu", PASSTHROUGH, PASSTHROUGH, 0x1, X, "SiluBackward", UNARY)
 /* Policies follow PyTorch's CUDA autocast lists (aten/src/ATen/autocast_mode.cpp) for the ops
    ampc has, for fp16 and bf16 alike: matmul-like ops run in the lower precision; reductions
    PyTorch lists as fp32 (sum, softmax, log_softmax, exp, log, pow), layer_norm and every loss
@@ -478,7 +480,7 @@ typedef enum {
    argmax and dropout its mask, not values (NONE). */
 
 typedef enum {
-#define AMPC_OP_ENUM_(id, name, f16, bf16, channels_last, reads, grad_fn) AMPC_OP_##id,
+#define AMPC_OP_ENUM_(id, name, f16, bf16, channels_last, reads, grad_fn, kind) AMPC_OP_##id,
     AMPC_OP_TABLE(AMPC_OP_ENUM_)
 #undef AMPC_OP_ENUM_
     AMPC_OP_COUNT
@@ -491,7 +493,7 @@ const char *ampc_policy_name(ampc_policy p);
    channels-last (bit i: input i), and what its backward reads. */
 static inline const char *ampc_op_name(ampc_op op) {
     switch (op) {
-#define AMPC_OP_NAME_(id, name, f16, bf16, channels_last, reads, grad_fn) case AMPC_OP_##id: return name;
+#define AMPC_OP_NAME_(id, name, f16, bf16, channels_last, reads, grad_fn, kind) case AMPC_OP_##id: return name;
         AMPC_OP_TABLE(AMPC_OP_NAME_)
 #undef AMPC_OP_NAME_
     default: return "?";
@@ -500,7 +502,7 @@ static inline const char *ampc_op_name(ampc_op op) {
 /* The name of the op's backward node (its grad_fn): "ConvolutionBackward". */
 static inline const char *ampc_op_grad_fn(ampc_op op) {
     switch (op) {
-#define AMPC_OP_GRAD_FN_(id, name, f16, bf16, channels_last, reads, grad_fn) case AMPC_OP_##id: return grad_fn;
+#define AMPC_OP_GRAD_FN_(id, name, f16, bf16, channels_last, reads, grad_fn, kind) case AMPC_OP_##id: return grad_fn;
         AMPC_OP_TABLE(AMPC_OP_GRAD_FN_)
 #undef AMPC_OP_GRAD_FN_
     default: return "?";
@@ -508,15 +510,25 @@ static inline const char *ampc_op_grad_fn(ampc_op op) {
 }
 static inline unsigned ampc_op_channels_last_inputs(ampc_op op) {
     switch (op) {
-#define AMPC_OP_CL_(id, name, f16, bf16, channels_last, reads, grad_fn) case AMPC_OP_##id: return channels_last;
+#define AMPC_OP_CL_(id, name, f16, bf16, channels_last, reads, grad_fn, kind) case AMPC_OP_##id: return channels_last;
         AMPC_OP_TABLE(AMPC_OP_CL_)
 #undef AMPC_OP_CL_
     default: return 0;
     }
 }
+/* Which kernels an op runs on (the op table's kind column). */
+typedef enum { AMPC_KIND_UNARY = 0, AMPC_KIND_BINARY, AMPC_KIND_OWN } ampc_op_kind;
+static inline ampc_op_kind ampc_op_kind_of(ampc_op op) {
+    switch (op) {
+#define AMPC_OP_KIND_(id, name, f16, bf16, channels_last, reads, grad_fn, kind) case AMPC_OP_##id: return AMPC_KIND_##kind;
+        AMPC_OP_TABLE(AMPC_OP_KIND_)
+#undef AMPC_OP_KIND_
+    default: return AMPC_KIND_OWN;
+    }
+}
 static inline ampc_backward_reads ampc_op_backward_reads(ampc_op op) {
     switch (op) {
-#define AMPC_OP_READS_(id, name, f16, bf16, channels_last, reads, grad_fn) case AMPC_OP_##id: return AMPC_READS_##reads;
+#define AMPC_OP_READS_(id, name, f16, bf16, channels_last, reads, grad_fn, kind) case AMPC_OP_##id: return AMPC_READS_##reads;
         AMPC_OP_TABLE(AMPC_OP_READS_)
 #undef AMPC_OP_READS_
     default: return AMPC_READS_NONE;

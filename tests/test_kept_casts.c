@@ -77,7 +77,7 @@ static void test_kernel_cast_out(void **state) {
             ampc_tensor *bad = ampc_tensor_empty(AMPC_F32, 1, &n);
             ampc_sgd_hparams h = {.lr = 0.1};
             ampc_optim_item bad_it = {.param = p, .grad = g, .cast_out = bad};
-            assert_int_equal(be->sgd_step(&bad_it, 1, &h), AMPC_ERR_DTYPE);
+            assert_int_equal(ampc__k_sgd_step(&bad_it, 1, &h), AMPC_ERR_DTYPE);
             assert_non_null(strstr(ampc_last_error(), "not f16/bf16"));
             ampc_clear_error();
             ampc_scope_end();

@@ -2,11 +2,12 @@
  * backend.h - the device seam: a table of kernel function pointers per device.
  *
  * One door: every layer above src/backend/ reaches a kernel through the dispatch functions of
- * dispatch.c (ampc__k_*), never through a table. The door checks once what every kernel needs:
- * a known device (else AMPC_ERR_INVALID), an entry in that device's table and a dtype that
- * device holds (else AMPC_ERR_UNSUPPORTED naming the kernel, dtype and device);
- * ampc__backend_supports asks the same question without calling. The ops check shapes and
- * their own arguments before. A NULL entry means "not supported here". All tensors given to
+ * dispatch.c (ampc__k_*), never through a table. The door checks every argument once for all
+ * devices: a known device (else AMPC_ERR_INVALID), an entry in that device's table and a dtype
+ * that device holds (else AMPC_ERR_UNSUPPORTED naming the kernel, dtype and device), then each
+ * tensor's device, dtype, size and storage order and the kernel's other arguments, as each
+ * entry below describes; ampc__backend_supports asks the first question without calling. The
+ * kernels trust what they are given. A NULL entry means "not supported here". All tensors given to
  * kernels are dense, row-major unless a 4-D one is channels-last (format) where the kernel
  * says it takes that; kernels never allocate tensors, only scratch through
  * ampc__alloc(..., AMPC_MEM_WORKSPACE, ...).
@@ -27,23 +28,9 @@
 #include "backend/optim_consts.h"
 #include "core/core.h"
 
-/* The elementwise kernels take an op of the op table (include/ampc.h): unary ones those of
-   AMPC_UNARY_KERNEL_OPS; binary ones ADD, SUB and MUL. An op a kernel does not have:
-   AMPC_ERR_UNSUPPORTED. */
-
-/* The unary ops every backend's unary and unary_backward have a kernel for: POW is x^alpha,
-   MUL_SCALAR alpha * x, ADD_SCALAR x + alpha. */
-#define AMPC_UNARY_KERNEL_OPS(X) \
-    X(RELU) X(GELU) X(TANH) X(SIGMOID) X(EXP) X(LOG) X(POW) X(MUL_SCALAR) X(ADD_SCALAR) X(SILU)
-static inline bool ampc__unary_has_kernel(ampc_op op) {
-    switch (op) {
-#define AMPC_UNARY_CASE_(id) case AMPC_OP_##id:
-        AMPC_UNARY_KERNEL_OPS(AMPC_UNARY_CASE_)
-#undef AMPC_UNARY_CASE_
-        return true;
-    default: return false;
-    }
-}
+/* The elementwise kernels take an op of the op table (include/ampc.h) of the kind they run:
+   unary and unary_backward those of kind UNARY (POW is x^alpha, MUL_SCALAR alpha * x,
+   ADD_SCALAR x + alpha, also on i64: a counter), binary those of kind BINARY. */
 
 /* C[b] = op(A[b]) @ op(B[b]) (+ bias over columns), b < batch; op = transpose if ta/tb.
    A is (M, K) or (K, M) when ta; B is (K, N) or (N, K) when tb; C is (M, N), all row-major.
@@ -369,32 +356,23 @@ ampc_tensor *ampc__k_sum_to_as(ampc_tensor *x, ampc_dtype out_dt, int ndim, cons
 /* numpy broadcast of two shapes into out (ndim_out receives the rank); error if incompatible */
 int ampc__broadcast_shapes(const ampc_tensor *a, const ampc_tensor *b, int *ndim_out, int64_t *out);
 
-/* Strides (elements) of t along the nd dims of shape, right-aligned, 0 where t has size 1 or
-   lacks the dim; AMPC_ERR_SHAPE unless every dim of t is 1 or equal to shape's (extra leading
-   dims must be 1). who ("cpu", "ref", "cuda") starts the message. */
-int ampc__broadcast_strides(const ampc_tensor *t, int nd, const int64_t *shape, int64_t *st, const char *who);
+/* Strides (elements) of t along nd dims it broadcasts to (the door checked that it does),
+   right-aligned, 0 where t has size 1 or lacks the dim. */
+void ampc__broadcast_strides(const ampc_tensor *t, int nd, int64_t *st);
 
-/* For backends with host memory: cross_entropy's shapes and targets (i64 (N), each in [0, C) or
-   equal to ignore_index); *count receives the number of targets not ignored. */
+/* For backends with host memory: cross_entropy's targets (the door checked their shape), each
+   in [0, C) or equal to ignore_index; *count receives the number of targets not ignored. */
 int ampc__host_ce_targets(const ampc_tensor *logits, const ampc_tensor *targets, const ampc_cross_entropy_options *o,
                           int64_t *count);
-/* unary_backward's operands: keeps of *x and *y the one the op table's backward-reads column
-   names (the other becomes NULL); an error when that one is missing. who: "cpu", "ref". */
-int ampc__unary_backward_operands(ampc_op op, const ampc_tensor **x, const ampc_tensor **y, const char *who);
 /* The optimizer kernels' per-parameter constants (backend/optim_consts.h); step >= 1. */
 ampc_sgd_consts ampc__sgd_consts(const ampc_sgd_hparams *h);
 ampc_adam_consts ampc__adam_consts(const ampc_adam_hparams *h, int64_t step);
-/* Layer norm's rows and cols of x from the statistics' length; who ("cpu ", "cuda ", "") and the
-   kernel's name k start the messages. */
-int ampc__layer_norm_dims(const ampc_tensor *x, const ampc_tensor *stat, const char *who, const char *k, int64_t *rows,
-                          int64_t *cols);
-/* An SGD or Adam item's tensors, for kernels that update parameters of dtype dt (f32: CPU and
-   CUDA; f64: REF): param and grad of dt and one size, the state the hyperparameters call for
-   present and of dt, an Adam step >= 1, and a cast_out (may be NULL) of f16/bf16 with the
-   parameter's numel and format. `kernels` ends the message of a wrong dtype ("the CPU kernels
-   update fp32 master weights"). Where the tensors live is the backend's own check. */
-int ampc__check_sgd_item(const ampc_optim_item *it, const ampc_sgd_hparams *h, ampc_dtype dt, const char *kernels);
-int ampc__check_adam_item(const ampc_optim_item *it, const ampc_adam_hparams *h, ampc_dtype dt, const char *kernels);
+/* Layer norm's x viewed as (rows, cols), rows the statistics' length (the door checked that
+   they divide x). */
+static inline void ampc__layer_norm_dims(const ampc_tensor *x, const ampc_tensor *mean, int64_t *rows, int64_t *cols) {
+    *rows = mean->numel;
+    *cols = *rows ? x->numel / *rows : 0;
+}
 /* SyncBatchNorm's exchanges (src/backend/bn_sync.c), on host arrays, through the collectives
    seam (ampc__comm): the same calls in the same order on every process.
    st (3C + 1 doubles): in, this process's per-channel mean (st[0..C)), its count of values per

@@ -1,9 +1,13 @@
 /*
  * dispatch.c - the one door to the kernels: every kernel call from the layers above
- * src/backend/ comes through here. Each call checks once what is common to every kernel (the
- * device is known, its table has the kernel, it holds the dtype: ampc__backend_check) and
- * then runs that device's kernel, which trusts what it is given (no autograd, no autocast).
- * The ampc__k_<kernel> functions take a table entry's arguments; the wrappers further down
+ * src/backend/ comes through here, and every argument is checked here once, for every device:
+ * the device is known and its table has the kernel for the dtype (ampc__backend_check); every
+ * tensor is on that device, of the dtype and size the kernel takes, in a storage order the
+ * kernel can walk; descriptors, axes, probabilities and optimizer items are valid; the op is of
+ * the kind the kernel runs (the op table's kind column). Then the device's kernel runs and
+ * trusts what it is given (no autograd, no autocast, no checks of its own, except what only it
+ * can see: a GPU that failed to start, a target out of range in device memory). The
+ * ampc__k_<kernel> functions take a table entry's arguments; the wrappers further down
  * allocate their output on the input's device first.
  */
 #include "backend/backend.h"
@@ -66,53 +70,299 @@ int ampc__backend_check(ampc_kernel k, ampc_dtype dt, ampc_device dev) {
     return AMPC_OK;
 }
 
-/* Kernel k of tensor t's device with the arguments, after the door's checks. */
-#define BACKEND_CALL(t, k, ...)                                                                    \
-    (ampc__backend_check(AMPC_K_##k, (t)->dtype, (t)->device) < 0 ? ampc_last_status()              \
-                                                                  : ampc__backend((t)->device)->k(__VA_ARGS__))
+// ---------------------------------------------------------------------------------------------
+// A kernel's tensor arguments, checked from a list
+
+/* What an argument's dtype must be (k_arg.dtype): one named dtype (>= 0), or a float dtype its
+   device holds, the first argument's, or the device's statistics dtype (f32; f64 on a device
+   that holds no f32: REF), which is also the dtype its optimizers update. */
+enum { ANY_FLOAT = -1, FIRST = -2, STAT = -3 };
+
+/* One tensor argument: NULL allowed unless need; numel -1: any size. */
+typedef struct {
+    const ampc_tensor *t;
+    const char *name;
+    int dtype;
+    int64_t numel;
+    bool need;
+} k_arg;
+
+static ampc_dtype stat_dtype(ampc_device dev) { return ampc__device(dev)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64; }
+
+static bool float_on(ampc_dtype dt, ampc_device dev) {
+    return (unsigned)dt < AMPC_DTYPE_COUNT && ampc__dt(dt)->is_float && ampc__device(dev)->dtypes[dt];
+}
+
+/* The device's table (kernel kern, the first argument's dtype), then every argument on the
+   first one's device, of its dtype and size. */
+static int check_args(ampc_kernel kern, const k_arg *a, int n) {
+    const char *k = ampc__kernel_name(kern);
+    const ampc_tensor *t0 = a[0].t;
+    if (!t0) return ampc__err(AMPC_ERR_INVALID, "%s: %s missing", k, a[0].name);
+    int rc = ampc__backend_check(kern, t0->dtype, t0->device);
+    for (int i = 0; i < n && rc >= 0; i++) {
+        const ampc_tensor *t = a[i].t;
+        ampc_dtype want = a[i].dtype == FIRST ? t0->dtype : a[i].dtype == STAT ? stat_dtype(t0->device) : (ampc_dtype)a[i].dtype;
+        if (!t)
+            rc = a[i].need ? ampc__err(AMPC_ERR_INVALID, "%s: %s missing", k, a[i].name) : AMPC_OK;
+        else if (t->device != t0->device)
+            rc = ampc__err(AMPC_ERR_INVALID, "%s: %s on %s, %s on %s", k, a[i].name, ampc_device_name(t->device), a[0].name,
+                           ampc_device_name(t0->device));
+        else if (a[i].dtype == ANY_FLOAT ? !float_on(t->dtype, t->device) : t->dtype != want)
+            rc = ampc__err(AMPC_ERR_DTYPE, "%s: %s is %s, expected %s", k, a[i].name, ampc_dtype_name(t->dtype),
+                           a[i].dtype == ANY_FLOAT ? "a float dtype its device holds" : ampc_dtype_name(want));
+        else if (a[i].numel >= 0 && t->numel != a[i].numel)
+            rc = ampc__err(AMPC_ERR_SHAPE, "%s: %s has %lld elements, expected %lld", k, a[i].name, (long long)t->numel,
+                           (long long)a[i].numel);
+    }
+    return rc;
+}
+
+#define ARGS(kern, ...)                                                                                               \
+    (check_args(kern, (const k_arg[]){__VA_ARGS__}, (int)(sizeof((const k_arg[]){__VA_ARGS__}) / sizeof(k_arg))) < 0)
 
 // ---------------------------------------------------------------------------------------------
-// One function per table entry
+// Elementwise: unary, binary, sum_to, expand
+
+/* A 4-D channels-last tensor whose storage order differs from the contiguous one (C > 1 and
+   H * W > 1): the kernels walk storage, so it goes only with tensors of its shape and format. */
+static bool cl_order(const ampc_tensor *t) {
+    return t && t->ndim == 4 && t->format == AMPC_CHANNELS_LAST && t->shape[1] > 1 && t->shape[2] * t->shape[3] > 1;
+}
+
+/* a and b are walked in one storage order */
+static int check_order(ampc_kernel kern, const ampc_tensor *a, const ampc_tensor *b) {
+    if ((cl_order(a) || cl_order(b)) && !(ampc__same_shape(a, b) && a->format == b->format))
+        return ampc__err(AMPC_ERR_INVALID, "%s on channels-last tensors of different shapes or formats", ampc__kernel_name(kern));
+    return AMPC_OK;
+}
+
+/* small's shape broadcasts to big's (right-aligned: each of small's dims 1 or equal, extra
+   leading dims 1), and the two are walked in one storage order. */
+static int check_walk(ampc_kernel kern, const ampc_tensor *small, const ampc_tensor *big) {
+    bool ok = true;
+    for (int j = 0; j < small->ndim - big->ndim; j++) ok = ok && small->shape[j] == 1;
+    for (int i = 0; i < big->ndim; i++) {
+        int j = small->ndim - big->ndim + i;
+        int64_t d = j >= 0 ? small->shape[j] : 1;
+        ok = ok && (d == 1 || d == big->shape[i]);
+    }
+    if (!ok) {
+        char s1[96], s2[96];
+        return ampc__err(AMPC_ERR_SHAPE, "%s: shape %s does not broadcast to %s", ampc__kernel_name(kern),
+                         ampc__shape_str(small, s1, sizeof s1), ampc__shape_str(big, s2, sizeof s2));
+    }
+    return check_order(kern, small, big);
+}
 
 int ampc__k_unary_into(ampc_op op, const ampc_tensor *x, ampc_tensor *y, double alpha) {
-    return BACKEND_CALL(x, unary, op, x, y, alpha);
+    if (ampc_op_kind_of(op) != AMPC_KIND_UNARY) return ampc__err(AMPC_ERR_UNSUPPORTED, "unary: no kernel for %s", ampc_op_name(op));
+    int dt = op == AMPC_OP_ADD_SCALAR && x->dtype == AMPC_I64 ? AMPC_I64 : ANY_FLOAT;   /* a counter where it lives */
+    if (ARGS(AMPC_K_unary, {x, "x", dt, -1, true}, {y, "y", dt, x->numel, true}) || check_order(AMPC_K_unary, x, y) < 0)
+        return ampc_last_status();
+    return ampc__backend(x->device)->unary(op, x, y, alpha);
 }
+
+/* unary_backward's arguments: of x and y, the one the op table's backward-reads column names
+   (the other becomes NULL, and must be there); gy, gx and it of one size and storage order,
+   gx in gy's dtype. */
+static int check_unary_backward(ampc_op op, const ampc_tensor **x, const ampc_tensor **y, const ampc_tensor *gy,
+                                const ampc_tensor *gx) {
+    if (ampc_op_kind_of(op) != AMPC_KIND_UNARY)
+        return ampc__err(AMPC_ERR_UNSUPPORTED, "unary_backward: no kernel for %s", ampc_op_name(op));
+    ampc_backward_reads reads = ampc_op_backward_reads(op);
+    if (reads != AMPC_READS_X) *x = NULL;
+    if (reads != AMPC_READS_Y) *y = NULL;
+    const ampc_tensor *v = *x ? *x : *y;
+    if (reads != AMPC_READS_NONE && !v)
+        return ampc__err(AMPC_ERR_INVALID, "unary_backward of %s needs its saved %s", ampc_op_name(op),
+                         reads == AMPC_READS_X ? "input" : "output");
+    if (ARGS(AMPC_K_unary_backward, {gy, "gy", ANY_FLOAT, -1, true}, {gx, "gx", FIRST, gy->numel, true},
+             {v, reads == AMPC_READS_X ? "x" : "y", ANY_FLOAT, gy->numel, false}) ||
+        check_order(AMPC_K_unary_backward, gy, gx) < 0 || (v && check_order(AMPC_K_unary_backward, v, gx) < 0))
+        return ampc_last_status();
+    return AMPC_OK;
+}
+
 int ampc__k_binary_into(ampc_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out) {
-    return BACKEND_CALL(a, binary, op, a, b, out);
+    if (ampc_op_kind_of(op) != AMPC_KIND_BINARY) return ampc__err(AMPC_ERR_UNSUPPORTED, "binary: no kernel for %s", ampc_op_name(op));
+    if (ARGS(AMPC_K_binary, {out, "out", ANY_FLOAT, -1, true}, {a, "a", FIRST, -1, true}, {b, "b", FIRST, -1, true}) ||
+        check_walk(AMPC_K_binary, a, out) < 0 || check_walk(AMPC_K_binary, b, out) < 0)
+        return ampc_last_status();
+    return ampc__backend(out->device)->binary(op, a, b, out);
 }
+
+/* out in x's dtype or f32 (a 16-bit bias gradient summed straight into fp32) */
+static int sum_to_into(const ampc_tensor *x, ampc_tensor *out, double alpha) {
+    if (ARGS(AMPC_K_sum_to, {x, "x", ANY_FLOAT, -1, true}, {out, "out", out->dtype == AMPC_F32 ? AMPC_F32 : FIRST, -1, true}) ||
+        check_walk(AMPC_K_sum_to, out, x) < 0)
+        return ampc_last_status();
+    return ampc__backend(x->device)->sum_to(x, out, alpha);
+}
+
+static int expand_into(const ampc_tensor *x, ampc_tensor *out, double alpha) {
+    if (ARGS(AMPC_K_expand, {x, "x", ANY_FLOAT, -1, true}, {out, "out", FIRST, -1, true}) || check_walk(AMPC_K_expand, x, out) < 0)
+        return ampc_last_status();
+    return ampc__backend(x->device)->expand(x, out, alpha);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax, cross-entropy, dropout
+
+static int check_axis(ampc_kernel kern, const ampc_tensor *t, ampc_axis_desc ax) {
+    if (ax.outer < 0 || ax.dim < 0 || ax.inner < 0 || ax.outer * ax.dim * ax.inner != t->numel)
+        return ampc__err(AMPC_ERR_SHAPE, "%s: axis (%lld, %lld, %lld) does not cover %lld elements", ampc__kernel_name(kern),
+                         (long long)ax.outer, (long long)ax.dim, (long long)ax.inner, (long long)t->numel);
+    return AMPC_OK;
+}
+
 int ampc__k_softmax(const ampc_tensor *x, ampc_tensor *y, ampc_axis_desc ax, bool log) {
-    return BACKEND_CALL(x, softmax, x, y, ax, log);
+    if (ARGS(AMPC_K_softmax, {x, "x", ANY_FLOAT, -1, true}, {y, "y", ANY_FLOAT, x->numel, true}) || check_axis(AMPC_K_softmax, x, ax) < 0)
+        return ampc_last_status();
+    return ampc__backend(x->device)->softmax(x, y, ax, log);
 }
 int ampc__k_softmax_backward(const ampc_tensor *y, const ampc_tensor *gy, ampc_tensor *gx, ampc_axis_desc ax, bool log) {
-    return BACKEND_CALL(y, softmax_backward, y, gy, gx, ax, log);
+    if (ARGS(AMPC_K_softmax_backward, {y, "y", ANY_FLOAT, -1, true}, {gy, "gy", ANY_FLOAT, y->numel, true}, {gx, "gx", FIRST, y->numel, true}) ||
+        check_axis(AMPC_K_softmax_backward, y, ax) < 0)
+        return ampc_last_status();
+    return ampc__backend(y->device)->softmax_backward(y, gy, gx, ax, log);
 }
+
+/* logits (N, C) of a float dtype, targets (N) i64 on their device (the kernels check the
+   targets' values, where they can read them), the per-sample or reduced tensor g (the loss,
+   or its gradient gy: N values for reduction NONE, else 1) */
+static int check_ce(ampc_kernel kern, const ampc_tensor *logits, const ampc_tensor *targets, const ampc_cross_entropy_options *o,
+                    const ampc_tensor *g, const char *g_name, const ampc_tensor *gx) {
+    const char *k = ampc__kernel_name(kern);
+    if (!o) return ampc__err(AMPC_ERR_INVALID, "%s: no options", k);
+    int64_t N = logits->ndim == 2 ? logits->shape[0] : -1;
+    if (ARGS(kern, {logits, "logits", ANY_FLOAT, -1, true}, {targets, "targets", AMPC_I64, N, true},
+             {g, g_name, ANY_FLOAT, o->reduction == AMPC_REDUCTION_NONE ? N : 1, true}, {gx, "gx", ANY_FLOAT, logits->numel, false}))
+        return ampc_last_status();
+    if (logits->ndim != 2 || targets->ndim != 1)
+        return ampc__err(AMPC_ERR_SHAPE, "%s: logits must be (N, C) and targets (N)", k);
+    return AMPC_OK;
+}
+
 int ampc__k_cross_entropy(const ampc_tensor *logits, const ampc_tensor *targets, const ampc_cross_entropy_options *o,
                           ampc_tensor *out, double *weight_out) {
-    return BACKEND_CALL(logits, cross_entropy, logits, targets, o, out, weight_out);
+    if (check_ce(AMPC_K_cross_entropy, logits, targets, o, out, "out", NULL) < 0) return ampc_last_status();
+    return ampc__backend(logits->device)->cross_entropy(logits, targets, o, out, weight_out);
 }
 int ampc__k_cross_entropy_backward(const ampc_tensor *logits, const ampc_tensor *targets, const ampc_tensor *gy,
                                    const ampc_cross_entropy_options *o, double weight, ampc_tensor *gx) {
-    return BACKEND_CALL(logits, cross_entropy_backward, logits, targets, gy, o, weight, gx);
+    if (!gx) return ampc__err(AMPC_ERR_INVALID, "cross_entropy_backward: gx missing");
+    if (check_ce(AMPC_K_cross_entropy_backward, logits, targets, o, gy, "gy", gx) < 0) return ampc_last_status();
+    return ampc__backend(logits->device)->cross_entropy_backward(logits, targets, gy, o, weight, gx);
+}
+
+static int check_dropout(ampc_kernel kern, const ampc_tensor *x, const ampc_tensor *y, const uint8_t *mask, double p) {
+    if (ARGS(kern, {x, "x", ANY_FLOAT, -1, true}, {y, "y", ANY_FLOAT, x->numel, true}) || check_order(kern, x, y) < 0)
+        return ampc_last_status();
+    if (!mask && x->numel) return ampc__err(AMPC_ERR_INVALID, "%s: no mask", ampc__kernel_name(kern));
+    if (!(p >= 0 && p <= 1)) return ampc__err(AMPC_ERR_INVALID, "%s: probability %g outside [0, 1]", ampc__kernel_name(kern), p);
+    return AMPC_OK;
 }
 int ampc__k_dropout(const ampc_tensor *x, ampc_tensor *y, uint8_t *mask, double p, ampc_rng_state rng) {
-    return BACKEND_CALL(x, dropout, x, y, mask, p, rng);
+    return check_dropout(AMPC_K_dropout, x, y, mask, p) < 0 ? ampc_last_status() : ampc__backend(x->device)->dropout(x, y, mask, p, rng);
 }
 int ampc__k_dropout_backward(const ampc_tensor *gy, const uint8_t *mask, double p, ampc_tensor *gx) {
-    return BACKEND_CALL(gy, dropout_backward, gy, mask, p, gx);
+    return check_dropout(AMPC_K_dropout_backward, gy, gx, mask, p) < 0 ? ampc_last_status()
+                                                                       : ampc__backend(gy->device)->dropout_backward(gy, mask, p, gx);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The GradScaler's and the optimizers' kernels
+
+/* grads (NULL entries skipped) on the first one's device, each of a float dtype it holds */
 int ampc__k_unscale_check(ampc_tensor **grads, int n, float inv_scale, float *found_inf) {
-    if (n <= 0) return AMPC_OK;
-    for (int i = 1; i < n; i++)
-        if (ampc__backend_check(AMPC_K_unscale_check, grads[i]->dtype, grads[0]->device) < 0) return ampc_last_status();
-    return BACKEND_CALL(grads[0], unscale_check, grads, n, inv_scale, found_inf);
+    const ampc_tensor *g0 = NULL;
+    for (int i = 0; i < n && !g0; i++) g0 = grads[i];
+    if (!g0) return AMPC_OK;
+    for (int i = 0; i < n; i++)
+        if (ARGS(AMPC_K_unscale_check, {g0, "the first gradient", ANY_FLOAT, -1, true}, {grads[i], "a gradient", ANY_FLOAT, -1, false}))
+            return ampc_last_status();
+    return ampc__backend(g0->device)->unscale_check(grads, n, inv_scale, found_inf);
 }
-int ampc__k_sum_squares(const ampc_tensor *t, double *out) { return BACKEND_CALL(t, sum_squares, t, out); }
+int ampc__k_sum_squares(const ampc_tensor *t, double *out) {
+    return ARGS(AMPC_K_sum_squares, {t, "t", ANY_FLOAT, -1, true}) ? ampc_last_status() : ampc__backend(t->device)->sum_squares(t, out);
+}
+
+/* What every item needs: param and grad of the device's master dtype and one size, a part
+   inside the parameter, state of the part's size, a 16-bit copy of the parameter's shape and
+   format (whole parameters only); every tensor on the first item's device. */
+static int check_item(ampc_kernel kern, const ampc_optim_item *it, const ampc_tensor *p0) {
+    const char *k = ampc__kernel_name(kern);
+    if (!it->param || !it->grad) return ampc__err(AMPC_ERR_INVALID, "%s: an item without parameter or grad", k);
+    const int64_t n = ampc__item_count(it);
+    if (it->begin < 0 || it->count < 0 || it->begin > it->param->numel - it->count || (it->count == 0 && it->begin != 0))
+        return ampc__err(AMPC_ERR_SHAPE, "%s: part [%lld, +%lld) of a parameter of %lld elements", k, (long long)it->begin,
+                         (long long)it->count, (long long)it->param->numel);
+    const ampc_tensor *out = it->cast_out;
+    if (out && it->count) return ampc__err(AMPC_ERR_INVALID, "%s: a part of a parameter has no 16-bit copy to write", k);
+    if (out && out->dtype != AMPC_F16 && out->dtype != AMPC_BF16)
+        return ampc__err(AMPC_ERR_DTYPE, "%s: the parameter's 16-bit copy is %s, not f16/bf16", k, ampc_dtype_name(out->dtype));
+    if (out && out->format != it->param->format)
+        return ampc__err(AMPC_ERR_SHAPE, "%s: the parameter's 16-bit copy has another memory format", k);
+    return check_args(kern,
+                      (const k_arg[]){{p0, "parameter 0", STAT, -1, true}, {it->param, "parameter", STAT, -1, true},
+                                      {it->grad, "grad", STAT, it->param->numel, true}, {it->state[0], "state 0", STAT, n, false},
+                                      {it->state[1], "state 1", STAT, n, false}, {it->state[2], "state 2", STAT, n, false},
+                                      {out, "16-bit copy", out ? (int)out->dtype : ANY_FLOAT, it->param->numel, false}},
+                      7);
+}
+
 int ampc__k_sgd_step(const ampc_optim_item *items, int n, const ampc_sgd_hparams *h) {
-    return n <= 0 ? AMPC_OK : BACKEND_CALL(items[0].param, sgd_step, items, n, h);
+    for (int i = 0; i < n; i++) {
+        if (check_item(AMPC_K_sgd_step, &items[i], items[0].param) < 0) return ampc_last_status();
+        if (h->momentum != 0 && !items[i].state[0]) return ampc__err(AMPC_ERR_INVALID, "SGD with momentum needs a buffer");
+    }
+    return n <= 0 ? AMPC_OK : ampc__backend(items[0].param->device)->sgd_step(items, n, h);
 }
 int ampc__k_adam_step(const ampc_optim_item *items, int n, const ampc_adam_hparams *h) {
-    return n <= 0 ? AMPC_OK : BACKEND_CALL(items[0].param, adam_step, items, n, h);
+    for (int i = 0; i < n; i++) {
+        const ampc_optim_item *it = &items[i];
+        if (check_item(AMPC_K_adam_step, it, items[0].param) < 0) return ampc_last_status();
+        if (!it->state[0] || !it->state[1]) return ampc__err(AMPC_ERR_INVALID, "Adam needs exp_avg and exp_avg_sq");
+        if (h->amsgrad && !it->state[2]) return ampc__err(AMPC_ERR_INVALID, "amsgrad needs max_exp_avg_sq");
+        if (it->step < 1) return ampc__err(AMPC_ERR_INVALID, "Adam step %lld (steps count from 1)", (long long)it->step);
+    }
+    return n <= 0 ? AMPC_OK : ampc__backend(items[0].param->device)->adam_step(items, n, h);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Matrix products
+
+/* elements a (batch, rows, cols) operand spans with batch stride s */
+static int64_t extent(int64_t batch, int64_t s, int64_t rows, int64_t cols) { return (batch - 1) * s + rows * cols; }
+
+/* a, b and bias of one float dtype, c too or f32 for 16-bit operands without bias (the
+   unrounded accumulator); sizes and strides not negative, a batched output not broadcast,
+   every tensor at least as large as the descriptor reaches */
+static int check_gemm(const ampc_gemm_desc *d, const ampc_tensor *a, const ampc_tensor *b, const ampc_tensor *bias,
+                      const ampc_tensor *c) {
+    bool wide = c && c->dtype == AMPC_F32 && (a->dtype == AMPC_F16 || a->dtype == AMPC_BF16) && !bias;
+    if (ARGS(AMPC_K_gemm, {a, "a", ANY_FLOAT, -1, true}, {b, "b", FIRST, -1, true}, {c, "c", wide ? AMPC_F32 : FIRST, -1, true},
+             {bias, "bias", FIRST, -1, false}))
+        return ampc_last_status();
+    if (d->batch < 0 || d->M < 0 || d->N < 0 || d->K < 0 || d->stride_a < 0 || d->stride_b < 0 || d->stride_c < 0)
+        return ampc__err(AMPC_ERR_INVALID, "gemm: negative size or stride");
+    if (d->batch == 0 || d->M == 0 || d->N == 0) return AMPC_OK;
+    if (d->batch > 1 && d->stride_c == 0) return ampc__err(AMPC_ERR_INVALID, "gemm: output batch stride 0");
+    if ((d->K && (a->numel < extent(d->batch, d->stride_a, d->M, d->K) || b->numel < extent(d->batch, d->stride_b, d->K, d->N))) ||
+        c->numel < extent(d->batch, d->stride_c, d->M, d->N) || (bias && bias->numel < d->N))
+        return ampc__err(AMPC_ERR_INVALID, "gemm: a tensor is smaller than the descriptor (batch %lld, M %lld, N %lld, K %lld)",
+                         (long long)d->batch, (long long)d->M, (long long)d->N, (long long)d->K);
+    return AMPC_OK;
+}
+
+static int gemm_into(const ampc_gemm_desc *d, const ampc_tensor *a, const ampc_tensor *b, const ampc_tensor *bias, ampc_tensor *c) {
+    return check_gemm(d, a, b, bias, c) < 0 ? ampc_last_status() : ampc__backend(a->device)->gemm(d, a, b, bias, c);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Convolution, pooling, batch norm, layer norm, copy_block
+
 static int64_t conv_out(int64_t in, int64_t k, int s, int p, int d) { return (in + 2 * p - (int64_t)d * (k - 1) - 1) / s + 1; }
 
 /* A convolution's arguments, for every device: x (or gx), w (or gw), y (or gy) and b (or gb,
@@ -304,14 +554,39 @@ int ampc__k_batch_norm_add_relu_backward(const ampc_tensor *x, const ampc_tensor
         return ampc_last_status();
     return ampc__backend(x->device)->batch_norm_add_relu_backward(x, gy, y, weight, stats, training, gx, gz, gw, gb);
 }
+/* Layer norm's x viewed as (rows, cols), rows the statistics' length. */
+static int ln_dims(ampc_kernel kern, const ampc_tensor *x, const ampc_tensor *mean, int64_t *rows, int64_t *cols) {
+    if (!mean) return ampc__err(AMPC_ERR_INVALID, "%s: mean missing", ampc__kernel_name(kern));
+    *rows = mean->numel;
+    if (*rows == 0 ? x->numel != 0 : x->numel % *rows != 0)
+        return ampc__err(AMPC_ERR_SHAPE, "%s: %lld elements do not make %lld rows", ampc__kernel_name(kern), (long long)x->numel,
+                         (long long)*rows);
+    *cols = *rows ? x->numel / *rows : 0;
+    return AMPC_OK;
+}
+
 int ampc__k_layer_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias, ampc_tensor *y,
                        ampc_tensor *mean, ampc_tensor *rstd, double eps) {
-    return BACKEND_CALL(x, layer_norm, x, weight, bias, y, mean, rstd, eps);
+    int64_t rows, cols;
+    if (ln_dims(AMPC_K_layer_norm, x, mean, &rows, &cols) < 0 ||
+        ARGS(AMPC_K_layer_norm, {x, "x", ANY_FLOAT, -1, true}, {y, "y", ANY_FLOAT, x->numel, true},
+             {weight, "weight", ANY_FLOAT, cols, false}, {bias, "bias", ANY_FLOAT, cols, false}, {mean, "mean", STAT, rows, true},
+             {rstd, "rstd", STAT, rows, false}) ||
+        check_order(AMPC_K_layer_norm, x, y) < 0)
+        return ampc_last_status();
+    return ampc__backend(x->device)->layer_norm(x, weight, bias, y, mean, rstd, eps);
 }
 int ampc__k_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                 const ampc_tensor *mean, const ampc_tensor *rstd, ampc_tensor *gx, ampc_tensor *gw,
                                 ampc_tensor *gb) {
-    return BACKEND_CALL(x, layer_norm_backward, x, gy, weight, mean, rstd, gx, gw, gb);
+    int64_t rows, cols, n = x->numel;
+    if (ln_dims(AMPC_K_layer_norm_backward, x, mean, &rows, &cols) < 0 ||
+        ARGS(AMPC_K_layer_norm_backward, {x, "x", ANY_FLOAT, -1, true}, {gy, "gy", FIRST, n, true}, {gx, "gx", FIRST, n, false},
+             {weight, "weight", ANY_FLOAT, cols, false}, {mean, "mean", STAT, rows, true}, {rstd, "rstd", STAT, rows, true},
+             {gw, "gw", ANY_FLOAT, cols, false}, {gb, "gb", ANY_FLOAT, cols, false}) ||
+        check_order(AMPC_K_layer_norm_backward, x, gy) < 0 || (gx && check_order(AMPC_K_layer_norm_backward, x, gx) < 0))
+        return ampc_last_status();
+    return ampc__backend(x->device)->layer_norm_backward(x, gy, weight, mean, rstd, gx, gw, gb);
 }
 /* copy_block's arguments (same dtype, the blocks inside both tensors, a scale other than 1 on
    f32 and f64 only): AMPC_OK, 1 when there is nothing to copy, else the error */
@@ -373,11 +648,15 @@ ampc_tensor *ampc__k_unary(ampc_op op, ampc_tensor *x, double alpha) {
 ampc_tensor *ampc__k_unary_backward(ampc_op op, ampc_tensor *x, ampc_tensor *y, ampc_tensor *gy, double alpha) {
     ampc_tensor *gx = ampc__tensor_like(gy, gy->dtype);
     if (!gx) return NULL;
-    return finish_kernel(gx, BACKEND_CALL(gy, unary_backward, op, x, y, gy, gx, alpha));
+    const ampc_tensor *cx = x, *cy = y;
+    int rc = check_unary_backward(op, &cx, &cy, gy, gx);
+    return finish_kernel(gx, rc < 0 ? rc : ampc__backend(gy->device)->unary_backward(op, cx, cy, gy, gx, alpha));
 }
 
 ampc_tensor *ampc__k_unary_backward_over(ampc_op op, ampc_tensor *x, ampc_tensor *y, ampc_tensor *gy, double alpha) {
-    int rc = BACKEND_CALL(gy, unary_backward, op, x, y, gy, gy, alpha);
+    const ampc_tensor *cx = x, *cy = y;
+    int rc = check_unary_backward(op, &cx, &cy, gy, gy);
+    if (rc >= 0) rc = ampc__backend(gy->device)->unary_backward(op, cx, cy, gy, gy, alpha);
     return rc < 0 ? NULL : ampc__retain(gy);
 }
 
@@ -407,7 +686,7 @@ ampc_tensor *ampc__k_sum_to_as(ampc_tensor *x_, ampc_dtype out_dt, int ndim, con
     ampc_memory_format fmt;
     ampc_tensor *x = shape_walk(x_, ndim, shape, &fmt);
     ampc_tensor *out = x ? ampc__tensor_new_fmt(out_dt, x->device, ndim, shape, fmt) : NULL;
-    if (out) out = finish_kernel(out, BACKEND_CALL(x, sum_to, x, out, alpha));
+    if (out) out = finish_kernel(out, sum_to_into(x, out, alpha));
     ampc__release(x);
     return out;
 }
@@ -415,7 +694,7 @@ ampc_tensor *ampc__k_expand(ampc_tensor *x_, int ndim, const int64_t *shape, dou
     ampc_memory_format fmt;
     ampc_tensor *x = shape_walk(x_, ndim, shape, &fmt);
     ampc_tensor *out = x ? ampc__tensor_new_fmt(x->dtype, x->device, ndim, shape, fmt) : NULL;
-    if (out) out = finish_kernel(out, BACKEND_CALL(x, expand, x, out, alpha));
+    if (out) out = finish_kernel(out, expand_into(x, out, alpha));
     ampc__release(x);
     return out;
 }
@@ -430,7 +709,7 @@ ampc_tensor *ampc__k_gemm_as(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tenso
         return ampc__err_null(AMPC_ERR_INVALID, "gemm on a channels-last tensor (the op must convert it)");
     ampc_tensor *c = ampc__tensor_new(out_dt, a->device, ndim, out_shape);
     if (!c) return NULL;
-    return finish_kernel(c, BACKEND_CALL(a, gemm, d, a, b, bias, c));
+    return finish_kernel(c, gemm_into(d, a, b, bias, c));
 }
 
 ampc_tensor *ampc__k_gemm(const ampc_gemm_desc *d, ampc_tensor *a, ampc_tensor *b, ampc_tensor *bias, int ndim,

@@ -292,6 +292,11 @@ typedef struct {
        format, one of them on this device and the other on a host-memory device */
     int (*transfer)(const ampc_tensor *src, ampc_tensor *dst);
     int (*synchronize)(void);          /* waits for the device's queued work (may be NULL) */
+    /* Page-locks nbytes of host memory at p for this device's transfers (direct DMA, no
+       driver staging), until host_unpin(p); the memory must stay allocated until then. An
+       optimisation: false when it could not (the memory stays usable as it was). May be NULL. */
+    bool (*host_pin)(void *p, size_t nbytes);
+    void (*host_unpin)(void *p);
 } ampc_device_ops;
 void ampc__device_register(ampc_device dev, const ampc_device_ops *ops);
 /* dev's table (never NULL: an unregistered or out-of-range device gets an empty one). */

@@ -9,7 +9,9 @@
  * once when the model is wrapped, and a wire tensor that the collective reads and writes when it
  * is not the flat one itself: the 16-bit copy for a 16-bit wire, on the device where it holds
  * that dtype and the collectives read its memory, else in host memory (staging: a device whose
- * memory the communication library cannot read, as MPI cannot read a GPU's).
+ * memory the communication library cannot read, as MPI cannot read a GPU's). A staged wire is
+ * page-locked for the device's transfers where the device can (CUDA: cudaHostRegister), so the
+ * two copies a step make move by DMA without the driver's bounce buffer.
  *
  * One backward. The engine calls leaf_ready when a parameter's gradient is final (its
  * AccumulateGrad node ran); the gradient times 1/world is copied into its slot by one kernel on
@@ -56,6 +58,7 @@ typedef struct {
     int pending;        /* parameters not ready this backward */
     ampc_comm_req *req;
     bool started, done;
+    bool pinned;        /* the host wire is page-locked for dev's transfers (ddp_release unpins) */
 } ddp_bucket;
 
 struct ampc_ddp {
@@ -289,8 +292,10 @@ static int by_address(const void *a, const void *b, void *ctx) {
 
 static void ddp_release(ampc_ddp *d) {
     for (int k = 0; k < d->n_buckets; k++) {
-        ampc__release(d->buckets[k].flat);
-        ampc__release(d->buckets[k].wire);
+        ddp_bucket *b = &d->buckets[k];
+        if (b->pinned) ampc__device(d->dev)->host_unpin(ampc__data(b->wire));
+        ampc__release(b->flat);
+        ampc__release(b->wire);
     }
     ampc__release(d->zeros);
     d->zeros = NULL;
@@ -417,6 +422,8 @@ ampc_ddp *ampc_ddp_new(ampc_module *model, const ampc_ddp_options *opts) {
         b->flat = ampc__tensor_new(d->gdt, d->dev, 1, &b->count);
         if (b->flat && wired) b->wire = ampc__tensor_new(o.comm_dtype, wire_dev, 1, &b->count);
         if (!b->flat || (wired && !b->wire)) rc = ampc_last_status();
+        else if (d->stage && ampc__device(d->dev)->host_pin)   /* staged: copied both ways every step */
+            b->pinned = ampc__device(d->dev)->host_pin(ampc__data(b->wire), ampc__nbytes(b->wire));
     }
     ampc__mem_kind_pop(prev);
     d->stats.buckets = d->n_buckets;

@@ -325,12 +325,7 @@ int ampc__batch_norm_count(ampc_tensor *t) {
     if (t->dtype != AMPC_I64 || t->numel != 1)
         return ampc__err(AMPC_ERR_INVALID, "BatchNorm2d: num_batches_tracked must be one i64, not %lld %s",
                          (long long)t->numel, ampc_dtype_name(t->dtype));
-    if (!ampc__device(t->device)->host_memory) {   /* counted where it lives: no copy, no wait */
-        int rc = ampc__k_unary_into(AMPC_OP_ADD_SCALAR, t, t, 1.0);
-        if (rc >= 0) ampc__mark_written(t);
-        return rc;
-    }
-    ((int64_t *)ampc__data(t))[0] += 1;
-    ampc__mark_written(t);
-    return AMPC_OK;
+    int rc = ampc__k_unary_into(AMPC_OP_ADD_SCALAR, t, t, 1.0);   /* counted where it lives: no copy, no wait */
+    if (rc >= 0) ampc__mark_written(t);
+    return rc;
 }

@@ -7,7 +7,7 @@
 typedef struct { ampc_policy f16, bf16; } policy_row;
 
 static const policy_row policies[AMPC_OP_COUNT] = {
-#define POLICY_(id, name, f16, bf16, channels_last, reads, grad_fn) [AMPC_OP_##id] = {AMPC_POLICY_##f16, AMPC_POLICY_##bf16},
+#define POLICY_(id, name, f16, bf16, channels_last, reads, grad_fn, kind) [AMPC_OP_##id] = {AMPC_POLICY_##f16, AMPC_POLICY_##bf16},
     AMPC_OP_TABLE(POLICY_)
 #undef POLICY_
 };

@@ -648,9 +648,8 @@ static int bn_fwd_walk(const bn_ctx *c, const ampc_tensor *x, ampc_tensor *y) {
 }
 
 /* The forward after the statistics outputs were checked and set in c (with c->relu). */
-static int bn_forward(const char *k, bn_ctx *c, const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
+static int bn_forward(bn_ctx *c, const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                       ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y) {
-    (void)k;
     c->w = f32_or_null(weight);
     c->b = f32_or_null(bias);
     c->rm = running_mean ? ampc__data(running_mean) : NULL;
@@ -660,13 +659,13 @@ static int bn_forward(const char *k, bn_ctx *c, const ampc_tensor *x, const ampc
 
 /* bn_forward with the statistics of all processes (sync, training): this process's statistics
    pass, the exchange, then the normalisation with the world's. */
-static int bn_forward_sync(const char *k, bn_ctx *c, const ampc_tensor *x, const ampc_tensor *weight,
+static int bn_forward_sync(bn_ctx *c, const ampc_tensor *x, const ampc_tensor *weight,
                            const ampc_tensor *bias, ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y) {
     ws_block w = {0};
     double *st = ws_get(&w, (size_t)(3 * c->C + 1) * sizeof(double));
     if (!st) return ampc_last_status();
     c->stats_out = st;
-    int rc = bn_forward(k, c, x, weight, bias, running_mean, running_var, y);
+    int rc = bn_forward(c, x, weight, bias, running_mean, running_var, y);
     st[c->C] = (double)c->M;
     c->stats_out = NULL;
     if (rc >= 0) rc = ampc__bn_sync_stats(c->C, st);
@@ -682,19 +681,17 @@ static int bn_forward_sync(const char *k, bn_ctx *c, const ampc_tensor *x, const
 static int cpu_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                           ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *save_mean,
                           ampc_tensor *save_invstd, bool training, double momentum, double eps, bool sync) {
-    const char *k = "batch_norm";
     bn_ctx c = {.training = training, .momentum = momentum, .eps = eps};
     bn_dims(x, &c);
     c.save_mean = save_mean ? ampc__data(save_mean) : NULL;
     c.save_invstd = save_invstd ? ampc__data(save_invstd) : NULL;
-    return (sync && training ? bn_forward_sync : bn_forward)(k, &c, x, weight, bias, running_mean, running_var, y);
+    return (sync && training ? bn_forward_sync : bn_forward)(&c, x, weight, bias, running_mean, running_var, y);
 }
 
 /* stats rows: mean, invstd, then the m, scale, shift the normalisation applied (bn_finish_channel) */
 static int cpu_batch_norm_relu(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                                ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *stats,
                                bool training, double momentum, double eps, bool sync) {
-    const char *k = "batch_norm_relu";
     bn_ctx c = {.training = training, .momentum = momentum, .eps = eps, .relu = true};
     bn_dims(x, &c);
     if (stats) {
@@ -703,7 +700,7 @@ static int cpu_batch_norm_relu(const ampc_tensor *x, const ampc_tensor *weight, 
         c.save_invstd = s + c.C;
         c.save_coef = s + 2 * c.C;
     }
-    return (sync && training ? bn_forward_sync : bn_forward)(k, &c, x, weight, bias, running_mean, running_var, y);
+    return (sync && training ? bn_forward_sync : bn_forward)(&c, x, weight, bias, running_mean, running_var, y);
 }
 
 /* The backward walk that suits x's layout and size. */
@@ -718,9 +715,8 @@ static int bn_bwd_walk(const bn_ctx *c, const ampc_tensor *x, const ampc_tensor 
 }
 
 /* The backward after the statistics were checked and set (c->rc with the fused ReLU). */
-static int bn_backward(const char *k, bn_ctx *c, const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+static int bn_backward(bn_ctx *c, const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                        const float *mean, const float *invstd, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
-    (void)k;
     c->w = f32_or_null(weight);
     float *gwp = gw ? ampc__data(gw) : NULL, *gbp = gb ? ampc__data(gb) : NULL;
     return bn_bwd_walk(c, x, gy, mean, invstd, gx, gwp, gbp);
@@ -728,15 +724,15 @@ static int bn_backward(const char *k, bn_ctx *c, const ampc_tensor *x, const amp
 
 /* bn_backward with the sums of all processes (sync, training): this process's sums (and its own
    gw, gb), the exchange, then gx from the world's. Without gx there is nothing to exchange. */
-static int bn_backward_sync(const char *k, bn_ctx *c, const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+static int bn_backward_sync(bn_ctx *c, const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                             const float *mean, const float *invstd, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
-    if (!gx) return bn_backward(k, c, x, gy, weight, mean, invstd, gx, gw, gb);
+    if (!gx) return bn_backward(c, x, gy, weight, mean, invstd, gx, gw, gb);
     const int64_t C = c->C;
     ws_block w = {0};
     double *sums = ws_get(&w, (size_t)(2 * C + 1) * sizeof(double));
     if (!sums) return ampc_last_status();
     c->sums_out = sums;
-    int rc = bn_backward(k, c, x, gy, weight, mean, invstd, gx, gw, gb);
+    int rc = bn_backward(c, x, gy, weight, mean, invstd, gx, gw, gb);
     c->sums_out = NULL;
     sums[2 * C] = (double)c->M;   /* and the world's count with the sums */
     if (rc >= 0) rc = ampc__bn_sync_sums(sums, 2 * C + 1);
@@ -752,22 +748,20 @@ static int bn_backward_sync(const char *k, bn_ctx *c, const ampc_tensor *x, cons
 static int cpu_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                    const ampc_tensor *save_mean, const ampc_tensor *save_invstd, bool training,
                                    bool sync, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
-    const char *k = "batch_norm_backward";
     bn_ctx c = {.training = training};
     bn_dims(x, &c);
-    return (sync && training ? bn_backward_sync : bn_backward)(k, &c, x, gy, weight, ampc__data(save_mean),
+    return (sync && training ? bn_backward_sync : bn_backward)(&c, x, gy, weight, ampc__data(save_mean),
                                                               ampc__data(save_invstd), gx, gw, gb);
 }
 
 static int cpu_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                         const ampc_tensor *stats, bool training, bool sync, ampc_tensor *gx,
                                         ampc_tensor *gw, ampc_tensor *gb) {
-    const char *k = "batch_norm_relu_backward";
     bn_ctx c = {.training = training};
     bn_dims(x, &c);
     const float *s = ampc__data(stats);
     c.rc = s + 2 * c.C;
-    return (sync && training ? bn_backward_sync : bn_backward)(k, &c, x, gy, weight, s, s + c.C, gx, gw, gb);
+    return (sync && training ? bn_backward_sync : bn_backward)(&c, x, gy, weight, s, s + c.C, gx, gw, gb);
 }
 // ---------------------------------------------------------------------------------------------
 

@@ -46,14 +46,6 @@ AMPC_CPU_INLINE void ampc__cpu_st(void *p, size_t i, float v, bool bf16) {
 /* Storage the register path reads in place: f32 and bf16 (f16 takes the staged path). */
 static inline bool ampc__cpu_direct(ampc_dtype dt) { return dt == AMPC_F32 || dt == AMPC_BF16; }
 
-/* t is a CPU float dtype (f32/f16/bf16), else the error (the kernels of loss.c and random.c). */
-static inline bool ampc__cpu_is_float(ampc_dtype dt) { return dt == AMPC_F32 || dt == AMPC_F16 || dt == AMPC_BF16; }
-static inline int ampc__cpu_check_float(const ampc_tensor *t, const char *kernel, const char *what) {
-    if (!ampc__cpu_is_float(t->dtype))
-        return ampc__err(AMPC_ERR_DTYPE, "%s: %s is %s, not f32/f16/bf16", kernel, what, ampc_dtype_name(t->dtype));
-    return AMPC_OK;
-}
-
 /* Address of element i of t. */
 static inline void *ampc__cpu_at(const ampc_tensor *t, size_t i) {
     return (char *)ampc__data(t) + i * ampc__dt(t->dtype)->size;

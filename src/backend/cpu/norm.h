@@ -1,7 +1,7 @@
 /*
  * norm.h - what the CPU kernels of batch norm (batch_norm.c) and layer norm (layer_norm.c)
  * share: the vector loops over f32 or bf16 storage with f64 accumulation (layer norm runs the
- * f32 statistics loops on its staged rows), the argument checks, workspace and row blocks.
+ * f32 statistics loops on its staged rows), workspace and row blocks.
  * Private to those two files.
  */
 #ifndef AMPC_CPU_NORM_H
@@ -307,21 +307,7 @@ VEC_FNS(f32_relu, f32, false, true)
 VEC_FNS(bf16_relu, bf16, true, true)
 
 // ---------------------------------------------------------------------------------------------
-// Checks, workspace and row blocks
-
-static inline bool is_act(ampc_dtype dt) { return dt == AMPC_F32 || dt == AMPC_F16 || dt == AMPC_BF16; }
-
-/* t (NULL allowed) has n elements and is f32 (stat) or any CPU float dtype. */
-static inline int check(const ampc_tensor *t, int64_t n, bool stat, const char *k, const char *what) {
-    if (!t) return AMPC_OK;
-    if (stat ? t->dtype != AMPC_F32 : !is_act(t->dtype))
-        return ampc__err(AMPC_ERR_DTYPE, "cpu %s: %s is %s, expected %s", k, what, ampc_dtype_name(t->dtype),
-                         stat ? "f32" : "f32/f16/bf16");
-    if (t->numel != n)
-        return ampc__err(AMPC_ERR_SHAPE, "cpu %s: %s has %lld elements, expected %lld", k, what, (long long)t->numel,
-                         (long long)n);
-    return AMPC_OK;
-}
+// Workspace and row blocks
 
 typedef struct {
     void *p;

@@ -23,7 +23,6 @@
 #define BLK 16384   /* elements per call of an update loop (threads take whole blocks) */
 #define GROUP 64    /* parameters per parallel region (the per-call tables live on the stack) */
 
-#define KERNELS "the CPU kernels update fp32 master weights"
 
 /* The converter for the optional 16-bit copy of the parameter (NULL: none): the dtype's own,
    the one every cast from f32 goes through. */
@@ -63,8 +62,7 @@ static void run_jobs(const job *jobs, int nj) {
     }
 }
 
-/* The common part of a job: its parameter, gradient and 16-bit copy, checked. */
-/* The item's streams (checked by the caller). */
+/* The item's streams (the door checked the item). */
 static void job_init(job *j, const ampc_optim_item *it) {
     memset(j, 0, sizeof *j);
     j->narrow = it->cast_out ? ampc__dt(it->cast_out->dtype)->from_f32 : NULL;
@@ -74,18 +72,15 @@ static void job_init(job *j, const ampc_optim_item *it) {
     j->n = (size_t)ampc__item_count(it);
 }
 
-/* Validates every item into jobs, then runs them GROUP at a time; nothing is written unless
-   every item is valid. */
-static int run_items(const ampc_optim_item *items, int n, int (*make)(job *, const ampc_optim_item *, const void *),
+/* The items as jobs, run GROUP at a time (the door checked every item before any is written). */
+static int run_items(const ampc_optim_item *items, int n, void (*make)(job *, const ampc_optim_item *, const void *),
                      const void *h) {
     job jobs[GROUP];
-    for (int pass = 0; pass < 2; pass++)   /* 0: check all, 1: run */
-        for (int at = 0; at < n; at += GROUP) {
-            int nj = n - at < GROUP ? n - at : GROUP;
-            for (int j = 0; j < nj; j++)
-                if (make(&jobs[j], &items[at + j], h) < 0) return ampc_last_status();
-            if (pass) run_jobs(jobs, nj);
-        }
+    for (int at = 0; at < n; at += GROUP) {
+        int nj = n - at < GROUP ? n - at : GROUP;
+        for (int j = 0; j < nj; j++) make(&jobs[j], &items[at + j], h);
+        run_jobs(jobs, nj);
+    }
     return AMPC_OK;
 }
 
@@ -136,9 +131,8 @@ static void sgd_block(const job *j, size_t base, size_t len) {
     sgd_fns[j->variant](j->param + base, j->grad + base, j->state[0] ? j->state[0] + base : NULL, len, j->sgd);
 }
 
-static int sgd_job(job *j, const ampc_optim_item *it, const void *hp) {
+static void sgd_job(job *j, const ampc_optim_item *it, const void *hp) {
     const ampc_sgd_hparams *h = hp;
-    if (ampc__check_sgd_item(it, h, AMPC_F32, KERNELS) < 0) return ampc_last_status();
     job_init(j, it);
     bool has_m = h->momentum != 0;
     j->run = sgd_block;
@@ -146,7 +140,6 @@ static int sgd_job(job *j, const ampc_optim_item *it, const void *hp) {
     j->sgd = ampc__sgd_consts(h);
     j->variant = (h->weight_decay != 0) | has_m << 1 | (has_m && it->first) << 2 | (has_m && h->nesterov) << 3 |
                  (h->grad_scale != 0) << 4;
-    return AMPC_OK;
 }
 
 static int cpu_sgd_step(const ampc_optim_item *items, int n, const ampc_sgd_hparams *h) {
@@ -201,15 +194,13 @@ static void adam_block(const job *j, size_t base, size_t len) {
                          j->state[2] ? j->state[2] + base : NULL, len, &j->adam);
 }
 
-static int adam_job(job *j, const ampc_optim_item *it, const void *hp) {
+static void adam_job(job *j, const ampc_optim_item *it, const void *hp) {
     const ampc_adam_hparams *h = hp;
-    if (ampc__check_adam_item(it, h, AMPC_F32, KERNELS) < 0) return ampc_last_status();
     job_init(j, it);
     j->adam = ampc__adam_consts(h, it->step);
     j->run = adam_block;
     for (int k = 0; k < 3; k++) j->state[k] = it->state[k] && (k < 2 || h->amsgrad) ? ampc__data(it->state[k]) : NULL;
     j->variant = h->amsgrad | (h->grad_scale != 0) << 1;
-    return AMPC_OK;
 }
 
 static int cpu_adam_step(const ampc_optim_item *items, int n, const ampc_adam_hparams *h) {

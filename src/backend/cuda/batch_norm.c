@@ -32,13 +32,12 @@ void ampc__cu_chan_scratch_free(ampc_cu_chan_scratch *s) {
 // Batch norm
 
 /* x (N, C, S...) as the kernels' geometry (channels-last: 4-D x stored N, H, W, C) */
-static int bn_geom(const ampc_tensor *x, const char *k, ampc_cu_chan_geom *g) {
+static int bn_geom(const ampc_tensor *x, ampc_cu_chan_geom *g) {
     g->N = x->shape[0];
     g->C = x->shape[1];
     g->S = 1;
     for (int i = 2; i < x->ndim; i++) g->S *= x->shape[i];
     g->cl = ampc__is_cl(x);
-    (void)k;
     return ampc__cu_ready();   /* the arguments: checked by the door (dispatch.c) */
 }
 
@@ -79,7 +78,7 @@ static int cu_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const 
     const char *k = "batch_norm";
     ampc_cu_chan_geom g;
     int rc;
-    if ((rc = no_sync(k, sync, training)) < 0 || (rc = bn_geom(x, k, &g)) < 0) return rc;
+    if ((rc = no_sync(k, sync, training)) < 0 || (rc = bn_geom(x, &g)) < 0) return rc;
     return bn_forward(k, &g, x, weight, bias, running_mean, running_var, y, f32_or_null(save_mean), f32_or_null(save_invstd),
                       NULL, false, training, momentum, eps, NULL);
 }
@@ -92,7 +91,7 @@ static int cu_batch_norm_relu(const ampc_tensor *x, const ampc_tensor *weight, c
     const char *k = "batch_norm_relu";
     ampc_cu_chan_geom g;
     int rc;
-    if ((rc = no_sync(k, sync, training)) < 0 || (rc = bn_geom(x, k, &g)) < 0) return rc;
+    if ((rc = no_sync(k, sync, training)) < 0 || (rc = bn_geom(x, &g)) < 0) return rc;
     float *s = f32_or_null(stats);
     return bn_forward(k, &g, x, weight, bias, running_mean, running_var, y, s, s ? s + g.C : NULL, s ? s + 2 * g.C : NULL, true,
                       training, momentum, eps, NULL);
@@ -123,7 +122,7 @@ static int cu_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, c
     const char *k = "batch_norm_backward";
     ampc_cu_chan_geom g;
     int rc;
-    if ((rc = no_sync(k, sync, training)) < 0 || (rc = bn_geom(x, k, &g)) < 0) return rc;
+    if ((rc = no_sync(k, sync, training)) < 0 || (rc = bn_geom(x, &g)) < 0) return rc;
     return bn_backward(k, &g, x, gy, weight, ampc__data(save_mean), ampc__data(save_invstd), NULL, training, gx, gw, gb, NULL, NULL);
 }
 
@@ -133,7 +132,7 @@ static int cu_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *
     const char *k = "batch_norm_relu_backward";
     ampc_cu_chan_geom g;
     int rc;
-    if ((rc = no_sync(k, sync, training)) < 0 || (rc = bn_geom(x, k, &g)) < 0) return rc;
+    if ((rc = no_sync(k, sync, training)) < 0 || (rc = bn_geom(x, &g)) < 0) return rc;
     const float *s = ampc__data(stats);
     return bn_backward(k, &g, x, gy, weight, s, s + g.C, s + 2 * g.C, training, gx, gw, gb, NULL, NULL);
 }
@@ -145,7 +144,7 @@ static int cu_batch_norm_add_relu(const ampc_tensor *x, const ampc_tensor *weigh
     const char *k = "batch_norm_add_relu";
     ampc_cu_chan_geom g;
     int rc;
-    if ((rc = bn_geom(x, k, &g)) < 0) return rc;
+    if ((rc = bn_geom(x, &g)) < 0) return rc;
     float *s = f32_or_null(stats);
     return bn_forward(k, &g, x, weight, bias, running_mean, running_var, y, s, s ? s + g.C : NULL, NULL, true, training, momentum,
                       eps, z);
@@ -157,7 +156,7 @@ static int cu_batch_norm_add_relu_backward(const ampc_tensor *x, const ampc_tens
     const char *k = "batch_norm_add_relu_backward";
     ampc_cu_chan_geom g;
     int rc;
-    if ((rc = bn_geom(x, k, &g)) < 0) return rc;
+    if ((rc = bn_geom(x, &g)) < 0) return rc;
     const float *s = ampc__data(stats);
     return bn_backward(k, &g, x, gy, weight, s, s + g.C, NULL, training, gx, gw, gb, y, gz);
 }

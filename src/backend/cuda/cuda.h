@@ -18,32 +18,10 @@ int ampc__cu_ready(void);
 /* AMPC_OK for cudaSuccess; else records "cuda: <what>: <CUDA's message>" (AMPC_ERR_OOM for an
    allocation failure, else AMPC_ERR_BACKEND) and returns it. */
 int ampc__cu_check(cudaError_t e, const char *what);
-/* Checks that t is on the CUDA device (who names the kernel in the error). */
-int ampc__cu_on_device(const ampc_tensor *t, const char *who);
 /* Scratch device memory for a kernel (AMPC_MEM_WORKSPACE, through core's caching allocator):
    freed at once after queueing is safe on the one stream. */
 void *ampc__cu_scratch(size_t nbytes, size_t *block_bytes);
 void ampc__cu_scratch_free(void *p, size_t block_bytes);
-
-/* f32, f16 or bf16 */
-static inline bool ampc__cu_is_float(ampc_dtype dt) { return dt == AMPC_F32 || dt == AMPC_F16 || dt == AMPC_BF16; }
-/* t (NULL allowed) is on the GPU and holds f32/f16/bf16 (elementwise.c, random.c) */
-static inline int ampc__cu_check_float(const ampc_tensor *t, const char *kernel) {
-    if (!t) return AMPC_OK;
-    int rc = ampc__cu_on_device(t, kernel);
-    if (rc < 0) return rc;
-    if (!ampc__cu_is_float(t->dtype)) return ampc__err(AMPC_ERR_DTYPE, "cuda %s on %s", kernel, ampc_dtype_name(t->dtype));
-    return AMPC_OK;
-}
-/* t is on the GPU and holds f32/f16/bf16; the error names the kernel's argument `what` (loss.c,
-   layer_norm.c) */
-static inline int ampc__cu_check_float_arg(const ampc_tensor *t, const char *kernel, const char *what) {
-    int rc = ampc__cu_on_device(t, kernel);
-    if (rc < 0) return rc;
-    if (t->dtype != AMPC_F32 && t->dtype != AMPC_F16 && t->dtype != AMPC_BF16)
-        return ampc__err(AMPC_ERR_DTYPE, "%s: %s is %s, not f32/f16/bf16", kernel, what, ampc_dtype_name(t->dtype));
-    return AMPC_OK;
-}
 
 /* Each kernel file fills its part of the table. */
 void ampc__cuda_register_elementwise(ampc_backend *be);  /* unary, binary, sum_to, expand, copy_block */

@@ -81,12 +81,6 @@ int ampc__cu_check(cudaError_t e, const char *what) {
                      cudaGetErrorString(e));
 }
 
-int ampc__cu_on_device(const ampc_tensor *t, const char *who) {
-    if (t && t->device != AMPC_DEVICE_CUDA)
-        return ampc__err(AMPC_ERR_INVALID, "%s on cuda: a tensor on device %s", who, ampc_device_name(t->device));
-    return AMPC_OK;
-}
-
 void *ampc__cu_scratch(size_t nbytes, size_t *block_bytes) {
     return ampc__alloc(AMPC_DEVICE_CUDA, nbytes ? nbytes : 1, AMPC_MEM_WORKSPACE, block_bytes);
 }
@@ -158,6 +152,17 @@ static int cu_synchronize(void) {
     return rc < 0 ? rc : ampc__cu_check(cudaStreamSynchronize(G.stream), "synchronize");
 }
 
+static bool cu_host_pin(void *p, size_t nbytes) {
+    if (ampc__cu_ready() < 0 || nbytes == 0) return false;
+    if (cudaHostRegister(p, nbytes, cudaHostRegisterDefault) == cudaSuccess) return true;
+    cudaGetLastError();   /* not pinned: transfers stage through the driver as before */
+    return false;
+}
+
+static void cu_host_unpin(void *p) {
+    if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
+}
+
 static void cu_shutdown(void) {
     if (G.status == AMPC_OK && G.stream) cudaStreamSynchronize(G.stream);
 }
@@ -179,6 +184,8 @@ void ampc__cuda_backend_init(ampc_backend *be) {
     be->device.available = cu_available;
     be->device.transfer = cu_transfer;
     be->device.synchronize = cu_synchronize;
+    be->device.host_pin = cu_host_pin;
+    be->device.host_unpin = cu_host_unpin;
     be->computes = cu_computes;
     be->native = cu_native;
     be->channels_last = true;   /* conv (conv.c), pooling (pool.c) and batch norm (batch_norm.c) take NHWC */

@@ -24,7 +24,7 @@ extern "C" {
 // ---------------------------------------------------------------------------------------------
 // elementwise.cu
 
-/* y[i] = op(x[i]) for the unary ops of backend.h (and SILU); x and y may be the same array */
+/* y[i] = op(x[i]) for the ops of kind UNARY (include/ampc.h); x and y may be the same array */
 cudaError_t ampc_cu_unary(ampc_op op, const void *x, ampc_dtype xdt, void *y, ampc_dtype ydt, int64_t n, float alpha,
                           cudaStream_t s);
 /* y[i] = x[i] + a on i64 (BatchNorm's num_batches_tracked) */

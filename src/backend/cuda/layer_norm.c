@@ -1,24 +1,12 @@
 /*
- * layer_norm.c - the CUDA table's layer norm (own kernels, layer_norm.cu): argument checks here,
- * the kernels there. Semantics are the CPU backend's (src/backend/cpu/layer_norm.c).
+ * layer_norm.c - the CUDA table's layer norm (own kernels, layer_norm.cu): launches here (the door
+ * checked the arguments), the kernels there. Semantics are the CPU backend's (src/backend/cpu/layer_norm.c).
  */
 #include "backend/cuda/cuda.h"
 #include "backend/cuda/ew_kernels.h"
 
 // ---------------------------------------------------------------------------------------------
 // Layer norm
-
-/* t (NULL allowed) has n elements and is f32 (stat) or any float dtype, on the GPU */
-static int ln_check(const ampc_tensor *t, int64_t n, bool stat, const char *k, const char *what) {
-    if (!t) return AMPC_OK;
-    int rc = ampc__cu_check_float_arg(t, k, what);
-    if (rc < 0) return rc;
-    if (stat && t->dtype != AMPC_F32)
-        return ampc__err(AMPC_ERR_DTYPE, "cuda %s: %s is %s, expected f32", k, what, ampc_dtype_name(t->dtype));
-    if (t->numel != n)
-        return ampc__err(AMPC_ERR_SHAPE, "cuda %s: %s has %lld elements, expected %lld", k, what, (long long)t->numel, (long long)n);
-    return AMPC_OK;
-}
 
 
 /* Parameters as f32 for the kernels: an f32 tensor's own data, else converted into dst. */
@@ -31,13 +19,10 @@ static const float *ln_param(const ampc_tensor *t, float *dst, cudaStream_t s, i
 static int cu_layer_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias, ampc_tensor *y,
                          ampc_tensor *mean, ampc_tensor *rstd, double eps) {
     const char *k = "layer_norm";
-    int64_t rows = 0, cols = 0;
+    int64_t rows, cols;
     int rc;
-    if ((rc = ampc__cu_ready()) < 0 || (rc = ampc__layer_norm_dims(x, mean, "cuda ", k, &rows, &cols)) < 0) return rc;
-    if ((rc = ln_check(x, x->numel, false, k, "x")) < 0 || (rc = ln_check(y, x->numel, false, k, "y")) < 0 ||
-        (rc = ln_check(weight, cols, false, k, "weight")) < 0 || (rc = ln_check(bias, cols, false, k, "bias")) < 0 ||
-        (rc = ln_check(mean, rows, true, k, "mean")) < 0 || (rc = ln_check(rstd, rows, true, k, "rstd")) < 0)
-        return rc;
+    if ((rc = ampc__cu_ready()) < 0) return rc;
+    ampc__layer_norm_dims(x, mean, &rows, &cols);
     if (x->numel == 0) return AMPC_OK;
     cudaStream_t s = ampc__cu_stream();
     size_t block = 0;
@@ -58,17 +43,10 @@ static int cu_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, c
                                   const ampc_tensor *mean, const ampc_tensor *rstd, ampc_tensor *gx, ampc_tensor *gw,
                                   ampc_tensor *gb) {
     const char *k = "layer_norm_backward";
-    int64_t rows = 0, cols = 0, n = x->numel;
+    int64_t rows, cols;
     int rc;
-    if ((rc = ampc__cu_ready()) < 0 || (rc = ampc__layer_norm_dims(x, mean, "cuda ", k, &rows, &cols)) < 0) return rc;
-    if ((rc = ln_check(x, n, false, k, "x")) < 0 || (rc = ln_check(gy, n, false, k, "gy")) < 0 ||
-        (rc = ln_check(gx, n, false, k, "gx")) < 0 || (rc = ln_check(weight, cols, false, k, "weight")) < 0 ||
-        (rc = ln_check(mean, rows, true, k, "mean")) < 0 || (rc = ln_check(rstd, rows, true, k, "rstd")) < 0 ||
-        (rc = ln_check(gw, cols, false, k, "gw")) < 0 || (rc = ln_check(gb, cols, false, k, "gb")) < 0)
-        return rc;
-    if (!rstd) return ampc__err(AMPC_ERR_INVALID, "cuda %s: rstd missing", k);
-    if (gy->dtype != x->dtype || (gx && gx->dtype != x->dtype))
-        return ampc__err(AMPC_ERR_DTYPE, "cuda %s: x, gy and gx must share a dtype (x is %s)", k, ampc_dtype_name(x->dtype));
+    if ((rc = ampc__cu_ready()) < 0) return rc;
+    ampc__layer_norm_dims(x, mean, &rows, &cols);
     if (cols == 0) return AMPC_OK;
     cudaStream_t s = ampc__cu_stream();
     int64_t splits = ampc_cu_layer_norm_splits(rows, cols, ampc__cu_sm_count());

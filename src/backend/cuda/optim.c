@@ -10,17 +10,7 @@
 
 #include <string.h>
 
-#define KERNELS "the CUDA kernels update fp32 master weights"
-
-/* Every tensor of the item is in this device's memory (the rest is ampc__check_*_item's). */
-static int on_device(const ampc_optim_item *it) {
-    const ampc_tensor *t[] = {it->param, it->grad, it->state[0], it->state[1], it->state[2], it->cast_out};
-    for (size_t k = 0; k < sizeof t / sizeof *t; k++)
-        if (t[k] && ampc__cu_on_device(t[k], "optimizer step") < 0) return ampc_last_status();
-    return AMPC_OK;
-}
-
-/* The item's streams (checked by the caller). */
+/* The item's streams (the door checked the item). */
 static void job_init(ampc_cu_optim_job *j, const ampc_optim_item *it) {
     memset(j, 0, sizeof *j);
     if (it->cast_out) {
@@ -32,42 +22,36 @@ static void job_init(ampc_cu_optim_job *j, const ampc_optim_item *it) {
     j->n = ampc__item_count(it);
 }
 
-static int sgd_job(ampc_cu_optim_job *j, const ampc_optim_item *it, const void *hp) {
+static void sgd_job(ampc_cu_optim_job *j, const ampc_optim_item *it, const void *hp) {
     const ampc_sgd_hparams *h = hp;
-    if (on_device(it) < 0 || ampc__check_sgd_item(it, h, AMPC_F32, KERNELS) < 0) return ampc_last_status();
     job_init(j, it);
     bool has_m = h->momentum != 0;
     j->state[0] = has_m ? ampc__data(it->state[0]) : NULL;
     j->c.sgd = ampc__sgd_consts(h);
     j->variant = (h->weight_decay != 0) | has_m << 1 | (has_m && it->first) << 2 | (has_m && h->nesterov) << 3 |
                  (h->grad_scale != 0) << 4;
-    return AMPC_OK;
 }
 
-static int adam_job(ampc_cu_optim_job *j, const ampc_optim_item *it, const void *hp) {
+static void adam_job(ampc_cu_optim_job *j, const ampc_optim_item *it, const void *hp) {
     const ampc_adam_hparams *h = hp;
-    if (on_device(it) < 0 || ampc__check_adam_item(it, h, AMPC_F32, KERNELS) < 0) return ampc_last_status();
     job_init(j, it);
     j->c.adam = ampc__adam_consts(h, it->step);
     j->variant = h->amsgrad | (h->grad_scale != 0) << 1;
     for (int k = 0; k < 3; k++) j->state[k] = it->state[k] && (k < 2 || h->amsgrad) ? ampc__data(it->state[k]) : NULL;
-    return AMPC_OK;
 }
 
-/* Validates every item, then launches them AMPC_CU_OPTIM_GROUP at a time (nothing is written
-   unless every item is valid). */
-static int run_items(const ampc_optim_item *items, int n, int (*make)(ampc_cu_optim_job *, const ampc_optim_item *, const void *),
+/* The items launched AMPC_CU_OPTIM_GROUP at a time (the door checked every item before any is
+   written). */
+static int run_items(const ampc_optim_item *items, int n, void (*make)(ampc_cu_optim_job *, const ampc_optim_item *, const void *),
                      const void *h, cudaError_t (*launch)(const ampc_cu_optim_jobs *, cudaStream_t)) {
     int rc = ampc__cu_ready();
     if (rc < 0) return rc;
     static _Thread_local ampc_cu_optim_jobs jobs;   /* 11 KiB: off the stack */
-    for (int pass = 0; pass < 2; pass++)
-        for (int at = 0; at < n; at += AMPC_CU_OPTIM_GROUP) {
-            jobs.n = n - at < AMPC_CU_OPTIM_GROUP ? n - at : AMPC_CU_OPTIM_GROUP;
-            for (int j = 0; j < jobs.n; j++)
-                if (make(&jobs.job[j], &items[at + j], h) < 0) return ampc_last_status();
-            if (pass && (rc = ampc__cu_check(launch(&jobs, ampc__cu_stream()), "optimizer step")) < 0) return rc;
-        }
+    for (int at = 0; at < n; at += AMPC_CU_OPTIM_GROUP) {
+        jobs.n = n - at < AMPC_CU_OPTIM_GROUP ? n - at : AMPC_CU_OPTIM_GROUP;
+        for (int j = 0; j < jobs.n; j++) make(&jobs.job[j], &items[at + j], h);
+        if ((rc = ampc__cu_check(launch(&jobs, ampc__cu_stream()), "optimizer step")) < 0) return rc;
+    }
     return AMPC_OK;
 }
 
@@ -86,14 +70,6 @@ static int cu_unscale_check(ampc_tensor **grads, int n, float inv_scale, float *
     int rc = ampc__cu_ready();
     if (rc < 0) return rc;
     static _Thread_local ampc_cu_unscale_jobs jobs;
-    for (int k = 0; k < n; k++) {
-        const ampc_tensor *g = grads[k];
-        if (!g) continue;
-        if (ampc__cu_on_device(g, "unscale") < 0) return ampc_last_status();
-        if (g->dtype != AMPC_F32 && g->dtype != AMPC_F16 && g->dtype != AMPC_BF16)
-            return ampc__err(AMPC_ERR_DTYPE, "unscale: gradient %d is %s, not a float dtype of the cuda device", k,
-                             ampc_dtype_name(g->dtype));
-    }
     size_t fb;
     int *flag = ampc__cu_scratch(sizeof(int), &fb);
     if (!flag) return ampc_last_status();
@@ -121,9 +97,6 @@ static int cu_unscale_check(ampc_tensor **grads, int n, float inv_scale, float *
 static int cu_sum_squares(const ampc_tensor *t, double *out) {
     int rc = ampc__cu_ready();
     if (rc < 0) return rc;
-    if (ampc__cu_on_device(t, "sum_squares") < 0) return ampc_last_status();
-    if (t->dtype != AMPC_F32 && t->dtype != AMPC_F16 && t->dtype != AMPC_BF16)
-        return ampc__err(AMPC_ERR_DTYPE, "sum_squares of a %s tensor on cuda", ampc_dtype_name(t->dtype));
     if (t->numel == 0) {
         *out = 0;
         return AMPC_OK;

@@ -36,13 +36,12 @@ static void ws_put(double *p, size_t bytes) {
 /* batch_norm, or batch_norm_relu when stats is given (relu): y = relu((x - mean) * invstd * w + b)
    and stats (AMPC_BN_RELU_STAT_ROWS, C) = mean, invstd, w, b, unused (what the backward's mask
    needs to recompute the pre-activation: the same f64 operations) */
-static int ref_bn(const char *k, const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
+static int ref_bn(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                   ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *save_mean,
                   ampc_tensor *save_invstd, bool relu, ampc_tensor *stats, bool training, double momentum, double eps,
                   bool sync) {
     int64_t N = 0, C = 0, S = 0;
     int rc;
-    (void)k;
     bn_dims(x, &N, &C, &S);
     double *st = stats ? ampc__data(stats) : NULL;
     int64_t M = N * S;
@@ -109,26 +108,25 @@ static int ref_bn(const char *k, const ampc_tensor *x, const ampc_tensor *weight
 static int ref_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                           ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *save_mean,
                           ampc_tensor *save_invstd, bool training, double momentum, double eps, bool sync) {
-    return ref_bn("batch_norm", x, weight, bias, running_mean, running_var, y, save_mean, save_invstd, false, NULL,
+    return ref_bn(x, weight, bias, running_mean, running_var, y, save_mean, save_invstd, false, NULL,
                   training, momentum, eps, sync);
 }
 
 static int ref_batch_norm_relu(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias,
                                ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y, ampc_tensor *stats,
                                bool training, double momentum, double eps, bool sync) {
-    return ref_bn("batch_norm_relu", x, weight, bias, running_mean, running_var, y, NULL, NULL, true, stats, training,
+    return ref_bn(x, weight, bias, running_mean, running_var, y, NULL, NULL, true, stats, training,
                   momentum, eps, sync);
 }
 
 /* With the fused ReLU, stats (the forward's mean, invstd, w, b): gy is first masked where the
    forward's output was not positive (relu's backward), recomputed by the forward's operations.
    Else save_mean / save_invstd. */
-static int ref_bn_backward(const char *k, const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
+static int ref_bn_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                            const ampc_tensor *save_mean, const ampc_tensor *save_invstd, const ampc_tensor *stats,
                            bool training, bool sync, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
     int64_t N = 0, C = 0, S = 0;
     int rc;
-    (void)k;
     bn_dims(x, &N, &C, &S);
     int64_t n = x->numel;
     const double *xp = ampc__data(x), *gin = ampc__data(gy), *st = stats ? ampc__data(stats) : NULL;
@@ -185,13 +183,13 @@ static int ref_bn_backward(const char *k, const ampc_tensor *x, const ampc_tenso
 static int ref_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                    const ampc_tensor *save_mean, const ampc_tensor *save_invstd, bool training,
                                    bool sync, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
-    return ref_bn_backward("batch_norm_backward", x, gy, weight, save_mean, save_invstd, NULL, training, sync, gx, gw, gb);
+    return ref_bn_backward(x, gy, weight, save_mean, save_invstd, NULL, training, sync, gx, gw, gb);
 }
 
 static int ref_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                         const ampc_tensor *stats, bool training, bool sync, ampc_tensor *gx,
                                         ampc_tensor *gw, ampc_tensor *gb) {
-    return ref_bn_backward("batch_norm_relu_backward", x, gy, weight, NULL, NULL, stats, training, sync, gx, gw, gb);
+    return ref_bn_backward(x, gy, weight, NULL, NULL, stats, training, sync, gx, gw, gb);
 }
 
 // ---------------------------------------------------------------------------------------------

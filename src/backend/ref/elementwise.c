@@ -36,11 +36,6 @@ static void odo_init(odometer *o, int nd, const int64_t *shape) {
     memset(o->idx, 0, sizeof o->idx);
 }
 
-static int check_f64(const ampc_tensor *t, const char *kernel) {
-    if (t && t->dtype != AMPC_F64) return ampc__err(AMPC_ERR_DTYPE, "ref %s on %s (f64 only)", kernel, ampc_dtype_name(t->dtype));
-    return AMPC_OK;
-}
-
 static const double *cdat(const ampc_tensor *t) { return t ? (const double *)ampc__data(t) : NULL; }
 
 // ---------------------------------------------------------------------------------------------
@@ -65,10 +60,10 @@ static double unary_f(ampc_op op, double x, double a) {
 }
 
 static int ref_unary(ampc_op op, const ampc_tensor *x, ampc_tensor *y, double alpha) {
-    if (check_f64(x, "unary") < 0 || check_f64(y, "unary") < 0) return ampc_last_status();
-    if (!ampc__unary_has_kernel(op))
-        return ampc__err(AMPC_ERR_UNSUPPORTED, "ref unary: no kernel for %s", ampc_op_name(op));
-    if (x->numel != y->numel) return ampc__err(AMPC_ERR_SHAPE, "ref unary: %lld inputs, %lld outputs", (long long)x->numel, (long long)y->numel);
+    if (x->dtype == AMPC_I64) {   /* add_scalar on a counter */
+        for (int64_t i = 0; i < x->numel; i++) ((int64_t *)ampc__data(y))[i] = ((const int64_t *)ampc__data(x))[i] + (int64_t)alpha;
+        return AMPC_OK;
+    }
     const double *xp = cdat(x);
     double *yp = ampc__data(y);
     for (int64_t i = 0; i < x->numel; i++) yp[i] = unary_f(op, xp[i], alpha);
@@ -95,17 +90,10 @@ static double unary_df(ampc_op op, double x, double y, double a) {
     }
 }
 
-/* Reads x or y as the op table's backward-reads column says (the other is ignored). */
+/* Reads x or y, the one the op table's backward-reads column names (the door passes NULL for
+   the other). */
 static int ref_unary_backward(ampc_op op, const ampc_tensor *x, const ampc_tensor *y, const ampc_tensor *gy,
                               ampc_tensor *gx, double alpha) {
-    if (!ampc__unary_has_kernel(op))
-        return ampc__err(AMPC_ERR_UNSUPPORTED, "ref unary_backward: no kernel for %s", ampc_op_name(op));
-    if (ampc__unary_backward_operands(op, &x, &y, "ref") < 0) return ampc_last_status();
-    const ampc_tensor *ts[4] = {x, y, gy, gx};
-    for (int k = 0; k < 4; k++) {
-        if (check_f64(ts[k], "unary_backward") < 0) return ampc_last_status();
-        if (ts[k] && ts[k]->numel != gx->numel) return ampc__err(AMPC_ERR_SHAPE, "ref unary_backward: sizes differ");
-    }
     const double *xp = cdat(x), *yp = cdat(y), *gp = cdat(gy);
     double *out = ampc__data(gx);
     if (op == AMPC_OP_RELU) {   /* y > 0 exactly when x > 0 */
@@ -121,13 +109,9 @@ static int ref_unary_backward(ampc_op op, const ampc_tensor *x, const ampc_tenso
 // Binary with broadcasting
 
 static int ref_binary(ampc_op op, const ampc_tensor *a, const ampc_tensor *b, ampc_tensor *out) {
-    if (check_f64(a, "binary") < 0 || check_f64(b, "binary") < 0 || check_f64(out, "binary") < 0) return ampc_last_status();
-    if (op != AMPC_OP_ADD && op != AMPC_OP_SUB && op != AMPC_OP_MUL)
-        return ampc__err(AMPC_ERR_UNSUPPORTED, "ref binary: no kernel for %s", ampc_op_name(op));
     int64_t st[2][AMPC_MAX_DIMS], off[2] = {0, 0};
-    if (ampc__broadcast_strides(a, out->ndim, out->shape, st[0], "ref") < 0 ||
-        ampc__broadcast_strides(b, out->ndim, out->shape, st[1], "ref") < 0)
-        return ampc_last_status();
+    ampc__broadcast_strides(a, out->ndim, st[0]);
+    ampc__broadcast_strides(b, out->ndim, st[1]);
     odometer o;
     odo_init(&o, out->ndim, out->shape);
     const double *ap = cdat(a), *bp = cdat(b);
@@ -145,7 +129,6 @@ static int ref_binary(ampc_op op, const ampc_tensor *a, const ampc_tensor *b, am
 // sum_to and expand
 
 static int ref_sum_to(const ampc_tensor *x, ampc_tensor *out, double alpha) {
-    if (check_f64(x, "sum_to") < 0 || check_f64(out, "sum_to") < 0) return ampc_last_status();
     /* walk x's shape (padded with leading 1s if out has more dims); out strides are 0 along
        the summed dims */
     int nd = x->ndim > out->ndim ? x->ndim : out->ndim;
@@ -154,7 +137,7 @@ static int ref_sum_to(const ampc_tensor *x, ampc_tensor *out, double alpha) {
         int j = x->ndim - nd + i;
         shape[i] = j >= 0 ? x->shape[j] : 1;
     }
-    if (ampc__broadcast_strides(out, nd, shape, st[0], "ref") < 0) return ampc_last_status();
+    ampc__broadcast_strides(out, nd, st[0]);
     const double *xp = cdat(x);
     double *op = ampc__data(out);
     for (int64_t i = 0; i < out->numel; i++) op[i] = 0.0;
@@ -169,9 +152,8 @@ static int ref_sum_to(const ampc_tensor *x, ampc_tensor *out, double alpha) {
 }
 
 static int ref_expand(const ampc_tensor *x, ampc_tensor *out, double alpha) {
-    if (check_f64(x, "expand") < 0 || check_f64(out, "expand") < 0) return ampc_last_status();
     int64_t st[1][AMPC_MAX_DIMS], off[1] = {0};
-    if (ampc__broadcast_strides(x, out->ndim, out->shape, st[0], "ref") < 0) return ampc_last_status();
+    ampc__broadcast_strides(x, out->ndim, st[0]);
     const double *xp = cdat(x);
     double *op = ampc__data(out);
     odometer o;
