@@ -27,6 +27,7 @@
 
 #include "backend/backend.h"
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/dnnl_cache.h"
 #include "core/core.h"
 
 /* conv.c's im2col override and cols cap (not in a header: for benchmarks and tests only) */
@@ -290,7 +291,10 @@ static void test_cl_im2col(void **state) {
 }
 
 /* The rule (cl_im2col) on both sides of its thresholds: im2col for bf16 and f32, bf16 only,
-   neither (255 output channels; a 15x15 output map; a stride-1 256-channel input). */
+   neither (255 output channels; a 15x15 output map; a stride-1 256-channel input). Where oneDNN
+   runs AMX, bf16 takes the matmul for forward and backward data on outputs up to 4x4 (forward
+   with a spatial kernel) and for backward weights with >= 128 output channels on outputs up to
+   8x8 as well (the last two cases: a 5x5 output with 127 channels, an 8x8 one with 128). */
 static void test_cl_im2col_rule(void **state) {
     (void)state;
     static const cl_case rule_cases[] = {
@@ -301,15 +305,20 @@ static void test_cl_im2col_rule(void **state) {
         {"rule: 3x3 s2 256->255 4x4 (neither)", 1, 256, 4, 4, 255, 3, 3, 2, 1, 1, 1, false},
         {"rule: 1x1 s2 256->256 29x29 (neither)", 1, 256, 29, 29, 256, 1, 1, 2, 0, 1, 1, false},
         {"rule: 3x3 s1 256->256 3x3 (neither)", 1, 256, 3, 3, 256, 3, 3, 1, 1, 1, 1, false},
+        {"rule: 3x3 s1 128->127 5x5 (neither)", 1, 128, 5, 5, 127, 3, 3, 1, 1, 1, 1, false},
+        {"rule: 3x3 s1 64->128 8x8 (amx: weights)", 1, 64, 8, 8, 128, 3, 3, 1, 1, 1, 1, false},
     };
-    const int chosen[] = {3, 2, 2, 2, 0, 0, 0};   /* backward weights on im2col: bit 0 f32, bit 1 bf16 */
+    const int chosen[] = {3, 2, 2, 2, 0, 0, 0, 0, 0};   /* backward weights on im2col: bit 0 f32, bit 1 bf16 */
+    const int amx_bf16[] = {7, 7, 7, 6, 7, 0, 7, 0, 4};   /* with AMX: bf16 passes on im2col, bit p pass p */
+    const bool amx = ampc__dnnl_amx();
     for (size_t ci = 0; ci < sizeof rule_cases / sizeof *rule_cases; ci++) {
         ampc_conv_desc d = make_desc(&rule_cases[ci], true);
         for (int di = 0; di < 2; di++)
             for (int pass = 0; pass < 3; pass++) {
                 char name[128];
                 ASSERT_OK(ampc__cpu_conv_impl(&d, di ? AMPC_BF16 : AMPC_F32, pass, rule_cases[ci].bias, name, sizeof name));
-                bool want = pass == 2 && (chosen[ci] >> di & 1), got = strncmp(name, "im2col+", 7) == 0;
+                bool want = di && amx ? amx_bf16[ci] >> pass & 1 : pass == 2 && (chosen[ci] >> di & 1);
+                bool got = strncmp(name, "im2col+", 7) == 0;
                 if (got != want) fail_msg("%s, %s, pass %d: %s", rule_cases[ci].name, di ? "bf16" : "f32", pass, name);
             }
     }

@@ -69,12 +69,21 @@ int ampc__cpu_conv_im2col = -1;
    output channels on small output maps (at most 14x14), strided (3x3 s2 256->512 8x8 bf16:
    7.1 vs 3.3 ms) or with many input channels (3x3 512->512 4x4 bf16: 10.8 vs 8.5 ms); in f32
    only strided with at least 256 input channels and K = KH*KW*C >= 1024 (the others within
-   10% or slower). Forward and backward data lose everywhere (oneDNN's direct kernels run near
-   peak; building cols, and col2im, cost more than they could save). See the im2col table in
-   bench/NOTES.md, "Convolutions". */
+   10% or slower). Forward and backward data lose everywhere on AVX-512 (oneDNN's direct
+   kernels run near peak; building cols, and col2im, cost more than they could save). See the
+   im2col table in bench/NOTES.md, "Convolutions".
+   On AMX (bf16), oneDNN 2.6's direct tile kernels are weak on small maps and its matmul is not:
+   forward and backward data with 4x4 outputs (3x3 512->512 backward data 97.7 vs 40.8 ms, 3x3
+   s2 256->512 28.7 vs 8.0) and backward weights with >= 128 output channels on outputs up to
+   8x8 (3x3 256->256 8x8: 80.1 vs 38.2 ms) go through the matmul too (bench/NOTES.md,
+   "Convolutions on AMX"). */
 static bool cl_im2col(int family, const ampc_conv_desc *d, bool bf16) {
     if (d->groups != 1 || is_1x1_s1(d)) return false;
     if (ampc__cpu_conv_im2col >= 0) return ampc__cpu_conv_im2col;
+    bool amx = bf16 && ampc__dnnl_amx();
+    if (family != AMPC_DNNL_CONV_BWD_WEIGHTS)
+        return amx && d->OH * d->OW <= 16 && (family == AMPC_DNNL_CONV_BWD_DATA || d->KH * d->KW > 1);
+    if (amx && d->O >= 128 && d->OH * d->OW <= 64) return true;
     if (family != AMPC_DNNL_CONV_BWD_WEIGHTS || d->O < 256 || d->OH * d->OW > 14 * 14) return false;
     bool strided = d->stride[0] > 1 || d->stride[1] > 1;
     int64_t K = d->KH * d->KW * d->C;

@@ -17,9 +17,10 @@
 
 #include <string.h>
 
-/* The cap on cols' bytes (32 MiB; what splitting costs: bench/NOTES.md, "Convolutions"). Tests lower it to
-   split small batches; not thread-safe, not part of the API. */
-size_t ampc__cpu_conv_im2col_cap = (size_t)32 << 20;
+/* The cap on cols' bytes (16 MiB: what splitting costs, bench/NOTES.md, "Convolutions"; at 32 MiB
+   the AMX passes' cols raised ResNet-18's peak memory by 5 MiB). Tests lower it to split small
+   batches; not thread-safe, not part of the API. */
+size_t ampc__cpu_conv_im2col_cap = (size_t)16 << 20;
 
 /* The element size of cols: the operands' dtype, f32 for gx_cols (the matmul's output). */
 static size_t i2c_cols_esz(int family, const conv_key *k) {

@@ -70,6 +70,11 @@ static void probe_bf16(void) {
     if (pd) dnnl_primitive_desc_destroy(pd);
 }
 
+bool ampc__dnnl_amx(void) {
+    unsigned isa = (unsigned)dnnl_get_effective_cpu_isa(), want = (unsigned)dnnl_cpu_isa_avx512_core_amx;
+    return (isa & want) == want;
+}
+
 bool ampc__dnnl_bf16_native(void) {
     unsigned isa = (unsigned)dnnl_get_effective_cpu_isa(), want = (unsigned)dnnl_cpu_isa_avx512_core_bf16;
     return ampc__dnnl_bf16_ok() && (isa & want) == want;

@@ -89,6 +89,8 @@ bool ampc__dnnl_bf16_ok(void);
 /* Whether it runs them on bf16 hardware (AVX512-BF16 or AMX); plain AVX-512 emulates bf16 with
    f32 arithmetic, several times slower than f32 itself. */
 bool ampc__dnnl_bf16_native(void);
+/* oneDNN runs AMX (tile) kernels on this CPU (its effective ISA includes avx512_core_amx). */
+bool ampc__dnnl_amx(void);
 
 /* for `int rc` + a `fail:` label */
 #define AMPC_DNNL_TRY(call, what)                                                                  \
