@@ -410,6 +410,11 @@ ampc_tensor *ampc_layer_norm(ampc_tensor *x, int norm_ndim, ampc_tensor *weight,
                              double eps);
 /* Concatenation along dim; inputs of different float dtypes are promoted to the widest. */
 ampc_tensor *ampc_cat(ampc_tensor *const *xs, int n, int dim);
+/* The rows of weight (V, D) that indices (i64, any shape, each in [0, V)) pick: a tensor of
+   indices' shape + (D) in weight's dtype (autocast leaves it there, as PyTorch's does). The
+   gradient reaches weight only: gy's rows summed into the rows their indices name, in index
+   order, the same bits for any thread count (PyTorch's F.embedding without padding_idx). */
+ampc_tensor *ampc_embedding(ampc_tensor *indices, ampc_tensor *weight);
 
 // ---------------------------------------------------------------------------------------------
 // Autocast: thread-local, nestable. enabled=false makes a region run in fp32.
@@ -470,14 +475,16 @@ typedef enum {
     OP(BATCH_NORM, "batch_norm", PASSTHROUGH, PASSTHROUGH, 0x1, X, "NativeBatchNormBackward", OWN)                        \
     OP(LAYER_NORM, "layer_norm", FP32, FP32, 0x0, X, "NativeLayerNormBackward", OWN)                                      \
     OP(CAT, "cat", PROMOTE, PROMOTE, 0x0, NONE, "CatBackward", OWN)                                                       \
-    OP(SILU, "silu", PASSTHROUGH, PASSTHROUGH, 0x1, X, "SiluBackward", UNARY)
+    OP(SILU, "silu", PASSTHROUGH, PASSTHROUGH, 0x1, X, "SiluBackward", UNARY)                                             \
+    OP(EMBEDDING, "embedding", PASSTHROUGH, PASSTHROUGH, 0x0, NONE, "EmbeddingBackward", OWN)
 /* Policies follow PyTorch's CUDA autocast lists (aten/src/ATen/autocast_mode.cpp) for the ops
    ampc has, for fp16 and bf16 alike: matmul-like ops run in the lower precision; reductions
    PyTorch lists as fp32 (sum, softmax, log_softmax, exp, log, pow), layer_norm and every loss
    in fp32; ops PyTorch lists nowhere (elementwise, mean, reshape, dropout, pooling) run in the
    inputs' dtype, with ordinary type promotion for binary ops. batch_norm is in no list either:
    it runs on the 16-bit input with fp32 weights and fp32 statistics. max_pool2d saves its
-   argmax and dropout its mask, not values (NONE). */
+   argmax and dropout its mask, not values (NONE). embedding is in no list: it runs in its
+   weight's dtype and saves its indices (NONE). */
 
 typedef enum {
 #define AMPC_OP_ENUM_(id, name, f16, bf16, channels_last, reads, grad_fn, kind) AMPC_OP_##id,

@@ -270,7 +270,7 @@ void tu_check_op(const tu_op_case *c) {
         ampc_device dev = d < ndt ? AMPC_DEVICE_CPU : AMPC_DEVICE_CUDA;
         ampc_dtype dt = cpu_dtypes[d % ndt];
         if (c->skip_dtypes & (1u << dt)) continue;
-        if (dev == AMPC_DEVICE_CUDA && !tu_cuda_available()) break;
+        if (dev == AMPC_DEVICE_CUDA && (c->no_cuda || !tu_cuda_available())) break;
         double *xs[TU_MAX_IN] = {0};
         int64_t ns[TU_MAX_IN] = {0};
         for (int i = 0; i < c->n_inputs; i++) {

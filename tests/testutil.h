@@ -79,6 +79,7 @@ typedef struct {
     double k_backward;          /* same for the backward pass (0: = k) */
     unsigned skip_dtypes;       /* bit (1 << dtype) skips that CPU dtype */
     bool skip_fd;               /* random ops: no finite differences */
+    const char *no_cuda;        /* why CUDA is not checked (the op has no CUDA kernels yet), or NULL */
 } tu_op_case;
 
 /* Whether the CUDA device can be used (says once on stdout what runs or why it is skipped). */

@@ -237,6 +237,13 @@ typedef struct ampc_backend {
     int (*layer_norm_backward)(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                const ampc_tensor *mean, const ampc_tensor *rstd, ampc_tensor *gx,
                                ampc_tensor *gw, ampc_tensor *gb);
+    /* Embedding: y (n, D) = the rows idx[i] of w (V, D), idx n i64 values; y in w's dtype. The
+       kernels check that every index is in [0, V) where they can read them (an out-of-range
+       one: AMPC_ERR_INVALID). Backward: gw (V, D) = gy's row i added into row idx[i], for i
+       in order, summed in f32 (f64 on REF) and rounded once: the same bits for any thread
+       count; gw in gy's dtype or f32. */
+    int (*embedding)(const ampc_tensor *w, const ampc_tensor *idx, ampc_tensor *y);
+    int (*embedding_backward)(const ampc_tensor *gy, const ampc_tensor *idx, ampc_tensor *gw);
     /* dst[r * dst_ld + dst_off + c] = src[r * src_ld + src_off + c] * scale for r < rows,
        c < cols (elements; same dtype): the slices of cat and of its backward (scale 1: the bits
        as they are, any dtype), the data-parallel gradient buckets (scale 1 / world: f32 or f64,
@@ -262,7 +269,8 @@ bool ampc__backend_channels_last(ampc_device dev);
     K(sum_squares) K(sgd_step) K(adam_step) K(conv2d) K(conv2d_backward_data)                      \
     K(conv2d_backward_weights) K(pool2d_workspace_size) K(pool2d) K(pool2d_backward) K(batch_norm) \
     K(batch_norm_backward) K(batch_norm_relu) K(batch_norm_relu_backward) K(batch_norm_add_relu)   \
-    K(batch_norm_add_relu_backward) K(layer_norm) K(layer_norm_backward) K(copy_block)
+    K(batch_norm_add_relu_backward) K(layer_norm) K(layer_norm_backward) K(embedding) K(embedding_backward) \
+    K(copy_block)
 typedef enum {
 #define AMPC_KERNEL_ENUM_(k) AMPC_K_##k,
     AMPC_KERNEL_TABLE(AMPC_KERNEL_ENUM_)
@@ -327,6 +335,8 @@ int ampc__k_layer_norm(const ampc_tensor *x, const ampc_tensor *weight, const am
 int ampc__k_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                 const ampc_tensor *mean, const ampc_tensor *rstd, ampc_tensor *gx, ampc_tensor *gw,
                                 ampc_tensor *gb);
+int ampc__k_embedding(const ampc_tensor *w, const ampc_tensor *idx, ampc_tensor *y);
+int ampc__k_embedding_backward(const ampc_tensor *gy, const ampc_tensor *idx, ampc_tensor *gw);
 /* rows or cols 0: nothing to copy, AMPC_OK */
 int ampc__k_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, ampc_tensor *dst, int64_t dst_off,
                        int64_t dst_ld, int64_t rows, int64_t cols, double scale);
@@ -360,6 +370,9 @@ int ampc__broadcast_shapes(const ampc_tensor *a, const ampc_tensor *b, int *ndim
    right-aligned, 0 where t has size 1 or lacks the dim. */
 void ampc__broadcast_strides(const ampc_tensor *t, int nd, int64_t *st);
 
+/* For backends with host memory: every one of idx's values in [0, n) (else AMPC_ERR_INVALID
+   naming who, the value and its place). */
+int ampc__host_indices(const ampc_tensor *idx, int64_t n, const char *who);
 /* For backends with host memory: cross_entropy's targets (the door checked their shape), each
    in [0, C) or equal to ignore_index; *count receives the number of targets not ignored. */
 int ampc__host_ce_targets(const ampc_tensor *logits, const ampc_tensor *targets, const ampc_cross_entropy_options *o,
@@ -402,6 +415,7 @@ void ampc__cpu_register_conv(ampc_backend *be);         /* conv2d and its backwa
 void ampc__cpu_register_pool(ampc_backend *be);         /* pooling, copy_block */
 void ampc__cpu_register_batch_norm(ampc_backend *be);   /* batch_norm, batch_norm_relu */
 void ampc__cpu_register_layer_norm(ampc_backend *be);
+void ampc__cpu_register_embedding(ampc_backend *be);
 void ampc__ref_register_elementwise(ampc_backend *be);
 void ampc__ref_register_loss(ampc_backend *be);
 void ampc__ref_register_random(ampc_backend *be);
@@ -412,5 +426,6 @@ void ampc__ref_register_conv(ampc_backend *be);
 void ampc__ref_register_pool(ampc_backend *be);
 void ampc__ref_register_batch_norm(ampc_backend *be);
 void ampc__ref_register_layer_norm(ampc_backend *be);
+void ampc__ref_register_embedding(ampc_backend *be);
 
 #endif /* AMPC_BACKEND_H */

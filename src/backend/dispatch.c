@@ -588,6 +588,25 @@ int ampc__k_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, con
         return ampc_last_status();
     return ampc__backend(x->device)->layer_norm_backward(x, gy, weight, mean, rstd, gx, gw, gb);
 }
+/* Embedding: w (V, D) of a float dtype, idx i64 on w's device, y (or gy) of idx's count of
+   D-element rows (y in w's dtype), gw (V, D) in gy's dtype or f32. */
+int ampc__k_embedding(const ampc_tensor *w, const ampc_tensor *idx, ampc_tensor *y) {
+    int64_t D = w->ndim == 2 ? w->shape[1] : -1;
+    if (ARGS(AMPC_K_embedding, {w, "weight", ANY_FLOAT, -1, true}, {idx, "indices", AMPC_I64, -1, true},
+             {y, "y", FIRST, D < 0 ? -1 : idx->numel * D, true}))
+        return ampc_last_status();
+    if (D < 0) return ampc__err(AMPC_ERR_SHAPE, "embedding: weight must be 2-D (V, D), not %d-D", w->ndim);
+    return ampc__backend(w->device)->embedding(w, idx, y);
+}
+int ampc__k_embedding_backward(const ampc_tensor *gy, const ampc_tensor *idx, ampc_tensor *gw) {
+    int64_t D = gw && gw->ndim == 2 ? gw->shape[1] : -1;
+    if (ARGS(AMPC_K_embedding_backward, {gy, "gy", ANY_FLOAT, D < 0 ? -1 : idx->numel * D, true},
+             {idx, "indices", AMPC_I64, -1, true}, {gw, "gw", gw && gw->dtype == AMPC_F32 ? AMPC_F32 : FIRST, -1, true}))
+        return ampc_last_status();
+    if (D < 0) return ampc__err(AMPC_ERR_SHAPE, "embedding_backward: gw must be 2-D (V, D), not %d-D", gw->ndim);
+    return ampc__backend(gy->device)->embedding_backward(gy, idx, gw);
+}
+
 /* copy_block's arguments (same dtype, the blocks inside both tensors, a scale other than 1 on
    f32 and f64 only): AMPC_OK, 1 when there is nothing to copy, else the error */
 static int check_copy_block(const ampc_tensor *src, int64_t src_off, int64_t src_ld, const ampc_tensor *dst,

@@ -25,6 +25,15 @@ ampc_adam_consts ampc__adam_consts(const ampc_adam_hparams *h, int64_t step) {
     };
 }
 
+int ampc__host_indices(const ampc_tensor *idx, int64_t n, const char *who) {
+    const int64_t *v = ampc__data(idx);
+    for (int64_t i = 0; i < idx->numel; i++)
+        if (v[i] < 0 || v[i] >= n)
+            return ampc__err(AMPC_ERR_INVALID, "%s: index %lld at position %lld is out of range [0, %lld)", who, (long long)v[i],
+                             (long long)i, (long long)n);
+    return AMPC_OK;
+}
+
 int ampc__host_ce_targets(const ampc_tensor *logits, const ampc_tensor *targets, const ampc_cross_entropy_options *o,
                           int64_t *count) {
     int64_t N = logits->shape[0], C = logits->shape[1], k = 0;

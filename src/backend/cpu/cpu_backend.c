@@ -126,4 +126,5 @@ void ampc__cpu_backend_init(ampc_backend *be) {
     ampc__cpu_register_pool(be);
     ampc__cpu_register_batch_norm(be);
     ampc__cpu_register_layer_norm(be);
+    ampc__cpu_register_embedding(be);
 }
