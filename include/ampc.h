@@ -340,7 +340,10 @@ ampc_tensor *ampc_mul(ampc_tensor *a, ampc_tensor *b);
 ampc_tensor *ampc_add_scalar(ampc_tensor *a, double s);
 ampc_tensor *ampc_mul_scalar(ampc_tensor *a, double s);
 ampc_tensor *ampc_relu(ampc_tensor *x);
-ampc_tensor *ampc_gelu(ampc_tensor *x);     /* exact (erf) form, PyTorch's default */
+ampc_tensor *ampc_gelu(ampc_tensor *x);
+/* GELU's tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))): PyTorch's
+   F.gelu(x, approximate='tanh'), GPT-2's. */
+ampc_tensor *ampc_gelu_tanh(ampc_tensor *x);     /* exact (erf) form, PyTorch's default */
 ampc_tensor *ampc_silu(ampc_tensor *x);     /* x * sigmoid(x) (swish) */
 ampc_tensor *ampc_tanh(ampc_tensor *x);
 ampc_tensor *ampc_sigmoid(ampc_tensor *x);
@@ -476,7 +479,8 @@ typedef enum {
     OP(LAYER_NORM, "layer_norm", FP32, FP32, 0x0, X, "NativeLayerNormBackward", OWN)                                      \
     OP(CAT, "cat", PROMOTE, PROMOTE, 0x0, NONE, "CatBackward", OWN)                                                       \
     OP(SILU, "silu", PASSTHROUGH, PASSTHROUGH, 0x1, X, "SiluBackward", UNARY)                                             \
-    OP(EMBEDDING, "embedding", PASSTHROUGH, PASSTHROUGH, 0x0, NONE, "EmbeddingBackward", OWN)
+    OP(EMBEDDING, "embedding", PASSTHROUGH, PASSTHROUGH, 0x0, NONE, "EmbeddingBackward", OWN)                             \
+    OP(GELU_TANH, "gelu_tanh", PASSTHROUGH, PASSTHROUGH, 0x1, X, "GeluBackward", UNARY)
 /* Policies follow PyTorch's CUDA autocast lists (aten/src/ATen/autocast_mode.cpp) for the ops
    ampc has, for fp16 and bf16 alike: matmul-like ops run in the lower precision; reductions
    PyTorch lists as fp32 (sum, softmax, log_softmax, exp, log, pow), layer_norm and every loss

@@ -196,7 +196,7 @@ static void test_kind_column(void **state) {
         ampc_clear_error();
         ampc_scope_end();
     }
-    assert_int_equal(unary, 10);   /* relu gelu tanh sigmoid exp log pow mul_scalar add_scalar silu */
+    assert_int_equal(unary, 11);   /* relu gelu gelu_tanh tanh sigmoid exp log pow mul_scalar add_scalar silu */
     assert_int_equal(binary, 3);   /* add sub mul */
 }
 

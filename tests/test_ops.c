@@ -66,6 +66,9 @@ static const tu_op_case unary_cases[] = {
     UN("gelu (1,)", (1), -3, 3, 0, 1, .unary = ampc_gelu),
     UN("gelu (3,5,7)", (3, 5, 7), -3, 3, 0, 1, .unary = ampc_gelu),
     UN("gelu (30,50)", (30, 50), -3, 3, 0, 1, .unary = ampc_gelu),
+    UN("gelu_tanh (1,)", (1), -3, 3, 0, 1, .unary = ampc_gelu_tanh),
+    UN("gelu_tanh (3,5,7)", (3, 5, 7), -3, 3, 0, 1, .unary = ampc_gelu_tanh),
+    UN("gelu_tanh (30,50)", (30, 50), -3, 3, 0, 1, .unary = ampc_gelu_tanh),
     UN("silu (1,)", (1), -4, 4, 0, 1, .unary = ampc_silu),
     UN("silu (3,5,7)", (3, 5, 7), -4, 4, 0, 1, .unary = ampc_silu),
     UN("silu (30,50)", (30, 50), -4, 4, 0, 1, .unary = ampc_silu),
@@ -201,7 +204,7 @@ static void test_output_shapes_and_names(void **state) {
     struct { ampc_tensor *t; const char *name; } expect[] = {
         {ampc_add(x, b), "AddBackward"}, {ampc_sub(x, b), "SubBackward"}, {ampc_mul(x, b), "MulBackward"},
         {ampc_add_scalar(x, 1), "AddBackward"}, {ampc_mul_scalar(x, 2), "MulBackward"},
-        {ampc_relu(x), "ReluBackward"}, {ampc_gelu(x), "GeluBackward"}, {ampc_silu(x), "SiluBackward"}, {ampc_tanh(x), "TanhBackward"},
+        {ampc_relu(x), "ReluBackward"}, {ampc_gelu(x), "GeluBackward"}, {ampc_gelu_tanh(x), "GeluBackward"}, {ampc_silu(x), "SiluBackward"}, {ampc_tanh(x), "TanhBackward"},
         {ampc_sigmoid(x), "SigmoidBackward"}, {ampc_exp(x), "ExpBackward"}, {ampc_log(ampc_exp(x)), "LogBackward"},
         {ampc_pow(ampc_exp(x), 2), "PowBackward"},
     };
@@ -244,8 +247,8 @@ static void test_errors(void **state) {
         assert_int_equal(ampc_last_status(), AMPC_ERR_DTYPE);
         assert_non_null(strstr(ampc_last_error(), "i64"));
     }
-    ampc_tensor *(*unaries[])(ampc_tensor *) = {ampc_relu, ampc_gelu, ampc_tanh, ampc_sigmoid, ampc_exp, ampc_log, ampc_silu};
-    for (int i = 0; i < 7; i++) {
+    ampc_tensor *(*unaries[])(ampc_tensor *) = {ampc_relu, ampc_gelu, ampc_tanh, ampc_sigmoid, ampc_exp, ampc_log, ampc_silu, ampc_gelu_tanh};
+    for (int i = 0; i < 8; i++) {
         ampc_clear_error();
         assert_null(unaries[i](lab));
         assert_int_equal(ampc_last_status(), AMPC_ERR_DTYPE);
@@ -507,7 +510,7 @@ static void test_saved_tensors(void **state) {
        in slot 1 */
     const struct { ampc_op op; ampc_tensor *(*f)(ampc_tensor *); } one_saved[] = {
         {AMPC_OP_RELU, ampc_relu}, {AMPC_OP_GELU, ampc_gelu}, {AMPC_OP_TANH, ampc_tanh}, {AMPC_OP_SIGMOID, ampc_sigmoid},
-        {AMPC_OP_EXP, ampc_exp},   {AMPC_OP_LOG, ampc_log},   {AMPC_OP_SILU, ampc_silu},
+        {AMPC_OP_EXP, ampc_exp},   {AMPC_OP_LOG, ampc_log},   {AMPC_OP_SILU, ampc_silu}, {AMPC_OP_GELU_TANH, ampc_gelu_tanh},
     };
     for (size_t i = 0; i < sizeof one_saved / sizeof *one_saved; i++) {
         ampc_tensor *y = one_saved[i].f(x);
@@ -750,6 +753,45 @@ static int cudnn_benchmark_child(const char *env) {
     return WEXITSTATUS(st);
 }
 
+/* GELU's tanh approximation against PyTorch's, made by Debian's python3-torch 1.13:
+     x = torch.tensor([...], dtype=torch.float64, requires_grad=True)
+     y = torch.nn.functional.gelu(x, approximate='tanh'); y.sum().backward()
+   (REF and CPU are checked against each other above; this pins the formula itself). Bounds: 8
+   unit roundoffs of the dtype (f64 on REF, f32 on the CPU: a tanh and a few products), times
+   the derivative's condition where 1 + t cancels as t = tanh(...) nears -1 (1 / (1 + t): 7 at
+   x = -1.5, 150 at x = -3). */
+static void test_gelu_tanh_pytorch(void **state) {
+    (void)state;
+    static const double xs[8] = {-3.0, -1.5, -0.5, 0.0, 0.25, 1.0, 2.5, 4.0};
+    static const double ys[8] = {-0.0036373920817729943, -0.10042842301976707, -0.15428599017485606, 0.0,
+                                 0.149675350701685,      0.8411919906082768,   2.484915733910001,    3.9999297540518075};
+    static const double gs[8] = {-0.011584166630969648, -0.12771079315143308, 0.13263009646535764, 0.5,
+                                 0.6953540951510604,    1.0829640838457826,   1.037951576212666,   1.000335123197122};
+    const ampc_device devs[2] = {AMPC_DEVICE_REF, AMPC_DEVICE_CPU};
+    for (int k = 0; k < 2; k++) {
+        ampc_scope_begin();
+        ampc_set_default_device(devs[k]);
+        ampc_tensor *x = ampc_tensor_from_f64(k ? AMPC_F32 : AMPC_F64, 1, (int64_t[]){8}, xs);
+        ASSERT_NOT_NULL_MSG(x);
+        ASSERT_OK(ampc_tensor_set_requires_grad(x, true));
+        ampc_tensor *y = ampc_gelu_tanh(x);
+        ASSERT_NOT_NULL_MSG(y);
+        ASSERT_OK(ampc_backward(ampc_sum(y, AMPC_ALL_DIMS, false)));
+        double *yv = tu_values(y), *gv = tu_values(ampc_tensor_grad(x));
+        double u8 = 8 * (k ? 0x1p-24 : 0x1p-53);
+        for (int i = 0; i < 8; i++) {
+            double t = tanh(0.79788456080286535588 * (xs[i] + 0.044715 * xs[i] * xs[i] * xs[i])), cond = 1 / (1 + t);
+            if (fabs(yv[i] - ys[i]) > u8 * cond * fabs(ys[i]))
+                fail_msg("%s gelu_tanh(%g) = %.17g, PyTorch %.17g", k ? "cpu" : "ref", xs[i], yv[i], ys[i]);
+            if (fabs(gv[i] - gs[i]) > u8 * (cond > 1 ? cond : 1) * fabs(gs[i]))
+                fail_msg("%s gelu_tanh'(%g) = %.17g, PyTorch %.17g", k ? "cpu" : "ref", xs[i], gv[i], gs[i]);
+        }
+        free(yv), free(gv);
+        ampc_set_default_device(AMPC_DEVICE_CPU);
+        ampc_scope_end();
+    }
+}
+
 static void test_cudnn_benchmark_switch(void **state) {
     (void)state;
     assert_int_equal(cudnn_benchmark_child(NULL), 10 + 0 + 20);
@@ -830,7 +872,7 @@ int main(void) {
         cmocka_unit_test(test_bf16_rounding_in_registers),
         cmocka_unit_test(test_bf16_register_path_bits),
         cmocka_unit_test(test_sum_to_f32_out),
-        cmocka_unit_test(test_kernel_door), cmocka_unit_test(test_cudnn_benchmark_switch),
+        cmocka_unit_test(test_kernel_door), cmocka_unit_test(test_cudnn_benchmark_switch), cmocka_unit_test(test_gelu_tanh_pytorch),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
 }

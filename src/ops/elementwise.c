@@ -151,6 +151,7 @@ ampc_tensor *ampc_mul_scalar(ampc_tensor *x, double s) {
 }
 ampc_tensor *ampc_relu(ampc_tensor *x) { return unary_op(AMPC_OP_RELU, 0, x); }
 ampc_tensor *ampc_gelu(ampc_tensor *x) { return unary_op(AMPC_OP_GELU, 0, x); }
+ampc_tensor *ampc_gelu_tanh(ampc_tensor *x) { return unary_op(AMPC_OP_GELU_TANH, 0, x); }
 ampc_tensor *ampc_silu(ampc_tensor *x) { return unary_op(AMPC_OP_SILU, 0, x); }
 ampc_tensor *ampc_tanh(ampc_tensor *x) { return unary_op(AMPC_OP_TANH, 0, x); }
 ampc_tensor *ampc_sigmoid(ampc_tensor *x) {

@@ -92,6 +92,7 @@ AMPC_CPU_VEC static void relu_bwd_f32(const void *v, const void *gy, void *gx, s
 AMPC_CPU_VEC static void relu_bwd_bf16(const void *v, const void *gy, void *gx, size_t n) { relu_bwd_body(v, gy, gx, n, true); }
 
 static const float inv_sqrt2 = 0.70710678118654752440f, inv_sqrt2pi = 0.39894228040143267794f;
+static const float sqrt_2_pi = 0.79788456080286535588f, gelu_k = 0.044715f;   /* GELU's tanh approximation */
 
 /* The other ops on f32 chunks; x and y may be the same array */
 static void unary_chunk(ampc_op op, const float *x, float *y, size_t n, float a) {
@@ -99,6 +100,9 @@ static void unary_chunk(ampc_op op, const float *x, float *y, size_t n, float a)
     case AMPC_OP_GELU:
 #pragma omp simd
         for (size_t i = 0; i < n; i++) y[i] = 0.5f * x[i] * (1.0f + erff(x[i] * inv_sqrt2));
+        break;
+    case AMPC_OP_GELU_TANH:
+        for (size_t i = 0; i < n; i++) y[i] = 0.5f * x[i] * (1.0f + tanhf(sqrt_2_pi * (x[i] + gelu_k * x[i] * x[i] * x[i])));
         break;
     case AMPC_OP_TANH:
         for (size_t i = 0; i < n; i++) y[i] = tanhf(x[i]);
@@ -164,6 +168,12 @@ static void unary_backward_chunk(ampc_op op, const float *x, const float *y, con
 #pragma omp simd
         for (size_t i = 0; i < n; i++)
             gx[i] = gy[i] * (0.5f * (1.0f + erff(x[i] * inv_sqrt2)) + x[i] * inv_sqrt2pi * expf(-0.5f * x[i] * x[i]));
+        break;
+    case AMPC_OP_GELU_TANH:   /* 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3k x^2), t = tanh(inner) */
+        for (size_t i = 0; i < n; i++) {
+            float v = x[i], t = tanhf(sqrt_2_pi * (v + gelu_k * v * v * v));
+            gx[i] = gy[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * sqrt_2_pi * (1.0f + 3.0f * gelu_k * v * v));
+        }
         break;
     case AMPC_OP_TANH:
 #pragma omp simd

@@ -12,11 +12,14 @@ using namespace ampc_cu;
 
 #define INV_SQRT2 0.70710678118654752440f
 #define INV_SQRT2PI 0.39894228040143267794f
+#define SQRT_2_PI 0.79788456080286535588f   /* GELU's tanh approximation */
+#define GELU_K 0.044715f
 
 __device__ __forceinline__ float unary_f(ampc_op op, float v, float a) {
     switch (op) {
     case AMPC_OP_RELU: return v < 0.0f ? 0.0f : v;   /* NaN stays NaN */
     case AMPC_OP_GELU: return 0.5f * v * (1.0f + erff(v * INV_SQRT2));
+    case AMPC_OP_GELU_TANH: return 0.5f * v * (1.0f + tanhf(SQRT_2_PI * (v + GELU_K * v * v * v)));
     case AMPC_OP_TANH: return tanhf(v);
     case AMPC_OP_SILU: return v / (1.0f + expf(-v));
     case AMPC_OP_SIGMOID: return 1.0f / (1.0f + expf(-v));
@@ -59,7 +62,7 @@ extern "C" cudaError_t ampc_cu_add_scalar_i64(const int64_t *x, int64_t *y, int6
     return cudaGetLastError();
 }
 
-/* gy * f'(v), v the value the op's backward reads: x for GELU, SILU, LOG, POW; y for TANH,
+/* gy * f'(v), v the value the op's backward reads: x for GELU, GELU_TANH, SILU, LOG, POW; y for TANH,
    SIGMOID, EXP; either for RELU, whose y > 0 exactly when x > 0; none (0) for MUL_SCALAR and
    ADD_SCALAR */
 __device__ __forceinline__ float unary_df(ampc_op op, float v, float g, float a) {
@@ -67,6 +70,10 @@ __device__ __forceinline__ float unary_df(ampc_op op, float v, float g, float a)
     case AMPC_OP_RELU: return v > 0.0f ? g : 0.0f;
     case AMPC_OP_GELU: /* Phi(x) + x phi(x) */
         return g * (0.5f * (1.0f + erff(v * INV_SQRT2)) + v * INV_SQRT2PI * expf(-0.5f * v * v));
+    case AMPC_OP_GELU_TANH: { /* 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3k x^2) */
+        float t = tanhf(SQRT_2_PI * (v + GELU_K * v * v * v));
+        return g * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * SQRT_2_PI * (1.0f + 3.0f * GELU_K * v * v));
+    }
     case AMPC_OP_TANH: return g * (1.0f - v * v);
     case AMPC_OP_SILU: { /* s (1 + x (1 - s)), s = sigmoid(x) */
         float sg = 1.0f / (1.0f + expf(-v));

@@ -42,11 +42,13 @@ static const double *cdat(const ampc_tensor *t) { return t ? (const double *)amp
 // Unary
 
 static const double inv_sqrt2 = 0.70710678118654752440, inv_sqrt2pi = 0.39894228040143267794;
+static const double sqrt_2_pi = 0.79788456080286535588;   /* GELU's tanh approximation */
 
 static double unary_f(ampc_op op, double x, double a) {
     switch (op) {
     case AMPC_OP_RELU: return x < 0 ? 0.0 : x;   /* NaN stays NaN, like torch.relu */
     case AMPC_OP_GELU: return 0.5 * x * (1.0 + erf(x * inv_sqrt2));
+    case AMPC_OP_GELU_TANH: return 0.5 * x * (1.0 + tanh(sqrt_2_pi * (x + 0.044715 * x * x * x)));
     case AMPC_OP_TANH: return tanh(x);
     case AMPC_OP_SILU: return x / (1.0 + exp(-x));
     case AMPC_OP_SIGMOID: return 1.0 / (1.0 + exp(-x));
@@ -75,6 +77,10 @@ static double unary_df(ampc_op op, double x, double y, double a) {
     switch (op) {
     case AMPC_OP_RELU: return x > 0 ? 1.0 : 0.0;
     case AMPC_OP_GELU: return 0.5 * (1.0 + erf(x * inv_sqrt2)) + x * inv_sqrt2pi * exp(-0.5 * x * x);
+    case AMPC_OP_GELU_TANH: {
+        double t = tanh(sqrt_2_pi * (x + 0.044715 * x * x * x));
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * sqrt_2_pi * (1.0 + 3.0 * 0.044715 * x * x);
+    }
     case AMPC_OP_TANH: return 1.0 - y * y;
     case AMPC_OP_SILU: {
         double sg = 1.0 / (1.0 + exp(-x));
