@@ -356,6 +356,12 @@ ampc_tensor *ampc_sum(ampc_tensor *x, int dim, bool keepdim);
 ampc_tensor *ampc_mean(ampc_tensor *x, int dim, bool keepdim);
 ampc_tensor *ampc_reshape(ampc_tensor *x, int ndim, const int64_t *shape); /* one -1 allowed */
 ampc_tensor *ampc_flatten(ampc_tensor *x, int start_dim, int end_dim);
+/* x with its dims reordered: dim i of the result is dim dims[i] of x (dims: a permutation of
+   0 .. ndim-1, negative counting from the end), as PyTorch's permute, but a new contiguous
+   tensor (ampc has no strided views; PyTorch users call .contiguous() after it anyway). */
+ampc_tensor *ampc_permute(ampc_tensor *x, const int *dims);
+/* ampc_permute swapping two dims (PyTorch's transpose). */
+ampc_tensor *ampc_transpose(ampc_tensor *x, int dim0, int dim1);
 ampc_tensor *ampc_cast(ampc_tensor *x, ampc_dtype dt);   /* differentiable */
 ampc_tensor *ampc_softmax(ampc_tensor *x, int dim);
 ampc_tensor *ampc_log_softmax(ampc_tensor *x, int dim);
@@ -480,7 +486,8 @@ typedef enum {
     OP(CAT, "cat", PROMOTE, PROMOTE, 0x0, NONE, "CatBackward", OWN)                                                       \
     OP(SILU, "silu", PASSTHROUGH, PASSTHROUGH, 0x1, X, "SiluBackward", UNARY)                                             \
     OP(EMBEDDING, "embedding", PASSTHROUGH, PASSTHROUGH, 0x0, NONE, "EmbeddingBackward", OWN)                             \
-    OP(GELU_TANH, "gelu_tanh", PASSTHROUGH, PASSTHROUGH, 0x1, X, "GeluBackward", UNARY)
+    OP(GELU_TANH, "gelu_tanh", PASSTHROUGH, PASSTHROUGH, 0x1, X, "GeluBackward", UNARY)                                   \
+    OP(PERMUTE, "permute", PASSTHROUGH, PASSTHROUGH, 0x0, NONE, "PermuteBackward", OWN)
 /* Policies follow PyTorch's CUDA autocast lists (aten/src/ATen/autocast_mode.cpp) for the ops
    ampc has, for fp16 and bf16 alike: matmul-like ops run in the lower precision; reductions
    PyTorch lists as fp32 (sum, softmax, log_softmax, exp, log, pow), layer_norm and every loss

@@ -65,6 +65,9 @@ static void test_elementwise_door(void **state) {
         REFUSED(ampc__k_sum_to(a, 1, (int64_t[]){3}, 1.0) ? AMPC_OK : ampc_last_status(), AMPC_ERR_SHAPE, "does not broadcast");
         REFUSED(ampc__k_sum_to_as(a, AMPC_I64, 1, (int64_t[]){4}, 1.0) ? AMPC_OK : ampc_last_status(), AMPC_ERR_DTYPE, "out is i64");
         REFUSED(ampc__k_expand(a, 1, (int64_t[]){12}, 1.0) ? AMPC_OK : ampc_last_status(), AMPC_ERR_SHAPE, "does not broadcast");
+        /* permute: y of the unpermuted shape, dims that are no permutation */
+        REFUSED(ampc__k_permute(a, (const int[]){1, 0}, a), AMPC_ERR_SHAPE, "y's dim 0 is not x's dim 1");
+        REFUSED(ampc__k_permute(a, (const int[]){0, 0}, a), AMPC_ERR_INVALID, "not a permutation");
         ampc_scope_end();
     }
 }

@@ -71,6 +71,7 @@ struct ampc_node {
             double divisor;              /* non-ignored rows for MEAN, else 1 */
         } cross_entropy;
         struct { double p; } dropout;    /* probability of zeroing an element */
+        struct { int dims[AMPC_MAX_DIMS]; } permute;   /* the output's dim i is the input's dims[i] */
     } args;
     void *extra;                      /* op-owned buffer (ampc__free'd with extra_bytes on extra_device) */
     size_t extra_bytes;

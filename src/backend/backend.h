@@ -237,6 +237,9 @@ typedef struct ampc_backend {
     int (*layer_norm_backward)(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                const ampc_tensor *mean, const ampc_tensor *rstd, ampc_tensor *gx,
                                ampc_tensor *gw, ampc_tensor *gb);
+    /* y = x with its dims reordered: y's dim i is x's dim perm[i] (a permutation of x's ndim
+       dims; y's shape follows); any dtype, the bits copied; x and y contiguous. */
+    int (*permute)(const ampc_tensor *x, const int *perm, ampc_tensor *y);
     /* Embedding: y (n, D) = the rows idx[i] of w (V, D), idx n i64 values; y in w's dtype. The
        kernels check that every index is in [0, V) where they can read them (an out-of-range
        one: AMPC_ERR_INVALID). Backward: gw (V, D) = gy's row i added into row idx[i], for i
@@ -269,7 +272,7 @@ bool ampc__backend_channels_last(ampc_device dev);
     K(sum_squares) K(sgd_step) K(adam_step) K(conv2d) K(conv2d_backward_data)                      \
     K(conv2d_backward_weights) K(pool2d_workspace_size) K(pool2d) K(pool2d_backward) K(batch_norm) \
     K(batch_norm_backward) K(batch_norm_relu) K(batch_norm_relu_backward) K(batch_norm_add_relu)   \
-    K(batch_norm_add_relu_backward) K(layer_norm) K(layer_norm_backward) K(embedding) K(embedding_backward) \
+    K(batch_norm_add_relu_backward) K(layer_norm) K(layer_norm_backward) K(permute) K(embedding) K(embedding_backward) \
     K(copy_block)
 typedef enum {
 #define AMPC_KERNEL_ENUM_(k) AMPC_K_##k,
@@ -335,6 +338,7 @@ int ampc__k_layer_norm(const ampc_tensor *x, const ampc_tensor *weight, const am
 int ampc__k_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                 const ampc_tensor *mean, const ampc_tensor *rstd, ampc_tensor *gx, ampc_tensor *gw,
                                 ampc_tensor *gb);
+int ampc__k_permute(const ampc_tensor *x, const int *perm, ampc_tensor *y);
 int ampc__k_embedding(const ampc_tensor *w, const ampc_tensor *idx, ampc_tensor *y);
 int ampc__k_embedding_backward(const ampc_tensor *gy, const ampc_tensor *idx, ampc_tensor *gw);
 /* rows or cols 0: nothing to copy, AMPC_OK */
@@ -415,7 +419,7 @@ void ampc__cpu_register_conv(ampc_backend *be);         /* conv2d and its backwa
 void ampc__cpu_register_pool(ampc_backend *be);         /* pooling, copy_block */
 void ampc__cpu_register_batch_norm(ampc_backend *be);   /* batch_norm, batch_norm_relu */
 void ampc__cpu_register_layer_norm(ampc_backend *be);
-void ampc__cpu_register_embedding(ampc_backend *be);
+void ampc__cpu_register_embedding(ampc_backend *be);   /* embedding, permute */
 void ampc__ref_register_elementwise(ampc_backend *be);
 void ampc__ref_register_loss(ampc_backend *be);
 void ampc__ref_register_random(ampc_backend *be);
@@ -426,6 +430,6 @@ void ampc__ref_register_conv(ampc_backend *be);
 void ampc__ref_register_pool(ampc_backend *be);
 void ampc__ref_register_batch_norm(ampc_backend *be);
 void ampc__ref_register_layer_norm(ampc_backend *be);
-void ampc__ref_register_embedding(ampc_backend *be);
+void ampc__ref_register_embedding(ampc_backend *be);   /* embedding, permute */
 
 #endif /* AMPC_BACKEND_H */

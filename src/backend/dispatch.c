@@ -74,9 +74,10 @@ int ampc__backend_check(ampc_kernel k, ampc_dtype dt, ampc_device dev) {
 // A kernel's tensor arguments, checked from a list
 
 /* What an argument's dtype must be (k_arg.dtype): one named dtype (>= 0), or a float dtype its
-   device holds, the first argument's, or the device's statistics dtype (f32; f64 on a device
-   that holds no f32: REF), which is also the dtype its optimizers update. */
-enum { ANY_FLOAT = -1, FIRST = -2, STAT = -3 };
+   device holds, the first argument's, the device's statistics dtype (f32; f64 on a device
+   that holds no f32: REF; also the dtype its optimizers update), or any (the table's check of
+   the first argument's dtype: one the device holds). */
+enum { ANY_FLOAT = -1, FIRST = -2, STAT = -3, ANY_DTYPE = -4 };
 
 /* One tensor argument: NULL allowed unless need; numel -1: any size. */
 typedef struct {
@@ -108,7 +109,7 @@ static int check_args(ampc_kernel kern, const k_arg *a, int n) {
         else if (t->device != t0->device)
             rc = ampc__err(AMPC_ERR_INVALID, "%s: %s on %s, %s on %s", k, a[i].name, ampc_device_name(t->device), a[0].name,
                            ampc_device_name(t0->device));
-        else if (a[i].dtype == ANY_FLOAT ? !float_on(t->dtype, t->device) : t->dtype != want)
+        else if (a[i].dtype == ANY_DTYPE ? false : a[i].dtype == ANY_FLOAT ? !float_on(t->dtype, t->device) : t->dtype != want)
             rc = ampc__err(AMPC_ERR_DTYPE, "%s: %s is %s, expected %s", k, a[i].name, ampc_dtype_name(t->dtype),
                            a[i].dtype == ANY_FLOAT ? "a float dtype its device holds" : ampc_dtype_name(want));
         else if (a[i].numel >= 0 && t->numel != a[i].numel)
@@ -588,6 +589,22 @@ int ampc__k_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, con
         return ampc_last_status();
     return ampc__backend(x->device)->layer_norm_backward(x, gy, weight, mean, rstd, gx, gw, gb);
 }
+/* permute: x and y of one dtype on one device, contiguous, perm a permutation of x's dims and
+   y of the permuted shape */
+int ampc__k_permute(const ampc_tensor *x, const int *perm, ampc_tensor *y) {
+    if (ARGS(AMPC_K_permute, {x, "x", ANY_DTYPE, -1, true}, {y, "y", FIRST, x->numel, true})) return ampc_last_status();
+    if (!perm || y->ndim != x->ndim) return ampc__err(AMPC_ERR_SHAPE, "permute: %d dims into %d", x->ndim, y->ndim);
+    unsigned seen = 0;
+    for (int i = 0; i < x->ndim; i++) {
+        if (perm[i] < 0 || perm[i] >= x->ndim || (seen >> perm[i] & 1u))
+            return ampc__err(AMPC_ERR_INVALID, "permute: dims are not a permutation of 0..%d", x->ndim - 1);
+        seen |= 1u << perm[i];
+        if (y->shape[i] != x->shape[perm[i]]) return ampc__err(AMPC_ERR_SHAPE, "permute: y's dim %d is not x's dim %d", i, perm[i]);
+    }
+    if (ampc__is_cl(x) || ampc__is_cl(y)) return ampc__err(AMPC_ERR_INVALID, "permute of a channels-last tensor (the op converts it)");
+    return ampc__backend(x->device)->permute(x, perm, y);
+}
+
 /* Embedding: w (V, D) of a float dtype, idx i64 on w's device, y (or gy) of idx's count of
    D-element rows (y in w's dtype), gw (V, D) in gy's dtype or f32. */
 int ampc__k_embedding(const ampc_tensor *w, const ampc_tensor *idx, ampc_tensor *y) {

@@ -267,6 +267,70 @@ ampc_tensor *ampc_reshape(ampc_tensor *x, int ndim, const int64_t *shape) {
     return ampc__op_finish(&a, ampc__alias_record(a.in[0], ndim, s, ampc_op_grad_fn(AMPC_OP_RESHAPE)), NULL);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Permute and transpose (copies: ampc has no strided views); the backward permutes gy back.
+
+static int permute_backward_fn(ampc_node *n, ampc_tensor *gy_in, ampc_tensor **gx) {
+    const int nd = n->in[0].ndim;
+    int inv[AMPC_MAX_DIMS];
+    for (int i = 0; i < nd; i++) inv[n->args.permute.dims[i]] = i;
+    ampc_tensor *gy = ampc__k_convert(gy_in, gy_in->dtype, AMPC_CONTIGUOUS_FORMAT);
+    ampc_tensor *g = gy ? ampc__tensor_new(gy->dtype, gy->device, nd, n->in[0].shape) : NULL;
+    int rc = g ? ampc__k_permute(gy, inv, g) : ampc_last_status();
+    ampc__release(gy);
+    if (rc < 0) {
+        ampc__release(g);
+        return rc;
+    }
+    gx[0] = g;
+    return AMPC_OK;
+}
+
+ampc_tensor *ampc_permute(ampc_tensor *x, const int *dims) {
+    ampc_op_args a;
+    if (ampc__op_prepare(AMPC_OP_PERMUTE, &a, 1, &x, 0) < 0) return NULL;
+    ampc_tensor *in = a.in[0], *y = NULL;
+    int p[AMPC_MAX_DIMS];
+    int64_t shape[AMPC_MAX_DIMS];
+    unsigned seen = 0;
+    for (int i = 0; i < in->ndim; i++) {
+        int d = -1;
+        if (!dims || ampc__norm_dim(dims[i], in->ndim, &d) < 0 || (seen >> d & 1u)) {
+            if (dims && d >= 0) ampc__err(AMPC_ERR_INVALID, "permute: dim %d appears twice in dims", d);
+            else if (!dims) ampc__err(AMPC_ERR_INVALID, "permute: no dims");
+            return ampc__op_finish(&a, NULL, NULL);
+        }
+        seen |= 1u << d;
+        p[i] = d;
+        shape[i] = in->shape[d];
+    }
+    y = ampc__tensor_new(in->dtype, in->device, in->ndim, shape);
+    if (!y || ampc__k_permute(in, p, y) < 0) {
+        ampc__release(y);
+        return ampc__op_finish(&a, NULL, NULL);
+    }
+    ampc_node *node = NULL;
+    if (ampc__needs_grad(a.in, 1)) {
+        node = ampc__node_new(ampc_op_grad_fn(AMPC_OP_PERMUTE), permute_backward_fn, a.in, 1);
+        if (!node) {
+            ampc__release(y);
+            return ampc__op_finish(&a, NULL, NULL);
+        }
+        memcpy(node->args.permute.dims, p, sizeof(int) * (size_t)in->ndim);
+    }
+    return ampc__op_finish(&a, y, node);
+}
+
+ampc_tensor *ampc_transpose(ampc_tensor *x, int dim0, int dim1) {
+    if (!x) return ampc__err_null(AMPC_ERR_INVALID, "transpose of NULL");
+    int d0, d1, p[AMPC_MAX_DIMS];
+    if (ampc__norm_dim(dim0, x->ndim, &d0) < 0 || ampc__norm_dim(dim1, x->ndim, &d1) < 0) return NULL;
+    for (int i = 0; i < x->ndim; i++) p[i] = i;
+    p[d0] = d1;
+    p[d1] = d0;
+    return ampc_permute(x, p);
+}
+
 ampc_tensor *ampc_flatten(ampc_tensor *x, int start_dim, int end_dim) {
     if (!x) return NULL;
     int s, e;

@@ -1,8 +1,9 @@
 /*
- * embedding.c - CPU kernels of the embedding: the forward copies the rows the indices pick (any
- * float dtype, bit for bit); the backward sums gy's rows into the rows of gw their indices name,
- * in f32, threads splitting the columns so that each column's sum runs in index order whatever
- * the thread count (the same bits on 1 or 16 threads, repeated tokens included).
+ * embedding.c - CPU kernels that move rows: the embedding, whose forward copies the rows the
+ * indices pick (any float dtype, bit for bit) and whose backward sums gy's rows into the rows
+ * of gw their indices name, in f32, threads splitting the columns so that each column's sum
+ * runs in index order whatever the thread count (the same bits on 1 or 16 threads, repeated
+ * tokens included); and permute, which copies the blocks of the dims that stay innermost.
  */
 #include "backend/cpu/cpu.h"
 
@@ -64,7 +65,40 @@ static int cpu_embedding_backward(const ampc_tensor *gy, const ampc_tensor *idx,
     return AMPC_OK;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Permute: y's element (i_0, .., i_n) is x's at (i_perm^-1 ...); the trailing dims that keep
+// their place form blocks copied whole (attention's (B, T, H, D) -> (B, H, T, D) copies rows
+// of D), one block per step of the outer odometer.
+
+static int cpu_permute(const ampc_tensor *x, const int *perm, ampc_tensor *y) {
+    const int nd = x->ndim;
+    if (y->numel == 0) return AMPC_OK;
+    const size_t es = ampc__dt(x->dtype)->size;
+    int k = nd;
+    int64_t inner = 1, xs[AMPC_MAX_DIMS], s = 1;
+    while (k > 0 && perm[k - 1] == k - 1) inner *= x->shape[--k];
+    for (int i = nd - 1; i >= 0; i--) {
+        xs[i] = s;
+        s *= x->shape[i];
+    }
+    const int64_t outer = y->numel / inner;
+    const size_t blk = (size_t)inner * es;
+    const char *src = ampc__data(x);
+    char *dst = ampc__data(y);
+#pragma omp parallel for num_threads(ampc__threads_for(y->numel)) schedule(static)
+    for (int64_t o = 0; o < outer; o++) {
+        int64_t r = o, off = 0;
+        for (int i = k - 1; i >= 0; i--) {
+            off += r % y->shape[i] * xs[perm[i]];
+            r /= y->shape[i];
+        }
+        memcpy(dst + (size_t)o * blk, src + (size_t)off * es, blk);
+    }
+    return AMPC_OK;
+}
+
 void ampc__cpu_register_embedding(ampc_backend *be) {
+    be->permute = cpu_permute;
     be->embedding = cpu_embedding;
     be->embedding_backward = cpu_embedding_backward;
 }

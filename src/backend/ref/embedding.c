@@ -1,7 +1,7 @@
 /*
- * embedding.c - REF kernels of the embedding in f64: the rows the indices pick, and the
- * gradient summed into the rows of gw in index order; the oracle of the CPU kernels
- * (src/backend/cpu/embedding.c).
+ * embedding.c - REF kernels that move rows: the embedding in f64 (the rows the indices pick,
+ * and the gradient summed into the rows of gw in index order) and permute (element by
+ * element); the oracle of the CPU kernels (src/backend/cpu/embedding.c).
  */
 #include "backend/ref/ref.h"
 
@@ -32,7 +32,26 @@ static int ref_embedding_backward(const ampc_tensor *gy, const ampc_tensor *idx,
     return AMPC_OK;
 }
 
+/* Every element of y in order, its place in x from the permuted multi-index (any dtype). */
+static int ref_permute(const ampc_tensor *x, const int *perm, ampc_tensor *y) {
+    const int nd = x->ndim;
+    const size_t es = ampc__dt(x->dtype)->size;
+    int64_t idx[AMPC_MAX_DIMS] = {0}, xs[AMPC_MAX_DIMS], s = 1;
+    for (int i = nd - 1; i >= 0; i--) {
+        xs[i] = s;
+        s *= x->shape[i];
+    }
+    for (int64_t e = 0; e < y->numel; e++) {
+        int64_t off = 0;
+        for (int i = 0; i < nd; i++) off += idx[i] * xs[perm[i]];
+        memcpy((char *)ampc__data(y) + (size_t)e * es, (const char *)ampc__data(x) + (size_t)off * es, es);
+        for (int i = nd - 1; i >= 0 && ++idx[i] == y->shape[i]; i--) idx[i] = 0;
+    }
+    return AMPC_OK;
+}
+
 void ampc__ref_register_embedding(ampc_backend *be) {
+    be->permute = ref_permute;
     be->embedding = ref_embedding;
     be->embedding_backward = ref_embedding_backward;
 }
