@@ -708,6 +708,9 @@ ampc_module *ampc_maxpool2d_new(const ampc_pool2d_options *opts);
 ampc_module *ampc_avgpool2d_new(const ampc_pool2d_options *opts);
 ampc_module *ampc_adaptive_avgpool2d_new(int out_h, int out_w);
 ampc_module *ampc_layernorm_new(int norm_ndim, const int64_t *normalized_shape);
+/* Embedding: its forward takes i64 indices (any shape) and gives their rows of "weight"
+   (num_embeddings, embedding_dim), drawn from N(0, 1) as PyTorch's nn.Embedding does. */
+ampc_module *ampc_embedding_new(int64_t num_embeddings, int64_t embedding_dim);
 
 /* Model zoo by name: "mlp" (in_channels*28*28 -> 128 -> ReLU -> num_classes), "cnn" (PyTorch's
    MNIST example: conv 1->32 3x3, ReLU, conv 32->64 3x3, ReLU, maxpool 2, dropout 0.25,

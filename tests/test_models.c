@@ -374,6 +374,30 @@ static void test_memory_and_devices(void **state) {
     assert_int_equal(ampc_tensor_dtype(t[1]), AMPC_F64);
     ampc_module_free(bn);
     ampc_module_free(ln);
+    /* Embedding: one parameter "weight" (V, D) from N(0, 1); its forward picks rows of it */
+    ampc_module *emb = ampc_embedding_new(1000, 8);
+    ASSERT_NOT_NULL_MSG(emb);
+    assert_string_equal(ampc_module_type(emb), "Embedding");
+    assert_int_equal(ampc_module_state_dict(emb, &t, &names), 1);
+    assert_string_equal(names[0], "weight");
+    assert_shape(t[0], 2, (int64_t[]){1000, 8});
+    double *w = tu_values(t[0]), m1 = 0, m2 = 0;
+    for (int i = 0; i < 8000; i++) m1 += w[i], m2 += w[i] * w[i];
+    m1 /= 8000, m2 = m2 / 8000 - m1 * m1;
+    assert_true(fabs(m1) < 0.05 && fabs(m2 - 1) < 0.1);   /* 8000 draws: 4.5 and 6.3 standard errors */
+    ampc_scope_begin();
+    ampc_tensor *ix = ampc_tensor_from_i64(2, (int64_t[]){1, 2}, (const int64_t[]){999, 3});
+    ampc_tensor *y = ampc_module_forward(emb, ix);
+    ASSERT_NOT_NULL_MSG(y);
+    assert_shape(y, 3, (int64_t[]){1, 2, 8});
+    double *yv = tu_values(y);
+    for (int c = 0; c < 8; c++) assert_true(yv[c] == w[999 * 8 + c] && yv[8 + c] == w[3 * 8 + c]);
+    free(w), free(yv);
+    ampc_scope_end();
+    ampc_module_free(emb);
+    assert_null(ampc_embedding_new(0, 4));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+    ampc_clear_error();
 }
 
 /* Constructor argument checks name the layer and the problem. */

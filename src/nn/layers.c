@@ -1,5 +1,5 @@
 /*
- * layers.c - the simple layers: Linear, the activations, Dropout and Flatten. Each is a
+ * layers.c - the simple layers: Linear, Embedding, the activations, Dropout and Flatten. Each is a
  * vtable and a forward that calls the public ops (which obey autocast and record autograd).
  */
 #include "nn/nn.h"
@@ -30,6 +30,31 @@ ampc_module *ampc_linear_new(int64_t in_features, int64_t out_features, bool bia
     ampc_scope_begin();
     int rc = ampc__module_add_param(m, "weight", ampc__param_uniform(2, (int64_t[]){out_features, in_features}, bound));
     if (rc >= 0 && bias) rc = ampc__module_add_param(m, "bias", ampc__param_uniform(1, (int64_t[]){out_features}, bound));
+    ampc_scope_end();
+    if (rc < 0) {
+        ampc_module_free(m);
+        return NULL;
+    }
+    return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding: the rows of weight (num_embeddings, embedding_dim) its i64 input picks
+
+static ampc_tensor *embedding_forward(ampc_module *m, ampc_tensor *x) { return ampc_embedding(x, ampc__module_param(m, "weight")); }
+
+static const ampc_module_vtable embedding_vtable = {"Embedding", embedding_forward, NULL};
+
+ampc_module *ampc_embedding_new(int64_t num_embeddings, int64_t embedding_dim) {
+    if (num_embeddings <= 0 || embedding_dim <= 0)
+        return ampc__err_null(AMPC_ERR_INVALID, "Embedding(%lld, %lld): sizes must be positive", (long long)num_embeddings,
+                              (long long)embedding_dim);
+    ampc_module *m = ampc__module_new(&embedding_vtable);
+    if (!m) return NULL;
+    m->config.embedding.num_embeddings = num_embeddings;
+    m->config.embedding.embedding_dim = embedding_dim;
+    ampc_scope_begin();   /* PyTorch's reset_parameters: normal_(0, 1) */
+    int rc = ampc__module_add_param(m, "weight", ampc_tensor_randn(ampc__param_dtype(), 2, (int64_t[]){num_embeddings, embedding_dim}, 0.0, 1.0));
     ampc_scope_end();
     if (rc < 0) {
         ampc_module_free(m);

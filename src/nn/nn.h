@@ -73,6 +73,7 @@ struct ampc_module {
             double eps;
         } layernorm;
         struct { double p; } dropout;  /* probability of zeroing an element */
+        struct { int64_t num_embeddings, embedding_dim; } embedding;
         struct { int out_h, out_w; } adaptive_avgpool2d;
         struct { ampc_memory_format memory_format; } model;   /* zoo models: of the input */
     } config;
