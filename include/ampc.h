@@ -424,6 +424,14 @@ ampc_tensor *ampc_cat(ampc_tensor *const *xs, int n, int dim);
    gradient reaches weight only: gy's rows summed into the rows their indices name, in index
    order, the same bits for any thread count (PyTorch's F.embedding without padding_idx). */
 ampc_tensor *ampc_embedding(ampc_tensor *indices, ampc_tensor *weight);
+/* Attention softmax(q k^T * scale [+ causal mask]) v in one op (PyTorch's
+   F.scaled_dot_product_attention without dropout or attn_mask): q (..., Tq, E), k (..., Tk, E),
+   v (..., Tk, Ev), the leading dims equal; is_causal masks key j > query i (PyTorch's top-left
+   alignment); scale 0: 1/sqrt(E). Computed row by row with an online softmax in f32 (f64 on
+   REF): neither pass keeps a Tq x Tk matrix; the node saves q, k, v, the output and each row's
+   log-sum-exp, and the backward recomputes the probabilities (flash attention's scheme).
+   Autocast: lower precision, as PyTorch's CUDA list. */
+ampc_tensor *ampc_scaled_dot_product_attention(ampc_tensor *q, ampc_tensor *k, ampc_tensor *v, bool is_causal, double scale);
 
 // ---------------------------------------------------------------------------------------------
 // Autocast: thread-local, nestable. enabled=false makes a region run in fp32.
@@ -487,7 +495,8 @@ typedef enum {
     OP(SILU, "silu", PASSTHROUGH, PASSTHROUGH, 0x1, X, "SiluBackward", UNARY)                                             \
     OP(EMBEDDING, "embedding", PASSTHROUGH, PASSTHROUGH, 0x0, NONE, "EmbeddingBackward", OWN)                             \
     OP(GELU_TANH, "gelu_tanh", PASSTHROUGH, PASSTHROUGH, 0x1, X, "GeluBackward", UNARY)                                   \
-    OP(PERMUTE, "permute", PASSTHROUGH, PASSTHROUGH, 0x0, NONE, "PermuteBackward", OWN)
+    OP(PERMUTE, "permute", PASSTHROUGH, PASSTHROUGH, 0x0, NONE, "PermuteBackward", OWN)                                   \
+    OP(SDPA, "scaled_dot_product_attention", LOWER, LOWER, 0x0, X, "ScaledDotProductAttentionBackward", OWN)
 /* Policies follow PyTorch's CUDA autocast lists (aten/src/ATen/autocast_mode.cpp) for the ops
    ampc has, for fp16 and bf16 alike: matmul-like ops run in the lower precision; reductions
    PyTorch lists as fp32 (sum, softmax, log_softmax, exp, log, pow), layer_norm and every loss

@@ -13,7 +13,7 @@
 #include "core/core.h"
 
 #define AMPC_NODE_MAX_INPUTS 8
-#define AMPC_NODE_MAX_SAVED 4
+#define AMPC_NODE_MAX_SAVED 5
 
 /* Computes the gradient of each input i that needs one (n->next[i] != NULL) from gy, the
    gradient of the output. gx[i] receive new tensors owned by the engine (or NULL when not
@@ -72,6 +72,11 @@ struct ampc_node {
         } cross_entropy;
         struct { double p; } dropout;    /* probability of zeroing an element */
         struct { int dims[AMPC_MAX_DIMS]; } permute;   /* the output's dim i is the input's dims[i] */
+        struct {
+            int64_t batch, Tq, Tk, E, Ev;   /* heads, query and key rows, q/k and v widths */
+            bool causal;
+            double scale;
+        } attention;
     } args;
     void *extra;                      /* op-owned buffer (ampc__free'd with extra_bytes on extra_device) */
     size_t extra_bytes;

@@ -45,6 +45,15 @@ typedef struct {
     int64_t outer, dim, inner;   /* x viewed as (outer, dim, inner); reduce along dim */
 } ampc_axis_desc;
 
+/* Attention over batch independent heads: q (batch, Tq, E), k (batch, Tk, E), v (batch, Tk, Ev),
+   o (batch, Tq, Ev), lse (batch, Tq) in the statistics dtype: each query row's
+   log(sum_j exp(s_ij)), s = q k^T * scale, masked (j > i) when causal. */
+typedef struct {
+    int64_t batch, Tq, Tk, E, Ev;
+    bool causal;
+    double scale;
+} ampc_attn_desc;
+
 /* Hyperparameters shared by the parameters of one optimizer call. grad_scale (both
    optimizers): the gradient is first multiplied by it in f32, as a separate unscale pass would
    (the GradScaler's 1/scale fused into the step), and the product written back to the grad as
@@ -237,6 +246,14 @@ typedef struct ampc_backend {
     int (*layer_norm_backward)(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
                                const ampc_tensor *mean, const ampc_tensor *rstd, ampc_tensor *gx,
                                ampc_tensor *gw, ampc_tensor *gb);
+    /* Attention (ampc_attn_desc): o and lse from q, k, v (one float dtype; lse in the
+       statistics dtype); the backward dq, dk, dv (q's dtype) from do, o, lse and q, k, v,
+       recomputing the probabilities. A query row with every key masked gives 0 (lse -inf). */
+    int (*attention)(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v, ampc_tensor *o,
+                     ampc_tensor *lse);
+    int (*attention_backward)(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
+                              const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout, ampc_tensor *dq,
+                              ampc_tensor *dk, ampc_tensor *dv);
     /* y = x with its dims reordered: y's dim i is x's dim perm[i] (a permutation of x's ndim
        dims; y's shape follows); any dtype, the bits copied; x and y contiguous. */
     int (*permute)(const ampc_tensor *x, const int *perm, ampc_tensor *y);
@@ -272,7 +289,7 @@ bool ampc__backend_channels_last(ampc_device dev);
     K(sum_squares) K(sgd_step) K(adam_step) K(conv2d) K(conv2d_backward_data)                      \
     K(conv2d_backward_weights) K(pool2d_workspace_size) K(pool2d) K(pool2d_backward) K(batch_norm) \
     K(batch_norm_backward) K(batch_norm_relu) K(batch_norm_relu_backward) K(batch_norm_add_relu)   \
-    K(batch_norm_add_relu_backward) K(layer_norm) K(layer_norm_backward) K(permute) K(embedding) K(embedding_backward) \
+    K(batch_norm_add_relu_backward) K(layer_norm) K(layer_norm_backward) K(permute) K(attention) K(attention_backward) K(embedding) K(embedding_backward) \
     K(copy_block)
 typedef enum {
 #define AMPC_KERNEL_ENUM_(k) AMPC_K_##k,
@@ -339,6 +356,11 @@ int ampc__k_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, con
                                 const ampc_tensor *mean, const ampc_tensor *rstd, ampc_tensor *gx, ampc_tensor *gw,
                                 ampc_tensor *gb);
 int ampc__k_permute(const ampc_tensor *x, const int *perm, ampc_tensor *y);
+int ampc__k_attention(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v, ampc_tensor *o,
+                      ampc_tensor *lse);
+int ampc__k_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
+                               const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout, ampc_tensor *dq,
+                               ampc_tensor *dk, ampc_tensor *dv);
 int ampc__k_embedding(const ampc_tensor *w, const ampc_tensor *idx, ampc_tensor *y);
 int ampc__k_embedding_backward(const ampc_tensor *gy, const ampc_tensor *idx, ampc_tensor *gw);
 /* rows or cols 0: nothing to copy, AMPC_OK */
@@ -420,6 +442,7 @@ void ampc__cpu_register_pool(ampc_backend *be);         /* pooling, copy_block *
 void ampc__cpu_register_batch_norm(ampc_backend *be);   /* batch_norm, batch_norm_relu */
 void ampc__cpu_register_layer_norm(ampc_backend *be);
 void ampc__cpu_register_embedding(ampc_backend *be);   /* embedding, permute */
+void ampc__cpu_register_attention(ampc_backend *be);
 void ampc__ref_register_elementwise(ampc_backend *be);
 void ampc__ref_register_loss(ampc_backend *be);
 void ampc__ref_register_random(ampc_backend *be);
@@ -431,5 +454,6 @@ void ampc__ref_register_pool(ampc_backend *be);
 void ampc__ref_register_batch_norm(ampc_backend *be);
 void ampc__ref_register_layer_norm(ampc_backend *be);
 void ampc__ref_register_embedding(ampc_backend *be);   /* embedding, permute */
+void ampc__ref_register_attention(ampc_backend *be);
 
 #endif /* AMPC_BACKEND_H */

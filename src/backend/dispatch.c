@@ -12,6 +12,7 @@
  */
 #include "backend/backend.h"
 
+#include <math.h>
 #include <string.h>
 
 int ampc__broadcast_shapes(const ampc_tensor *a, const ampc_tensor *b, int *ndim_out, int64_t *out) {
@@ -603,6 +604,36 @@ int ampc__k_permute(const ampc_tensor *x, const int *perm, ampc_tensor *y) {
     }
     if (ampc__is_cl(x) || ampc__is_cl(y)) return ampc__err(AMPC_ERR_INVALID, "permute of a channels-last tensor (the op converts it)");
     return ampc__backend(x->device)->permute(x, perm, y);
+}
+
+/* Attention: q, k, v, o (and the gradients) of one float dtype and the descriptor's sizes, lse in
+   the statistics dtype, all on q's device, the sizes not negative and a scale that is finite. */
+static int check_attention(ampc_kernel kern, const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k,
+                           const ampc_tensor *v, const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout,
+                           const ampc_tensor *dq, const ampc_tensor *dk, const ampc_tensor *dv) {
+    if (!d || d->batch < 0 || d->Tq < 0 || d->Tk < 0 || d->E < 0 || d->Ev < 0 || !isfinite(d->scale))
+        return ampc__err(AMPC_ERR_INVALID, "%s: invalid descriptor", ampc__kernel_name(kern));
+    const int64_t b = d->batch, nq = b * d->Tq * d->E, nk = b * d->Tk * d->E, nv = b * d->Tk * d->Ev, no = b * d->Tq * d->Ev;
+    bool bwd = kern == AMPC_K_attention_backward;
+    if (ARGS(kern, {q, "q", ANY_FLOAT, nq, true}, {k, "k", FIRST, nk, true}, {v, "v", FIRST, nv, true}, {o, "o", FIRST, no, true},
+             {lse, "lse", STAT, b * d->Tq, bwd}, {dout, "dout", FIRST, no, bwd}, {dq, "dq", FIRST, nq, bwd},
+             {dk, "dk", FIRST, nk, bwd}, {dv, "dv", FIRST, nv, bwd}))
+        return ampc_last_status();
+    const ampc_tensor *all[] = {q, k, v, o, dout, dq, dk, dv};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        if (all[i] && ampc__is_cl(all[i])) return ampc__err(AMPC_ERR_INVALID, "%s on a channels-last tensor", ampc__kernel_name(kern));
+    return AMPC_OK;
+}
+int ampc__k_attention(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v, ampc_tensor *o,
+                      ampc_tensor *lse) {
+    if (check_attention(AMPC_K_attention, d, q, k, v, o, lse, NULL, NULL, NULL, NULL) < 0) return ampc_last_status();
+    return ampc__backend(q->device)->attention(d, q, k, v, o, lse);
+}
+int ampc__k_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
+                               const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout, ampc_tensor *dq,
+                               ampc_tensor *dk, ampc_tensor *dv) {
+    if (check_attention(AMPC_K_attention_backward, d, q, k, v, o, lse, dout, dq, dk, dv) < 0) return ampc_last_status();
+    return ampc__backend(q->device)->attention_backward(d, q, k, v, o, lse, dout, dq, dk, dv);
 }
 
 /* Embedding: w (V, D) of a float dtype, idx i64 on w's device, y (or gy) of idx's count of

@@ -127,4 +127,5 @@ void ampc__cpu_backend_init(ampc_backend *be) {
     ampc__cpu_register_batch_norm(be);
     ampc__cpu_register_layer_norm(be);
     ampc__cpu_register_embedding(be);
+    ampc__cpu_register_attention(be);
 }

@@ -72,4 +72,5 @@ void ampc__ref_backend_init(ampc_backend *be) {
     ampc__ref_register_batch_norm(be);
     ampc__ref_register_layer_norm(be);
     ampc__ref_register_embedding(be);
+    ampc__ref_register_attention(be);
 }

@@ -1,0 +1,94 @@
+/*
+ * attention.c - REF kernels of scaled-dot-product attention in f64, from the definition: each
+ * query row's scores, its softmax P (two passes: max, then sum), o = P v; the backward as
+ * dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(P dP)), dQ = dS K scale, dK = dS^T Q scale. The
+ * oracle of the CPU kernels (src/backend/cpu/attention.c), which take another route.
+ */
+#include "backend/ref/ref.h"
+
+#include <math.h>
+#include <string.h>
+
+static int64_t keys_of(const ampc_attn_desc *d, int64_t i) { return d->causal ? (i + 1 < d->Tk ? i + 1 : d->Tk) : d->Tk; }
+
+/* Row i of head b: p[j] for its keys (the rest 0); returns the log-sum-exp */
+static double probs(const ampc_attn_desc *d, const double *q, const double *k, int64_t b, int64_t i, double *p) {
+    const int64_t nj = keys_of(d, i);
+    double m = -INFINITY, sum = 0;
+    for (int64_t j = 0; j < d->Tk; j++) {
+        p[j] = 0;
+        if (j >= nj) continue;
+        double s = 0;
+        for (int64_t e = 0; e < d->E; e++) s += q[(b * d->Tq + i) * d->E + e] * k[(b * d->Tk + j) * d->E + e];
+        p[j] = s * d->scale;
+        m = p[j] > m ? p[j] : m;
+    }
+    for (int64_t j = 0; j < nj; j++) sum += exp(p[j] - m);
+    for (int64_t j = 0; j < nj; j++) p[j] = exp(p[j] - m) / sum;
+    return nj ? m + log(sum) : -INFINITY;
+}
+
+static int ref_attention(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
+                         ampc_tensor *o, ampc_tensor *lse) {
+    size_t block = 0;
+    double *p = ampc__alloc(AMPC_DEVICE_REF, (size_t)(d->Tk + 1) * sizeof *p, AMPC_MEM_WORKSPACE, &block);
+    if (!p) return ampc_last_status();
+    const double *qp = ampc__data(q), *kp = ampc__data(k), *vp = ampc__data(v);
+    double *op = ampc__data(o), *L = lse ? ampc__data(lse) : NULL;
+    for (int64_t b = 0; b < d->batch; b++)
+        for (int64_t i = 0; i < d->Tq; i++) {
+            double l = probs(d, qp, kp, b, i, p);
+            if (L) L[b * d->Tq + i] = l;
+            for (int64_t e = 0; e < d->Ev; e++) {
+                double s = 0;
+                for (int64_t j = 0; j < d->Tk; j++) s += p[j] * vp[(b * d->Tk + j) * d->Ev + e];
+                op[(b * d->Tq + i) * d->Ev + e] = s;
+            }
+        }
+    ampc__free(AMPC_DEVICE_REF, p, block, AMPC_MEM_WORKSPACE);
+    return AMPC_OK;
+}
+
+static int ref_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
+                                  const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout, ampc_tensor *dq,
+                                  ampc_tensor *dk, ampc_tensor *dv) {
+    (void)o, (void)lse;   /* recomputed from the definition */
+    size_t block = 0;
+    double *p = ampc__alloc(AMPC_DEVICE_REF, (size_t)(2 * d->Tk + 1) * sizeof *p, AMPC_MEM_WORKSPACE, &block);
+    if (!p) return ampc_last_status();
+    double *dp = p + d->Tk;
+    const double *qp = ampc__data(q), *kp = ampc__data(k), *vp = ampc__data(v), *g = ampc__data(dout);
+    double *gq = ampc__data(dq), *gk = ampc__data(dk), *gv = ampc__data(dv);
+    memset(gq, 0, (size_t)dq->numel * sizeof(double));
+    memset(gk, 0, (size_t)dk->numel * sizeof(double));
+    memset(gv, 0, (size_t)dv->numel * sizeof(double));
+    for (int64_t b = 0; b < d->batch; b++)
+        for (int64_t i = 0; i < d->Tq; i++) {
+            probs(d, qp, kp, b, i, p);
+            const double *gi = g + (b * d->Tq + i) * d->Ev;
+            double rs = 0;
+            for (int64_t j = 0; j < d->Tk; j++) {
+                const double *vj = vp + (b * d->Tk + j) * d->Ev;
+                dp[j] = 0;
+                for (int64_t e = 0; e < d->Ev; e++) {
+                    dp[j] += gi[e] * vj[e];
+                    gv[(b * d->Tk + j) * d->Ev + e] += p[j] * gi[e];
+                }
+                rs += p[j] * dp[j];
+            }
+            for (int64_t j = 0; j < d->Tk; j++) {
+                double ds = p[j] * (dp[j] - rs) * d->scale;
+                for (int64_t e = 0; e < d->E; e++) {
+                    gq[(b * d->Tq + i) * d->E + e] += ds * kp[(b * d->Tk + j) * d->E + e];
+                    gk[(b * d->Tk + j) * d->E + e] += ds * qp[(b * d->Tq + i) * d->E + e];
+                }
+            }
+        }
+    ampc__free(AMPC_DEVICE_REF, p, block, AMPC_MEM_WORKSPACE);
+    return AMPC_OK;
+}
+
+void ampc__ref_register_attention(ampc_backend *be) {
+    be->attention = ref_attention;
+    be->attention_backward = ref_attention_backward;
+}

@@ -1,0 +1,242 @@
+/*
+ * test_transformer.c - the transformer's own ops.
+ * ampc_scaled_dot_product_attention: forward and backward against REF (computed there from the
+ * definition, with the T x T probabilities) in every CPU dtype with finite differences on REF,
+ * causal and not, Tq != Tk, and against PyTorch 1.13's values of the composed formula.
+ * ampc_embedding: forward and backward against REF in every CPU dtype with
+ * finite differences on REF (CUDA has no embedding or attention kernels yet: the ops refuse there); repeated indices summed in
+ * index order to the same bits on 1 and 3 threads; the weight's dtype kept under autocast; bad
+ * indices refused by name.
+ */
+#include "testutil.h"
+
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+
+static ampc_tensor *op_embedding(ampc_tensor **in, const void *ctx) {
+    (void)ctx;
+    return ampc_embedding(in[1], in[0]);
+}
+
+/* weight (V, D) first (the input with a gradient), then the indices of shape ish */
+static void check_embedding(const char *name, int64_t V, int64_t D, int ind, const int64_t *ish, int64_t n) {
+    tu_op_case c = {.name = name, .n_inputs = 2, .ndim = {2, ind}, .is_label = {false, true}, .n_classes = V,
+                    .lo = -2, .hi = 2, .fn = op_embedding, .k = 1, .k_backward = (double)n,
+                    .no_cuda = "the CUDA embedding kernels come with the next GPU session (issue 30)"};
+    c.shape[0][0] = V, c.shape[0][1] = D;
+    memcpy(c.shape[1], ish, sizeof(int64_t) * (size_t)ind);
+    tu_check_op(&c);
+}
+
+static void test_embedding_op_check(void **state) {
+    (void)state;
+    check_embedding("embedding 7x5, (3, 4) indices", 7, 5, 2, (int64_t[]){3, 4}, 12);
+    check_embedding("embedding 3x70, (40) indices (repeats)", 3, 70, 1, (int64_t[]){40}, 40);
+    check_embedding("embedding 50x129, (2, 3, 5) indices", 50, 129, 3, (int64_t[]){2, 3, 5}, 30);
+}
+
+/* Many repeats of a few tokens: the weight gradient is the same bits on 1 and 3 threads, and
+   each row is gy's rows of its token summed in index order (an f32 sum made here). */
+static void test_embedding_deterministic(void **state) {
+    (void)state;
+    const int64_t V = 4, D = 200, n = 3000;
+    int64_t *ix = malloc((size_t)n * sizeof *ix);
+    float *g = malloc((size_t)(n * D) * sizeof *g), *want = calloc((size_t)(V * D), sizeof *want);
+    uint64_t s = 12345;
+    for (int64_t i = 0; i < n; i++) {
+        s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+        ix[i] = (int64_t)((s >> 33) % (uint64_t)V);
+        for (int64_t c = 0; c < D; c++) g[i * D + c] = (float)((int64_t)((s >> (c % 17)) & 1023) - 511) / 97.0f;
+        for (int64_t c = 0; c < D; c++) want[ix[i] * D + c] += g[i * D + c];
+    }
+    ampc_scope_begin();
+    ampc_tensor *idx = ampc_tensor_from_i64(1, &n, ix), *gy = ampc_tensor_from_f32(AMPC_F32, 2, (int64_t[]){n, D}, g);
+    ampc_tensor *g1 = ampc_tensor_zeros(AMPC_F32, 2, (int64_t[]){V, D}), *g3 = ampc_tensor_zeros(AMPC_F32, 2, (int64_t[]){V, D});
+    ASSERT_NOT_NULL_MSG(idx && gy && g1 && g3);
+    int nt = omp_get_max_threads();
+    omp_set_num_threads(1);
+    ASSERT_OK(ampc__k_embedding_backward(gy, idx, g1));
+    omp_set_num_threads(3);
+    ASSERT_OK(ampc__k_embedding_backward(gy, idx, g3));
+    omp_set_num_threads(nt);
+    assert_memory_equal(ampc_tensor_cdata(g1), ampc_tensor_cdata(g3), (size_t)(V * D) * sizeof(float));
+    assert_memory_equal(ampc_tensor_cdata(g1), want, (size_t)(V * D) * sizeof(float));
+    ampc_scope_end();
+    free(ix), free(g), free(want);
+}
+
+/* Autocast leaves the rows in the weight's dtype (fp32), and the gradient reaches the weight. */
+static void test_embedding_autocast(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    float wv[6] = {1, 2, 3, 4, 5, 6};
+    ampc_tensor *w = ampc_tensor_from_f32(AMPC_F32, 2, (int64_t[]){3, 2}, wv);
+    ampc_tensor *idx = ampc_tensor_from_i64(1, (int64_t[]){3}, (int64_t[]){2, 0, 2});
+    ASSERT_NOT_NULL_MSG(w && idx);
+    ASSERT_OK(ampc_tensor_set_requires_grad(w, true));
+    ampc_autocast_enter(AMPC_BF16, true);
+    ampc_tensor *y = ampc_embedding(idx, w);
+    ampc_autocast_exit();
+    ASSERT_NOT_NULL_MSG(y);
+    assert_int_equal(ampc_tensor_dtype(y), AMPC_F32);
+    const float *yv = ampc_tensor_cdata(y);
+    const float want[6] = {5, 6, 1, 2, 5, 6};
+    assert_memory_equal(yv, want, sizeof want);
+    ampc_tensor *loss = ampc_sum(y, AMPC_ALL_DIMS, false);
+    ASSERT_NOT_NULL_MSG(loss);
+    ASSERT_OK(ampc_backward(loss));
+    const float *gw = ampc_tensor_cdata(ampc_tensor_grad(w));
+    const float gwant[6] = {1, 1, 0, 0, 2, 2};
+    assert_memory_equal(gw, gwant, sizeof gwant);
+    ampc_scope_end();
+}
+
+static void test_embedding_errors(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    ampc_tensor *w = ampc_tensor_zeros(AMPC_F32, 2, (int64_t[]){3, 2});
+    ampc_tensor *w1 = ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){3});
+    ampc_tensor *bad = ampc_tensor_from_i64(1, (int64_t[]){2}, (int64_t[]){1, 3});
+    ampc_tensor *neg = ampc_tensor_from_i64(1, (int64_t[]){2}, (int64_t[]){-1, 0});
+    ampc_tensor *fidx = ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){2});
+    ASSERT_NOT_NULL_MSG(w && w1 && bad && neg && fidx);
+    assert_null(ampc_embedding(bad, w));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+    assert_non_null(strstr(ampc_last_error(), "index 3 at position 1 is out of range [0, 3)"));
+    assert_null(ampc_embedding(neg, w));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+    assert_null(ampc_embedding(fidx, w));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_DTYPE);
+    assert_null(ampc_embedding(bad, w1));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_SHAPE);
+    ampc_clear_error();
+    ampc_scope_end();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention
+
+typedef struct {
+    bool causal;
+    double scale;
+} attn_ctx;
+
+static ampc_tensor *op_attention(ampc_tensor **in, const void *ctx) {
+    const attn_ctx *c = ctx;
+    return ampc_scaled_dot_product_attention(in[0], in[1], in[2], c->causal, c->scale);
+}
+
+static void check_attention(const char *name, int nd, const int64_t *lead, int64_t Tq, int64_t Tk, int64_t E, int64_t Ev,
+                            attn_ctx ctx) {
+    tu_op_case c = {.name = name, .n_inputs = 3, .ndim = {nd, nd, nd}, .lo = -1.5, .hi = 1.5, .fn = op_attention, .ctx = &ctx,
+                    .k = (double)(E + Tk), .k_backward = (double)(Tq + Tk + E + Ev),
+                    .no_cuda = "the CUDA attention kernels come with the next GPU session (issue 30)"};
+    for (int i = 0; i < nd - 2; i++) c.shape[0][i] = c.shape[1][i] = c.shape[2][i] = lead[i];
+    c.shape[0][nd - 2] = Tq, c.shape[0][nd - 1] = E;
+    c.shape[1][nd - 2] = Tk, c.shape[1][nd - 1] = E;
+    c.shape[2][nd - 2] = Tk, c.shape[2][nd - 1] = Ev;
+    tu_check_op(&c);
+}
+
+static void test_attention_op_check(void **state) {
+    (void)state;
+    check_attention("attention (2,3) heads, 5x5, E 4", 4, (int64_t[]){2, 3}, 5, 5, 4, 4, (attn_ctx){false, 0});
+    check_attention("attention causal, 1x2 heads, 7x7, E 8", 4, (int64_t[]){1, 2}, 7, 7, 8, 8, (attn_ctx){true, 0});
+    check_attention("attention causal, Tq 6 > Tk 4, Ev 3, scale 0.3", 3, (int64_t[]){2}, 6, 4, 5, 3, (attn_ctx){true, 0.3});
+    check_attention("attention, Tq 3 < Tk 9, one head", 2, NULL, 3, 9, 6, 2, (attn_ctx){false, 0});
+}
+
+/* Against PyTorch 1.13 (Debian's python3-torch; no F.scaled_dot_product_attention there, so the
+   formula composed), q, k, v = sin(a (i + 1)) over their elements, a = 0.7, 1.3, 0.4:
+     s = q @ k.transpose(-1, -2) / math.sqrt(2)
+     if causal: s = s.masked_fill(~torch.ones(3, 4).tril().bool(), float('-inf'))
+     o = torch.softmax(s, -1) @ v        # q (1,2,3,2), k (1,2,4,2), v (1,2,4,3), float64
+   The default scale and the causal mask's top-left alignment (Tq 3 < Tk 4) as PyTorch's; REF to
+   1e-14, the CPU's f32 within 2^-24 times the reduction length (4 keys, 2-wide dots) and 10. */
+static void test_attention_pytorch(void **state) {
+    (void)state;
+    static const double want[2][18] = {
+        {0.2755195268929044, 0.22007023599746128, 0.12987669374363797, 0.21019299085747722, 0.1815087026581347, 0.12416818132347418,
+         0.27280969689837187, 0.16615724672654147, 0.033272220763089944, 0.30792599231420553, 0.39772378013967113, 0.4247297282338549,
+         0.15103459485946139, 0.1860868822581384, 0.19176014262769583, 0.2525001715652093, 0.25804046425510613, 0.22284184143433836},
+        {0.3894183423086505, 0.7173560908995228, 0.9320390859672264, 0.5161008050020741, 0.7572075888585605, 0.8787679439191133,
+         0.7790538848463198, 0.7157419970527562, 0.5394301856637232, -0.8834546557201531, -0.6312666378723208, -0.27941549819892586,
+         -0.4144986841657316, -0.10351500918024253, 0.22381140966618696, -0.021543315176697345, 0.2870184608898552, 0.5502663329454732},
+    };
+    double qv[12], kv[16], vv[24];
+    for (int i = 0; i < 24; i++) {
+        if (i < 12) qv[i] = sin(0.7 * (i + 1));
+        if (i < 16) kv[i] = sin(1.3 * (i + 1));
+        vv[i] = sin(0.4 * (i + 1));
+    }
+    const ampc_device devs[2] = {AMPC_DEVICE_REF, AMPC_DEVICE_CPU};
+    for (int dv = 0; dv < 2; dv++)
+        for (int causal = 0; causal < 2; causal++) {
+            ampc_scope_begin();
+            ampc_set_default_device(devs[dv]);
+            ampc_dtype dt = dv ? AMPC_F32 : AMPC_F64;
+            ampc_tensor *q = ampc_tensor_from_f64(dt, 4, (int64_t[]){1, 2, 3, 2}, qv);
+            ampc_tensor *k = ampc_tensor_from_f64(dt, 4, (int64_t[]){1, 2, 4, 2}, kv);
+            ampc_tensor *v = ampc_tensor_from_f64(dt, 4, (int64_t[]){1, 2, 4, 3}, vv);
+            ampc_tensor *o = ampc_scaled_dot_product_attention(q, k, v, causal, 0);
+            ASSERT_NOT_NULL_MSG(o);
+            double *got = tu_values(o), tol = dv ? 10 * 0x1p-24 * 6 : 1e-14;
+            for (int i = 0; i < 18; i++)
+                if (fabs(got[i] - want[causal][i]) > tol)
+                    fail_msg("%s causal %d [%d]: %.17g, PyTorch %.17g", dv ? "cpu" : "ref", causal, i, got[i], want[causal][i]);
+            free(got);
+            ampc_set_default_device(AMPC_DEVICE_CPU);
+            ampc_scope_end();
+        }
+}
+
+/* Bad shapes and dtypes are named; autocast runs it in the lower precision. */
+static void test_attention_errors_autocast(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    ampc_tensor *q = ampc_tensor_rand(AMPC_F32, 3, (int64_t[]){2, 4, 8}, -1, 1), *k = ampc_tensor_rand(AMPC_F32, 3, (int64_t[]){2, 5, 8}, -1, 1);
+    ampc_tensor *v = ampc_tensor_rand(AMPC_F32, 3, (int64_t[]){2, 5, 3}, -1, 1), *kb = ampc_tensor_rand(AMPC_F32, 3, (int64_t[]){2, 4, 7}, -1, 1);
+    ampc_tensor *vh = ampc_tensor_rand(AMPC_BF16, 3, (int64_t[]){2, 5, 3}, -1, 1);
+    ASSERT_NOT_NULL_MSG(q && k && v && kb && vh);
+    assert_null(ampc_scaled_dot_product_attention(q, kb, v, false, 0));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_SHAPE);
+    assert_null(ampc_scaled_dot_product_attention(q, k, vh, false, 0));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_DTYPE);
+    assert_null(ampc_scaled_dot_product_attention(q, k, v, false, -1));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+    /* the door: a descriptor that does not fit the tensors, a backward without the statistics */
+    ampc_attn_desc d = {2, 4, 5, 8, 3, false, 0.5}, bad = d;
+    bad.Tk = 6;
+    ampc_tensor *out = ampc_tensor_zeros(AMPC_F32, 3, (int64_t[]){2, 4, 3});
+    ASSERT_NOT_NULL_MSG(out);
+    ASSERT_OK(ampc__k_attention(&d, q, k, v, out, NULL));
+    assert_int_equal(ampc__k_attention(&bad, q, k, v, out, NULL), AMPC_ERR_SHAPE);
+    assert_non_null(strstr(ampc_last_error(), "k has 80 elements, expected 96"));
+    assert_int_equal(ampc__k_attention_backward(&d, q, k, v, out, NULL, out, q, k, v), AMPC_ERR_INVALID);
+    assert_non_null(strstr(ampc_last_error(), "lse missing"));
+    ampc_clear_error();
+    ampc_autocast_enter(AMPC_BF16, true);
+    ampc_tensor *o = ampc_scaled_dot_product_attention(q, k, vh, true, 0);
+    ampc_autocast_exit();
+    ASSERT_NOT_NULL_MSG(o);
+    assert_int_equal(ampc_tensor_dtype(o), AMPC_BF16);
+    assert_int_equal(ampc_tensor_dim(o, 2), 3);
+    ampc_scope_end();
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_embedding_op_check),
+        cmocka_unit_test(test_embedding_deterministic),
+        cmocka_unit_test(test_embedding_autocast),
+        cmocka_unit_test(test_embedding_errors),
+        cmocka_unit_test(test_attention_op_check),
+        cmocka_unit_test(test_attention_pytorch),
+        cmocka_unit_test(test_attention_errors_autocast),
+    };
+    return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
+}
