@@ -419,6 +419,10 @@ ampc_tensor *ampc_layer_norm(ampc_tensor *x, int norm_ndim, ampc_tensor *weight,
                              double eps);
 /* Concatenation along dim; inputs of different float dtypes are promoted to the widest. */
 ampc_tensor *ampc_cat(ampc_tensor *const *xs, int n, int dim);
+/* x's elements start .. start + length - 1 along dim (PyTorch's narrow, as a new tensor): split a
+   fused projection into its parts (GPT's q, k, v) with one call per part; the gradient flows
+   back into that block of x's gradient (zeros elsewhere). */
+ampc_tensor *ampc_narrow(ampc_tensor *x, int dim, int64_t start, int64_t length);
 /* The rows of weight (V, D) that indices (i64, any shape, each in [0, V)) pick: a tensor of
    indices' shape + (D) in weight's dtype (autocast leaves it there, as PyTorch's does). The
    gradient reaches weight only: gy's rows summed into the rows their indices name, in index
@@ -496,7 +500,8 @@ typedef enum {
     OP(EMBEDDING, "embedding", PASSTHROUGH, PASSTHROUGH, 0x0, NONE, "EmbeddingBackward", OWN)                             \
     OP(GELU_TANH, "gelu_tanh", PASSTHROUGH, PASSTHROUGH, 0x1, X, "GeluBackward", UNARY)                                   \
     OP(PERMUTE, "permute", PASSTHROUGH, PASSTHROUGH, 0x0, NONE, "PermuteBackward", OWN)                                   \
-    OP(SDPA, "scaled_dot_product_attention", LOWER, LOWER, 0x0, X, "ScaledDotProductAttentionBackward", OWN)
+    OP(SDPA, "scaled_dot_product_attention", LOWER, LOWER, 0x0, X, "ScaledDotProductAttentionBackward", OWN)              \
+    OP(NARROW, "narrow", PASSTHROUGH, PASSTHROUGH, 0x0, NONE, "SliceBackward", OWN)
 /* Policies follow PyTorch's CUDA autocast lists (aten/src/ATen/autocast_mode.cpp) for the ops
    ampc has, for fp16 and bf16 alike: matmul-like ops run in the lower precision; reductions
    PyTorch lists as fp32 (sum, softmax, log_softmax, exp, log, pow), layer_norm and every loss

@@ -228,6 +228,42 @@ static void test_attention_errors_autocast(void **state) {
     ampc_scope_end();
 }
 
+// ---------------------------------------------------------------------------------------------
+// narrow: GPT's split of the fused q, k, v projection
+
+typedef struct {
+    int dim;
+    int64_t start, length;
+} narrow_ctx;
+
+static ampc_tensor *op_narrow(ampc_tensor **in, const void *ctx) {
+    const narrow_ctx *c = ctx;
+    return ampc_narrow(in[0], c->dim, c->start, c->length);
+}
+
+static void test_narrow(void **state) {
+    (void)state;
+    const struct { const char *name; int nd; int64_t shape[3]; narrow_ctx c; } cs[] = {
+        {"narrow (4,6,9) dim 2 [3, 6)", 3, {4, 6, 9}, {2, 3, 3}}, {"narrow (4,6,9) dim 0 [1, 4)", 3, {4, 6, 9}, {0, 1, 3}},
+        {"narrow (5,7) dim -1 [0, 7)", 2, {5, 7}, {-1, 0, 7}},   {"narrow (5,7) dim 1 [2, 2)", 2, {5, 7}, {1, 2, 0}},
+    };
+    for (size_t i = 0; i < sizeof cs / sizeof *cs; i++) {
+        tu_op_case c = {.name = cs[i].name, .n_inputs = 1, .ndim = {cs[i].nd}, .lo = -2, .hi = 2, .fn = op_narrow, .ctx = &cs[i].c, .k = 1};
+        memcpy(c.shape[0], cs[i].shape, sizeof cs[i].shape);
+        tu_check_op(&c);
+    }
+    ampc_scope_begin();
+    ampc_tensor *x = ampc_tensor_from_f32(AMPC_F32, 2, (int64_t[]){2, 4}, (const float[]){0, 1, 2, 3, 4, 5, 6, 7});
+    ampc_tensor *y = ampc_narrow(x, 1, 1, 2);
+    ASSERT_NOT_NULL_MSG(x && y);
+    assert_memory_equal(ampc_tensor_cdata(y), ((const float[]){1, 2, 5, 6}), 4 * sizeof(float));
+    assert_null(ampc_narrow(x, 1, 3, 2));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_SHAPE);
+    assert_null(ampc_narrow(x, 2, 0, 1));
+    ampc_clear_error();
+    ampc_scope_end();
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_embedding_op_check),
@@ -237,6 +273,7 @@ int main(void) {
         cmocka_unit_test(test_attention_op_check),
         cmocka_unit_test(test_attention_pytorch),
         cmocka_unit_test(test_attention_errors_autocast),
+        cmocka_unit_test(test_narrow),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
 }

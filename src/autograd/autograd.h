@@ -54,6 +54,7 @@ struct ampc_node {
             double alpha;                /* 1 (sum) or 1/count (mean) */
         } reduce;
         struct { int dim; } cat;         /* the dim the inputs were joined along */
+        struct { int dim; int64_t start; } narrow;   /* the block taken along dim from start */
         struct { int64_t rows; } linear; /* rows of x with its leading dims flattened (M) */
         ampc_conv2d_options conv;        /* with the defaults filled in */
         ampc_pool_args pool;

@@ -1,5 +1,6 @@
 /*
- * cat.c - ampc_cat: concatenation along one dim, PyTorch's torch.cat.
+ * cat.c - ampc_cat: concatenation along one dim, PyTorch's torch.cat; and its inverse,
+ * ampc_narrow (one block along a dim, the copy and its gradient one copy_block each).
  *
  * With every tensor viewed as (outer, size_along_dim * inner) rows, input i is a column block
  * of the output: one backend copy_block per input, and the backward is the same blocks copied
@@ -34,6 +35,58 @@ static int cat_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
         off += cols;
     }
     return AMPC_OK;
+}
+
+/* args.narrow: the dim and the block's start; gx is zero outside the block */
+static int narrow_backward(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
+    const ampc_meta *m = &n->in[0];
+    int d = n->args.narrow.dim;
+    int64_t outer, inner;
+    split(m->ndim, m->shape, d, &outer, &inner);
+    int64_t total = m->shape[d] * inner, cols = gy->shape[d] * inner;
+    gx[0] = ampc__tensor_new(gy->dtype, gy->device, m->ndim, m->shape);
+    if (!gx[0] || ampc__device(gy->device)->fill(gx[0], 0.0) < 0 ||
+        ampc__k_copy_block(gy, 0, cols, gx[0], n->args.narrow.start * inner, total, outer, cols, 1.0) < 0)
+        return ampc_last_status();
+    return AMPC_OK;
+}
+
+ampc_tensor *ampc_narrow(ampc_tensor *x, int dim, int64_t start, int64_t length) {
+    ampc_op_args a;
+    if (ampc__op_prepare(AMPC_OP_NARROW, &a, 1, &x, 0) < 0) return NULL;
+    ampc_tensor *in = a.in[0], *out = NULL;
+    ampc_node *node = NULL;
+    int d;
+    char s1[96];
+    if (in->ndim == 0) {
+        ampc__err(AMPC_ERR_SHAPE, "narrow: a zero-dimensional tensor has no dim to narrow");
+        return ampc__op_finish(&a, NULL, NULL);
+    }
+    if (ampc__norm_dim(dim, in->ndim, &d) < 0) return ampc__op_finish(&a, NULL, NULL);
+    if (start < 0 || length < 0 || start > in->shape[d] - length) {
+        ampc__err(AMPC_ERR_SHAPE, "narrow: elements [%lld, %lld) of dim %d of %s", (long long)start, (long long)(start + length), d,
+                  ampc__shape_str(in, s1, sizeof s1));
+        return ampc__op_finish(&a, NULL, NULL);
+    }
+    int64_t shape[AMPC_MAX_DIMS], outer, inner;
+    for (int j = 0; j < in->ndim; j++) shape[j] = in->shape[j];
+    shape[d] = length;
+    split(in->ndim, in->shape, d, &outer, &inner);
+    out = ampc__tensor_new(in->dtype, in->device, in->ndim, shape);
+    if (!out || ampc__k_copy_block(in, start * inner, in->shape[d] * inner, out, 0, length * inner, outer, length * inner, 1.0) < 0) {
+        ampc__release(out);
+        return ampc__op_finish(&a, NULL, NULL);
+    }
+    if (ampc__needs_grad(a.in, 1)) {
+        node = ampc__node_new(ampc_op_grad_fn(AMPC_OP_NARROW), narrow_backward, a.in, 1);
+        if (!node) {
+            ampc__release(out);
+            return ampc__op_finish(&a, NULL, NULL);
+        }
+        node->args.narrow.dim = d;
+        node->args.narrow.start = start;
+    }
+    return ampc__op_finish(&a, out, node);
 }
 
 ampc_tensor *ampc_cat(ampc_tensor *const *xs, int n, int dim) {
