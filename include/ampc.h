@@ -725,6 +725,10 @@ ampc_module *ampc_layernorm_new(int norm_ndim, const int64_t *normalized_shape);
 /* Embedding: its forward takes i64 indices (any shape) and gives their rows of "weight"
    (num_embeddings, embedding_dim), drawn from N(0, 1) as PyTorch's nn.Embedding does. */
 ampc_module *ampc_embedding_new(int64_t num_embeddings, int64_t embedding_dim);
+/* nanoGPT's CausalSelfAttention: x (B, T, n_embd) -> c_attn (Linear n_embd -> 3 n_embd: q, k, v)
+   -> n_head heads of causal scaled-dot-product attention -> c_proj (Linear n_embd -> n_embd)
+   -> dropout in training; its state_dict is nanoGPT's (c_attn.weight, c_attn.bias, c_proj...). */
+ampc_module *ampc_causal_self_attention_new(int64_t n_embd, int64_t n_head, bool bias, double dropout);
 
 /* Model zoo by name: "mlp" (in_channels*28*28 -> 128 -> ReLU -> num_classes), "cnn" (PyTorch's
    MNIST example: conv 1->32 3x3, ReLU, conv 32->64 3x3, ReLU, maxpool 2, dropout 0.25,

@@ -12,6 +12,7 @@
 
 #include <math.h>
 #include <omp.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -264,6 +265,107 @@ static void test_narrow(void **state) {
     ampc_scope_end();
 }
 
+// ---------------------------------------------------------------------------------------------
+// CausalSelfAttention against nanoGPT's, run by PyTorch 1.13 (tests/fixtures/make_causal_attention.py)
+
+static FILE *open_fixture(const char *name) {
+    char path[1024];
+    const char *dir = getenv("AMPC_FIXTURE_DIR");
+    if (dir) {
+        snprintf(path, sizeof path, "%s/%s", dir, name);
+    } else {   /* next to this source file (CMake compiles it by absolute path) */
+        snprintf(path, sizeof path, "%s", __FILE__);
+        char *slash = strrchr(path, '/');
+        size_t at = slash ? (size_t)(slash - path + 1) : 0;
+        snprintf(path + at, sizeof path - at, "fixtures/%s", name);
+    }
+    FILE *f = fopen(path, "r");
+    if (!f) fail_msg("cannot open %s (regenerate with tests/fixtures/make_causal_attention.py)", path);
+    return f;
+}
+
+/* The fixture's next section, which must be `name` with n values. */
+static double *read_section(FILE *f, const char *name, int64_t n) {
+    char got[64];
+    long long cnt;
+    if (fscanf(f, "%63s %lld", got, &cnt) != 2 || strcmp(got, name) || cnt != n)
+        fail_msg("fixture: expected section %s of %lld values", name, (long long)n);
+    double *v = malloc((size_t)n * sizeof *v);
+    for (int64_t i = 0; i < n; i++)
+        if (fscanf(f, "%la", &v[i]) != 1) fail_msg("fixture: section %s ends early", name);
+    return v;
+}
+
+static void fill_formula(ampc_tensor *t, double a, double amp, bool cosine) {
+    int64_t n = ampc_tensor_numel(t);
+    double *v = malloc((size_t)n * sizeof *v);
+    for (int64_t i = 0; i < n; i++) v[i] = amp * (cosine ? cos(a * (double)(i + 1)) : sin(a * (double)(i + 1)));
+    ampc_scope_begin();
+    ampc_set_default_device(ampc_tensor_device(t));
+    ampc_tensor *src = ampc_tensor_from_f64(ampc_tensor_dtype(t), ampc_tensor_ndim(t), ampc_tensor_shape(t), v);
+    ampc_set_default_device(AMPC_DEVICE_CPU);
+    ASSERT_NOT_NULL_MSG(src);
+    memcpy(ampc_tensor_data(t), ampc_tensor_cdata(src), (size_t)n * ampc_dtype_size(ampc_tensor_dtype(t)));
+    ampc_scope_end();
+    free(v);
+}
+
+/* The module's output, the input's gradient and every parameter's against PyTorch's (f64
+   there): REF within 1e-12 of each section's largest value, the CPU's f32 within 1e-5 of it
+   (issue 30's bound for fp32 logits; the sums here run over at most 3C = 24 terms). */
+static void test_causal_self_attention_pytorch(void **state) {
+    (void)state;
+    const ampc_device devs[2] = {AMPC_DEVICE_REF, AMPC_DEVICE_CPU};
+    for (int dv = 0; dv < 2; dv++) {
+        ampc_set_default_device(devs[dv]);
+        ampc_module *m = ampc_causal_self_attention_new(8, 2, true, 0.0);
+        ampc_set_default_device(AMPC_DEVICE_CPU);
+        ASSERT_NOT_NULL_MSG(m);
+        assert_string_equal(ampc_module_type(m), "CausalSelfAttention");
+        ampc_tensor **p;
+        const char **names;
+        assert_int_equal(ampc_module_parameters(m, &p, &names), 4);
+        static const char *const want_names[4] = {"c_attn.weight", "c_attn.bias", "c_proj.weight", "c_proj.bias"};
+        static const double a[4] = {0.37, 0.23, 0.53, 0.31}, amp[4] = {0.3, 0.1, 0.3, 0.1};
+        for (int i = 0; i < 4; i++) {
+            assert_string_equal(names[i], want_names[i]);
+            fill_formula(p[i], a[i], amp[i], i % 2 == 1);
+        }
+        ampc_scope_begin();
+        ampc_dtype dt = dv ? AMPC_F32 : AMPC_F64;
+        ampc_set_default_device(devs[dv]);
+        ampc_tensor *x = ampc_tensor_zeros(dt, 3, (int64_t[]){2, 5, 8}), *r = ampc_tensor_zeros(dt, 3, (int64_t[]){2, 5, 8});
+        ampc_set_default_device(AMPC_DEVICE_CPU);
+        ASSERT_NOT_NULL_MSG(x && r);
+        fill_formula(x, 0.11, 1.0, false);
+        fill_formula(r, 0.05, 1.0, true);
+        ASSERT_OK(ampc_tensor_set_requires_grad(x, true));
+        ampc_tensor *y = ampc_module_forward(m, x);
+        ASSERT_NOT_NULL_MSG(y);
+        ASSERT_OK(ampc_backward(ampc_sum(ampc_mul(y, r), AMPC_ALL_DIMS, false)));
+        FILE *f = open_fixture("causal_attention.txt");
+        const ampc_tensor *got[6] = {y, ampc_tensor_grad(x), ampc_tensor_grad(p[0]), ampc_tensor_grad(p[1]),
+                                     ampc_tensor_grad(p[2]), ampc_tensor_grad(p[3])};
+        const char *sec[6] = {"y", "gx", "c_attn.weight", "c_attn.bias", "c_proj.weight", "c_proj.bias"};
+        for (int s = 0; s < 6; s++) {
+            ASSERT_NOT_NULL_MSG(got[s]);
+            int64_t n = ampc_tensor_numel(got[s]);
+            double *want = read_section(f, sec[s], n), *g = tu_values(got[s]), big = 0;
+            for (int64_t i = 0; i < n; i++) big = fabs(want[i]) > big ? fabs(want[i]) : big;
+            for (int64_t i = 0; i < n; i++)
+                if (fabs(g[i] - want[i]) > (dv ? 1e-5 : 1e-12) * big)
+                    fail_msg("%s %s[%lld]: %.10g, PyTorch %.10g", dv ? "cpu" : "ref", sec[s], (long long)i, g[i], want[i]);
+            free(want), free(g);
+        }
+        fclose(f);
+        ampc_scope_end();
+        ampc_module_free(m);
+    }
+    assert_null(ampc_causal_self_attention_new(10, 3, true, 0));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+    ampc_clear_error();
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_embedding_op_check),
@@ -274,6 +376,7 @@ int main(void) {
         cmocka_unit_test(test_attention_pytorch),
         cmocka_unit_test(test_attention_errors_autocast),
         cmocka_unit_test(test_narrow),
+        cmocka_unit_test(test_causal_self_attention_pytorch),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
 }

@@ -74,6 +74,10 @@ struct ampc_module {
         } layernorm;
         struct { double p; } dropout;  /* probability of zeroing an element */
         struct { int64_t num_embeddings, embedding_dim; } embedding;
+        struct {
+            int64_t n_embd, n_head;
+            double dropout;            /* on the output projection, in training */
+        } attention;
         struct { int out_h, out_w; } adaptive_avgpool2d;
         struct { ampc_memory_format memory_format; } model;   /* zoo models: of the input */
     } config;
