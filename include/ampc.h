@@ -729,6 +729,9 @@ ampc_module *ampc_embedding_new(int64_t num_embeddings, int64_t embedding_dim);
    -> n_head heads of causal scaled-dot-product attention -> c_proj (Linear n_embd -> n_embd)
    -> dropout in training; its state_dict is nanoGPT's (c_attn.weight, c_attn.bias, c_proj...). */
 ampc_module *ampc_causal_self_attention_new(int64_t n_embd, int64_t n_head, bool bias, double dropout);
+/* nanoGPT's Block: x + attn(ln_1(x)), then + mlp(ln_2(.)), mlp = c_fc (n_embd -> 4 n_embd), exact
+   GELU, c_proj (-> n_embd), dropout; without bias, no Linear or LayerNorm has one. */
+ampc_module *ampc_gpt_block_new(int64_t n_embd, int64_t n_head, bool bias, double dropout);
 
 /* Model zoo by name: "mlp" (in_channels*28*28 -> 128 -> ReLU -> num_classes), "cnn" (PyTorch's
    MNIST example: conv 1->32 3x3, ReLU, conv 32->64 3x3, ReLU, maxpool 2, dropout 0.25,

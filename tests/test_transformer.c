@@ -366,6 +366,64 @@ static void test_causal_self_attention_pytorch(void **state) {
     ampc_clear_error();
 }
 
+/* nanoGPT's Block (tests/fixtures/make_gpt_block.py): parameter k of the state_dict is
+   0.2 sin((0.17 + 0.09 k) (i + 1)), plus 1 for the LayerNorm weights; bounds as above. */
+static void test_gpt_block_pytorch(void **state) {
+    (void)state;
+    const ampc_device devs[2] = {AMPC_DEVICE_REF, AMPC_DEVICE_CPU};
+    for (int dv = 0; dv < 2; dv++) {
+        ampc_set_default_device(devs[dv]);
+        ampc_module *m = ampc_gpt_block_new(8, 2, true, 0.0);
+        ampc_set_default_device(AMPC_DEVICE_CPU);
+        ASSERT_NOT_NULL_MSG(m);
+        ampc_tensor **p;
+        const char **names;
+        int np = ampc_module_parameters(m, &p, &names);
+        assert_int_equal(np, 12);
+        for (int k = 0; k < np; k++) {
+            fill_formula(p[k], 0.17 + 0.09 * k, 0.2, false);
+            if (!strncmp(names[k], "ln_", 3) && strstr(names[k], "weight")) {
+                ampc_scope_begin();
+                ampc_tensor *one = ampc_add_scalar(p[k], 1.0);
+                memcpy(ampc_tensor_data(p[k]), ampc_tensor_cdata(one), (size_t)ampc_tensor_numel(p[k]) * ampc_dtype_size(ampc_tensor_dtype(p[k])));
+                ampc_scope_end();
+            }
+        }
+        ampc_scope_begin();
+        ampc_dtype dt = dv ? AMPC_F32 : AMPC_F64;
+        ampc_set_default_device(devs[dv]);
+        ampc_tensor *x = ampc_tensor_zeros(dt, 3, (int64_t[]){2, 5, 8}), *r = ampc_tensor_zeros(dt, 3, (int64_t[]){2, 5, 8});
+        ampc_set_default_device(AMPC_DEVICE_CPU);
+        ASSERT_NOT_NULL_MSG(x && r);
+        fill_formula(x, 0.11, 1.0, false);
+        fill_formula(r, 0.05, 1.0, true);
+        ASSERT_OK(ampc_tensor_set_requires_grad(x, true));
+        ampc_tensor *y = ampc_module_forward(m, x);
+        ASSERT_NOT_NULL_MSG(y);
+        ASSERT_OK(ampc_backward(ampc_sum(ampc_mul(y, r), AMPC_ALL_DIMS, false)));
+        FILE *f = open_fixture("gpt_block.txt");
+        for (int s = -2; s < np; s++) {
+            const ampc_tensor *t = s == -2 ? y : s == -1 ? ampc_tensor_grad(x) : ampc_tensor_grad(p[s]);
+            const char *name = s == -2 ? "y" : s == -1 ? "gx" : names[s];
+            ASSERT_NOT_NULL_MSG(t);
+            int64_t n = ampc_tensor_numel(t);
+            double *want = read_section(f, name, n), *g = tu_values(t), big = 0;
+            for (int64_t i = 0; i < n; i++) big = fabs(want[i]) > big ? fabs(want[i]) : big;
+            for (int64_t i = 0; i < n; i++)
+                if (fabs(g[i] - want[i]) > (dv ? 1e-5 : 1e-12) * big)
+                    fail_msg("%s %s[%lld]: %.10g, PyTorch %.10g", dv ? "cpu" : "ref", name, (long long)i, g[i], want[i]);
+            free(want), free(g);
+        }
+        fclose(f);
+        ampc_scope_end();
+        ampc_module_free(m);
+    }
+    ampc_module *nb = ampc_gpt_block_new(8, 2, false, 0.0);   /* bias off: no bias anywhere */
+    ASSERT_NOT_NULL_MSG(nb);
+    assert_int_equal(ampc_module_parameters(nb, NULL, NULL), 6);
+    ampc_module_free(nb);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_embedding_op_check),
@@ -377,6 +435,7 @@ int main(void) {
         cmocka_unit_test(test_attention_errors_autocast),
         cmocka_unit_test(test_narrow),
         cmocka_unit_test(test_causal_self_attention_pytorch),
+        cmocka_unit_test(test_gpt_block_pytorch),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);
 }

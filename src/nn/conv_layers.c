@@ -241,6 +241,10 @@ static ampc_tensor *layernorm_forward(ampc_module *m, ampc_tensor *x) {
 static const ampc_module_vtable layernorm_vtable = {"LayerNorm", layernorm_forward, NULL};
 
 ampc_module *ampc_layernorm_new(int norm_ndim, const int64_t *normalized_shape) {
+    return ampc__layernorm_make(norm_ndim, normalized_shape, true);
+}
+
+ampc_module *ampc__layernorm_make(int norm_ndim, const int64_t *normalized_shape, bool bias) {
     if (norm_ndim <= 0 || norm_ndim > AMPC_MAX_DIMS || !normalized_shape)
         return ampc__err_null(AMPC_ERR_INVALID, "LayerNorm: normalized_shape of %d dims (1..%d allowed)", norm_ndim, AMPC_MAX_DIMS);
     for (int d = 0; d < norm_ndim; d++)
@@ -254,7 +258,7 @@ ampc_module *ampc_layernorm_new(int norm_ndim, const int64_t *normalized_shape) 
     const ampc_dtype dt = ampc__param_dtype();
     ampc_scope_begin();
     int rc = ampc__module_add_param(m, "weight", param_full(dt, norm_ndim, normalized_shape, 1.0));
-    if (rc >= 0) rc = ampc__module_add_param(m, "bias", param_full(dt, norm_ndim, normalized_shape, 0.0));
+    if (rc >= 0 && bias) rc = ampc__module_add_param(m, "bias", param_full(dt, norm_ndim, normalized_shape, 0.0));
     ampc_scope_end();
     if (rc < 0) {
         ampc_module_free(m);

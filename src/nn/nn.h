@@ -112,6 +112,8 @@ ampc_tensor *ampc__param_uniform(int ndim, const int64_t *shape, double bound);
    by m and valid until m changes. Returns the count or a negative status. */
 int ampc__module_state_dict(ampc_module *m, ampc_tensor ***tensors, const char ***names);
 
+/* LayerNorm with or without its bias (nanoGPT's bias=False has none). */
+ampc_module *ampc__layernorm_make(int norm_ndim, const int64_t *normalized_shape, bool bias);
 /* m's direct child by local name ("conv1", "downsample"), or NULL without setting an error. */
 ampc_module *ampc__module_get_child(const ampc_module *m, const char *name);
 

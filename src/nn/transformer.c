@@ -1,7 +1,8 @@
 /*
  * transformer.c - the transformer's layers, with nanoGPT's names and layouts so that state_dicts
  * load both ways: CausalSelfAttention (c_attn: one Linear C -> 3C for q, k and v; c_proj: C -> C),
- * its heads split with narrow/reshape/permute and attended by the fused causal attention op.
+ * its heads split with narrow/reshape/permute and attended by the fused causal attention op;
+ * the MLP (c_fc: C -> 4C, exact GELU, c_proj: 4C -> C); the pre-LayerNorm Block of the two.
  */
 #include "nn/nn.h"
 
@@ -48,6 +49,62 @@ ampc_module *ampc_causal_self_attention_new(int64_t n_embd, int64_t n_head, bool
     m->config.attention.dropout = dropout;
     int rc = ampc__module_add_child(m, "c_attn", ampc_linear_new(n_embd, 3 * n_embd, bias));
     if (rc >= 0) rc = ampc__module_add_child(m, "c_proj", ampc_linear_new(n_embd, n_embd, bias));
+    if (rc < 0) {
+        ampc_module_free(m);
+        return NULL;
+    }
+    return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// MLP: c_fc (C -> 4C), GELU (exact, as nanoGPT), c_proj (4C -> C), dropout in training
+
+static ampc_tensor *mlp_forward(ampc_module *m, ampc_tensor *x) {
+    ampc_tensor *y = fwd(m, "c_proj", ampc_gelu(fwd(m, "c_fc", x)));
+    double p = m->config.attention.dropout;
+    return p > 0 ? ampc_dropout(y, p, m->training) : y;
+}
+
+static const ampc_module_vtable mlp_vtable = {"MLP", mlp_forward, NULL};
+
+static ampc_module *mlp_new(int64_t n_embd, bool bias, double dropout) {
+    ampc_module *m = ampc__module_new(&mlp_vtable);
+    if (!m) return NULL;
+    m->config.attention.n_embd = n_embd;
+    m->config.attention.dropout = dropout;
+    int rc = ampc__module_add_child(m, "c_fc", ampc_linear_new(n_embd, 4 * n_embd, bias));
+    if (rc >= 0) rc = ampc__module_add_child(m, "c_proj", ampc_linear_new(4 * n_embd, n_embd, bias));
+    if (rc < 0) {
+        ampc_module_free(m);
+        return NULL;
+    }
+    return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block: x + attn(ln_1(x)), then + mlp(ln_2(.))
+
+static ampc_tensor *block_forward(ampc_module *m, ampc_tensor *x) {
+    x = ampc_add(x, fwd(m, "attn", fwd(m, "ln_1", x)));
+    return ampc_add(x, fwd(m, "mlp", fwd(m, "ln_2", x)));
+}
+
+static const ampc_module_vtable block_vtable = {"Block", block_forward, NULL};
+
+ampc_module *ampc_gpt_block_new(int64_t n_embd, int64_t n_head, bool bias, double dropout) {
+    ampc_module *attn = ampc_causal_self_attention_new(n_embd, n_head, bias, dropout);
+    if (!attn) return NULL;
+    ampc_module *m = ampc__module_new(&block_vtable);
+    if (!m) {
+        ampc_module_free(attn);
+        return NULL;
+    }
+    const int64_t shape[1] = {n_embd};
+    int rc = ampc__module_add_child(m, "ln_1", ampc__layernorm_make(1, shape, bias));
+    if (rc >= 0) rc = ampc__module_add_child(m, "attn", attn);
+    else ampc_module_free(attn);
+    if (rc >= 0) rc = ampc__module_add_child(m, "ln_2", ampc__layernorm_make(1, shape, bias));
+    if (rc >= 0) rc = ampc__module_add_child(m, "mlp", mlp_new(n_embd, bias, dropout));
     if (rc < 0) {
         ampc_module_free(m);
         return NULL;
