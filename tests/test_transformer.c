@@ -310,9 +310,44 @@ static void fill_formula(ampc_tensor *t, double a, double amp, bool cosine) {
     free(v);
 }
 
+/* Runs m (its parameters set) on x = sin(0.11 (i + 1)) of shape (2, 5, 8) on dev, backward of the
+   loss sum(y * r), r = cos(0.05 (i + 1)), and compares y, x's gradient and each of the np
+   parameters' (names) with the fixture's sections in that order: REF within 1e-12 of each
+   section's largest value, the CPU's f32 within 1e-5 of it (issue 30's bound for fp32 logits). */
+static void check_module_fixture(ampc_module *m, ampc_device dev, const char *fixture, ampc_tensor **p, const char **names,
+                                 int np) {
+    const bool ref = dev == AMPC_DEVICE_REF;
+    ampc_scope_begin();
+    ampc_dtype dt = ref ? AMPC_F64 : AMPC_F32;
+    ampc_set_default_device(dev);
+    ampc_tensor *x = ampc_tensor_zeros(dt, 3, (int64_t[]){2, 5, 8}), *r = ampc_tensor_zeros(dt, 3, (int64_t[]){2, 5, 8});
+    ampc_set_default_device(AMPC_DEVICE_CPU);
+    ASSERT_NOT_NULL_MSG(x && r);
+    fill_formula(x, 0.11, 1.0, false);
+    fill_formula(r, 0.05, 1.0, true);
+    ASSERT_OK(ampc_tensor_set_requires_grad(x, true));
+    ampc_tensor *y = ampc_module_forward(m, x);
+    ASSERT_NOT_NULL_MSG(y);
+    ASSERT_OK(ampc_backward(ampc_sum(ampc_mul(y, r), AMPC_ALL_DIMS, false)));
+    FILE *f = open_fixture(fixture);
+    for (int s = -2; s < np; s++) {
+        const ampc_tensor *t = s == -2 ? y : s == -1 ? ampc_tensor_grad(x) : ampc_tensor_grad(p[s]);
+        const char *name = s == -2 ? "y" : s == -1 ? "gx" : names[s];
+        ASSERT_NOT_NULL_MSG(t);
+        int64_t n = ampc_tensor_numel(t);
+        double *want = read_section(f, name, n), *g = tu_values(t), big = 0;
+        for (int64_t i = 0; i < n; i++) big = fabs(want[i]) > big ? fabs(want[i]) : big;
+        for (int64_t i = 0; i < n; i++)
+            if (fabs(g[i] - want[i]) > (ref ? 1e-12 : 1e-5) * big)
+                fail_msg("%s %s[%lld]: %.10g, PyTorch %.10g", ref ? "ref" : "cpu", name, (long long)i, g[i], want[i]);
+        free(want), free(g);
+    }
+    fclose(f);
+    ampc_scope_end();
+}
+
 /* The module's output, the input's gradient and every parameter's against PyTorch's (f64
-   there): REF within 1e-12 of each section's largest value, the CPU's f32 within 1e-5 of it
-   (issue 30's bound for fp32 logits; the sums here run over at most 3C = 24 terms). */
+   there), by check_module_fixture. */
 static void test_causal_self_attention_pytorch(void **state) {
     (void)state;
     const ampc_device devs[2] = {AMPC_DEVICE_REF, AMPC_DEVICE_CPU};
@@ -331,34 +366,7 @@ static void test_causal_self_attention_pytorch(void **state) {
             assert_string_equal(names[i], want_names[i]);
             fill_formula(p[i], a[i], amp[i], i % 2 == 1);
         }
-        ampc_scope_begin();
-        ampc_dtype dt = dv ? AMPC_F32 : AMPC_F64;
-        ampc_set_default_device(devs[dv]);
-        ampc_tensor *x = ampc_tensor_zeros(dt, 3, (int64_t[]){2, 5, 8}), *r = ampc_tensor_zeros(dt, 3, (int64_t[]){2, 5, 8});
-        ampc_set_default_device(AMPC_DEVICE_CPU);
-        ASSERT_NOT_NULL_MSG(x && r);
-        fill_formula(x, 0.11, 1.0, false);
-        fill_formula(r, 0.05, 1.0, true);
-        ASSERT_OK(ampc_tensor_set_requires_grad(x, true));
-        ampc_tensor *y = ampc_module_forward(m, x);
-        ASSERT_NOT_NULL_MSG(y);
-        ASSERT_OK(ampc_backward(ampc_sum(ampc_mul(y, r), AMPC_ALL_DIMS, false)));
-        FILE *f = open_fixture("causal_attention.txt");
-        const ampc_tensor *got[6] = {y, ampc_tensor_grad(x), ampc_tensor_grad(p[0]), ampc_tensor_grad(p[1]),
-                                     ampc_tensor_grad(p[2]), ampc_tensor_grad(p[3])};
-        const char *sec[6] = {"y", "gx", "c_attn.weight", "c_attn.bias", "c_proj.weight", "c_proj.bias"};
-        for (int s = 0; s < 6; s++) {
-            ASSERT_NOT_NULL_MSG(got[s]);
-            int64_t n = ampc_tensor_numel(got[s]);
-            double *want = read_section(f, sec[s], n), *g = tu_values(got[s]), big = 0;
-            for (int64_t i = 0; i < n; i++) big = fabs(want[i]) > big ? fabs(want[i]) : big;
-            for (int64_t i = 0; i < n; i++)
-                if (fabs(g[i] - want[i]) > (dv ? 1e-5 : 1e-12) * big)
-                    fail_msg("%s %s[%lld]: %.10g, PyTorch %.10g", dv ? "cpu" : "ref", sec[s], (long long)i, g[i], want[i]);
-            free(want), free(g);
-        }
-        fclose(f);
-        ampc_scope_end();
+        check_module_fixture(m, devs[dv], "causal_attention.txt", p, names, 4);
         ampc_module_free(m);
     }
     assert_null(ampc_causal_self_attention_new(10, 3, true, 0));
@@ -389,33 +397,7 @@ static void test_gpt_block_pytorch(void **state) {
                 ampc_scope_end();
             }
         }
-        ampc_scope_begin();
-        ampc_dtype dt = dv ? AMPC_F32 : AMPC_F64;
-        ampc_set_default_device(devs[dv]);
-        ampc_tensor *x = ampc_tensor_zeros(dt, 3, (int64_t[]){2, 5, 8}), *r = ampc_tensor_zeros(dt, 3, (int64_t[]){2, 5, 8});
-        ampc_set_default_device(AMPC_DEVICE_CPU);
-        ASSERT_NOT_NULL_MSG(x && r);
-        fill_formula(x, 0.11, 1.0, false);
-        fill_formula(r, 0.05, 1.0, true);
-        ASSERT_OK(ampc_tensor_set_requires_grad(x, true));
-        ampc_tensor *y = ampc_module_forward(m, x);
-        ASSERT_NOT_NULL_MSG(y);
-        ASSERT_OK(ampc_backward(ampc_sum(ampc_mul(y, r), AMPC_ALL_DIMS, false)));
-        FILE *f = open_fixture("gpt_block.txt");
-        for (int s = -2; s < np; s++) {
-            const ampc_tensor *t = s == -2 ? y : s == -1 ? ampc_tensor_grad(x) : ampc_tensor_grad(p[s]);
-            const char *name = s == -2 ? "y" : s == -1 ? "gx" : names[s];
-            ASSERT_NOT_NULL_MSG(t);
-            int64_t n = ampc_tensor_numel(t);
-            double *want = read_section(f, name, n), *g = tu_values(t), big = 0;
-            for (int64_t i = 0; i < n; i++) big = fabs(want[i]) > big ? fabs(want[i]) : big;
-            for (int64_t i = 0; i < n; i++)
-                if (fabs(g[i] - want[i]) > (dv ? 1e-5 : 1e-12) * big)
-                    fail_msg("%s %s[%lld]: %.10g, PyTorch %.10g", dv ? "cpu" : "ref", name, (long long)i, g[i], want[i]);
-            free(want), free(g);
-        }
-        fclose(f);
-        ampc_scope_end();
+        check_module_fixture(m, devs[dv], "gpt_block.txt", p, names, np);
         ampc_module_free(m);
     }
     ampc_module *nb = ampc_gpt_block_new(8, 2, false, 0.0);   /* bias off: no bias anywhere */

@@ -50,13 +50,6 @@ static ampc_module *assemble(const ampc_module_vtable *vt, int n, const char *co
     return m;
 }
 
-/* Forward through the named child (an error if it is missing: someone removed it). */
-static ampc_tensor *fwd(ampc_module *m, const char *name, ampc_tensor *x) {
-    ampc_module *c = ampc__module_get_child(m, name);
-    if (!c) return ampc__err_null(AMPC_ERR_STATE, "%s has no submodule '%s'", m->vt->type, name);
-    return ampc_module_forward(c, x);
-}
-
 bool ampc__fuse_bn_relu = true;
 
 /* relu(bn(x)) through the children bn_name and "relu": BatchNorm2d's own forward with the ReLU
@@ -66,7 +59,7 @@ static ampc_tensor *bn_relu(ampc_module *m, const char *bn_name, ampc_tensor *x)
     ampc_module *bn = ampc__module_get_child(m, bn_name), *relu = ampc__module_get_child(m, "relu");
     bool std_bn = bn && (!strcmp(bn->vt->type, "BatchNorm2d") || !strcmp(bn->vt->type, "SyncBatchNorm"));
     if (!x || !ampc__fuse_bn_relu || !std_bn || !relu || strcmp(relu->vt->type, "ReLU"))
-        return fwd(m, "relu", fwd(m, bn_name, x));   /* the modules' own errors, too */
+        return ampc__child_forward(m, "relu", ampc__child_forward(m, bn_name, x));   /* the modules' own errors, too */
     return ampc__batchnorm2d_forward(bn, x, true);
 }
 
@@ -77,7 +70,7 @@ static ampc_tensor *bn_add_relu(ampc_module *m, const char *bn_name, ampc_tensor
     ampc_module *bn = ampc__module_get_child(m, bn_name), *relu = ampc__module_get_child(m, "relu");
     bool std_bn = bn && (!strcmp(bn->vt->type, "BatchNorm2d") || !strcmp(bn->vt->type, "SyncBatchNorm"));
     if (!x || !ampc__fuse_bn_relu || !std_bn || !relu || strcmp(relu->vt->type, "ReLU"))
-        return fwd(m, "relu", ampc_add(fwd(m, bn_name, x), identity));
+        return ampc__child_forward(m, "relu", ampc_add(ampc__child_forward(m, bn_name, x), identity));
     return ampc__batchnorm2d_forward_add_relu(bn, x, identity);
 }
 
@@ -100,14 +93,14 @@ static ampc_tensor *model_input(ampc_module *m, ampc_tensor *x) {
 }
 
 static ampc_tensor *net_forward(ampc_module *m, ampc_tensor *x) {
-    ampc_tensor *h = ampc_relu(fwd(m, "conv1", model_input(m, x)));
-    h = ampc_relu(fwd(m, "conv2", h));
+    ampc_tensor *h = ampc_relu(ampc__child_forward(m, "conv1", model_input(m, x)));
+    h = ampc_relu(ampc__child_forward(m, "conv2", h));
     h = ampc_max_pool2d(h, &(ampc_pool2d_options){.kernel = {2, 2}});
-    h = fwd(m, "dropout1", h);
+    h = ampc__child_forward(m, "dropout1", h);
     h = ampc_flatten(h, 1, -1);
-    h = ampc_relu(fwd(m, "fc1", h));
-    h = fwd(m, "dropout2", h);
-    return fwd(m, "fc2", h);
+    h = ampc_relu(ampc__child_forward(m, "fc1", h));
+    h = ampc__child_forward(m, "dropout2", h);
+    return ampc__child_forward(m, "fc2", h);
 }
 
 static const ampc_module_vtable net_vtable = {"Net", net_forward, NULL};
@@ -145,18 +138,18 @@ static ampc_module *resnet_conv(int64_t in, int64_t out, int k, int stride, int 
 
 /* out = relu(bn2(conv2(relu(bn1(conv1(x))))) + identity), identity = downsample(x) if any */
 static ampc_tensor *basic_block_forward(ampc_module *m, ampc_tensor *x) {
-    ampc_tensor *h = bn_relu(m, "bn1", fwd(m, "conv1", x));
-    h = fwd(m, "conv2", h);
-    ampc_tensor *identity = ampc__module_get_child(m, "downsample") ? fwd(m, "downsample", x) : x;
+    ampc_tensor *h = bn_relu(m, "bn1", ampc__child_forward(m, "conv1", x));
+    h = ampc__child_forward(m, "conv2", h);
+    ampc_tensor *identity = ampc__module_get_child(m, "downsample") ? ampc__child_forward(m, "downsample", x) : x;
     return bn_add_relu(m, "bn2", h, identity);
 }
 
 /* 1x1 reduce, 3x3 (with the stride: v1.5), 1x1 expand by 4, then the residual add */
 static ampc_tensor *bottleneck_forward(ampc_module *m, ampc_tensor *x) {
-    ampc_tensor *h = bn_relu(m, "bn1", fwd(m, "conv1", x));
-    h = bn_relu(m, "bn2", fwd(m, "conv2", h));
-    h = fwd(m, "conv3", h);
-    ampc_tensor *identity = ampc__module_get_child(m, "downsample") ? fwd(m, "downsample", x) : x;
+    ampc_tensor *h = bn_relu(m, "bn1", ampc__child_forward(m, "conv1", x));
+    h = bn_relu(m, "bn2", ampc__child_forward(m, "conv2", h));
+    h = ampc__child_forward(m, "conv3", h);
+    ampc_tensor *identity = ampc__module_get_child(m, "downsample") ? ampc__child_forward(m, "downsample", x) : x;
     return bn_add_relu(m, "bn3", h, identity);
 }
 
@@ -204,11 +197,12 @@ static ampc_module *make_layer(bool bottleneck, int64_t *inplanes, int64_t plane
 }
 
 static ampc_tensor *resnet_forward(ampc_module *m, ampc_tensor *x) {
-    ampc_tensor *h = bn_relu(m, "bn1", fwd(m, "conv1", model_input(m, x)));
-    h = fwd(m, "maxpool", h);
-    h = fwd(m, "layer4", fwd(m, "layer3", fwd(m, "layer2", fwd(m, "layer1", h))));
-    h = ampc_flatten(fwd(m, "avgpool", h), 1, -1);
-    return fwd(m, "fc", h);
+    ampc_tensor *h = bn_relu(m, "bn1", ampc__child_forward(m, "conv1", model_input(m, x)));
+    h = ampc__child_forward(m, "maxpool", h);
+    static const char *const layers[4] = {"layer1", "layer2", "layer3", "layer4"};
+    for (int i = 0; i < 4; i++) h = ampc__child_forward(m, layers[i], h);
+    h = ampc_flatten(ampc__child_forward(m, "avgpool", h), 1, -1);
+    return ampc__child_forward(m, "fc", h);
 }
 
 static const ampc_module_vtable resnet_vtable = {"ResNet", resnet_forward, NULL};

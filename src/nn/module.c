@@ -309,6 +309,12 @@ void ampc_module_requires_grad(ampc_module *m, bool on) {
 
 ampc_module *ampc__module_get_child(const ampc_module *m, const char *name) { return list_find(&m->children, name); }
 
+ampc_tensor *ampc__child_forward(ampc_module *m, const char *name, ampc_tensor *x) {
+    ampc_module *c = ampc__module_get_child(m, name);
+    if (!c) return ampc__err_null(AMPC_ERR_STATE, "%s has no submodule '%s'", m->vt->type, name);
+    return ampc_module_forward(c, x);
+}
+
 /* The submodule at path[0..len) (dotted), or NULL + error naming the missing component. */
 static ampc_module *find_prefix(ampc_module *m, const char *path, size_t len) {
     ampc_module *cur = m;

@@ -116,6 +116,8 @@ int ampc__module_state_dict(ampc_module *m, ampc_tensor ***tensors, const char *
 ampc_module *ampc__layernorm_make(int norm_ndim, const int64_t *normalized_shape, bool bias);
 /* m's direct child by local name ("conv1", "downsample"), or NULL without setting an error. */
 ampc_module *ampc__module_get_child(const ampc_module *m, const char *name);
+/* The forward of m's child `name` on x (AMPC_ERR_STATE if it is missing: someone removed it). */
+ampc_tensor *ampc__child_forward(ampc_module *m, const char *name, ampc_tensor *x);
 
 /* Conv2d as ampc_conv2d_new, except weight_std > 0 draws the weight from N(0, weight_std^2)
    instead of PyTorch's default uniform (torchvision ResNets' kaiming_normal_ fan_out init). */

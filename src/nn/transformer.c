@@ -6,13 +6,6 @@
  */
 #include "nn/nn.h"
 
-/* Forward through the named child. */
-static ampc_tensor *fwd(ampc_module *m, const char *name, ampc_tensor *x) {
-    ampc_module *c = ampc__module_get_child(m, name);
-    if (!c) return ampc__err_null(AMPC_ERR_STATE, "%s has no submodule '%s'", m->vt->type, name);
-    return ampc_module_forward(c, x);
-}
-
 // ---------------------------------------------------------------------------------------------
 // CausalSelfAttention: x (B, T, C) -> c_attn -> q, k, v (B, n_head, T, C / n_head) -> causal
 // attention -> heads joined (B, T, C) -> c_proj -> dropout (training)
@@ -24,13 +17,13 @@ static ampc_tensor *csa_forward(ampc_module *m, ampc_tensor *x) {
         return ampc__err_null(AMPC_ERR_SHAPE, "CausalSelfAttention: input of %d dims (last %lld); expected (B, T, %lld)",
                               ampc_tensor_ndim(x), (long long)ampc_tensor_dim(x, -1), (long long)C);
     const int64_t B = ampc_tensor_dim(x, 0), T = ampc_tensor_dim(x, 1);
-    ampc_tensor *qkv = fwd(m, "c_attn", x), *h[3];
+    ampc_tensor *qkv = ampc__child_forward(m, "c_attn", x), *h[3];
     static const int heads_first[4] = {0, 2, 1, 3};
     for (int i = 0; i < 3; i++)
         h[i] = ampc_permute(ampc_reshape(ampc_narrow(qkv, 2, i * C, C), 4, (int64_t[]){B, T, H, C / H}), heads_first);
     ampc_tensor *y = ampc_scaled_dot_product_attention(h[0], h[1], h[2], true, 0);
     y = ampc_reshape(ampc_permute(y, heads_first), 3, (int64_t[]){B, T, C});
-    y = fwd(m, "c_proj", y);
+    y = ampc__child_forward(m, "c_proj", y);
     double p = m->config.attention.dropout;
     return p > 0 ? ampc_dropout(y, p, m->training) : y;
 }
@@ -60,7 +53,7 @@ ampc_module *ampc_causal_self_attention_new(int64_t n_embd, int64_t n_head, bool
 // MLP: c_fc (C -> 4C), GELU (exact, as nanoGPT), c_proj (4C -> C), dropout in training
 
 static ampc_tensor *mlp_forward(ampc_module *m, ampc_tensor *x) {
-    ampc_tensor *y = fwd(m, "c_proj", ampc_gelu(fwd(m, "c_fc", x)));
+    ampc_tensor *y = ampc__child_forward(m, "c_proj", ampc_gelu(ampc__child_forward(m, "c_fc", x)));
     double p = m->config.attention.dropout;
     return p > 0 ? ampc_dropout(y, p, m->training) : y;
 }
@@ -85,8 +78,8 @@ static ampc_module *mlp_new(int64_t n_embd, bool bias, double dropout) {
 // Block: x + attn(ln_1(x)), then + mlp(ln_2(.))
 
 static ampc_tensor *block_forward(ampc_module *m, ampc_tensor *x) {
-    x = ampc_add(x, fwd(m, "attn", fwd(m, "ln_1", x)));
-    return ampc_add(x, fwd(m, "mlp", fwd(m, "ln_2", x)));
+    x = ampc_add(x, ampc__child_forward(m, "attn", ampc__child_forward(m, "ln_1", x)));
+    return ampc_add(x, ampc__child_forward(m, "mlp", ampc__child_forward(m, "ln_2", x)));
 }
 
 static const ampc_module_vtable block_vtable = {"Block", block_forward, NULL};
