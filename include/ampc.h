@@ -733,11 +733,28 @@ ampc_module *ampc_causal_self_attention_new(int64_t n_embd, int64_t n_head, bool
    GELU, c_proj (-> n_embd), dropout; without bias, no Linear or LayerNorm has one. */
 ampc_module *ampc_gpt_block_new(int64_t n_embd, int64_t n_head, bool bias, double dropout);
 
+/* nanoGPT's GPTConfig; a 0 (false) field takes GPT-2 124M's value (in brackets). */
+typedef struct {
+    int64_t vocab_size;   /* [50257] tokens */
+    int64_t block_size;   /* [1024] the longest sequence (positions of wpe) */
+    int64_t n_layer;      /* [12] Blocks */
+    int64_t n_head;       /* [12] attention heads; n_embd a multiple of it */
+    int64_t n_embd;       /* [768] width */
+    double dropout;       /* [0] after the embeddings, in attention's and the MLP's outputs */
+    bool no_bias;         /* [false] true: no bias in any Linear or LayerNorm (nanoGPT's bias=False) */
+} ampc_gpt_config;
+
 /* Model zoo by name: "mlp" (in_channels*28*28 -> 128 -> ReLU -> num_classes), "cnn" (PyTorch's
    MNIST example: conv 1->32 3x3, ReLU, conv 32->64 3x3, ReLU, maxpool 2, dropout 0.25,
    flatten, fc 9216->128, ReLU, dropout 0.5, fc 128->10, for 28x28 inputs), "resnet18",
-   "resnet50" (torchvision's architecture and state_dict names). small_input: for 28x28/32x32
-   images, ResNets use a 3x3 stride-1 stem without max pooling. NULL + error for an unknown name. */
+   "resnet50" (torchvision's architecture and state_dict names), "gpt" (nanoGPT's GPT: i64 token
+   indices (B, T), T <= block_size, to logits (B, T, vocab_size); children transformer.{wte,
+   wpe, drop, h.0 .. h.<n_layer - 1>, ln_f} and lm_head, whose weight is wte's (tied: the
+   state_dict holds it as transformer.wte.weight and lm_head.weight, the parameter list once);
+   nanoGPT's initialisation: N(0, 0.02) for Linear and Embedding weights, N(0, 0.02 /
+   sqrt(2 n_layer)) for each block's c_proj weights, zero biases, unit LayerNorm weights).
+   small_input: for 28x28/32x32 images, ResNets use a 3x3 stride-1 stem without max pooling.
+   NULL + error for an unknown name. */
 typedef struct {
     int64_t num_classes;   /* 0: 10 for mlp/cnn, 1000 for resnets */
     int64_t in_channels;   /* 0: 1 for mlp/cnn, 3 for resnets */
@@ -746,6 +763,7 @@ typedef struct {
        their convolutions, norms and pooling in it (faster on CPU: no layout reorders); the
        values computed are the same up to summation order. Default: contiguous, as PyTorch. */
     ampc_memory_format memory_format;
+    ampc_gpt_config gpt;   /* "gpt" only */
 } ampc_model_options;
 ampc_module *ampc_model_new(const char *name, const ampc_model_options *opts);
 /* Child by dotted path ("fc", "layer1.0.conv1"; "" is m itself, as get_submodule), or NULL
@@ -791,6 +809,13 @@ ampc_optimizer *ampc_adamw_new_params(ampc_tensor **params, int n, const ampc_ad
    NULL and a negative status for a stale one, param NULL. */
 int ampc_optimizer_step(ampc_optimizer *opt);
 void ampc_optimizer_zero_grad(ampc_optimizer *opt);        /* grads to none */
+/* Parameter groups for weight decay: parameter i gets weight_decay instead of the options'
+   (AdamW: decoupled; SGD, Adam: added to the gradient), as a PyTorch param group of its own. */
+int ampc_optimizer_set_weight_decay(ampc_optimizer *opt, int i, double weight_decay);
+/* The transformer recipe (minGPT's groups): weight decay stays on the weights of m's Linear and
+   Conv2d layers only; biases, the norms' parameters and embeddings (a weight tied to an
+   embedding, as GPT's lm_head, included) get none. opt's parameters must be m's. */
+int ampc_optimizer_decay_only_weights(ampc_optimizer *opt, ampc_module *m);
 double ampc_optimizer_get_lr(const ampc_optimizer *opt);
 void ampc_optimizer_set_lr(ampc_optimizer *opt, double lr);
 int ampc_optimizer_num_params(const ampc_optimizer *opt);

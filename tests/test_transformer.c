@@ -268,48 +268,6 @@ static void test_narrow(void **state) {
 // ---------------------------------------------------------------------------------------------
 // CausalSelfAttention against nanoGPT's, run by PyTorch 1.13 (tests/fixtures/make_causal_attention.py)
 
-static FILE *open_fixture(const char *name) {
-    char path[1024];
-    const char *dir = getenv("AMPC_FIXTURE_DIR");
-    if (dir) {
-        snprintf(path, sizeof path, "%s/%s", dir, name);
-    } else {   /* next to this source file (CMake compiles it by absolute path) */
-        snprintf(path, sizeof path, "%s", __FILE__);
-        char *slash = strrchr(path, '/');
-        size_t at = slash ? (size_t)(slash - path + 1) : 0;
-        snprintf(path + at, sizeof path - at, "fixtures/%s", name);
-    }
-    FILE *f = fopen(path, "r");
-    if (!f) fail_msg("cannot open %s (regenerate with tests/fixtures/make_causal_attention.py)", path);
-    return f;
-}
-
-/* The fixture's next section, which must be `name` with n values. */
-static double *read_section(FILE *f, const char *name, int64_t n) {
-    char got[64];
-    long long cnt;
-    if (fscanf(f, "%63s %lld", got, &cnt) != 2 || strcmp(got, name) || cnt != n)
-        fail_msg("fixture: expected section %s of %lld values", name, (long long)n);
-    double *v = malloc((size_t)n * sizeof *v);
-    for (int64_t i = 0; i < n; i++)
-        if (fscanf(f, "%la", &v[i]) != 1) fail_msg("fixture: section %s ends early", name);
-    return v;
-}
-
-static void fill_formula(ampc_tensor *t, double a, double amp, bool cosine) {
-    int64_t n = ampc_tensor_numel(t);
-    double *v = malloc((size_t)n * sizeof *v);
-    for (int64_t i = 0; i < n; i++) v[i] = amp * (cosine ? cos(a * (double)(i + 1)) : sin(a * (double)(i + 1)));
-    ampc_scope_begin();
-    ampc_set_default_device(ampc_tensor_device(t));
-    ampc_tensor *src = ampc_tensor_from_f64(ampc_tensor_dtype(t), ampc_tensor_ndim(t), ampc_tensor_shape(t), v);
-    ampc_set_default_device(AMPC_DEVICE_CPU);
-    ASSERT_NOT_NULL_MSG(src);
-    memcpy(ampc_tensor_data(t), ampc_tensor_cdata(src), (size_t)n * ampc_dtype_size(ampc_tensor_dtype(t)));
-    ampc_scope_end();
-    free(v);
-}
-
 /* Runs m (its parameters set) on x = sin(0.11 (i + 1)) of shape (2, 5, 8) on dev, backward of the
    loss sum(y * r), r = cos(0.05 (i + 1)), and compares y, x's gradient and each of the np
    parameters' (names) with the fixture's sections in that order: REF within 1e-12 of each
@@ -323,19 +281,19 @@ static void check_module_fixture(ampc_module *m, ampc_device dev, const char *fi
     ampc_tensor *x = ampc_tensor_zeros(dt, 3, (int64_t[]){2, 5, 8}), *r = ampc_tensor_zeros(dt, 3, (int64_t[]){2, 5, 8});
     ampc_set_default_device(AMPC_DEVICE_CPU);
     ASSERT_NOT_NULL_MSG(x && r);
-    fill_formula(x, 0.11, 1.0, false);
-    fill_formula(r, 0.05, 1.0, true);
+    tu_fill_formula(x, 0.11, 1.0, false);
+    tu_fill_formula(r, 0.05, 1.0, true);
     ASSERT_OK(ampc_tensor_set_requires_grad(x, true));
     ampc_tensor *y = ampc_module_forward(m, x);
     ASSERT_NOT_NULL_MSG(y);
     ASSERT_OK(ampc_backward(ampc_sum(ampc_mul(y, r), AMPC_ALL_DIMS, false)));
-    FILE *f = open_fixture(fixture);
+    FILE *f = tu_open_fixture(fixture);
     for (int s = -2; s < np; s++) {
         const ampc_tensor *t = s == -2 ? y : s == -1 ? ampc_tensor_grad(x) : ampc_tensor_grad(p[s]);
         const char *name = s == -2 ? "y" : s == -1 ? "gx" : names[s];
         ASSERT_NOT_NULL_MSG(t);
         int64_t n = ampc_tensor_numel(t);
-        double *want = read_section(f, name, n), *g = tu_values(t), big = 0;
+        double *want = tu_read_section(f, name, n), *g = tu_values(t), big = 0;
         for (int64_t i = 0; i < n; i++) big = fabs(want[i]) > big ? fabs(want[i]) : big;
         for (int64_t i = 0; i < n; i++)
             if (fabs(g[i] - want[i]) > (ref ? 1e-12 : 1e-5) * big)
@@ -364,7 +322,7 @@ static void test_causal_self_attention_pytorch(void **state) {
         static const double a[4] = {0.37, 0.23, 0.53, 0.31}, amp[4] = {0.3, 0.1, 0.3, 0.1};
         for (int i = 0; i < 4; i++) {
             assert_string_equal(names[i], want_names[i]);
-            fill_formula(p[i], a[i], amp[i], i % 2 == 1);
+            tu_fill_formula(p[i], a[i], amp[i], i % 2 == 1);
         }
         check_module_fixture(m, devs[dv], "causal_attention.txt", p, names, 4);
         ampc_module_free(m);
@@ -389,7 +347,7 @@ static void test_gpt_block_pytorch(void **state) {
         int np = ampc_module_parameters(m, &p, &names);
         assert_int_equal(np, 12);
         for (int k = 0; k < np; k++) {
-            fill_formula(p[k], 0.17 + 0.09 * k, 0.2, false);
+            tu_fill_formula(p[k], 0.17 + 0.09 * k, 0.2, false);
             if (!strncmp(names[k], "ln_", 3) && strstr(names[k], "weight")) {
                 ampc_scope_begin();
                 ampc_tensor *one = ampc_add_scalar(p[k], 1.0);

@@ -319,4 +319,33 @@ FILE *tu_open_fixture(const char *name) {
     return f;
 }
 
+double *tu_read_section(FILE *f, const char *name, int64_t n) {
+    char got[128];
+    long long cnt;
+    if (fscanf(f, "%127s %lld", got, &cnt) != 2 || strcmp(got, name) || cnt != n)
+        fail_msg("fixture: expected section %s of %lld values", name, (long long)n);
+    double *v = malloc((size_t)(n ? n : 1) * sizeof *v);
+    for (int64_t i = 0; i < n; i++)
+        if (fscanf(f, "%la", &v[i]) != 1) fail_msg("fixture: section %s ends early", name);
+    return v;
+}
+
+void tu_fill_formula(ampc_tensor *t, double a, double amp, bool cosine) {
+    int64_t n = ampc_tensor_numel(t);
+    double *v = malloc((size_t)(n ? n : 1) * sizeof *v);
+    for (int64_t i = 0; i < n; i++) v[i] = amp * (cosine ? cos(a * (double)(i + 1)) : sin(a * (double)(i + 1)));
+    ampc_scope_begin();
+    ampc_device prev = ampc_default_device();
+    ampc_set_default_device(ampc_tensor_device(t));
+    ampc_tensor *src = ampc_tensor_from_f64(ampc_tensor_dtype(t), ampc_tensor_ndim(t), ampc_tensor_shape(t), v);
+    ampc_set_default_device(prev);
+    if (!src) fail_msg("tu_fill_formula: %s", ampc_last_error());
+    ampc_no_grad_enter();   /* t may be a parameter */
+    int rc = ampc_tensor_copy_(t, src);
+    ampc_no_grad_exit();
+    if (rc < 0) fail_msg("tu_fill_formula: %s", ampc_last_error());
+    ampc_scope_end();
+    free(v);
+}
+
 bool tu_impl_bf16_native(const char *impl) { return strstr(impl, "avx512_core_bf16") || strstr(impl, "avx512_core_amx"); }

@@ -52,6 +52,12 @@ double *tu_values(const ampc_tensor *t);
    static buffer; tu_open_fixture opens a file of it for reading or fails the test naming it. */
 const char *tu_fixture(const char *name);
 FILE *tu_open_fixture(const char *name);
+/* The fixture's next section, which must be `name` followed by its count n, then n values as C99
+   hex floats (the make_*.py scripts' float.hex); malloc'd, or the test fails. */
+double *tu_read_section(FILE *f, const char *name, int64_t n);
+/* t's element i (row-major) becomes amp sin(a (i + 1)) (cos with cosine), rounded to t's dtype,
+   on t's device: the fixture scripts' formula weights. */
+void tu_fill_formula(ampc_tensor *t, double a, double amp, bool cosine);
 int tu_group_setup(void **state);
 int tu_group_teardown(void **state);
 

@@ -81,14 +81,7 @@ ampc_module *ampc__conv2d_make(int64_t in_channels, int64_t out_channels, int ke
        fan_in = C/groups * k * k, and the bias uses the same bound; weight draws come first. */
     double bound = 1.0 / sqrt((double)(cg * k * k));
     ampc_scope_begin();
-    ampc_tensor *w;
-    if (weight_std > 0) {
-        ampc_mem_kind prev = ampc__mem_kind_push(AMPC_MEM_PARAMETERS);
-        w = ampc_tensor_randn(ampc__param_dtype(), 4, wshape, 0.0, weight_std);
-        ampc__mem_kind_pop(prev);
-    } else {
-        w = ampc__param_uniform(4, wshape, bound);
-    }
+    ampc_tensor *w = weight_std > 0 ? ampc__param_normal(4, wshape, weight_std) : ampc__param_uniform(4, wshape, bound);
     int rc = ampc__module_add_param(m, "weight", w);
     if (rc >= 0 && bias) rc = ampc__module_add_param(m, "bias", ampc__param_uniform(1, (int64_t[]){out_channels}, bound));
     ampc_scope_end();

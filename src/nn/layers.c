@@ -16,6 +16,10 @@ static ampc_tensor *linear_forward(ampc_module *m, ampc_tensor *x) {
 static const ampc_module_vtable linear_vtable = {"Linear", linear_forward, NULL};
 
 ampc_module *ampc_linear_new(int64_t in_features, int64_t out_features, bool bias) {
+    return ampc__linear_make(in_features, out_features, bias, 0.0);
+}
+
+ampc_module *ampc__linear_make(int64_t in_features, int64_t out_features, bool bias, double weight_std) {
     if (in_features < 0 || out_features < 0)
         return ampc__err_null(AMPC_ERR_INVALID, "Linear(%lld, %lld): negative size", (long long)in_features,
                               (long long)out_features);
@@ -27,9 +31,11 @@ ampc_module *ampc_linear_new(int64_t in_features, int64_t out_features, bool bia
        gain * sqrt(3 / fan_in) with gain = sqrt(2 / (1 + 5)), that is 1/sqrt(fan_in); the bias
        uses the same bound. The weight draws come first, then the bias, as in PyTorch. */
     double bound = in_features > 0 ? 1.0 / sqrt((double)in_features) : 0.0;
+    const int64_t wshape[2] = {out_features, in_features};
     ampc_scope_begin();
-    int rc = ampc__module_add_param(m, "weight", ampc__param_uniform(2, (int64_t[]){out_features, in_features}, bound));
-    if (rc >= 0 && bias) rc = ampc__module_add_param(m, "bias", ampc__param_uniform(1, (int64_t[]){out_features}, bound));
+    int rc = ampc__module_add_param(m, "weight", weight_std > 0 ? ampc__param_normal(2, wshape, weight_std) : ampc__param_uniform(2, wshape, bound));
+    if (rc >= 0 && bias)
+        rc = ampc__module_add_param(m, "bias", weight_std > 0 ? ampc__param_normal(1, &out_features, 0.0) : ampc__param_uniform(1, &out_features, bound));
     ampc_scope_end();
     if (rc < 0) {
         ampc_module_free(m);
@@ -46,6 +52,10 @@ static ampc_tensor *embedding_forward(ampc_module *m, ampc_tensor *x) { return a
 static const ampc_module_vtable embedding_vtable = {"Embedding", embedding_forward, NULL};
 
 ampc_module *ampc_embedding_new(int64_t num_embeddings, int64_t embedding_dim) {
+    return ampc__embedding_make(num_embeddings, embedding_dim, 1.0);   /* PyTorch's reset_parameters: normal_(0, 1) */
+}
+
+ampc_module *ampc__embedding_make(int64_t num_embeddings, int64_t embedding_dim, double std) {
     if (num_embeddings <= 0 || embedding_dim <= 0)
         return ampc__err_null(AMPC_ERR_INVALID, "Embedding(%lld, %lld): sizes must be positive", (long long)num_embeddings,
                               (long long)embedding_dim);
@@ -53,8 +63,8 @@ ampc_module *ampc_embedding_new(int64_t num_embeddings, int64_t embedding_dim) {
     if (!m) return NULL;
     m->config.embedding.num_embeddings = num_embeddings;
     m->config.embedding.embedding_dim = embedding_dim;
-    ampc_scope_begin();   /* PyTorch's reset_parameters: normal_(0, 1) */
-    int rc = ampc__module_add_param(m, "weight", ampc_tensor_randn(ampc__param_dtype(), 2, (int64_t[]){num_embeddings, embedding_dim}, 0.0, 1.0));
+    ampc_scope_begin();
+    int rc = ampc__module_add_param(m, "weight", ampc__param_normal(2, (int64_t[]){num_embeddings, embedding_dim}, std));
     ampc_scope_end();
     if (rc < 0) {
         ampc_module_free(m);

@@ -235,8 +235,17 @@ ampc_module *ampc_model_new(const char *name, const ampc_model_options *opts) {
     ampc_model_options o = opts ? *opts : (ampc_model_options){0};
     if (!name) return ampc__err_null(AMPC_ERR_INVALID, "ampc_model_new: name is NULL");
     bool resnet = !strcmp(name, "resnet18") || !strcmp(name, "resnet50");
+    if (!strcmp(name, "gpt")) {
+        ampc_gpt_config c = o.gpt;   /* GPT-2 124M where zero */
+        if (!c.vocab_size) c.vocab_size = 50257;
+        if (!c.block_size) c.block_size = 1024;
+        if (!c.n_layer) c.n_layer = 12;
+        if (!c.n_head) c.n_head = 12;
+        if (!c.n_embd) c.n_embd = 768;
+        return ampc__gpt_new(&c);
+    }
     if (!resnet && strcmp(name, "mlp") && strcmp(name, "cnn"))
-        return ampc__err_null(AMPC_ERR_INVALID, "unknown model '%s' (known: mlp, cnn, resnet18, resnet50)", name);
+        return ampc__err_null(AMPC_ERR_INVALID, "unknown model '%s' (known: mlp, cnn, resnet18, resnet50, gpt)", name);
     if (o.num_classes < 0 || o.in_channels < 0)
         return ampc__err_null(AMPC_ERR_INVALID, "%s: num_classes %lld and in_channels %lld must be positive", name,
                               (long long)o.num_classes, (long long)o.in_channels);

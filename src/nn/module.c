@@ -83,10 +83,19 @@ static int flat_push(ampc_flat_list *f, const char *prefix, const char *name, am
     return AMPC_OK;
 }
 
-/* Appends m's entries under prefix: own parameters, own buffers (if wanted), then children. */
+static bool flat_holds(const ampc_flat_list *f, const ampc_tensor *t) {
+    for (int i = 0; i < f->n; i++)
+        if (f->tensors[i] == t) return true;
+    return false;
+}
+
+/* Appends m's entries under prefix: own parameters, own buffers (if wanted), then children. A
+   parameter shared by two modules (tied weights) is in the state_dict under both names, as in
+   PyTorch's, but in the parameter list once, under its first name (named_parameters). */
 static int flat_collect(ampc_flat_list *f, const ampc_module *m, const char *prefix, bool buffers) {
     for (int i = 0; i < m->params.n; i++)
-        if (flat_push(f, prefix, m->params.names[i], m->params.items[i]) < 0) return AMPC_ERR_OOM;
+        if ((buffers || !flat_holds(f, m->params.items[i])) && flat_push(f, prefix, m->params.names[i], m->params.items[i]) < 0)
+            return AMPC_ERR_OOM;
     if (buffers)
         for (int i = 0; i < m->buffers.n; i++)
             if (flat_push(f, prefix, m->buffers.names[i], m->buffers.items[i]) < 0) return AMPC_ERR_OOM;
@@ -196,6 +205,20 @@ int ampc__module_add_child(ampc_module *m, const char *name, ampc_module *child)
     return AMPC_OK;
 }
 
+int ampc__module_tie_param(ampc_module *m, const char *name, ampc_tensor *t) {
+    for (int i = 0; i < m->params.n; i++)
+        if (!strcmp(m->params.names[i], name)) {
+            ampc_tensor *old = m->params.items[i];
+            if (!ampc__same_shape(old, t) || old->dtype != t->dtype)
+                return ampc__err(AMPC_ERR_SHAPE, "%s: the tied parameter %s differs in shape or dtype", m->vt->type, name);
+            m->params.items[i] = ampc__retain(t);
+            ampc__release(old);
+            ampc__module_invalidate(m);
+            return AMPC_OK;
+        }
+    return ampc__err(AMPC_ERR_INVALID, "%s has no parameter %s to tie", m->vt->type, name);
+}
+
 ampc_tensor *ampc__module_param(const ampc_module *m, const char *name) { return list_find(&m->params, name); }
 ampc_tensor *ampc__module_buffer(const ampc_module *m, const char *name) { return list_find(&m->buffers, name); }
 
@@ -206,6 +229,13 @@ ampc_dtype ampc__param_dtype(void) {
 ampc_tensor *ampc__param_uniform(int ndim, const int64_t *shape, double bound) {
     ampc_mem_kind prev = ampc__mem_kind_push(AMPC_MEM_PARAMETERS);
     ampc_tensor *t = ampc_tensor_rand(ampc__param_dtype(), ndim, shape, -bound, bound);
+    ampc__mem_kind_pop(prev);
+    return t;
+}
+
+ampc_tensor *ampc__param_normal(int ndim, const int64_t *shape, double std) {
+    ampc_mem_kind prev = ampc__mem_kind_push(AMPC_MEM_PARAMETERS);
+    ampc_tensor *t = std > 0 ? ampc_tensor_randn(ampc__param_dtype(), ndim, shape, 0.0, std) : ampc_tensor_zeros(ampc__param_dtype(), ndim, shape);
     ampc__mem_kind_pop(prev);
     return t;
 }

@@ -79,6 +79,7 @@ struct ampc_module {
             double dropout;            /* on the output projection, in training */
         } attention;
         struct { int out_h, out_w; } adaptive_avgpool2d;
+        struct { int64_t block_size; } gpt;   /* the longest sequence */
         struct { ampc_memory_format memory_format; } model;   /* zoo models: of the input */
     } config;
     void *impl;                   /* layer-specific data, freed by vt->free */
@@ -96,6 +97,10 @@ int ampc__module_add_buffer(ampc_module *m, const char *name, ampc_tensor *t);
 /* Adds child under name, taking ownership. On failure child is freed, unless it already had a
    parent (an error too: a module has one parent). */
 int ampc__module_add_child(ampc_module *m, const char *name, ampc_module *child);
+/* m's parameter `name` becomes t, a parameter another module owns (weight tying: nanoGPT's
+   lm_head.weight is transformer.wte.weight): same shape and dtype; the state_dict lists it
+   under both names, ampc_module_parameters once, under the first. */
+int ampc__module_tie_param(ampc_module *m, const char *name, ampc_tensor *t);
 /* This module's own parameter/buffer by local name ("weight"), or NULL. */
 ampc_tensor *ampc__module_param(const ampc_module *m, const char *name);
 ampc_tensor *ampc__module_buffer(const ampc_module *m, const char *name);
@@ -107,6 +112,13 @@ ampc_dtype ampc__param_dtype(void);
 /* New parameter-kind tensor (in the current scope) ~ U(-bound, bound) from the global
    generator, for ampc__module_add_param. */
 ampc_tensor *ampc__param_uniform(int ndim, const int64_t *shape, double bound);
+/* The same ~ N(0, std^2), or zeros for std 0. */
+ampc_tensor *ampc__param_normal(int ndim, const int64_t *shape, double std);
+/* Linear as ampc_linear_new, except weight_std > 0 draws the weight from N(0, weight_std^2) and
+   zeroes the bias (nanoGPT's _init_weights) instead of PyTorch's default uniform. */
+ampc_module *ampc__linear_make(int64_t in_features, int64_t out_features, bool bias, double weight_std);
+/* Embedding as ampc_embedding_new with its weight ~ N(0, std^2) (PyTorch's default: std 1). */
+ampc_module *ampc__embedding_make(int64_t num_embeddings, int64_t embedding_dim, double std);
 
 /* Parameters and buffers in PyTorch's state_dict order with dotted names; the arrays are owned
    by m and valid until m changes. Returns the count or a negative status. */
@@ -118,6 +130,9 @@ ampc_module *ampc__layernorm_make(int norm_ndim, const int64_t *normalized_shape
 ampc_module *ampc__module_get_child(const ampc_module *m, const char *name);
 /* The forward of m's child `name` on x (AMPC_ERR_STATE if it is missing: someone removed it). */
 ampc_tensor *ampc__child_forward(ampc_module *m, const char *name, ampc_tensor *x);
+
+/* The zoo's "gpt" (transformer.c) from a config whose zeros were filled in. */
+ampc_module *ampc__gpt_new(const ampc_gpt_config *c);
 
 /* Conv2d as ampc_conv2d_new, except weight_std > 0 draws the weight from N(0, weight_std^2)
    instead of PyTorch's default uniform (torchvision ResNets' kaiming_normal_ fan_out init). */

@@ -25,6 +25,7 @@ struct ampc_optimizer {
     int *item_param;             /* the parameter of items[k] */
     ampc_sgd_options sgd;
     ampc_adam_options adam;
+    double *weight_decay;        /* per param: its group's weight decay, or < 0: the options' */
     /* ZeRO stage 1 (ampc__optimizer_shard): the partitioned parameters' elements, laid end to
        end in parameter order (parameter i at flat[i] .. flat[i + 1]; flat[n]: the total; an
        unpartitioned parameter has flat[i] == flat[i + 1] and is stepped whole on every rank),

@@ -17,6 +17,7 @@
  */
 #include "autograd/autograd.h"
 #include "backend/backend.h"
+#include "nn/nn.h"
 #include "optim/optim.h"
 
 #include <math.h>
@@ -109,8 +110,10 @@ static ampc_optimizer *optimizer_new(ampc_optim_kind kind, ampc_tensor **params,
         o->steps = calloc(cnt, sizeof *o->steps);
         o->items = calloc(cnt, sizeof *o->items);
         o->item_param = calloc(cnt, sizeof *o->item_param);
+        o->weight_decay = malloc(cnt * sizeof *o->weight_decay);
     }
-    if (!o || !o->params || !o->state[0] || !o->state[1] || !o->state[2] || !o->steps || !o->items || !o->item_param) {
+    if (!o || !o->params || !o->state[0] || !o->state[1] || !o->state[2] || !o->steps || !o->items || !o->item_param ||
+        !o->weight_decay) {
         ampc_optimizer_free(o);
         return ampc__err_null(AMPC_ERR_OOM, "%s over %d parameters", kind_name(kind), n);
     }
@@ -119,7 +122,10 @@ static ampc_optimizer *optimizer_new(ampc_optim_kind kind, ampc_tensor **params,
     o->flat = o->bounds = NULL;
     o->shard_rank = 0;
     o->shard_world = 1;
-    for (int i = 0; i < n; i++) o->params[i] = ampc__retain(params[i]);
+    for (int i = 0; i < n; i++) {
+        o->params[i] = ampc__retain(params[i]);
+        o->weight_decay[i] = -1;   /* the options' */
+    }
     return o;
 }
 
@@ -172,6 +178,49 @@ ampc_optimizer *ampc_adamw_new(ampc_module *m, const ampc_adam_options *opts) {
     return n < 0 ? NULL : ampc_adamw_new_params(p, n, opts);
 }
 
+int ampc_optimizer_set_weight_decay(ampc_optimizer *opt, int i, double weight_decay) {
+    int rc = check_live(opt, "ampc_optimizer_set_weight_decay");
+    if (rc < 0) return rc;
+    if (i < 0 || i >= opt->n)
+        return ampc__err(AMPC_ERR_INVALID, "ampc_optimizer_set_weight_decay: parameter %d of %d", i, opt->n);
+    if (!(weight_decay >= 0)) return ampc__err(AMPC_ERR_INVALID, "%s: invalid weight_decay value: %g", kind_name(opt->kind), weight_decay);
+    opt->weight_decay[i] = weight_decay;
+    return AMPC_OK;
+}
+
+/* mark[i] for the optimizer's parameters found in m's tree: 1 the weight of a Linear or Conv2d, -1
+   the weight of an Embedding (wins: a weight tied to an embedding is an embedding). */
+static void mark_weights(const ampc_module *m, const ampc_optimizer *opt, signed char *mark) {
+    const ampc_tensor *w = ampc__module_param(m, "weight");
+    const char *type = m->vt->type;
+    const int v = !strcmp(type, "Linear") || !strcmp(type, "Conv2d") ? 1 : !strcmp(type, "Embedding") ? -1 : 0;
+    for (int i = 0; w && v && i < opt->n; i++)
+        if (opt->params[i] == w && mark[i] != -1) mark[i] = (signed char)v;
+    for (int c = 0; c < m->children.n; c++) mark_weights(m->children.items[c], opt, mark);
+}
+
+int ampc_optimizer_decay_only_weights(ampc_optimizer *opt, ampc_module *m) {
+    int rc = check_live(opt, "ampc_optimizer_decay_only_weights");
+    if (rc < 0) return rc;
+    ampc_tensor **p;
+    int n = m ? ampc_module_parameters(m, &p, NULL) : ampc__err(AMPC_ERR_INVALID, "ampc_optimizer_decay_only_weights: NULL module");
+    if (n < 0) return n;
+    for (int i = 0; i < opt->n; i++) {
+        bool found = false;
+        for (int j = 0; j < n && !found; j++) found = p[j] == opt->params[i];
+        if (!found)
+            return ampc__err(AMPC_ERR_INVALID, "ampc_optimizer_decay_only_weights: the optimizer's parameter %d is not one of this %s's", i,
+                             m->vt->type);
+    }
+    signed char *mark = calloc((size_t)(opt->n ? opt->n : 1), 1);
+    if (!mark) return ampc__err(AMPC_ERR_OOM, "ampc_optimizer_decay_only_weights");
+    mark_weights(m, opt, mark);
+    for (int i = 0; i < opt->n; i++)
+        if (mark[i] != 1) opt->weight_decay[i] = 0;
+    free(mark);
+    return AMPC_OK;
+}
+
 void ampc_optimizer_free(ampc_optimizer *opt) {
     if (!opt || check_live(opt, "ampc_optimizer_free") < 0) return;
     for (int i = 0; i < opt->n; i++) {
@@ -184,6 +233,8 @@ void ampc_optimizer_free(ampc_optimizer *opt) {
     free(opt->steps);
     free(opt->items);
     free(opt->item_param);
+    free(opt->weight_decay);
+    opt->weight_decay = NULL;
     free(opt->flat);
     free(opt->bounds);
     opt->flat = opt->bounds = NULL;
@@ -288,38 +339,65 @@ static void drop_new_state(ampc_optimizer *opt, const ampc_optim_item *items, co
             }
 }
 
-/* The parameters of one device with a grad, in one backend call. */
+/* Parameter i's weight decay: its group's (ampc_optimizer_set_weight_decay) or the options'. */
+static double param_wd(const ampc_optimizer *opt, int i) {
+    return opt->weight_decay[i] >= 0 ? opt->weight_decay[i] : opt->kind == AMPC_OPTIM_SGD ? opt->sgd.weight_decay : opt->adam.weight_decay;
+}
+
+/* One backend call over items[0..n) with weight decay wd. */
+static int step_group(ampc_optimizer *opt, ampc_optim_item *items, int n, double wd, float grad_scale) {
+    if (opt->kind == AMPC_OPTIM_SGD) {
+        const ampc_sgd_options *o = &opt->sgd;
+        ampc_sgd_hparams h = {o->lr, o->momentum, o->dampening, wd, o->nesterov, grad_scale};
+        return ampc__k_sgd_step(items, n, &h);
+    }
+    const ampc_adam_options *o = &opt->adam;
+    ampc_adam_hparams h = {o->lr, o->beta1, o->beta2, o->eps, wd, o->amsgrad, opt->kind == AMPC_OPTIM_ADAMW, grad_scale};
+    return ampc__k_adam_step(items, n, &h);
+}
+
+/* The parameters of one device with a grad, in one backend call per weight-decay group. */
 static int step_device(ampc_optimizer *opt, ampc_device dev, float grad_scale) {
     ampc_optim_item *items = opt->items;
     int *idx = opt->item_param, n = 0, rc = AMPC_OK;
-    for (int i = 0; i < opt->n && rc >= 0; i++) {
+    for (int i = 0; i < opt->n; i++) {
         ampc_tensor *p = opt->params[i];
         int64_t lo, count;
         ampc__optimizer_part(opt, i, opt->shard_rank, &lo, &count);
-        if (!p->grad || p->device != dev || count == 0) continue;
-        idx[n] = i;
-        rc = make_item(opt, i, &items[n]);
-        if (rc >= 0 || items[n].first) n++;   /* a failed item's new state is dropped below too */
+        if (p->grad && p->device == dev && count != 0) idx[n++] = i;
     }
+    /* grouped by weight decay, each group in parameter order */
+    for (int a = 0; a < n;) {
+        const double w = param_wd(opt, idx[a]);
+        int b = a + 1;
+        for (int j = b; j < n; j++)
+            if (param_wd(opt, idx[j]) == w) {
+                int t = idx[j];
+                memmove(&idx[b + 1], &idx[b], (size_t)(j - b) * sizeof *idx);
+                idx[b++] = t;
+            }
+        a = b;
+    }
+    int built = 0;
+    while (built < n && rc >= 0) {
+        rc = make_item(opt, idx[built], &items[built]);
+        if (rc >= 0 || items[built].first) built++;   /* a failed item's new state is dropped below too */
+    }
+    n = built;
     if (rc >= 0 && n == 0) return AMPC_OK;
     /* the 16-bit copy is rewritten in the step's pass when the whole parameter is stepped here;
        a part (ZeRO) leaves it to be recast */
     for (int k = 0; k < n && rc >= 0; k++) items[k].cast_out = items[k].count ? NULL : copy_to_refresh(items[k].param);
-    if (rc >= 0) {
-        if (opt->kind == AMPC_OPTIM_SGD) {
-            const ampc_sgd_options *o = &opt->sgd;
-            ampc_sgd_hparams h = {o->lr, o->momentum, o->dampening, o->weight_decay, o->nesterov, grad_scale};
-            rc = ampc__k_sgd_step(items, n, &h);
-        } else {
-            const ampc_adam_options *o = &opt->adam;
-            ampc_adam_hparams h = {o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->amsgrad,
-                                   opt->kind == AMPC_OPTIM_ADAMW, grad_scale};
-            rc = ampc__k_adam_step(items, n, &h);
-        }
-        for (int k = 0; k < n; k++) {
+    for (int a = 0; a < n && rc >= 0;) {
+        const double w = param_wd(opt, idx[a]);
+        int b = a + 1;
+        while (b < n && param_wd(opt, idx[b]) == w) b++;
+        rc = step_group(opt, items + a, b - a, w, grad_scale);
+        for (int k = a; k < b; k++) {
             mark_stepped(items[k].param, items[k].cast_out, rc);
             if (grad_scale != 0) ampc__mark_written(items[k].grad);   /* written back unscaled */
         }
+        a = b;
     }
     if (rc < 0) {
         drop_new_state(opt, items, idx, n);
