@@ -312,7 +312,7 @@ static int synth_get(ampc_dataset *ds, int64_t i, float *img, int64_t *label) {
 
 static void synth_free(ampc_dataset *ds) { free(ds->impl); }
 
-static const ampc_dataset_vtable synth_vt = {"synthetic", synth_get, synth_free};
+static const ampc_dataset_vtable synth_vt = {"synthetic", synth_get, synth_free, NULL};
 
 static ampc_dataset *synth_new(int64_t n, int64_t c, int64_t h, int64_t w, int64_t fail_at) {
     ampc_dataset *ds = ampc__dataset_alloc(&synth_vt);

@@ -63,6 +63,30 @@ int ampc_dataset_split(ampc_dataset *ds, double val_fraction, uint64_t seed, amp
                        ampc_dataset **val);
 
 // ---------------------------------------------------------------------------------------------
+// Token windows for language models (the zoo's "gpt")
+//
+// A token file as a dataset of windows of block_size + 1 tokens: a text file read as bytes
+// (vocabulary 256) or llm.c's pre-tokenised .bin (a 256 x int32 header: magic 20240520, version 1
+// with uint16 GPT-2 tokens, vocabulary 50257, or version 2 with uint32 LLaMA-3 tokens, 128256;
+// the token count), told by content and mapped read-only. The part [begin, end) of the stream
+// (fractions) is used: [0, 0.9) to train, [0.9, 1) to validate on the held-out tail. Window i,
+// cut at shift s in [0, T), starts at token s + i T: inputs tokens s + i T .. + T - 1, targets the
+// next token of each. The data loader gives such a dataset's batches as x (B, T) i64 and y (B, T)
+// i64, shuffled, sharded and resumed as images are; when it shuffles, each epoch's shift comes
+// from (seed, epoch), so the text is cut at other places every epoch (0 unshuffled).
+// num_classes is the vocabulary, the sample shape (1, 1, T), and no token may lie outside it.
+
+typedef struct {
+    int64_t block_size;   /* T (>= 1) */
+    double begin, end;    /* the part used, as fractions of the stream: 0 <= begin < end <= 1 */
+} ampc_tokens_options;
+ampc_dataset *ampc_dataset_tokens_open(const char *path, const ampc_tokens_options *o);
+/* T for a token dataset (or a subset of one), 0 for images. */
+int64_t ampc_dataset_block_size(const ampc_dataset *ds);
+/* Window i cut at shift (< T): T inputs into x, T targets into y. */
+int ampc_dataset_get_window(ampc_dataset *ds, int64_t i, int64_t shift, int64_t *x, int64_t *y);
+
+// ---------------------------------------------------------------------------------------------
 // Transforms: a pipeline applied per sample to f32 CHW images, in the order added.
 // Random choices of sample `index` in epoch `epoch` come from Philox keyed by (seed, epoch,
 // index): the same for any number of loader threads and on every machine.
@@ -104,7 +128,8 @@ int ampc_transforms_apply(const ampc_transforms *t, int64_t c, int64_t h, int64_
                           float *out, uint64_t seed, int64_t epoch, int64_t index);
 
 // ---------------------------------------------------------------------------------------------
-// Data loader: batches of (images f32 (B, C, H, W), labels i64 (B)) on the CPU device.
+// Data loader: batches of (images f32 (B, C, H, W), labels i64 (B)) on the CPU device; of a token
+// dataset, (inputs i64 (B, T), targets i64 (B, T)).
 //
 //     ampc_loader_options lo = ampc_loader_defaults();
 //     lo.batch_size = 128; lo.num_workers = 2; lo.transforms = tf;

@@ -24,13 +24,17 @@ typedef struct {
        pixels scaled to [0, 1]; for folders, decoded and resized to the dataset's size. */
     int (*get)(ampc_dataset *ds, int64_t i, float *img, int64_t *label);
     void (*free)(ampc_dataset *ds);   /* impl only (see above); may be NULL */
+    /* Token datasets (block_size > 0): window i's T inputs into x and T targets into y, cut at
+       shift in [0, T) (tokens.c); NULL for images. */
+    int (*get_window)(ampc_dataset *ds, int64_t i, int64_t shift, int64_t *x, int64_t *y);
 } ampc_dataset_vtable;
 
 struct ampc_dataset {
     const ampc_dataset_vtable *vt;
     int64_t size;
     int64_t num_classes;
-    int64_t channels, height, width;   /* of every sample after decoding/resizing */
+    int64_t channels, height, width;   /* of every sample after decoding/resizing (tokens: 1, 1, T) */
+    int64_t block_size;                /* token windows: T tokens per sample (get_window); 0: images */
     char **class_names;                /* num_classes strings (owned) or NULL */
     uint64_t fingerprint;              /* what names the samples, set by the constructor (see
                                           ampc_dataset_fingerprint): IDX headers and labels, the
@@ -77,7 +81,7 @@ void ampc__affine(const float *in, int64_t c, int64_t h, int64_t w, float *out, 
 
 /* A 64-bit Philox key for (seed, domain, a): independent streams per purpose and epoch. */
 uint64_t ampc__data_key(uint64_t seed, uint32_t domain, int64_t a);
-enum { AMPC__DOMAIN_SPLIT = 1, AMPC__DOMAIN_SHUFFLE = 2, AMPC__DOMAIN_TRANSFORM = 3 };
+enum { AMPC__DOMAIN_SPLIT = 1, AMPC__DOMAIN_SHUFFLE = 2, AMPC__DOMAIN_TRANSFORM = 3, AMPC__DOMAIN_WINDOW_SHIFT = 4 };
 /* perm[0..n) = a permutation of 0..n-1 (Fisher-Yates) drawn from Philox under key. */
 void ampc__data_permutation(uint64_t key, int64_t n, int64_t *perm);
 

@@ -129,6 +129,11 @@ static int subset_get(ampc_dataset *ds, int64_t i, float *img, int64_t *label) {
     return s->parent->vt->get(s->parent, s->idx[i], img, label);
 }
 
+static int subset_get_window(ampc_dataset *ds, int64_t i, int64_t shift, int64_t *x, int64_t *y) {
+    subset_impl *s = ds->impl;
+    return s->parent->vt->get_window(s->parent, s->idx[i], shift, x, y);
+}
+
 static void subset_free(ampc_dataset *ds) {
     subset_impl *s = ds->impl;
     if (!s) return;
@@ -137,7 +142,7 @@ static void subset_free(ampc_dataset *ds) {
     free(s);
 }
 
-static const ampc_dataset_vtable subset_vt = {"subset", subset_get, subset_free};
+static const ampc_dataset_vtable subset_vt = {"subset", subset_get, subset_free, subset_get_window};
 
 static char **copy_names(char *const *names, int64_t n) {
     char **out = calloc((size_t)n, sizeof *out);
@@ -184,6 +189,7 @@ ampc_dataset *ampc_dataset_subset(ampc_dataset *ds, const int64_t *indices, int6
     sub->channels = ds->channels;
     sub->height = ds->height;
     sub->width = ds->width;
+    sub->block_size = ds->block_size;
     sub->class_names = names;
     const uint64_t parent = ampc_dataset_fingerprint(ds);
     sub->fingerprint = ampc__fnv(ampc__fnv(AMPC__FNV_START, &parent, sizeof parent), idx, (size_t)n * sizeof *idx);

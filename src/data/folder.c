@@ -736,7 +736,7 @@ static void folder_free(ampc_dataset *ds) {
     ds->impl = NULL;
 }
 
-static const ampc_dataset_vtable folder_vt = {"folder", folder_get, folder_free};
+static const ampc_dataset_vtable folder_vt = {"folder", folder_get, folder_free, NULL};
 
 static const folder_impl *as_folder(const ampc_dataset *ds, const char *fn) {
     if (ampc__dataset_stale(ds, fn)) return NULL;

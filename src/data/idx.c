@@ -194,7 +194,7 @@ static void idx_free(ampc_dataset *ds) {
     free(d);
 }
 
-static const ampc_dataset_vtable idx_vt = {"idx", idx_get, idx_free};
+static const ampc_dataset_vtable idx_vt = {"idx", idx_get, idx_free, NULL};
 
 static int load_images(const char *path, uint32_t dims[3], uint8_t **pixels) {
     reader r;

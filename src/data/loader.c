@@ -1,6 +1,7 @@
 /*
  * loader.c - the data loader: shuffled batches of (images f32 (B, C, H, W), labels i64 (B)),
- * made on the calling thread (num_workers = 0) or by background pthreads ahead of use.
+ * made on the calling thread (num_workers = 0) or by background pthreads ahead of use; for a
+ * token dataset (tokens.c), batches of windows x (B, T) i64, y (B, T) i64 on the calling thread.
  *
  * Determinism: the epoch's order is a Philox permutation of (seed, epoch) made in
  * start_epoch, batch b is always the same positions of it (batch_span), and a sample's random
@@ -60,6 +61,8 @@ struct ampc_loader {
     int64_t start;               /* the epoch's first sample (position in perm) */
     int64_t *perm;               /* (n) this epoch's order */
     int64_t epoch;
+    int64_t block_size;          /* token windows (x, y (B, T) i64, made on the calling thread); 0: images */
+    int64_t shift;               /* token windows: this epoch's cut, in [0, block_size) */
     bool started;
     int64_t cur;                 /* next batch to hand out */
     int64_t global_rows;         /* all ranks' samples in the batch handed out last */
@@ -258,6 +261,9 @@ ampc_loader *ampc_loader_new(ampc_dataset *ds, const ampc_loader_options *opts) 
                               (long long)o.batch_size, o.shard_count);
     int64_t oc, oh, ow;
     if (ampc_transforms_output_shape(o.transforms, ds->channels, ds->height, ds->width, &oc, &oh, &ow) < 0) return NULL;
+    if (ds->block_size && o.transforms)
+        return ampc__err_null(AMPC_ERR_INVALID, "loader_new: transforms apply to images, not to a token dataset's windows");
+    if (ds->block_size) o.num_workers = 0;   /* a window is a copy of T + 1 tokens: no worker would gain */
 
     ampc_loader *ld = ampc__handle_pool_get(&loader_pool);
     if (!ld) return NULL;
@@ -277,6 +283,7 @@ ampc_loader *ampc_loader_new(ampc_dataset *ds, const ampc_loader_options *opts) 
     ld->oh = oh;
     ld->ow = ow;
     ld->n = ds->size;
+    ld->block_size = ds->block_size;
     ld->global_batch = o.batch_size * o.shard_count;
     ld->n_batches = ld->full_batches = count_batches(ld, 0);
     ld->n_workers = o.num_workers;
@@ -327,6 +334,7 @@ static int start_epoch(ampc_loader *ld, int64_t epoch, int64_t start, int64_t fi
     else
         for (int64_t i = 0; i < ld->n; i++) ld->perm[i] = i;
     ld->epoch = epoch;
+    ld->shift = ld->block_size && ld->o.shuffle ? (int64_t)(ampc__data_key(ld->o.seed, AMPC__DOMAIN_WINDOW_SHIFT, epoch) % (uint64_t)ld->block_size) : 0;
     ld->started = true;
     ld->start = start;
     ld->n_batches = count_batches(ld, start);
@@ -416,15 +424,20 @@ int ampc_loader_next(ampc_loader *ld, ampc_tensor **images, ampc_tensor **labels
     const int64_t b = ld->cur;
     int64_t first, rows;
     batch_span(ld, b, &first, &rows);
-    const int64_t xs[4] = {rows, ld->oc, ld->oh, ld->ow}, ys[1] = {rows};
-    ampc_tensor *x = ampc__tensor_new(AMPC_F32, AMPC_DEVICE_CPU, 4, xs);
-    ampc_tensor *y = x ? ampc__tensor_new(AMPC_I64, AMPC_DEVICE_CPU, 1, ys) : NULL;
+    const int64_t T = ld->block_size, xs[4] = {rows, ld->oc, ld->oh, ld->ow}, ys[2] = {rows, T};
+    ampc_tensor *x = T ? ampc__tensor_new(AMPC_I64, AMPC_DEVICE_CPU, 2, ys) : ampc__tensor_new(AMPC_F32, AMPC_DEVICE_CPU, 4, xs);
+    ampc_tensor *y = x ? ampc__tensor_new(AMPC_I64, AMPC_DEVICE_CPU, T ? 2 : 1, ys) : NULL;
     if (!y) {
         ampc__release(x);
         return ampc_last_status();
     }
-    int rc;
-    if (ld->n_workers == 0) {
+    int rc = AMPC_OK;
+    if (T) {   /* token windows, cut at this epoch's shift */
+        int64_t *xd = ampc__data(x), *yd = ampc__data(y);
+        for (int64_t k = 0; k < rows && rc >= 0; k++)
+            rc = ld->ds->vt->get_window(ld->ds, ld->perm[first + k], ld->shift, xd + k * T, yd + k * T);
+        if (rc < 0) snprintf(ld->failed_msg, sizeof ld->failed_msg, "%s", bare_message(rc));
+    } else if (ld->n_workers == 0) {
         rc = fill_batch(ld, &ld->bufs[0], b, ampc__data(x), ampc__data(y), -1);
         if (rc < 0) snprintf(ld->failed_msg, sizeof ld->failed_msg, "%s", bare_message(rc));
     } else {
