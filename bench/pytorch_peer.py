@@ -23,6 +23,10 @@ in ampc-bench), and PyTorch 1.13's CPU autocast has no fp16 (amp-fp16 is ampc-on
   resnet18  torchvision resnet18(num_classes=10) with conv1 = 3x3 stride 1 pad 1 (no bias) and
             maxpool = Identity (ampc's small_input); batch 64, 3x32x32
   resnet50  torchvision resnet50() (1000 classes); batch 16, 3x224x224
+  gpt       nanoGPT's GPT (tests/fixtures/nanogpt.py) 6 layers, 6 heads, 384 wide, block 256,
+            vocabulary 65 (shakespeare_char); batch 16; random tokens; AdamW(6e-4, betas 0.9/0.95,
+            weight decay 0.1 on the Linear weights) instead of SGD, as ampc-bench
+  gpt2      the same GPT at GPT-2 124M's size (12 x 768, block 1024, vocabulary 50257); batch 1
 
 BLAS: PyTorch runs fp32 Linear layers on the system BLAS, which on Debian 12 defaults to the
 netlib reference implementation (BLAS_INFO=generic; 1.5 s for the fp32 mlp step instead of
@@ -65,6 +69,13 @@ WORKLOADS = {
     "cnn": (128, (1, 28, 28), 10),
     "resnet18": (64, (3, 32, 32), 10),
     "resnet50": (16, (3, 224, 224), 1000),
+    # language models (tests/fixtures/nanogpt.py): input (batch, block) tokens, classes the vocabulary
+    "gpt": (16, (256,), 65),
+    "gpt2": (1, (1024,), 50257),
+}
+GPT_CONFIGS = {   # ampc-bench's: nanoGPT's shakespeare_char and GPT-2 124M
+    "gpt": dict(block_size=256, vocab_size=65, n_layer=6, n_head=6, n_embd=384, bias=True),
+    "gpt2": dict(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768, bias=True),
 }
 TORCH_MODES = ("fp32", "amp-bf16")
 ALL_MODES = ("fp32", "amp-bf16", "amp-fp16")
@@ -112,6 +123,13 @@ def build(name):
     return torchvision.models.resnet50()
 
 
+def build_gpt(name):
+    """nanoGPT's GPT (the copy the fixtures use; its attention the manual path of PyTorch 1.13)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures"))
+    from nanogpt import GPT, GPTConfig
+    return GPT(GPTConfig(**GPT_CONFIGS[name]))
+
+
 def proc_kib(field):
     with open("/proc/self/status") as f:
         for line in f:
@@ -137,19 +155,28 @@ def run_one(name, mode, steps, warmup, threads, channels_last=False):
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     batch, shape, classes = WORKLOADS[name]
-    model = build(name).train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x = torch.randn(batch, *shape)
-    y = torch.randint(0, classes, (batch,))
-    if channels_last and name != "mlp":   # PyTorch's recipe: model and input both channels_last
+    lm = name in GPT_CONFIGS
+    model = (build_gpt(name) if lm else build(name)).train()
+    if lm:   # ampc-bench's: nanoGPT's AdamW, weight decay on the Linear weights only
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "wte" not in n and "wpe" not in n]
+        rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "wte" not in n and "wpe" not in n)]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                lr=6e-4, betas=(0.9, 0.95))
+        x = torch.randint(0, classes, (batch, *shape))
+        y = torch.randint(0, classes, (batch, *shape))
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        x = torch.randn(batch, *shape)
+        y = torch.randint(0, classes, (batch,))
+    if channels_last and name != "mlp" and not lm:   # PyTorch's recipe: model and input both channels_last
         model = model.to(memory_format=torch.channels_last)
         x = x.to(memory_format=torch.channels_last)
     amp = mode == "amp-bf16"
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-            out = model(x)
-            loss = F.cross_entropy(out, y)
+            out = model(x)[0] if lm else model(x)
+            loss = F.cross_entropy(out.view(-1, out.size(-1)), y.view(-1)) if lm else F.cross_entropy(out, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

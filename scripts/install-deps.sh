@@ -4,9 +4,9 @@
 #   bash scripts/install-deps.sh fuzz   the same plus clang 14 and libFuzzer (`make fuzz`)
 set -euo pipefail
 # protobuf-c and ISA-L (its CRC32C): ampc-train's TensorBoard event files; protoc and python3-protobuf:
-# tests/e2e_tensorboard.sh's independent reader
+# tests/e2e_tensorboard.sh's independent reader; fortunes: a text to train the GPT on (tests/e2e_gpt.sh)
 PKGS=(build-essential cmake pkg-config openmpi-bin libopenmpi-dev iproute2 libdnnl-dev libcmocka-dev zlib1g-dev dataset-fashion-mnist libturbojpeg0-dev libpng-dev libjansson-dev libcairo2-dev
-      protobuf-c-compiler libprotobuf-c-dev libisal-dev protobuf-compiler python3-protobuf)
+      protobuf-c-compiler libprotobuf-c-dev libisal-dev protobuf-compiler python3-protobuf fortunes)
 # clang's OpenMP runtime (libomp) is what clang's -fopenmp links; libclang-rt has libFuzzer
 FUZZ_PKGS=(clang-14 libclang-rt-14-dev libomp-14-dev)
 case "${1:-}" in

@@ -1,11 +1,12 @@
 # e2e_lib.sh - sourced by the tests/e2e_*.sh scripts: the Fashion-MNIST check (SKIP, exit 0, when
-# Debian's dataset-fashion-mnist is missing), a work folder $W removed at exit, ok/bad counters
-# ($FAILS), the start time $T0, and max_rel (the largest relative difference an
+# Debian's dataset-fashion-mnist is missing; not with a second argument "no-fashion-mnist"), a
+# work folder $W removed at exit, ok/bad counters ($FAILS), the start time $T0, run (ampc-train
+# $TRAIN into $W/NAME.out, a failure reported), and max_rel (the largest relative difference an
 # ampc-train --compare-checkpoints report names).
 #
-#     . "$(dirname "$0")/e2e_lib.sh" NAME
+#     . "$(dirname "$0")/e2e_lib.sh" NAME [no-fashion-mnist]
 FM=${AMPC_FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}
-if [ ! -e "$FM/train-images-idx3-ubyte.gz" ] && [ ! -e "$FM/train-images-idx3-ubyte" ]; then
+if [ "${2:-}" != no-fashion-mnist ] && [ ! -e "$FM/train-images-idx3-ubyte.gz" ] && [ ! -e "$FM/train-images-idx3-ubyte" ]; then
     echo "SKIP: Fashion-MNIST not found in $FM (install dataset-fashion-mnist: scripts/install-deps.sh)"
     exit 0
 fi
@@ -16,6 +17,20 @@ FAILS=0
 ok() { echo "ok: $*"; }
 bad() { echo "FAIL: $*"; FAILS=$((FAILS + 1)); }
 T0=$SECONDS
+
+# run NAME ARGS...: $TRAIN with ARGS, its output in $W/NAME.out; a failure or sanitizer output
+# fails the test (its last lines shown); returns non-zero then
+run() {
+    local name=$1
+    shift
+    "$TRAIN" "$@" >"$W/$name.out" 2>&1
+    local rc=$?
+    if [ $rc -ne 0 ] || grep -qE 'Sanitizer|runtime error' "$W/$name.out"; then
+        bad "$name: exit $rc: $*"
+        tail -5 "$W/$name.out" | sed 's/^/    /'
+        return 1
+    fi
+}
 max_rel() { grep -o 'relative [0-9.e+-]*' "$1" | awk '{ if ($2 + 0 > m) m = $2 + 0 } END { printf "%g", m + 0 }'; }
 
 # update_rel DIFF UPDATE: two --compare-checkpoints reports (a run against the reference, the

@@ -29,18 +29,6 @@ fi
 PROTO="$HERE/../tools/tensorboard"
 ARGS=(--model mlp --limit-train 512 --limit-val 128 --progress off --step-log yes)   # 8 steps an epoch
 
-# run NAME ARGS...: ampc-train, its output in $W/NAME.out; a failure or sanitizer output fails the test
-run() {
-    local name=$1
-    shift
-    "$TRAIN" "$@" >"$W/$name.out" 2>&1
-    local rc=$?
-    if [ $rc -ne 0 ] || grep -qE 'Sanitizer|runtime error' "$W/$name.out"; then
-        bad "$name: exit $rc: $*"
-        tail -5 "$W/$name.out" | sed 's/^/    /'
-        return 1
-    fi
-}
 # check NAME DIR SCALER STARTS: the reader's checks of the run in DIR
 check() {
     if "$PY" "$HERE/tensorboard_read.py" check "$PROTO" "$2" --steps-csv "$2/steps.csv" --metrics-csv "$2/metrics.csv" \

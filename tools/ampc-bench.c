@@ -66,13 +66,18 @@ typedef struct {
     int64_t shape[4];   /* input shape, batch first */
     int64_t classes;
     const char *about;
+    ampc_gpt_config gpt;   /* language models: the zoo's gpt; input (batch, block_size) tokens, classes the vocabulary */
 } workload;
 
 static const workload WORKLOADS[] = {
-    {"mlp", 256, 2, {256, 784}, 10, "784-2048-2048-10 MLP, ReLU"},
-    {"cnn", 128, 4, {128, 1, 28, 28}, 10, "zoo cnn (MNIST example net)"},
-    {"resnet18", 64, 4, {64, 3, 32, 32}, 10, "zoo resnet18, small_input"},
-    {"resnet50", 16, 4, {16, 3, 224, 224}, 1000, "zoo resnet50, 224x224"},
+    {"mlp", 256, 2, {256, 784}, 10, "784-2048-2048-10 MLP, ReLU", {0}},
+    {"cnn", 128, 4, {128, 1, 28, 28}, 10, "zoo cnn (MNIST example net)", {0}},
+    {"resnet18", 64, 4, {64, 3, 32, 32}, 10, "zoo resnet18, small_input", {0}},
+    {"resnet50", 16, 4, {16, 3, 224, 224}, 1000, "zoo resnet50, 224x224", {0}},
+    {"gpt", 16, 2, {16, 256}, 65, "zoo gpt: nanoGPT's shakespeare_char, 6 layers, 6 heads, 384 wide, block 256",
+     {.vocab_size = 65, .block_size = 256, .n_layer = 6, .n_head = 6, .n_embd = 384}},
+    {"gpt2", 1, 2, {1, 1024}, 50257, "zoo gpt: GPT-2 124M, block 1024",
+     {.vocab_size = 50257, .block_size = 1024, .n_layer = 12, .n_head = 12, .n_embd = 768}},
 };
 enum { N_WORKLOADS = sizeof WORKLOADS / sizeof *WORKLOADS };
 
@@ -95,7 +100,13 @@ static bool g_channels_last = true;   /* --channels-last yes|no */
 static ampc_device g_device = AMPC_DEVICE_CPU;   /* --device cpu|cuda */
 static int64_t g_batch = 0;                      /* --batch N (0: each workload's own) */
 
+static bool is_lm(const workload *w) { return w->gpt.n_layer > 0; }
+
 static ampc_module *build(const workload *w) {
+    if (is_lm(w)) {
+        ampc_model_options o = {.gpt = w->gpt};
+        return ampc_model_new("gpt", &o);
+    }
     if (!strcmp(w->name, "mlp"))
         return ampc_sequential(6, ampc_flatten_new(), ampc_linear_new(784, 2048, true), ampc_relu_new(),
                                ampc_linear_new(2048, 2048, true), ampc_relu_new(), ampc_linear_new(2048, 10, true));
@@ -143,6 +154,11 @@ static int64_t resnet_macs(bool bottleneck, const int layers[4], int64_t hw, boo
 
 static int64_t forward_macs_per_sample(const workload *w) {
     static const int r18[4] = {2, 2, 2, 2}, r50[4] = {3, 4, 6, 3};
+    if (is_lm(w)) {   /* per token: every weight of a matmul once (the blocks' 12 C^2 each, the head V C), and
+                         attention's q k^T and weights @ v over T positions each (PaLM's count: no causal discount) */
+        const int64_t L = w->gpt.n_layer, C = w->gpt.n_embd, T = w->gpt.block_size;
+        return T * (12 * L * C * C + w->gpt.vocab_size * C + 2 * L * T * C);
+    }
     if (!strcmp(w->name, "mlp")) return 784 * 2048 + 2048 * 2048 + 2048 * 10;
     if (!strcmp(w->name, "cnn"))   /* conv 1->32 3x3 (26x26), conv 32->64 3x3 (24x24), fc 9216->128, fc 128->10 */
         return conv_macs(1, 32, 3, 26) + conv_macs(32, 64, 3, 24) + 9216 * 128 + 128 * 10;
@@ -233,6 +249,9 @@ static double train_step(ampc_module *net, ampc_optimizer *opt, ampc_scaler *sca
     ampc_scope_begin();
     ampc_autocast_enter(m->dtype, m->amp);
     ampc_tensor *out = ampc_module_forward(net, x);
+    if (out && ampc_tensor_ndim(out) == 3)   /* a language model: every position's next-token loss */
+        out = ampc_reshape(out, 2, (int64_t[]){ampc_tensor_dim(out, 0) * ampc_tensor_dim(out, 1), ampc_tensor_dim(out, 2)});
+    if (ampc_tensor_ndim(y) == 2) y = ampc_reshape(y, 1, (int64_t[]){ampc_tensor_numel(y)});
     ampc_tensor *loss = ampc_cross_entropy(out, y, NULL);
     ampc_autocast_exit();
     const char *what = "forward";
@@ -307,14 +326,35 @@ static void run_workload(const workload *w, const mode *m, const settings *s, re
         ampc_module_free(net);
         net = NULL;
     }
-    ampc_optimizer *opt = net ? ampc_sgd_new(net, &(ampc_sgd_options){.lr = 0.01, .momentum = 0.9}) : NULL;
+    /* SGD with momentum; a GPT nanoGPT's AdamW (lr 6e-4, betas 0.9/0.95, decay 0.1 on the Linear weights) */
+    ampc_adam_options ao = ampc_adamw_defaults();
+    ao.lr = 6e-4, ao.beta2 = 0.95, ao.weight_decay = 0.1;
+    ampc_optimizer *opt = !net ? NULL : is_lm(w) ? ampc_adamw_new(net, &ao) : ampc_sgd_new(net, &(ampc_sgd_options){.lr = 0.01, .momentum = 0.9});
+    if (opt && is_lm(w) && ampc_optimizer_decay_only_weights(opt, net) < 0) {
+        ampc_optimizer_free(opt);
+        opt = NULL;
+    }
     ampc_scaler_options so = ampc_scaler_defaults();
     so.enabled = m->scaler;
     ampc_scaler *scaler = opt ? ampc_scaler_new(&so) : NULL;
-    /* fixed random data: inputs N(0, 1), labels uniform in [0, classes) */
-    ampc_tensor *x = scaler ? ampc_tensor_own(ampc_tensor_randn(AMPC_F32, w->ndim, w->shape, 0, 1)) : NULL;
-    ampc_tensor *u = x ? ampc_tensor_own(ampc_tensor_rand(AMPC_F32, 1, &w->batch, 0, (double)w->classes)) : NULL;
-    ampc_tensor *y = NULL;
+    /* fixed random data: inputs N(0, 1), labels uniform in [0, classes); a language model's
+       inputs and targets tokens uniform in [0, vocabulary) */
+    ampc_tensor *x = NULL, *u = NULL, *y = NULL;
+    if (scaler && is_lm(w)) {
+        const int64_t n = w->shape[0] * w->shape[1];
+        int64_t *tok = malloc((size_t)(2 * n) * sizeof *tok);
+        uint64_t state = 88172645463325252ull;
+        for (int64_t i = 0; tok && i < 2 * n; i++) {
+            state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+            tok[i] = (int64_t)(state % (uint64_t)w->classes);
+        }
+        x = tok ? ampc_tensor_own(ampc_tensor_from_i64(2, w->shape, tok)) : NULL;
+        y = x ? ampc_tensor_own(ampc_tensor_from_i64(2, w->shape, tok + n)) : NULL;
+        free(tok);
+    } else if (scaler) {
+        x = ampc_tensor_own(ampc_tensor_randn(AMPC_F32, w->ndim, w->shape, 0, 1));
+        u = x ? ampc_tensor_own(ampc_tensor_rand(AMPC_F32, 1, &w->batch, 0, (double)w->classes)) : NULL;
+    }
     if (u) {
         float uf[4096];
         int64_t labels[4096];
@@ -327,7 +367,7 @@ static void run_workload(const workload *w, const mode *m, const settings *s, re
         }
     }
     if (y && g_device != AMPC_DEVICE_CPU) {   /* the batch lives on the device, as after a loader's copy */
-        ampc_tensor *xd = ampc_tensor_own(ampc_tensor_to(x, g_device, AMPC_F32));
+        ampc_tensor *xd = ampc_tensor_own(ampc_tensor_to(x, g_device, ampc_tensor_dtype(x)));
         ampc_tensor *yd = xd ? ampc_tensor_own(ampc_tensor_to(y, g_device, AMPC_I64)) : NULL;
         ampc_tensor_free(x);
         ampc_tensor_free(y);
@@ -691,7 +731,8 @@ static int run_largest(const bool *wl_on, const bool *mode_on, size_t limit) {
 static void usage(FILE *f) {
     fprintf(f,
             "usage: ampc-bench [options]\n"
-            "  --workloads a,b   of mlp, cnn, resnet18, resnet50 (default mlp,cnn,resnet18)\n"
+            "  --workloads a,b   of mlp, cnn, resnet18, resnet50, gpt (nanoGPT 6x384, block 256),\n"
+            "                    gpt2 (GPT-2 124M, block 1024) (default mlp,cnn,resnet18)\n"
             "  --resnet50        add resnet50 to the workloads (slow)\n"
             "  --modes a,b       of fp32, tf32, amp-bf16, amp-fp16 (default fp32 and the AMP modes;\n"
             "                    tf32: fp32 with TF32 tensor cores, CUDA only)\n"

@@ -7,6 +7,7 @@
 #include "train.h"
 
 #include <errno.h>
+#include <math.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <sys/stat.h>
@@ -70,9 +71,65 @@ static int add_augmentation(const settings *s, ampc_transforms *t) {
     return 0;
 }
 
+/* The validation windows' targets' cross-entropy (nats) under the training windows' target
+   frequencies with add-one smoothing: the unigram baseline a language model has to beat. */
+static int unigram_baseline(data *d) {
+    const int64_t V = d->num_classes, T = d->block;
+    double *count = calloc((size_t)V, sizeof *count);
+    int64_t *x = malloc((size_t)T * sizeof *x), *y = malloc((size_t)T * sizeof *y);
+    int rc = count && x && y ? 0 : fail("out of memory");
+    double total = (double)V, ce = 0, n = 0;
+    for (int64_t i = 0; rc == 0 && i < ampc_dataset_size(d->train); i++) {
+        if (ampc_dataset_get_window(d->train, i, 0, x, y) < 0) rc = fail_lib("--data");
+        for (int64_t j = 0; rc == 0 && j < T; j++) count[y[j]] += 1;
+        total += (double)T;
+    }
+    for (int64_t i = 0; rc == 0 && i < ampc_dataset_size(d->val); i++) {
+        if (ampc_dataset_get_window(d->val, i, 0, x, y) < 0) rc = fail_lib("--data");
+        for (int64_t j = 0; rc == 0 && j < T; j++, n++) ce -= log((count[y[j]] + 1) / total);
+    }
+    d->unigram = n > 0 ? ce / n : NAN;
+    free(count), free(x), free(y);
+    return rc;
+}
+
+/* --model gpt: --data FILE's windows of --block-size + 1 tokens, its head to train and its tail
+   (--val-split) to validate. */
+static int data_open_tokens(settings *s, data *d) {
+    const char *path = sval(s, OPT_DATA);
+    if (!*path)
+        return usage_error("--model gpt needs --data FILE: a text file (read as bytes) or llm.c's pre-tokenised .bin tokens");
+    if (is_auto(s, OPT_BLOCK_SIZE) && set_val(s, OPT_BLOCK_SIZE, "128") < 0) return -1;
+    if (is_auto(s, OPT_NUM_WORKERS) && set_val(s, OPT_NUM_WORKERS, "0") < 0) return -1;
+    if (is_auto(s, OPT_AUGMENT) && set_val(s, OPT_AUGMENT, "none") < 0) return -1;
+    if (strcmp(sval(s, OPT_AUGMENT), "none") || *sval(s, OPT_EXCLUDE_CLASS) || *sval(s, OPT_INDEX_CSV))
+        return usage_error("--augment, --exclude-class and --index-csv apply to images, not to --model gpt's tokens");
+    const int64_t T = ival(s, OPT_BLOCK_SIZE);
+    const double vs = rval(s, OPT_VAL_SPLIT);
+    if (!(vs < 1)) return usage_error("--model gpt holds out the tail of --data for validation: --val-split must be below 1");
+    d->train = ampc_dataset_tokens_open(path, &(ampc_tokens_options){.block_size = T, .begin = 0, .end = 1 - vs});
+    if (!d->train) return fail_lib("--data");
+    d->val = ampc_dataset_tokens_open(path, &(ampc_tokens_options){.block_size = T, .begin = 1 - vs, .end = 1});
+    if (!d->val) return fail_lib("--data (its held-out tail, --val-split)");
+    d->num_classes = ampc_dataset_num_classes(d->train);
+    d->text = d->num_classes == 256;
+    d->block = T;
+    d->c = d->h = 1;
+    d->w = T;
+    snprintf(d->desc, sizeof d->desc, "%s (%s, vocabulary %" PRId64 ")", path, d->text ? "text read as bytes" : "llm.c tokens",
+             d->num_classes);
+    d->val_name = "held-out tail";
+    d->full_train = ampc_dataset_size(d->train);
+    d->full_val = ampc_dataset_size(d->val);
+    if (!(d->train = first_n(d->train, ival(s, OPT_LIMIT_TRAIN)))) return -1;
+    if (!(d->val = first_n(d->val, ival(s, OPT_LIMIT_VAL)))) return -1;
+    return unigram_baseline(d);
+}
+
 int data_open(settings *s, data *d) {
     memset(d, 0, sizeof *d);
     const char *model = sval(s, OPT_MODEL);
+    if (!strcmp(model, "gpt")) return data_open_tokens(s, d);
     bool resnet = strncmp(model, "resnet", 6) == 0;
     const char *path = sval(s, OPT_DATA);
     const char *dir = path;

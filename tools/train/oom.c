@@ -17,10 +17,9 @@ static double probe_step_bytes(run *r, int64_t b, double grad_bytes) {
     double fixed = (double)(m0.current[AMPC_MEM_PARAMETERS] + m0.current[AMPC_MEM_OPTIMIZER] + m0.current[AMPC_MEM_CASTS]);
     ampc_memory_reset_peak();
     ampc_scope_begin();
-    ampc_tensor *x = ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){b, r->d.c, r->d.h, r->d.w});
-    ampc_tensor *y = ampc_tensor_zeros(AMPC_I64, 1, (int64_t[]){b});
+    ampc_tensor *x, *y;
     ampc_autocast_enter(r->m.amp_dtype, r->m.use_amp);
-    ampc_tensor *loss = x && y ? ampc_cross_entropy(ampc_module_forward(r->m.net, x), y, NULL) : NULL;
+    ampc_tensor *loss = zero_batch(r, b, &x, &y) == 0 ? ampc_cross_entropy(flat_logits(r, ampc_module_forward(r->m.net, x)), flat_targets(r, y), NULL) : NULL;
     ampc_autocast_exit();
     int rc = loss ? ampc_backward(loss) : -1;
     ampc_scope_end();

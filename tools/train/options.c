@@ -19,12 +19,14 @@
 
 #define INT_FLAG_MAX 9.2e18   /* the bound of the unbounded integer flags: under INT64_MAX */
 const opt_def OPTS[OPT_COUNT] = {
-    [OPT_MODEL] = {"model", V_CHOICE, "cnn", "mlp|cnn|resnet18|resnet50", 0, 0, false, O_SAVE | O_RUN, "NAME",
-                   "mlp, cnn (PyTorch's MNIST example net), resnet18 or resnet50 (torchvision's)"},
+    [OPT_MODEL] = {"model", V_CHOICE, "cnn", "mlp|cnn|resnet18|resnet50|gpt", 0, 0, false, O_SAVE | O_RUN, "NAME",
+                   "mlp, cnn (PyTorch's MNIST example net), resnet18 or resnet50 (torchvision's), or gpt (nanoGPT's "
+                   "GPT, a language model: --data is a text file or llm.c's .bin tokens; see --block-size)"},
     [OPT_DATA] = {"data", V_TEXT, "", NULL, 0, 0, false, O_SAVE | O_RESTORE, "DIR",
                   "a folder with IDX files ({train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]) or an image folder "
                   "(one subfolder of .jpg/.png images per class); default: Fashion-MNIST from Debian's "
-                  "dataset-fashion-mnist (or $AMPC_FASHION_MNIST_DIR)"},
+                  "dataset-fashion-mnist (or $AMPC_FASHION_MNIST_DIR). --model gpt: a FILE, text read as bytes "
+                  "(vocabulary 256) or llm.c's pre-tokenised .bin (GPT-2 tokens), its tail (--val-split) held out"},
     [OPT_BATCH_SIZE] = {"batch-size", V_INT, "64", NULL, 1, 1 << 20, false, O_SAVE | O_RUN, "N", "samples per step"},
     [OPT_USE_AMP] = {"use-amp", V_YESNO, "yes", NULL, 0, 0, false, O_SAVE | O_RUN | O_REMEDY, "yes|no",
                      "automatic mixed precision (autocast) for training and validation"},
@@ -40,15 +42,17 @@ const opt_def OPTS[OPT_COUNT] = {
                     "and stop)"},
     [OPT_LR] = {"lr", V_REAL, "auto", NULL, 0, 1e6, true, O_SAVE | O_RUN | O_REMEDY | O_AUTO, "X",
                 "learning rate (auto: 0.01 for sgd, 0.001 for adam/adamw)"},
-    [OPT_OPTIMIZER] = {"optimizer", V_CHOICE, "adam", "sgd|adam|adamw", 0, 0, false, O_SAVE | O_RUN, "NAME",
-                       "sgd (with --momentum), adam or adamw"},
+    [OPT_OPTIMIZER] = {"optimizer", V_CHOICE, "auto", "sgd|adam|adamw", 0, 0, false, O_SAVE | O_RUN | O_AUTO, "NAME",
+                       "sgd (with --momentum), adam or adamw (auto: adamw for gpt, with no weight decay on biases, "
+                       "norms and embeddings, as nanoGPT; adam otherwise)"},
     [OPT_MOMENTUM] = {"momentum", V_REAL, "0.9", NULL, 0, 1, false, O_SAVE | O_RUN, "X", "SGD momentum, in [0, 1)"},
     [OPT_WEIGHT_DECAY] = {"weight-decay", V_REAL, "auto", NULL, 0, 1e6, false, O_SAVE | O_RUN | O_AUTO, "X",
-                          "L2 penalty (auto: 0, or 0.01 for adamw as in PyTorch)"},
+                          "L2 penalty (auto: 0, or 0.01 for adamw as in PyTorch, 0.1 for gpt as nanoGPT)"},
     [OPT_SEED] = {"seed", V_INT, "1", NULL, 0, INT_FLAG_MAX, false, O_SAVE | O_RUN, "N",
                   "seeds initialisation, dropout, shuffling and the validation split"},
     [OPT_VAL_SPLIT] = {"val-split", V_REAL, "0.1", NULL, 0, 1, true, O_SAVE | O_RUN, "X",
-                       "fraction held out for validation when the data has no test set (image folders)"},
+                       "fraction held out for validation when the data has no test set (image folders; for gpt the "
+                       "token file's tail)"},
     [OPT_IMAGE_SIZE] = {"image-size", V_INT, "auto", NULL, 8, 4096, false, O_SAVE | O_RUN | O_AUTO, "N",
                         "images are resized to N x N (auto: 28 for IDX data and for mlp/cnn, 64 for ResNets on "
                         "folders; ResNets use the small-input stem for N <= 64)"},
@@ -179,11 +183,37 @@ const opt_def OPTS[OPT_COUNT] = {
                          "train/lr, train/skipped_steps, train/samples_per_s and, with the grad scaler, train/loss_scale; "
                          "per epoch epoch/train_loss, epoch/val_loss, epoch/train_accuracy, epoch/val_accuracy, epoch/lr, "
                          "epoch/samples_per_s, epoch/skipped_steps"},
+    [OPT_BLOCK_SIZE] = {"block-size", V_INT, "auto", NULL, 1, 1 << 20, false, O_SAVE | O_RUN | O_AUTO, "N",
+                        "gpt: tokens per sample, the context length (auto: 128); a sample is a window of N + 1 tokens "
+                        "of --data, an epoch every window once, cut at a random place each epoch"},
+    [OPT_N_LAYER] = {"n-layer", V_INT, "4", NULL, 1, 1024, false, O_SAVE | O_RUN, "N", "gpt: transformer blocks"},
+    [OPT_N_HEAD] = {"n-head", V_INT, "4", NULL, 1, 1024, false, O_SAVE | O_RUN, "N", "gpt: attention heads (--n-embd a multiple of it)"},
+    [OPT_N_EMBD] = {"n-embd", V_INT, "128", NULL, 1, 1 << 16, false, O_SAVE | O_RUN, "N", "gpt: the model's width"},
+    [OPT_DROPOUT] = {"dropout", V_REAL, "0", NULL, 0, 0.99, false, O_SAVE | O_RUN, "X",
+                     "gpt: dropout after the embeddings and on attention's and the MLP's outputs, in training"},
+    [OPT_BIAS] = {"bias", V_YESNO, "yes", NULL, 0, 0, false, O_SAVE | O_RUN, "yes|no",
+                  "gpt: biases in the Linear and LayerNorm layers (GPT-2 has them; nanoGPT's bias=False has none)"},
+    [OPT_SAMPLE] = {"sample", V_INT, "0", NULL, 0, 1 << 20, false, 0, "N",
+                    "gpt: after training (or with --eval-only, from --resume's checkpoint or --pretrained's weights) "
+                    "generate N tokens from --prompt and print them (text for a byte vocabulary)"},
+    [OPT_TEMPERATURE] = {"temperature", V_REAL, "0.8", NULL, 0, 100, true, 0, "X",
+                         "--sample: the logits are divided by X (below 1: surer, above: more random)"},
+    [OPT_TOP_K] = {"top-k", V_INT, "200", NULL, 0, 1 << 30, false, 0, "K", "--sample: draw among the K likeliest tokens (0: all)"},
+    [OPT_PROMPT] = {"prompt", V_TEXT, "", NULL, 0, 0, false, 0, "TEXT",
+                    "--sample: the text the generation continues (a byte vocabulary; default a newline), or "
+                    "comma-separated token ids"},
 };
 
 
 // ---------------------------------------------------------------------------------------------
 // Settings: the canonical text of every option
+
+bool option_applies(const char *model, int i) {
+    const bool gpt = strcmp(model, "gpt") == 0;
+    if (i == OPT_IMAGE_SIZE || i == OPT_AUGMENT || i == OPT_CHANNELS_LAST) return !gpt;
+    if (i >= OPT_BLOCK_SIZE && i <= OPT_PROMPT) return gpt;
+    return true;
+}
 
 void settings_free(settings *s) {
     for (int i = 0; i < OPT_COUNT; i++) free(s->val[i]);
@@ -277,7 +307,7 @@ int canonical(int i, const char *text, char *out, size_t n, char *err, size_t er
         return 0;
     }
     case V_TEXT:
-        if (i != OPT_DATA && i != OPT_INDEX_CSV && i != OPT_EXCLUDE_CLASS && i != OPT_FP32_MODULES && !*text) return snprintf(err, errn, "--%s needs a value", o->name), -1;
+        if (i != OPT_DATA && i != OPT_INDEX_CSV && i != OPT_EXCLUDE_CLASS && i != OPT_FP32_MODULES && i != OPT_PROMPT && !*text) return snprintf(err, errn, "--%s needs a value", o->name), -1;
         /* the checkpoint's metadata records it, and safetensors' JSON header holds UTF-8 only:
            refused now rather than at the first save, after an epoch of training */
         if ((o->flags & O_SAVE) && !ampc_checkpoint_meta_text_valid(text))
@@ -479,6 +509,8 @@ void print_config(const settings *s, const char *data_desc, bool use_amp) {
         bool shown = false;
         for (size_t k = 0; k < sizeof always / sizeof *always; k++) shown = shown || always[k] == i;
         if ((i == OPT_AMP_DTYPE || i == OPT_GRAD_SCALER) && !use_amp) shown = false;   /* do not apply */
+        if (!strcmp(s->val[OPT_MODEL], "gpt") && (i == OPT_BLOCK_SIZE || i == OPT_N_LAYER || i == OPT_N_HEAD || i == OPT_N_EMBD))
+            shown = true;   /* the language model's shape */
         if (!shown && (OPTS[i].flags & O_AUTO) && !s->given[i]) continue;   /* resolved from "auto" by the data and model */
         if (!shown && (canonical(i, OPTS[i].def, def, sizeof def, err, sizeof err) < 0 || strcmp(def, s->val[i]) == 0)) continue;
         const char *v = s->val[i];

@@ -12,21 +12,41 @@
 #include <math.h>
 #include <stdio.h>
 
-/* Number of rows of logits (B, C) whose argmax (the first maximum) equals the label; with
-   confusion (C, C), each row also counted at (label, argmax). */
+ampc_tensor *flat_logits(const run *r, ampc_tensor *logits) {
+    if (!logits || !r->d.block) return logits;
+    return ampc_reshape(logits, 2, (int64_t[]){ampc_tensor_dim(logits, 0) * ampc_tensor_dim(logits, 1), ampc_tensor_dim(logits, 2)});
+}
+
+ampc_tensor *flat_targets(const run *r, ampc_tensor *y) {
+    return y && r->d.block ? ampc_reshape(y, 1, (int64_t[]){ampc_tensor_numel(y)}) : y;
+}
+
+/* Number of rows of logits (N, C) whose argmax (the first maximum) equals the label (labels: N
+   values on the CPU); with confusion (C, C), each row also counted at (label, argmax). The rows
+   are read t->logits_rows at a time (a language model's N x vocabulary would not fit). */
 static int count_correct(run_tally *t, ampc_tensor *logits, ampc_tensor *labels, int64_t *correct, double *confusion) {
-    int64_t b = ampc_tensor_dim(logits, 0), c = ampc_tensor_dim(logits, 1);
-    if (ampc_tensor_to_f32(logits, t->logits_buf, (size_t)(b * c)) < 0) return fail_lib("reading the logits");
+    const int64_t n = ampc_tensor_dim(logits, 0), c = ampc_tensor_dim(logits, 1);
     const int64_t *y = ampc_tensor_cdata(labels);
-    for (int64_t i = 0; i < b; i++) {
-        const float *row = t->logits_buf + i * c;
-        int64_t best = 0;
-        for (int64_t k = 1; k < c; k++)
-            if (row[k] > row[best]) best = k;
-        *correct += best == y[i];
-        if (confusion && y[i] >= 0 && y[i] < c) confusion[y[i] * c + best] += 1;
+    int rc = 0;
+    ampc_no_grad_enter();   /* the blocks read below record no history */
+    for (int64_t at = 0; at < n && rc == 0; at += t->logits_rows) {
+        const int64_t m = n - at < t->logits_rows ? n - at : t->logits_rows;
+        ampc_scope_begin();
+        ampc_tensor *part = m == n ? logits : ampc_narrow(logits, 0, at, m);
+        if (!part || ampc_tensor_to_f32(part, t->logits_buf, (size_t)(m * c)) < 0) rc = fail_lib("reading the logits");
+        ampc_scope_end();
+        for (int64_t i = 0; i < m && rc == 0; i++) {
+            const float *row = t->logits_buf + i * c;
+            const int64_t want = y[at + i];
+            int64_t best = 0;
+            for (int64_t k = 1; k < c; k++)
+                if (row[k] > row[best]) best = k;
+            *correct += best == want;
+            if (confusion && want >= 0 && want < c) confusion[want * c + best] += 1;
+        }
     }
-    return 0;
+    ampc_no_grad_exit();
+    return rc;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -74,15 +94,15 @@ static int pass_stops(pass *ps) {
 static int batch_forward(pass *ps, ampc_tensor **x, ampc_tensor **y, ampc_tensor **logits, ampc_tensor **loss) {
     run *r = ps->r;
     if (r->m.device != AMPC_DEVICE_CPU && ampc_tensor_dim(*y, 0) > 0 &&
-        (!(*x = ampc_tensor_to(*x, r->m.device, AMPC_F32)) || !(*y = ampc_tensor_to(*y, r->m.device, AMPC_I64))))
+        (!(*x = ampc_tensor_to(*x, r->m.device, ampc_tensor_dtype(*x))) || !(*y = ampc_tensor_to(*y, r->m.device, AMPC_I64))))
         return fail_lib("copying the batch to the device");
     if (ps->training && r->m.ddp && ampc_ddp_sync_buffers(r->m.ddp) < 0)   /* rank 0's BatchNorm statistics, as DDP */
         return fail_lib("data-parallel buffers");
     *logits = *loss = NULL;
     if (ampc_tensor_dim(*y, 0) == 0) return 0;
     ampc_autocast_enter(r->m.amp_dtype, r->m.use_amp);
-    *logits = ampc_module_forward(r->m.net, *x);
-    *loss = ampc_cross_entropy(*logits, *y, ps->ce_opts);
+    *logits = flat_logits(r, ampc_module_forward(r->m.net, *x));
+    *loss = ampc_cross_entropy(*logits, flat_targets(r, *y), ps->ce_opts);
     ampc_autocast_exit();
     return *loss ? 0 : fail_lib(ps->training ? "training (forward)" : "validation");
 }
@@ -192,7 +212,7 @@ static int pass_batch(pass *ps, ampc_tensor *x, ampc_tensor *y, progress *p) {
     ps->done++;
     /* a bar keeps room for its cells on an 80-column terminal: the running loss only */
     const double seen = st->samples > 0 ? (double)st->samples : 1;
-    double run_loss = st->loss_sum / seen, run_acc = 100.0 * (double)st->correct / seen;
+    double run_loss = st->loss_sum / seen, run_acc = 100.0 * (double)st->correct / (seen * (double)(r->d.block ? r->d.block : 1));
     if (p->mode == PROGRESS_BAR) progress_update(p, ps->done, "loss=%.4f", run_loss);
     else progress_update(p, ps->done, "loss=%.4f acc=%.2f%%", run_loss, run_acc);
     return cs > 0 ? 2 : 0;   /* the grad scaler's guard rails: this batch counted, the pass ends */
@@ -209,7 +229,8 @@ static int pass_sum_ranks(pass *ps, const pass_stats *carry, bool finished) {
     st->loss_sum = c0.loss_sum + v[0];
     st->correct = c0.correct + (int64_t)v[1];
     st->samples = c0.samples + (int64_t)v[2];
-    if (!ps->training && finished && ampc_dist_allreduce_sum_f64(r->tally.confusion, r->d.num_classes * r->d.num_classes) < 0)
+    if (!ps->training && finished && r->tally.confusion &&
+        ampc_dist_allreduce_sum_f64(r->tally.confusion, r->d.num_classes * r->d.num_classes) < 0)
         return fail_lib("summing the ranks' confusion matrices");
     return 0;
 }
@@ -240,7 +261,7 @@ int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const pass_st
     if (!training && p.mode == PROGRESS_LINES) p.mode = PROGRESS_OFF;   /* a log gets the epoch's line only */
     if (!training) {
         ampc_no_grad_enter();
-        memset(r->tally.confusion, 0, (size_t)(r->d.num_classes * r->d.num_classes) * sizeof *r->tally.confusion);
+        if (r->tally.confusion) memset(r->tally.confusion, 0, (size_t)(r->d.num_classes * r->d.num_classes) * sizeof *r->tally.confusion);
     }
     int depth = ampc_scope_depth(), rc = 0;
     for (;;) {
@@ -268,6 +289,7 @@ int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const pass_st
     st->seconds = progress_now() - t0;
     st->steps = ps.done;
     st->loss = st->samples ? st->loss_sum / (double)st->samples : NAN;
-    st->acc = st->samples ? (double)st->correct / (double)st->samples : NAN;
+    /* token windows: the share of tokens whose next token the model ranks first */
+    st->acc = st->samples ? (double)st->correct / ((double)st->samples * (double)(r->d.block ? r->d.block : 1)) : NAN;
     return rc;
 }

@@ -170,28 +170,38 @@ void print_setup(run *r) {
     if (ntr != r->d.full_train) printf(" (first of %s)", fmt_count(r->d.full_train, c3, sizeof c3));
     printf(", %s validation samples (%s", fmt_count(nva, c2, sizeof c2), r->d.val_name);
     if (nva != r->d.full_val) printf(", first of %s", fmt_count(r->d.full_val, c4, sizeof c4));
-    printf("); %" PRId64 " classes, %" PRId64 "x%" PRId64 "x%" PRId64 " images\n", r->d.num_classes, r->d.c, r->d.h, r->d.w);
+    if (r->d.block)
+        printf("); windows of %" PRId64 " + 1 tokens, vocabulary %" PRId64 "; unigram baseline: validation loss %.4f\n", r->d.block,
+               r->d.num_classes, r->d.unigram);
+    else
+        printf("); %" PRId64 " classes, %" PRId64 "x%" PRId64 "x%" PRId64 " images\n", r->d.num_classes, r->d.c, r->d.h, r->d.w);
     printf("%s total parameters.\n", fmt_count(ampc_module_num_parameters(r->m.net, false), c1, sizeof c1));
     printf("%s trainable parameters.\n", fmt_count(ampc_module_num_parameters(r->m.net, true), c1, sizeof c1));
     fflush(stdout);
 }
 
+int zero_batch(run *r, int64_t b, ampc_tensor **x, ampc_tensor **y) {
+    *x = r->d.block ? ampc_tensor_zeros(AMPC_I64, 2, (int64_t[]){b, r->d.block}) : ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){b, r->d.c, r->d.h, r->d.w});
+    *y = *x ? (r->d.block ? ampc_tensor_zeros(AMPC_I64, 2, (int64_t[]){b, r->d.block}) : ampc_tensor_zeros(AMPC_I64, 1, &b)) : NULL;
+    return *y ? 0 : -1;
+}
+
 /* The images fit the model: one forward pass of a batch of one before any training, in eval mode,
    without autograd and in fp32 (no random draws, no weight casts: the run is unchanged). */
 static int check_model_input(run *r) {
-    const int64_t shape[4] = {1, r->d.c, r->d.h, r->d.w};
     ampc_scope_begin();
     ampc_no_grad_enter();
     ampc_module_train(r->m.net, false);
-    ampc_tensor *x = ampc_tensor_zeros(AMPC_F32, 4, shape);
-    ampc_tensor *y = x ? ampc_module_forward(r->m.net, x) : NULL;
+    ampc_tensor *x, *t;
+    ampc_tensor *y = zero_batch(r, 1, &x, &t) == 0 ? ampc_module_forward(r->m.net, x) : NULL;
     int rc = 0;
+    const int want_nd = r->d.block ? 3 : 2;
     if (!y)
         rc = ampc_last_status() == AMPC_ERR_OOM
                  ? fail_lib("building the model")
-                 : fail("--model %s does not take the data's %" PRId64 "x%" PRId64 "x%" PRId64 " images: %s", sval(r->s, OPT_MODEL),
-                        r->d.c, r->d.h, r->d.w, ampc_last_error());
-    else if (ampc_tensor_ndim(y) != 2 || ampc_tensor_dim(y, 0) != 1 || ampc_tensor_dim(y, 1) != r->d.num_classes)
+                 : fail("--model %s does not take the data's %" PRId64 "x%" PRId64 "x%" PRId64 " %s: %s", sval(r->s, OPT_MODEL),
+                        r->d.c, r->d.h, r->d.w, r->d.block ? "token windows" : "images", ampc_last_error());
+    else if (ampc_tensor_ndim(y) != want_nd || ampc_tensor_dim(y, 0) != 1 || ampc_tensor_dim(y, -1) != r->d.num_classes)
         rc = fail("--model %s gives %d-dimensional outputs for %" PRId64 " classes", sval(r->s, OPT_MODEL), ampc_tensor_ndim(y),
                   r->d.num_classes);
     ampc_no_grad_exit();
@@ -211,10 +221,9 @@ _Static_assert(FASTEST_ROUNDS == 3, "amp_fastest takes the median of exactly 3 r
 static double probe_step(run *r, bool amp, ampc_dtype dt, int64_t b) {
     ampc_scope_begin();
     double t0 = progress_now();
-    ampc_tensor *x = ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){b, r->d.c, r->d.h, r->d.w});
-    ampc_tensor *y = ampc_tensor_zeros(AMPC_I64, 1, (int64_t[]){b});
+    ampc_tensor *x, *y;
     ampc_autocast_enter(dt, amp);
-    ampc_tensor *loss = x && y ? ampc_cross_entropy(ampc_module_forward(r->m.net, x), y, NULL) : NULL;
+    ampc_tensor *loss = zero_batch(r, b, &x, &y) == 0 ? ampc_cross_entropy(flat_logits(r, ampc_module_forward(r->m.net, x)), flat_targets(r, y), NULL) : NULL;
     ampc_autocast_exit();
     int rc = loss ? ampc_backward(loss) : -1;
     if (rc >= 0) rc = ampc_device_synchronize(r->m.device);
@@ -390,6 +399,8 @@ static int make_optimizer(run *r) {
         r->m.opt = w ? ampc_adamw_new(r->m.net, &o) : ampc_adam_new(r->m.net, &o);
     }
     if (!r->m.opt) return fail_lib("--optimizer");
+    /* a transformer's recipe (nanoGPT's, minGPT's): weight decay on the Linear weights only */
+    if (!strcmp(sval(s, OPT_MODEL), "gpt") && ampc_optimizer_decay_only_weights(r->m.opt, r->m.net) < 0) return fail_lib("--weight-decay");
     return 0;
 }
 
@@ -419,8 +430,14 @@ static int make_loaders(run *r) {
     lo.drop_short_tail = false;
     lo.transforms = r->d.tf_val;
     if (!(r->d.val_ld = ampc_loader_new(r->d.val, &lo))) return fail_lib("data loader");
-    if (!(r->tally.logits_buf = malloc((size_t)(bs * r->d.num_classes) * sizeof *r->tally.logits_buf))) return fail("out of memory");
-    if (!(r->tally.confusion = calloc((size_t)(r->d.num_classes * r->d.num_classes), sizeof *r->tally.confusion))) return fail("out of memory");
+    /* the logits are read in blocks of at most 4M values (a batch of images' at once) */
+    const int64_t rows = bs * (r->d.block ? r->d.block : 1), cap = (4 << 20) / r->d.num_classes;
+    r->tally.logits_rows = rows < cap ? rows : cap > 1 ? cap : 1;
+    if (!(r->tally.logits_buf = malloc((size_t)(r->tally.logits_rows * r->d.num_classes) * sizeof *r->tally.logits_buf)))
+        return fail("out of memory");
+    /* a confusion matrix for classes (a language model's vocabulary has none: next-token accuracy only) */
+    if (!r->d.block && !(r->tally.confusion = calloc((size_t)(r->d.num_classes * r->d.num_classes), sizeof *r->tally.confusion)))
+        return fail("out of memory");
     return 0;
 }
 
@@ -449,13 +466,17 @@ static void make_schedule(run *r) {
 
 int run_build(run *r) {
     settings *s = r->s;
-    const char *model = sval(s, OPT_MODEL), *optname = sval(s, OPT_OPTIMIZER);
+    const char *model = sval(s, OPT_MODEL);
+    const bool gpt = strcmp(model, "gpt") == 0;
+    if (ival(s, OPT_SAMPLE) > 0 && !gpt) return usage_error("--sample generates text with a language model (--model gpt), not --model %s", model);
+    if (is_auto(s, OPT_OPTIMIZER) && set_val(s, OPT_OPTIMIZER, gpt ? "adamw" : "adam") < 0) return -1;
+    const char *optname = sval(s, OPT_OPTIMIZER);
     bool sgd = strcmp(optname, "sgd") == 0;
     const char *hw_dtype = NULL;
     bool fastest = false;
     if (choose_precision(r, &hw_dtype, &fastest) < 0) return -1;
     if (is_auto(s, OPT_LR) && set_val(s, OPT_LR, sgd ? "0.01" : "0.001") < 0) return -1;
-    if (is_auto(s, OPT_WEIGHT_DECAY) && set_val(s, OPT_WEIGHT_DECAY, strcmp(optname, "adamw") == 0 ? "0.01" : "0") < 0) return -1;
+    if (is_auto(s, OPT_WEIGHT_DECAY) && set_val(s, OPT_WEIGHT_DECAY, strcmp(optname, "adamw") == 0 ? (gpt ? "0.1" : "0.01") : "0") < 0) return -1;
     if (is_auto(s, OPT_THREADS)) {
         char t[16];
         snprintf(t, sizeof t, "%d", ampc_get_num_threads());
@@ -476,6 +497,10 @@ int run_build(run *r) {
     if (strncmp(model, "resnet", 6) == 0 && choose_stem(r, model, &small) < 0) return -1;
     ampc_model_options mo = {.num_classes = r->d.num_classes, .in_channels = r->d.c, .small_input = small,
                              .memory_format = yes(s, OPT_CHANNELS_LAST) ? AMPC_CHANNELS_LAST : AMPC_CONTIGUOUS_FORMAT};
+    if (gpt)
+        mo.gpt = (ampc_gpt_config){.vocab_size = r->d.num_classes, .block_size = r->d.block, .n_layer = ival(s, OPT_N_LAYER),
+                                   .n_head = ival(s, OPT_N_HEAD), .n_embd = ival(s, OPT_N_EMBD), .dropout = rval(s, OPT_DROPOUT),
+                                   .no_bias = !yes(s, OPT_BIAS)};
     ampc_set_default_device(r->m.device);   /* the model's tensors are made there (same values as on the CPU) */
     if (!(r->m.net = ampc_model_new(model, &mo))) return fail_lib("--model");
     if (check_model_input(r) < 0) return -1;

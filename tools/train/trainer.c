@@ -101,13 +101,21 @@ static int build(run *r) {
     return 0;
 }
 
+/* A language model's perplexity exp(loss) as " (perplexity X)"; "" for classifiers. */
+static const char *ppl(const run *r, double loss) {
+    static char buf[48];
+    if (!r->d.block) return "";
+    snprintf(buf, sizeof buf, " (perplexity %.2f)", exp(loss));
+    return buf;
+}
+
 /* --eval-only: the model as loaded, on the validation data, and nothing else. */
 static int evaluate(run *r, run_result *res) {
     pass_stats va;
     int pr = run_pass(r, false, r->resume.epoch0, &va, NULL);
     if (pr != 0) return pr < 0 ? -1 : interrupted(r);
-    printf("evaluation: %" PRId64 " validation samples, loss %.4f, accuracy %.2f%%\n", va.samples, va.loss, 100 * va.acc);
-    r->tally.valid = va.samples > 0;
+    printf("evaluation: %" PRId64 " validation samples, loss %.4f%s, accuracy %.2f%%\n", va.samples, va.loss, ppl(r, va.loss), 100 * va.acc);
+    r->tally.valid = va.samples > 0 && r->tally.confusion;
     if (r->tally.valid) print_per_class(r);
     res->val_loss = va.loss;
     res->val_acc = va.acc;
@@ -154,9 +162,9 @@ static void epoch_row(const run *r, int64_t e, int64_t n_epochs, const pass_stat
                         [COL_SKIPPED] = skipped,       [COL_DATA_WAIT] = wait};
     memcpy(row, v, sizeof v);
     char c1[32];
-    printf("epoch %" PRId64 "/%" PRId64 ": train loss %.4f acc %.2f%% | val loss %.4f acc %.2f%% | %.1f s (train %.1f s, %s samples/s, "
+    printf("epoch %" PRId64 "/%" PRId64 ": train loss %.4f acc %.2f%% | val loss %.4f%s acc %.2f%% | %.1f s (train %.1f s, %s samples/s, "
            "%.1f ms/step, data wait %.1f%%)",
-           e + 1, n_epochs, tr->loss, 100 * tr->acc, va->loss, 100 * va->acc, secs, tr->seconds, fmt_count((int64_t)row[COL_SPS], c1, sizeof c1),
+           e + 1, n_epochs, tr->loss, 100 * tr->acc, va->loss, ppl(r, va->loss), 100 * va->acc, secs, tr->seconds, fmt_count((int64_t)row[COL_SPS], c1, sizeof c1),
            tr->steps ? 1e3 * tr->seconds / (double)tr->steps : 0.0, 100 * row[COL_DATA_WAIT]);
     if (ampc_scaler_is_enabled(sc)) printf(" | scale %g, %.0f skipped", row[COL_SCALE], row[COL_SKIPPED]);
     if (r->m.scheduled) printf(" | lr %.4g", ampc_optimizer_get_lr(r->m.opt));
@@ -176,7 +184,7 @@ static int run_epoch(run *r, int64_t e, int64_t n_epochs, run_result *res, bool 
     int pr = run_pass(r, true, e, &tr, cont ? &r->resume.train : NULL);
     if (pr == 0) pr = check_epoch_applied(r, e, &tr);
     if (pr == 0) pr = run_pass(r, false, e, &va, NULL);
-    if (pr == 0 && va.samples > 0) {
+    if (pr == 0 && va.samples > 0 && r->tally.confusion) {
         if (write_confusion(r) < 0) pr = -1;
         else r->tally.valid = true;
     }
@@ -237,8 +245,8 @@ static void summarize(run *r, run_result *res, double t0) {
                ampc_scaler_steps_applied(sc) + ampc_scaler_steps_skipped(sc), (double)res->scale);
     else
         printf("  grad scaler: off (0 skipped steps, scale 1)\n");
-    printf("  final: train loss %.4f acc %.2f%% | validation loss %.4f acc %.2f%%\n", res->train_loss, 100 * res->train_acc,
-           res->val_loss, 100 * res->val_acc);
+    printf("  final: train loss %.4f acc %.2f%% | validation loss %.4f%s acc %.2f%%\n", res->train_loss, 100 * res->train_acc,
+           res->val_loss, ppl(r, res->val_loss), 100 * res->val_acc);
     if (r->tally.valid) print_per_class(r);
     printf("  outputs: %s\n", r->out.dir);
     res->ok = true;
@@ -296,6 +304,7 @@ int train_run(settings *s, run_result *res) {
     print_setup(&r);
     if (yes(s, OPT_EVAL_ONLY)) {
         rc = evaluate(&r, res);
+        if (rc == 0 && ival(s, OPT_SAMPLE) > 0 && r.rank == 0) rc = sample_print(&r);
         goto done;
     }
     const int64_t n_epochs = ival(s, OPT_EPOCHS);
@@ -305,6 +314,7 @@ int train_run(settings *s, run_result *res) {
         goto done;
     }
     if ((rc = outputs_open(&r)) == 0) rc = train_epochs(&r, n_epochs, res);
+    if (rc == 0 && res->ok && ival(s, OPT_SAMPLE) > 0 && r.rank == 0) rc = sample_print(&r);
 done:
     run_end(&r);
     return rc;
