@@ -192,6 +192,40 @@ static int w_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *g
           saved.batch_norm_relu_backward(x, gy, w, st, tr, sync, gx, gw, gb));
 }
 
+static int w_layer_norm(const ampc_tensor *x, const ampc_tensor *w, const ampc_tensor *b, ampc_tensor *y, ampc_tensor *m,
+                        ampc_tensor *r, double eps) {
+    TIMED("layer_norm", -1, x->dtype, NULL, NULL, false, 0, saved.layer_norm(x, w, b, y, m, r, eps));
+}
+static int w_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *w, const ampc_tensor *m,
+                                 const ampc_tensor *r, ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb) {
+    TIMED("layer_norm_backward", -1, x->dtype, NULL, NULL, false, 0, saved.layer_norm_backward(x, gy, w, m, r, gx, gw, gb));
+}
+/* attention's multiply-adds: q k^T and p v over every (query, key) pair (the causal half not discounted) */
+static double attn_flops(const ampc_attn_desc *d) { return 2.0 * (double)d->batch * (double)d->Tq * (double)d->Tk * (double)(d->E + d->Ev); }
+static int w_attention(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v, ampc_tensor *o,
+                       ampc_tensor *lse) {
+    TIMED("attention", -1, q->dtype, NULL, NULL, false, attn_flops(d), saved.attention(d, q, k, v, o, lse));
+}
+static int w_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
+                                const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout, ampc_tensor *dq,
+                                ampc_tensor *dk, ampc_tensor *dv) {
+    TIMED("attention_backward", -1, q->dtype, NULL, NULL, false, 2.0 * attn_flops(d),
+          saved.attention_backward(d, q, k, v, o, lse, dout, dq, dk, dv));
+}
+static int w_permute(const ampc_tensor *x, const int *perm, ampc_tensor *y) {
+    TIMED("permute", -1, x->dtype, NULL, NULL, false, 0, saved.permute(x, perm, y));
+}
+static int w_embedding(const ampc_tensor *w, const ampc_tensor *idx, ampc_tensor *y) {
+    TIMED("embedding", -1, w->dtype, NULL, NULL, false, 0, saved.embedding(w, idx, y));
+}
+static int w_embedding_backward(const ampc_tensor *gy, const ampc_tensor *idx, ampc_tensor *gw) {
+    TIMED("embedding_backward", -1, gy->dtype, NULL, NULL, false, 0, saved.embedding_backward(gy, idx, gw));
+}
+static int w_copy_block(const ampc_tensor *src, int64_t so, int64_t sl, ampc_tensor *dst, int64_t d_off, int64_t dl, int64_t rows,
+                        int64_t cols, double scale) {
+    TIMED("copy_block", -1, src->dtype, NULL, NULL, false, 0, saved.copy_block(src, so, sl, dst, d_off, dl, rows, cols, scale));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Install / uninstall
 
@@ -232,6 +266,14 @@ void bench_profile_install(void) {
     WRAP(batch_norm_backward, w_batch_norm_backward);
     WRAP(batch_norm_relu, w_batch_norm_relu);
     WRAP(batch_norm_relu_backward, w_batch_norm_relu_backward);
+    WRAP(layer_norm, w_layer_norm);
+    WRAP(layer_norm_backward, w_layer_norm_backward);
+    WRAP(attention, w_attention);
+    WRAP(attention_backward, w_attention_backward);
+    WRAP(permute, w_permute);
+    WRAP(embedding, w_embedding);
+    WRAP(embedding_backward, w_embedding_backward);
+    WRAP(copy_block, w_copy_block);
 #undef WRAP
     installed = true;
 }

@@ -1,27 +1,24 @@
 /*
- * attention.c - CPU kernels of scaled-dot-product attention, row by row with an online softmax
- * (flash attention's scheme, unblocked): the forward keeps per query row only its running max,
- * sum and output accumulator, and saves the row's log-sum-exp; the backward recomputes each
- * probability from it. Every head's q, k, v (and o, do) are staged to f32 once; heads run in
- * parallel, each head's sums in one order whatever the thread count.
+ * attention.c - CPU kernels of scaled-dot-product attention, one head per thread, in blocks of
+ * query rows (flash attention's scheme with blocks of rows instead of tiles): for a block of R
+ * query rows the scores S = q k^T * scale against the keys the block sees (causal: up to its
+ * last row) and the output P v are oneDNN sgemms, the softmax between them a pass over each row
+ * with a vectorized exp (cpu.h). The forward saves each row's log-sum-exp; the backward recomputes each
+ * block's probabilities from it (nothing of T x T size is kept between the passes, only one
+ * block's R x T workspace per thread):
+ *     P = exp(S - lse); dv += P^T do; dP = do v^T; dS = P (dP - rowsum(do o)) * scale;
+ *     dq = dS k; dk += dS^T q.
+ * Every head's q, k, v (and o, do) are staged to f32 once. oneDNN's gemm runs single-threaded
+ * inside each thread, so a head's sums come in one order whatever the thread count.
  */
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/dnnl_cache.h"
 
 #include <math.h>
 #include <omp.h>
 #include <string.h>
 
-static float dot(const float *a, const float *b, int64_t n) {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-static void axpy(float a, const float *x, float *y, int64_t n) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
-}
+#define ROWS 128   /* query rows per block */
 
 /* Rows [r0, r0 + n) of t (rows of `width` elements) as f32 into dst. */
 static void stage(const ampc_tensor *t, int64_t r0, int64_t n, int64_t width, float *dst) {
@@ -33,49 +30,80 @@ static void unstage(ampc_tensor *t, int64_t r0, int64_t n, int64_t width, const 
     tr->from_f32(src, (char *)ampc__data(t) + (size_t)(r0 * width) * tr->size, (size_t)(n * width));
 }
 
-/* Keys query i sees: [0, last_key(i)) */
+/* Keys query i sees: [0, keys_of(i)) */
 static int64_t keys_of(const ampc_attn_desc *d, int64_t i) { return d->causal ? (i + 1 < d->Tk ? i + 1 : d->Tk) : d->Tk; }
+
+/* C (M x N, row-major, ldc) = alpha op(A) op(B) + beta C: oneDNN's sgemm, row-major ('N'/'T'). */
+static void sgemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B,
+                  int64_t ldb, float beta, float *C, int64_t ldc) {
+    if (M == 0 || N == 0) return;
+    dnnl_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+/* A row of kn scores, of which the first nj are seen: the probabilities in place (0 past nj);
+   returns the row's log-sum-exp (-inf when it sees no key). */
+AMPC_CPU_VEC static float softmax_row(float *s, int64_t nj, int64_t kn) {
+    float m = -INFINITY, l = 0.0f;
+    for (int64_t j = 0; j < nj; j++) m = s[j] > m ? s[j] : m;
+#pragma omp simd reduction(+ : l)
+    for (int64_t j = 0; j < nj; j++) {
+        s[j] = ampc__cpu_exp(s[j] - m);
+        l += s[j];
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma omp simd
+    for (int64_t j = 0; j < kn; j++) s[j] = j < nj ? s[j] * inv : 0.0f;
+    return l > 0.0f ? m + logf(l) : -INFINITY;
+}
+
+/* The probabilities of a row of scores from its log-sum-exp lse (0 past nj, and for a row that
+   saw no key). */
+AMPC_CPU_VEC static void probs_row(float *p, int64_t nj, int64_t kn, float lse) {
+#pragma omp simd
+    for (int64_t j = 0; j < kn; j++) p[j] = j < nj && lse > -INFINITY ? ampc__cpu_exp(p[j] - lse) : 0.0f;
+}
+
+/* dS = P (dP - D) scale, in place of P */
+AMPC_CPU_VEC static void dscores_row(float *p, const float *dp, int64_t kn, float D, float scale) {
+#pragma omp simd
+    for (int64_t j = 0; j < kn; j++) p[j] = p[j] * (dp[j] - D) * scale;
+}
+
+/* Threads for batch heads of work w each, and a workspace of `per` floats each (NULL + error). */
+static float *workspace(const ampc_attn_desc *d, size_t per, int *nt, size_t *block) {
+    *nt = ampc__threads_for(d->batch * d->Tq * d->Tk * (d->E + d->Ev));
+    if (*nt > d->batch) *nt = (int)d->batch;
+    return ampc__alloc(AMPC_DEVICE_CPU, (size_t)*nt * per * sizeof(float), AMPC_MEM_WORKSPACE, block);
+}
 
 static int cpu_attention(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
                          ampc_tensor *o, ampc_tensor *lse) {
-    const int64_t Tq = d->Tq, Tk = d->Tk, E = d->E, Ev = d->Ev;
+    const int64_t Tq = d->Tq, Tk = d->Tk, E = d->E, Ev = d->Ev, R = Tq < ROWS ? Tq : ROWS;
     if (d->batch == 0 || Tq == 0) return AMPC_OK;
     const float scale = (float)d->scale;
-    int nt = ampc__threads_for(d->batch * Tq * Tk * (E + Ev));
-    if (nt > d->batch) nt = (int)d->batch;
-    const size_t per = (size_t)(Tq * E + Tk * E + Tk * Ev + Tq * Ev);
+    const size_t per = (size_t)(Tq * E + Tk * E + Tk * Ev + Tq * Ev + R * Tk);
+    int nt;
     size_t block = 0;
-    float *ws = ampc__alloc(AMPC_DEVICE_CPU, (size_t)nt * per * sizeof(float), AMPC_MEM_WORKSPACE, &block);
+    float *ws = workspace(d, per, &nt, &block);
     if (!ws) return ampc_last_status();
     float *L = lse ? ampc__data(lse) : NULL;
 #pragma omp parallel num_threads(nt)
     {
-        float *qs = ws + (size_t)omp_get_thread_num() * per, *ks = qs + Tq * E, *vs = ks + Tk * E, *os = vs + Tk * Ev;
+        omp_set_num_threads(1);   /* oneDNN's gemm below: on this thread alone */
+        float *qs = ws + (size_t)omp_get_thread_num() * per, *ks = qs + Tq * E, *vs = ks + Tk * E, *os = vs + Tk * Ev, *S = os + Tq * Ev;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < d->batch; b++) {
             stage(q, b * Tq, Tq, E, qs);
             stage(k, b * Tk, Tk, E, ks);
             stage(v, b * Tk, Tk, Ev, vs);
-            for (int64_t i = 0; i < Tq; i++) {
-                float m = -INFINITY, l = 0.0f, *acc = os + i * Ev;
-                memset(acc, 0, (size_t)Ev * sizeof(float));
-                for (int64_t j = 0, nj = keys_of(d, i); j < nj; j++) {
-                    float s = dot(qs + i * E, ks + j * E, E) * scale;
-                    if (s > m) {   /* a new maximum: what was summed is rescaled to it */
-                        float c = expf(m - s);
-                        l = l * c + 1.0f;
-#pragma omp simd
-                        for (int64_t e = 0; e < Ev; e++) acc[e] = acc[e] * c + vs[j * Ev + e];
-                        m = s;
-                    } else {
-                        float p = expf(s - m);
-                        l += p;
-                        axpy(p, vs + j * Ev, acc, Ev);
-                    }
+            for (int64_t i0 = 0; i0 < Tq; i0 += R) {
+                const int64_t n = Tq - i0 < R ? Tq - i0 : R, kn = keys_of(d, i0 + n - 1);
+                sgemm('N', 'T', n, kn, E, scale, qs + i0 * E, E, ks, E, 0.0f, S, kn);
+                for (int64_t r = 0; r < n; r++) {
+                    const float lse_r = softmax_row(S + r * kn, keys_of(d, i0 + r), kn);
+                    if (L) L[b * Tq + i0 + r] = lse_r;
                 }
-                float inv = l > 0.0f ? 1.0f / l : 0.0f;
-                for (int64_t e = 0; e < Ev; e++) acc[e] *= inv;
-                if (L) L[b * Tq + i] = l > 0.0f ? m + logf(l) : -INFINITY;
+                sgemm('N', 'N', n, Ev, kn, 1.0f, S, kn, vs, Ev, 0.0f, os + i0 * Ev, Ev);
             }
             unstage(o, b * Tq, Tq, Ev, os);
         }
@@ -84,25 +112,25 @@ static int cpu_attention(const ampc_attn_desc *d, const ampc_tensor *q, const am
     return AMPC_OK;
 }
 
-/* dv_j += p do_i; ds = p (do_i . v_j - do_i . o_i); dq_i += ds scale k_j; dk_j += ds scale q_i */
 static int cpu_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
                                   const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout, ampc_tensor *dq,
                                   ampc_tensor *dk, ampc_tensor *dv) {
-    const int64_t Tq = d->Tq, Tk = d->Tk, E = d->E, Ev = d->Ev;
+    const int64_t Tq = d->Tq, Tk = d->Tk, E = d->E, Ev = d->Ev, R = Tq < ROWS ? Tq : ROWS;
     if (d->batch == 0) return AMPC_OK;
     const float scale = (float)d->scale;
-    int nt = ampc__threads_for(d->batch * Tq * Tk * (E + Ev));
-    if (nt > d->batch) nt = (int)d->batch;
-    /* per thread: q, k, v, o, do staged, then the gradients dq, dk, dv */
-    const size_t per = (size_t)(2 * Tq * E + 2 * Tk * E + 2 * Tk * Ev + 2 * Tq * Ev);
+    /* per thread: q, k, v, o, do staged, the gradients dq, dk, dv, a block's P and dP, the rows' D */
+    const size_t per = (size_t)(2 * Tq * E + 2 * Tk * E + 2 * Tk * Ev + 2 * Tq * Ev + 2 * R * Tk + Tq);
+    int nt;
     size_t block = 0;
-    float *ws = ampc__alloc(AMPC_DEVICE_CPU, (size_t)nt * per * sizeof(float), AMPC_MEM_WORKSPACE, &block);
+    float *ws = workspace(d, per, &nt, &block);
     if (!ws) return ampc_last_status();
     const float *L = ampc__data(lse);
 #pragma omp parallel num_threads(nt)
     {
+        omp_set_num_threads(1);
         float *qs = ws + (size_t)omp_get_thread_num() * per, *ks = qs + Tq * E, *vs = ks + Tk * E, *os = vs + Tk * Ev;
-        float *gs = os + Tq * Ev, *gq = gs + Tq * Ev, *gk = gq + Tq * E, *gv = gk + Tk * E;
+        float *gs = os + Tq * Ev, *gq = gs + Tq * Ev, *gk = gq + Tq * E, *gv = gk + Tk * E, *P = gv + Tk * Ev, *dP = P + R * Tk;
+        float *D = dP + R * Tk;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < d->batch; b++) {
             stage(q, b * Tq, Tq, E, qs);
@@ -110,17 +138,22 @@ static int cpu_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q,
             stage(v, b * Tk, Tk, Ev, vs);
             stage(o, b * Tq, Tq, Ev, os);
             stage(dout, b * Tq, Tq, Ev, gs);
-            memset(gq, 0, (size_t)(Tq * E + Tk * E + Tk * Ev) * sizeof(float));
+            memset(gk, 0, (size_t)(Tk * E + Tk * Ev) * sizeof(float));
             for (int64_t i = 0; i < Tq; i++) {
-                const float *qi = qs + i * E, *gi = gs + i * Ev, li = L[b * Tq + i];
-                float Di = dot(gi, os + i * Ev, Ev);
-                for (int64_t j = 0, nj = keys_of(d, i); j < nj; j++) {
-                    float p = expf(dot(qi, ks + j * E, E) * scale - li);
-                    axpy(p, gi, gv + j * Ev, Ev);
-                    float ds = p * (dot(gi, vs + j * Ev, Ev) - Di) * scale;
-                    axpy(ds, ks + j * E, gq + i * E, E);
-                    axpy(ds, qi, gk + j * E, E);
-                }
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t e = 0; e < Ev; e++) s += gs[i * Ev + e] * os[i * Ev + e];
+                D[i] = s;
+            }
+            for (int64_t i0 = 0; i0 < Tq; i0 += R) {
+                const int64_t n = Tq - i0 < R ? Tq - i0 : R, kn = keys_of(d, i0 + n - 1);
+                sgemm('N', 'T', n, kn, E, scale, qs + i0 * E, E, ks, E, 0.0f, P, kn);
+                for (int64_t r = 0; r < n; r++) probs_row(P + r * kn, keys_of(d, i0 + r), kn, L[b * Tq + i0 + r]);
+                sgemm('T', 'N', kn, Ev, n, 1.0f, P, kn, gs + i0 * Ev, Ev, 1.0f, gv, Ev);    /* dv += P^T do */
+                sgemm('N', 'T', n, kn, Ev, 1.0f, gs + i0 * Ev, Ev, vs, Ev, 0.0f, dP, kn);   /* dP = do v^T */
+                for (int64_t r = 0; r < n; r++) dscores_row(P + r * kn, dP + r * kn, kn, D[i0 + r], scale);
+                sgemm('N', 'N', n, E, kn, 1.0f, P, kn, ks, E, 0.0f, gq + i0 * E, E);       /* dq = dS k */
+                sgemm('T', 'N', kn, E, n, 1.0f, P, kn, qs + i0 * E, E, 1.0f, gk, E);       /* dk += dS^T q */
             }
             unstage(dq, b * Tq, Tq, E, gq);
             unstage(dk, b * Tk, Tk, E, gk);

@@ -91,11 +91,21 @@ static int cpu_fill(ampc_tensor *t, double value) {
     } else {
         ampc__dt(t->dtype)->from_f64(&value, one, 1);
     }
-    if (sz == 4 && !memcmp(one, (char[4]){0}, 4)) {
+    if (!memcmp(one, (char[8]){0}, sz)) {   /* zero is all-zero bits in every dtype */
         memset(d, 0, n * sz);
         return AMPC_OK;
     }
-    for (size_t i = 0; i < n; i++) memcpy(d + i * sz, one, sz);
+    if (sz == 2) {   /* typed stores the compiler vectorizes (f16, bf16) */
+        uint16_t v, *p = (uint16_t *)(void *)d;
+        memcpy(&v, one, 2);
+        for (size_t i = 0; i < n; i++) p[i] = v;
+    } else if (sz == 4) {
+        uint32_t v, *p = (uint32_t *)(void *)d;
+        memcpy(&v, one, 4);
+        for (size_t i = 0; i < n; i++) p[i] = v;
+    } else {
+        for (size_t i = 0; i < n; i++) memcpy(d + i * sz, one, sz);
+    }
     return AMPC_OK;
 }
 

@@ -91,15 +91,24 @@ AMPC_CPU_INLINE void relu_bwd_body(const void *v, const void *gy, void *gx, size
 AMPC_CPU_VEC static void relu_bwd_f32(const void *v, const void *gy, void *gx, size_t n) { relu_bwd_body(v, gy, gx, n, false); }
 AMPC_CPU_VEC static void relu_bwd_bf16(const void *v, const void *gy, void *gx, size_t n) { relu_bwd_body(v, gy, gx, n, true); }
 
-static const float inv_sqrt2 = 0.70710678118654752440f, inv_sqrt2pi = 0.39894228040143267794f;
+static const float inv_sqrt2pi = 0.39894228040143267794f;
 static const float sqrt_2_pi = 0.79788456080286535588f, gelu_k = 0.044715f;   /* GELU's tanh approximation */
+
+/* Exact GELU x Phi(x) and its derivative Phi(x) + x phi(x), vectorized (cpu.h's Phi and exp) */
+AMPC_CPU_VEC static void gelu_f32(const float *x, float *y, size_t n) {
+#pragma omp simd
+    for (size_t i = 0; i < n; i++) y[i] = x[i] * ampc__cpu_phi(x[i]);
+}
+AMPC_CPU_VEC static void gelu_bwd_f32(const float *x, const float *gy, float *gx, size_t n) {
+#pragma omp simd
+    for (size_t i = 0; i < n; i++) gx[i] = gy[i] * (ampc__cpu_phi(x[i]) + x[i] * inv_sqrt2pi * ampc__cpu_exp(-0.5f * x[i] * x[i]));
+}
 
 /* The other ops on f32 chunks; x and y may be the same array */
 static void unary_chunk(ampc_op op, const float *x, float *y, size_t n, float a) {
     switch (op) {
     case AMPC_OP_GELU:
-#pragma omp simd
-        for (size_t i = 0; i < n; i++) y[i] = 0.5f * x[i] * (1.0f + erff(x[i] * inv_sqrt2));
+        gelu_f32(x, y, n);
         break;
     case AMPC_OP_GELU_TANH:
         for (size_t i = 0; i < n; i++) y[i] = 0.5f * x[i] * (1.0f + tanhf(sqrt_2_pi * (x[i] + gelu_k * x[i] * x[i] * x[i])));
@@ -165,9 +174,7 @@ static void unary_backward_chunk(ampc_op op, const float *x, const float *y, con
         relu_bwd_f32(x ? x : y, gy, gx, n);
         break;
     case AMPC_OP_GELU:   /* Phi(x) + x phi(x) */
-#pragma omp simd
-        for (size_t i = 0; i < n; i++)
-            gx[i] = gy[i] * (0.5f * (1.0f + erff(x[i] * inv_sqrt2)) + x[i] * inv_sqrt2pi * expf(-0.5f * x[i] * x[i]));
+        gelu_bwd_f32(x, gy, gx, n);
         break;
     case AMPC_OP_GELU_TANH:   /* 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3k x^2), t = tanh(inner) */
         for (size_t i = 0; i < n; i++) {
