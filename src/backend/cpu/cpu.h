@@ -37,16 +37,39 @@
 AMPC_CPU_INLINE float ampc__cpu_bf16_f32(uint16_t h) { return ampc__widen_bf16(h); }
 AMPC_CPU_INLINE uint16_t ampc__cpu_f32_bf16(float f) { return ampc__round_bf16(f); }
 
-/* exp(x) for x <= 88 (and -inf), in a form loops vectorize (libm's expf does not): x = k ln2 + r,
-   |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial (within 1.4 ulp measured), 2^k put into the
-   exponent bits; below -87.3, where f32 turns subnormal, 0. NaN stays NaN. */
+AMPC_CPU_INLINE uint32_t ampc__cpu_fbits(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return b;
+}
+AMPC_CPU_INLINE float ampc__cpu_bitsf(uint32_t b) {
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+/* c ? a : b on the bit patterns: with -ftrapping-math (the default) gcc does not if-convert
+   float selects, which would keep the loops around ampc__cpu_exp from vectorizing. */
+AMPC_CPU_INLINE float ampc__cpu_fsel(uint32_t c, float a, float b) {
+    uint32_t m = 0u - c;
+    return ampc__cpu_bitsf((ampc__cpu_fbits(a) & m) | (ampc__cpu_fbits(b) & ~m));
+}
+
+/* exp(x) in plain arithmetic so loops over it vectorize: Cephes' expf (range reduction by
+   ln 2, degree-6 polynomial; within 1 ulp of exp on [-87.3, 88.3]). Results below FLT_MIN
+   flush to 0 (they vanish next to a softmax denominator >= 1), -inf gives 0, NaN stays NaN,
+   arguments above 88.3 clamp (callers pass x - max <= 0). Tests in tests/test_loss.c; the softmax and
+   cross-entropy (loss.c), attention and exact GELU use it. */
 AMPC_CPU_INLINE float ampc__cpu_exp(float x) {
-    float y = x * 1.44269504088896341f;
-    y = y >= -126.0f ? y : -126.0f;   /* selects, not fmaxf/fminf (calls that stop vectorization); */
-    y = y <= 127.0f ? y : 127.0f;     /* a NaN becomes a number here */
-    const float k = (y + 12582912.0f) - 12582912.0f;   /* y rounded to an integer (1.5 2^23), no floorf call */
-    float r = x - k * 0.693359375f;
-    r = r - k * -2.12194440e-4f;
+    const float lo = -87.33654f, hi = 88.3f;
+    uint32_t xb = ampc__cpu_fbits(x);
+    uint32_t nan = (xb & 0x7fffffffu) > 0x7f800000u;
+    uint32_t under = xb > ampc__cpu_fbits(lo);                            /* negative and below lo */
+    uint32_t over = (xb < 0x80000000u) & (xb > ampc__cpu_fbits(hi));      /* positive and above hi */
+    float xc = ampc__cpu_fsel(under, lo, ampc__cpu_fsel(over, hi, x));
+    /* n = round(x / ln 2) by adding 1.5 * 2^23: the low mantissa bits of t then hold n */
+    float t = xc * 1.44269504088896341f + 12582912.0f;
+    float n = t - 12582912.0f;
+    float r = xc - n * 0.693359375f + n * 2.12194440e-4f;   /* x - n ln 2 in two parts */
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
@@ -54,10 +77,8 @@ AMPC_CPU_INLINE float ampc__cpu_exp(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const int32_t e = ((int32_t)k + 127) << 23;
-    float two_k;
-    memcpy(&two_k, &e, sizeof two_k);
-    return x < -87.3f ? 0.0f : p * two_k;
+    float y = p * ampc__cpu_bitsf((ampc__cpu_fbits(t) - 0x4B400000u + 127u) << 23);   /* * 2^n, n in [-126, 127] */
+    return ampc__cpu_fsel(nan, x, ampc__cpu_fsel(under, 0.0f, y));
 }
 
 /* The standard normal CDF Phi(x) = erfc(-x / sqrt 2) / 2 (exact GELU's gate), vectorizable, and

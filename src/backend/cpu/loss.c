@@ -22,49 +22,6 @@
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-static inline uint32_t fbits(float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    return b;
-}
-static inline float bitsf(uint32_t b) {
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
-}
-/* c ? a : b on the bit patterns: with -ftrapping-math (the default) gcc does not if-convert
-   float selects, which would keep the loops around vexpf from vectorizing. */
-static inline float fsel(uint32_t c, float a, float b) {
-    uint32_t m = 0u - c;
-    return bitsf((fbits(a) & m) | (fbits(b) & ~m));
-}
-
-/* exp(x) in plain arithmetic so loops over it vectorize: Cephes' expf (range reduction by
-   ln 2, degree-6 polynomial; within 1 ulp of exp on [-87.3, 88.3]). Results below FLT_MIN
-   flush to 0 (they vanish next to a softmax denominator >= 1), -inf gives 0, NaN stays NaN,
-   arguments above 88.3 clamp (callers pass x - max <= 0). Tests in tests/test_loss.c. */
-static inline float vexpf(float x) {
-    const float lo = -87.33654f, hi = 88.3f;
-    uint32_t xb = fbits(x);
-    uint32_t nan = (xb & 0x7fffffffu) > 0x7f800000u;
-    uint32_t under = xb > fbits(lo);                            /* negative and below lo */
-    uint32_t over = (xb < 0x80000000u) & (xb > fbits(hi));      /* positive and above hi */
-    float xc = fsel(under, lo, fsel(over, hi, x));
-    /* n = round(x / ln 2) by adding 1.5 * 2^23: the low mantissa bits of t then hold n */
-    float t = xc * 1.44269504088896341f + 12582912.0f;
-    float n = t - 12582912.0f;
-    float r = xc - n * 0.693359375f + n * 2.12194440e-4f;   /* x - n ln 2 in two parts */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    float y = p * bitsf((fbits(t) - 0x4B400000u + 127u) << 23);   /* * 2^n, n in [-126, 127] */
-    return fsel(nan, x, fsel(under, 0.0f, y));
-}
-
 /* The row and tile loops are compiled for AVX-512, AVX2 and baseline x86-64 (the library's
    build target) and picked at load time: the exp polynomial runs 2-4x faster on wide vectors.
    No contraction into FMA in ISO C mode, so only the order of the sums differs between them. */
@@ -114,14 +71,14 @@ ROW_KERNEL static void softmax_row(const float *x, float *y, int64_t n, bool is_
     float m = row_max(x, n), s = 0.0f;
     if (is_log) {
 #pragma omp simd reduction(+ : s)
-        for (int64_t i = 0; i < n; i++) s += vexpf(x[i] - m);
+        for (int64_t i = 0; i < n; i++) s += ampc__cpu_exp(x[i] - m);
         float ls = logf(s);
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) y[i] = (x[i] - m) - ls;
     } else {
 #pragma omp simd reduction(+ : s)
         for (int64_t i = 0; i < n; i++) {
-            float e = vexpf(x[i] - m);
+            float e = ampc__cpu_exp(x[i] - m);
             y[i] = e;
             s += e;
         }
@@ -147,7 +104,7 @@ ROW_KERNEL static void softmax_cols(const float *x, int64_t xs, float *y, int64_
         for (int64_t d = 0; d < dim; d++) {
             const float *xr = x + d * xs;
 #pragma omp simd
-            for (int64_t j = 0; j < T; j++) s[j] += vexpf(xr[j] - m[j]);
+            for (int64_t j = 0; j < T; j++) s[j] += ampc__cpu_exp(xr[j] - m[j]);
         }
         for (int64_t j = 0; j < T; j++) s[j] = logf(s[j]);
         for (int64_t d = 0; d < dim; d++) {
@@ -162,7 +119,7 @@ ROW_KERNEL static void softmax_cols(const float *x, int64_t xs, float *y, int64_
             float *yr = y + d * ys;
 #pragma omp simd
             for (int64_t j = 0; j < T; j++) {
-                float e = vexpf(xr[j] - m[j]);
+                float e = ampc__cpu_exp(xr[j] - m[j]);
                 yr[j] = e;
                 s[j] += e;
             }
@@ -183,7 +140,7 @@ ROW_KERNEL static void softmax_bwd_row(const float *y, const float *g, float *gx
 #pragma omp simd reduction(+ : s)
         for (int64_t i = 0; i < n; i++) s += g[i];
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) gx[i] = g[i] - vexpf(y[i]) * s;
+        for (int64_t i = 0; i < n; i++) gx[i] = g[i] - ampc__cpu_exp(y[i]) * s;
     } else {
 #pragma omp simd reduction(+ : s)
         for (int64_t i = 0; i < n; i++) s += g[i] * y[i];
@@ -211,7 +168,7 @@ ROW_KERNEL static void softmax_bwd_cols(const float *y, int64_t ys, const float 
         float *xr = gx + d * gxs;
         if (is_log) {
 #pragma omp simd
-            for (int64_t j = 0; j < T; j++) xr[j] = gr[j] - vexpf(yr[j]) * s[j];
+            for (int64_t j = 0; j < T; j++) xr[j] = gr[j] - ampc__cpu_exp(yr[j]) * s[j];
         } else {
 #pragma omp simd
             for (int64_t j = 0; j < T; j++) xr[j] = yr[j] * (gr[j] - s[j]);
@@ -350,7 +307,7 @@ ROW_KERNEL static float ce_row(const float *x, int64_t C, int64_t t, float eps) 
     float m = row_max(x, C), s = 0.0f, sd = 0.0f;
 #pragma omp simd reduction(+ : s, sd)
     for (int64_t c = 0; c < C; c++) {
-        s += vexpf(x[c] - m);
+        s += ampc__cpu_exp(x[c] - m);
         sd += x[c] - m;
     }
     float ls = logf(s), nll = ls - (x[t] - m);
@@ -404,7 +361,7 @@ ROW_KERNEL static void ce_row_backward(const float *x, float *gx, int64_t C, int
     float m = row_max(x, C), s = 0.0f;
 #pragma omp simd reduction(+ : s)
     for (int64_t c = 0; c < C; c++) {
-        float e = vexpf(x[c] - m);
+        float e = ampc__cpu_exp(x[c] - m);
         gx[c] = e;
         s += e;
     }
