@@ -80,13 +80,15 @@ int ampc__backend_check(ampc_kernel k, ampc_dtype dt, ampc_device dev) {
    the first argument's dtype: one the device holds). */
 enum { ANY_FLOAT = -1, FIRST = -2, STAT = -3, ANY_DTYPE = -4 };
 
-/* One tensor argument: NULL allowed unless need; numel -1: any size. */
+/* One tensor argument: NULL allowed unless NEED; numel -1: any size; SAME_FORMAT: in the first
+   argument's memory format. */
+enum { NEED = 1, SAME_FORMAT = 2 };
 typedef struct {
     const ampc_tensor *t;
     const char *name;
     int dtype;
     int64_t numel;
-    bool need;
+    unsigned need;   /* NEED | SAME_FORMAT (true: NEED) */
 } k_arg;
 
 static ampc_dtype stat_dtype(ampc_device dev) { return ampc__device(dev)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64; }
@@ -106,7 +108,7 @@ static int check_args(ampc_kernel kern, const k_arg *a, int n) {
         const ampc_tensor *t = a[i].t;
         ampc_dtype want = a[i].dtype == FIRST ? t0->dtype : a[i].dtype == STAT ? stat_dtype(t0->device) : (ampc_dtype)a[i].dtype;
         if (!t)
-            rc = a[i].need ? ampc__err(AMPC_ERR_INVALID, "%s: %s missing", k, a[i].name) : AMPC_OK;
+            rc = a[i].need & NEED ? ampc__err(AMPC_ERR_INVALID, "%s: %s missing", k, a[i].name) : AMPC_OK;
         else if (t->device != t0->device)
             rc = ampc__err(AMPC_ERR_INVALID, "%s: %s on %s, %s on %s", k, a[i].name, ampc_device_name(t->device), a[0].name,
                            ampc_device_name(t0->device));
@@ -116,6 +118,8 @@ static int check_args(ampc_kernel kern, const k_arg *a, int n) {
         else if (a[i].numel >= 0 && t->numel != a[i].numel)
             rc = ampc__err(AMPC_ERR_SHAPE, "%s: %s has %lld elements, expected %lld", k, a[i].name, (long long)t->numel,
                            (long long)a[i].numel);
+        else if ((a[i].need & SAME_FORMAT) && ampc__is_cl(t) != ampc__is_cl(t0))
+            rc = ampc__err(AMPC_ERR_INVALID, "%s: %s and %s in different memory formats", k, a[0].name, a[i].name);
     }
     return rc;
 }
@@ -456,39 +460,24 @@ typedef struct {
     int rows;
     bool need;
 } bn_arg;
+enum { BN_MAX_ARGS = 8 };
 
-/* Batch norm's arguments, every variant on every device: x (N, C, ...) of a float dtype held by
-   its device; the tensors shaped as x in x's dtype, size and memory format; the per-channel ones
-   in the device's statistics dtype (f32; f64 where the device holds no f32: REF); all on x's
-   device; a forward in evaluation mode with running statistics, in training with values per
-   channel. Then the device's table. */
+/* Batch norm's arguments, every variant on every device, through check_args: x (N, C, ...) of a
+   float dtype held by its device; the tensors shaped as x in x's dtype, size and memory format;
+   the per-channel ones in the device's statistics dtype; all on x's device. Then a forward in
+   evaluation mode needs running statistics, one in training values per channel. */
 static int check_bn(ampc_kernel kern, const ampc_tensor *x, const bn_arg *a, int n, bool forward, bool training) {
     const char *k = ampc__kernel_name(kern);
     int rc = ampc__backend_check(kern, x->dtype, x->device);
     if (rc < 0) return rc;
     if (x->ndim < 2) return ampc__err(AMPC_ERR_SHAPE, "%s: x needs at least 2 dimensions (N, C, ...)", k);
-    if (x->dtype == AMPC_I64) return ampc__err(AMPC_ERR_DTYPE, "%s: x is %s, expected a float dtype", k, ampc_dtype_name(x->dtype));
-    const ampc_dtype sdt = ampc__device(x->device)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64;
     const int64_t C = x->shape[1], M = x->numel / (C ? C : 1);
-    for (int i = 0; i < n; i++) {
-        const ampc_tensor *t = a[i].t;
-        if (!t) {
-            if (a[i].need) return ampc__err(AMPC_ERR_INVALID, "%s: %s missing", k, a[i].name);
-            continue;
-        }
-        ampc_dtype want = a[i].rows ? sdt : x->dtype;
-        int64_t numel = a[i].rows ? a[i].rows * C : x->numel;
-        if (t->device != x->device)
-            return ampc__err(AMPC_ERR_INVALID, "%s: %s on %s, x on %s", k, a[i].name, ampc_device_name(t->device),
-                             ampc_device_name(x->device));
-        if (t->dtype != want)
-            return ampc__err(AMPC_ERR_DTYPE, "%s: %s is %s, expected %s", k, a[i].name, ampc_dtype_name(t->dtype), ampc_dtype_name(want));
-        if (t->numel != numel)
-            return ampc__err(AMPC_ERR_SHAPE, "%s: %s has %lld elements, expected %lld", k, a[i].name, (long long)t->numel,
-                             (long long)numel);
-        if (!a[i].rows && ampc__is_cl(t) != ampc__is_cl(x))
-            return ampc__err(AMPC_ERR_INVALID, "%s: x and %s in different memory formats", k, a[i].name);
-    }
+    if (n > BN_MAX_ARGS) return ampc__err(AMPC_ERR_STATE, "%s: %d arguments, more than check_bn holds (%d)", k, n, BN_MAX_ARGS);
+    k_arg args[1 + BN_MAX_ARGS] = {{x, "x", ANY_FLOAT, -1, NEED}};
+    for (int i = 0; i < n; i++)
+        args[1 + i] = (k_arg){a[i].t, a[i].name, a[i].rows ? STAT : FIRST, a[i].rows ? a[i].rows * C : x->numel,
+                              (a[i].need ? NEED : 0u) | (a[i].rows ? 0u : SAME_FORMAT)};
+    if (check_args(kern, args, 1 + n) < 0) return ampc_last_status();
     if (forward && !training && (!a[2].t || !a[3].t))   /* the forwards list weight, bias, running_mean, running_var first */
         return ampc__err(AMPC_ERR_INVALID, "%s: evaluation needs running_mean and running_var", k);
     if (forward && training && C > 0 && M < 1)
