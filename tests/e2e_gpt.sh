@@ -123,6 +123,7 @@ refuse 2 "--model gpt needs --data FILE" --model gpt --out "$W/x1"
 refuse 1 "No such file" --model gpt --data "$W/none.txt" --out "$W/x2"
 refuse 2 "--sample generates text with a language model" --model mlp --sample 5 --epochs 0 --out "$W/x3"
 refuse 1 "n_embd a multiple of n_head" --model gpt --data "$TEXT" --n-embd 66 --n-head 4 --epochs 0 --out "$W/x4"
+refuse 2 "--model gpt's output head is its token embedding" --model gpt --data "$TEXT" --freeze backbone --epochs 0 --out "$W/x6"
 refuse 1 "fewer than the 2048 (twice the block size 1024)" --model gpt --data /usr/share/common-licenses/BSD --block-size 1024 --epochs 0 --out "$W/x5"
 
 if [ $FAILS -ne 0 ]; then

@@ -469,6 +469,9 @@ int run_build(run *r) {
     const char *model = sval(s, OPT_MODEL);
     const bool gpt = strcmp(model, "gpt") == 0;
     if (ival(s, OPT_SAMPLE) > 0 && !gpt) return usage_error("--sample generates text with a language model (--model gpt), not --model %s", model);
+    if (gpt && (strcmp(sval(s, OPT_FREEZE), "none") || !strcmp(sval(s, OPT_PRETRAINED_STRICT), "head")))
+        return usage_error("--freeze backbone and --pretrained-strict head work on a classifier's head; --model gpt's output head is its "
+                           "token embedding (tied), so neither applies");
     if (is_auto(s, OPT_OPTIMIZER) && set_val(s, OPT_OPTIMIZER, gpt ? "adamw" : "adam") < 0) return -1;
     const char *optname = sval(s, OPT_OPTIMIZER);
     bool sgd = strcmp(optname, "sgd") == 0;
