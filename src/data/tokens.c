@@ -119,7 +119,7 @@ ampc_dataset *ampc_dataset_tokens_open(const char *path, const ampc_tokens_optio
         ampc__dataset_release(ds);
         return NULL;
     }
-    t->tokens = (const unsigned char *)map + offset;
+    t->tokens = map ? (const unsigned char *)map + offset : NULL;   /* an empty file maps nothing: refused below */
     t->first = (int64_t)floor(o->begin * (double)n);
     t->count = (int64_t)floor(o->end * (double)n) - t->first;
     /* window i, cut at shift s <= T - 1, reads tokens s + i T .. s + i T + T: all of them fit

@@ -459,6 +459,34 @@ static void make_resume_meta(void) {
     for (size_t i = 0; i < sizeof seeds / sizeof *seeds; i++) put("resume_meta", seeds[i].name, seeds[i].kv, seeds[i].n);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Token files: flags (block size - 1 in bits 0-4, tail, shuffle), then the file
+
+/* llm.c's .bin: the 256 x int32 header (magic, version, count as given) and n tokens of width 2
+   (version 1) or 4, little-endian. */
+static void put_tokens_bin(const char *name, uint8_t flags, int32_t version, int32_t count, int n, uint32_t first) {
+    static uint8_t b[1 + 1024 + 4 * 200];
+    memset(b, 0, sizeof b);
+    b[0] = flags;
+    const int32_t h[3] = {20240520, version, count};
+    memcpy(b + 1, h, sizeof h);
+    const int w = version == 1 ? 2 : 4;
+    for (int i = 0; i < n; i++)
+        for (int k = 0; k < w; k++) b[1 + 1024 + i * w + k] = (uint8_t)((first + 37u * (uint32_t)i) >> (8 * k));
+    put("tokens", name, b, (size_t)(1 + 1024 + n * w));
+}
+
+static void make_tokens(void) {
+    static const char text[] = "\x03To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n";
+    put("tokens", "text_t4", text, sizeof text - 1);
+    put_str("tokens", "short", "\x1fhello");
+    put_tokens_bin("bin_v1", 7, 1, 200, 200, 100);
+    put_tokens_bin("bin_v2_tail", 2 | 32 | 64, 2, 200, 200, 120000);
+    put_tokens_bin("bin_v1_past_vocab", 7, 1, 200, 200, 50250);
+    put_tokens_bin("bin_lying_count", 3, 1, 300, 200, 1);
+    put_tokens_bin("bin_version_9", 3, 9, 200, 200, 1);
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: %s OUTDIR\n", argv[0]);
@@ -477,6 +505,7 @@ int main(int argc, char **argv) {
     make_metrics_append();
     make_steps_csv();
     make_resume_meta();
+    make_tokens();
     free(full_ckpt);
     free(weights_ckpt);
     ampc_shutdown();
