@@ -179,7 +179,7 @@ static int resume_partial(run *r, const ampc_checkpoint_meta *meta, const char *
        from, on any number of ranks. Each step took at least one; the steps before a change of
        the number of ranks took more per step than those after or fewer, so nothing tighter holds */
     const double n_train = (double)ampc_dataset_size(r->d.train);
-    const double per = (double)(r->d.block ? r->d.block : 1);   /* answers counted per sample: a window's tokens */
+    const double per = (double)answers_per_sample(&r->d);
     if (!ok || n != 7 || v[2] > n_train || v[2] != floor(v[2]) || v[2] < (double)r->resume.step || v[1] > v[2] * per || v[1] != floor(v[1]) ||
         v[5] != floor(v[5]) || v[5] > (double)r->resume.step)
         return fail("--resume '%s': bad metadata '" META_PREFIX "partial' for step %" PRId64, path, r->resume.step);
@@ -221,6 +221,7 @@ int resume_settings(settings *s, ampc_checkpoint_meta **meta_out) {
     bool precision_changed = false;   /* --use-amp or --amp-dtype given otherwise (options before --grad-scaler) */
     if (rc == 0 && ampc_checkpoint_meta_find(meta, META_PREFIX "world_size"))
         rc = meta_int(meta, path, META_PREFIX "world_size", 1, INT32_MAX, &saved_world);
+    const char *model = ampc_checkpoint_meta_find(meta, META_PREFIX "config.model");   /* for option_applies */
     for (int i = 0; i < OPT_COUNT && rc == 0; i++) {
         if (!(OPTS[i].flags & (O_RUN | O_RESTORE))) continue;
         snprintf(key, sizeof key, META_PREFIX "config.%s", OPTS[i].name);
@@ -232,7 +233,6 @@ int resume_settings(settings *s, ampc_checkpoint_meta **meta_out) {
         /* what the checkpoint says must itself be a valid value */
         char why[256];
         /* an option of images in a language model's run, or the reverse, stays "auto": undecided */
-        const char *model = ampc_checkpoint_meta_find(meta, META_PREFIX "config.model");
         if (undecided(v) && model && !option_applies(model, i)) continue;
         if (canonical(i, v, canon, sizeof canon, why, sizeof why) < 0 || strcmp(canon, v) != 0 || undecided(v)) {
             rc = fail("--resume '%s': bad metadata '%s' = '%s'", path, key, v);

@@ -19,7 +19,7 @@ static double probe_step_bytes(run *r, int64_t b, double grad_bytes) {
     ampc_scope_begin();
     ampc_tensor *x, *y;
     ampc_autocast_enter(r->m.amp_dtype, r->m.use_amp);
-    ampc_tensor *loss = zero_batch(r, b, &x, &y) == 0 ? ampc_cross_entropy(flat_logits(r, ampc_module_forward(r->m.net, x)), flat_targets(r, y), NULL) : NULL;
+    ampc_tensor *loss = zero_batch(r, b, &x, &y) == 0 ? model_loss(r, x, y, NULL, NULL) : NULL;
     ampc_autocast_exit();
     int rc = loss ? ampc_backward(loss) : -1;
     ampc_scope_end();

@@ -12,13 +12,14 @@
 #include <math.h>
 #include <stdio.h>
 
-ampc_tensor *flat_logits(const run *r, ampc_tensor *logits) {
-    if (!logits || !r->d.block) return logits;
-    return ampc_reshape(logits, 2, (int64_t[]){ampc_tensor_dim(logits, 0) * ampc_tensor_dim(logits, 1), ampc_tensor_dim(logits, 2)});
-}
-
-ampc_tensor *flat_targets(const run *r, ampc_tensor *y) {
-    return y && r->d.block ? ampc_reshape(y, 1, (int64_t[]){ampc_tensor_numel(y)}) : y;
+ampc_tensor *model_loss(run *r, ampc_tensor *x, ampc_tensor *y, const ampc_cross_entropy_options *o, ampc_tensor **logits) {
+    ampc_tensor *out = ampc_module_forward(r->m.net, x);
+    if (out && r->d.block) {   /* every position's next-token loss */
+        out = ampc_reshape(out, 2, (int64_t[]){ampc_tensor_dim(out, 0) * ampc_tensor_dim(out, 1), ampc_tensor_dim(out, 2)});
+        y = ampc_reshape(y, 1, (int64_t[]){ampc_tensor_numel(y)});
+    }
+    if (logits) *logits = out;
+    return out ? ampc_cross_entropy(out, y, o) : NULL;
 }
 
 /* Number of rows of logits (N, C) whose argmax (the first maximum) equals the label (labels: N
@@ -101,8 +102,7 @@ static int batch_forward(pass *ps, ampc_tensor **x, ampc_tensor **y, ampc_tensor
     *logits = *loss = NULL;
     if (ampc_tensor_dim(*y, 0) == 0) return 0;
     ampc_autocast_enter(r->m.amp_dtype, r->m.use_amp);
-    *logits = flat_logits(r, ampc_module_forward(r->m.net, *x));
-    *loss = ampc_cross_entropy(*logits, flat_targets(r, *y), ps->ce_opts);
+    *loss = model_loss(r, *x, *y, ps->ce_opts, logits);
     ampc_autocast_exit();
     return *loss ? 0 : fail_lib(ps->training ? "training (forward)" : "validation");
 }
@@ -212,7 +212,7 @@ static int pass_batch(pass *ps, ampc_tensor *x, ampc_tensor *y, progress *p) {
     ps->done++;
     /* a bar keeps room for its cells on an 80-column terminal: the running loss only */
     const double seen = st->samples > 0 ? (double)st->samples : 1;
-    double run_loss = st->loss_sum / seen, run_acc = 100.0 * (double)st->correct / (seen * (double)(r->d.block ? r->d.block : 1));
+    double run_loss = st->loss_sum / seen, run_acc = 100.0 * (double)st->correct / (seen * (double)answers_per_sample(&r->d));
     if (p->mode == PROGRESS_BAR) progress_update(p, ps->done, "loss=%.4f", run_loss);
     else progress_update(p, ps->done, "loss=%.4f acc=%.2f%%", run_loss, run_acc);
     return cs > 0 ? 2 : 0;   /* the grad scaler's guard rails: this batch counted, the pass ends */
@@ -290,6 +290,6 @@ int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const pass_st
     st->steps = ps.done;
     st->loss = st->samples ? st->loss_sum / (double)st->samples : NAN;
     /* token windows: the share of tokens whose next token the model ranks first */
-    st->acc = st->samples ? (double)st->correct / ((double)st->samples * (double)(r->d.block ? r->d.block : 1)) : NAN;
+    st->acc = st->samples ? (double)st->correct / ((double)st->samples * (double)answers_per_sample(&r->d)) : NAN;
     return rc;
 }

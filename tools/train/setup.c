@@ -223,7 +223,7 @@ static double probe_step(run *r, bool amp, ampc_dtype dt, int64_t b) {
     double t0 = progress_now();
     ampc_tensor *x, *y;
     ampc_autocast_enter(dt, amp);
-    ampc_tensor *loss = zero_batch(r, b, &x, &y) == 0 ? ampc_cross_entropy(flat_logits(r, ampc_module_forward(r->m.net, x)), flat_targets(r, y), NULL) : NULL;
+    ampc_tensor *loss = zero_batch(r, b, &x, &y) == 0 ? model_loss(r, x, y, NULL, NULL) : NULL;
     ampc_autocast_exit();
     int rc = loss ? ampc_backward(loss) : -1;
     if (rc >= 0) rc = ampc_device_synchronize(r->m.device);
@@ -431,7 +431,7 @@ static int make_loaders(run *r) {
     lo.transforms = r->d.tf_val;
     if (!(r->d.val_ld = ampc_loader_new(r->d.val, &lo))) return fail_lib("data loader");
     /* the logits are read in blocks of at most 4M values (a batch of images' at once) */
-    const int64_t rows = bs * (r->d.block ? r->d.block : 1), cap = (4 << 20) / r->d.num_classes;
+    const int64_t rows = bs * answers_per_sample(&r->d), cap = (4 << 20) / r->d.num_classes;
     r->tally.logits_rows = rows < cap ? rows : cap > 1 ? cap : 1;
     if (!(r->tally.logits_buf = malloc((size_t)(r->tally.logits_rows * r->d.num_classes) * sizeof *r->tally.logits_buf)))
         return fail("out of memory");

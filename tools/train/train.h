@@ -154,6 +154,9 @@ typedef struct {
     ampc_loader *train_ld, *val_ld;   /* made by run_build (setup.c), freed by run_free */
 } data;
 
+/* Answers a sample holds for the accuracy count: 1 label for an image, T next tokens for a window. */
+static inline int64_t answers_per_sample(const data *d) { return d->block ? d->block : 1; }
+
 /* Resolves --image-size and --num-workers ("auto") for the kind of data, then opens it: images
    for the classifiers, a token file's windows for --model gpt. */
 int data_open(settings *s, data *d);
@@ -377,10 +380,11 @@ void print_setup(run *r);
    --stop-after-steps stopped it (st holds the totals so far), 2 when the grad scaler's guard rails
    did (r->stop.diverged_why; every rank alike), -1 on an error. */
 int run_pass(run *r, bool training, int64_t epoch, pass_stats *st, const pass_stats *carry);
-/* The model's output and the targets as the loss takes them, rows of classes: token windows'
-   logits (B, T, V) as (B T, V) and targets (B, T) as (B T); images' as they are (NULL stays NULL). */
-ampc_tensor *flat_logits(const run *r, ampc_tensor *logits);
-ampc_tensor *flat_targets(const run *r, ampc_tensor *y);
+/* The model's forward on x and its cross-entropy against y (o NULL: the plain call), under whatever
+   autocast the caller set; *logits (may be NULL) gets the logits as rows of classes: (B, classes),
+   or (B T, vocabulary) for token windows, whose targets (B, T) are flattened alike. NULL + the
+   library's error. */
+ampc_tensor *model_loss(run *r, ampc_tensor *x, ampc_tensor *y, const ampc_cross_entropy_options *o, ampc_tensor **logits);
 /* A batch of b zero samples of the data's kind: images f32 (b, C, H, W) with labels (b), or token
    windows i64 (b, T) with targets (b, T); on the default device. 0 or -1 (the library's error). */
 int zero_batch(run *r, int64_t b, ampc_tensor **x, ampc_tensor **y);
