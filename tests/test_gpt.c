@@ -125,6 +125,32 @@ static void check_state_dict(FILE *f, ampc_module *m) {
     assert_ptr_equal(sd[0], sd[n - 1]);   /* transformer.wte.weight is lm_head.weight */
 }
 
+/* Step 0's batch through m on dev (under autocast in amp unless it is AMPC_F32), the loss's
+   backward, then against the fixture's sections from "logits" on: the logits and the loss within
+   tol_out, each parameter's gradient within tol_grad (check_section's units). */
+static void check_forward_backward(FILE *f, ampc_module *m, ampc_device dev, ampc_dtype amp, double tol_out, double tol_grad,
+                                   const char *what) {
+    ampc_scope_begin();
+    ampc_tensor *idx, *tgt, *logits;
+    make_batch(0, dev, &idx, &tgt);
+    const bool autocast = amp != AMPC_F32;
+    if (autocast) ampc_autocast_enter(amp, true);
+    ampc_tensor *loss = gpt_loss(m, idx, tgt, &logits);
+    if (autocast) ampc_autocast_exit();
+    if (autocast) {
+        assert_int_equal(ampc_tensor_dtype(logits), amp);
+        assert_int_equal(ampc_tensor_dtype(loss), AMPC_F32);
+    }
+    ASSERT_OK(ampc_backward(loss));
+    check_section(f, "logits", logits, tol_out, what);
+    check_section(f, "loss", loss, tol_out, what);
+    ampc_tensor **p;
+    const char **names;
+    int np = ampc_module_parameters(m, &p, &names);
+    for (int k = 0; k < np; k++) check_section(f, names[k], ampc_tensor_grad(p[k]), tol_grad, what);
+    ampc_scope_end();
+}
+
 /* One forward and backward from make_gpt.py's weights: logits, loss and each parameter's
    gradient (the tied weight's collects both uses), REF within 1e-12 and the CPU's f32 within
    1e-5 of each section's largest value (issue 30's bound for fp32). */
@@ -139,18 +165,7 @@ static void test_gpt_pytorch(void **state) {
         fill_weights(m);
         FILE *f = tu_open_fixture("gpt.txt");
         check_state_dict(f, m);
-        ampc_scope_begin();
-        ampc_tensor *idx, *tgt, *logits;
-        make_batch(0, devs[dv], &idx, &tgt);
-        ampc_tensor *loss = gpt_loss(m, idx, tgt, &logits);
-        ASSERT_OK(ampc_backward(loss));
-        check_section(f, "logits", logits, tol, what);
-        check_section(f, "loss", loss, tol, what);
-        ampc_tensor **p;
-        const char **names;
-        int np = ampc_module_parameters(m, &p, &names);
-        for (int k = 0; k < np; k++) check_section(f, names[k], ampc_tensor_grad(p[k]), tol, what);
-        ampc_scope_end();
+        check_forward_backward(f, m, devs[dv], AMPC_F32, tol, tol, what);
         fclose(f);
         ampc_module_free(m);
     }
@@ -245,22 +260,7 @@ static void test_gpt_autocast(void **state) {
         fill_weights(m);
         FILE *f = tu_open_fixture("gpt.txt");
         seek_section(f, "logits");
-        ampc_scope_begin();
-        ampc_tensor *idx, *tgt, *logits;
-        make_batch(0, AMPC_DEVICE_CPU, &idx, &tgt);
-        ampc_autocast_enter(dts[d], true);
-        ampc_tensor *loss = gpt_loss(m, idx, tgt, &logits);
-        ampc_autocast_exit();
-        assert_int_equal(ampc_tensor_dtype(logits), dts[d]);
-        assert_int_equal(ampc_tensor_dtype(loss), AMPC_F32);
-        ASSERT_OK(ampc_backward(loss));
-        check_section(f, "logits", logits, tol_out, what);
-        check_section(f, "loss", loss, tol_out, what);
-        ampc_tensor **p;
-        const char **names;
-        int np = ampc_module_parameters(m, &p, &names);
-        for (int k = 0; k < np; k++) check_section(f, names[k], ampc_tensor_grad(p[k]), tol_grad, what);
-        ampc_scope_end();
+        check_forward_backward(f, m, AMPC_DEVICE_CPU, dts[d], tol_out, tol_grad, what);
         fclose(f);
         ampc_module_free(m);
     }
