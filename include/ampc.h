@@ -428,14 +428,23 @@ ampc_tensor *ampc_narrow(ampc_tensor *x, int dim, int64_t start, int64_t length)
    gradient reaches weight only: gy's rows summed into the rows their indices name, in index
    order, the same bits for any thread count (PyTorch's F.embedding without padding_idx). */
 ampc_tensor *ampc_embedding(ampc_tensor *indices, ampc_tensor *weight);
-/* Attention softmax(q k^T * scale [+ causal mask]) v in one op (PyTorch's
-   F.scaled_dot_product_attention without dropout or attn_mask): q (..., Tq, E), k (..., Tk, E),
-   v (..., Tk, Ev), the leading dims equal; is_causal masks key j > query i (PyTorch's top-left
-   alignment); scale 0: 1/sqrt(E). Computed row by row with an online softmax in f32 (f64 on
-   REF): neither pass keeps a Tq x Tk matrix; the node saves q, k, v, the output and each row's
-   log-sum-exp, and the backward recomputes the probabilities (flash attention's scheme).
-   Autocast: lower precision, as PyTorch's CUDA list. */
-ampc_tensor *ampc_scaled_dot_product_attention(ampc_tensor *q, ampc_tensor *k, ampc_tensor *v, bool is_causal, double scale);
+/* Attention dropout(softmax(q k^T * scale + attn_mask [causal])) v in one op, PyTorch's
+   F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale):
+   - q (..., Tq, E), k (..., Tk, E), v (..., Tk, Ev), the leading dims equal; scale 0: 1/sqrt(E);
+   - is_causal hides key j > query i (PyTorch's top-left alignment);
+   - attn_mask: NULL, or an additive float mask that broadcasts to the scores (..., Tq, Tk)
+     (e.g. (Tq, Tk), or (B, 1, 1, Tk) for padding): -inf hides a key; it may be given with
+     is_causal; it gets a gradient when it requires one (a learned bias);
+   - dropout_p in [0, 1]: each probability dropped with that chance and the rest scaled by
+     1 / (1 - p), the draws taken from ampc's rng stream (ampc_manual_seed); pass it only in
+     training, as nanoGPT does (the op has no training flag).
+   A query row whose keys are all hidden or -inf gives 0. Computed row by row with an online
+   softmax in f32 (f64 on REF): neither pass keeps a Tq x Tk matrix; the node saves q, k, v, the
+   output, each row's log-sum-exp and the mask, and the backward recomputes the probabilities and
+   redraws the dropout (flash attention's scheme). Autocast: lower precision, as PyTorch's CUDA
+   list (the mask too). */
+ampc_tensor *ampc_scaled_dot_product_attention(ampc_tensor *q, ampc_tensor *k, ampc_tensor *v, ampc_tensor *attn_mask,
+                                               double dropout_p, bool is_causal, double scale);
 
 // ---------------------------------------------------------------------------------------------
 // Autocast: thread-local, nestable. enabled=false makes a region run in fp32.

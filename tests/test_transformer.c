@@ -123,32 +123,157 @@ static void test_embedding_errors(void **state) {
 
 typedef struct {
     bool causal;
-    double scale;
+    double scale, dropout;
+    int mask_nd;                      /* 0: no mask; else the mask (the fourth input) has this shape */
+    int64_t mask_shape[AMPC_MAX_DIMS];
 } attn_ctx;
 
+/* With dropout every call draws from one fixed rng state, so the op is a function of its inputs
+   (finite differences) and REF and the CPU drop the same elements */
 static ampc_tensor *op_attention(ampc_tensor **in, const void *ctx) {
     const attn_ctx *c = ctx;
-    return ampc_scaled_dot_product_attention(in[0], in[1], in[2], c->causal, c->scale);
+    uint64_t seed, offset;
+    ampc_rng_get_state(&seed, &offset);
+    ampc_rng_set_state(1234, 77);
+    ampc_tensor *o = ampc_scaled_dot_product_attention(in[0], in[1], in[2], c->mask_nd ? in[3] : NULL, c->dropout, c->causal, c->scale);
+    ampc_rng_set_state(seed, offset);
+    return o;
 }
 
 static void check_attention(const char *name, int nd, const int64_t *lead, int64_t Tq, int64_t Tk, int64_t E, int64_t Ev,
                             attn_ctx ctx) {
-    tu_op_case c = {.name = name, .n_inputs = 3, .ndim = {nd, nd, nd}, .lo = -1.5, .hi = 1.5, .fn = op_attention, .ctx = &ctx,
-                    .k = (double)(E + Tk), .k_backward = (double)(Tq + Tk + E + Ev),
+    tu_op_case c = {.name = name, .n_inputs = ctx.mask_nd ? 4 : 3, .ndim = {nd, nd, nd, ctx.mask_nd}, .lo = -1.5, .hi = 1.5,
+                    .fn = op_attention, .ctx = &ctx, .k = (double)(E + Tk), .k_backward = (double)(Tq + Tk + E + Ev),
                     .no_cuda = "the CUDA attention kernels come with the next GPU session (issue 30)"};
     for (int i = 0; i < nd - 2; i++) c.shape[0][i] = c.shape[1][i] = c.shape[2][i] = lead[i];
     c.shape[0][nd - 2] = Tq, c.shape[0][nd - 1] = E;
     c.shape[1][nd - 2] = Tk, c.shape[1][nd - 1] = E;
     c.shape[2][nd - 2] = Tk, c.shape[2][nd - 1] = Ev;
+    memcpy(c.shape[3], ctx.mask_shape, sizeof ctx.mask_shape);
     tu_check_op(&c);
 }
 
 static void test_attention_op_check(void **state) {
     (void)state;
-    check_attention("attention (2,3) heads, 5x5, E 4", 4, (int64_t[]){2, 3}, 5, 5, 4, 4, (attn_ctx){false, 0});
-    check_attention("attention causal, 1x2 heads, 7x7, E 8", 4, (int64_t[]){1, 2}, 7, 7, 8, 8, (attn_ctx){true, 0});
-    check_attention("attention causal, Tq 6 > Tk 4, Ev 3, scale 0.3", 3, (int64_t[]){2}, 6, 4, 5, 3, (attn_ctx){true, 0.3});
-    check_attention("attention, Tq 3 < Tk 9, one head", 2, NULL, 3, 9, 6, 2, (attn_ctx){false, 0});
+    check_attention("attention (2,3) heads, 5x5, E 4", 4, (int64_t[]){2, 3}, 5, 5, 4, 4, (attn_ctx){.causal = false});
+    check_attention("attention causal, 1x2 heads, 7x7, E 8", 4, (int64_t[]){1, 2}, 7, 7, 8, 8, (attn_ctx){.causal = true});
+    check_attention("attention causal, Tq 6 > Tk 4, Ev 3, scale 0.3", 3, (int64_t[]){2}, 6, 4, 5, 3, (attn_ctx){.causal = true, .scale = 0.3});
+    check_attention("attention, Tq 3 < Tk 9, one head", 2, NULL, 3, 9, 6, 2, (attn_ctx){.causal = false});
+}
+
+/* The additive mask (its gradient included) broadcast every way the layout allows, and dropout
+   (the same draws on REF and the CPU; finite differences through fixed draws) */
+static void test_attention_mask_dropout_op_check(void **state) {
+    (void)state;
+    check_attention("attention + mask (5,6) over (2,3) heads", 4, (int64_t[]){2, 3}, 5, 6, 4, 3,
+                    (attn_ctx){.mask_nd = 2, .mask_shape = {5, 6}});
+    check_attention("attention causal + padding-style mask (2,1,1,7)", 4, (int64_t[]){2, 2}, 7, 7, 4, 4,
+                    (attn_ctx){.causal = true, .mask_nd = 4, .mask_shape = {2, 1, 1, 7}});
+    check_attention("attention + mask (3,1,5) per head and key, Tq 4, Tk 5", 3, (int64_t[]){3}, 4, 5, 6, 2,
+                    (attn_ctx){.scale = 0.4, .mask_nd = 3, .mask_shape = {3, 1, 5}});
+    check_attention("attention dropout 0.3, (2,2) heads, 6x6", 4, (int64_t[]){2, 2}, 6, 6, 4, 5, (attn_ctx){.dropout = 0.3});
+    check_attention("attention causal dropout 0.5 + mask (9,9), 9x9, E 3", 3, (int64_t[]){2}, 9, 9, 3, 3,
+                    (attn_ctx){.causal = true, .dropout = 0.5, .mask_nd = 2, .mask_shape = {9, 9}});
+}
+
+/* The fused op against the same attention composed from other ops - matmul, scale, add the mask,
+   causal -inf, softmax, ampc_dropout (whose element (b, i, j) of the (batch, Tq, Tk) probabilities
+   takes the same draw (b Tq + i) Tk + j when the rng stands at the same place), matmul - forward
+   and the gradients of q, k, v and the mask, on REF (1e-12) and the CPU's f32 (1e-5). A mask of
+   -inf on keys >= L gives the attention over the first L keys only, and a row with all keys at
+   -inf gives 0. */
+static ampc_tensor *composed_attention(ampc_tensor *q, ampc_tensor *k, ampc_tensor *v, ampc_tensor *mask, double p, bool causal,
+                                       int64_t Tq, int64_t Tk) {
+    ampc_tensor *s = ampc_mul_scalar(ampc_matmul(q, ampc_transpose(k, -1, -2)), 1.0 / sqrt((double)ampc_tensor_dim(q, -1)));
+    if (mask) s = ampc_add(s, mask);
+    if (causal) {
+        double *tri = calloc((size_t)(Tq * Tk), sizeof *tri);
+        for (int64_t i = 0; i < Tq; i++)
+            for (int64_t j = i + 1; j < Tk; j++) tri[i * Tk + j] = -INFINITY;
+        s = ampc_add(s, ampc_tensor_from_f64(ampc_tensor_dtype(q), 2, (int64_t[]){Tq, Tk}, tri));
+        free(tri);
+    }
+    ampc_tensor *pr = ampc_softmax(s, -1);
+    if (p > 0) pr = ampc_dropout(pr, p, true);
+    return ampc_matmul(pr, v);
+}
+
+static void test_attention_composed(void **state) {
+    (void)state;
+    const ampc_device devs[2] = {AMPC_DEVICE_REF, AMPC_DEVICE_CPU};
+    const int64_t B = 2, H = 3, T = 8, E = 4;
+    for (int dv = 0; dv < 2; dv++)
+        for (int cs = 0; cs < 3; cs++) {
+            const bool causal = cs != 1;
+            const double p = cs == 0 ? 0.25 : cs == 1 ? 0.6 : 0.0;
+            ampc_scope_begin();
+            ampc_set_default_device(devs[dv]);
+            const ampc_dtype dt = dv ? AMPC_F32 : AMPC_F64;
+            ampc_tensor *x[4] = {ampc_tensor_rand(dt, 4, (int64_t[]){B, H, T, E}, -1.5, 1.5), ampc_tensor_rand(dt, 4, (int64_t[]){B, H, T, E}, -1.5, 1.5),
+                                 ampc_tensor_rand(dt, 4, (int64_t[]){B, H, T, E}, -1.5, 1.5), ampc_tensor_rand(dt, 4, (int64_t[]){B, 1, T, T}, -2, 2)};
+            ampc_tensor *g[2][4], *o[2];
+            for (int way = 0; way < 2; way++) {
+                for (int i = 0; i < 4; i++) {
+                    ASSERT_OK(ampc_tensor_set_requires_grad(x[i], true));
+                    ampc_tensor_zero_grad(x[i]);
+                }
+                ampc_rng_set_state(99, 5);
+                o[way] = way ? composed_attention(x[0], x[1], x[2], x[3], p, causal, T, T)
+                             : ampc_scaled_dot_product_attention(x[0], x[1], x[2], x[3], p, causal, 0);
+                ASSERT_NOT_NULL_MSG(o[way]);
+                ampc_tensor *w = ampc_tensor_rand(dt, 4, (int64_t[]){B, H, T, E}, -1, 1);
+                ASSERT_OK(ampc_backward(ampc_sum(ampc_mul(o[way], w), AMPC_ALL_DIMS, false)));
+                for (int i = 0; i < 4; i++) ASSERT_NOT_NULL_MSG(g[way][i] = ampc_tensor_detach(ampc_tensor_grad(x[i])));
+            }
+            const double tol = dv ? 1e-5 : 1e-12;
+            const char *what[5] = {"o", "dq", "dk", "dv", "dmask"};
+            for (int t = 0; t < 5; t++) {
+                double *a = tu_values(t ? g[0][t - 1] : o[0]), *b = tu_values(t ? g[1][t - 1] : o[1]), m = 0;
+                int64_t n = ampc_tensor_numel(t ? g[0][t - 1] : o[0]);
+                for (int64_t i = 0; i < n; i++) m = fmax(m, fabs(b[i]));
+                for (int64_t i = 0; i < n; i++)
+                    if (!(fabs(a[i] - b[i]) <= tol * m))
+                        fail_msg("%s case %d %s[%lld]: fused %.17g, composed %.17g", dv ? "cpu" : "ref", cs, what[t], (long long)i, a[i], b[i]);
+                free(a), free(b);
+            }
+            ampc_set_default_device(AMPC_DEVICE_CPU);
+            ampc_scope_end();
+        }
+}
+
+/* -inf in the mask hides keys exactly: the attention over the first L keys, and 0 for a row
+   that sees none (REF and CPU) */
+static void test_attention_mask_hides(void **state) {
+    (void)state;
+    const ampc_device devs[2] = {AMPC_DEVICE_REF, AMPC_DEVICE_CPU};
+    const int64_t Tq = 5, Tk = 7, L = 4, E = 3;
+    for (int dv = 0; dv < 2; dv++) {
+        ampc_scope_begin();
+        ampc_set_default_device(devs[dv]);
+        const ampc_dtype dt = dv ? AMPC_F32 : AMPC_F64;
+        double mk[5 * 7];
+        for (int64_t i = 0; i < Tq; i++)
+            for (int64_t j = 0; j < Tk; j++) mk[i * Tk + j] = i == 2 ? -INFINITY : j >= L ? -INFINITY : 0.0;
+        ampc_tensor *q = ampc_tensor_rand(dt, 3, (int64_t[]){2, Tq, E}, -1, 1), *k = ampc_tensor_rand(dt, 3, (int64_t[]){2, Tk, E}, -1, 1);
+        ampc_tensor *v = ampc_tensor_rand(dt, 3, (int64_t[]){2, Tk, E}, -1, 1);
+        ampc_tensor *mask = ampc_tensor_from_f64(dt, 2, (int64_t[]){Tq, Tk}, mk);
+        ampc_tensor *o = ampc_scaled_dot_product_attention(q, k, v, mask, 0, false, 0);
+        ampc_tensor *oL = ampc_scaled_dot_product_attention(q, ampc_narrow(k, 1, 0, L), ampc_narrow(v, 1, 0, L), NULL, 0, false, 0);
+        ASSERT_NOT_NULL_MSG(o && oL);
+        double *a = tu_values(o), *b = tu_values(oL);
+        for (int64_t h = 0; h < 2; h++)
+            for (int64_t i = 0; i < Tq; i++)
+                for (int64_t e = 0; e < E; e++) {
+                    int64_t at = (h * Tq + i) * E + e;
+                    double want = i == 2 ? 0.0 : b[at];
+                    if (!(fabs(a[at] - want) <= (dv ? 1e-6 : 1e-15)))
+                        fail_msg("%s head %lld row %lld [%lld]: %.9g, expected %.9g", dv ? "cpu" : "ref", (long long)h, (long long)i,
+                                 (long long)e, a[at], want);
+                }
+        free(a), free(b);
+        ampc_set_default_device(AMPC_DEVICE_CPU);
+        ampc_scope_end();
+    }
 }
 
 /* Against PyTorch 1.13 (Debian's python3-torch; no F.scaled_dot_product_attention there, so the
@@ -183,7 +308,7 @@ static void test_attention_pytorch(void **state) {
             ampc_tensor *q = ampc_tensor_from_f64(dt, 4, (int64_t[]){1, 2, 3, 2}, qv);
             ampc_tensor *k = ampc_tensor_from_f64(dt, 4, (int64_t[]){1, 2, 4, 2}, kv);
             ampc_tensor *v = ampc_tensor_from_f64(dt, 4, (int64_t[]){1, 2, 4, 3}, vv);
-            ampc_tensor *o = ampc_scaled_dot_product_attention(q, k, v, causal, 0);
+            ampc_tensor *o = ampc_scaled_dot_product_attention(q, k, v, NULL, 0, causal, 0);
             ASSERT_NOT_NULL_MSG(o);
             double *got = tu_values(o), tol = dv ? 10 * 0x1p-24 * 6 : 1e-14;
             for (int i = 0; i < 18; i++)
@@ -203,25 +328,48 @@ static void test_attention_errors_autocast(void **state) {
     ampc_tensor *v = ampc_tensor_rand(AMPC_F32, 3, (int64_t[]){2, 5, 3}, -1, 1), *kb = ampc_tensor_rand(AMPC_F32, 3, (int64_t[]){2, 4, 7}, -1, 1);
     ampc_tensor *vh = ampc_tensor_rand(AMPC_BF16, 3, (int64_t[]){2, 5, 3}, -1, 1);
     ASSERT_NOT_NULL_MSG(q && k && v && kb && vh);
-    assert_null(ampc_scaled_dot_product_attention(q, kb, v, false, 0));
+    assert_null(ampc_scaled_dot_product_attention(q, kb, v, NULL, 0, false, 0));
     assert_int_equal(ampc_last_status(), AMPC_ERR_SHAPE);
-    assert_null(ampc_scaled_dot_product_attention(q, k, vh, false, 0));
+    assert_null(ampc_scaled_dot_product_attention(q, k, vh, NULL, 0, false, 0));
     assert_int_equal(ampc_last_status(), AMPC_ERR_DTYPE);
-    assert_null(ampc_scaled_dot_product_attention(q, k, v, false, -1));
+    assert_null(ampc_scaled_dot_product_attention(q, k, v, NULL, 0, false, -1));
     assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+    assert_null(ampc_scaled_dot_product_attention(q, k, v, NULL, 1.5, false, 0));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+    assert_non_null(strstr(ampc_last_error(), "dropout_p 1.5"));
+    /* masks that do not broadcast to the scores (2, 4, 5), or are not float */
+    ampc_tensor *bad_masks[] = {ampc_tensor_zeros(AMPC_F32, 2, (int64_t[]){4, 4}), ampc_tensor_zeros(AMPC_F32, 3, (int64_t[]){3, 4, 5}),
+                                ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){1, 2, 4, 5}), ampc_tensor_zeros(AMPC_I64, 1, (int64_t[]){5})};
+    for (int i = 0; i < 4; i++) {
+        ASSERT_NOT_NULL_MSG(bad_masks[i]);
+        assert_null(ampc_scaled_dot_product_attention(q, k, v, bad_masks[i], 0, false, 0));
+        assert_int_equal(ampc_last_status(), i < 3 ? AMPC_ERR_SHAPE : AMPC_ERR_DTYPE);
+        assert_non_null(strstr(ampc_last_error(), "attn_mask"));
+    }
     /* the door: a descriptor that does not fit the tensors, a backward without the statistics */
-    ampc_attn_desc d = {2, 4, 5, 8, 3, false, 0.5}, bad = d;
+    ampc_attn_desc d = {.batch = 2, .Tq = 4, .Tk = 5, .E = 8, .Ev = 3, .scale = 0.5}, bad = d, lay = d;
     bad.Tk = 6;
+    lay.nlead = 1, lay.lead[0] = 2, lay.mask_lead[0] = 20, lay.mask_si = 5, lay.mask_sj = 1;
     ampc_tensor *out = ampc_tensor_zeros(AMPC_F32, 3, (int64_t[]){2, 4, 3});
     ASSERT_NOT_NULL_MSG(out);
-    ASSERT_OK(ampc__k_attention(&d, q, k, v, out, NULL));
-    assert_int_equal(ampc__k_attention(&bad, q, k, v, out, NULL), AMPC_ERR_SHAPE);
+    ASSERT_OK(ampc__k_attention(&d, q, k, v, NULL, out, NULL));
+    assert_int_equal(ampc__k_attention(&bad, q, k, v, NULL, out, NULL), AMPC_ERR_SHAPE);
     assert_non_null(strstr(ampc_last_error(), "k has 80 elements, expected 96"));
-    assert_int_equal(ampc__k_attention_backward(&d, q, k, v, out, NULL, out, q, k, v), AMPC_ERR_INVALID);
+    assert_int_equal(ampc__k_attention_backward(&d, q, k, v, NULL, out, NULL, out, q, k, v, NULL), AMPC_ERR_INVALID);
     assert_non_null(strstr(ampc_last_error(), "lse missing"));
+    /* a mask smaller than its layout reads, a layout that is not the batch's, a mask in f16 */
+    ampc_tensor *m39 = ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){39}), *m40 = ampc_tensor_zeros(AMPC_F32, 1, (int64_t[]){40});
+    ampc_tensor *m40h = ampc_tensor_zeros(AMPC_F16, 1, (int64_t[]){40});
+    ASSERT_NOT_NULL_MSG(m39 && m40 && m40h);
+    ASSERT_OK(ampc__k_attention(&lay, q, k, v, m40, out, NULL));
+    assert_int_equal(ampc__k_attention(&lay, q, k, v, m39, out, NULL), AMPC_ERR_SHAPE);
+    assert_non_null(strstr(ampc_last_error(), "reads element 39"));
+    assert_int_equal(ampc__k_attention(&d, q, k, v, m40, out, NULL), AMPC_ERR_INVALID);
+    assert_non_null(strstr(ampc_last_error(), "does not describe 2 heads"));
+    assert_int_equal(ampc__k_attention(&lay, q, k, v, m40h, out, NULL), AMPC_ERR_DTYPE);
     ampc_clear_error();
     ampc_autocast_enter(AMPC_BF16, true);
-    ampc_tensor *o = ampc_scaled_dot_product_attention(q, k, vh, true, 0);
+    ampc_tensor *o = ampc_scaled_dot_product_attention(q, k, vh, NULL, 0, true, 0);
     ampc_autocast_exit();
     ASSERT_NOT_NULL_MSG(o);
     assert_int_equal(ampc_tensor_dtype(o), AMPC_BF16);
@@ -371,6 +519,9 @@ int main(void) {
         cmocka_unit_test(test_embedding_autocast),
         cmocka_unit_test(test_embedding_errors),
         cmocka_unit_test(test_attention_op_check),
+        cmocka_unit_test(test_attention_mask_dropout_op_check),
+        cmocka_unit_test(test_attention_composed),
+        cmocka_unit_test(test_attention_mask_hides),
         cmocka_unit_test(test_attention_pytorch),
         cmocka_unit_test(test_attention_errors_autocast),
         cmocka_unit_test(test_narrow),

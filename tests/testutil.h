@@ -67,7 +67,7 @@ int tu_group_teardown(void **state);
 // 2) for each CPU dtype, forward and backward against REF run on the same (rounded) inputs,
 //    within a tolerance derived from the dtype's unit roundoff and the reduction length.
 
-#define TU_MAX_IN 3
+#define TU_MAX_IN 4
 typedef struct {
     const char *name;
     int n_inputs;

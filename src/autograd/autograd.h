@@ -13,7 +13,7 @@
 #include "core/core.h"
 
 #define AMPC_NODE_MAX_INPUTS 8
-#define AMPC_NODE_MAX_SAVED 5
+#define AMPC_NODE_MAX_SAVED 6
 
 /* Computes the gradient of each input i that needs one (n->next[i] != NULL) from gy, the
    gradient of the output. gx[i] receive new tensors owned by the engine (or NULL when not
@@ -74,10 +74,10 @@ struct ampc_node {
         struct { double p; } dropout;    /* probability of zeroing an element */
         struct { int dims[AMPC_MAX_DIMS]; } permute;   /* the output's dim i is the input's dims[i] */
         struct {
-            int64_t batch, Tq, Tk, E, Ev;   /* heads, query and key rows, q/k and v widths */
             bool causal;
-            double scale;
-        } attention;
+            double scale, dropout;           /* the scale applied; the probability of dropping */
+            uint64_t rng_seed, rng_offset;   /* the draws dropout made (ampc_rng_state) */
+        } attention;                         /* the sizes come from the saved q, k, v (and mask) */
     } args;
     void *extra;                      /* op-owned buffer (ampc__free'd with extra_bytes on extra_device) */
     size_t extra_bytes;

@@ -47,12 +47,32 @@ typedef struct {
 
 /* Attention over batch independent heads: q (batch, Tq, E), k (batch, Tk, E), v (batch, Tk, Ev),
    o (batch, Tq, Ev), lse (batch, Tq) in the statistics dtype: each query row's
-   log(sum_j exp(s_ij)), s = q k^T * scale, masked (j > i) when causal. */
+   log(sum_j exp(s_ij)), s = q k^T * scale + mask, hidden (j > i) when causal. */
 typedef struct {
     int64_t batch, Tq, Tk, E, Ev;
     bool causal;
     double scale;
+    /* Dropout of the probabilities (p in [0, 1]; 0: none): element (b, i, j) is kept, and scaled
+       by 1 / (1 - p), iff draw (b Tq + i) Tk + j of rng is not below p (ampc__rng_uniform), on
+       every device; the backward draws the same elements again. */
+    double dropout;
+    ampc_rng_state rng;
+    /* The additive mask's layout, read when the kernels are given a mask (in the statistics
+       dtype): element (b, i, j) at ampc__attn_mask_offset(d, b) + i mask_si + j mask_sj, where b
+       splits row-major over the leading dims lead[0 .. nlead) and mask_lead[] are the mask's
+       strides along them (0 where it is broadcast; mask_si, mask_sj likewise). */
+    int nlead;
+    int64_t lead[AMPC_MAX_DIMS], mask_lead[AMPC_MAX_DIMS], mask_si, mask_sj;
 } ampc_attn_desc;
+
+static inline int64_t ampc__attn_mask_offset(const ampc_attn_desc *d, int64_t b) {
+    int64_t off = 0;
+    for (int i = d->nlead - 1; i >= 0; i--) {
+        off += b % d->lead[i] * d->mask_lead[i];
+        b /= d->lead[i];
+    }
+    return off;
+}
 
 /* Hyperparameters shared by the parameters of one optimizer call. grad_scale (both
    optimizers): the gradient is first multiplied by it in f32, as a separate unscale pass would
@@ -247,13 +267,16 @@ typedef struct ampc_backend {
                                const ampc_tensor *mean, const ampc_tensor *rstd, ampc_tensor *gx,
                                ampc_tensor *gw, ampc_tensor *gb);
     /* Attention (ampc_attn_desc): o and lse from q, k, v (one float dtype; lse in the
-       statistics dtype); the backward dq, dk, dv (q's dtype) from do, o, lse and q, k, v,
-       recomputing the probabilities. A query row with every key masked gives 0 (lse -inf). */
-    int (*attention)(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v, ampc_tensor *o,
-                     ampc_tensor *lse);
+       statistics dtype) and the additive mask (NULL: none); the backward dq, dk, dv (q's dtype)
+       from do, o, lse and q, k, v, mask, recomputing the probabilities, and when dmask is given
+       the scores' gradient (batch, Tq, Tk) in the statistics dtype (the mask's gradient before
+       its broadcast is summed away; 0 where a key is hidden). A query row with every key hidden
+       or masked by -inf gives 0 (lse -inf). */
+    int (*attention)(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
+                     const ampc_tensor *mask, ampc_tensor *o, ampc_tensor *lse);
     int (*attention_backward)(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
-                              const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout, ampc_tensor *dq,
-                              ampc_tensor *dk, ampc_tensor *dv);
+                              const ampc_tensor *mask, const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout,
+                              ampc_tensor *dq, ampc_tensor *dk, ampc_tensor *dv, ampc_tensor *dmask);
     /* y = x with its dims reordered: y's dim i is x's dim perm[i] (a permutation of x's ndim
        dims; y's shape follows); any dtype, the bits copied; x and y contiguous. */
     int (*permute)(const ampc_tensor *x, const int *perm, ampc_tensor *y);
@@ -356,11 +379,11 @@ int ampc__k_layer_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, con
                                 const ampc_tensor *mean, const ampc_tensor *rstd, ampc_tensor *gx, ampc_tensor *gw,
                                 ampc_tensor *gb);
 int ampc__k_permute(const ampc_tensor *x, const int *perm, ampc_tensor *y);
-int ampc__k_attention(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v, ampc_tensor *o,
-                      ampc_tensor *lse);
+int ampc__k_attention(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
+                      const ampc_tensor *mask, ampc_tensor *o, ampc_tensor *lse);
 int ampc__k_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
-                               const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout, ampc_tensor *dq,
-                               ampc_tensor *dk, ampc_tensor *dv);
+                               const ampc_tensor *mask, const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout,
+                               ampc_tensor *dq, ampc_tensor *dk, ampc_tensor *dv, ampc_tensor *dmask);
 int ampc__k_embedding(const ampc_tensor *w, const ampc_tensor *idx, ampc_tensor *y);
 int ampc__k_embedding_backward(const ampc_tensor *gy, const ampc_tensor *idx, ampc_tensor *gw);
 /* rows or cols 0: nothing to copy, AMPC_OK */

@@ -597,32 +597,56 @@ int ampc__k_permute(const ampc_tensor *x, const int *perm, ampc_tensor *y) {
 
 /* Attention: q, k, v, o (and the gradients) of one float dtype and the descriptor's sizes, lse in
    the statistics dtype, all on q's device, the sizes not negative and a scale that is finite. */
+/* The mask's largest offset within it, from the descriptor's layout (the door checks the mask
+   holds it and that its leading dims make the batch) */
+static int check_attention_mask(ampc_kernel kern, const ampc_attn_desc *d, const ampc_tensor *mask) {
+    int64_t heads = 1, last = (d->Tq ? d->Tq - 1 : 0) * d->mask_si + (d->Tk ? d->Tk - 1 : 0) * d->mask_sj;
+    bool bad = d->nlead < 0 || d->nlead > AMPC_MAX_DIMS || d->mask_si < 0 || d->mask_sj < 0;
+    for (int i = 0; !bad && i < d->nlead; i++) {
+        bad = d->lead[i] < 0 || d->mask_lead[i] < 0;
+        heads *= d->lead[i];
+        last += (d->lead[i] ? d->lead[i] - 1 : 0) * d->mask_lead[i];
+    }
+    if (bad || heads != d->batch)
+        return ampc__err(AMPC_ERR_INVALID, "%s: the mask's layout does not describe %lld heads", ampc__kernel_name(kern),
+                         (long long)d->batch);
+    if (d->batch && d->Tq && d->Tk && last >= mask->numel)
+        return ampc__err(AMPC_ERR_SHAPE, "%s: the mask has %lld elements, its layout reads element %lld", ampc__kernel_name(kern),
+                         (long long)mask->numel, (long long)last);
+    return AMPC_OK;
+}
+
 static int check_attention(ampc_kernel kern, const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k,
-                           const ampc_tensor *v, const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout,
-                           const ampc_tensor *dq, const ampc_tensor *dk, const ampc_tensor *dv) {
-    if (!d || d->batch < 0 || d->Tq < 0 || d->Tk < 0 || d->E < 0 || d->Ev < 0 || !isfinite(d->scale))
+                           const ampc_tensor *v, const ampc_tensor *mask, const ampc_tensor *o, const ampc_tensor *lse,
+                           const ampc_tensor *dout, const ampc_tensor *dq, const ampc_tensor *dk, const ampc_tensor *dv,
+                           const ampc_tensor *dmask) {
+    if (!d || d->batch < 0 || d->Tq < 0 || d->Tk < 0 || d->E < 0 || d->Ev < 0 || !isfinite(d->scale) ||
+        !(d->dropout >= 0 && d->dropout <= 1))
         return ampc__err(AMPC_ERR_INVALID, "%s: invalid descriptor", ampc__kernel_name(kern));
     const int64_t b = d->batch, nq = b * d->Tq * d->E, nk = b * d->Tk * d->E, nv = b * d->Tk * d->Ev, no = b * d->Tq * d->Ev;
     bool bwd = kern == AMPC_K_attention_backward;
-    if (ARGS(kern, {q, "q", ANY_FLOAT, nq, true}, {k, "k", FIRST, nk, true}, {v, "v", FIRST, nv, true}, {o, "o", FIRST, no, true},
-             {lse, "lse", STAT, b * d->Tq, bwd}, {dout, "dout", FIRST, no, bwd}, {dq, "dq", FIRST, nq, bwd},
-             {dk, "dk", FIRST, nk, bwd}, {dv, "dv", FIRST, nv, bwd}))
+    if (ARGS(kern, {q, "q", ANY_FLOAT, nq, true}, {k, "k", FIRST, nk, true}, {v, "v", FIRST, nv, true}, {mask, "mask", STAT, -1, false},
+             {o, "o", FIRST, no, true}, {lse, "lse", STAT, b * d->Tq, bwd}, {dout, "dout", FIRST, no, bwd},
+             {dq, "dq", FIRST, nq, bwd}, {dk, "dk", FIRST, nk, bwd}, {dv, "dv", FIRST, nv, bwd},
+             {dmask, "dmask", STAT, b * d->Tq * d->Tk, false}))
         return ampc_last_status();
-    const ampc_tensor *all[] = {q, k, v, o, dout, dq, dk, dv};
+    if (dmask && !mask) return ampc__err(AMPC_ERR_INVALID, "%s: dmask without a mask", ampc__kernel_name(kern));
+    if (mask && check_attention_mask(kern, d, mask) < 0) return ampc_last_status();
+    const ampc_tensor *all[] = {q, k, v, mask, o, dout, dq, dk, dv};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++)
         if (all[i] && ampc__is_cl(all[i])) return ampc__err(AMPC_ERR_INVALID, "%s on a channels-last tensor", ampc__kernel_name(kern));
     return AMPC_OK;
 }
-int ampc__k_attention(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v, ampc_tensor *o,
-                      ampc_tensor *lse) {
-    if (check_attention(AMPC_K_attention, d, q, k, v, o, lse, NULL, NULL, NULL, NULL) < 0) return ampc_last_status();
-    return ampc__backend(q->device)->attention(d, q, k, v, o, lse);
+int ampc__k_attention(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
+                      const ampc_tensor *mask, ampc_tensor *o, ampc_tensor *lse) {
+    if (check_attention(AMPC_K_attention, d, q, k, v, mask, o, lse, NULL, NULL, NULL, NULL, NULL) < 0) return ampc_last_status();
+    return ampc__backend(q->device)->attention(d, q, k, v, mask, o, lse);
 }
 int ampc__k_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
-                               const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout, ampc_tensor *dq,
-                               ampc_tensor *dk, ampc_tensor *dv) {
-    if (check_attention(AMPC_K_attention_backward, d, q, k, v, o, lse, dout, dq, dk, dv) < 0) return ampc_last_status();
-    return ampc__backend(q->device)->attention_backward(d, q, k, v, o, lse, dout, dq, dk, dv);
+                               const ampc_tensor *mask, const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout,
+                               ampc_tensor *dq, ampc_tensor *dk, ampc_tensor *dv, ampc_tensor *dmask) {
+    if (check_attention(AMPC_K_attention_backward, d, q, k, v, mask, o, lse, dout, dq, dk, dv, dmask) < 0) return ampc_last_status();
+    return ampc__backend(q->device)->attention_backward(d, q, k, v, mask, o, lse, dout, dq, dk, dv, dmask);
 }
 
 /* Embedding: w (V, D) of a float dtype, idx i64 on w's device, y (or gy) of idx's count of

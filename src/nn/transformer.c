@@ -18,7 +18,8 @@ typedef struct {
 
 // ---------------------------------------------------------------------------------------------
 // CausalSelfAttention: x (B, T, C) -> c_attn -> q, k, v (B, n_head, T, C / n_head) -> causal
-// attention -> heads joined (B, T, C) -> c_proj -> dropout (training)
+// attention (dropout on its probabilities in training) -> heads joined (B, T, C) -> c_proj ->
+// dropout (training), as nanoGPT's
 
 static ampc_tensor *csa_forward(ampc_module *m, ampc_tensor *x) {
     if (!x) return NULL;
@@ -31,10 +32,10 @@ static ampc_tensor *csa_forward(ampc_module *m, ampc_tensor *x) {
     static const int heads_first[4] = {0, 2, 1, 3};
     for (int i = 0; i < 3; i++)
         h[i] = ampc_permute(ampc_reshape(ampc_narrow(qkv, 2, i * C, C), 4, (int64_t[]){B, T, H, C / H}), heads_first);
-    ampc_tensor *y = ampc_scaled_dot_product_attention(h[0], h[1], h[2], true, 0);
+    double p = m->config.attention.dropout;
+    ampc_tensor *y = ampc_scaled_dot_product_attention(h[0], h[1], h[2], NULL, m->training ? p : 0.0, true, 0);
     y = ampc_reshape(ampc_permute(y, heads_first), 3, (int64_t[]){B, T, C});
     y = ampc__child_forward(m, "c_proj", y);
-    double p = m->config.attention.dropout;
     return p > 0 ? ampc_dropout(y, p, m->training) : y;
 }
 

@@ -2,27 +2,63 @@
  * attention.c - ops: scaled-dot-product attention as one op (the kernels' online softmax keeps
  * no Tq x Tk matrix). The node saves q, k, v, the output (through a view without grad_fn, as
  * softmax does: the output itself would make a cycle) and each query row's log-sum-exp; the
- * backward recomputes the probabilities from them.
+ * backward recomputes the probabilities from them. An additive mask is widened to the statistics
+ * dtype once and saved so (viewed at q's rank); dropout's decisions are draws of the rng stream
+ * reserved by the forward (node args), drawn again by the backward.
  */
 #include "ops/ops.h"
 
 #include <math.h>
 #include <string.h>
 
+/* The descriptor of attention over q, k, v (q's rank, leading dims equal): heads, sizes, and the
+   layout of mask (NULL or contiguous at q's rank, each dim 1 or q's/(Tq, Tk)'s) */
+static ampc_attn_desc make_desc(const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v, const ampc_tensor *mask,
+                                bool causal, double scale, double dropout) {
+    const int nd = q->ndim;
+    ampc_attn_desc d = {.batch = 1, .Tq = q->shape[nd - 2], .Tk = k->shape[nd - 2], .E = q->shape[nd - 1],
+                        .Ev = v->shape[nd - 1], .causal = causal, .scale = scale, .dropout = dropout, .nlead = nd - 2};
+    for (int i = 0; i < nd - 2; i++) d.batch *= d.lead[i] = q->shape[i];
+    if (mask) {
+        int64_t st = 1, stride[AMPC_MAX_DIMS];
+        for (int i = nd - 1; i >= 0; i--) {
+            stride[i] = mask->shape[i] == 1 ? 0 : st;
+            st *= mask->shape[i];
+        }
+        memcpy(d.mask_lead, stride, sizeof(int64_t) * (size_t)(nd - 2));
+        d.mask_si = stride[nd - 2], d.mask_sj = stride[nd - 1];
+    }
+    return d;
+}
+
 static int attention_backward_fn(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
-    ampc_tensor *q = n->saved[0], *k = n->saved[1], *v = n->saved[2];
-    const ampc_attn_desc d = {n->args.attention.batch, n->args.attention.Tq, n->args.attention.Tk, n->args.attention.E,
-                              n->args.attention.Ev, n->args.attention.causal, n->args.attention.scale};
+    ampc_tensor *q = n->saved[0], *k = n->saved[1], *v = n->saved[2], *mask = n->saved[5];
+    ampc_attn_desc d = make_desc(q, k, v, mask, n->args.attention.causal, n->args.attention.scale, n->args.attention.dropout);
+    d.rng = (ampc_rng_state){n->args.attention.rng_seed, n->args.attention.rng_offset};
     ampc_tensor *g = ampc__k_convert(gy, q->dtype, AMPC_CONTIGUOUS_FORMAT);
     ampc_tensor *dq = g ? ampc__tensor_like(q, q->dtype) : NULL, *dk = dq ? ampc__tensor_like(k, k->dtype) : NULL;
-    ampc_tensor *dv = dk ? ampc__tensor_like(v, v->dtype) : NULL;
-    int rc = dv ? ampc__k_attention_backward(&d, q, k, v, n->saved[3], n->saved[4], g, dq, dk, dv) : ampc_last_status();
-    ampc__release(g);
+    ampc_tensor *dv = dk ? ampc__tensor_like(v, v->dtype) : NULL, *ds = NULL, *dm = NULL;
+    int rc = dv ? AMPC_OK : ampc_last_status();
+    if (rc >= 0 && mask && n->next[3]) {   /* the scores' gradient, at q's rank, summed down to the mask's shape */
+        int64_t full[AMPC_MAX_DIMS];
+        memcpy(full, q->shape, sizeof(int64_t) * (size_t)q->ndim);
+        full[q->ndim - 1] = d.Tk;
+        if (!(ds = ampc__tensor_new(mask->dtype, mask->device, q->ndim, full))) rc = ampc_last_status();
+    }
+    if (rc >= 0) rc = ampc__k_attention_backward(&d, q, k, v, mask, n->saved[3], n->saved[4], g, dq, dk, dv, ds);
+    if (rc >= 0 && ds) {
+        ampc_tensor *sum = ampc__k_sum_to(ds, mask->ndim, mask->shape, 1.0);
+        ampc_tensor *cast = sum ? ampc__k_cast(sum, ampc__grad_dtype(n, 3)) : NULL;
+        dm = cast ? ampc__tensor_view(cast, n->in[3].ndim, n->in[3].shape) : NULL;
+        ampc__release(sum), ampc__release(cast);
+        if (!dm) rc = ampc_last_status();
+    }
+    ampc__release(g), ampc__release(ds);
     if (rc < 0) {
-        ampc__release(dq), ampc__release(dk), ampc__release(dv);
+        ampc__release(dq), ampc__release(dk), ampc__release(dv), ampc__release(dm);
         return rc;
     }
-    gx[0] = dq, gx[1] = dk, gx[2] = dv;
+    gx[0] = dq, gx[1] = dk, gx[2] = dv, gx[3] = dm;
     return AMPC_OK;
 }
 
@@ -33,10 +69,37 @@ static bool same_lead(const ampc_tensor *a, const ampc_tensor *b) {
     return true;
 }
 
-ampc_tensor *ampc_scaled_dot_product_attention(ampc_tensor *q_, ampc_tensor *k_, ampc_tensor *v_, bool is_causal, double scale) {
+/* The mask widened to the statistics dtype sdt and viewed at q's rank (leading 1s), after
+   checking it broadcasts to (..., Tq, Tk); owned, or NULL with the error set. */
+static ampc_tensor *mask_for_kernels(const ampc_tensor *q, ampc_tensor *mask, int64_t Tk, ampc_dtype sdt, const char *name) {
+    char s1[96], s2[96];
+    const int nd = q->ndim;
+    int64_t want[AMPC_MAX_DIMS], padded[AMPC_MAX_DIMS];
+    memcpy(want, q->shape, sizeof(int64_t) * (size_t)nd);
+    want[nd - 1] = Tk;
+    if (ampc__check_float(mask, name, "attn_mask") < 0) return NULL;
+    bool ok = mask->ndim >= 1 && mask->ndim <= nd;
+    for (int i = 0; ok && i < nd; i++) {
+        int mi = i - (nd - mask->ndim);
+        padded[i] = mi < 0 ? 1 : mask->shape[mi];
+        ok = padded[i] == 1 || padded[i] == want[i];
+    }
+    if (!ok) {
+        ampc__err(AMPC_ERR_SHAPE, "%s: attn_mask %s does not broadcast to the scores of q %s: (..., %lld, %lld)", name,
+                  ampc__shape_str(mask, s1, sizeof s1), ampc__shape_str(q, s2, sizeof s2), (long long)want[nd - 2], (long long)Tk);
+        return NULL;
+    }
+    ampc_tensor *wide = ampc__k_convert(mask, sdt, AMPC_CONTIGUOUS_FORMAT);
+    ampc_tensor *view = wide ? ampc__tensor_view(wide, nd, padded) : NULL;
+    ampc__release(wide);
+    return view;
+}
+
+ampc_tensor *ampc_scaled_dot_product_attention(ampc_tensor *q_, ampc_tensor *k_, ampc_tensor *v_, ampc_tensor *attn_mask,
+                                               double dropout_p, bool is_causal, double scale) {
     ampc_op_args a;
-    if (ampc__op_prepare(AMPC_OP_SDPA, &a, 3, (ampc_tensor *[]){q_, k_, v_}, 0) < 0) return NULL;
-    ampc_tensor *q = a.in[0], *k = a.in[1], *v = a.in[2], *o = NULL, *lse = NULL;
+    if (ampc__op_prepare(AMPC_OP_SDPA, &a, 4, (ampc_tensor *[]){q_, k_, v_, attn_mask}, 1u << 3) < 0) return NULL;
+    ampc_tensor *q = a.in[0], *k = a.in[1], *v = a.in[2], *o = NULL, *lse = NULL, *mask = NULL;
     const char *name = "scaled_dot_product_attention";
     char s1[96], s2[96], s3[96];
     if (ampc__check_float(q, name, "q") < 0 || ampc__check_float(k, name, "k") < 0 || ampc__check_float(v, name, "v") < 0)
@@ -56,38 +119,44 @@ ampc_tensor *ampc_scaled_dot_product_attention(ampc_tensor *q_, ampc_tensor *k_,
         ampc__err(AMPC_ERR_INVALID, "%s: scale %g (0: 1/sqrt(E))", name, scale);
         return ampc__op_finish(&a, NULL, NULL);
     }
+    if (!(dropout_p >= 0 && dropout_p <= 1)) {
+        ampc__err(AMPC_ERR_INVALID, "%s: dropout_p %g outside [0, 1]", name, dropout_p);
+        return ampc__op_finish(&a, NULL, NULL);
+    }
     const int nd = q->ndim;
-    ampc_attn_desc d = {1, q->shape[nd - 2], k->shape[nd - 2], q->shape[nd - 1], v->shape[nd - 1], is_causal, scale};
-    for (int i = 0; i < nd - 2; i++) d.batch *= q->shape[i];
+    const ampc_dtype sdt = ampc__device(q->device)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64;
+    if (a.in[3] && !(mask = mask_for_kernels(q, a.in[3], k->shape[nd - 2], sdt, name))) return ampc__op_finish(&a, NULL, NULL);
+    ampc_attn_desc d = make_desc(q, k, v, mask, is_causal, scale, dropout_p);
     if (d.scale == 0) d.scale = d.E > 0 ? 1.0 / sqrt((double)d.E) : 1.0;
+    if (d.dropout > 0) d.rng = ampc__rng_reserve((uint64_t)(d.batch * d.Tq * d.Tk));
     int64_t oshape[AMPC_MAX_DIMS];
     memcpy(oshape, q->shape, sizeof(int64_t) * (size_t)nd);
     oshape[nd - 1] = d.Ev;
-    const ampc_dtype sdt = ampc__device(q->device)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64;
     int64_t nl = d.batch * d.Tq;
-    bool grad = ampc__needs_grad(a.in, 3);
+    bool grad = ampc__needs_grad(a.in, 4);
     o = ampc__tensor_new(q->dtype, q->device, nd, oshape);
     lse = o && grad ? ampc__tensor_new(sdt, q->device, 1, &nl) : NULL;
-    if (!o || (grad && !lse) || ampc__k_attention(&d, q, k, v, o, lse) < 0) {
-        ampc__release(o), ampc__release(lse);
+    if (!o || (grad && !lse) || ampc__k_attention(&d, q, k, v, mask, o, lse) < 0) {
+        ampc__release(o), ampc__release(lse), ampc__release(mask);
         return ampc__op_finish(&a, NULL, NULL);
     }
     ampc_node *node = NULL;
     if (grad) {
-        node = ampc__node_new(ampc_op_grad_fn(AMPC_OP_SDPA), attention_backward_fn, a.in, 3);
+        node = ampc__node_new(ampc_op_grad_fn(AMPC_OP_SDPA), attention_backward_fn, a.in, 4);
         ampc_tensor *saved = node ? ampc__tensor_view(o, o->ndim, o->shape) : NULL;
         if (!saved) {
-            ampc__release(o), ampc__release(lse);
+            ampc__release(o), ampc__release(lse), ampc__release(mask);
             return ampc__op_finish(&a, NULL, node);
         }
         for (int i = 0; i < 3; i++) ampc__node_save(node, i, a.in[i]);
         ampc__node_save(node, 3, saved);
         ampc__node_save(node, 4, lse);
+        if (mask) ampc__node_save(node, 5, mask);
         ampc__release(saved);
-        node->args.attention.batch = d.batch, node->args.attention.Tq = d.Tq, node->args.attention.Tk = d.Tk;
-        node->args.attention.E = d.E, node->args.attention.Ev = d.Ev;
         node->args.attention.causal = d.causal, node->args.attention.scale = d.scale;
+        node->args.attention.dropout = d.dropout;
+        node->args.attention.rng_seed = d.rng.seed, node->args.attention.rng_offset = d.rng.offset;
     }
-    ampc__release(lse);
+    ampc__release(lse), ampc__release(mask);
     return ampc__op_finish(&a, o, node);
 }

@@ -6,8 +6,10 @@
  * with a vectorized exp (cpu.h). The forward saves each row's log-sum-exp; the backward recomputes each
  * block's probabilities from it (nothing of T x T size is kept between the passes, only one
  * block's R x T workspace per thread):
- *     P = exp(S - lse); dv += P^T do; dP = do v^T; dS = P (dP - rowsum(do o)) * scale;
- *     dq = dS k; dk += dS^T q.
+ *     P = exp(S - lse); Pd = P keep / (1 - p); dv += Pd^T do; dP = (do v^T) keep / (1 - p);
+ *     dS = P (dP - rowsum(do o)); dmask = dS; dq = dS k scale; dk += dS^T q scale.
+ * The additive mask is added to each row of scores before its softmax; dropout's keep decisions
+ * are the Philox draws (b Tq + i) Tk + j (random.c), made again by the backward.
  * Every head's q, k, v (and o, do) are staged to f32 once. oneDNN's gemm runs single-threaded
  * inside each thread, so a head's sums come in one order whatever the thread count.
  */
@@ -40,20 +42,35 @@ static void sgemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float alpha
     dnnl_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
+/* s[j] += m[j sj] for the nj keys a row sees (sj 0: one value for the row) */
+AMPC_CPU_VEC static void add_mask_row(float *s, const float *m, int64_t sj, int64_t nj) {
+    if (sj == 1) {
+#pragma omp simd
+        for (int64_t j = 0; j < nj; j++) s[j] += m[j];
+    } else {
+        for (int64_t j = 0; j < nj; j++) s[j] += m[j * sj];
+    }
+}
+
 /* A row of kn scores, of which the first nj are seen: the probabilities in place (0 past nj);
-   returns the row's log-sum-exp (-inf when it sees no key). */
+   returns the row's log-sum-exp (-inf, and a row of 0, when it sees no key or every key it sees
+   is masked by -inf). */
 AMPC_CPU_VEC static float softmax_row(float *s, int64_t nj, int64_t kn) {
     float m = -INFINITY, l = 0.0f;
     for (int64_t j = 0; j < nj; j++) m = s[j] > m ? s[j] : m;
+    if (m == -INFINITY) {
+        memset(s, 0, (size_t)kn * sizeof *s);
+        return -INFINITY;
+    }
 #pragma omp simd reduction(+ : l)
     for (int64_t j = 0; j < nj; j++) {
         s[j] = ampc__cpu_exp(s[j] - m);
         l += s[j];
     }
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float inv = 1.0f / l;
 #pragma omp simd
     for (int64_t j = 0; j < kn; j++) s[j] = j < nj ? s[j] * inv : 0.0f;
-    return l > 0.0f ? m + logf(l) : -INFINITY;
+    return m + logf(l);
 }
 
 /* The probabilities of a row of scores from its log-sum-exp lse (0 past nj, and for a row that
@@ -63,11 +80,19 @@ AMPC_CPU_VEC static void probs_row(float *p, int64_t nj, int64_t kn, float lse) 
     for (int64_t j = 0; j < kn; j++) p[j] = j < nj && lse > -INFINITY ? ampc__cpu_exp(p[j] - lse) : 0.0f;
 }
 
-/* dS = P (dP - D) scale, in place of P */
-AMPC_CPU_VEC static void dscores_row(float *p, const float *dp, int64_t kn, float D, float scale) {
+/* y = x keep f (f = 1 / (1 - p)): a row through dropout's decisions; y may be x */
+AMPC_CPU_VEC static void drop_row(const float *x, const uint8_t *keep, int64_t n, float f, float *y) {
 #pragma omp simd
-    for (int64_t j = 0; j < kn; j++) p[j] = p[j] * (dp[j] - D) * scale;
+    for (int64_t j = 0; j < n; j++) y[j] = keep[j] ? x[j] * f : 0.0f;
 }
+
+/* dS = P (dP - D), in place of P */
+AMPC_CPU_VEC static void dscores_row(float *p, const float *dp, int64_t kn, float D) {
+#pragma omp simd
+    for (int64_t j = 0; j < kn; j++) p[j] = p[j] * (dp[j] - D);
+}
+
+static float drop_factor(double p) { return p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.0f; }
 
 /* Threads for batch heads of work w each, and a workspace of `per` floats each (NULL + error). */
 static float *workspace(const ampc_attn_desc *d, size_t per, int *nt, size_t *block) {
@@ -77,22 +102,27 @@ static float *workspace(const ampc_attn_desc *d, size_t per, int *nt, size_t *bl
 }
 
 static int cpu_attention(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
-                         ampc_tensor *o, ampc_tensor *lse) {
+                         const ampc_tensor *mask, ampc_tensor *o, ampc_tensor *lse) {
     const int64_t Tq = d->Tq, Tk = d->Tk, E = d->E, Ev = d->Ev, R = Tq < ROWS ? Tq : ROWS;
     if (d->batch == 0 || Tq == 0) return AMPC_OK;
-    const float scale = (float)d->scale;
-    const size_t per = (size_t)(Tq * E + Tk * E + Tk * Ev + Tq * Ev + R * Tk);
+    const float scale = (float)d->scale, fdrop = drop_factor(d->dropout);
+    const bool drop = d->dropout > 0;
+    /* per thread: q, k, v, o staged, a block's scores, a row's keep bytes */
+    const size_t per = (size_t)(Tq * E + Tk * E + Tk * Ev + Tq * Ev + R * Tk + (Tk + 3) / 4);
     int nt;
     size_t block = 0;
     float *ws = workspace(d, per, &nt, &block);
     if (!ws) return ampc_last_status();
     float *L = lse ? ampc__data(lse) : NULL;
+    const float *M = mask ? ampc__data(mask) : NULL;
 #pragma omp parallel num_threads(nt)
     {
         omp_set_num_threads(1);   /* oneDNN's gemm below: on this thread alone */
         float *qs = ws + (size_t)omp_get_thread_num() * per, *ks = qs + Tq * E, *vs = ks + Tk * E, *os = vs + Tk * Ev, *S = os + Tq * Ev;
+        uint8_t *keep = (uint8_t *)(S + R * Tk);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < d->batch; b++) {
+            const float *Mb = M ? M + ampc__attn_mask_offset(d, b) : NULL;
             stage(q, b * Tq, Tq, E, qs);
             stage(k, b * Tk, Tk, E, ks);
             stage(v, b * Tk, Tk, Ev, vs);
@@ -100,8 +130,15 @@ static int cpu_attention(const ampc_attn_desc *d, const ampc_tensor *q, const am
                 const int64_t n = Tq - i0 < R ? Tq - i0 : R, kn = keys_of(d, i0 + n - 1);
                 sgemm('N', 'T', n, kn, E, scale, qs + i0 * E, E, ks, E, 0.0f, S, kn);
                 for (int64_t r = 0; r < n; r++) {
-                    const float lse_r = softmax_row(S + r * kn, keys_of(d, i0 + r), kn);
-                    if (L) L[b * Tq + i0 + r] = lse_r;
+                    const int64_t i = i0 + r, nj = keys_of(d, i);
+                    float *s = S + r * kn;
+                    if (Mb) add_mask_row(s, Mb + i * d->mask_si, d->mask_sj, nj);
+                    const float lse_r = softmax_row(s, nj, kn);
+                    if (L) L[b * Tq + i] = lse_r;
+                    if (drop) {
+                        ampc__cpu_dropout_keep(d->rng, (uint64_t)((b * Tq + i) * Tk), (size_t)kn, d->dropout, keep);
+                        drop_row(s, keep, kn, fdrop, s);
+                    }
                 }
                 sgemm('N', 'N', n, Ev, kn, 1.0f, S, kn, vs, Ev, 0.0f, os + i0 * Ev, Ev);
             }
@@ -113,26 +150,32 @@ static int cpu_attention(const ampc_attn_desc *d, const ampc_tensor *q, const am
 }
 
 static int cpu_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
-                                  const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout, ampc_tensor *dq,
-                                  ampc_tensor *dk, ampc_tensor *dv) {
+                                  const ampc_tensor *mask, const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout,
+                                  ampc_tensor *dq, ampc_tensor *dk, ampc_tensor *dv, ampc_tensor *dmask) {
     const int64_t Tq = d->Tq, Tk = d->Tk, E = d->E, Ev = d->Ev, R = Tq < ROWS ? Tq : ROWS;
     if (d->batch == 0) return AMPC_OK;
-    const float scale = (float)d->scale;
-    /* per thread: q, k, v, o, do staged, the gradients dq, dk, dv, a block's P and dP, the rows' D */
-    const size_t per = (size_t)(2 * Tq * E + 2 * Tk * E + 2 * Tk * Ev + 2 * Tq * Ev + 2 * R * Tk + Tq);
+    const float scale = (float)d->scale, fdrop = drop_factor(d->dropout);
+    const bool drop = d->dropout > 0;
+    /* per thread: q, k, v, o, do staged, the gradients dq, dk, dv, a block's P and dP, the rows'
+       D; with dropout a block's dropped P and its keep bytes */
+    const size_t per = (size_t)(2 * Tq * E + 2 * Tk * E + 2 * Tk * Ev + 2 * Tq * Ev + 2 * R * Tk + Tq) +
+                       (drop ? (size_t)(R * Tk + (R * Tk + 3) / 4) : 0);
     int nt;
     size_t block = 0;
     float *ws = workspace(d, per, &nt, &block);
     if (!ws) return ampc_last_status();
-    const float *L = ampc__data(lse);
+    const float *L = ampc__data(lse), *M = mask ? ampc__data(mask) : NULL;
+    float *GM = dmask ? ampc__data(dmask) : NULL;
 #pragma omp parallel num_threads(nt)
     {
         omp_set_num_threads(1);
         float *qs = ws + (size_t)omp_get_thread_num() * per, *ks = qs + Tq * E, *vs = ks + Tk * E, *os = vs + Tk * Ev;
         float *gs = os + Tq * Ev, *gq = gs + Tq * Ev, *gk = gq + Tq * E, *gv = gk + Tk * E, *P = gv + Tk * Ev, *dP = P + R * Tk;
-        float *D = dP + R * Tk;
+        float *D = dP + R * Tk, *Pd = drop ? D + Tq : NULL;
+        uint8_t *keep = drop ? (uint8_t *)(Pd + R * Tk) : NULL;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < d->batch; b++) {
+            const float *Mb = M ? M + ampc__attn_mask_offset(d, b) : NULL;
             stage(q, b * Tq, Tq, E, qs);
             stage(k, b * Tk, Tk, E, ks);
             stage(v, b * Tk, Tk, Ev, vs);
@@ -148,12 +191,28 @@ static int cpu_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q,
             for (int64_t i0 = 0; i0 < Tq; i0 += R) {
                 const int64_t n = Tq - i0 < R ? Tq - i0 : R, kn = keys_of(d, i0 + n - 1);
                 sgemm('N', 'T', n, kn, E, scale, qs + i0 * E, E, ks, E, 0.0f, P, kn);
-                for (int64_t r = 0; r < n; r++) probs_row(P + r * kn, keys_of(d, i0 + r), kn, L[b * Tq + i0 + r]);
-                sgemm('T', 'N', kn, Ev, n, 1.0f, P, kn, gs + i0 * Ev, Ev, 1.0f, gv, Ev);    /* dv += P^T do */
-                sgemm('N', 'T', n, kn, Ev, 1.0f, gs + i0 * Ev, Ev, vs, Ev, 0.0f, dP, kn);   /* dP = do v^T */
-                for (int64_t r = 0; r < n; r++) dscores_row(P + r * kn, dP + r * kn, kn, D[i0 + r], scale);
-                sgemm('N', 'N', n, E, kn, 1.0f, P, kn, ks, E, 0.0f, gq + i0 * E, E);       /* dq = dS k */
-                sgemm('T', 'N', kn, E, n, 1.0f, P, kn, qs + i0 * E, E, 1.0f, gk, E);       /* dk += dS^T q */
+                for (int64_t r = 0; r < n; r++) {
+                    const int64_t i = i0 + r, nj = keys_of(d, i);
+                    if (Mb) add_mask_row(P + r * kn, Mb + i * d->mask_si, d->mask_sj, nj);
+                    probs_row(P + r * kn, nj, kn, L[b * Tq + i]);
+                    if (drop) {
+                        ampc__cpu_dropout_keep(d->rng, (uint64_t)((b * Tq + i) * Tk), (size_t)kn, d->dropout, keep + r * kn);
+                        drop_row(P + r * kn, keep + r * kn, kn, fdrop, Pd + r * kn);
+                    }
+                }
+                sgemm('T', 'N', kn, Ev, n, 1.0f, drop ? Pd : P, kn, gs + i0 * Ev, Ev, 1.0f, gv, Ev);   /* dv += Pd^T do */
+                sgemm('N', 'T', n, kn, Ev, 1.0f, gs + i0 * Ev, Ev, vs, Ev, 0.0f, dP, kn);              /* dP = do v^T */
+                for (int64_t r = 0; r < n; r++) {
+                    if (drop) drop_row(dP + r * kn, keep + r * kn, kn, fdrop, dP + r * kn);
+                    dscores_row(P + r * kn, dP + r * kn, kn, D[i0 + r]);
+                    if (GM) {
+                        float *g = GM + (b * Tq + i0 + r) * Tk;
+                        memcpy(g, P + r * kn, (size_t)kn * sizeof *g);
+                        memset(g + kn, 0, (size_t)(Tk - kn) * sizeof *g);
+                    }
+                }
+                sgemm('N', 'N', n, E, kn, scale, P, kn, ks, E, 0.0f, gq + i0 * E, E);       /* dq = dS k scale */
+                sgemm('T', 'N', kn, E, n, scale, P, kn, qs + i0 * E, E, 1.0f, gk, E);       /* dk += dS^T q scale */
             }
             unstage(dq, b * Tq, Tq, E, gq);
             unstage(dk, b * Tk, Tk, E, gk);

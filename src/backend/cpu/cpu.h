@@ -190,4 +190,8 @@ int ampc__cpu_gemm_skinny_run(const ampc_gemm_desc *d, const ampc_tensor *a, con
 extern int ampc__cpu_conv_im2col;
 extern size_t ampc__cpu_conv_im2col_cap;
 
+/* random.c: keep[j] = 1 iff draw first + j of rng survives a dropout of probability p (the
+   dropout kernel's rule: its uniform not below p), else 0, for j < n; any first. */
+void ampc__cpu_dropout_keep(ampc_rng_state rng, uint64_t first, size_t n, double p, uint8_t *keep);
+
 #endif /* AMPC_CPU_H */

@@ -115,6 +115,18 @@ static void apply_range(const ampc_tensor *in, const uint8_t *mask, ampc_tensor 
 
 static float drop_scale(double p) { return p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.0f; }
 
+void ampc__cpu_dropout_keep(ampc_rng_state rng, uint64_t first, size_t n, double p, uint8_t *keep) {
+    const uint32_t thr = (uint32_t)ceil(p * 0x1p24);
+    size_t head = first % 4 ? 4 - first % 4 : 0;   /* draws before the next whole Philox block */
+    head = head < n ? head : n;
+    if (head) {
+        uint32_t blk;
+        dropout_mask(rng.seed, rng.offset + first / 4, 1, thr, &blk);
+        memcpy(keep, (const uint8_t *)&blk + first % 4, head);
+    }
+    if (n > head) mask_range(rng, (size_t)(first + head), n - head, thr, keep + head);
+}
+
 /* Element i uses draw i of the stream (Philox block offset + i / 4, output i % 4), so the mask
    depends neither on the thread count nor on how the work is cut. */
 static int cpu_dropout(const ampc_tensor *x, ampc_tensor *y, uint8_t *mask, double p, ampc_rng_state rng) {
