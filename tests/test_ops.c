@@ -483,6 +483,28 @@ static void test_in_place(void **state) {
     ampc_scope_end();
 }
 
+/* Exact GELU on the CPU keeps its relative accuracy in the tails (where x Phi(x) is tiny and
+   1 + erf(x / sqrt 2) would cancel): within 1e-6 of x erfc(-x / sqrt 2) / 2 by libm in double
+   over [-12.5, 13] in steps of 2^-10, in f32. */
+static void test_gelu_tails(void **state) {
+    (void)state;
+    ampc_scope_begin();
+    const int64_t n = (int64_t)(25.5 * 1024) + 1;
+    double *xs = malloc((size_t)n * sizeof *xs);
+    for (int64_t i = 0; i < n; i++) xs[i] = -12.5 + (double)i / 1024;
+    ampc_tensor *x = ampc_tensor_from_f64(AMPC_F32, 1, &n, xs), *y = ampc_gelu(x);
+    ASSERT_NOT_NULL_MSG(y);
+    double *got = tu_values(y), worst = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double want = xs[i] * 0.5 * erfc(-xs[i] / sqrt(2.0)), rel = want == 0 ? fabs(got[i]) : fabs(got[i] - want) / fabs(want);
+        worst = fmax(worst, rel);
+        if (!(rel <= 1e-6)) fail_msg("gelu(%.10g) = %.9g, x erfc(-x / sqrt 2) / 2 = %.9g: relative error %.3g", xs[i], got[i], want, rel);
+    }
+    printf("gelu on [-12.5, 13]: worst relative error %.3g\n", worst);
+    free(got), free(xs);
+    ampc_scope_end();
+}
+
 // ---------------------------------------------------------------------------------------------
 // What each op saves for backward
 
@@ -905,7 +927,7 @@ int main(void) {
         cmocka_unit_test(test_bf16_rounding_in_registers),
         cmocka_unit_test(test_bf16_register_path_bits),
         cmocka_unit_test(test_sum_to_f32_out),
-        cmocka_unit_test(test_kernel_door), cmocka_unit_test(test_cudnn_benchmark_switch), cmocka_unit_test(test_gelu_tanh_pytorch),
+        cmocka_unit_test(test_kernel_door), cmocka_unit_test(test_cudnn_benchmark_switch), cmocka_unit_test(test_gelu_tanh_pytorch), cmocka_unit_test(test_gelu_tails),
         cmocka_unit_test(test_permute),
     };
     return cmocka_run_group_tests(tests, tu_group_setup, tu_group_teardown);

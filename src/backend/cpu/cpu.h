@@ -18,10 +18,13 @@
 #define AMPC_CPU_CHUNK 1024   /* elements per f32 staging buffer (4 KiB, on the stack) */
 
 /* AVX-512 and AVX2 clones of a loop, picked at load time: the build has no -march, and the
-   binary still runs on any x86-64. */
+   binary still runs on any x86-64. Both vector levels have FMA (x86-64-v3 is AVX2 + FMA), so
+   the polynomials' explicit fmaf below are one instruction there; ISO C mode contracts nothing
+   by itself, and a fused multiply-add rounds alike everywhere (libm's fmaf in the baseline
+   clone), so the clones differ only in the order of their sums. */
 #if defined(__x86_64__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
-#define AMPC_CPU_VEC __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#define AMPC_CPU_VEC __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 #endif
 #ifndef AMPC_CPU_VEC
@@ -54,52 +57,59 @@ AMPC_CPU_INLINE float ampc__cpu_fsel(uint32_t c, float a, float b) {
     return ampc__cpu_bitsf((ampc__cpu_fbits(a) & m) | (ampc__cpu_fbits(b) & ~m));
 }
 
-/* exp(x) in plain arithmetic so loops over it vectorize: Cephes' expf (range reduction by
-   ln 2, degree-6 polynomial; within 1 ulp of exp on [-87.3, 88.3]). Results below FLT_MIN
-   flush to 0 (they vanish next to a softmax denominator >= 1), -inf gives 0, NaN stays NaN,
-   arguments above 88.3 clamp (callers pass x - max <= 0). Tests in tests/test_loss.c; the softmax and
-   cross-entropy (loss.c), attention and exact GELU use it. */
-AMPC_CPU_INLINE float ampc__cpu_exp(float x) {
-    const float lo = -87.33654f, hi = 88.3f;
+/* exp(a + b) in plain arithmetic so loops over it vectorize, with a + b never rounded as a
+   sum: Cephes' expf (range reduction by ln 2 in two parts, degree-6 polynomial; within 1 ulp of
+   exp on [-87.3, 88.3]), the reduction r = a - n ln 2 + b taken from a exactly (n ln 2's first
+   part has 9 bits, so a - n C1 is one fused rounding) and b added after, so b may carry the
+   low part of an argument (exp(a + b) of an exact a + b split in two floats). Results below
+   FLT_MIN flush to 0 (they vanish next to a softmax denominator >= 1), -inf gives 0, NaN stays
+   NaN, arguments above 88.3 clamp (callers pass x - max <= 0). */
+AMPC_CPU_INLINE float ampc__cpu_exp2(float a, float b) {
+    const float lo = -87.33654f, hi = 88.3f, x = a + b;   /* x only picks n and the range */
     uint32_t xb = ampc__cpu_fbits(x);
     uint32_t nan = (xb & 0x7fffffffu) > 0x7f800000u;
     uint32_t under = xb > ampc__cpu_fbits(lo);                            /* negative and below lo */
     uint32_t over = (xb < 0x80000000u) & (xb > ampc__cpu_fbits(hi));      /* positive and above hi */
-    float xc = ampc__cpu_fsel(under, lo, ampc__cpu_fsel(over, hi, x));
+    float ac = ampc__cpu_fsel(under, lo, ampc__cpu_fsel(over, hi, a));   /* out of range: a clamped, b kept */
     /* n = round(x / ln 2) by adding 1.5 * 2^23: the low mantissa bits of t then hold n */
-    float t = xc * 1.44269504088896341f + 12582912.0f;
+    float t = fmaf(ampc__cpu_fsel(under | over, ac, x), 1.44269504088896341f, 12582912.0f);
     float n = t - 12582912.0f;
-    float r = xc - n * 0.693359375f + n * 2.12194440e-4f;   /* x - n ln 2 in two parts */
+    float r = fmaf(n, 2.12194440e-4f, fmaf(n, -0.693359375f, ac) + b);   /* a + b - n ln 2 */
     float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.0f;
     float y = p * ampc__cpu_bitsf((ampc__cpu_fbits(t) - 0x4B400000u + 127u) << 23);   /* * 2^n, n in [-126, 127] */
     return ampc__cpu_fsel(nan, x, ampc__cpu_fsel(under, 0.0f, y));
 }
 
+/* exp(x), as above (tests in tests/test_loss.c); the softmax and cross-entropy (loss.c),
+   attention and exact GELU use it. */
+AMPC_CPU_INLINE float ampc__cpu_exp(float x) { return ampc__cpu_exp2(x, -0.0f); }   /* x + -0 is x: folded away */
+
 /* The standard normal CDF Phi(x) = erfc(-x / sqrt 2) / 2 (exact GELU's gate), vectorizable, and
    relatively accurate in the tails too (no 1 + erf cancellation): erfc by Numerical Recipes'
    Chebyshev fit t exp(-z^2 - 1.26551223 + t c(t)) (fractional error < 1.2e-7), with z^2 = x^2 / 2
-   carried exactly (x x and its rounding error by fma) into two exps, so the large -z^2 is never
-   rounded into a sum. Measured against erfc in double over [-12, 12] (step 1e-5): within 5e-7
-   relative (8 ulp) everywhere; libm's 1 + erff(x / sqrt 2) loses all relative accuracy below x = -4. */
+   carried exactly (x x and its rounding error by fma) into the exponential's two parts, so the
+   large -z^2 is never rounded into a sum. Measured against erfc in double over [-12, 12] (step
+   1e-5): within 5e-7 relative (8 ulp) everywhere; libm's 1 + erff(x / sqrt 2) loses all
+   relative accuracy below x = -4. tests/test_ops.c holds it to 1e-6 over [-13, 13]. */
 AMPC_CPU_INLINE float ampc__cpu_phi(float x) {
-    const float z = fabsf(x) * 0.70710678118654752440f, t = 1.0f / (1.0f + 0.5f * z);
+    const float z = fabsf(x) * 0.70710678118654752440f, t = 1.0f / fmaf(0.5f, z, 1.0f);
     float c = 0.17087277f;
-    c = c * t - 0.82215223f;
-    c = c * t + 1.48851587f;
-    c = c * t - 1.13520398f;
-    c = c * t + 0.27886807f;
-    c = c * t - 0.18628806f;
-    c = c * t + 0.09678418f;
-    c = c * t + 0.37409196f;
-    c = c * t + 1.00002368f;
+    c = fmaf(c, t, -0.82215223f);
+    c = fmaf(c, t, 1.48851587f);
+    c = fmaf(c, t, -1.13520398f);
+    c = fmaf(c, t, 0.27886807f);
+    c = fmaf(c, t, -0.18628806f);
+    c = fmaf(c, t, 0.09678418f);
+    c = fmaf(c, t, 0.37409196f);
+    c = fmaf(c, t, 1.00002368f);
     const float xx = x * x, xx_err = fmaf(x, x, -xx);   /* x^2 = xx + xx_err exactly; z^2 is half of it */
-    const float half_erfc = 0.5f * t * ampc__cpu_exp(-0.5f * xx) * ampc__cpu_exp(-0.5f * xx_err - 1.26551223f + t * c);   /* erfc(|x| / sqrt 2) / 2 */
+    const float half_erfc = 0.5f * t * ampc__cpu_exp2(-0.5f * xx, fmaf(t, c, fmaf(-0.5f, xx_err, -1.26551223f)));   /* erfc(|x| / sqrt 2) / 2 */
     return x < 0.0f ? half_erfc : 1.0f - half_erfc;
 }
 

@@ -22,18 +22,6 @@
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-/* The row and tile loops are compiled for AVX-512, AVX2 and baseline x86-64 (the library's
-   build target) and picked at load time: the exp polynomial runs 2-4x faster on wide vectors.
-   No contraction into FMA in ISO C mode, so only the order of the sums differs between them. */
-#if defined(__x86_64__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define ROW_KERNEL __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-#endif
-#endif
-#ifndef ROW_KERNEL
-#define ROW_KERNEL
-#endif
-
 /* nt * per_thread floats of scratch (NULL with the error set on failure). */
 static float *ws_alloc(int nt, size_t per_thread, size_t *bytes) {
     size_t n = (size_t)nt * per_thread;
@@ -67,7 +55,7 @@ static inline float row_max(const float *x, int64_t n) {
 // Softmax on f32 arrays. Rows: contiguous x[n]. Columns: x (dim, T) with row stride xs; the
 // T columns are independent softmaxes. y may alias x (same stride).
 
-ROW_KERNEL static void softmax_row(const float *x, float *y, int64_t n, bool is_log) {
+AMPC_CPU_VEC static void softmax_row(const float *x, float *y, int64_t n, bool is_log) {
     float m = row_max(x, n), s = 0.0f;
     if (is_log) {
 #pragma omp simd reduction(+ : s)
@@ -89,7 +77,7 @@ ROW_KERNEL static void softmax_row(const float *x, float *y, int64_t n, bool is_
 
 #define SOFTMAX_TILE 64   /* columns per tile */
 
-ROW_KERNEL static void softmax_cols(const float *x, int64_t xs, float *y, int64_t ys, int64_t dim, int64_t T, bool is_log) {
+AMPC_CPU_VEC static void softmax_cols(const float *x, int64_t xs, float *y, int64_t ys, int64_t dim, int64_t T, bool is_log) {
     float m[SOFTMAX_TILE], s[SOFTMAX_TILE];
     for (int64_t j = 0; j < T; j++) {
         m[j] = -INFINITY;
@@ -134,7 +122,7 @@ ROW_KERNEL static void softmax_cols(const float *x, int64_t xs, float *y, int64_
 
 /* softmax: gx = y * (gy - sum(gy * y)); log-softmax: gx = gy - exp(y) * sum(gy).
    gx may alias g. */
-ROW_KERNEL static void softmax_bwd_row(const float *y, const float *g, float *gx, int64_t n, bool is_log) {
+AMPC_CPU_VEC static void softmax_bwd_row(const float *y, const float *g, float *gx, int64_t n, bool is_log) {
     float s = 0.0f;
     if (is_log) {
 #pragma omp simd reduction(+ : s)
@@ -149,7 +137,7 @@ ROW_KERNEL static void softmax_bwd_row(const float *y, const float *g, float *gx
     }
 }
 
-ROW_KERNEL static void softmax_bwd_cols(const float *y, int64_t ys, const float *g, int64_t gs, float *gx, int64_t gxs,
+AMPC_CPU_VEC static void softmax_bwd_cols(const float *y, int64_t ys, const float *g, int64_t gs, float *gx, int64_t gxs,
                              int64_t dim, int64_t T, bool is_log) {
     float s[SOFTMAX_TILE];
     for (int64_t j = 0; j < T; j++) s[j] = 0.0f;
@@ -303,7 +291,7 @@ static int cpu_softmax_backward(const ampc_tensor *y, const ampc_tensor *gy, amp
 // Cross-entropy
 
 /* Loss of one row: (1 - eps) * nll + eps * mean_c(-logp_c), with logp = (x - m) - log(s). */
-ROW_KERNEL static float ce_row(const float *x, int64_t C, int64_t t, float eps) {
+AMPC_CPU_VEC static float ce_row(const float *x, int64_t C, int64_t t, float eps) {
     float m = row_max(x, C), s = 0.0f, sd = 0.0f;
 #pragma omp simd reduction(+ : s, sd)
     for (int64_t c = 0; c < C; c++) {
@@ -357,7 +345,7 @@ static int cpu_cross_entropy(const ampc_tensor *logits, const ampc_tensor *targe
 }
 
 /* gx = (softmax(x) - q) * g with q = eps/C off target, 1 - eps + eps/C on it; gx may alias x. */
-ROW_KERNEL static void ce_row_backward(const float *x, float *gx, int64_t C, int64_t t, float eps, float g) {
+AMPC_CPU_VEC static void ce_row_backward(const float *x, float *gx, int64_t C, int64_t t, float eps, float g) {
     float m = row_max(x, C), s = 0.0f;
 #pragma omp simd reduction(+ : s)
     for (int64_t c = 0; c < C; c++) {
