@@ -439,9 +439,10 @@ ampc_tensor *ampc_embedding(ampc_tensor *indices, ampc_tensor *weight);
      1 / (1 - p), the draws taken from ampc's rng stream (ampc_manual_seed); pass it only in
      training, as nanoGPT does (the op has no training flag).
    A query row whose keys are all hidden or -inf gives 0. Computed row by row with an online
-   softmax in f32 (f64 on REF): neither pass keeps a Tq x Tk matrix; the node saves q, k, v, the
-   output, each row's log-sum-exp and the mask, and the backward recomputes the probabilities and
-   redraws the dropout (flash attention's scheme). Autocast: lower precision, as PyTorch's CUDA
+   softmax in f32 (f64 on REF): neither pass keeps a Tq x Tk matrix; the node saves q, k, v, each
+   row's log-sum-exp and the mask, and the backward recomputes the probabilities and redraws the
+   dropout (flash attention's scheme). On CPUs with bf16 units, bf16 attention multiplies on them
+   (oneDNN's bf16 matmuls) with each block's probabilities rounded to bf16 for P v. Autocast: lower precision, as PyTorch's CUDA
    list (the mask too). */
 ampc_tensor *ampc_scaled_dot_product_attention(ampc_tensor *q, ampc_tensor *k, ampc_tensor *v, ampc_tensor *attn_mask,
                                                double dropout_p, bool is_causal, double scale);

@@ -207,10 +207,10 @@ static int w_attention(const ampc_attn_desc *d, const ampc_tensor *q, const ampc
     TIMED("attention", -1, q->dtype, NULL, NULL, false, attn_flops(d), saved.attention(d, q, k, v, mask, o, lse));
 }
 static int w_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
-                                const ampc_tensor *mask, const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout,
-                                ampc_tensor *dq, ampc_tensor *dk, ampc_tensor *dv, ampc_tensor *dmask) {
+                                const ampc_tensor *mask, const ampc_tensor *lse, const ampc_tensor *dout, ampc_tensor *dq,
+                                ampc_tensor *dk, ampc_tensor *dv, ampc_tensor *dmask) {
     TIMED("attention_backward", -1, q->dtype, NULL, NULL, false, 2.0 * attn_flops(d),
-          saved.attention_backward(d, q, k, v, mask, o, lse, dout, dq, dk, dv, dmask));
+          saved.attention_backward(d, q, k, v, mask, lse, dout, dq, dk, dv, dmask));
 }
 static int w_permute(const ampc_tensor *x, const int *perm, ampc_tensor *y) {
     TIMED("permute", -1, x->dtype, NULL, NULL, false, 0, saved.permute(x, perm, y));

@@ -13,7 +13,7 @@
 #include "core/core.h"
 
 #define AMPC_NODE_MAX_INPUTS 8
-#define AMPC_NODE_MAX_SAVED 6
+#define AMPC_NODE_MAX_SAVED 5
 
 /* Computes the gradient of each input i that needs one (n->next[i] != NULL) from gy, the
    gradient of the output. gx[i] receive new tensors owned by the engine (or NULL when not

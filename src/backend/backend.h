@@ -268,15 +268,15 @@ typedef struct ampc_backend {
                                ampc_tensor *gw, ampc_tensor *gb);
     /* Attention (ampc_attn_desc): o and lse from q, k, v (one float dtype; lse in the
        statistics dtype) and the additive mask (NULL: none); the backward dq, dk, dv (q's dtype)
-       from do, o, lse and q, k, v, mask, recomputing the probabilities, and when dmask is given
+       from do, lse and q, k, v, mask, recomputing the probabilities, and when dmask is given
        the scores' gradient (batch, Tq, Tk) in the statistics dtype (the mask's gradient before
        its broadcast is summed away; 0 where a key is hidden). A query row with every key hidden
        or masked by -inf gives 0 (lse -inf). */
     int (*attention)(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
                      const ampc_tensor *mask, ampc_tensor *o, ampc_tensor *lse);
     int (*attention_backward)(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
-                              const ampc_tensor *mask, const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout,
-                              ampc_tensor *dq, ampc_tensor *dk, ampc_tensor *dv, ampc_tensor *dmask);
+                              const ampc_tensor *mask, const ampc_tensor *lse, const ampc_tensor *dout, ampc_tensor *dq,
+                              ampc_tensor *dk, ampc_tensor *dv, ampc_tensor *dmask);
     /* y = x with its dims reordered: y's dim i is x's dim perm[i] (a permutation of x's ndim
        dims; y's shape follows); any dtype, the bits copied; x and y contiguous. */
     int (*permute)(const ampc_tensor *x, const int *perm, ampc_tensor *y);
@@ -382,8 +382,8 @@ int ampc__k_permute(const ampc_tensor *x, const int *perm, ampc_tensor *y);
 int ampc__k_attention(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
                       const ampc_tensor *mask, ampc_tensor *o, ampc_tensor *lse);
 int ampc__k_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
-                               const ampc_tensor *mask, const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout,
-                               ampc_tensor *dq, ampc_tensor *dk, ampc_tensor *dv, ampc_tensor *dmask);
+                               const ampc_tensor *mask, const ampc_tensor *lse, const ampc_tensor *dout, ampc_tensor *dq,
+                               ampc_tensor *dk, ampc_tensor *dv, ampc_tensor *dmask);
 int ampc__k_embedding(const ampc_tensor *w, const ampc_tensor *idx, ampc_tensor *y);
 int ampc__k_embedding_backward(const ampc_tensor *gy, const ampc_tensor *idx, ampc_tensor *gw);
 /* rows or cols 0: nothing to copy, AMPC_OK */

@@ -626,7 +626,7 @@ static int check_attention(ampc_kernel kern, const ampc_attn_desc *d, const ampc
     const int64_t b = d->batch, nq = b * d->Tq * d->E, nk = b * d->Tk * d->E, nv = b * d->Tk * d->Ev, no = b * d->Tq * d->Ev;
     bool bwd = kern == AMPC_K_attention_backward;
     if (ARGS(kern, {q, "q", ANY_FLOAT, nq, true}, {k, "k", FIRST, nk, true}, {v, "v", FIRST, nv, true}, {mask, "mask", STAT, -1, false},
-             {o, "o", FIRST, no, true}, {lse, "lse", STAT, b * d->Tq, bwd}, {dout, "dout", FIRST, no, bwd},
+             {o, "o", FIRST, no, !bwd}, {lse, "lse", STAT, b * d->Tq, bwd}, {dout, "dout", FIRST, no, bwd},
              {dq, "dq", FIRST, nq, bwd}, {dk, "dk", FIRST, nk, bwd}, {dv, "dv", FIRST, nv, bwd},
              {dmask, "dmask", STAT, b * d->Tq * d->Tk, false}))
         return ampc_last_status();
@@ -643,10 +643,10 @@ int ampc__k_attention(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_
     return ampc__backend(q->device)->attention(d, q, k, v, mask, o, lse);
 }
 int ampc__k_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
-                               const ampc_tensor *mask, const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout,
-                               ampc_tensor *dq, ampc_tensor *dk, ampc_tensor *dv, ampc_tensor *dmask) {
-    if (check_attention(AMPC_K_attention_backward, d, q, k, v, mask, o, lse, dout, dq, dk, dv, dmask) < 0) return ampc_last_status();
-    return ampc__backend(q->device)->attention_backward(d, q, k, v, mask, o, lse, dout, dq, dk, dv, dmask);
+                               const ampc_tensor *mask, const ampc_tensor *lse, const ampc_tensor *dout, ampc_tensor *dq,
+                               ampc_tensor *dk, ampc_tensor *dv, ampc_tensor *dmask) {
+    if (check_attention(AMPC_K_attention_backward, d, q, k, v, mask, NULL, lse, dout, dq, dk, dv, dmask) < 0) return ampc_last_status();
+    return ampc__backend(q->device)->attention_backward(d, q, k, v, mask, lse, dout, dq, dk, dv, dmask);
 }
 
 /* Embedding: w (V, D) of a float dtype, idx i64 on w's device, y (or gy) of idx's count of

@@ -1,8 +1,8 @@
 /*
  * attention.c - ops: scaled-dot-product attention as one op (the kernels' online softmax keeps
- * no Tq x Tk matrix). The node saves q, k, v, the output (through a view without grad_fn, as
- * softmax does: the output itself would make a cycle) and each query row's log-sum-exp; the
- * backward recomputes the probabilities from them. An additive mask is widened to the statistics
+ * no Tq x Tk matrix). The node saves q, k, v and each query row's log-sum-exp; the backward
+ * recomputes the probabilities from them (not the output: the kernels take each row's
+ * rowsum(P dP) from the row itself). An additive mask is widened to the statistics
  * dtype once and saved so (viewed at q's rank); dropout's decisions are draws of the rng stream
  * reserved by the forward (node args), drawn again by the backward.
  */
@@ -32,7 +32,7 @@ static ampc_attn_desc make_desc(const ampc_tensor *q, const ampc_tensor *k, cons
 }
 
 static int attention_backward_fn(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
-    ampc_tensor *q = n->saved[0], *k = n->saved[1], *v = n->saved[2], *mask = n->saved[5];
+    ampc_tensor *q = n->saved[0], *k = n->saved[1], *v = n->saved[2], *mask = n->saved[4];
     ampc_attn_desc d = make_desc(q, k, v, mask, n->args.attention.causal, n->args.attention.scale, n->args.attention.dropout);
     d.rng = (ampc_rng_state){n->args.attention.rng_seed, n->args.attention.rng_offset};
     ampc_tensor *g = ampc__k_convert(gy, q->dtype, AMPC_CONTIGUOUS_FORMAT);
@@ -45,7 +45,7 @@ static int attention_backward_fn(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx
         full[q->ndim - 1] = d.Tk;
         if (!(ds = ampc__tensor_new(mask->dtype, mask->device, q->ndim, full))) rc = ampc_last_status();
     }
-    if (rc >= 0) rc = ampc__k_attention_backward(&d, q, k, v, mask, n->saved[3], n->saved[4], g, dq, dk, dv, ds);
+    if (rc >= 0) rc = ampc__k_attention_backward(&d, q, k, v, mask, n->saved[3], g, dq, dk, dv, ds);
     if (rc >= 0 && ds) {
         ampc_tensor *sum = ampc__k_sum_to(ds, mask->ndim, mask->shape, 1.0);
         ampc_tensor *cast = sum ? ampc__k_cast(sum, ampc__grad_dtype(n, 3)) : NULL;
@@ -143,16 +143,13 @@ ampc_tensor *ampc_scaled_dot_product_attention(ampc_tensor *q_, ampc_tensor *k_,
     ampc_node *node = NULL;
     if (grad) {
         node = ampc__node_new(ampc_op_grad_fn(AMPC_OP_SDPA), attention_backward_fn, a.in, 4);
-        ampc_tensor *saved = node ? ampc__tensor_view(o, o->ndim, o->shape) : NULL;
-        if (!saved) {
+        if (!node) {
             ampc__release(o), ampc__release(lse), ampc__release(mask);
-            return ampc__op_finish(&a, NULL, node);
+            return ampc__op_finish(&a, NULL, NULL);
         }
         for (int i = 0; i < 3; i++) ampc__node_save(node, i, a.in[i]);
-        ampc__node_save(node, 3, saved);
-        ampc__node_save(node, 4, lse);
-        if (mask) ampc__node_save(node, 5, mask);
-        ampc__release(saved);
+        ampc__node_save(node, 3, lse);
+        if (mask) ampc__node_save(node, 4, mask);
         node->args.attention.causal = d.causal, node->args.attention.scale = d.scale;
         node->args.attention.dropout = d.dropout;
         node->args.attention.rng_seed = d.rng.seed, node->args.attention.rng_offset = d.rng.offset;

@@ -71,6 +71,11 @@ int ampc__dnnl_reserve_streams(int n);
    waits. For use from the threads of a parallel region, each on its own entry and slot: takes
    no lock, allocates nothing and records no error (returns oneDNN's status). */
 dnnl_status_t ampc__dnnl_exec(ampc_dnnl_entry *e, void *const *handles, void *scratch, int slot);
+/* gemm.c's cached matmul primitive of d (batch 1; no bias) for dt operands and a dst_dt result,
+   one per slot and sized for one thread: for kernels that run small gemms from the threads of a
+   parallel region, each thread on its own entries with ampc__dnnl_exec(e, {a, b, c}, scratch,
+   slot). Lock held; the caller has set OpenMP's thread count to 1 while getting them. */
+ampc_dnnl_entry *ampc__cpu_gemm_entry(const ampc_gemm_desc *d, ampc_dtype dt, ampc_dtype dst_dt, int slot);
 /* oneDNN implementation name of the entry ("brg:avx512_core_bf16"). */
 const char *ampc__dnnl_impl(const ampc_dnnl_entry *e);
 void ampc__dnnl_shutdown(void);

@@ -35,6 +35,7 @@ typedef struct {
     int64_t batch, M, N, K;
     int64_t stride_a, stride_b, stride_c;   /* 0: broadcast operand (batch dim 1) */
     int32_t ta, tb, has_bias, nthr;         /* nthr: oneDNN sizes blocking and scratchpad by it */
+    int32_t slot;                           /* ampc__cpu_gemm_entry's: one primitive per thread */
 } gemm_key;
 
 /* Descriptor of one operand viewed as (batch, rows, cols) with the stored matrix being
@@ -214,6 +215,13 @@ int ampc__cpu_gemm_impl(const ampc_gemm_desc *desc, ampc_dtype dt, bool has_bias
     snprintf(buf, n, "%s", e ? ampc__dnnl_impl(e) : "?");
     ampc__dnnl_unlock();
     return e ? AMPC_OK : ampc_last_status();
+}
+
+ampc_dnnl_entry *ampc__cpu_gemm_entry(const ampc_gemm_desc *desc, ampc_dtype dt, ampc_dtype dst_dt, int slot) {
+    ampc_gemm_desc d = normalize(desc);
+    gemm_key k = make_key(&d, dt, dst_dt, false);
+    k.slot = slot + 1;
+    return ampc__dnnl_get(AMPC_DNNL_MATMUL, &k, sizeof k, build_matmul);
 }
 
 void ampc__cpu_register_gemm(ampc_backend *be) {

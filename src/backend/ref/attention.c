@@ -67,9 +67,9 @@ static int ref_attention(const ampc_attn_desc *d, const ampc_tensor *q, const am
 }
 
 static int ref_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
-                                  const ampc_tensor *mask, const ampc_tensor *o, const ampc_tensor *lse, const ampc_tensor *dout,
-                                  ampc_tensor *dq, ampc_tensor *dk, ampc_tensor *dv, ampc_tensor *dmask) {
-    (void)o, (void)lse;   /* recomputed from the definition */
+                                  const ampc_tensor *mask, const ampc_tensor *lse, const ampc_tensor *dout, ampc_tensor *dq,
+                                  ampc_tensor *dk, ampc_tensor *dv, ampc_tensor *dmask) {
+    (void)lse;   /* recomputed from the definition */
     size_t block = 0;
     double *p = ampc__alloc(AMPC_DEVICE_REF, (size_t)(3 * d->Tk + 1) * sizeof *p, AMPC_MEM_WORKSPACE, &block);
     if (!p) return ampc_last_status();
