@@ -1,12 +1,13 @@
 /*
  * test_transformer.c - the transformer's own ops.
  * ampc_scaled_dot_product_attention: forward and backward against REF (computed there from the
- * definition, with the T x T probabilities) in every CPU dtype with finite differences on REF,
- * causal and not, Tq != Tk, and against PyTorch 1.13's values of the composed formula.
- * ampc_embedding: forward and backward against REF in every CPU dtype with
- * finite differences on REF (CUDA has no embedding or attention kernels yet: the ops refuse there); repeated indices summed in
- * index order to the same bits on 1 and 3 threads; the weight's dtype kept under autocast; bad
- * indices refused by name.
+ * definition, with the T x T probabilities) in every CPU dtype, and on CUDA where a GPU is
+ * present, with finite differences on REF: causal and not, Tq != Tk, masks broadcast every way,
+ * dropout, blocks of rows; against the same attention composed of other ops; against PyTorch
+ * 1.13's values of the composed formula.
+ * ampc_embedding: forward and backward against REF in every CPU dtype (and CUDA) with finite
+ * differences on REF; repeated indices summed in index order to the same bits on 1 and 3
+ * threads; the weight's dtype kept under autocast; bad indices refused by name.
  */
 #include "testutil.h"
 
@@ -26,8 +27,7 @@ static ampc_tensor *op_embedding(ampc_tensor **in, const void *ctx) {
 /* weight (V, D) first (the input with a gradient), then the indices of shape ish */
 static void check_embedding(const char *name, int64_t V, int64_t D, int ind, const int64_t *ish, int64_t n) {
     tu_op_case c = {.name = name, .n_inputs = 2, .ndim = {2, ind}, .is_label = {false, true}, .n_classes = V,
-                    .lo = -2, .hi = 2, .fn = op_embedding, .k = 1, .k_backward = (double)n,
-                    .no_cuda = "the CUDA embedding kernels come with the next GPU session (issue 30)"};
+                    .lo = -2, .hi = 2, .fn = op_embedding, .k = 1, .k_backward = (double)n};
     c.shape[0][0] = V, c.shape[0][1] = D;
     memcpy(c.shape[1], ish, sizeof(int64_t) * (size_t)ind);
     tu_check_op(&c);
@@ -145,7 +145,7 @@ static void check_attention(const char *name, int nd, const int64_t *lead, int64
                             attn_ctx ctx) {
     tu_op_case c = {.name = name, .n_inputs = ctx.mask_nd ? 4 : 3, .ndim = {nd, nd, nd, ctx.mask_nd}, .lo = -1.5, .hi = 1.5,
                     .fn = op_attention, .ctx = &ctx, .k = (double)(E + Tk), .k_backward = (double)(Tq + Tk + E + Ev),
-                    .skip_fd = ctx.skip_fd, .no_cuda = "the CUDA attention kernels come with the next GPU session (issue 30)"};
+                    .skip_fd = ctx.skip_fd};
     for (int i = 0; i < nd - 2; i++) c.shape[0][i] = c.shape[1][i] = c.shape[2][i] = lead[i];
     c.shape[0][nd - 2] = Tq, c.shape[0][nd - 1] = E;
     c.shape[1][nd - 2] = Tk, c.shape[1][nd - 1] = E;

@@ -9,6 +9,9 @@
 #       env       the GPU, the driver, the CPU's AMX flags
 #       kernels   test_cl_kernels, test_bn_relu (batch norm and pooling kernels against REF, the fusions
 #                 against their composites)
+#       gpt       the transformer ops on CUDA against REF (test_transformer: attention, embedding, permute;
+#                 their first run on a GPU), then ampc-bench's gpt (batch 16) and gpt2 (batch 8) in
+#                 amp-bf16 beside the PyTorch peer (nanoGPT with F.scaled_dot_product_attention)
 #       bench     ampc-bench resnet50 amp-fp16,amp-bf16 batch 256, then the PyTorch peer (eager,
 #                 cudnn.benchmark) on the same configs; ampc without the batch norm + add + ReLU
 #                 fusion (AMPC_CUDA_BN_ADD_RELU=0), then the default again
@@ -32,7 +35,7 @@ OUT=${OUT:-/tmp/ampc-out}
 export OUT
 mkdir -p "$OUT"
 BUDGET=${BUDGET:-560}
-STEPS=,${1:-env,kernels,bench,profile,tests,e2e,memory,benchall,train,tensorboard},   # also: cudnn, compile
+STEPS=,${1:-env,kernels,gpt,bench,profile,tests,e2e,memory,benchall,train,tensorboard},   # also: cudnn, compile
 J=$(mktemp -d)   # the JSON files, packed into $OUT/json.tar.gz at the end (the tool brings back 8 files)
 T0=$(date +%s)
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
@@ -63,6 +66,13 @@ step() {
     step env 5 sh -c 'grep -o -E "amx_[a-z0-9]+|avx512_fp16|avx512_bf16" /proc/cpuinfo | sort | uniq -c; nproc --all'
     # the kernels of batch norm (the fused add + ReLU by default) and pooling
     step kernels 30 $R tests test_cl_kernels test_bn_relu
+    step gpt 30 $R tests test_transformer test_ops
+    for w in "gpt 16" "gpt2 8"; do
+        set -- $w
+        step gpt 20 $R bench --device cuda --workloads $1 --modes amp-bf16 --batch $2 --steps 10 --warmup 3 --no-peak \
+            --json "$J/ampc_$1.json"
+        step gpt 40 $R peer --device cuda --workloads $1 --modes amp-bf16 --batch $2 --steps 10 --warmup 3 --json "$J/peer_$1.json"
+    done
     RN="--device cuda --workloads resnet50 --modes amp-fp16,amp-bf16 --batch 256 --steps 10 --warmup 3 --no-peak"
     step bench 30 $R bench $RN --json "$J/ampc_default.json"
     step bench 60 $R peer --device cuda --workloads resnet50 --modes amp-fp16,amp-bf16 --batch 256 --channels-last yes \

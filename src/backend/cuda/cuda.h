@@ -23,6 +23,13 @@ int ampc__cu_check(cudaError_t e, const char *what);
 void *ampc__cu_scratch(size_t nbytes, size_t *block_bytes);
 void ampc__cu_scratch_free(void *p, size_t block_bytes);
 
+/* gemm.c: C = alpha op(A) op(B) + beta C (beta 0 or 1) on device pointers, row-major as
+   ampc_gemm_desc says (batch strides included), in_dt operands and an out_dt C, on cuBLASLt with
+   the plans of the table's gemm; for kernels that multiply parts of tensors (attention). Every
+   size must be positive (AMPC_ERR_INVALID otherwise). */
+int ampc__cu_gemm_ptr(const ampc_gemm_desc *d, ampc_dtype in_dt, ampc_dtype out_dt, const void *a, const void *b, void *c,
+                      float alpha, float beta);
+
 /* Each kernel file fills its part of the table. */
 void ampc__cuda_register_elementwise(ampc_backend *be);  /* unary, binary, sum_to, expand, copy_block */
 void ampc__cuda_register_loss(ampc_backend *be);         /* softmax, cross_entropy */
@@ -33,5 +40,7 @@ void ampc__cuda_register_conv(ampc_backend *be);         /* conv2d and its backw
 void ampc__cuda_register_pool(ampc_backend *be);         /* pooling (own kernels) */
 void ampc__cuda_register_batch_norm(ampc_backend *be);   /* batch_norm, _relu, _add_relu (own kernels) */
 void ampc__cuda_register_layer_norm(ampc_backend *be);   /* layer_norm (own kernels) */
+void ampc__cuda_register_embedding(ampc_backend *be);    /* embedding, permute (own kernels) */
+void ampc__cuda_register_attention(ampc_backend *be);    /* attention: cuBLASLt products, own softmax kernels */
 
 #endif /* AMPC_CUDA_H */

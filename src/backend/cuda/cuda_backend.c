@@ -198,4 +198,6 @@ void ampc__cuda_backend_init(ampc_backend *be) {
     ampc__cuda_register_pool(be);
     ampc__cuda_register_batch_norm(be);
     ampc__cuda_register_layer_norm(be);
+    ampc__cuda_register_embedding(be);
+    ampc__cuda_register_attention(be);
 }

@@ -110,6 +110,49 @@ cudaError_t ampc_cu_layer_norm_backward(const void *x, const void *gy, ampc_dtyp
                                         ampc_dtype gbdt, int64_t rows, int64_t cols, int64_t splits, float *scratch,
                                         cudaStream_t s);
 
+// ---------------------------------------------------------------------------------------------
+// embedding.cu
+
+/* y (n, D) = rows idx[i] of w (V, D), any float dtype (bits copied); an index outside [0, V)
+   gives a row of zeros and sets *bad (device memory, zeroed by the caller) to 1 */
+cudaError_t ampc_cu_embedding(const void *w, ampc_dtype dt, const int64_t *idx, void *y, int64_t n, int64_t V, int64_t D,
+                              int *bad, cudaStream_t s);
+/* gw (V, D) = gy's rows summed into the rows their indices name, each column's sum taken in index
+   order in f32 (the same bits every run), rounded once into gw's dtype; bad indices skipped and
+   flagged in *bad */
+cudaError_t ampc_cu_embedding_backward(const void *gy, ampc_dtype gdt, const int64_t *idx, void *gw, ampc_dtype wdt, int64_t n,
+                                       int64_t V, int64_t D, int *bad, cudaStream_t s);
+/* y = x with its dims reordered (y's dim i is x's dim perm[i]), elements of esize bytes */
+cudaError_t ampc_cu_permute(const void *x, void *y, size_t esize, int nd, const int64_t *xshape, const int *perm, int64_t n,
+                            cudaStream_t s);
+
+// ---------------------------------------------------------------------------------------------
+// attention.cu: the row passes between the cuBLASLt products (attention.c)
+
+/* A block of query rows [i0, i0 + n) of every head (batch heads), each seeing its first kn keys
+   (causal: key j <= query i), as attention.c's passes see it; the mask's layout is backend.h's
+   ampc_attn_desc's. */
+typedef struct {
+    int64_t batch, Tq, Tk, i0, n, kn;
+    bool causal;
+    float scale, drop_factor;   /* drop_factor 1 / (1 - p), 0 for p = 1 */
+    uint32_t drop_thr;          /* kept iff a draw's 24 bits >= thr; 0: no dropout */
+    uint64_t seed, offset;
+    int nlead;
+    int64_t lead[8], mask_lead[8], mask_si, mask_sj;
+} ampc_cu_attn_rows;
+
+/* S (batch, n, kn) f32 scores q k^T unscaled -> the probabilities in place (f32: scale, mask,
+   causal, softmax; forward: lse (batch, Tq) written when not NULL; backward (lse given, forward
+   false): exp(s - lse)); P (same shape, dtype pdt) = the probabilities through dropout */
+cudaError_t ampc_cu_attn_probs(const ampc_cu_attn_rows *a, float *S, const float *mask, float *lse, bool forward, void *P,
+                               ampc_dtype pdt, cudaStream_t s);
+/* dP (batch, n, kn) f32 = do v^T -> through dropout; with P the f32 probabilities: dS = P (dP -
+   rowsum(P dP)) into dSo (dtype sdt) and, when not NULL, into dmask's rows (batch, Tq, Tk; 0 past
+   kn) */
+cudaError_t ampc_cu_attn_dscores(const ampc_cu_attn_rows *a, const float *P, float *dP, void *dSo, ampc_dtype sdt, float *dmask,
+                                 cudaStream_t s);
+
 #ifdef __cplusplus
 }
 #endif

@@ -112,16 +112,15 @@ static int plan_make(plan *p, const plan_key *k, const void *bias_ptr) {
     return AMPC_OK;
 }
 
-static int cu_gemm(const ampc_gemm_desc *d, const ampc_tensor *a, const ampc_tensor *b, const ampc_tensor *bias, ampc_tensor *c) {
+/* C = alpha op(A) op(B) (+ bias) + beta C on raw device pointers (in_dt operands, out_dt C) */
+static int gemm_raw(const ampc_gemm_desc *d, ampc_dtype in_dt, ampc_dtype out_dt, const void *a, const void *b, const void *bias,
+                    void *c, float alpha, float beta) {
     int rc = ampc__cu_ready();
     if (rc < 0) return rc;
     pthread_once(&L.once, lt_start);
     if ((rc = lt_check(L.status, "cublasLtCreate")) < 0) return rc;
-    if (c->numel == 0) return AMPC_OK;
-    if (d->K == 0) return ampc__device(AMPC_DEVICE_CUDA)->fill(c, 0.0);   /* an empty sum (bias aside) */
     plan_key k = {d->batch, d->M, d->N, d->K, d->stride_a, d->stride_b, d->stride_c, d->ta, d->tb,
-                  a->dtype, c->dtype, bias != NULL, ampc_allow_tf32()};
-    const void *bias_ptr = bias ? ampc__data(bias) : NULL;
+                  in_dt, out_dt, bias != NULL, ampc_allow_tf32()};
     pthread_mutex_lock(&L.lock);
     plan *p = NULL;
     for (int i = 0; i < L.nplans && !p; i++)
@@ -129,23 +128,37 @@ static int cu_gemm(const ampc_gemm_desc *d, const ampc_tensor *a, const ampc_ten
     if (!p) {
         p = &L.plans[L.nplans < PLANS ? L.nplans++ : (int)(((unsigned)d->M * 31u + (unsigned)d->N) % PLANS)];
         if (p->used) plan_destroy(p);
-        rc = plan_make(p, &k, bias_ptr);   /* plan_key has no padding: keys compare with memcmp */
+        rc = plan_make(p, &k, bias);   /* plan_key has no padding: keys compare with memcmp */
     }
     cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
-    if (rc >= 0 && bias)
-        s = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr, sizeof bias_ptr);
+    if (rc >= 0 && bias) s = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias);
     size_t wb = 0;
     void *ws = NULL;
     if (rc >= 0 && !s && p->ws && !(ws = ampc__cu_scratch(p->ws, &wb))) rc = ampc_last_status();
-    if (rc >= 0 && !s) {
-        const float one = 1.0f, zero = 0.0f;
-        s = cublasLtMatmul(L.lt, p->op, &one, ampc__data(b), p->la, ampc__data(a), p->lb, &zero, ampc__data(c), p->lc,
-                           ampc__data(c), p->lc, &p->algo, ws, p->ws, ampc__cu_stream());
-    }
+    if (rc >= 0 && !s)
+        s = cublasLtMatmul(L.lt, p->op, &alpha, b, p->la, a, p->lb, &beta, c, p->lc, c, p->lc, &p->algo, ws, p->ws,
+                           ampc__cu_stream());
     pthread_mutex_unlock(&L.lock);
     ampc__cu_scratch_free(ws, wb);
     if (rc < 0) return rc;
     return lt_check(s, "cublasLtMatmul");
+}
+
+int ampc__cu_gemm_ptr(const ampc_gemm_desc *d, ampc_dtype in_dt, ampc_dtype out_dt, const void *a, const void *b, void *c,
+                      float alpha, float beta) {
+    if (d->batch <= 0 || d->M <= 0 || d->N <= 0 || d->K <= 0)
+        return ampc__err(AMPC_ERR_INVALID, "cuda gemm: an empty product (%lld x %lld x %lld, batch %lld)", (long long)d->M,
+                         (long long)d->N, (long long)d->K, (long long)d->batch);
+    return gemm_raw(d, in_dt, out_dt, a, b, NULL, c, alpha, beta);
+}
+
+static int cu_gemm(const ampc_gemm_desc *d, const ampc_tensor *a, const ampc_tensor *b, const ampc_tensor *bias, ampc_tensor *c) {
+    int rc = ampc__cu_ready();
+    if (rc < 0) return rc;
+    if (c->numel == 0) return AMPC_OK;
+    if (d->K == 0) return ampc__device(AMPC_DEVICE_CUDA)->fill(c, 0.0);   /* an empty sum (bias aside) */
+    return gemm_raw(d, a->dtype, c->dtype, ampc__data(a), ampc__data(b), bias ? ampc__data(bias) : NULL, ampc__data(c), 1.0f,
+                    0.0f);
 }
 
 void ampc__cuda_register_gemm(ampc_backend *be) { be->gemm = cu_gemm; }

@@ -10,24 +10,6 @@ using namespace ampc_cu;
 // ---------------------------------------------------------------------------------------------
 // Dropout: one thread per Philox block of 4 elements, the CPU's and REF's stream.
 
-__device__ __forceinline__ uint4 philox4x32_10(uint64_t seed, uint64_t ctr) {
-    uint32_t c0 = (uint32_t)ctr, c1 = (uint32_t)(ctr >> 32), c2 = 0, c3 = 0;
-    uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
-#pragma unroll
-    for (int r = 0; r < 10; r++) {
-        uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
-        uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
-        uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
-        c1 = lo1;
-        c3 = lo0;
-        c0 = n0;
-        c2 = n2;
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
-    }
-    return make_uint4(c0, c1, c2, c3);
-}
-
 /* x * 0 gives NaN for a dropped inf, as PyTorch */
 template <class TI, class TO>
 __global__ void dropout_kernel(const TI *x, TO *y, uint8_t *mask, int64_t n, uint64_t seed, uint64_t offset, uint32_t thr,

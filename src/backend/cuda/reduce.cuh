@@ -1,5 +1,5 @@
 /*
- * reduce.cuh - what elementwise.cu, loss.cu, layer_norm.cu and random.cu share beyond
+ * reduce.cuh - what elementwise.cu, loss.cu, layer_norm.cu, random.cu and attention.cu share beyond
  * common.cuh: loads and stores of a dtype known only at run time (single values: a scalar
  * gradient, a loss), four elements at a time where aligned, warp and block reductions, and the
  * row kernels' choice between a warp and a block per row.
@@ -136,6 +136,26 @@ static inline row_launch row_shape(int64_t rows, int64_t n) {
     }
     if (l.grid < 1) l.grid = 1;
     return l;
+}
+
+/* Philox4x32-10 of block ctr under key seed: the draws of ampc's rng stream (core/rng.c), which
+   dropout (random.cu) and attention's dropout (attention.cu) take on every device */
+__device__ __forceinline__ uint4 philox4x32_10(uint64_t seed, uint64_t ctr) {
+    uint32_t c0 = (uint32_t)ctr, c1 = (uint32_t)(ctr >> 32), c2 = 0, c3 = 0;
+    uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+#pragma unroll
+    for (int r = 0; r < 10; r++) {
+        uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c1 = lo1;
+        c3 = lo0;
+        c0 = n0;
+        c2 = n2;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    return make_uint4(c0, c1, c2, c3);
 }
 
 }  // namespace ampc_cu
