@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "ops/ops.h"
 
 static ampc_tensor *op_embedding(ampc_tensor **in, const void *ctx) {
     (void)ctx;
@@ -245,6 +246,63 @@ static void test_attention_composed(void **state) {
             ampc_set_default_device(AMPC_DEVICE_CPU);
             ampc_scope_end();
         }
+}
+
+/* The packed form (q, k, v the parts of one (3, ..., T, E) tensor, GPT's attention) gives the
+   unpacked op's output and gradient bit for bit (REF f64, CPU f32 and bf16; causal with dropout,
+   two blocks of rows), and refuses a tensor that is not (3, ..., T, E); the door refuses a packed
+   descriptor over distinct tensors. */
+static void test_attention_packed(void **state) {
+    (void)state;
+    const ampc_device devs[3] = {AMPC_DEVICE_REF, AMPC_DEVICE_CPU, AMPC_DEVICE_CPU};
+    const ampc_dtype dts[3] = {AMPC_F64, AMPC_F32, AMPC_BF16};
+    const int64_t shape[5] = {3, 2, 3, 150, 8}, part[4] = {2, 3, 150, 8};
+    for (int c = 0; c < 3; c++) {
+        ampc_scope_begin();
+        ampc_set_default_device(devs[c]);
+        ampc_tensor *x = ampc_tensor_rand(dts[c], 5, shape, -1.5, 1.5), *w = ampc_tensor_rand(dts[c], 4, part, -1, 1);
+        ASSERT_NOT_NULL_MSG(x && w);
+        ASSERT_OK(ampc_tensor_set_requires_grad(x, true));
+        ampc_tensor *o[2], *g[2];
+        for (int way = 0; way < 2; way++) {
+            ampc_tensor_zero_grad(x);
+            ampc_rng_set_state(7, 3);
+            if (way == 0) {
+                o[0] = ampc__attention_packed(x, 0.3, true, 0);
+            } else {
+                ampc_tensor *qkv[3];
+                for (int i = 0; i < 3; i++) qkv[i] = ampc_reshape(ampc_narrow(x, 0, i, 1), 4, part);
+                o[1] = ampc_scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], NULL, 0.3, true, 0);
+            }
+            ASSERT_NOT_NULL_MSG(o[way]);
+            ASSERT_OK(ampc_backward(ampc_sum(ampc_mul(o[way], w), AMPC_ALL_DIMS, false)));
+            ASSERT_NOT_NULL_MSG(g[way] = ampc_tensor_detach(ampc_tensor_grad(x)));
+        }
+        for (int t = 0; t < 2; t++) {
+            ampc_tensor *a = t ? g[0] : o[0], *b = t ? g[1] : o[1];
+            size_t bytes = (size_t)ampc_tensor_numel(a) * ampc_dtype_size(ampc_tensor_dtype(a));
+            assert_int_equal(ampc_tensor_numel(a), ampc_tensor_numel(b));
+            if (memcmp(ampc_tensor_cdata(a), ampc_tensor_cdata(b), bytes))
+                fail_msg("%s %s: the packed %s differs from the unpacked one's", ampc_device_name(devs[c]), ampc_dtype_name(dts[c]),
+                         t ? "gradient" : "output");
+        }
+        ampc_set_default_device(AMPC_DEVICE_CPU);
+        ampc_scope_end();
+    }
+    ampc_scope_begin();
+    ampc_tensor *bad = ampc_tensor_zeros(AMPC_F32, 4, (int64_t[]){2, 3, 5, 4});
+    ASSERT_NOT_NULL_MSG(bad);
+    assert_null(ampc__attention_packed(bad, 0, true, 0));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_SHAPE);
+    assert_non_null(strstr(ampc_last_error(), "expected (3, ..., T, E)"));
+    ampc_tensor *q = ampc_tensor_zeros(AMPC_F32, 3, (int64_t[]){2, 5, 4}), *o = ampc_tensor_zeros(AMPC_F32, 3, (int64_t[]){2, 5, 4});
+    ampc_tensor *k = ampc_tensor_zeros(AMPC_F32, 3, (int64_t[]){2, 5, 4});
+    ampc_attn_desc d = {.batch = 2, .Tq = 5, .Tk = 5, .E = 4, .Ev = 4, .scale = 0.5, .packed = true};
+    ASSERT_NOT_NULL_MSG(q && o && k);
+    assert_int_equal(ampc__k_attention(&d, q, k, q, NULL, o, NULL), AMPC_ERR_INVALID);
+    assert_non_null(strstr(ampc_last_error(), "packed attention takes one tensor"));
+    ampc_clear_error();
+    ampc_scope_end();
 }
 
 /* -inf in the mask hides keys exactly: the attention over the first L keys, and 0 for a row
@@ -528,6 +586,7 @@ int main(void) {
         cmocka_unit_test(test_attention_mask_dropout_op_check),
         cmocka_unit_test(test_attention_composed),
         cmocka_unit_test(test_attention_mask_hides),
+        cmocka_unit_test(test_attention_packed),
         cmocka_unit_test(test_attention_pytorch),
         cmocka_unit_test(test_attention_errors_autocast),
         cmocka_unit_test(test_narrow),

@@ -63,7 +63,16 @@ typedef struct {
        strides along them (0 where it is broadcast; mask_si, mask_sj likewise). */
     int nlead;
     int64_t lead[AMPC_MAX_DIMS], mask_lead[AMPC_MAX_DIMS], mask_si, mask_sj;
+    /* q, k, v are one tensor (3, batch, T, E) (Tq = Tk, E = Ev), passed as each of the three, and
+       so are dq, dk, dv: k's and v's first elements are ampc__attn_offsets' in. */
+    bool packed;
 } ampc_attn_desc;
+
+/* Where k and v (and dk, dv) start in their tensors: 0, or N and 2N (N = batch T E) packed */
+static inline void ampc__attn_offsets(const ampc_attn_desc *d, int64_t *k_off, int64_t *v_off) {
+    const int64_t n = d->packed ? d->batch * d->Tq * d->E : 0;
+    *k_off = n, *v_off = 2 * n;
+}
 
 static inline int64_t ampc__attn_mask_offset(const ampc_attn_desc *d, int64_t b) {
     int64_t off = 0;

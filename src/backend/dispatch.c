@@ -623,8 +623,15 @@ static int check_attention(ampc_kernel kern, const ampc_attn_desc *d, const ampc
     if (!d || d->batch < 0 || d->Tq < 0 || d->Tk < 0 || d->E < 0 || d->Ev < 0 || !isfinite(d->scale) ||
         !(d->dropout >= 0 && d->dropout <= 1))
         return ampc__err(AMPC_ERR_INVALID, "%s: invalid descriptor", ampc__kernel_name(kern));
-    const int64_t b = d->batch, nq = b * d->Tq * d->E, nk = b * d->Tk * d->E, nv = b * d->Tk * d->Ev, no = b * d->Tq * d->Ev;
+    const int64_t b = d->batch, no = b * d->Tq * d->Ev;
+    int64_t nq = b * d->Tq * d->E, nk = b * d->Tk * d->E, nv = b * d->Tk * d->Ev;
     bool bwd = kern == AMPC_K_attention_backward;
+    if (d->packed) {   /* one tensor (3, batch, T, E) for q, k, v, and one for dq, dk, dv */
+        if (d->Tq != d->Tk || d->E != d->Ev || k != q || v != q || (bwd && (dk != dq || dv != dq)))
+            return ampc__err(AMPC_ERR_INVALID, "%s: packed attention takes one tensor for q, k and v (and for their gradients), Tq = Tk, E = Ev",
+                             ampc__kernel_name(kern));
+        nq = nk = nv = 3 * nq;
+    }
     if (ARGS(kern, {q, "q", ANY_FLOAT, nq, true}, {k, "k", FIRST, nk, true}, {v, "v", FIRST, nv, true}, {mask, "mask", STAT, -1, false},
              {o, "o", FIRST, no, !bwd}, {lse, "lse", STAT, b * d->Tq, bwd}, {dout, "dout", FIRST, no, bwd},
              {dq, "dq", FIRST, nq, bwd}, {dk, "dk", FIRST, nk, bwd}, {dv, "dv", FIRST, nv, bwd},

@@ -6,6 +6,7 @@
  * the GPT of those Blocks (the zoo's "gpt"), its output head tied to the token embedding.
  */
 #include "nn/nn.h"
+#include "ops/ops.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -28,12 +29,12 @@ static ampc_tensor *csa_forward(ampc_module *m, ampc_tensor *x) {
         return ampc__err_null(AMPC_ERR_SHAPE, "CausalSelfAttention: input of %d dims (last %lld); expected (B, T, %lld)",
                               ampc_tensor_ndim(x), (long long)ampc_tensor_dim(x, -1), (long long)C);
     const int64_t B = ampc_tensor_dim(x, 0), T = ampc_tensor_dim(x, 1);
-    ampc_tensor *qkv = ampc__child_forward(m, "c_attn", x), *h[3];
-    static const int heads_first[4] = {0, 2, 1, 3};
-    for (int i = 0; i < 3; i++)
-        h[i] = ampc_permute(ampc_reshape(ampc_narrow(qkv, 2, i * C, C), 4, (int64_t[]){B, T, H, C / H}), heads_first);
+    ampc_tensor *qkv = ampc__child_forward(m, "c_attn", x);
+    /* q, k, v as the parts of one (3, B, H, T, D) tensor, attended to without splitting it */
+    static const int parts_first[5] = {2, 0, 3, 1, 4}, heads_first[4] = {0, 2, 1, 3};
+    ampc_tensor *parts = ampc_permute(ampc_reshape(qkv, 5, (int64_t[]){B, T, 3, H, C / H}), parts_first);
     double p = m->config.attention.dropout;
-    ampc_tensor *y = ampc_scaled_dot_product_attention(h[0], h[1], h[2], NULL, m->training ? p : 0.0, true, 0);
+    ampc_tensor *y = ampc__attention_packed(parts, m->training ? p : 0.0, true, 0);
     y = ampc_reshape(ampc_permute(y, heads_first), 3, (int64_t[]){B, T, C});
     y = ampc__child_forward(m, "c_proj", y);
     return p > 0 ? ampc_dropout(y, p, m->training) : y;

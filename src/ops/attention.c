@@ -4,7 +4,8 @@
  * recomputes the probabilities from them (not the output: the kernels take each row's
  * rowsum(P dP) from the row itself). An additive mask is widened to the statistics
  * dtype once and saved so (viewed at q's rank); dropout's decisions are draws of the rng stream
- * reserved by the forward (node args), drawn again by the backward.
+ * reserved by the forward (node args), drawn again by the backward. The packed form takes q, k, v
+ * as the three parts of one tensor (the kernels' packed descriptor) and gives one gradient.
  */
 #include "ops/ops.h"
 
@@ -155,5 +156,78 @@ ampc_tensor *ampc_scaled_dot_product_attention(ampc_tensor *q_, ampc_tensor *k_,
         node->args.attention.rng_seed = d.rng.seed, node->args.attention.rng_offset = d.rng.offset;
     }
     ampc__release(lse), ampc__release(mask);
+    return ampc__op_finish(&a, o, node);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packed q, k, v: one input (3, ..., T, E)
+
+/* The packed descriptor of qkv (3, lead..., T, E) */
+static ampc_attn_desc packed_desc(const ampc_tensor *qkv, bool causal, double scale, double dropout) {
+    const int nd = qkv->ndim;
+    ampc_attn_desc d = {.batch = 1, .Tq = qkv->shape[nd - 2], .Tk = qkv->shape[nd - 2], .E = qkv->shape[nd - 1],
+                        .Ev = qkv->shape[nd - 1], .causal = causal, .scale = scale, .dropout = dropout, .nlead = nd - 3,
+                        .packed = true};
+    for (int i = 1; i < nd - 2; i++) d.batch *= d.lead[i - 1] = qkv->shape[i];
+    return d;
+}
+
+static int attention_packed_backward_fn(ampc_node *n, ampc_tensor *gy, ampc_tensor **gx) {
+    ampc_tensor *qkv = n->saved[0];
+    ampc_attn_desc d = packed_desc(qkv, n->args.attention.causal, n->args.attention.scale, n->args.attention.dropout);
+    d.rng = (ampc_rng_state){n->args.attention.rng_seed, n->args.attention.rng_offset};
+    ampc_tensor *g = ampc__k_convert(gy, qkv->dtype, AMPC_CONTIGUOUS_FORMAT);
+    ampc_tensor *dqkv = g ? ampc__tensor_like(qkv, qkv->dtype) : NULL;
+    int rc = dqkv ? ampc__k_attention_backward(&d, qkv, qkv, qkv, NULL, n->saved[3], g, dqkv, dqkv, dqkv, NULL) : ampc_last_status();
+    ampc__release(g);
+    if (rc < 0) {
+        ampc__release(dqkv);
+        return rc;
+    }
+    gx[0] = dqkv;
+    return AMPC_OK;
+}
+
+ampc_tensor *ampc__attention_packed(ampc_tensor *qkv_, double dropout_p, bool is_causal, double scale) {
+    ampc_op_args a;
+    if (ampc__op_prepare(AMPC_OP_SDPA, &a, 1, &qkv_, 0) < 0) return NULL;
+    ampc_tensor *qkv = a.in[0], *o = NULL, *lse = NULL;
+    const char *name = "scaled_dot_product_attention (packed q, k, v)";
+    char s1[96];
+    if (ampc__check_float(qkv, name, "qkv") < 0) return ampc__op_finish(&a, NULL, NULL);
+    if (qkv->ndim < 3 || qkv->shape[0] != 3) {
+        ampc__err(AMPC_ERR_SHAPE, "%s: qkv %s; expected (3, ..., T, E)", name, ampc__shape_str(qkv, s1, sizeof s1));
+        return ampc__op_finish(&a, NULL, NULL);
+    }
+    if (!isfinite(scale) || scale < 0 || !(dropout_p >= 0 && dropout_p <= 1)) {
+        ampc__err(AMPC_ERR_INVALID, "%s: scale %g (0: 1/sqrt(E)), dropout_p %g (in [0, 1])", name, scale, dropout_p);
+        return ampc__op_finish(&a, NULL, NULL);
+    }
+    const int nd = qkv->ndim;
+    ampc_attn_desc d = packed_desc(qkv, is_causal, scale, dropout_p);
+    if (d.scale == 0) d.scale = d.E > 0 ? 1.0 / sqrt((double)d.E) : 1.0;
+    if (d.dropout > 0) d.rng = ampc__rng_reserve((uint64_t)(d.batch * d.Tq * d.Tk));
+    const ampc_dtype sdt = ampc__device(qkv->device)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64;
+    int64_t nl = d.batch * d.Tq;
+    bool grad = ampc__needs_grad(a.in, 1);
+    o = ampc__tensor_new(qkv->dtype, qkv->device, nd - 1, qkv->shape + 1);
+    lse = o && grad ? ampc__tensor_new(sdt, qkv->device, 1, &nl) : NULL;
+    if (!o || (grad && !lse) || ampc__k_attention(&d, qkv, qkv, qkv, NULL, o, lse) < 0) {
+        ampc__release(o), ampc__release(lse);
+        return ampc__op_finish(&a, NULL, NULL);
+    }
+    ampc_node *node = grad ? ampc__node_new(ampc_op_grad_fn(AMPC_OP_SDPA), attention_packed_backward_fn, a.in, 1) : NULL;
+    if (grad && !node) {
+        ampc__release(o), ampc__release(lse);
+        return ampc__op_finish(&a, NULL, NULL);
+    }
+    if (node) {
+        ampc__node_save(node, 0, a.in[0]);
+        ampc__node_save(node, 3, lse);
+        node->args.attention.causal = d.causal, node->args.attention.scale = d.scale;
+        node->args.attention.dropout = d.dropout;
+        node->args.attention.rng_seed = d.rng.seed, node->args.attention.rng_offset = d.rng.offset;
+    }
+    ampc__release(lse);
     return ampc__op_finish(&a, o, node);
 }

@@ -86,6 +86,12 @@ ampc_tensor *ampc__batch_norm2d_relu(ampc_tensor *x, ampc_tensor *weight, ampc_t
 ampc_tensor *ampc__batch_norm2d_add_relu(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
                                          ampc_tensor *running_var, ampc_tensor *z, bool training, double momentum, double eps,
                                          bool sync);
+/* ampc_scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], NULL, dropout_p, is_causal, scale)
+   on q, k, v packed in one tensor qkv (3, ..., T, E), without splitting it: the kernels read the
+   three parts in place and the backward writes one gradient of qkv's shape (no zero-filled part
+   gradients to add up). GPT's attention: c_attn's output viewed (B, T, 3, H, D) and permuted to
+   (3, B, H, T, D). For the model code (src/ops/attention.c). */
+ampc_tensor *ampc__attention_packed(ampc_tensor *qkv, double dropout_p, bool is_causal, double scale);
 /* The four batch norms in one call: ReLU fused (relu), statistics of all processes (sync). */
 ampc_tensor *ampc__batch_norm2d_ex(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias, ampc_tensor *running_mean,
                                    ampc_tensor *running_var, bool training, double momentum, double eps, bool relu,

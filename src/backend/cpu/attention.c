@@ -22,14 +22,14 @@
 
 #define ROWS 128   /* query rows per block */
 
-/* Rows [r0, r0 + n) of t (rows of `width` elements) as f32 into dst. */
-static void stage(const ampc_tensor *t, int64_t r0, int64_t n, int64_t width, float *dst) {
+/* Rows [r0, r0 + n) of t (rows of `width` elements, from element `off` on) as f32 into dst. */
+static void stage(const ampc_tensor *t, int64_t off, int64_t r0, int64_t n, int64_t width, float *dst) {
     const ampc_dtype_traits *tr = ampc__dt(t->dtype);
-    tr->to_f32((const char *)ampc__data(t) + (size_t)(r0 * width) * tr->size, dst, (size_t)(n * width));
+    tr->to_f32((const char *)ampc__data(t) + (size_t)(off + r0 * width) * tr->size, dst, (size_t)(n * width));
 }
-static void unstage(ampc_tensor *t, int64_t r0, int64_t n, int64_t width, const float *src) {
+static void unstage(ampc_tensor *t, int64_t off, int64_t r0, int64_t n, int64_t width, const float *src) {
     const ampc_dtype_traits *tr = ampc__dt(t->dtype);
-    tr->from_f32(src, (char *)ampc__data(t) + (size_t)(r0 * width) * tr->size, (size_t)(n * width));
+    tr->from_f32(src, (char *)ampc__data(t) + (size_t)(off + r0 * width) * tr->size, (size_t)(n * width));
 }
 
 /* Keys query i sees: [0, keys_of(i)) */
@@ -271,7 +271,9 @@ static int cpu_attention_bf16(const ampc_attn_desc *d, const ampc_tensor *q, con
     if (plan_begin(d, 1u << G_S | 1u << G_PV, (size_t)(R * Tk) * 7, &pl) < 0) return ampc_last_status();
     const int nt = pl.nt;
     ampc_dnnl_entry *const *e = pl.e;
-    const uint16_t *qp = ampc__data(q), *kp = ampc__data(k), *vp = ampc__data(v);
+    int64_t ko, vo;
+    ampc__attn_offsets(d, &ko, &vo);
+    const uint16_t *qp = ampc__data(q), *kp = (const uint16_t *)ampc__data(k) + ko, *vp = (const uint16_t *)ampc__data(v) + vo;
     uint16_t *op = ampc__data(o);
     float *L = lse ? ampc__data(lse) : NULL;
     const float *M = mask ? ampc__data(mask) : NULL;
@@ -314,8 +316,11 @@ static int cpu_attention_backward_bf16(const ampc_attn_desc *d, const ampc_tenso
                    (size_t)(2 * R * Tk + Tk * E + Tk * Ev + rows_tmp * W) * 4 + (size_t)(R * Tk) * 5, &pl) < 0)
         return ampc_last_status();
     const int nt = pl.nt;
-    const uint16_t *qp = ampc__data(q), *kp = ampc__data(k), *vp = ampc__data(v), *gp = ampc__data(dout);
-    uint16_t *gq = ampc__data(dq), *gk = ampc__data(dk), *gv = ampc__data(dv);
+    int64_t ko, vo;
+    ampc__attn_offsets(d, &ko, &vo);
+    const uint16_t *qp = ampc__data(q), *kp = (const uint16_t *)ampc__data(k) + ko, *vp = (const uint16_t *)ampc__data(v) + vo;
+    const uint16_t *gp = ampc__data(dout);
+    uint16_t *gq = ampc__data(dq), *gk = (uint16_t *)ampc__data(dk) + ko, *gv = (uint16_t *)ampc__data(dv) + vo;
     const float *L = ampc__data(lse), *M = mask ? ampc__data(mask) : NULL;
     float *GM = dmask ? ampc__data(dmask) : NULL;
     bool ok = true;
@@ -365,6 +370,8 @@ static int cpu_attention_backward_bf16(const ampc_attn_desc *d, const ampc_tenso
 static int cpu_attention(const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k, const ampc_tensor *v,
                          const ampc_tensor *mask, ampc_tensor *o, ampc_tensor *lse) {
     const int64_t Tq = d->Tq, Tk = d->Tk, E = d->E, Ev = d->Ev, R = Tq < ROWS ? Tq : ROWS;
+    int64_t ko, vo;
+    ampc__attn_offsets(d, &ko, &vo);
     if (d->batch == 0 || Tq == 0) return AMPC_OK;
     if (bf16_route(d, q)) return cpu_attention_bf16(d, q, k, v, mask, o, lse);
     const bool drop = d->dropout > 0;
@@ -384,9 +391,9 @@ static int cpu_attention(const ampc_attn_desc *d, const ampc_tensor *q, const am
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < d->batch; b++) {
             const float *Mb = M ? M + ampc__attn_mask_offset(d, b) : NULL;
-            stage(q, b * Tq, Tq, E, qs);
-            stage(k, b * Tk, Tk, E, ks);
-            stage(v, b * Tk, Tk, Ev, vs);
+            stage(q, 0, b * Tq, Tq, E, qs);
+            stage(k, ko, b * Tk, Tk, E, ks);
+            stage(v, vo, b * Tk, Tk, Ev, vs);
             for (int64_t i0 = 0; i0 < Tq; i0 += R) {
                 const int64_t n = Tq - i0 < R ? Tq - i0 : R, kn = keys_of(d, i0 + n - 1);
                 sgemm('N', 'T', n, kn, E, 1.0f, qs + i0 * E, E, ks, E, 0.0f, S, kn);
@@ -394,7 +401,7 @@ static int cpu_attention(const ampc_attn_desc *d, const ampc_tensor *q, const am
                 if (drop) drop_block(d, S, b, i0, n, kn, keep, S);
                 sgemm('N', 'N', n, Ev, kn, 1.0f, S, kn, vs, Ev, 0.0f, os + i0 * Ev, Ev);
             }
-            unstage(o, b * Tq, Tq, Ev, os);
+            unstage(o, 0, b * Tq, Tq, Ev, os);
         }
     }
     ampc__free(AMPC_DEVICE_CPU, ws, block, AMPC_MEM_WORKSPACE);
@@ -405,6 +412,8 @@ static int cpu_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q,
                                   const ampc_tensor *mask, const ampc_tensor *lse, const ampc_tensor *dout, ampc_tensor *dq,
                                   ampc_tensor *dk, ampc_tensor *dv, ampc_tensor *dmask) {
     const int64_t Tq = d->Tq, Tk = d->Tk, E = d->E, Ev = d->Ev, R = Tq < ROWS ? Tq : ROWS;
+    int64_t ko, vo;
+    ampc__attn_offsets(d, &ko, &vo);
     if (d->batch == 0) return AMPC_OK;
     if (Tq > 0 && bf16_route(d, q)) return cpu_attention_backward_bf16(d, q, k, v, mask, lse, dout, dq, dk, dv, dmask);
     const float scale = (float)d->scale;
@@ -429,10 +438,10 @@ static int cpu_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q,
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < d->batch; b++) {
             const float *Mb = M ? M + ampc__attn_mask_offset(d, b) : NULL;
-            stage(q, b * Tq, Tq, E, qs);
-            stage(k, b * Tk, Tk, E, ks);
-            stage(v, b * Tk, Tk, Ev, vs);
-            stage(dout, b * Tq, Tq, Ev, gs);
+            stage(q, 0, b * Tq, Tq, E, qs);
+            stage(k, ko, b * Tk, Tk, E, ks);
+            stage(v, vo, b * Tk, Tk, Ev, vs);
+            stage(dout, 0, b * Tq, Tq, Ev, gs);
             memset(gk, 0, (size_t)(Tk * E + Tk * Ev) * sizeof(float));
             for (int64_t i0 = 0; i0 < Tq; i0 += R) {
                 const int64_t n = Tq - i0 < R ? Tq - i0 : R, kn = keys_of(d, i0 + n - 1);
@@ -445,9 +454,9 @@ static int cpu_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q,
                 sgemm('N', 'N', n, E, kn, scale, P, kn, ks, E, 0.0f, gq + i0 * E, E);       /* dq = dS k scale */
                 sgemm('T', 'N', kn, E, n, scale, P, kn, qs + i0 * E, E, 1.0f, gk, E);       /* dk += dS^T q scale */
             }
-            unstage(dq, b * Tq, Tq, E, gq);
-            unstage(dk, b * Tk, Tk, E, gk);
-            unstage(dv, b * Tk, Tk, Ev, gv);
+            unstage(dq, 0, b * Tq, Tq, E, gq);
+            unstage(dk, ko, b * Tk, Tk, E, gk);
+            unstage(dv, vo, b * Tk, Tk, Ev, gv);
         }
     }
     ampc__free(AMPC_DEVICE_CPU, ws, block, AMPC_MEM_WORKSPACE);

@@ -88,14 +88,16 @@ static int cu_attention(const ampc_attn_desc *d, const ampc_tensor *q, const amp
     if (!S) return ampc_last_status();
     void *P = S + H * R * Tk;
     const float *M = mask ? ampc__data(mask) : NULL;
+    int64_t ko, vo;
+    ampc__attn_offsets(d, &ko, &vo);
     for (int64_t i0 = 0; i0 < Tq && rc >= 0; i0 += R) {
         const int64_t n = Tq - i0 < R ? Tq - i0 : R, kn = keys_of(d, i0 + n - 1);
         ampc_cu_attn_rows a = rows_of(d, i0, n, kn);
-        rc = mm(d, n, kn, E, false, true, dt, AMPC_F32, at(q, i0 * E), Tq * E, ampc__data(k), Tk * E, S, n * kn, 1.0f, 0.0f);
+        rc = mm(d, n, kn, E, false, true, dt, AMPC_F32, at(q, i0 * E), Tq * E, at(k, ko), Tk * E, S, n * kn, 1.0f, 0.0f);
         if (rc >= 0)
             rc = ampc__cu_check(ampc_cu_attn_probs(&a, S, M, lse ? ampc__data(lse) : NULL, true, P, dt, s), "attention");
         if (rc >= 0)
-            rc = mm(d, n, Ev, kn, false, false, dt, dt, P, n * kn, ampc__data(v), Tk * Ev, at(o, i0 * Ev), Tq * Ev, 1.0f, 0.0f);
+            rc = mm(d, n, Ev, kn, false, false, dt, dt, P, n * kn, at(v, vo), Tk * Ev, at(o, i0 * Ev), Tq * Ev, 1.0f, 0.0f);
     }
     ampc__cu_scratch_free(S, block);
     return rc;
@@ -113,37 +115,39 @@ static int cu_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q, 
     const bool wide = dt == AMPC_F32;   /* f32: dk and dv accumulate in place */
     cudaStream_t s = ampc__cu_stream();
     const int64_t R = rows_per_block(d, 8 + 2 * es);
+    int64_t ko, vo;
+    ampc__attn_offsets(d, &ko, &vo);
     /* workspace: S/P and dP (f32), P dropped and dS (dt) for a block; the f32 dk, dv sums */
     const size_t nblk = (size_t)(H * R * Tk), nacc = wide ? 0 : (size_t)(H * Tk * (E + Ev));
     size_t block = 0;
     float *S = ampc__cu_scratch(nblk * (8 + 2 * es) + nacc * 4 + 64, &block);
     if (!S) return ampc_last_status();
-    float *dP = S + nblk, *ak = wide ? ampc__data(dk) : dP + nblk, *av = wide ? ampc__data(dv) : ak + H * Tk * E;
+    float *dP = S + nblk, *ak = wide ? (float *)at(dk, ko) : dP + nblk, *av = wide ? (float *)at(dv, vo) : ak + H * Tk * E;
     char *Pd = (char *)(wide ? dP + nblk : av + H * Tk * Ev), *dS = Pd + nblk * es;
     rc = ampc__cu_check(cudaMemsetAsync(ak, 0, (size_t)(H * Tk * E) * 4, s), "attention_backward");
     if (rc >= 0) rc = ampc__cu_check(cudaMemsetAsync(av, 0, (size_t)(H * Tk * Ev) * 4, s), "attention_backward");
-    if (rc >= 0 && Tk == 0 && Tq > 0) rc = ampc__cu_check(ampc_cu_fill(ampc__data(dq), dt, dq->numel, 0.0, s), "attention_backward");
+    if (rc >= 0 && Tk == 0 && Tq > 0) rc = ampc__cu_check(ampc_cu_fill(ampc__data(dq), dt, H * Tq * E, 0.0, s), "attention_backward");
     const float *M = mask ? ampc__data(mask) : NULL, scale = (float)d->scale;
     for (int64_t i0 = 0; i0 < Tq && Tk > 0 && rc >= 0; i0 += R) {
         const int64_t n = Tq - i0 < R ? Tq - i0 : R, kn = keys_of(d, i0 + n - 1);
         ampc_cu_attn_rows a = rows_of(d, i0, n, kn);
         const void *qb = at(q, i0 * E), *gb = at(dout, i0 * Ev);
-        rc = mm(d, n, kn, E, false, true, dt, AMPC_F32, qb, Tq * E, ampc__data(k), Tk * E, S, n * kn, 1.0f, 0.0f);
+        rc = mm(d, n, kn, E, false, true, dt, AMPC_F32, qb, Tq * E, at(k, ko), Tk * E, S, n * kn, 1.0f, 0.0f);
         if (rc >= 0)
             rc = ampc__cu_check(ampc_cu_attn_probs(&a, S, M, (float *)ampc__data(lse), false, Pd, dt, s), "attention_backward");
         if (rc >= 0)   /* dv += Pd^T do */
             rc = mm(d, kn, Ev, n, true, false, dt, AMPC_F32, Pd, n * kn, gb, Tq * Ev, av, Tk * Ev, 1.0f, 1.0f);
         if (rc >= 0)   /* dP = do v^T */
-            rc = mm(d, n, kn, Ev, false, true, dt, AMPC_F32, gb, Tq * Ev, ampc__data(v), Tk * Ev, dP, n * kn, 1.0f, 0.0f);
+            rc = mm(d, n, kn, Ev, false, true, dt, AMPC_F32, gb, Tq * Ev, at(v, vo), Tk * Ev, dP, n * kn, 1.0f, 0.0f);
         if (rc >= 0)
             rc = ampc__cu_check(ampc_cu_attn_dscores(&a, S, dP, dS, dt, dmask ? ampc__data(dmask) : NULL, s), "attention_backward");
         if (rc >= 0)   /* dq = dS k scale */
-            rc = mm(d, n, E, kn, false, false, dt, dt, dS, n * kn, ampc__data(k), Tk * E, at(dq, i0 * E), Tq * E, scale, 0.0f);
+            rc = mm(d, n, E, kn, false, false, dt, dt, dS, n * kn, at(k, ko), Tk * E, at(dq, i0 * E), Tq * E, scale, 0.0f);
         if (rc >= 0)   /* dk += dS^T q scale */
             rc = mm(d, kn, E, n, true, false, dt, AMPC_F32, dS, n * kn, qb, Tq * E, ak, Tk * E, scale, 1.0f);
     }
-    if (rc >= 0 && !wide) rc = ampc__cu_check(ampc_cu_convert(ak, AMPC_F32, ampc__data(dk), dt, H * Tk * E, s), "attention_backward");
-    if (rc >= 0 && !wide) rc = ampc__cu_check(ampc_cu_convert(av, AMPC_F32, ampc__data(dv), dt, H * Tk * Ev, s), "attention_backward");
+    if (rc >= 0 && !wide) rc = ampc__cu_check(ampc_cu_convert(ak, AMPC_F32, at(dk, ko), dt, H * Tk * E, s), "attention_backward");
+    if (rc >= 0 && !wide) rc = ampc__cu_check(ampc_cu_convert(av, AMPC_F32, at(dv, vo), dt, H * Tk * Ev, s), "attention_backward");
     ampc__cu_scratch_free(S, block);
     return rc;
 }

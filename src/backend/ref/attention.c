@@ -49,7 +49,10 @@ static int ref_attention(const ampc_attn_desc *d, const ampc_tensor *q, const am
     size_t block = 0;
     double *p = ampc__alloc(AMPC_DEVICE_REF, (size_t)(d->Tk + 1) * sizeof *p, AMPC_MEM_WORKSPACE, &block);
     if (!p) return ampc_last_status();
-    const double *qp = ampc__data(q), *kp = ampc__data(k), *vp = ampc__data(v), *mp = mask ? ampc__data(mask) : NULL;
+    int64_t ko, vo;
+    ampc__attn_offsets(d, &ko, &vo);
+    const double *qp = ampc__data(q), *kp = (const double *)ampc__data(k) + ko, *vp = (const double *)ampc__data(v) + vo;
+    const double *mp = mask ? ampc__data(mask) : NULL;
     double *op = ampc__data(o), *L = lse ? ampc__data(lse) : NULL;
     for (int64_t b = 0; b < d->batch; b++)
         for (int64_t i = 0; i < d->Tq; i++) {
@@ -74,12 +77,15 @@ static int ref_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q,
     double *p = ampc__alloc(AMPC_DEVICE_REF, (size_t)(3 * d->Tk + 1) * sizeof *p, AMPC_MEM_WORKSPACE, &block);
     if (!p) return ampc_last_status();
     double *dp = p + d->Tk, *kf = dp + d->Tk;
-    const double *qp = ampc__data(q), *kp = ampc__data(k), *vp = ampc__data(v), *g = ampc__data(dout);
-    const double *mp = mask ? ampc__data(mask) : NULL;
-    double *gq = ampc__data(dq), *gk = ampc__data(dk), *gv = ampc__data(dv), *gm = dmask ? ampc__data(dmask) : NULL;
-    memset(gq, 0, (size_t)dq->numel * sizeof(double));
-    memset(gk, 0, (size_t)dk->numel * sizeof(double));
-    memset(gv, 0, (size_t)dv->numel * sizeof(double));
+    int64_t ko, vo;
+    ampc__attn_offsets(d, &ko, &vo);
+    const double *qp = ampc__data(q), *kp = (const double *)ampc__data(k) + ko, *vp = (const double *)ampc__data(v) + vo;
+    const double *g = ampc__data(dout), *mp = mask ? ampc__data(mask) : NULL;
+    double *gq = ampc__data(dq), *gk = (double *)ampc__data(dk) + ko, *gv = (double *)ampc__data(dv) + vo;
+    double *gm = dmask ? ampc__data(dmask) : NULL;
+    memset(gq, 0, (size_t)(d->batch * d->Tq * d->E) * sizeof(double));
+    memset(gk, 0, (size_t)(d->batch * d->Tk * d->E) * sizeof(double));
+    memset(gv, 0, (size_t)(d->batch * d->Tk * d->Ev) * sizeof(double));
     for (int64_t b = 0; b < d->batch; b++)
         for (int64_t i = 0; i < d->Tq; i++) {
             probs(d, qp, kp, mp, b, i, p);
