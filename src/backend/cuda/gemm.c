@@ -20,6 +20,8 @@
 typedef struct {
     int64_t batch, M, N, K, sa, sb, sc;
     int ta, tb, in_dt, out_dt, has_bias, tf32;
+    uint32_t align_a, align_b, align_c;   /* bytes every matrix of the operand starts at a multiple of (<= 256) */
+    uint32_t zero;                        /* 0: the struct has no padding (keys compare with memcmp) */
 } plan_key;
 
 typedef struct {
@@ -97,6 +99,12 @@ static int plan_make(plan *p, const plan_key *k, const void *bias_ptr) {
     size_t ws = WORKSPACE_BYTES;
     if (!s) s = cublasLtMatmulPreferenceCreate(&pref);
     if (!s) s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    /* algorithms that work on operands aligned as these are (cuBLASLt assumes 256 bytes; parts
+       of tensors, as attention's blocks of rows, may start anywhere); its A is our B */
+    if (!s) s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &k->align_b, sizeof k->align_b);
+    if (!s) s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &k->align_a, sizeof k->align_a);
+    if (!s) s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &k->align_c, sizeof k->align_c);
+    if (!s) s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &k->align_c, sizeof k->align_c);
     cublasLtMatmulHeuristicResult_t r;
     int found = 0;
     if (!s) s = cublasLtMatmulAlgoGetHeuristic(L.lt, p->op, p->la, p->lb, p->lc, p->lc, pref, 1, &r, &found);
@@ -112,6 +120,13 @@ static int plan_make(plan *p, const plan_key *k, const void *bias_ptr) {
     return AMPC_OK;
 }
 
+/* The alignment every matrix of a strided batch starting at p keeps: the lowest set bit of the
+   address and of the batch stride in bytes, at most 256 */
+static uint32_t alignment(const void *p, int64_t stride, size_t es) {
+    uint64_t v = (uint64_t)(uintptr_t)p | (stride ? (uint64_t)stride * es : 0) | 256u;
+    return (uint32_t)(v & (~v + 1));
+}
+
 /* C = alpha op(A) op(B) (+ bias) + beta C on raw device pointers (in_dt operands, out_dt C) */
 static int gemm_raw(const ampc_gemm_desc *d, ampc_dtype in_dt, ampc_dtype out_dt, const void *a, const void *b, const void *bias,
                     void *c, float alpha, float beta) {
@@ -119,8 +134,10 @@ static int gemm_raw(const ampc_gemm_desc *d, ampc_dtype in_dt, ampc_dtype out_dt
     if (rc < 0) return rc;
     pthread_once(&L.once, lt_start);
     if ((rc = lt_check(L.status, "cublasLtCreate")) < 0) return rc;
+    const size_t ies = ampc_dtype_size(in_dt), oes = ampc_dtype_size(out_dt);
     plan_key k = {d->batch, d->M, d->N, d->K, d->stride_a, d->stride_b, d->stride_c, d->ta, d->tb,
-                  in_dt, out_dt, bias != NULL, ampc_allow_tf32()};
+                  in_dt, out_dt, bias != NULL, ampc_allow_tf32(), alignment(a, d->batch > 1 ? d->stride_a : 0, ies),
+                  alignment(b, d->batch > 1 ? d->stride_b : 0, ies), alignment(c, d->batch > 1 ? d->stride_c : 0, oes), 0};
     pthread_mutex_lock(&L.lock);
     plan *p = NULL;
     for (int i = 0; i < L.nplans && !p; i++)
