@@ -742,6 +742,8 @@ static void usage(FILE *f) {
             "  --warmup N        untimed steps first (default 3)\n"
             "  --threads N       OpenMP threads (default: OMP_NUM_THREADS or all cores)\n"
             "  --peak            measure only the machine's fp32/bf16 peak GFLOP/s and exit\n"
+            "  --activations     time each activation's forward and backward on (4096, 1536), f32 and\n"
+            "                    bf16 (best of --steps calls), and exit\n"
             "  --no-peak         skip the peak measurement (no %%peak column)\n"
             "  --profile         after each config, time each kernel over extra steps\n"
             "  --json FILE       write the results as JSON (default: none)\n"
@@ -799,6 +801,51 @@ static int parse_yes_no(const char *flag, const char *v, bool *out) {
     return 0;
 }
 
+/* --activations: each elementwise activation forward and backward on a (4096, 1536) tensor (the
+   gpt workload's MLP, batch 16 x block 256 rows of 4 x 384), f32 and bf16, best of `steps`
+   calls, ms; the elementwise passes between a model's gemms */
+static int run_activations(int steps) {
+    ampc_tensor *(*fn[6])(ampc_tensor *) = {ampc_relu, ampc_gelu, ampc_gelu_tanh, ampc_silu, ampc_sigmoid, ampc_tanh};
+    const char *name[6] = {"relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh"};
+    const ampc_dtype dts[2] = {AMPC_F32, AMPC_BF16};
+    const int64_t shape[2] = {4096, 1536};
+    printf("activations on (4096, 1536), best of %d calls, ms (%s):\n%-10s %10s %10s %10s %10s\n", steps,
+           ampc_device_name(g_device), "op", "f32 fwd", "f32 bwd", "bf16 fwd", "bf16 bwd");
+    for (int k = 0; k < 6; k++) {
+        double best[2][2] = {{1e30, 1e30}, {1e30, 1e30}};
+        for (int d = 0; d < 2; d++)
+            for (int r = 0; r < steps; r++) {
+                ampc_scope_begin();
+                ampc_tensor *x = ampc_tensor_rand(dts[d], 2, shape, -4, 4), *g = ampc_tensor_rand(dts[d], 2, shape, -1, 1);
+                if (x && g && g_device != AMPC_DEVICE_CPU) {   /* made on the CPU, moved where the ops run */
+                    x = ampc_tensor_to(x, g_device, dts[d]);
+                    g = x ? ampc_tensor_to(g, g_device, dts[d]) : NULL;
+                }
+                if (!x || !g || ampc_tensor_set_requires_grad(x, true) < 0) {
+                    fprintf(stderr, "ampc-bench: --activations: %s\n", ampc_last_error());
+                    return 1;
+                }
+                ampc_device_synchronize(g_device);
+                double t0 = bench_now();
+                ampc_tensor *y = fn[k](x);
+                ampc_device_synchronize(g_device);
+                double t1 = bench_now();
+                int rc = y ? ampc_backward_with_grad(y, g) : -1;
+                ampc_device_synchronize(g_device);
+                double t2 = bench_now();
+                ampc_scope_end();
+                if (rc < 0) {
+                    fprintf(stderr, "ampc-bench: --activations: %s: %s\n", name[k], ampc_last_error());
+                    return 1;
+                }
+                best[d][0] = t1 - t0 < best[d][0] ? t1 - t0 : best[d][0];
+                best[d][1] = t2 - t1 < best[d][1] ? t2 - t1 : best[d][1];
+            }
+        printf("%-10s %10.2f %10.2f %10.2f %10.2f\n", name[k], best[0][0] * 1e3, best[0][1] * 1e3, best[1][0] * 1e3, best[1][1] * 1e3);
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     ampc_tool_wait_policy(argv);
     bool wl_on[N_WORKLOADS] = {true, true, true, false}, mode_on[N_MODES] = {true, false, true, true};
@@ -807,7 +854,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < N_MODES; i++) mode_names[i] = MODES[i].name;
     settings s = {.steps = 10, .warmup = 3};
     int threads = 0;
-    bool peak_only = false, no_peak = false, largest = false;
+    bool peak_only = false, no_peak = false, largest = false, activations = false;
     size_t max_memory = 0;
     const char *json = NULL;
     for (int i = 1; i < argc; i++) {
@@ -875,6 +922,7 @@ int main(int argc, char **argv) {
         }
         else if (!strcmp(a, "--largest-batch")) largest = true;
         else if (!strcmp(a, "--peak")) peak_only = true;
+        else if (!strcmp(a, "--activations")) activations = true;
         else if (!strcmp(a, "--no-peak")) no_peak = true;
         else if (!strcmp(a, "--profile")) s.profile = true;
         else {
@@ -929,6 +977,11 @@ int main(int argc, char **argv) {
     if (peak_only) {
         loadavg(load1, sizeof load1);
         return json && write_json(json, NULL, 0, &s, wait_policy, load0, load1) < 0 ? 1 : 0;
+    }
+    if (activations) {
+        int arc = run_activations(s.steps);
+        ampc_shutdown();
+        return arc;
     }
     if (max_memory) ampc_memory_set_limit(max_memory);
     if (largest) {

@@ -113,6 +113,34 @@ AMPC_CPU_INLINE float ampc__cpu_phi(float x) {
     return x < 0.0f ? half_erfc : 1.0f - half_erfc;
 }
 
+/* The logistic function 1 / (1 + exp(-x)) from e = exp(-|x|) <= 1 (no overflow, and relatively
+   accurate on both sides: e / (1 + e) for x < 0); results below FLT_MIN flush to 0. */
+AMPC_CPU_INLINE float ampc__cpu_sigmoid(float x) {
+    const float e = ampc__cpu_exp(-fabsf(x)), r = 1.0f / (1.0f + e);
+    return x < 0.0f ? e * r : r;
+}
+/* sigmoid(x) and, in *rest, 1 - sigmoid(x) = sigmoid(-x), each relatively accurate (the
+   derivatives' s (1 - s) without 1 - s's cancellation) */
+AMPC_CPU_INLINE float ampc__cpu_sigmoid2(float x, float *rest) {
+    const float e = ampc__cpu_exp(-fabsf(x)), r = 1.0f / (1.0f + e);
+    *rest = x < 0.0f ? r : e * r;
+    return x < 0.0f ? e * r : r;
+}
+
+/* tanh(x), vectorizable: Cephes' tanhf (an odd polynomial below |x| = 0.625, where 1 - exp
+   would cancel; (1 - e) / (1 + e), e = exp(-2|x|), above), within 2 ulp. */
+AMPC_CPU_INLINE float ampc__cpu_tanh(float x) {
+    const float ax = fabsf(x), z = x * x;
+    float p = -5.70498872745e-3f;
+    p = fmaf(p, z, 2.06390887954e-2f);
+    p = fmaf(p, z, -5.37397155531e-2f);
+    p = fmaf(p, z, 1.33314422036e-1f);
+    p = fmaf(p, z, -3.33332819422e-1f);
+    const float small = fmaf(p * z, x, x);
+    const float e = ampc__cpu_exp(-2.0f * ax), big = (1.0f - e) / (1.0f + e);
+    return ax < 0.625f ? small : x < 0.0f ? -big : big;
+}
+
 /* Element i of f32 (bf16 false) or bf16 storage, as f32; and the store of an f32 result. */
 AMPC_CPU_INLINE float ampc__cpu_ld(const void *p, size_t i, bool bf16) {
     return bf16 ? ampc__cpu_bf16_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
