@@ -94,75 +94,103 @@ AMPC_CPU_VEC static void relu_bwd_bf16(const void *v, const void *gy, void *gx, 
 static const float inv_sqrt2pi = 0.39894228040143267794f;
 static const float sqrt_2_pi = 0.79788456080286535588f, gelu_k = 0.044715f;   /* GELU's tanh approximation */
 
-/* Exact GELU x Phi(x) and its derivative Phi(x) + x phi(x), vectorized (cpu.h's Phi and exp) */
-AMPC_CPU_VEC static void gelu_f32(const float *x, float *y, size_t n) {
-#pragma omp simd
-    for (size_t i = 0; i < n; i++) y[i] = x[i] * ampc__cpu_phi(x[i]);
+/* The activations (exact GELU, its tanh form, SiLU, sigmoid, tanh) over f32 or bf16 storage in
+   registers (cpu.h's exp, Phi, sigmoid, tanh), x and y possibly the same array. Exact GELU is
+   x Phi(x); GELU's tanh form is computed as x sigmoid(2u), u = sqrt(2/pi) (x + k x^3): the same
+   function as 0.5 x (1 + tanh u) without 1 + tanh u's cancellation for negative x. */
+static bool activation(ampc_op op) {
+    return op == AMPC_OP_GELU || op == AMPC_OP_GELU_TANH || op == AMPC_OP_SILU || op == AMPC_OP_SIGMOID || op == AMPC_OP_TANH;
 }
-AMPC_CPU_VEC static void gelu_bwd_f32(const float *x, const float *gy, float *gx, size_t n) {
+AMPC_CPU_INLINE void activation_body(ampc_op op, const void *x, void *y, size_t n, bool bf) {
+    switch (op) {
+    case AMPC_OP_GELU:
 #pragma omp simd
-    for (size_t i = 0; i < n; i++) gx[i] = gy[i] * (ampc__cpu_phi(x[i]) + x[i] * inv_sqrt2pi * ampc__cpu_exp(-0.5f * x[i] * x[i]));
+        for (size_t i = 0; i < n; i++) {
+            const float v = ampc__cpu_ld(x, i, bf);
+            ampc__cpu_st(y, i, v * ampc__cpu_phi(v), bf);
+        }
+        break;
+    case AMPC_OP_GELU_TANH:
+#pragma omp simd
+        for (size_t i = 0; i < n; i++) {
+            const float v = ampc__cpu_ld(x, i, bf);
+            ampc__cpu_st(y, i, v * ampc__cpu_sigmoid(2.0f * sqrt_2_pi * fmaf(gelu_k * v * v, v, v)), bf);
+        }
+        break;
+    case AMPC_OP_TANH:
+#pragma omp simd
+        for (size_t i = 0; i < n; i++) ampc__cpu_st(y, i, ampc__cpu_tanh(ampc__cpu_ld(x, i, bf)), bf);
+        break;
+    case AMPC_OP_SILU:
+#pragma omp simd
+        for (size_t i = 0; i < n; i++) {
+            const float v = ampc__cpu_ld(x, i, bf);
+            ampc__cpu_st(y, i, v * ampc__cpu_sigmoid(v), bf);
+        }
+        break;
+    default:   /* SIGMOID */
+#pragma omp simd
+        for (size_t i = 0; i < n; i++) ampc__cpu_st(y, i, ampc__cpu_sigmoid(ampc__cpu_ld(x, i, bf)), bf);
+        break;
+    }
 }
+AMPC_CPU_VEC static void activation_f32(ampc_op op, const void *x, void *y, size_t n) { activation_body(op, x, y, n, false); }
+AMPC_CPU_VEC static void activation_bf16(ampc_op op, const void *x, void *y, size_t n) { activation_body(op, x, y, n, true); }
 
-/* The other activations, vectorized (cpu.h's sigmoid, tanh and exp). GELU's tanh form as
-   x sigmoid(2 u), u = sqrt(2/pi) (x + k x^3): the same function as 0.5 x (1 + tanh u) without
-   1 + tanh u's cancellation for negative x. */
-AMPC_CPU_VEC static void activation_f32(ampc_op op, const float *x, float *y, size_t n) {
+/* Their derivatives, gx = gy f': GELU Phi(x) + x phi(x); GELU_TANH s + 2 x s (1 - s) u' (s =
+   sigmoid(2u), u' = sqrt(2/pi) (1 + 3k x^2)); TANH 1 - y^2; SILU s (1 + x (1 - s)); SIGMOID
+   y (1 - y); 1 - s as sigmoid(-.), not a difference. x or y is NULL where not read; gx may be
+   gy's array. */
+AMPC_CPU_INLINE void activation_bwd_body(ampc_op op, const void *x, const void *y, const void *gy, void *gx, size_t n, bool bf) {
     switch (op) {
+    case AMPC_OP_GELU:
+#pragma omp simd
+        for (size_t i = 0; i < n; i++) {
+            const float v = ampc__cpu_ld(x, i, bf);
+            ampc__cpu_st(gx, i, ampc__cpu_ld(gy, i, bf) * (ampc__cpu_phi(v) + v * inv_sqrt2pi * ampc__cpu_exp(-0.5f * v * v)), bf);
+        }
+        break;
     case AMPC_OP_GELU_TANH:
 #pragma omp simd
-        for (size_t i = 0; i < n; i++) y[i] = x[i] * ampc__cpu_sigmoid(2.0f * sqrt_2_pi * fmaf(gelu_k * x[i] * x[i], x[i], x[i]));
+        for (size_t i = 0; i < n; i++) {
+            float v = ampc__cpu_ld(x, i, bf), rest, sg = ampc__cpu_sigmoid2(2.0f * sqrt_2_pi * fmaf(gelu_k * v * v, v, v), &rest);
+            ampc__cpu_st(gx, i, ampc__cpu_ld(gy, i, bf) * fmaf(2.0f * v * sg * rest, sqrt_2_pi * fmaf(3.0f * gelu_k * v, v, 1.0f), sg), bf);
+        }
         break;
     case AMPC_OP_TANH:
 #pragma omp simd
-        for (size_t i = 0; i < n; i++) y[i] = ampc__cpu_tanh(x[i]);
+        for (size_t i = 0; i < n; i++) {
+            const float t = ampc__cpu_ld(y, i, bf);
+            ampc__cpu_st(gx, i, ampc__cpu_ld(gy, i, bf) * (1.0f - t * t), bf);
+        }
         break;
     case AMPC_OP_SILU:
 #pragma omp simd
-        for (size_t i = 0; i < n; i++) y[i] = x[i] * ampc__cpu_sigmoid(x[i]);
+        for (size_t i = 0; i < n; i++) {
+            float v = ampc__cpu_ld(x, i, bf), rest, sg = ampc__cpu_sigmoid2(v, &rest);
+            ampc__cpu_st(gx, i, ampc__cpu_ld(gy, i, bf) * (sg * fmaf(v, rest, 1.0f)), bf);
+        }
         break;
     default:   /* SIGMOID */
 #pragma omp simd
-        for (size_t i = 0; i < n; i++) y[i] = ampc__cpu_sigmoid(x[i]);
+        for (size_t i = 0; i < n; i++) {
+            const float s = ampc__cpu_ld(y, i, bf);
+            ampc__cpu_st(gx, i, ampc__cpu_ld(gy, i, bf) * (s * (1.0f - s)), bf);
+        }
         break;
     }
 }
-/* Their derivatives: GELU_TANH s + 2 x s (1 - s) u' (s = sigmoid(2u), u' = sqrt(2/pi) (1 + 3k
-   x^2)); TANH 1 - y^2; SILU s (1 + x (1 - s)); SIGMOID y (1 - y); 1 - s as sigmoid(-.), not
-   a difference. x or y NULL where not read. */
-AMPC_CPU_VEC static void activation_bwd_f32(ampc_op op, const float *x, const float *y, const float *gy, float *gx, size_t n) {
-    switch (op) {
-    case AMPC_OP_GELU_TANH:
-#pragma omp simd
-        for (size_t i = 0; i < n; i++) {
-            float v = x[i], rest, sg = ampc__cpu_sigmoid2(2.0f * sqrt_2_pi * fmaf(gelu_k * v * v, v, v), &rest);
-            gx[i] = gy[i] * fmaf(2.0f * v * sg * rest, sqrt_2_pi * fmaf(3.0f * gelu_k * v, v, 1.0f), sg);
-        }
-        break;
-    case AMPC_OP_TANH:
-#pragma omp simd
-        for (size_t i = 0; i < n; i++) gx[i] = gy[i] * (1.0f - y[i] * y[i]);
-        break;
-    case AMPC_OP_SILU:
-#pragma omp simd
-        for (size_t i = 0; i < n; i++) {
-            float rest, sg = ampc__cpu_sigmoid2(x[i], &rest);
-            gx[i] = gy[i] * (sg * fmaf(x[i], rest, 1.0f));
-        }
-        break;
-    default:   /* SIGMOID */
-#pragma omp simd
-        for (size_t i = 0; i < n; i++) gx[i] = gy[i] * (y[i] * (1.0f - y[i]));
-        break;
-    }
+AMPC_CPU_VEC static void activation_bwd_f32(ampc_op op, const void *x, const void *y, const void *gy, void *gx, size_t n) {
+    activation_bwd_body(op, x, y, gy, gx, n, false);
+}
+AMPC_CPU_VEC static void activation_bwd_bf16(ampc_op op, const void *x, const void *y, const void *gy, void *gx, size_t n) {
+    activation_bwd_body(op, x, y, gy, gx, n, true);
 }
 
 /* The other ops on f32 chunks; x and y may be the same array */
 static void unary_chunk(ampc_op op, const float *x, float *y, size_t n, float a) {
     switch (op) {
     case AMPC_OP_GELU:
-        gelu_f32(x, y, n);
-        break;
     case AMPC_OP_GELU_TANH:
     case AMPC_OP_TANH:
     case AMPC_OP_SILU:
@@ -191,12 +219,13 @@ static int cpu_unary(ampc_op op, const ampc_tensor *x, ampc_tensor *y, double al
         return AMPC_OK;
     }
     float a = (float)alpha;
-    if (simple_unary(op) && ampc__cpu_direct(x->dtype) && x->dtype == y->dtype) {
-        bool bf = x->dtype == AMPC_BF16;
+    if ((simple_unary(op) || activation(op)) && ampc__cpu_direct(x->dtype) && x->dtype == y->dtype) {
+        bool bf = x->dtype == AMPC_BF16, act = activation(op);
 #pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
         for (size_t base = 0; base < n; base += BLK) {
             size_t m = min_sz(BLK, n - base);
-            (bf ? simple_bf16 : simple_f32)(op, ampc__cpu_at(x, base), ampc__cpu_at(y, base), m, a);
+            if (act) (bf ? activation_bf16 : activation_f32)(op, ampc__cpu_at(x, base), ampc__cpu_at(y, base), m);
+            else (bf ? simple_bf16 : simple_f32)(op, ampc__cpu_at(x, base), ampc__cpu_at(y, base), m, a);
         }
         return AMPC_OK;
     }
@@ -220,9 +249,7 @@ static void unary_backward_chunk(ampc_op op, const float *x, const float *y, con
     case AMPC_OP_RELU:
         relu_bwd_f32(x ? x : y, gy, gx, n);
         break;
-    case AMPC_OP_GELU:   /* Phi(x) + x phi(x) */
-        gelu_bwd_f32(x, gy, gx, n);
-        break;
+    case AMPC_OP_GELU:
     case AMPC_OP_GELU_TANH:
     case AMPC_OP_TANH:
     case AMPC_OP_SILU:
@@ -264,6 +291,17 @@ static int cpu_unary_backward(ampc_op op, const ampc_tensor *x, const ampc_tenso
         for (size_t base = 0; base < n; base += BLK) {
             size_t m = min_sz(BLK, n - base);
             (bf ? relu_bwd_bf16 : relu_bwd_f32)(ampc__cpu_at(v, base), ampc__cpu_at(gy, base), ampc__cpu_at(gx, base), m);
+        }
+        return AMPC_OK;
+    }
+    const ampc_dtype dt = gx->dtype;
+    if (activation(op) && ampc__cpu_direct(dt) && gy->dtype == dt && (!x || x->dtype == dt) && (!y || y->dtype == dt)) {
+        bool bf = dt == AMPC_BF16;
+#pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
+        for (size_t base = 0; base < n; base += BLK) {
+            size_t m = min_sz(BLK, n - base);
+            (bf ? activation_bwd_bf16 : activation_bwd_f32)(op, x ? ampc__cpu_at(x, base) : NULL, y ? ampc__cpu_at(y, base) : NULL,
+                                                            ampc__cpu_at(gy, base), ampc__cpu_at(gx, base), m);
         }
         return AMPC_OK;
     }
