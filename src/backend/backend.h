@@ -28,6 +28,8 @@
 #include "backend/optim_consts.h"
 #include "core/core.h"
 
+#include <math.h>
+
 /* The elementwise kernels take an op of the op table (include/ampc.h) of the kind they run:
    unary and unary_backward those of kind UNARY (POW is x^alpha, MUL_SCALAR alpha * x,
    ADD_SCALAR x + alpha, also on i64: a counter), binary those of kind BINARY. */
@@ -67,6 +69,17 @@ typedef struct {
        so are dq, dk, dv: k's and v's first elements are ampc__attn_offsets' in. */
     bool packed;
 } ampc_attn_desc;
+
+/* The keys query row i sees: [0, ampc__attn_keys(d, i)) (causal: key j <= i) */
+static inline int64_t ampc__attn_keys(const ampc_attn_desc *d, int64_t i) {
+    return d->causal ? (i + 1 < d->Tk ? i + 1 : d->Tk) : d->Tk;
+}
+
+/* Dropout's rule on every device (the draws of core/rng.c): an element is kept iff its draw's
+   top 24 bits are >= ampc__dropout_threshold(p) = ceil(p 2^24) (its uniform is not below p), and
+   a kept one is scaled by ampc__dropout_scale(p) = 1 / (1 - p) in f32 (0 for p = 1). */
+static inline uint32_t ampc__dropout_threshold(double p) { return (uint32_t)ceil(p * 0x1p24); }
+static inline float ampc__dropout_scale(double p) { return p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.0f; }
 
 /* Where k and v (and dk, dv) start in their tensors: 0, or N and 2N (N = batch T E) packed */
 static inline void ampc__attn_offsets(const ampc_attn_desc *d, int64_t *k_off, int64_t *v_off) {

@@ -595,10 +595,8 @@ int ampc__k_permute(const ampc_tensor *x, const int *perm, ampc_tensor *y) {
     return ampc__backend(x->device)->permute(x, perm, y);
 }
 
-/* Attention: q, k, v, o (and the gradients) of one float dtype and the descriptor's sizes, lse in
-   the statistics dtype, all on q's device, the sizes not negative and a scale that is finite. */
-/* The mask's largest offset within it, from the descriptor's layout (the door checks the mask
-   holds it and that its leading dims make the batch) */
+/* The additive mask's layout in the descriptor: leading dims that make the batch, strides not
+   negative, and the largest offset it reads inside the mask */
 static int check_attention_mask(ampc_kernel kern, const ampc_attn_desc *d, const ampc_tensor *mask) {
     int64_t heads = 1, last = (d->Tq ? d->Tq - 1 : 0) * d->mask_si + (d->Tk ? d->Tk - 1 : 0) * d->mask_sj;
     bool bad = d->nlead < 0 || d->nlead > AMPC_MAX_DIMS || d->mask_si < 0 || d->mask_sj < 0;
@@ -616,6 +614,9 @@ static int check_attention_mask(ampc_kernel kern, const ampc_attn_desc *d, const
     return AMPC_OK;
 }
 
+/* Attention: q, k, v, o (and the gradients) of one float dtype and the descriptor's sizes (one
+   tensor for q, k, v when packed), lse, the mask and dmask in the statistics dtype, all on q's
+   device, the sizes not negative, a scale that is finite and a dropout probability in [0, 1]. */
 static int check_attention(ampc_kernel kern, const ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k,
                            const ampc_tensor *v, const ampc_tensor *mask, const ampc_tensor *o, const ampc_tensor *lse,
                            const ampc_tensor *dout, const ampc_tensor *dq, const ampc_tensor *dk, const ampc_tensor *dv,

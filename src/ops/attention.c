@@ -96,11 +96,49 @@ static ampc_tensor *mask_for_kernels(const ampc_tensor *q, ampc_tensor *mask, in
     return view;
 }
 
+/* scale >= 0 (0: 1/sqrt(E)) and finite, dropout_p in [0, 1]; else the error, naming the op */
+static int check_settings(const char *name, double scale, double dropout_p) {
+    if (!isfinite(scale) || scale < 0) return ampc__err(AMPC_ERR_INVALID, "%s: scale %g (0: 1/sqrt(E))", name, scale);
+    if (!(dropout_p >= 0 && dropout_p <= 1)) return ampc__err(AMPC_ERR_INVALID, "%s: dropout_p %g outside [0, 1]", name, dropout_p);
+    return AMPC_OK;
+}
+
+/* What both forms share once their inputs are checked: the default scale and dropout's draws in
+   d, the output (nd dims of oshape, q's dtype) and the log-sum-exps, the kernel, and the node
+   (backward fn bwd over a's inputs, saving the first three of them (q, k, v; or the packed one),
+   the statistics and the mask (owned here; NULL: none)). */
+static ampc_tensor *run_attention(ampc_op_args *a, ampc_attn_desc *d, const ampc_tensor *q, const ampc_tensor *k,
+                                  const ampc_tensor *v, ampc_tensor *mask, int nd, const int64_t *oshape, ampc_backward_fn bwd) {
+    if (d->scale == 0) d->scale = d->E > 0 ? 1.0 / sqrt((double)d->E) : 1.0;
+    if (d->dropout > 0) d->rng = ampc__rng_reserve((uint64_t)(d->batch * d->Tq * d->Tk));
+    const ampc_dtype sdt = ampc__device(q->device)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64;
+    int64_t nl = d->batch * d->Tq;
+    bool grad = ampc__needs_grad(a->in, a->n);
+    ampc_tensor *o = ampc__tensor_new(q->dtype, q->device, nd, oshape);
+    ampc_tensor *lse = o && grad ? ampc__tensor_new(sdt, q->device, 1, &nl) : NULL;
+    ampc_node *node = NULL;
+    if (!o || (grad && !lse) || ampc__k_attention(d, q, k, v, mask, o, lse) < 0 ||
+        (grad && !(node = ampc__node_new(ampc_op_grad_fn(AMPC_OP_SDPA), bwd, a->in, a->n)))) {
+        ampc__release(o), ampc__release(lse), ampc__release(mask);
+        return ampc__op_finish(a, NULL, NULL);
+    }
+    if (node) {
+        for (int i = 0; i < a->n && i < 3; i++) ampc__node_save(node, i, a->in[i]);
+        ampc__node_save(node, 3, lse);
+        if (mask) ampc__node_save(node, 4, mask);
+        node->args.attention.causal = d->causal, node->args.attention.scale = d->scale;
+        node->args.attention.dropout = d->dropout;
+        node->args.attention.rng_seed = d->rng.seed, node->args.attention.rng_offset = d->rng.offset;
+    }
+    ampc__release(lse), ampc__release(mask);
+    return ampc__op_finish(a, o, node);
+}
+
 ampc_tensor *ampc_scaled_dot_product_attention(ampc_tensor *q_, ampc_tensor *k_, ampc_tensor *v_, ampc_tensor *attn_mask,
                                                double dropout_p, bool is_causal, double scale) {
     ampc_op_args a;
     if (ampc__op_prepare(AMPC_OP_SDPA, &a, 4, (ampc_tensor *[]){q_, k_, v_, attn_mask}, 1u << 3) < 0) return NULL;
-    ampc_tensor *q = a.in[0], *k = a.in[1], *v = a.in[2], *o = NULL, *lse = NULL, *mask = NULL;
+    ampc_tensor *q = a.in[0], *k = a.in[1], *v = a.in[2], *mask = NULL;
     const char *name = "scaled_dot_product_attention";
     char s1[96], s2[96], s3[96];
     if (ampc__check_float(q, name, "q") < 0 || ampc__check_float(k, name, "k") < 0 || ampc__check_float(v, name, "v") < 0)
@@ -116,47 +154,15 @@ ampc_tensor *ampc_scaled_dot_product_attention(ampc_tensor *q_, ampc_tensor *k_,
                   ampc__shape_str(q, s1, sizeof s1), ampc__shape_str(k, s2, sizeof s2), ampc__shape_str(v, s3, sizeof s3));
         return ampc__op_finish(&a, NULL, NULL);
     }
-    if (!isfinite(scale) || scale < 0) {
-        ampc__err(AMPC_ERR_INVALID, "%s: scale %g (0: 1/sqrt(E))", name, scale);
-        return ampc__op_finish(&a, NULL, NULL);
-    }
-    if (!(dropout_p >= 0 && dropout_p <= 1)) {
-        ampc__err(AMPC_ERR_INVALID, "%s: dropout_p %g outside [0, 1]", name, dropout_p);
-        return ampc__op_finish(&a, NULL, NULL);
-    }
+    if (check_settings(name, scale, dropout_p) < 0) return ampc__op_finish(&a, NULL, NULL);
     const int nd = q->ndim;
     const ampc_dtype sdt = ampc__device(q->device)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64;
     if (a.in[3] && !(mask = mask_for_kernels(q, a.in[3], k->shape[nd - 2], sdt, name))) return ampc__op_finish(&a, NULL, NULL);
     ampc_attn_desc d = make_desc(q, k, v, mask, is_causal, scale, dropout_p);
-    if (d.scale == 0) d.scale = d.E > 0 ? 1.0 / sqrt((double)d.E) : 1.0;
-    if (d.dropout > 0) d.rng = ampc__rng_reserve((uint64_t)(d.batch * d.Tq * d.Tk));
     int64_t oshape[AMPC_MAX_DIMS];
     memcpy(oshape, q->shape, sizeof(int64_t) * (size_t)nd);
     oshape[nd - 1] = d.Ev;
-    int64_t nl = d.batch * d.Tq;
-    bool grad = ampc__needs_grad(a.in, 4);
-    o = ampc__tensor_new(q->dtype, q->device, nd, oshape);
-    lse = o && grad ? ampc__tensor_new(sdt, q->device, 1, &nl) : NULL;
-    if (!o || (grad && !lse) || ampc__k_attention(&d, q, k, v, mask, o, lse) < 0) {
-        ampc__release(o), ampc__release(lse), ampc__release(mask);
-        return ampc__op_finish(&a, NULL, NULL);
-    }
-    ampc_node *node = NULL;
-    if (grad) {
-        node = ampc__node_new(ampc_op_grad_fn(AMPC_OP_SDPA), attention_backward_fn, a.in, 4);
-        if (!node) {
-            ampc__release(o), ampc__release(lse), ampc__release(mask);
-            return ampc__op_finish(&a, NULL, NULL);
-        }
-        for (int i = 0; i < 3; i++) ampc__node_save(node, i, a.in[i]);
-        ampc__node_save(node, 3, lse);
-        if (mask) ampc__node_save(node, 4, mask);
-        node->args.attention.causal = d.causal, node->args.attention.scale = d.scale;
-        node->args.attention.dropout = d.dropout;
-        node->args.attention.rng_seed = d.rng.seed, node->args.attention.rng_offset = d.rng.offset;
-    }
-    ampc__release(lse), ampc__release(mask);
-    return ampc__op_finish(&a, o, node);
+    return run_attention(&a, &d, q, k, v, mask, nd, oshape, attention_backward_fn);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -191,7 +197,7 @@ static int attention_packed_backward_fn(ampc_node *n, ampc_tensor *gy, ampc_tens
 ampc_tensor *ampc__attention_packed(ampc_tensor *qkv_, double dropout_p, bool is_causal, double scale) {
     ampc_op_args a;
     if (ampc__op_prepare(AMPC_OP_SDPA, &a, 1, &qkv_, 0) < 0) return NULL;
-    ampc_tensor *qkv = a.in[0], *o = NULL, *lse = NULL;
+    ampc_tensor *qkv = a.in[0];
     const char *name = "scaled_dot_product_attention (packed q, k, v)";
     char s1[96];
     if (ampc__check_float(qkv, name, "qkv") < 0) return ampc__op_finish(&a, NULL, NULL);
@@ -199,35 +205,7 @@ ampc_tensor *ampc__attention_packed(ampc_tensor *qkv_, double dropout_p, bool is
         ampc__err(AMPC_ERR_SHAPE, "%s: qkv %s; expected (3, ..., T, E)", name, ampc__shape_str(qkv, s1, sizeof s1));
         return ampc__op_finish(&a, NULL, NULL);
     }
-    if (!isfinite(scale) || scale < 0 || !(dropout_p >= 0 && dropout_p <= 1)) {
-        ampc__err(AMPC_ERR_INVALID, "%s: scale %g (0: 1/sqrt(E)), dropout_p %g (in [0, 1])", name, scale, dropout_p);
-        return ampc__op_finish(&a, NULL, NULL);
-    }
-    const int nd = qkv->ndim;
+    if (check_settings(name, scale, dropout_p) < 0) return ampc__op_finish(&a, NULL, NULL);
     ampc_attn_desc d = packed_desc(qkv, is_causal, scale, dropout_p);
-    if (d.scale == 0) d.scale = d.E > 0 ? 1.0 / sqrt((double)d.E) : 1.0;
-    if (d.dropout > 0) d.rng = ampc__rng_reserve((uint64_t)(d.batch * d.Tq * d.Tk));
-    const ampc_dtype sdt = ampc__device(qkv->device)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64;
-    int64_t nl = d.batch * d.Tq;
-    bool grad = ampc__needs_grad(a.in, 1);
-    o = ampc__tensor_new(qkv->dtype, qkv->device, nd - 1, qkv->shape + 1);
-    lse = o && grad ? ampc__tensor_new(sdt, qkv->device, 1, &nl) : NULL;
-    if (!o || (grad && !lse) || ampc__k_attention(&d, qkv, qkv, qkv, NULL, o, lse) < 0) {
-        ampc__release(o), ampc__release(lse);
-        return ampc__op_finish(&a, NULL, NULL);
-    }
-    ampc_node *node = grad ? ampc__node_new(ampc_op_grad_fn(AMPC_OP_SDPA), attention_packed_backward_fn, a.in, 1) : NULL;
-    if (grad && !node) {
-        ampc__release(o), ampc__release(lse);
-        return ampc__op_finish(&a, NULL, NULL);
-    }
-    if (node) {
-        ampc__node_save(node, 0, a.in[0]);
-        ampc__node_save(node, 3, lse);
-        node->args.attention.causal = d.causal, node->args.attention.scale = d.scale;
-        node->args.attention.dropout = d.dropout;
-        node->args.attention.rng_seed = d.rng.seed, node->args.attention.rng_offset = d.rng.offset;
-    }
-    ampc__release(lse);
-    return ampc__op_finish(&a, o, node);
+    return run_attention(&a, &d, qkv, qkv, qkv, NULL, qkv->ndim - 1, qkv->shape + 1, attention_packed_backward_fn);
 }

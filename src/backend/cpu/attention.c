@@ -32,8 +32,6 @@ static void unstage(ampc_tensor *t, int64_t off, int64_t r0, int64_t n, int64_t 
     tr->from_f32(src, (char *)ampc__data(t) + (size_t)(off + r0 * width) * tr->size, (size_t)(n * width));
 }
 
-/* Keys query i sees: [0, keys_of(i)) */
-static int64_t keys_of(const ampc_attn_desc *d, int64_t i) { return d->causal ? (i + 1 < d->Tk ? i + 1 : d->Tk) : d->Tk; }
 
 /* C (M x N, row-major, ldc) = alpha op(A) op(B) + beta C: oneDNN's sgemm, row-major ('N'/'T'). */
 static void sgemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B,
@@ -97,12 +95,15 @@ AMPC_CPU_VEC static void dscores_row(float *p, const float *dp, int64_t kn) {
     for (int64_t j = 0; j < kn; j++) p[j] = p[j] * (dp[j] - D);
 }
 
-static float drop_factor(double p) { return p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.0f; }
+/* Threads for the batch heads (a head per thread at a time) */
+static int threads_of(const ampc_attn_desc *d) {
+    int nt = ampc__threads_for(d->batch * d->Tq * d->Tk * (d->E + d->Ev));
+    return nt > d->batch ? (int)d->batch : nt;
+}
 
-/* Threads for batch heads of work w each, and a workspace of `per` floats each (NULL + error). */
+/* Threads for the batch heads, and a workspace of `per` floats each (NULL + error). */
 static float *workspace(const ampc_attn_desc *d, size_t per, int *nt, size_t *block) {
-    *nt = ampc__threads_for(d->batch * d->Tq * d->Tk * (d->E + d->Ev));
-    if (*nt > d->batch) *nt = (int)d->batch;
+    *nt = threads_of(d);
     return ampc__alloc(AMPC_DEVICE_CPU, (size_t)*nt * per * sizeof(float), AMPC_MEM_WORKSPACE, block);
 }
 
@@ -125,7 +126,7 @@ static void block_of(const ampc_attn_desc *d, int64_t ib, int64_t *i0, int64_t *
     const int64_t R = d->Tq < ROWS ? d->Tq : ROWS;
     *i0 = ib * R;
     *n = d->Tq - *i0 < R ? d->Tq - *i0 : R;
-    *kn = keys_of(d, *i0 + *n - 1);
+    *kn = ampc__attn_keys(d, *i0 + *n - 1);
 }
 
 /* Gemm g of a block of n rows seeing kn keys (see the kernels for the operands) */
@@ -186,7 +187,7 @@ static void scores_to_probs(const ampc_attn_desc *d, float *S, int64_t b, int64_
                             float *L, bool forward) {
     const float scale = (float)d->scale;
     for (int64_t r = 0; r < n; r++) {
-        const int64_t i = i0 + r, nj = keys_of(d, i);
+        const int64_t i = i0 + r, nj = ampc__attn_keys(d, i);
         float *s = S + r * kn;
 #pragma omp simd
         for (int64_t j = 0; j < nj; j++) s[j] *= scale;
@@ -216,8 +217,7 @@ static int plan_begin(const ampc_attn_desc *d, unsigned gemms, size_t bytes, bf1
     memset(p, 0, sizeof *p);
     const int64_t R = d->Tq < ROWS ? d->Tq : ROWS;
     p->nblk = (d->Tq + R - 1) / R;
-    p->nt = ampc__threads_for(d->batch * d->Tq * d->Tk * (d->E + d->Ev));
-    if (p->nt > d->batch) p->nt = (int)d->batch;
+    p->nt = threads_of(d);
     p->e = ampc__alloc(AMPC_DEVICE_CPU, (size_t)(p->nblk * G_COUNT * p->nt) * sizeof *p->e, AMPC_MEM_WORKSPACE, &p->eblock);
     if (!p->e) return ampc_last_status();
     int rc = bf16_entries(d, gemms, p->nt, p->nblk, p->e, &p->scratch);
@@ -241,7 +241,7 @@ static int plan_end(bf16_plan *p, bool ok, const char *what) {
    decisions, out = P keep / (1 - p) (out may be P) */
 static void drop_block(const ampc_attn_desc *d, const float *P, int64_t b, int64_t i0, int64_t n, int64_t kn, uint8_t *keep,
                        float *out) {
-    const float f = drop_factor(d->dropout);
+    const float f = ampc__dropout_scale(d->dropout);
     for (int64_t r = 0; r < n; r++) {
         ampc__cpu_dropout_keep(d->rng, (uint64_t)((b * d->Tq + i0 + r) * d->Tk), (size_t)kn, d->dropout, keep + r * kn);
         drop_row(P + r * kn, keep + r * kn, kn, f, out + r * kn);
@@ -252,7 +252,7 @@ static void drop_block(const ampc_attn_desc *d, const float *P, int64_t b, int64
    dP through dropout's decisions (keep NULL: none), dS = P (dP - rowsum(P dP)), and dS copied
    into the rows of dmask (GM: the block's first row, rows of Tk; 0 past kn) when given */
 static void block_dscores(const ampc_attn_desc *d, float *P, float *dP, const uint8_t *keep, int64_t n, int64_t kn, float *GM) {
-    const float f = drop_factor(d->dropout);
+    const float f = ampc__dropout_scale(d->dropout);
     for (int64_t r = 0; r < n; r++) {
         if (keep) drop_row(dP + r * kn, keep + r * kn, kn, f, dP + r * kn);
         dscores_row(P + r * kn, dP + r * kn, kn);
@@ -321,8 +321,8 @@ static int cpu_attention_backward_bf16(const ampc_attn_desc *d, const ampc_tenso
     const uint16_t *qp = ampc__data(q), *kp = (const uint16_t *)ampc__data(k) + ko, *vp = (const uint16_t *)ampc__data(v) + vo;
     const uint16_t *gp = ampc__data(dout);
     uint16_t *gq = ampc__data(dq), *gk = (uint16_t *)ampc__data(dk) + ko, *gv = (uint16_t *)ampc__data(dv) + vo;
-    const float *L = ampc__data(lse), *M = mask ? ampc__data(mask) : NULL;
-    float *GM = dmask ? ampc__data(dmask) : NULL;
+    float *L = ampc__data(lse), *GM = dmask ? ampc__data(dmask) : NULL;   /* L: read only (scores_to_probs) */
+    const float *M = mask ? ampc__data(mask) : NULL;
     bool ok = true;
 #pragma omp parallel num_threads(nt) reduction(&& : ok)
     {
@@ -341,7 +341,7 @@ static int cpu_attention_backward_bf16(const ampc_attn_desc *d, const ampc_tenso
                 block_of(d, ib, &i0, &n, &kn);
                 ampc_dnnl_entry *const *eb = pl.e + ib * G_COUNT * nt;
                 ok = ok && mm(eb[G_S * nt + slot], qb + i0 * E, kb, P, scr, slot);
-                scores_to_probs(d, P, b, i0, n, kn, Mb, (float *)L, false);
+                scores_to_probs(d, P, b, i0, n, kn, Mb, L, false);
                 if (drop) drop_block(d, P, b, i0, n, kn, keep, dP);   /* Pb: the probabilities v saw, in bf16 */
                 to_bf16(drop ? dP : P, Pb, n * kn);
                 ok = ok && mm(eb[G_DV * nt + slot], Pb, gb + i0 * Ev, tmp, scr, slot);   /* dv += P^T do */
@@ -394,8 +394,9 @@ static int cpu_attention(const ampc_attn_desc *d, const ampc_tensor *q, const am
             stage(q, 0, b * Tq, Tq, E, qs);
             stage(k, ko, b * Tk, Tk, E, ks);
             stage(v, vo, b * Tk, Tk, Ev, vs);
-            for (int64_t i0 = 0; i0 < Tq; i0 += R) {
-                const int64_t n = Tq - i0 < R ? Tq - i0 : R, kn = keys_of(d, i0 + n - 1);
+            for (int64_t ib = 0; ib * R < Tq; ib++) {
+                int64_t i0, n, kn;
+                block_of(d, ib, &i0, &n, &kn);
                 sgemm('N', 'T', n, kn, E, 1.0f, qs + i0 * E, E, ks, E, 0.0f, S, kn);
                 scores_to_probs(d, S, b, i0, n, kn, Mb, L, true);
                 if (drop) drop_block(d, S, b, i0, n, kn, keep, S);
@@ -426,8 +427,8 @@ static int cpu_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q,
     size_t block = 0;
     float *ws = workspace(d, per, &nt, &block);
     if (!ws) return ampc_last_status();
-    const float *L = ampc__data(lse), *M = mask ? ampc__data(mask) : NULL;
-    float *GM = dmask ? ampc__data(dmask) : NULL;
+    float *L = ampc__data(lse), *GM = dmask ? ampc__data(dmask) : NULL;   /* L: read only (scores_to_probs) */
+    const float *M = mask ? ampc__data(mask) : NULL;
 #pragma omp parallel num_threads(nt)
     {
         omp_set_num_threads(1);
@@ -443,10 +444,11 @@ static int cpu_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q,
             stage(v, vo, b * Tk, Tk, Ev, vs);
             stage(dout, 0, b * Tq, Tq, Ev, gs);
             memset(gk, 0, (size_t)(Tk * E + Tk * Ev) * sizeof(float));
-            for (int64_t i0 = 0; i0 < Tq; i0 += R) {
-                const int64_t n = Tq - i0 < R ? Tq - i0 : R, kn = keys_of(d, i0 + n - 1);
+            for (int64_t ib = 0; ib * R < Tq; ib++) {
+                int64_t i0, n, kn;
+                block_of(d, ib, &i0, &n, &kn);
                 sgemm('N', 'T', n, kn, E, 1.0f, qs + i0 * E, E, ks, E, 0.0f, P, kn);
-                scores_to_probs(d, P, b, i0, n, kn, Mb, (float *)L, false);
+                scores_to_probs(d, P, b, i0, n, kn, Mb, L, false);
                 if (drop) drop_block(d, P, b, i0, n, kn, keep, Pd);
                 sgemm('T', 'N', kn, Ev, n, 1.0f, drop ? Pd : P, kn, gs + i0 * Ev, Ev, 1.0f, gv, Ev);   /* dv += Pd^T do */
                 sgemm('N', 'T', n, kn, Ev, 1.0f, gs + i0 * Ev, Ev, vs, Ev, 0.0f, dP, kn);              /* dP = do v^T */

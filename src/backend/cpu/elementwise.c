@@ -46,7 +46,8 @@ static float load_one(const ampc_tensor *t, int64_t off) {
 // ---------------------------------------------------------------------------------------------
 // Unary: y = f(x), and gx = gy * f'(x)
 
-/* ops with a register path (memory-bound); the others call libm per element */
+/* the memory-bound ops of the register path (the activations below have theirs; exp, log and
+   pow call libm per element) */
 static bool simple_unary(ampc_op op) {
     return op == AMPC_OP_RELU || op == AMPC_OP_MUL_SCALAR || op == AMPC_OP_ADD_SCALAR;
 }

@@ -113,10 +113,9 @@ static void apply_range(const ampc_tensor *in, const uint8_t *mask, ampc_tensor 
     }
 }
 
-static float drop_scale(double p) { return p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.0f; }
 
 void ampc__cpu_dropout_keep(ampc_rng_state rng, uint64_t first, size_t n, double p, uint8_t *keep) {
-    const uint32_t thr = (uint32_t)ceil(p * 0x1p24);
+    const uint32_t thr = ampc__dropout_threshold(p);
     size_t head = first % 4 ? 4 - first % 4 : 0;   /* draws before the next whole Philox block */
     head = head < n ? head : n;
     if (head) {
@@ -131,8 +130,8 @@ void ampc__cpu_dropout_keep(ampc_rng_state rng, uint64_t first, size_t n, double
    depends neither on the thread count nor on how the work is cut. */
 static int cpu_dropout(const ampc_tensor *x, ampc_tensor *y, uint8_t *mask, double p, ampc_rng_state rng) {
     size_t n = (size_t)x->numel;
-    uint32_t thr = (uint32_t)ceil(p * 0x1p24);
-    float scale = drop_scale(p);
+    uint32_t thr = ampc__dropout_threshold(p);
+    float scale = ampc__dropout_scale(p);
 #pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
     for (size_t base = 0; base < n; base += DROP_BLK) {
         size_t m = n - base < DROP_BLK ? n - base : DROP_BLK;
@@ -144,7 +143,7 @@ static int cpu_dropout(const ampc_tensor *x, ampc_tensor *y, uint8_t *mask, doub
 
 static int cpu_dropout_backward(const ampc_tensor *gy, const uint8_t *mask, double p, ampc_tensor *gx) {
     size_t n = (size_t)gy->numel;
-    float scale = drop_scale(p);
+    float scale = ampc__dropout_scale(p);
 #pragma omp parallel for num_threads(ampc__threads_for((int64_t)n)) schedule(static)
     for (size_t base = 0; base < n; base += DROP_BLK) {
         size_t m = n - base < DROP_BLK ? n - base : DROP_BLK;

@@ -37,8 +37,8 @@ static ampc_cu_attn_rows rows_of(const ampc_attn_desc *d, int64_t i0, int64_t n,
     a.batch = d->batch, a.Tq = d->Tq, a.Tk = d->Tk, a.i0 = i0, a.n = n, a.kn = kn;
     a.causal = d->causal, a.scale = (float)d->scale;
     if (d->dropout > 0) {
-        a.drop_thr = (uint32_t)ceil(d->dropout * 0x1p24);
-        a.drop_factor = d->dropout < 1 ? (float)(1.0 / (1.0 - d->dropout)) : 0.0f;
+        a.drop_thr = ampc__dropout_threshold(d->dropout);
+        a.drop_factor = ampc__dropout_scale(d->dropout);
         a.seed = d->rng.seed, a.offset = d->rng.offset;
     }
     a.nlead = d->nlead;
@@ -47,8 +47,6 @@ static ampc_cu_attn_rows rows_of(const ampc_attn_desc *d, int64_t i0, int64_t n,
     a.mask_si = d->mask_si, a.mask_sj = d->mask_sj;
     return a;
 }
-
-static int64_t keys_of(const ampc_attn_desc *d, int64_t i) { return d->causal ? (i + 1 < d->Tk ? i + 1 : d->Tk) : d->Tk; }
 
 /* C = alpha op(A) op(B) + beta C batched over the heads; an empty sum (K 0) leaves beta C */
 static int mm(const ampc_attn_desc *d, int64_t M, int64_t N, int64_t K, bool ta, bool tb, ampc_dtype in, ampc_dtype out,
@@ -91,7 +89,7 @@ static int cu_attention(const ampc_attn_desc *d, const ampc_tensor *q, const amp
     int64_t ko, vo;
     ampc__attn_offsets(d, &ko, &vo);
     for (int64_t i0 = 0; i0 < Tq && rc >= 0; i0 += R) {
-        const int64_t n = Tq - i0 < R ? Tq - i0 : R, kn = keys_of(d, i0 + n - 1);
+        const int64_t n = Tq - i0 < R ? Tq - i0 : R, kn = ampc__attn_keys(d, i0 + n - 1);
         ampc_cu_attn_rows a = rows_of(d, i0, n, kn);
         rc = mm(d, n, kn, E, false, true, dt, AMPC_F32, at(q, i0 * E), Tq * E, at(k, ko), Tk * E, S, n * kn, 1.0f, 0.0f);
         if (rc >= 0)
@@ -129,7 +127,7 @@ static int cu_attention_backward(const ampc_attn_desc *d, const ampc_tensor *q, 
     if (rc >= 0 && Tk == 0 && Tq > 0) rc = ampc__cu_check(ampc_cu_fill(ampc__data(dq), dt, H * Tq * E, 0.0, s), "attention_backward");
     const float *M = mask ? ampc__data(mask) : NULL, scale = (float)d->scale;
     for (int64_t i0 = 0; i0 < Tq && Tk > 0 && rc >= 0; i0 += R) {
-        const int64_t n = Tq - i0 < R ? Tq - i0 : R, kn = keys_of(d, i0 + n - 1);
+        const int64_t n = Tq - i0 < R ? Tq - i0 : R, kn = ampc__attn_keys(d, i0 + n - 1);
         ampc_cu_attn_rows a = rows_of(d, i0, n, kn);
         const void *qb = at(q, i0 * E), *gb = at(dout, i0 * Ev);
         rc = mm(d, n, kn, E, false, true, dt, AMPC_F32, qb, Tq * E, at(k, ko), Tk * E, S, n * kn, 1.0f, 0.0f);

@@ -11,14 +11,13 @@
 // Dropout: the mask (numel bytes of device memory) from the Philox stream of the CPU and REF
 // kernels, so every device drops the same elements for the same rng state.
 
-static float drop_scale(double p) { return p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.0f; }
 
 static int cu_dropout(const ampc_tensor *x, ampc_tensor *y, uint8_t *mask, double p, ampc_rng_state rng) {
     int rc;
     if ((rc = ampc__cu_ready()) < 0) return rc;
-    uint32_t thr = (uint32_t)ceil(p * 0x1p24);   /* kept iff the draw's 24 bits >= p * 2^24 */
+    uint32_t thr = ampc__dropout_threshold(p);
     return ampc__cu_check(ampc_cu_dropout(ampc__data(x), x->dtype, ampc__data(y), y->dtype, mask, x->numel, rng.seed, rng.offset,
-                                          thr, drop_scale(p), ampc__cu_stream()),
+                                          thr, ampc__dropout_scale(p), ampc__cu_stream()),
                           "dropout");
 }
 
@@ -26,7 +25,7 @@ static int cu_dropout_backward(const ampc_tensor *gy, const uint8_t *mask, doubl
     int rc;
     if ((rc = ampc__cu_ready()) < 0) return rc;
     return ampc__cu_check(ampc_cu_dropout_backward(ampc__data(gy), gy->dtype, mask, ampc__data(gx), gx->dtype, gy->numel,
-                                                   drop_scale(p), ampc__cu_stream()),
+                                                   ampc__dropout_scale(p), ampc__cu_stream()),
                           "dropout_backward");
 }
 

@@ -11,13 +11,11 @@
 #include <math.h>
 #include <string.h>
 
-static int64_t keys_of(const ampc_attn_desc *d, int64_t i) { return d->causal ? (i + 1 < d->Tk ? i + 1 : d->Tk) : d->Tk; }
-
 /* Row i of head b: p[j] for its keys (the rest 0); returns the log-sum-exp (-inf, and p all 0,
    when every key is hidden or masked by -inf) */
 static double probs(const ampc_attn_desc *d, const double *q, const double *k, const double *mask, int64_t b, int64_t i,
                     double *p) {
-    const int64_t nj = keys_of(d, i);
+    const int64_t nj = ampc__attn_keys(d, i);
     const double *m_row = mask ? mask + ampc__attn_mask_offset(d, b) + i * d->mask_si : NULL;
     double m = -INFINITY, sum = 0;
     for (int64_t j = 0; j < d->Tk; j++) {
