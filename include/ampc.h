@@ -172,6 +172,14 @@ bool ampc_allow_tf32(void);
    against the heuristics' 16.1; bench/RESULTS.md). */
 void ampc_set_cudnn_benchmark(bool on);
 bool ampc_cudnn_benchmark(void);
+/* fp32 (and fp16, computed in fp32) 3x3 stride-1 convolutions on the CPU through oneDNN's
+   Winograd F(4x4, 3x3) kernels where the CPU has them (AVX-512) and their workspace stays
+   small (input and output channels multiples of 16, at most 128 x 128, no bias): 4x fewer
+   multiplications, rounding a few times the direct sum's (test_conv_cl holds them to a bound
+   derived from the transforms). On unless set off here or by $AMPC_CONV_WINOGRAD=0 (oneDNN's
+   direct kernels, as PyTorch's CPU convolutions). bf16 never takes it. */
+void ampc_set_conv_winograd(bool on);
+bool ampc_conv_winograd(void);
 /* Which of the machine's GPUs the cuda device is (index as CUDA numbers them, after
    CUDA_VISIBLE_DEVICES; 0 by default). Set it before the process's first CUDA tensor or op:
    AMPC_ERR_STATE once another GPU is in use, AMPC_ERR_INVALID for index < 0 (an index past the

@@ -5,8 +5,9 @@
  * backend in f64, for f32, bf16, f16 and 16-bit x/gy with f32 gw/gb (autocast), on 1 and 3
  * threads (bf16 weight gradients are split over threads); the im2col + matmul path forced on
  * every ungrouped case (all three passes, cols capped so that the batch is split in chunks,
- * and uncapped); the empty-input fallbacks, format errors, the steady state (no new
- * allocations) and which oneDNN kernels run.
+ * and uncapped); oneDNN's Winograd kernels (by rule and forced) against a bound derived from
+ * their transforms (the Winograd section below); the empty-input fallbacks, format errors, the
+ * steady state (no new allocations) and which oneDNN kernels run.
  *
  * Tolerance (derived, as in test_conv.c): inputs are exact in the dtype, every kernel sums its
  * K terms in f32 in some order and rounds once to the output dtype, so
@@ -179,17 +180,223 @@ static double gamma_f32(double k) { return k * 0x1p-24 / (1 - k * 0x1p-24); }
 /* Half the smallest subnormal of dt (the absolute part of rounding to it). */
 static double half_subnormal(ampc_dtype dt) { return dt == AMPC_F16 ? 0x1p-25 : dt == AMPC_BF16 ? 0x1p-134 : 0x1p-150; }
 
-/* |got - want| <= scale * bound(K, S, eps, eta) elementwise, bound as in the top comment (want:
-   the exact values, or another kernel's with scale 2). */
-static void check_close(const char *what, const double *got, const double *want, const double *exact, const double *S,
-                        size_t n, double K, double eps, double eta, double scale) {
-    double g = gamma_f32(K);
+/* A kernel's error model: the magnitudes M (S for a direct sum, T for Winograd), the sum's
+   length K and a scale (Winograd: 2, see below). */
+typedef struct {
+    const double *M;
+    double K, scale;
+} err_model;
+
+/* The bound of the top comment for element i under model m. */
+static double bound_of(const err_model *m, size_t i, double exact, double eps, double eta) {
+    double g = gamma_f32(m->K);
+    return m->scale * (g * m->M[i] + eps * (fabs(exact) + g * m->M[i]) + eta);
+}
+
+/* |got - want| <= bound(a) elementwise (want: the exact values), or bound(a) + bound(b) (want:
+   another kernel's results, b its model). */
+static void check_close(const char *what, const double *got, const double *want, const double *exact, size_t n, double eps,
+                        double eta, const err_model *a, const err_model *b) {
     for (size_t i = 0; i < n; i++) {
-        double bound = scale * (g * S[i] + eps * (fabs(exact[i]) + g * S[i]) + eta);
+        double bound = bound_of(a, i, exact[i], eps, eta) + (b ? bound_of(b, i, exact[i], eps, eta) : 0);
         if (!(fabs(got[i] - want[i]) <= bound))
             fail_msg("%s [%zu]: got %.9g want %.9g (exact %.9g), error %.3g > bound %.3g", what, i, got[i], want[i], exact[i],
                      fabs(got[i] - want[i]), bound);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Winograd F(4x4, 3x3): the bound oneDNN's Winograd kernels are held to
+//
+// oneDNN's jit_wino_4x3 kernels compute a 3x3 stride-1 correlation (padding 1) tile by tile as
+// Y = A^T [(G g G^T) . (B^T d B)] A: 4x4 output tiles from 6x6 input tiles, the products summed
+// over the channels in the transformed domain (Lavin and Gray's F(4x4, 3x3)); their constants
+// (0.625, 1.5, 2.25 = 1.5^2, 0.390625 = 0.625^2, 2.640625 = 1.5^2 + 0.625^2) are those of the
+// Toom-Cook points 0, +-5/8, +-3/2 and infinity, built below. Every value the kernel computes is
+// a sum of products of inputs and the transforms' coefficients, computed in f32 in some order,
+// so to first order its error is at most gamma(K + 64) times the same computation on |A|, |G|,
+// |B| and the inputs' magnitudes (T, below); K is the sum's length in the transformed domain (C
+// forward, O backward data, N x tiles backward weights) and 64 covers the transforms' own sums
+// (6 terms in each direction, input, weights and output) and their coefficients' rounding to
+// f32; checks take twice that, for oneDNN's factored evaluation of the transforms (partial
+// sums shared between rows). T does not change when rows of G are scaled against B^T's or A's
+// columns against G's, so it does not depend on how oneDNN normalises the matrices; and T >= S
+// elementwise (the signed coefficients of each direct term sum to 1), so the bound contains the
+// direct one. The construction (matrices, tiling, the dual forms of the two gradients) is checked
+// first: the same computation in f64 on the signed inputs equals REF's exact results.
+
+static double WAT[4][6], WG[6][3], WBT[6][6];   /* A^T, G, B^T */
+
+static void wino_matrices(void) {
+    const double p[5] = {0, 0.625, -0.625, 1.5, -1.5};
+    memset(WAT, 0, sizeof WAT), memset(WG, 0, sizeof WG), memset(WBT, 0, sizeof WBT);
+    for (int i = 0; i < 4; i++) {
+        for (int j = 0; j < 5; j++) WAT[i][j] = pow(p[j], i);
+        WAT[i][5] = i == 3;   /* infinity: the leading coefficient */
+    }
+    for (int j = 0; j < 5; j++)
+        for (int k = 0; k < 3; k++) WG[j][k] = pow(p[j], k);
+    WG[5][2] = 1;
+    /* B^T row j: the coefficients of Lagrange's L_j over the finite points (j < 5), of their
+       product M (j = 5): the interpolation s(x) = sum_j s(p_j) L_j(x) + s_inf M(x), transposed */
+    for (int j = 0; j < 6; j++) {
+        double poly[7] = {1}, denom = 1;
+        int deg = 0;
+        for (int l = 0; l < 5; l++) {
+            if (l == j) continue;
+            for (int i = deg + 1; i > 0; i--) poly[i] = poly[i - 1] - p[l] * poly[i];
+            poly[0] *= -p[l];
+            deg++;
+            if (j < 5) denom *= p[j] - p[l];
+        }
+        for (int i = 0; i < 6; i++) WBT[j][i] = poly[i] / denom;
+    }
+}
+
+/* c (n x m) = a (n x k) b (k x m), with |a| |b| when ab; strides: a's row sa, b's row sb, and
+   transposes read a[i][t] as a[t][i] (ta) or b[t][j] as b[j][t] (tb). */
+static void wmm(const double *a, int sa, bool ta, const double *b, int sb, bool tb, double *c, int n, int k, int m, bool ab) {
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < m; j++) {
+            double acc = 0;
+            for (int t = 0; t < k; t++) {
+                double x = ta ? a[t * sa + i] : a[i * sa + t], y = tb ? b[j * sb + t] : b[t * sb + j];
+                acc += ab ? fabs(x) * fabs(y) : x * y;
+            }
+            c[i * m + j] = acc;
+        }
+}
+
+/* V[((n*C + c)*T + t)*36]: B^T d B of the 6x6 input tiles of x (N, C, H, W; padding 1, tile t =
+   ty*TW + tx starting at row 4 ty - 1, column 4 tx - 1). */
+static double *wino_input(const double *x, int64_t N, int64_t C, int64_t H, int64_t W, bool ab) {
+    int64_t TH = (H + 3) / 4, TW = (W + 3) / 4, T = TH * TW;
+    double *V = malloc((size_t)(N * C * T) * 36 * sizeof *V);
+    for (int64_t nc = 0; nc < N * C; nc++)
+        for (int64_t t = 0; t < T; t++) {
+            double d[36], tmp[36];
+            for (int r = 0; r < 6; r++)
+                for (int q = 0; q < 6; q++) {
+                    int64_t h = t / TW * 4 - 1 + r, w = t % TW * 4 - 1 + q;
+                    d[r * 6 + q] = h >= 0 && h < H && w >= 0 && w < W ? x[(nc * H + h) * W + w] : 0;
+                }
+            wmm(&WBT[0][0], 6, false, d, 6, false, tmp, 6, 6, 6, ab);
+            wmm(tmp, 6, false, &WBT[0][0], 6, true, V + (nc * T + t) * 36, 6, 6, 6, ab);
+        }
+    return V;
+}
+
+/* y (N, O, H, W) = the correlation of x (N, C, H, W) with w (O, C, 3, 3), padding 1, by
+   Winograd (ab: on magnitudes: T). */
+static void wino_corr(const double *x, const double *w, int64_t N, int64_t C, int64_t H, int64_t W, int64_t O, bool ab,
+                      double *y) {
+    int64_t TH = (H + 3) / 4, TW = (W + 3) / 4, T = TH * TW;
+    double *V = wino_input(x, N, C, H, W, ab), *U = malloc((size_t)(O * C) * 36 * sizeof *U);
+    for (int64_t oc = 0; oc < O * C; oc++) {
+        double tmp[18];
+        wmm(&WG[0][0], 3, false, w + oc * 9, 3, false, tmp, 6, 3, 3, ab);
+        wmm(tmp, 3, false, &WG[0][0], 3, true, U + oc * 36, 6, 3, 6, ab);
+    }
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t o = 0; o < O; o++)
+            for (int64_t t = 0; t < T; t++) {
+                double P[36] = {0}, tmp[24], Y[16];
+                for (int64_t c = 0; c < C; c++) {
+                    const double *u = U + (o * C + c) * 36, *v = V + ((n * C + c) * T + t) * 36;
+                    for (int i = 0; i < 36; i++) P[i] += u[i] * v[i];
+                }
+                wmm(&WAT[0][0], 6, false, P, 6, false, tmp, 4, 6, 6, ab);
+                wmm(tmp, 6, false, &WAT[0][0], 6, true, Y, 4, 6, 4, ab);
+                for (int a = 0; a < 4; a++)
+                    for (int b = 0; b < 4; b++) {
+                        int64_t h = t / TW * 4 + a, wc = t % TW * 4 + b;
+                        if (h < H && wc < W) y[((n * O + o) * H + h) * W + wc] = Y[a * 4 + b];
+                    }
+            }
+    free(V), free(U);
+}
+
+/* gw (O, C, 3, 3) = the weight gradient of that correlation for gy (N, O, H, W): the dual form,
+   G^T [sum over images and tiles of (B^T d B) . (A gy A^T)] G (gy's 4x4 tiles zero past the map). */
+static void wino_wgrad(const double *x, const double *gy, int64_t N, int64_t C, int64_t H, int64_t W, int64_t O, bool ab,
+                       double *gw) {
+    int64_t TH = (H + 3) / 4, TW = (W + 3) / 4, T = TH * TW;
+    double *V = wino_input(x, N, C, H, W, ab), *Q = malloc((size_t)(N * O * T) * 36 * sizeof *Q);
+    for (int64_t no = 0; no < N * O; no++)
+        for (int64_t t = 0; t < T; t++) {
+            double g[16], tmp[24];
+            for (int a = 0; a < 4; a++)
+                for (int b = 0; b < 4; b++) {
+                    int64_t h = t / TW * 4 + a, w = t % TW * 4 + b;
+                    g[a * 4 + b] = h < H && w < W ? gy[(no * H + h) * W + w] : 0;
+                }
+            wmm(&WAT[0][0], 6, true, g, 4, false, tmp, 6, 4, 4, ab);
+            wmm(tmp, 4, false, &WAT[0][0], 6, false, Q + (no * T + t) * 36, 6, 4, 6, ab);
+        }
+    for (int64_t o = 0; o < O; o++)
+        for (int64_t c = 0; c < C; c++) {
+            double P[36] = {0}, tmp[18];
+            for (int64_t n = 0; n < N; n++)
+                for (int64_t t = 0; t < T; t++) {
+                    const double *q = Q + ((n * O + o) * T + t) * 36, *v = V + ((n * C + c) * T + t) * 36;
+                    for (int i = 0; i < 36; i++) P[i] += q[i] * v[i];
+                }
+            wmm(&WG[0][0], 3, true, P, 6, false, tmp, 3, 6, 6, ab);
+            wmm(tmp, 6, false, &WG[0][0], 3, false, gw + (o * C + c) * 9, 3, 6, 3, ab);
+        }
+    free(V), free(Q);
+}
+
+/* The three passes of case c by Winograd in f64 (ab: T, on the magnitudes); backward data is
+   the forward correlation of gy with the weights flipped and transposed. */
+static void wino_passes(const cl_case *c, const conv_io *in, bool ab, conv_io *out) {
+    int64_t N = c->N, C = c->C, H = c->H, W = c->W, O = c->O;
+    out->y = malloc((size_t)(N * O * H * W) * sizeof(double));
+    out->gx = malloc((size_t)(N * C * H * W) * sizeof(double));
+    out->gw = malloc((size_t)(O * C * 9) * sizeof(double));
+    out->gb = NULL;
+    double *wt = malloc((size_t)(O * C * 9) * sizeof *wt);
+    for (int64_t o = 0; o < O; o++)
+        for (int64_t ci = 0; ci < C; ci++)
+            for (int k = 0; k < 9; k++) wt[(ci * O + o) * 9 + 8 - k] = in->w[(o * C + ci) * 9 + k];
+    wino_corr(in->x, in->w, N, C, H, W, O, ab, out->y);
+    wino_corr(in->gy, wt, N, O, H, W, C, ab, out->gx);
+    wino_wgrad(in->x, in->gy, N, C, H, W, O, ab, out->gw);
+    free(wt);
+}
+
+/* Whether case c's Winograd shape (3x3, stride 1, padding 1, dilation 1, ungrouped) */
+static bool wino_shape(const cl_case *c) {
+    return c->KH == 3 && c->KW == 3 && c->stride == 1 && c->pad == 1 && c->dil == 1 && c->groups == 1;
+}
+
+/* Whether pass `pass` of case c in dt runs on oneDNN's Winograd kernels (NHWC when cl), under
+   the switches as they are set now. */
+static bool runs_wino(const cl_case *c, bool cl, ampc_dtype dt, int pass) {
+    ampc_conv_desc d = make_desc(c, cl);
+    char name[128];
+    ASSERT_OK(ampc__cpu_conv_impl(&d, dt, pass, c->bias, name, sizeof name));
+    return strstr(name, "wino") != NULL;
+}
+
+/* T of case c on in (NULL where no pass needs it), after checking the construction: Winograd
+   on the signed values in f64 equals REF's exact results ref to 1e-9 T. */
+static void wino_bounds(const cl_case *c, const conv_io *in, const conv_io *ref, bool needed, conv_io *T) {
+    memset(T, 0, sizeof *T);
+    if (!needed) return;
+    conv_io signed_io;
+    wino_matrices();
+    wino_passes(c, in, false, &signed_io);
+    wino_passes(c, in, true, T);
+    size_t n[3] = {(size_t)(c->N * c->O * c->H * c->W), (size_t)(c->N * c->C * c->H * c->W), (size_t)(c->O * c->C * 9)};
+    const double *got[3] = {signed_io.y, signed_io.gx, signed_io.gw}, *want[3] = {ref->y, ref->gx, ref->gw};
+    const double *mag[3] = {T->y, T->gx, T->gw};
+    for (int o = 0; o < 3; o++)
+        for (size_t i = 0; i < n[o]; i++)
+            if (!(fabs(got[o][i] - want[o][i]) <= 1e-9 * mag[o][i]))
+                fail_msg("%s: Winograd in f64, output %d [%zu]: %.17g, exact %.17g (T %.3g)", c->name, o, i, got[o][i],
+                         want[o][i], mag[o][i]);
+    io_free(&signed_io);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -222,6 +429,19 @@ static void check_cases(const cl_case *cs, size_t ncases, int im2col) {
             for (size_t i = 0; i < no; i++) in.b[i] = tu_round_to(dt, in.b[i]);
             run_ref(c, &in, false, &ref);
             run_ref(c, &in, true, &mag);
+            /* which passes run Winograd, contiguous and channels-last (im2col, when forced, takes
+               the channels-last passes) */
+            bool wino[2][3], any = false;
+            for (int p = 0; p < 3; p++) {
+                wino[0][p] = wino_shape(c) && runs_wino(c, false, dt, p);
+                ampc__cpu_conv_im2col = im2col;
+                wino[1][p] = wino_shape(c) && runs_wino(c, true, dt, p);
+                ampc__cpu_conv_im2col = -1;
+                any = any || wino[0][p] || wino[1][p];
+            }
+            conv_io T;
+            wino_bounds(c, &in, &ref, any, &T);
+            int64_t tiles = (d.OH + 3) / 4 * ((d.OW + 3) / 4);
             for (size_t ti = 0; ti < sizeof threads / sizeof *threads; ti++) {
                 conv_io nchw = in, nhwc = in;
                 ampc_set_num_threads(threads[ti]);
@@ -233,26 +453,40 @@ static void check_cases(const cl_case *cs, size_t ncases, int im2col) {
                 double e = tu_eps(dt), ew = tu_eps(gdt), h = half_subnormal(dt), hw = half_subnormal(gdt);
                 const struct {
                     const char *name;
-                    const double *cl, *plain, *exact, *S;
+                    const double *cl, *plain, *exact, *S, *T;
                     size_t n;
-                    double K, eps, eta;
+                    double K, Kw, eps, eta;
+                    int pass;
                 } outs[] = {
-                    {"y", nhwc.y, nchw.y, ref.y, mag.y, ny, Kf, e, h},
-                    {"gx", nhwc.gx, nchw.gx, ref.gx, mag.gx, nx, Kd, e, h},
-                    {"gw", nhwc.gw, nchw.gw, ref.gw, mag.gw, nw, Kw, ew, hw},
-                    {"gb", nhwc.gb, nchw.gb, ref.gb, mag.gb, c->bias ? no : 0, Kw, ew, hw},
+                    {"y", nhwc.y, nchw.y, ref.y, mag.y, T.y, ny, Kf, (double)d.C, e, h, 0},
+                    {"gx", nhwc.gx, nchw.gx, ref.gx, mag.gx, T.gx, nx, Kd, (double)d.O, e, h, 1},
+                    {"gw", nhwc.gw, nchw.gw, ref.gw, mag.gw, T.gw, nw, Kw, (double)(d.N * tiles), ew, hw, 2},
+                    {"gb", nhwc.gb, nchw.gb, ref.gb, mag.gb, NULL, c->bias ? no : 0, Kw, 0, ew, hw, 2},
                 };
                 for (int o = 0; o < 4; o++) {
                     if (!outs[o].n) continue;
-                    snprintf(what, sizeof what, "%s%s, %s (gw %s), %d threads: %s channels-last vs contiguous", c->name,
-                             im2col > 0 ? " (im2col)" : "", ampc_dtype_name(dt), ampc_dtype_name(gdt), threads[ti], outs[o].name);
-                    check_close(what, outs[o].cl, outs[o].plain, outs[o].exact, outs[o].S, outs[o].n, outs[o].K, outs[o].eps, outs[o].eta, 2);
-                    snprintf(what, sizeof what, "%s%s, %s (gw %s), %d threads: %s channels-last vs REF", c->name,
-                             im2col > 0 ? " (im2col)" : "", ampc_dtype_name(dt), ampc_dtype_name(gdt), threads[ti], outs[o].name);
-                    check_close(what, outs[o].cl, outs[o].exact, outs[o].exact, outs[o].S, outs[o].n, outs[o].K, outs[o].eps, outs[o].eta, 1);
+                    /* each side's model: the direct sum's, or Winograd's (gb never) */
+                    err_model m[2];
+                    for (int side = 0; side < 2; side++) {
+                        bool w = outs[o].T && wino[side][outs[o].pass];
+                        m[side] = w ? (err_model){outs[o].T, outs[o].Kw + 64, 2} : (err_model){outs[o].S, outs[o].K, 1};
+                    }
+                    snprintf(what, sizeof what, "%s%s, %s (gw %s), %d threads: %s channels-last vs contiguous%s", c->name,
+                             im2col > 0 ? " (im2col)" : "", ampc_dtype_name(dt), ampc_dtype_name(gdt), threads[ti], outs[o].name,
+                             wino[0][outs[o].pass] || wino[1][outs[o].pass] ? " (Winograd)" : "");
+                    check_close(what, outs[o].cl, outs[o].plain, outs[o].exact, outs[o].n, outs[o].eps, outs[o].eta, &m[1], &m[0]);
+                    snprintf(what, sizeof what, "%s%s, %s (gw %s), %d threads: %s channels-last vs REF%s", c->name,
+                             im2col > 0 ? " (im2col)" : "", ampc_dtype_name(dt), ampc_dtype_name(gdt), threads[ti], outs[o].name,
+                             wino[1][outs[o].pass] ? " (Winograd)" : "");
+                    check_close(what, outs[o].cl, outs[o].exact, outs[o].exact, outs[o].n, outs[o].eps, outs[o].eta, &m[1], NULL);
+                    snprintf(what, sizeof what, "%s, %s (gw %s), %d threads: %s contiguous vs REF%s", c->name,
+                             ampc_dtype_name(dt), ampc_dtype_name(gdt), threads[ti], outs[o].name,
+                             wino[0][outs[o].pass] ? " (Winograd)" : "");
+                    check_close(what, outs[o].plain, outs[o].exact, outs[o].exact, outs[o].n, outs[o].eps, outs[o].eta, &m[0], NULL);
                 }
                 io_free(&nchw), io_free(&nhwc);
             }
+            io_free(&T);
             io_free(&ref), io_free(&mag);
             free(in.x), free(in.gy), free(in.w), free(in.b);
         }
@@ -326,6 +560,66 @@ static void test_cl_im2col_rule(void **state) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Winograd forced on every shape oneDNN's kernels take (partial tiles, one-row maps, the 512-
+// channel case whose weight gradient exceeded the direct sum's bound), and the rule: 3x3
+// stride-1 f32/f16 without bias, channels multiples of 16, C x O <= 128 x 128, switched by
+// ampc_set_conv_winograd; bf16 never
+
+static const cl_case wino_cases[] = {
+    {"wino 3x3 32->48 6x5, partial tiles", 2, 32, 6, 5, 48, 3, 3, 1, 1, 1, 1, false},
+    {"wino 3x3 512->256 3x3", 1, 512, 3, 3, 256, 3, 3, 1, 1, 1, 1, false},
+    {"wino 3x3 64->64 9x9, 3 images", 3, 64, 9, 9, 64, 3, 3, 1, 1, 1, 1, false},
+    {"wino 3x3 16->32 1x7", 2, 16, 1, 7, 32, 3, 3, 1, 1, 1, 1, false},
+    {"wino 3x3 128->128 8x8", 2, 128, 8, 8, 128, 3, 3, 1, 1, 1, 1, false},
+};
+
+static void test_cl_winograd(void **state) {
+    (void)state;
+    if (!ampc__dnnl_wino()) {
+        print_message("oneDNN has no Winograd kernels on this CPU (%s): the rule's refusal checked only\n", ampc__dnnl_isa_name());
+        for (size_t ci = 0; ci < sizeof wino_cases / sizeof *wino_cases; ci++)
+            for (int p = 0; p < 3; p++) assert_false(runs_wino(&wino_cases[ci], true, AMPC_F32, p));
+        return;
+    }
+    ampc__cpu_conv_winograd = 1;
+    for (size_t ci = 0; ci < sizeof wino_cases / sizeof *wino_cases; ci++)
+        for (int cl = 0; cl < 2; cl++)
+            for (int p = 0; p < 3; p++)
+                if (!runs_wino(&wino_cases[ci], cl, AMPC_F32, p) || !runs_wino(&wino_cases[ci], cl, AMPC_F16, p) ||
+                    runs_wino(&wino_cases[ci], cl, AMPC_BF16, p))
+                    fail_msg("%s, %s, pass %d: Winograd for f32 and f16 only", wino_cases[ci].name, cl ? "NHWC" : "NCHW", p);
+    check_cases(wino_cases, sizeof wino_cases / sizeof *wino_cases, -1);
+    ampc__cpu_conv_winograd = -1;
+}
+
+static void test_cl_winograd_rule(void **state) {
+    (void)state;
+    static const cl_case rule[] = {
+        {"wino rule: 128->128 (yes)", 2, 128, 8, 8, 128, 3, 3, 1, 1, 1, 1, false},
+        {"wino rule: 64->64 (yes)", 2, 64, 8, 8, 64, 3, 3, 1, 1, 1, 1, false},
+        {"wino rule: 128->144 (workspace)", 2, 128, 8, 8, 144, 3, 3, 1, 1, 1, 1, false},
+        {"wino rule: 64->64 bias", 2, 64, 8, 8, 64, 3, 3, 1, 1, 1, 1, true},
+        {"wino rule: 64->56", 2, 64, 8, 8, 56, 3, 3, 1, 1, 1, 1, false},
+        {"wino rule: 64->64 stride 2", 2, 64, 8, 8, 64, 3, 3, 2, 1, 1, 1, false},
+        {"wino rule: 64->64 padding 2, dilation 2", 2, 64, 8, 8, 64, 3, 3, 1, 2, 2, 1, false},
+    };
+    const bool want[] = {true, true, false, false, false, false, false};
+    const bool has = ampc__dnnl_wino();
+    for (int on = 0; on < 2; on++) {
+        ampc_set_conv_winograd(on);
+        for (size_t ci = 0; ci < sizeof rule / sizeof *rule; ci++)
+            for (int p = 0; p < 3; p++) {
+                /* backward data has no bias: a biased layer's data gradient may take it */
+                bool w = on && has && (want[ci] || (p == 1 && rule[ci].bias));
+                if (runs_wino(&rule[ci], true, AMPC_F32, p) != w || runs_wino(&rule[ci], false, AMPC_F32, p) != w ||
+                    runs_wino(&rule[ci], true, AMPC_BF16, p))
+                    fail_msg("%s, Winograd %s, pass %d: want %s", rule[ci].name, on ? "on" : "off", p, w ? "Winograd" : "direct");
+            }
+    }
+    ampc_set_conv_winograd(true);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Empty input under padding (the kernels' own fallbacks): y is the bias broadcast over each
 // pixel's channels, gw is zero and gb[o] the sum of channel o of gy
 
@@ -392,15 +686,16 @@ static void test_cl_steady_state(void **state) {
     const ampc_dtype dts[] = {AMPC_F32, AMPC_BF16, AMPC_F16};
     const ampc_backend *be = ampc__backend(AMPC_DEVICE_CPU);
     size_t cap0 = ampc__cpu_conv_im2col_cap;
-    for (int forced = 0; forced < 2; forced++)
+    for (int forced = 0; forced < 3; forced++)   /* by rule (Winograd for f32/f16 3x3), im2col, Winograd off */
     for (size_t di = 0; di < 3; di++)
         for (int k = 1; k <= 3; k += 2) {
             ampc_dtype dt = dts[di];
-            ampc__cpu_conv_im2col = forced ? 1 : -1;
-            ampc__cpu_conv_im2col_cap = forced ? 8 << 10 : cap0;
-            cl_case c = {"steady", 4, 16, 10, 10, 24, k, k, 1, k / 2, 1, 1, false};
+            ampc__cpu_conv_im2col = forced == 1 ? 1 : -1;
+            ampc__cpu_conv_im2col_cap = forced == 1 ? 8 << 10 : cap0;
+            ampc__cpu_conv_winograd = forced == 2 ? 0 : -1;
+            cl_case c = {"steady", 4, 16, 10, 10, 32, k, k, 1, k / 2, 1, 1, false};
             ampc_conv_desc d = make_desc(&c, true);
-            int64_t xs[4] = {4, 16, 10, 10}, ys[4] = {4, 24, 10, 10}, ws[4] = {24, 16, k, k};
+            int64_t xs[4] = {4, 16, 10, 10}, ys[4] = {4, 32, 10, 10}, ws[4] = {32, 16, k, k};
             ampc_scope_begin();
             ampc_tensor *x = cpu_tensor(dt, 4, xs, true, NULL), *gx = cpu_tensor(dt, 4, xs, true, NULL);
             ampc_tensor *y = cpu_tensor(dt, 4, ys, true, NULL), *gy = cpu_tensor(dt, 4, ys, true, NULL);
@@ -415,11 +710,12 @@ static void test_cl_steady_state(void **state) {
             uint64_t after = ampc_memory_stats().n_malloc;
             if (after != before)
                 fail_msg("%s %dx%d%s: round 3 made %llu new system allocations", ampc_dtype_name(dt), k, k,
-                         forced ? " (im2col)" : "", (unsigned long long)(after - before));
+                         forced == 1 ? " (im2col)" : forced == 2 ? " (Winograd off)" : "", (unsigned long long)(after - before));
             ampc_scope_end();
         }
     ampc__cpu_conv_im2col = -1;
     ampc__cpu_conv_im2col_cap = cap0;
+    ampc__cpu_conv_winograd = -1;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -461,6 +757,8 @@ int main(void) {
         cmocka_unit_test(test_cl_cases),
         cmocka_unit_test(test_cl_im2col),
         cmocka_unit_test(test_cl_im2col_rule),
+        cmocka_unit_test(test_cl_winograd),
+        cmocka_unit_test(test_cl_winograd_rule),
         cmocka_unit_test(test_cl_empty_input),
         cmocka_unit_test(test_cl_format_errors),
         cmocka_unit_test(test_cl_steady_state),

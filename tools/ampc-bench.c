@@ -754,6 +754,8 @@ static void usage(FILE *f) {
             "  --channels-last yes|no  cnn/ResNet activations channels-last (default yes)\n"
             "  --cudnn-benchmark yes|no  CUDA: cuDNN's convolution algorithms timed on each shape's first\n"
             "                    call (PyTorch's cudnn.benchmark; deterministic ones only; default no)\n"
+            "  --winograd yes|no CPU: fp32 3x3 stride-1 convolutions with small weights on oneDNN's\n"
+            "                    Winograd kernels (ampc_set_conv_winograd; default yes)\n"
             "  --doctor yes|no         the numerics doctor on: every op's output checked for NaN/inf\n"
             "                          (its cost; default no)\n"
             "  --keep-casts yes|no     autocast's weight copies kept across steps and rewritten by\n"
@@ -864,7 +866,7 @@ int main(int argc, char **argv) {
                      !strcmp(a, "--warmup") || !strcmp(a, "--threads") || !strcmp(a, "--json") ||
                      !strcmp(a, "--channels-last") || !strcmp(a, "--keep-casts") || !strcmp(a, "--device") ||
                      !strcmp(a, "--batch") || !strcmp(a, "--doctor") || !strcmp(a, "--max-memory") ||
-                     !strcmp(a, "--cudnn-benchmark");
+                     !strcmp(a, "--cudnn-benchmark") || !strcmp(a, "--winograd");
         if (takes && !v) {
             fprintf(stderr, "ampc-bench: %s needs a value\n", a);
             return 2;
@@ -905,6 +907,11 @@ int main(int argc, char **argv) {
             bool on = false;
             rc = parse_yes_no(a, v, &on);
             ampc_set_cudnn_benchmark(on);
+        }
+        else if (!strcmp(a, "--winograd")) {   /* oneDNN's Winograd kernels for small fp32 3x3 convolutions */
+            bool on = true;
+            rc = parse_yes_no(a, v, &on);
+            ampc_set_conv_winograd(on);
         }
         else if (!strcmp(a, "--doctor")) {   /* the numerics doctor watching every op's output */
             bool on = false;
@@ -951,9 +958,10 @@ int main(int argc, char **argv) {
     const char *wait_policy = ampc_tool_wait_policy_desc();
     char load0[64], load1[64];
     loadavg(load0, sizeof load0);
-    printf("ampc-bench: %d threads, wait policy %s, cpu: %s, oneDNN %d.%d.%d, conv nets %s, load average %s\n",
+    printf("ampc-bench: %d threads, wait policy %s, cpu: %s, oneDNN %d.%d.%d, conv nets %s%s, load average %s\n",
            ampc_get_num_threads(), wait_policy, ampc_cpu_features(), dnnl_version()->major, dnnl_version()->minor,
-           dnnl_version()->patch, g_channels_last ? "channels-last" : "contiguous (NCHW)", load0);
+           dnnl_version()->patch, g_channels_last ? "channels-last" : "contiguous (NCHW)",
+           ampc_conv_winograd() ? "" : ", Winograd off", load0);
 
     if (g_device != AMPC_DEVICE_CPU) {
         if (!ampc_device_available(g_device)) {

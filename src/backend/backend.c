@@ -21,18 +21,26 @@ static const char *no_cuda(void) { return "this build of ampc has no CUDA backen
 static _Atomic bool allow_tf32 = false;
 void ampc_set_allow_tf32(bool on) { allow_tf32 = on; }
 bool ampc_allow_tf32(void) { return allow_tf32; }
-/* -1 until set: then $AMPC_CUDNN_BENCHMARK (0 off, anything else on) decides, else the default */
-static _Atomic int cudnn_benchmark = -1;
-void ampc_set_cudnn_benchmark(bool on) { cudnn_benchmark = on; }
-bool ampc_cudnn_benchmark(void) {
-    int v = cudnn_benchmark;
+/* A switch that is -1 until set: then the environment variable env (0 off, anything else on)
+   decides, else dflt. */
+static bool env_switch(_Atomic int *sw, const char *env, bool dflt) {
+    int v = *sw;
     if (v < 0) {
-        const char *e = getenv("AMPC_CUDNN_BENCHMARK");
-        v = e && *e ? strcmp(e, "0") != 0 : AMPC_CUDNN_BENCHMARK_DEFAULT;
-        cudnn_benchmark = v;
+        const char *e = getenv(env);
+        v = e && *e ? strcmp(e, "0") != 0 : dflt;
+        *sw = v;
     }
     return v;
 }
+
+static _Atomic int cudnn_benchmark = -1;
+void ampc_set_cudnn_benchmark(bool on) { cudnn_benchmark = on; }
+bool ampc_cudnn_benchmark(void) { return env_switch(&cudnn_benchmark, "AMPC_CUDNN_BENCHMARK", AMPC_CUDNN_BENCHMARK_DEFAULT); }
+
+/* oneDNN's Winograd kernels for small fp32 3x3 convolutions unless asked otherwise */
+static _Atomic int conv_winograd = -1;
+void ampc_set_conv_winograd(bool on) { conv_winograd = on; }
+bool ampc_conv_winograd(void) { return env_switch(&conv_winograd, "AMPC_CONV_WINOGRAD", true); }
 
 static _Atomic int cuda_gpu = 0;          /* the GPU the cuda device is */
 static _Atomic bool cuda_gpu_taken = false;   /* the CUDA backend started on it */

@@ -34,6 +34,10 @@
  *   of gy copied out: 4x4 512->512 15.8 vs 18.4 ms by images);
  * - weight gradients with many output channels on small maps are im2col + one matmul instead
  *   (cl_im2col).
+ * On either layout, f32 (and f16) 3x3 stride-1 convolutions without bias whose weights are small
+ * (channels multiples of 16, C x O <= 128 x 128) run on oneDNN's Winograd F(4x4, 3x3) kernels
+ * (use_wino; blocked activations, reordered from and to the user's), unless switched off by
+ * ampc_set_conv_winograd.
  *
  * Files: conv.c (this: f16 through f32 copies, the backend's entry points),
  * conv_choose.c (the strategy of each pass), conv_dnnl.c (oneDNN convolution primitives and

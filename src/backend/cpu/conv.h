@@ -23,6 +23,7 @@ typedef struct {
     int32_t cl_reorder;    /* channels-last, but the activations reordered to oneDNN's choice */
     int32_t im2col;        /* channels-last: im2col + a matmul primitive (see i2c_pd); N = images per chunk */
     int32_t accum;         /* im2col backward weights: the matmul adds to its dst (later chunks) */
+    int32_t wino;          /* f32 3x3 stride 1: oneDNN's Winograd F(4x4, 3x3) kernels (blocked activations) */
     int64_t N, C, H, W, O, KH, KW, OH, OW;
     int64_t stride[2], dil[2], pad_l[2], pad_r[2], groups;   /* oneDNN's: dilation d-1 */
 } conv_key;

@@ -30,7 +30,7 @@ const arg_spec *ampc__conv_family_args(int family, int *n, const conv_key *k) {
 /* Activations: NHWC as the user stores them when channels-last (the kernels take it as is),
    else plain NCHW or "any". */
 static dnnl_format_tag_t act_tag(const conv_key *k, bool any) {
-    if (k->cl && k->cl_reorder) return any ? dnnl_format_tag_any : dnnl_nhwc;
+    if (k->cl && (k->cl_reorder || k->wino)) return any ? dnnl_format_tag_any : dnnl_nhwc;
     return k->cl ? dnnl_nhwc : any ? dnnl_format_tag_any : dnnl_nchw;
 }
 
@@ -66,6 +66,10 @@ dnnl_status_t ampc__conv_user_md(dnnl_memory_desc_t *md, const conv_key *k, cons
 
 // ---------------------------------------------------------------------------------------------
 // Primitive builders
+
+/* Winograd where the key asks for it (and oneDNN has it for the shape: the builders try
+   conv_alg(k->wino) and then conv_alg(0)), else direct. */
+static dnnl_alg_kind_t conv_alg(int wino) { return wino ? dnnl_convolution_winograd : dnnl_convolution_direct; }
 
 /* The key's geometry as the whole dnnl_dims_t arrays the C API reads. */
 typedef struct {
@@ -120,11 +124,16 @@ static int fwd_pd(dnnl_primitive_desc_t *pd, const conv_key *k, bool with_bias) 
     AMPC_DNNL_TRY(role_md(&wei, k, ROLE_WEI, k->dt, any), "conv weights descriptor");
     AMPC_DNNL_TRY(role_md(&dst, k, ROLE_DST, k->dt, any), "conv dst descriptor");
     AMPC_DNNL_TRY(role_md(&bias, k, ROLE_BIAS, k->dt, false), "conv bias descriptor");
-    dnnl_convolution_desc_t op;
-    AMPC_DNNL_TRY(dnnl_dilated_convolution_forward_desc_init(&op, dnnl_forward_training, dnnl_convolution_direct, &src, &wei,
-                                                             with_bias ? &bias : NULL, &dst, g.stride, g.dil, g.pad_l, g.pad_r),
-                  "convolution_forward_desc_init");
-    AMPC_DNNL_TRY(create_pd(pd, &op, NULL, k->no_brg), "convolution forward primitive_desc_create");
+    dnnl_status_t st = dnnl_unimplemented;
+    for (int w = k->wino; w >= 0 && st != dnnl_success; w--) {
+        dnnl_convolution_desc_t op;
+        AMPC_DNNL_TRY(dnnl_dilated_convolution_forward_desc_init(&op, dnnl_forward_training, conv_alg(w), &src, &wei,
+                                                                 with_bias ? &bias : NULL, &dst, g.stride, g.dil, g.pad_l,
+                                                                 g.pad_r),
+                      "convolution_forward_desc_init");
+        st = create_pd(pd, &op, NULL, k->no_brg);
+    }
+    AMPC_DNNL_TRY(st, "convolution forward primitive_desc_create");
     return AMPC_OK;
 fail:
     return rc;
@@ -158,12 +167,15 @@ static int build_bwd_data(ampc_dnnl_entry *e, const void *key) {
     AMPC_DNNL_TRY(role_md(&src, k, ROLE_SRC, k->dt, k->blocked), "conv diff_src descriptor");
     AMPC_DNNL_TRY(role_md(&wei, k, ROLE_WEI, k->dt, k->blocked), "conv weights descriptor");
     AMPC_DNNL_TRY(role_md(&dst, k, ROLE_DST, k->dt, k->blocked), "conv diff_dst descriptor");
-    dnnl_convolution_desc_t op;
-    AMPC_DNNL_TRY(dnnl_dilated_convolution_backward_data_desc_init(&op, dnnl_convolution_direct, &src, &wei, &dst, g.stride,
-                                                                   g.dil, g.pad_l, g.pad_r),
-                  "convolution_backward_data_desc_init");
-    AMPC_DNNL_TRY(dnnl_primitive_desc_create(&e->pd, &op, ampc__dnnl_attr(), ampc__dnnl_engine(), hint),
-                  "convolution backward data primitive_desc_create");
+    dnnl_status_t st = dnnl_unimplemented;
+    for (int w = k->wino; w >= 0 && st != dnnl_success; w--) {
+        dnnl_convolution_desc_t op;
+        AMPC_DNNL_TRY(dnnl_dilated_convolution_backward_data_desc_init(&op, conv_alg(w), &src, &wei, &dst, g.stride, g.dil,
+                                                                       g.pad_l, g.pad_r),
+                      "convolution_backward_data_desc_init");
+        st = dnnl_primitive_desc_create(&e->pd, &op, ampc__dnnl_attr(), ampc__dnnl_engine(), hint);
+    }
+    AMPC_DNNL_TRY(st, "convolution backward data primitive_desc_create");
     rc = add_args(e, AMPC_DNNL_CONV_BWD_DATA, k);
 fail:
     dnnl_primitive_desc_destroy(hint);
@@ -181,13 +193,16 @@ int ampc__conv_build_bwd_weights(ampc_dnnl_entry *e, const void *key) {
     AMPC_DNNL_TRY(role_md(&dwei, k, ROLE_WEI, dnnl_f32, k->blocked), "conv diff_weights descriptor");
     AMPC_DNNL_TRY(role_md(&dst, k, ROLE_DST, k->dt, k->blocked), "conv diff_dst descriptor");
     AMPC_DNNL_TRY(role_md(&dbias, k, ROLE_BIAS, dnnl_f32, false), "conv diff_bias descriptor");
-    dnnl_convolution_desc_t op;
-    AMPC_DNNL_TRY(dnnl_dilated_convolution_backward_weights_desc_init(&op, dnnl_convolution_direct, &src, &dwei,
-                                                                      k->has_bias ? &dbias : NULL, &dst, g.stride, g.dil,
-                                                                      g.pad_l, g.pad_r),
-                  "convolution_backward_weights_desc_init");
-    AMPC_DNNL_TRY(dnnl_primitive_desc_create(&e->pd, &op, ampc__dnnl_attr(), ampc__dnnl_engine(), hint),
-                  "convolution backward weights primitive_desc_create");
+    dnnl_status_t st = dnnl_unimplemented;
+    for (int w = k->wino; w >= 0 && st != dnnl_success; w--) {
+        dnnl_convolution_desc_t op;
+        AMPC_DNNL_TRY(dnnl_dilated_convolution_backward_weights_desc_init(&op, conv_alg(w), &src, &dwei,
+                                                                          k->has_bias ? &dbias : NULL, &dst, g.stride, g.dil,
+                                                                          g.pad_l, g.pad_r),
+                      "convolution_backward_weights_desc_init");
+        st = dnnl_primitive_desc_create(&e->pd, &op, ampc__dnnl_attr(), ampc__dnnl_engine(), hint);
+    }
+    AMPC_DNNL_TRY(st, "convolution backward weights primitive_desc_create");
     rc = add_args(e, AMPC_DNNL_CONV_BWD_WEIGHTS, k);
 fail:
     dnnl_primitive_desc_destroy(hint);

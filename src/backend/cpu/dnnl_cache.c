@@ -70,6 +70,30 @@ static void probe_bf16(void) {
     if (pd) dnnl_primitive_desc_destroy(pd);
 }
 
+/* Whether oneDNN has a Winograd f32 convolution on this CPU (AVX-512; not under a lower
+   ONEDNN_MAX_CPU_ISA): a small forward descriptor created once. */
+static bool wino_ok;
+static void probe_wino(void) {
+    dnnl_memory_desc_t src, wei, dst;
+    dnnl_dims_t ds = {1, 16, 8, 8}, dw = {16, 16, 3, 3}, st = {1, 1}, pad = {1, 1};
+    dnnl_convolution_desc_t op;
+    dnnl_primitive_desc_t pd = NULL;
+    dnnl_engine_t eng = ampc__dnnl_engine();
+    wino_ok = eng && dnnl_memory_desc_init_by_tag(&src, 4, ds, dnnl_f32, dnnl_format_tag_any) == dnnl_success &&
+              dnnl_memory_desc_init_by_tag(&wei, 4, dw, dnnl_f32, dnnl_format_tag_any) == dnnl_success &&
+              dnnl_memory_desc_init_by_tag(&dst, 4, ds, dnnl_f32, dnnl_format_tag_any) == dnnl_success &&
+              dnnl_convolution_forward_desc_init(&op, dnnl_forward_training, dnnl_convolution_winograd, &src, &wei, NULL,
+                                                 &dst, st, pad, pad) == dnnl_success &&
+              dnnl_primitive_desc_create(&pd, &op, NULL, eng, NULL) == dnnl_success;
+    if (pd) dnnl_primitive_desc_destroy(pd);
+}
+
+bool ampc__dnnl_wino(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, probe_wino);
+    return wino_ok;
+}
+
 bool ampc__dnnl_amx(void) {
     unsigned isa = (unsigned)dnnl_get_effective_cpu_isa(), want = (unsigned)dnnl_cpu_isa_avx512_core_amx;
     return (isa & want) == want;

@@ -96,6 +96,8 @@ bool ampc__dnnl_bf16_ok(void);
 bool ampc__dnnl_bf16_native(void);
 /* oneDNN runs AMX (tile) kernels on this CPU (its effective ISA includes avx512_core_amx). */
 bool ampc__dnnl_amx(void);
+/* Whether oneDNN has Winograd f32 convolutions on this CPU (probed once: a small descriptor). */
+bool ampc__dnnl_wino(void);
 
 /* for `int rc` + a `fail:` label */
 #define AMPC_DNNL_TRY(call, what)                                                                  \
