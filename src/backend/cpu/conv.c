@@ -36,13 +36,14 @@
  *   (cl_im2col).
  * On either layout, f32 (and f16) 3x3 stride-1 convolutions without bias whose weights are small
  * (channels multiples of 16, C x O <= 128 x 128) run on oneDNN's Winograd F(4x4, 3x3) kernels
- * (use_wino; blocked activations, reordered from and to the user's), unless switched off by
- * ampc_set_conv_winograd.
+ * (use_wino; blocked activations, reordered from and to the user's, a chunk of the batch at a
+ * time: conv_wino.c), unless switched off by ampc_set_conv_winograd.
  *
  * Files: conv.c (this: f16 through f32 copies, the backend's entry points),
  * conv_choose.c (the strategy of each pass), conv_dnnl.c (oneDNN convolution primitives and
- * reorders), conv_gemm.c (1x1 as a matmul), conv_im2col.c (im2col + matmul), conv_split.c (bf16
- * weight gradients split over threads); conv.h what they share.
+ * reorders), conv_gemm.c (1x1 as a matmul), conv_im2col.c (im2col + matmul), conv_wino.c
+ * (Winograd over chunks of the batch), conv_split.c (bf16 weight gradients split over threads);
+ * conv.h what they share.
  * The measurements behind the choices are in bench/NOTES.md, "Convolutions".
  */
 #include "backend/cpu/conv.h"

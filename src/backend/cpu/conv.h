@@ -86,6 +86,9 @@ ampc_dnnl_build_fn ampc__conv_i2c_builder(int family);
 int64_t ampc__conv_i2c_chunk(int family, const conv_key *k);
 int ampc__conv_run_im2col(int family, const conv_key *k, void *const *user);
 
+/* conv_wino.c: oneDNN's Winograd kernels over chunks of the batch. */
+int ampc__conv_run_wino(int family, const conv_key *k, void *const *user);
+
 /* conv_split.c: bf16 backward weights split over threads; 1 when it does not apply. */
 int ampc__conv_run_split(const conv_key *k, void *const *user);
 

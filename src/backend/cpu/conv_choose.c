@@ -151,6 +151,7 @@ conv_key ampc__conv_make_key(int family, const ampc_conv_desc *d, ampc_dtype dt,
 int ampc__conv_exec(int family, const conv_key *k, void *const *user) {
     if (k->gemm) return ampc__conv_run_gemm(family, k, user);
     if (k->im2col) return ampc__conv_run_im2col(family, k, user);
+    if (k->wino) return ampc__conv_run_wino(family, k, user);
     if (family == AMPC_DNNL_CONV_BWD_WEIGHTS && k->dt == dnnl_bf16 && k->blocked) {
         int rc = ampc__conv_run_split(k, user);
         if (rc != 1) return rc;

@@ -224,11 +224,13 @@ int ampc__cpu_gemm_skinny_run(const ampc_gemm_desc *d, const ampc_tensor *a, con
 
 /* The convolution's switches for tests and benchmarks (conv_choose.c, conv_im2col.c): the NHWC
    im2col + matmul path for convolution passes (-1: its measured rule, 0: never, 1: always),
-   the cap on its columns buffer, and oneDNN's Winograd kernels (-1: ampc_conv_winograd and the
-   rule, 0: never, 1: every shape they take, whatever its workspace). */
+   the cap on its columns buffer, oneDNN's Winograd kernels (-1: ampc_conv_winograd and the
+   rule, 0: never, 1: every shape they take, whatever its workspace) and the cap on a chunk's
+   blocked copies of the activations there (conv_wino.c). */
 extern int ampc__cpu_conv_im2col;
 extern int ampc__cpu_conv_winograd;
 extern size_t ampc__cpu_conv_im2col_cap;
+extern size_t ampc__cpu_conv_wino_cap;
 
 /* random.c: keep[j] = 1 iff draw first + j of rng survives a dropout of probability p (the
    dropout kernel's rule: its uniform not below p), else 0, for j < n; any first. */
