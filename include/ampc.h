@@ -192,7 +192,9 @@ int ampc_cuda_device(void);
 int ampc_cuda_device_count(void);
 /* Whether dev's matmuls and convolutions run in dt, so autocast to dt works there: on the CPU,
    bf16 needs oneDNN's AVX-512 kernels (not on AVX2-only CPUs, nor under ONEDNN_MAX_CPU_ISA=AVX2);
-   fp16 always works (computed in fp32 and rounded once, as tensor cores do). */
+   fp16 always works (computed in fp32 and rounded once, as tensor cores do). Ops on bf16 tensors
+   given by the caller work on every CPU: without oneDNN's bf16 kernels they are computed in fp32
+   and rounded once, as fp16's are. */
 bool ampc_dtype_supported(ampc_device dev, ampc_dtype dt);
 /* Whether dev computes dt on arithmetic of dt's own width (so autocast to dt is faster than fp32
    there): on the CPU, bf16 with AVX512-BF16 or AMX; plain AVX-512 runs bf16 emulated in fp32,

@@ -109,7 +109,10 @@ static int cpu_fill(ampc_tensor *t, double value) {
     return AMPC_OK;
 }
 
-/* bf16 needs oneDNN's AVX-512 kernels; fp16 computes in f32 everywhere (rounded as tensor cores do) */
+/* Autocast's dtypes: bf16 where oneDNN has bf16 kernels (AVX-512), fp16 everywhere (computed in
+   f32 and rounded once, as tensor cores do). The kernels take bf16 tensors on every CPU (without
+   oneDNN's bf16 kernels through f32 copies, ampc__dnnl_via_f32), but autocast does not offer a
+   bf16 that runs slower than fp32 and is no smaller at its peak than fp16. */
 static bool cpu_computes(ampc_dtype dt) { return dt != AMPC_BF16 || ampc__dnnl_bf16_ok(); }
 /* f32 always; bf16 with AVX512-BF16/AMX; fp16 never (no fp16 arithmetic in oneDNN 2.6 here) */
 static bool cpu_native(ampc_dtype dt) { return dt == AMPC_F32 || (dt == AMPC_BF16 && ampc__dnnl_bf16_native()); }

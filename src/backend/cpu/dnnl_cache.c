@@ -104,6 +104,8 @@ bool ampc__dnnl_bf16_native(void) {
     return ampc__dnnl_bf16_ok() && (isa & want) == want;
 }
 
+bool ampc__dnnl_via_f32(ampc_dtype dt) { return dt == AMPC_F16 || (dt == AMPC_BF16 && !ampc__dnnl_bf16_ok()); }
+
 bool ampc__dnnl_bf16_ok(void) {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, probe_bf16);
@@ -113,9 +115,8 @@ bool ampc__dnnl_bf16_ok(void) {
 int ampc__dnnl_fail(dnnl_status_t st, const char *what) {
     if (st == dnnl_unimplemented)
         return ampc__err(AMPC_ERR_BACKEND,
-                         "oneDNN %s: unimplemented: oneDNN has no kernel for it on this CPU (effective ISA %s%s)%s", what,
-                         ampc__dnnl_isa_name(), getenv("ONEDNN_MAX_CPU_ISA") ? ", limited by ONEDNN_MAX_CPU_ISA" : "",
-                         !D.engine || ampc__dnnl_bf16_ok() ? "" : "; bf16 needs AVX-512 (avx512_core or newer): use fp16 or fp32 autocast on this CPU");
+                         "oneDNN %s: unimplemented: oneDNN has no kernel for it on this CPU (effective ISA %s%s)", what,
+                         ampc__dnnl_isa_name(), getenv("ONEDNN_MAX_CPU_ISA") ? ", limited by ONEDNN_MAX_CPU_ISA" : "");
     return ampc__err(AMPC_ERR_BACKEND, "oneDNN %s: %s", what, dnnl_status2str(st));
 }
 

@@ -96,6 +96,10 @@ bool ampc__dnnl_bf16_ok(void);
 bool ampc__dnnl_bf16_native(void);
 /* oneDNN runs AMX (tile) kernels on this CPU (its effective ISA includes avx512_core_amx). */
 bool ampc__dnnl_amx(void);
+/* Whether the CPU kernels compute dt (a 16-bit dtype) through f32 copies: f16 always (oneDNN 2.6
+   has no f16 kernels on these CPUs), bf16 where oneDNN has no bf16 kernels (AVX2-only CPUs, or
+   ONEDNN_MAX_CPU_ISA below AVX-512): widened, computed in f32 and rounded once, like f16. */
+bool ampc__dnnl_via_f32(ampc_dtype dt);
 /* Whether oneDNN has Winograd f32 convolutions on this CPU (probed once: a small descriptor). */
 bool ampc__dnnl_wino(void);
 

@@ -150,9 +150,10 @@ static int fill_bias(const ampc_gemm_desc *d, const ampc_tensor *bias, ampc_tens
     return AMPC_OK;
 }
 
-/* Widens f16 operands to f32 workspace, runs the f32 primitive, rounds the result once (an f32
-   c gets the result unrounded, with no workspace for it). */
-static int gemm_f16(const ampc_gemm_desc *d, const ampc_tensor *a, const ampc_tensor *b, const ampc_tensor *bias,
+/* Widens 16-bit operands (f16; bf16 where oneDNN has no bf16 kernels) to f32 workspace, runs
+   the f32 primitive, rounds the result once (an f32 c gets the result unrounded, with no
+   workspace for it). */
+static int gemm_via_f32(const ampc_gemm_desc *d, const ampc_tensor *a, const ampc_tensor *b, const ampc_tensor *bias,
                     ampc_tensor *c) {
     bool wide_out = c->dtype == AMPC_F32;
     size_t na = extent(d->batch, d->stride_a, d->M, d->K), nb = extent(d->batch, d->stride_b, d->K, d->N);
@@ -165,12 +166,12 @@ static int gemm_f16(const ampc_gemm_desc *d, const ampc_tensor *a, const ampc_te
     /* Single-threaded on purpose: the vectorized conversions run near memory speed (4M values
        in ~0.4 ms, <5% of the gemm they feed), and extra OpenMP regions measured slower on
        these 2 shared cores than the conversion they would split. */
-    const ampc_dtype_traits *h = ampc__dt(AMPC_F16);
+    const ampc_dtype_traits *h = ampc__dt(a->dtype);
     h->to_f32(ampc__data(a), a32, na);
     h->to_f32(ampc__data(b), b32, nb);
     if (bias) h->to_f32(ampc__data(bias), bias32, nbias);
     int rc = run_primitive(d, AMPC_F32, AMPC_F32, a32, b32, bias32, c32);
-    if (rc >= 0 && !wide_out) h->from_f32(c32, ampc__data(c), nc);
+    if (rc >= 0 && !wide_out) ampc__dt(c->dtype)->from_f32(c32, ampc__data(c), nc);
     ampc__free(AMPC_DEVICE_CPU, ws, block, AMPC_MEM_WORKSPACE);
     return rc;
 }
@@ -190,7 +191,7 @@ static int cpu_gemm(const ampc_gemm_desc *desc, const ampc_tensor *a, const ampc
     }
     int rc;
     ampc__dnnl_lock();
-    if (a->dtype == AMPC_F16) rc = gemm_f16(&d, a, b, bias, c);
+    if (ampc__dnnl_via_f32(a->dtype)) rc = gemm_via_f32(&d, a, b, bias, c);
     else rc = run_primitive(&d, a->dtype, c->dtype, ampc__data(a), ampc__data(b), bias ? ampc__data(bias) : NULL, ampc__data(c));
     ampc__dnnl_unlock();
     size_t mat = (size_t)(d.M * d.N) * ampc__dt(c->dtype)->size;
@@ -209,7 +210,8 @@ int ampc__cpu_gemm_impl(const ampc_gemm_desc *desc, ampc_dtype dt, bool has_bias
         snprintf(buf, n, "%s", skinny);
         return AMPC_OK;
     }
-    gemm_key k = make_key(&d, dt == AMPC_F16 ? AMPC_F32 : dt, dt == AMPC_F16 ? AMPC_F32 : dt, has_bias);
+    ampc_dtype kdt = ampc__dnnl_via_f32(dt) ? AMPC_F32 : dt;
+    gemm_key k = make_key(&d, kdt, kdt, has_bias);
     ampc__dnnl_lock();
     ampc_dnnl_entry *e = ampc__dnnl_get(AMPC_DNNL_MATMUL, &k, sizeof k, build_matmul);
     snprintf(buf, n, "%s", e ? ampc__dnnl_impl(e) : "?");

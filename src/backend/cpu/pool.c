@@ -218,7 +218,8 @@ static int run(const ampc_pool_desc *d, ampc_dtype dt, bool backward, const void
    primitive reads the bf16 forward's workspace as it is (max pooling's argmax bytes). */
 static bool backward_in_f32(const ampc_pool_desc *d, ampc_dtype dt) {
     bool overlap = d->kernel[0] > d->stride[0] || d->kernel[1] > d->stride[1];
-    if (!d->channels_last || dt != AMPC_BF16 || d->kind == AMPC_POOL_ADAPTIVE_AVG || !overlap) return false;
+    if (!d->channels_last || dt != AMPC_BF16 || ampc__dnnl_via_f32(dt) || d->kind == AMPC_POOL_ADAPTIVE_AVG || !overlap)
+        return false;
     if (d->kind != AMPC_POOL_MAX) return true;
     pool_key kf = make_key(d, AMPC_BF16, true), kb = make_key(d, AMPC_F32, true);
     ampc__dnnl_lock();
@@ -330,7 +331,7 @@ static void adaptive_backward_cl(const ampc_pool_desc *d, const float *gy, float
 
 static size_t cpu_pool2d_workspace_size(const ampc_pool_desc *d, ampc_dtype dt) {
     if (d->kind != AMPC_POOL_MAX) return 0;
-    pool_key k = make_key(d, dt == AMPC_BF16 ? AMPC_BF16 : AMPC_F32, true);
+    pool_key k = make_key(d, ampc__dnnl_via_f32(dt) ? AMPC_F32 : dt, true);
     ampc__dnnl_lock();
     ampc_dnnl_entry *e = ampc__dnnl_get(AMPC_DNNL_POOL_FWD, &k, sizeof k, build_forward);
     size_t n = e ? dnnl_memory_desc_get_size(ampc__dnnl_query_md(e, dnnl_query_workspace_md)) : 0;
@@ -342,13 +343,14 @@ static int cpu_pool2d(const ampc_pool_desc *d, const ampc_tensor *x, ampc_tensor
     int rc = AMPC_OK;
     if (y->numel == 0) return rc;
     bool adaptive = d->kind == AMPC_POOL_ADAPTIVE_AVG, fix = needs_rescale(d);
-    if (!adaptive && !fix && x->dtype != AMPC_F16) return run(d, x->dtype, false, ampc__data(x), ampc__data(y), ws);
+    if (!adaptive && !fix && !ampc__dnnl_via_f32(x->dtype)) return run(d, x->dtype, false, ampc__data(x), ampc__data(y), ws);
     if (!adaptive && x->dtype == AMPC_F32) {
         rc = run(d, AMPC_F32, false, ampc__data(x), ampc__data(y), ws);
         if (rc >= 0) rescale(d, ampc__data(y));
         return rc;
     }
-    /* through f32: f16, a rescaled 16-bit average, or the adaptive loop on 16-bit data */
+    /* through f32: f16 (and bf16 without oneDNN's bf16 kernels), a rescaled 16-bit average, or
+       the adaptive loop on 16-bit data */
     bool wide = x->dtype == AMPC_F32;
     size_t nx = wide ? 0 : (size_t)x->numel, ny = wide ? 0 : (size_t)y->numel, block = 0;
     float *x32 = wide ? ampc__data(x) : NULL, *y32 = wide ? ampc__data(y) : NULL, *buf = NULL;
@@ -377,7 +379,8 @@ static int cpu_pool2d_backward(const ampc_pool_desc *d, const ampc_tensor *gy, a
         return AMPC_OK;
     }
     bool adaptive = d->kind == AMPC_POOL_ADAPTIVE_AVG, fix = needs_rescale(d), f32 = backward_in_f32(d, gy->dtype);
-    if (!adaptive && !fix && !f32 && gy->dtype != AMPC_F16) return run(d, gy->dtype, true, ampc__data(gy), ampc__data(gx), ws);
+    if (!adaptive && !fix && !f32 && !ampc__dnnl_via_f32(gy->dtype))
+        return run(d, gy->dtype, true, ampc__data(gy), ampc__data(gx), ws);
     /* through f32; gy is copied when it must be rescaled (it is the caller's) */
     bool wide = gy->dtype == AMPC_F32;
     size_t ngy = wide && !fix ? 0 : (size_t)gy->numel, ngx = wide ? 0 : (size_t)gx->numel, block = 0;
