@@ -89,15 +89,12 @@ static void narrow(f32_copies *c, ampc_tensor *const *t, const bool *is_output, 
     ampc__free(AMPC_DEVICE_CPU, c->block, c->bytes, AMPC_MEM_WORKSPACE);
 }
 
-/* The dtype the kernels compute dt in: f32 for those that go through f32 copies. */
-static ampc_dtype kernel_dt(ampc_dtype dt) { return ampc__dnnl_via_f32(dt) ? AMPC_F32 : dt; }
-
 /* Runs pass family with tensors t (arg_spec order; NULL bias allowed at the end), going
    through f32 copies for f16 (and bf16 where oneDNN has no bf16 kernels). */
 static int run_tensors(int family, const ampc_conv_desc *d, ampc_tensor *const *t, int n, bool has_bias) {
     int nargs;
     ampc_dtype grad_dt = family == AMPC_DNNL_CONV_BWD_WEIGHTS ? t[2]->dtype : t[0]->dtype;
-    conv_key k = ampc__conv_make_key(family, d, kernel_dt(t[0]->dtype), kernel_dt(grad_dt), has_bias);
+    conv_key k = ampc__conv_make_key(family, d, ampc__dnnl_compute_dt(t[0]->dtype), ampc__dnnl_compute_dt(grad_dt), has_bias);
     const arg_spec *args = ampc__conv_family_args(family, &nargs, &k);
     void *user[4];
     int rc;
@@ -187,7 +184,7 @@ static int cpu_conv2d_backward_weights(const ampc_conv_desc *d, const ampc_tenso
 int ampc__cpu_conv_impl(const ampc_conv_desc *d, ampc_dtype dt, int pass, bool has_bias, char *buf, size_t n) {
     static const int families[3] = {AMPC_DNNL_CONV_FWD, AMPC_DNNL_CONV_BWD_DATA, AMPC_DNNL_CONV_BWD_WEIGHTS};
     if (pass < 0 || pass > 2) return ampc__err(AMPC_ERR_INVALID, "conv pass %d", pass);
-    conv_key k = ampc__conv_make_key(families[pass], d, kernel_dt(dt), kernel_dt(dt), has_bias && pass != 1);
+    conv_key k = ampc__conv_make_key(families[pass], d, ampc__dnnl_compute_dt(dt), ampc__dnnl_compute_dt(dt), has_bias && pass != 1);
     if (k.im2col) k.N = ampc__conv_i2c_chunk(families[pass], &k);   /* the matmul of a chunk */
     ampc__dnnl_lock();
     ampc_dnnl_entry *e = ampc__dnnl_get(families[pass], &k, sizeof k, ampc__conv_builder(families[pass], &k));

@@ -46,6 +46,14 @@ typedef struct {
 
 static inline size_t ampc__conv_align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
+/* Images per chunk of a batch of N whose images take per bytes each: the fewest equal chunks
+   that fit cap (at least one image; per 0: the whole batch). */
+static inline int64_t ampc__conv_chunk(int64_t N, size_t per, size_t cap) {
+    int64_t fit = per ? (int64_t)(cap / per) : N, nb = fit < 1 ? 1 : fit > N ? N : fit;
+    int64_t chunks = (N + nb - 1) / nb;
+    return (N + chunks - 1) / chunks;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The choice (conv_choose.c)
 

@@ -30,9 +30,7 @@ static size_t i2c_cols_esz(int family, const conv_key *k) {
 /* Images per chunk: the fewest equal chunks whose cols fit the cap (at least one image). */
 int64_t ampc__conv_i2c_chunk(int family, const conv_key *k) {
     size_t per = (size_t)(k->OH * k->OW * k->KH * k->KW * k->C) * i2c_cols_esz(family, k);
-    int64_t fit = per ? (int64_t)(ampc__cpu_conv_im2col_cap / per) : k->N, nb = fit < 1 ? 1 : fit > k->N ? k->N : fit;
-    int64_t chunks = (k->N + nb - 1) / nb;
-    return (k->N + chunks - 1) / chunks;
+    return ampc__conv_chunk(k->N, per, ampc__cpu_conv_im2col_cap);
 }
 
 /* The matmul of pass family for a chunk of k->N images (see above); arguments in run order:

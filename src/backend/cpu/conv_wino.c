@@ -10,20 +10,12 @@
 
 size_t ampc__cpu_conv_wino_cap = (size_t)8 << 20;
 
-/* Images per chunk: as many as the cap holds (at least one), spread evenly over the chunks. */
-static int64_t wino_chunk(const conv_key *k) {
-    size_t per = (size_t)(k->C * k->H * k->W + k->O * k->OH * k->OW) * sizeof(float);
-    int64_t fit = (int64_t)(ampc__cpu_conv_wino_cap / per), nb = fit < 1 ? 1 : fit > k->N ? k->N : fit;
-    int64_t chunks = (k->N + nb - 1) / nb;
-    return (k->N + chunks - 1) / chunks;
-}
-
 /* Runs pass family of k (f32, no bias) on the user's buffers (arg_spec order), a chunk of
    images at a time. Lock held. */
 int ampc__conv_run_wino(int family, const conv_key *k, void *const *user) {
-    int64_t nb = wino_chunk(k);
-    if (nb >= k->N) return ampc__conv_run_dnnl(family, k, user);
     size_t xsz = (size_t)(k->C * k->H * k->W) * sizeof(float), ysz = (size_t)(k->O * k->OH * k->OW) * sizeof(float);
+    int64_t nb = ampc__conv_chunk(k->N, xsz + ysz, ampc__cpu_conv_wino_cap);   /* an image's blocked copies */
+    if (nb >= k->N) return ampc__conv_run_dnnl(family, k, user);
     size_t nw = (size_t)(k->O * (k->C / k->groups) * k->KH * k->KW), block = 0;
     bool bwd_w = family == AMPC_DNNL_CONV_BWD_WEIGHTS;
     float *part = NULL;   /* a later chunk's weight gradient */

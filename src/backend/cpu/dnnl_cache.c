@@ -55,19 +55,23 @@ const char *ampc__dnnl_isa_name(void) {
     return "no vector ISA";
 }
 
+/* Whether oneDNN has an implementation of op on this CPU (a primitive descriptor made and freed). */
+static bool implemented(const_dnnl_op_desc_t op) {
+    dnnl_primitive_desc_t pd = NULL;
+    bool ok = dnnl_primitive_desc_create(&pd, op, NULL, ampc__dnnl_engine(), NULL) == dnnl_success;
+    if (pd) dnnl_primitive_desc_destroy(pd);
+    return ok;
+}
+
 static bool bf16_ok;
 static void probe_bf16(void) {
     dnnl_memory_desc_t a, b, c;
     dnnl_dims_t da = {16, 16};
     dnnl_matmul_desc_t op;
-    dnnl_primitive_desc_t pd = NULL;
-    dnnl_engine_t eng = ampc__dnnl_engine();
-    bf16_ok = eng && dnnl_memory_desc_init_by_tag(&a, 2, da, dnnl_bf16, dnnl_ab) == dnnl_success &&
+    bf16_ok = ampc__dnnl_engine() && dnnl_memory_desc_init_by_tag(&a, 2, da, dnnl_bf16, dnnl_ab) == dnnl_success &&
               dnnl_memory_desc_init_by_tag(&b, 2, da, dnnl_bf16, dnnl_ab) == dnnl_success &&
               dnnl_memory_desc_init_by_tag(&c, 2, da, dnnl_f32, dnnl_ab) == dnnl_success &&
-              dnnl_matmul_desc_init(&op, &a, &b, NULL, &c) == dnnl_success &&
-              dnnl_primitive_desc_create(&pd, &op, NULL, eng, NULL) == dnnl_success;
-    if (pd) dnnl_primitive_desc_destroy(pd);
+              dnnl_matmul_desc_init(&op, &a, &b, NULL, &c) == dnnl_success && implemented(&op);
 }
 
 /* Whether oneDNN has a Winograd f32 convolution on this CPU (AVX-512; not under a lower
@@ -77,15 +81,12 @@ static void probe_wino(void) {
     dnnl_memory_desc_t src, wei, dst;
     dnnl_dims_t ds = {1, 16, 8, 8}, dw = {16, 16, 3, 3}, st = {1, 1}, pad = {1, 1};
     dnnl_convolution_desc_t op;
-    dnnl_primitive_desc_t pd = NULL;
-    dnnl_engine_t eng = ampc__dnnl_engine();
-    wino_ok = eng && dnnl_memory_desc_init_by_tag(&src, 4, ds, dnnl_f32, dnnl_format_tag_any) == dnnl_success &&
+    wino_ok = ampc__dnnl_engine() && dnnl_memory_desc_init_by_tag(&src, 4, ds, dnnl_f32, dnnl_format_tag_any) == dnnl_success &&
               dnnl_memory_desc_init_by_tag(&wei, 4, dw, dnnl_f32, dnnl_format_tag_any) == dnnl_success &&
               dnnl_memory_desc_init_by_tag(&dst, 4, ds, dnnl_f32, dnnl_format_tag_any) == dnnl_success &&
               dnnl_convolution_forward_desc_init(&op, dnnl_forward_training, dnnl_convolution_winograd, &src, &wei, NULL,
                                                  &dst, st, pad, pad) == dnnl_success &&
-              dnnl_primitive_desc_create(&pd, &op, NULL, eng, NULL) == dnnl_success;
-    if (pd) dnnl_primitive_desc_destroy(pd);
+              implemented(&op);
 }
 
 bool ampc__dnnl_wino(void) {
@@ -105,6 +106,7 @@ bool ampc__dnnl_bf16_native(void) {
 }
 
 bool ampc__dnnl_via_f32(ampc_dtype dt) { return dt == AMPC_F16 || (dt == AMPC_BF16 && !ampc__dnnl_bf16_ok()); }
+ampc_dtype ampc__dnnl_compute_dt(ampc_dtype dt) { return ampc__dnnl_via_f32(dt) ? AMPC_F32 : dt; }
 
 bool ampc__dnnl_bf16_ok(void) {
     static pthread_once_t once = PTHREAD_ONCE_INIT;

@@ -100,6 +100,8 @@ bool ampc__dnnl_amx(void);
    has no f16 kernels on these CPUs), bf16 where oneDNN has no bf16 kernels (AVX2-only CPUs, or
    ONEDNN_MAX_CPU_ISA below AVX-512): widened, computed in f32 and rounded once, like f16. */
 bool ampc__dnnl_via_f32(ampc_dtype dt);
+/* The dtype oneDNN's primitives run for dt's tensors: f32 for those, else dt. */
+ampc_dtype ampc__dnnl_compute_dt(ampc_dtype dt);
 /* Whether oneDNN has Winograd f32 convolutions on this CPU (probed once: a small descriptor). */
 bool ampc__dnnl_wino(void);
 

@@ -210,7 +210,7 @@ int ampc__cpu_gemm_impl(const ampc_gemm_desc *desc, ampc_dtype dt, bool has_bias
         snprintf(buf, n, "%s", skinny);
         return AMPC_OK;
     }
-    ampc_dtype kdt = ampc__dnnl_via_f32(dt) ? AMPC_F32 : dt;
+    ampc_dtype kdt = ampc__dnnl_compute_dt(dt);
     gemm_key k = make_key(&d, kdt, kdt, has_bias);
     ampc__dnnl_lock();
     ampc_dnnl_entry *e = ampc__dnnl_get(AMPC_DNNL_MATMUL, &k, sizeof k, build_matmul);

@@ -331,7 +331,7 @@ static void adaptive_backward_cl(const ampc_pool_desc *d, const float *gy, float
 
 static size_t cpu_pool2d_workspace_size(const ampc_pool_desc *d, ampc_dtype dt) {
     if (d->kind != AMPC_POOL_MAX) return 0;
-    pool_key k = make_key(d, ampc__dnnl_via_f32(dt) ? AMPC_F32 : dt, true);
+    pool_key k = make_key(d, ampc__dnnl_compute_dt(dt), true);
     ampc__dnnl_lock();
     ampc_dnnl_entry *e = ampc__dnnl_get(AMPC_DNNL_POOL_FWD, &k, sizeof k, build_forward);
     size_t n = e ? dnnl_memory_desc_get_size(ampc__dnnl_query_md(e, dnnl_query_workspace_md)) : 0;
