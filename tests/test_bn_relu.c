@@ -164,6 +164,89 @@ static void test_fused_equals_composite_ref(void **state) {
 
 /* Pre-activations that round to -0 in 16 bits: relu keeps -0 (not < 0), and its backward masks
    them (not > 0); in f32 they stay negative. Evaluation with x = -tiny, mean 0, scale 1. */
+// ---------------------------------------------------------------------------------------------
+// SyncBatchNorm's kernels in a world of one
+
+/* The kernels of batch norm (relu: batch norm + ReLU) in training, forward then backward, called
+   at the door with `sync` as given (the op passes sync only to a world of more than one): y, gx,
+   gw, gb, the running statistics and the saved statistics, as values, into v[0..6). */
+static void kernels_run(ampc_device dev, ampc_dtype dt, const bn_case *k, bool relu, bool sync, double *v[7]) {
+    const int64_t *sh = k->shape, N = sh[0], C = sh[1], S = sh[2] * sh[3], n = N * C * S;
+    ampc_dtype sdt = dev == AMPC_DEVICE_REF ? AMPC_F64 : AMPC_F32;
+    double *x = malloc((size_t)n * sizeof *x), *g = malloc((size_t)n * sizeof *g), *w = malloc((size_t)C * sizeof *w);
+    double *rs = malloc((size_t)(2 * C) * sizeof *rs);
+    tu_fill_uniform(x, (size_t)n, 21, -1, 3);   /* mean 1: the centring matters */
+    tu_fill_uniform(g, (size_t)n, 22, -1, 1);
+    tu_fill_uniform(w, (size_t)C, 23, 0.5, 1.5);
+    tu_fill_uniform(rs, (size_t)(2 * C), 24, 0.5, 1.5);
+    ampc_set_default_device(dev);
+    ampc_scope_begin();
+    ampc_tensor *xt = ampc_tensor_from_f64(dt, 4, sh, x), *gt = ampc_tensor_from_f64(dt, 4, sh, g);
+    ampc_tensor *wt = ampc_tensor_from_f64(sdt, 1, &C, w), *bt = ampc_tensor_from_f64(sdt, 1, &C, w);
+    ampc_tensor *rmt = ampc_tensor_from_f64(sdt, 1, &C, rs), *rvt = ampc_tensor_from_f64(sdt, 1, &C, rs + C);
+    ampc_tensor *xin = k->cl ? ampc_to_memory_format(xt, AMPC_CHANNELS_LAST) : xt;
+    ampc_tensor *gin = k->cl ? ampc_to_memory_format(gt, AMPC_CHANNELS_LAST) : gt;
+    ASSERT_NOT_NULL_MSG(xin && gin && wt && bt && rmt && rvt);
+    ampc_tensor *y = ampc__tensor_like(xin, dt), *gx = ampc__tensor_like(xin, dt);
+    ampc_tensor *gw = ampc__tensor_new(sdt, dev, 1, &C), *gb = ampc__tensor_new(sdt, dev, 1, &C);
+    const int64_t rows[2] = {AMPC_BN_RELU_STAT_ROWS, C};
+    ampc_tensor *stats = ampc__tensor_new(sdt, dev, 2, rows), *mean = ampc__tensor_new(sdt, dev, 1, &C);
+    ampc_tensor *invstd = ampc__tensor_new(sdt, dev, 1, &C);
+    ASSERT_NOT_NULL_MSG(y && gx && gw && gb && stats && mean && invstd);
+    if (relu) {
+        ASSERT_OK(ampc__k_batch_norm_relu(xin, wt, bt, rmt, rvt, y, stats, true, 0.1, 1e-5, sync));
+        ASSERT_OK(ampc__k_batch_norm_relu_backward(xin, gin, wt, stats, true, sync, gx, gw, gb));
+    } else {
+        ASSERT_OK(ampc__k_batch_norm(xin, wt, bt, rmt, rvt, y, mean, invstd, true, 0.1, 1e-5, sync));
+        ASSERT_OK(ampc__k_batch_norm_backward(xin, gin, wt, mean, invstd, true, sync, gx, gw, gb));
+    }
+    const ampc_tensor *res[7] = {y, gx, gw, gb, rmt, rvt, relu ? stats : mean};
+    for (int i = 0; i < 7; i++) v[i] = tu_values(res[i]);
+    ampc_tensor *own[7] = {y, gx, gw, gb, stats, mean, invstd};
+    for (int i = 0; i < 7; i++) ampc__release(own[i]);
+    ampc_scope_end();
+    ampc_set_default_device(AMPC_DEVICE_CPU);
+    free(x), free(g), free(w), free(rs);
+}
+
+/* With one process the exchange hands back this process's own statistics and sums, so the sync
+   kernels (statistics pass, exchange, normalisation: two kernel sequences on CUDA) must give the
+   plain kernels' bits: every device, dtype and walk (planar, columns, channels-last; on CUDA the
+   vector kernels too, C a multiple of 8). Across processes test_dist's sync cases check them. */
+static void test_sync_world_of_one(void **state) {
+    (void)state;
+    static const bn_case ks[] = {
+        {{3, 4, 8, 8}, false, true}, {{2, 5, 3, 3}, false, true}, {{3, 4, 6, 5}, true, true}, {{2, 64, 5, 7}, true, true},
+    };
+    const ampc_device devs[] = {AMPC_DEVICE_CPU, AMPC_DEVICE_REF, AMPC_DEVICE_CUDA};
+    const ampc_dtype dts[] = {AMPC_F32, AMPC_F16, AMPC_BF16};
+    const char *names[7] = {"y", "gx", "gw", "gb", "running_mean", "running_var", "saved mean"};
+    for (size_t d = 0; d < 3; d++) {
+        if (devs[d] == AMPC_DEVICE_CUDA && !tu_cuda_available()) {
+            print_message("sync kernels: no GPU here, CUDA skipped\n");
+            continue;
+        }
+        for (size_t t = 0; t < (devs[d] == AMPC_DEVICE_REF ? 1 : 3); t++)
+            for (size_t i = 0; i < sizeof ks / sizeof *ks; i++)
+                for (int relu = 0; relu < 2; relu++) {
+                    ampc_dtype dt = devs[d] == AMPC_DEVICE_REF ? AMPC_F64 : dts[t];
+                    double *a[7], *b[7];
+                    kernels_run(devs[d], dt, &ks[i], relu, true, a);
+                    kernels_run(devs[d], dt, &ks[i], relu, false, b);
+                    const int64_t *sh = ks[i].shape;
+                    size_t n = (size_t)(sh[0] * sh[1] * sh[2] * sh[3]), C = (size_t)sh[1];
+                    for (int r = 0; r < 7; r++) {
+                        char what[160];
+                        snprintf(what, sizeof what, "sync %s %s (%lld,%lld,%lld,%lld)%s%s: %s", ampc_device_name(devs[d]),
+                                 ampc_dtype_name(dt), (long long)sh[0], (long long)sh[1], (long long)sh[2], (long long)sh[3],
+                                 ks[i].cl ? " cl" : "", relu ? " relu" : "", names[r]);
+                        assert_same_bits(what, a[r], b[r], r < 2 ? n : r == 6 && relu ? 2 * C : C);
+                        free(a[r]), free(b[r]);
+                    }
+                }
+    }
+}
+
 static void test_tiny_negatives(void **state) {
     (void)state;
     const ampc_dtype dts[] = {AMPC_F32, AMPC_F16, AMPC_BF16};
@@ -306,6 +389,7 @@ int main(void) {
         cmocka_unit_test(test_fused_equals_composite_cuda), cmocka_unit_test(test_add_relu_composes_cpu_ref),
         cmocka_unit_test(test_tiny_negatives),             cmocka_unit_test(test_resnet18_fp32),
         cmocka_unit_test(test_resnet18_amp_bf16_cl),       cmocka_unit_test(test_resnet18_replaced_relu),
+        cmocka_unit_test(test_sync_world_of_one),
     };
     return cmocka_run_group_tests_name("bn_relu", tests, tu_group_setup, tu_group_teardown);
 }

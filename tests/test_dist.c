@@ -53,7 +53,8 @@ static void batch(int step, int lo, int hi, bool poison, ampc_tensor **x, ampc_t
     if (poison) xf[0] = 1e30f;
     *x = ampc_tensor_from_f32(AMPC_F32, 4, (int64_t[]){hi - lo, 1, 28, 28}, xf);
     *y = ampc_tensor_from_i64(1, (int64_t[]){hi - lo}, lab + lo);
-    if (g_dev == AMPC_DEVICE_REF) *x = ampc_tensor_to(*x, g_dev, AMPC_F64), *y = ampc_tensor_to(*y, g_dev, AMPC_I64);
+    if (g_dev != AMPC_DEVICE_CPU)
+        *x = ampc_tensor_to(*x, g_dev, g_dev == AMPC_DEVICE_REF ? AMPC_F64 : AMPC_F32), *y = ampc_tensor_to(*y, g_dev, AMPC_I64);
     free(v);
     free(xf);
 }
@@ -225,40 +226,50 @@ static double equivalence(const char *model, mode m, ampc_ddp_options o) { retur
 
 /* The buckets on the parameters' device: the mlp on the REF device (f64 parameters, standing in
    for a GPU: the gradients are scaled into the device's buckets by its own kernel, and the wire,
-   f32 or bf16, is a converted copy in host memory) trains as one REF process on the whole batch.
-   Any world size (ctest also runs 3 ranks): a rank's loss is weighted by its share of the batch.
-   The wire rounds each f64 gradient to f32 (2^-24) or bf16 (2^-8) once per step, one rank too,
-   bounded as test_equivalence's fp32 and 16-bit cases. */
+   f32 or bf16, is a converted copy in host memory) trains as one REF process on the whole batch;
+   on a GPU the same on CUDA (f32 parameters: the f32 wire staged through page-locked host memory,
+   every rank on the one GPU when there is one). Any world size (ctest also runs 3 ranks): a
+   rank's loss is weighted by its share of the batch. The wire rounds each gradient to f32 (2^-24)
+   or bf16 (2^-8) once per step, one rank too, bounded as test_equivalence's fp32 and 16-bit
+   cases. */
 static void test_device_buckets(void **state) {
     (void)state;
     const ampc_dtype wires[] = {AMPC_F32, AMPC_BF16};
-    for (int k = 0; k < 2; k++) {
-        g_dev = AMPC_DEVICE_REF;
-        ampc_ddp_options o = ampc_ddp_defaults();
-        o.comm_dtype = wires[k];
-        o.bucket_bytes = o.first_bucket_bytes = 4096;   /* two buckets (see test_buckets) */
-        run ref = run_new("mlp", FP32, NULL), dd = run_new("mlp", FP32, &o);
-        int64_t n;
-        float *init = weights(ref.net, &n);
-        const double share = (double)(my_hi() - my_lo()) * world / GLOBAL;
-        for (int s = 0; s < 2; s++) {
-            backward(&ref, FP32, s, 0, GLOBAL, 1, false);
-            step(&ref);
-            backward(&dd, FP32, s, my_lo(), my_hi(), share, false);
-            step(&dd);
+    const ampc_device devs[] = {AMPC_DEVICE_REF, AMPC_DEVICE_CUDA};
+    for (int d = 0; d < 2; d++) {
+        if (devs[d] == AMPC_DEVICE_CUDA && !ampc_device_available(AMPC_DEVICE_CUDA)) {
+            if (rank == 0) print_message("device buckets: no GPU here, CUDA skipped\n");
+            continue;
         }
-        ampc_ddp_stats st;
-        D_ASSERT(ampc_ddp_get_stats(dd.ddp, &st) == AMPC_OK && st.buckets > 1, "buckets: %lld", (long long)st.buckets);
-        assert_replicas_equal(dd.net);
-        double d = rel_update_diff(dd.net, ref.net, init);
-        double tol = wires[k] == AMPC_F32 ? 1e-4 : 4 * tu_eps(AMPC_BF16);
-        if (rank == 0) print_message("REF device, %d ranks, %s wire: weights differ by %.3g of the update (bound %.3g)\n", world,
-                                     ampc_dtype_name(wires[k]), d, tol);
-        D_ASSERT(d <= tol, "REF %s wire: %.3g > %.3g", ampc_dtype_name(wires[k]), d, tol);
-        free(init);
-        run_free(&ref);
-        run_free(&dd);
-        g_dev = AMPC_DEVICE_CPU;
+        for (int k = 0; k < 2; k++) {
+            g_dev = devs[d];
+            ampc_ddp_options o = ampc_ddp_defaults();
+            o.comm_dtype = wires[k];
+            o.bucket_bytes = o.first_bucket_bytes = 4096;   /* two buckets (see test_buckets) */
+            run ref = run_new("mlp", FP32, NULL), dd = run_new("mlp", FP32, &o);
+            int64_t n;
+            float *init = weights(ref.net, &n);
+            const double share = (double)(my_hi() - my_lo()) * world / GLOBAL;
+            for (int s = 0; s < 2; s++) {
+                backward(&ref, FP32, s, 0, GLOBAL, 1, false);
+                step(&ref);
+                backward(&dd, FP32, s, my_lo(), my_hi(), share, false);
+                step(&dd);
+            }
+            ampc_ddp_stats st;
+            D_ASSERT(ampc_ddp_get_stats(dd.ddp, &st) == AMPC_OK && st.buckets > 1, "buckets: %lld", (long long)st.buckets);
+            assert_replicas_equal(dd.net);
+            double dif = rel_update_diff(dd.net, ref.net, init);
+            double tol = wires[k] == AMPC_F32 ? 1e-4 : 4 * tu_eps(AMPC_BF16);
+            if (rank == 0)
+                print_message("%s device, %d ranks, %s wire: weights differ by %.3g of the update (bound %.3g)\n",
+                              ampc_device_name(g_dev), world, ampc_dtype_name(wires[k]), dif, tol);
+            D_ASSERT(dif <= tol, "%s %s wire: %.3g > %.3g", ampc_device_name(g_dev), ampc_dtype_name(wires[k]), dif, tol);
+            free(init);
+            run_free(&ref);
+            run_free(&dd);
+            g_dev = AMPC_DEVICE_CPU;
+        }
     }
 }
 
@@ -308,14 +319,15 @@ static void test_sync_bn_equivalence(void **state) {
 /* One batch norm in training (SyncBatchNorm when sync) forward + backward over rows [lo, hi) of
    a global batch (NB, C, H, W), upstream gradient G: out = y and gx of those rows, then gw, gb,
    running mean and running var (C each). dev REF computes in f64. */
-enum { NB = 8, BN_C = 3 };
-static size_t bn_case(ampc_device dev, ampc_dtype dt, int hw, bool cl, bool relu, bool sync, int lo, int hi, double *out) {
-    const int64_t C = BN_C, per = C * hw * hw, sh[4] = {hi - lo, C, hw, hw};
-    double *x = malloc(sizeof(double) * NB * (size_t)per), *g = malloc(sizeof(double) * NB * (size_t)per), prm[4 * BN_C];
+enum { NB = 8, BN_CMAX = 16 };
+static size_t bn_case(ampc_device dev, ampc_dtype dt, int64_t C, int hw, bool cl, bool relu, bool sync, int lo, int hi,
+                      double *out) {
+    const int64_t per = C * hw * hw, sh[4] = {hi - lo, C, hw, hw};
+    double *x = malloc(sizeof(double) * NB * (size_t)per), *g = malloc(sizeof(double) * NB * (size_t)per), prm[4 * BN_CMAX];
     tu_fill_uniform(x, (size_t)(NB * per), 5 + (uint64_t)hw, -1, 2);   /* mean 0.5: the centring matters */
     for (int64_t i = 0; i < NB * per; i++) x[i] += 0.25 * (double)(i / per);   /* each sample shifted: ranks' means differ */
     tu_fill_uniform(g, (size_t)(NB * per), 6 + (uint64_t)hw, -1, 1);
-    tu_fill_uniform(prm, 4 * BN_C, 7, 0.5, 1.5);   /* weight, bias, running mean, running var */
+    tu_fill_uniform(prm, (size_t)(4 * C), 7, 0.5, 1.5);   /* weight, bias, running mean, running var */
     /* made on the CPU (f32 for REF, then moved and widened) */
     bool ref = dev == AMPC_DEVICE_REF;
     ampc_dtype sdt = ref ? AMPC_F64 : AMPC_F32, adt = ref ? AMPC_F64 : dt, hdt = ref ? AMPC_F32 : dt;
@@ -323,7 +335,7 @@ static size_t bn_case(ampc_device dev, ampc_dtype dt, int hw, bool cl, bool relu
     ampc_tensor *xt = ampc_tensor_to(ampc_tensor_from_f64(hdt, 4, sh, x + lo * per), dev, adt);
     ampc_tensor *gt = ampc_tensor_to(ampc_tensor_from_f64(hdt, 4, sh, g + lo * per), dev, adt);
     ampc_tensor *p[4];
-    for (int i = 0; i < 4; i++) p[i] = ampc_tensor_to(ampc_tensor_from_f64(AMPC_F32, 1, &C, prm + i * BN_C), dev, sdt);
+    for (int i = 0; i < 4; i++) p[i] = ampc_tensor_to(ampc_tensor_from_f64(AMPC_F32, 1, &C, prm + i * C), dev, sdt);
     D_ASSERT(xt && gt && p[0] && p[1] && p[2] && p[3], "tensors");
     D_ASSERT(ampc_tensor_set_requires_grad(xt, true) == AMPC_OK && ampc_tensor_set_requires_grad(p[0], true) == AMPC_OK &&
                  ampc_tensor_set_requires_grad(p[1], true) == AMPC_OK,
@@ -353,43 +365,62 @@ static size_t bn_case(ampc_device dev, ampc_dtype dt, int hw, bool cl, bool relu
    running statistics equal that batch norm's on every rank, and gw, gb are each rank's own
    share (summed over the ranks: the whole batch's). Every walk of the CPU kernels (a channel's
    runs: H*W >= 32; columns: small H*W; channels-last), with and without the fused ReLU, f32 and
-   bf16, and the REF kernels in f64. Bounds: f64: 1e-12; f32: 1e-5 of the largest value (sums in
-   another order); bf16 y and gx: one rounding of bf16 (2^-7 relative) where the f32 values
-   before it differ in the last bits; bf16 statistics as f32. Without sync the outputs differ
-   by far more (checked: the comparison can fail). */
+   bf16, and the REF kernels in f64; on a GPU the CUDA kernels (per element, planar and
+   channels-last, and the vector kernels: channels-last with C a multiple of 8). Bounds: f64:
+   1e-12; f32: 1e-5 of the largest value (sums in another order); 16-bit y and gx: one rounding
+   (2 eps relative) where the f32 values before it differ in the last bits; 16-bit statistics as
+   f32. Without sync the outputs differ by far more (checked: the comparison can fail). */
 static void test_sync_bn_op(void **state) {
     (void)state;
-    const struct { ampc_device dev; ampc_dtype dt; int hw; bool cl; } cs[] = {
-        {AMPC_DEVICE_CPU, AMPC_F32, 12, false}, {AMPC_DEVICE_CPU, AMPC_F32, 2, false}, {AMPC_DEVICE_CPU, AMPC_F32, 6, true},
-        {AMPC_DEVICE_CPU, AMPC_BF16, 12, false}, {AMPC_DEVICE_CPU, AMPC_BF16, 2, false}, {AMPC_DEVICE_CPU, AMPC_BF16, 6, true},
-        {AMPC_DEVICE_CPU, AMPC_F16, 12, false}, {AMPC_DEVICE_CPU, AMPC_F16, 2, false}, {AMPC_DEVICE_CPU, AMPC_F16, 6, true},
-        {AMPC_DEVICE_REF, AMPC_F64, 5, false},
+    const struct { ampc_device dev; ampc_dtype dt; int64_t C; int hw; bool cl; } cs[] = {
+        {AMPC_DEVICE_CPU, AMPC_F32, 3, 12, false},   {AMPC_DEVICE_CPU, AMPC_F32, 3, 2, false},
+        {AMPC_DEVICE_CPU, AMPC_F32, 3, 6, true},     {AMPC_DEVICE_CPU, AMPC_BF16, 3, 12, false},
+        {AMPC_DEVICE_CPU, AMPC_BF16, 3, 2, false},   {AMPC_DEVICE_CPU, AMPC_BF16, 3, 6, true},
+        {AMPC_DEVICE_CPU, AMPC_F16, 3, 12, false},   {AMPC_DEVICE_CPU, AMPC_F16, 3, 2, false},
+        {AMPC_DEVICE_CPU, AMPC_F16, 3, 6, true},     {AMPC_DEVICE_REF, AMPC_F64, 3, 5, false},
+        {AMPC_DEVICE_CUDA, AMPC_F32, 3, 12, false},  {AMPC_DEVICE_CUDA, AMPC_F32, 3, 6, true},
+        {AMPC_DEVICE_CUDA, AMPC_F32, 8, 6, true},    {AMPC_DEVICE_CUDA, AMPC_BF16, 3, 12, false},
+        {AMPC_DEVICE_CUDA, AMPC_BF16, 16, 4, true},  {AMPC_DEVICE_CUDA, AMPC_F16, 8, 6, true},
     };
     int lo = rank * NB / world, hi = (rank + 1) * NB / world;
-    for (size_t k = 0; k < sizeof cs / sizeof cs[0]; k++)
+    bool gpu = ampc_device_available(AMPC_DEVICE_CUDA);
+    if (rank == 0 && !gpu) print_message("sync batch_norm: no GPU here, the CUDA cases skipped\n");
+    for (size_t k = 0; k < sizeof cs / sizeof cs[0]; k++) {
+        if (cs[k].dev == AMPC_DEVICE_CUDA && !gpu) continue;
+        const int64_t C = cs[k].C;
         for (int relu = 0; relu < 2; relu++) {
-            size_t per = (size_t)(BN_C * cs[k].hw * cs[k].hw), cap = NB * per * 2 + 4 * BN_C;
+            size_t per = (size_t)(C * cs[k].hw * cs[k].hw), cap = NB * per * 2 + 4 * (size_t)C;
             double *full = malloc(cap * sizeof(double)), *mine = malloc(cap * sizeof(double)), *loc = malloc(cap * sizeof(double));
-            bn_case(cs[k].dev, cs[k].dt, cs[k].hw, cs[k].cl, relu, false, 0, NB, full);
-            size_t nm = bn_case(cs[k].dev, cs[k].dt, cs[k].hw, cs[k].cl, relu, true, lo, hi, mine);
-            bn_case(cs[k].dev, cs[k].dt, cs[k].hw, cs[k].cl, relu, false, lo, hi, loc);
+            bn_case(cs[k].dev, cs[k].dt, C, cs[k].hw, cs[k].cl, relu, false, 0, NB, full);
+            size_t nm = bn_case(cs[k].dev, cs[k].dt, C, cs[k].hw, cs[k].cl, relu, true, lo, hi, mine);
+            bn_case(cs[k].dev, cs[k].dt, C, cs[k].hw, cs[k].cl, relu, false, lo, hi, loc);
             size_t n = (size_t)(hi - lo) * per, NF = NB * per;
-            D_ASSERT(nm == 2 * n + 4 * BN_C, "sizes");
+            D_ASSERT(nm == 2 * n + 4 * (size_t)C, "sizes");
             double *fy = full + lo * per, *fgx = full + NF + lo * per, *fst = full + 2 * NF, *st = mine + 2 * n;
-            D_ASSERT(ampc_dist_allreduce_sum_f64(st, 2 * BN_C) == AMPC_OK, "allreduce");   /* gw, gb */
+            D_ASSERT(ampc_dist_allreduce_sum_f64(st, 2 * C) == AMPC_OK, "allreduce");   /* gw, gb */
             double tol = cs[k].dt == AMPC_F64 ? 1e-12 : 1e-5, tol16 = cs[k].dt == AMPC_BF16 || cs[k].dt == AMPC_F16 ? 2 * tu_eps(cs[k].dt) : tol;
             double dy = rel_max_diff(mine, fy, n), dgx = rel_max_diff(mine + n, fgx, n);
-            double dst = rel_max_diff(st, fst, 4 * BN_C), dloc = rel_max_diff(loc, fy, n);
+            double dst = rel_max_diff(st, fst, 4 * (size_t)C), dloc = rel_max_diff(loc, fy, n);
             if (rank == 0 && relu)
-                print_message("sync batch_norm %s %s %dx%d%s: y %.2g, gx %.2g, gw/gb/running %.2g (bound %.2g/%.2g); "
+                print_message("sync batch_norm %s %s C %lld %dx%d%s: y %.2g, gx %.2g, gw/gb/running %.2g (bound %.2g/%.2g); "
                               "per-process y %.2g\n",
-                              ampc_device_name(cs[k].dev), ampc_dtype_name(cs[k].dt), cs[k].hw, cs[k].hw,
+                              ampc_device_name(cs[k].dev), ampc_dtype_name(cs[k].dt), (long long)C, cs[k].hw, cs[k].hw,
                               cs[k].cl ? " channels-last" : "", dy, dgx, dst, tol16, tol, dloc);
             D_ASSERT(dy <= tol16 && dgx <= tol16 && dst <= tol, "case %zu relu %d: y %.3g gx %.3g stats %.3g", k, relu, dy, dgx,
                      dst);
             if (world > 1) D_ASSERT(dloc > 10 * tol16, "case %zu: per-process statistics gave the whole batch's", k);
             free(full), free(mine), free(loc);
         }
+    }
+}
+
+/* a and b hold the same values bit for bit (on any device) */
+static bool same_values(const ampc_tensor *a, const ampc_tensor *b) {
+    if (ampc_tensor_numel(a) != ampc_tensor_numel(b)) return false;
+    double *va = tu_values(a), *vb = tu_values(b);
+    bool same = memcmp(va, vb, sizeof(double) * (size_t)ampc_tensor_numel(a)) == 0;
+    free(va), free(vb);
+    return same;
 }
 
 /* Bytes of optimizer state this rank holds. */
@@ -429,7 +460,7 @@ static void zero_case(const char *model, int adam, int m) {
         /* the grads after the step: unscaled on every rank as unsharded, the other ranks' parts included */
         for (int i = 0; i < a.opt->n; i++) {
             const ampc_tensor *ga = a.opt->params[i]->grad, *gb = b.opt->params[i]->grad;
-            D_ASSERT(ga && gb && memcmp(ampc__data(ga), ampc__data(gb), ampc__nbytes(ga)) == 0,
+            D_ASSERT(ga && gb && same_values(ga, gb),
                      "%s %s step %d: grad of parameter %d differs after the sharded step", adam ? "adam" : "sgd",
                      MODE_NAMES[m], s, i);
         }
@@ -475,7 +506,7 @@ static void zero_case(const char *model, int adam, int m) {
                 ampc_tensor *x = a.opt->state[k][i], *y = b.opt->state[k][i];
                 D_ASSERT(!x == !y, "state %d of %d", k, i);
                 if (x)
-                    D_ASSERT(memcmp(ampc__data(x), ampc__data(y), ampc__nbytes(x)) == 0,
+                    D_ASSERT(same_values(x, y),
                              "consolidated state %d of parameter %d differs", k, i);
             }
         }
@@ -486,14 +517,21 @@ static void zero_case(const char *model, int adam, int m) {
     run_free(&b);
 }
 
-/* ...on the CPU (the cnn, SGD and Adam, fp32 and fp16 AMP) and on the REF device standing in for
-   a GPU (the mlp in fp32: f64 parameters, parts moved by the device's copy kernel) */
+/* ...on the CPU (the cnn, SGD and Adam, fp32 and fp16 AMP), on the REF device standing in for
+   a GPU (the mlp in fp32: f64 parameters, parts moved by the device's copy kernel), and on a GPU
+   where there is one (the mlp in fp32 and fp16 AMP on CUDA) */
 static void test_zero(void **state) {
     (void)state;
     for (int adam = 0; adam < 2; adam++)
         for (int m = FP32; m <= FP16; m += FP16 - FP32) zero_case("cnn", adam, m);
     g_dev = AMPC_DEVICE_REF;
     for (int adam = 0; adam < 2; adam++) zero_case("mlp", adam, FP32);
+    g_dev = AMPC_DEVICE_CUDA;
+    if (ampc_device_available(AMPC_DEVICE_CUDA))
+        for (int adam = 0; adam < 2; adam++)
+            for (int m = FP32; m <= FP16; m += FP16 - FP32) zero_case("mlp", adam, m);
+    else if (rank == 0)
+        print_message("zero-1: no GPU here, CUDA skipped\n");
     g_dev = AMPC_DEVICE_CPU;
 }
 

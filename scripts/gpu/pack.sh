@@ -18,7 +18,23 @@ for p in $progs; do cp "$B/$p" .gpu/stage/bin/; done
 for p in $progs; do ldd "$B/$p"; done | awk '$3 ~ /^\// {print $3}' | sort -u |
     grep -v -E '/(libc|libm|libdl|libpthread|librt|ld-linux[^/]*|libgcc_s|libstdc\+\+)\.so|/cuda' |
     while read -r lib; do cp -L "$lib" .gpu/stage/lib/; done
-tar -C .gpu/stage -cJf .gpu/bundle.tar.xz bin lib
+# Open MPI (Debian's 4.1 and its PMIx), for the tests of several ranks on one GPU: mpirun, the
+# component folders and help texts, and the libraries they load; run.sh points OPAL_* and
+# PMIX_PREFIX at them (the GPU machine has no Open MPI).
+parts="bin lib"
+if command -v orterun >/dev/null && [ -d /usr/lib/x86_64-linux-gnu/openmpi/lib/openmpi3 ]; then
+    o=.gpu/stage/ompi
+    mkdir -p $o/bin $o/lib $o/share $o/pmix2/lib
+    cp "$(readlink -f "$(command -v orterun)")" $o/bin/mpirun
+    cp -r /usr/lib/x86_64-linux-gnu/openmpi/lib/openmpi3 $o/lib/
+    cp -r /usr/share/openmpi $o/share/
+    cp -r /usr/lib/x86_64-linux-gnu/pmix2/lib/pmix $o/pmix2/lib/ && cp -r /usr/lib/x86_64-linux-gnu/pmix2/share $o/pmix2/
+    for f in $o/bin/mpirun $o/lib/openmpi3/*.so $o/pmix2/lib/pmix/*.so; do ldd "$f"; done | awk '$3 ~ /^\// {print $3}' | sort -u |
+        grep -v -E '/(libc|libm|libdl|libpthread|librt|ld-linux[^/]*|libgcc_s|libstdc\+\+)\.so|/cuda' |
+        while read -r lib; do cp -L "$lib" .gpu/stage/lib/; done
+    parts="$parts ompi"
+fi
+tar -C .gpu/stage -cJf .gpu/bundle.tar.xz $parts
 rm -rf .gpu/stage
 # Fashion-MNIST for tests/e2e_cuda.sh and ampc-train there (30 MB; session.sh points
 # AMPC_FASHION_MNIST_DIR at it). .gpu/ is git-ignored (.git/info/exclude): name it in the device

@@ -1,7 +1,7 @@
 #!/bin/bash
 # On a GPU machine, from the repository root: unpacks .gpu/bundle.tar.xz (scripts/gpu/pack.sh)
 # into /tmp/ampc, finds CUDA's libraries (/usr/local/cuda, else the pip packages beside PyTorch)
-# and runs the step named: env, tests [PROGRAMS...], train ARGS..., e2e (tests/e2e_cuda.sh),
+# and runs the step named: env, tests [PROGRAMS...], dist [RANKS], train ARGS..., e2e (tests/e2e_cuda.sh),
 # bench ARGS..., peer ARGS..., profile [WORKLOAD MODE BATCH]. scripts/gpu/session.sh runs them all
 # within a time budget and keeps every output under $OUT.
 set -uo pipefail
@@ -17,6 +17,12 @@ site=$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null ||
 for d in "$site"/nvidia/*/lib; do [ -d "$d" ] && libs="$libs:$d"; done
 export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export AMPC_BIN=$BIN
+# the bundle's Open MPI (pack.sh), relocated: its components, help texts and PMIx's plugins
+if [ -x /tmp/ampc/ompi/bin/mpirun ]; then
+    export PATH=/tmp/ampc/ompi/bin:$PATH OPAL_PREFIX=/tmp/ampc/ompi OPAL_LIBDIR=/tmp/ampc/lib
+    export OPAL_PKGLIBDIR=/tmp/ampc/ompi/lib/openmpi3 PMIX_PREFIX=/tmp/ampc/ompi/pmix2
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
 step=${1:-tests}
 shift || true
 case "$step" in
@@ -38,6 +44,15 @@ tests)
     done
     echo "failed programs: $fails"
     [ "$fails" -eq 0 ] ;;
+dist)
+    # several processes on the one GPU (the bundle's mpirun): test_dist as 2 ranks, its CUDA cases
+    # (SyncBatchNorm's kernels, DDP's buckets on the GPU through page-locked staging, ZeRO) with them
+    command -v mpirun >/dev/null || { echo "dist: no mpirun (pack.sh found no Open MPI to bundle)"; exit 1; }
+    timeout 240 mpirun --oversubscribe --bind-to none -np "${1:-2}" "$BIN/test_dist" >/tmp/ampc/dist.txt 2>&1
+    rc=$?
+    grep -E -i "cuda|skipped|FAIL|ERROR|PASSED|rank [0-9]:" /tmp/ampc/dist.txt | head -40
+    if [ $rc -ne 0 ] && [ -n "${OUT:-}" ]; then tail -80 /tmp/ampc/dist.txt >"$OUT/dist_failed.log"; fi
+    exit $rc ;;
 train) "$BIN/ampc-train" "$@" ;;
 e2e) bash tests/e2e_cuda.sh "$BIN/ampc-train" ;;
 bench) "$BIN/ampc-bench" "$@" ;;

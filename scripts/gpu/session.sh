@@ -8,7 +8,9 @@
 #     bash scripts/gpu/session.sh [STEPS]     STEPS: comma list, default all, in this order:
 #       env       the GPU, the driver, the CPU's AMX flags
 #       kernels   test_cl_kernels, test_bn_relu (batch norm and pooling kernels against REF, the fusions
-#                 against their composites)
+#                 against their composites, SyncBatchNorm's two-call kernels in a world of one)
+#       dist      test_dist as 2 processes on the one GPU (the bundle's mpirun): SyncBatchNorm on CUDA
+#                 against one process's batch norm, DDP's buckets on the GPU, ZeRO on CUDA
 #       gpt       the transformer ops on CUDA against REF (test_transformer: attention, embedding, permute;
 #                 their first run on a GPU), then ampc-bench's gpt (batch 16) and gpt2 (batch 8) in
 #                 amp-bf16 beside the PyTorch peer (nanoGPT with F.scaled_dot_product_attention)
@@ -26,6 +28,7 @@
 #       train     ampc-train --device cuda on Fashion-MNIST (the cnn, bf16, batch 256): its samples/s
 #                 and data wait beside ampc-bench's cnn step on the same batch
 #       compile   the peer through torch.compile on resnet50 amp-fp16
+#       cpusuite  every test program on the CPU alone (CUDA hidden), the GPU machine's Xeon with AMX
 #       tensorboard  ampc-train's event files (a CPU run stopped, killed and resumed) read by the real
 #                 TensorBoard's EventAccumulator (tests/tensorboard_accumulator.py; pip's tensorboard
 #                 is on that machine, not in Debian)
@@ -35,7 +38,7 @@ OUT=${OUT:-/tmp/ampc-out}
 export OUT
 mkdir -p "$OUT"
 BUDGET=${BUDGET:-560}
-STEPS=,${1:-env,kernels,gpt,bench,profile,tests,e2e,memory,benchall,train,tensorboard},   # also: cudnn, compile
+STEPS=,${1:-env,kernels,dist,gpt,bench,profile,tests,e2e,memory,benchall,train,tensorboard,cpusuite},   # also: cudnn, compile
 J=$(mktemp -d)   # the JSON files, packed into $OUT/json.tar.gz at the end (the tool brings back 8 files)
 T0=$(date +%s)
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
@@ -66,6 +69,7 @@ step() {
     step env 5 sh -c 'grep -o -E "amx_[a-z0-9]+|avx512_fp16|avx512_bf16" /proc/cpuinfo | sort | uniq -c; nproc --all'
     # the kernels of batch norm (the fused add + ReLU by default) and pooling
     step kernels 30 $R tests test_cl_kernels test_bn_relu
+    step dist 60 $R dist 2
     step gpt 30 $R tests test_transformer test_ops
     for w in "gpt 16" "gpt2 8"; do
         set -- $w
@@ -96,6 +100,7 @@ step() {
     step compile 100 $R peer --device cuda --workloads resnet50 --modes amp-fp16 --batch 256 --channels-last yes \
         --steps 10 --warmup 3 --compile yes
     step tensorboard 30 bash scripts/gpu/tensorboard_check.sh
+    step cpusuite 150 env CUDA_VISIBLE_DEVICES= $R tests
     date -u
 } 2>&1 | tee "$OUT/session.log"
 tar -C "$J" -czf "$OUT/json.tar.gz" . 2>/dev/null

@@ -7,6 +7,11 @@
  * statistics, the unbiased running variance, the fused ReLU's exact mask, and NHWC and NCHW
  * alike. Batch norm is memory bound: one read of x per statistics pass (channels-last with
  * whole 16-byte vectors per row: one pass in all, batch_norm.cu).
+ *
+ * SyncBatchNorm (sync): each kernel sequence runs in two calls, this process's statistics (or
+ * gradient sums) first, and the normalisation (or gx) from the world's; between them the few
+ * doubles per channel go to the host, through the collectives seam (bn_sync.c, the same
+ * exchange the CPU's kernels make) and back.
  */
 #include "backend/cuda/batch_norm.h"
 
@@ -43,33 +48,61 @@ static int bn_geom(const ampc_tensor *x, ampc_cu_chan_geom *g) {
 
 static float *f32_or_null(const ampc_tensor *t) { return t ? (float *)ampc__data(t) : NULL; }
 
-/* The forward once the statistics outputs (save_mean, save_invstd, coef: device f32 (C) / (3, C),
-   each may be NULL) were checked. */
-static int bn_forward(const char *k, const ampc_cu_chan_geom *g, const ampc_tensor *x, const ampc_tensor *weight,
-                      const ampc_tensor *bias, ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y,
-                      float *save_mean, float *save_invstd, float *coef, bool relu, bool training, double momentum, double eps,
-                      const ampc_tensor *z) {
-    int64_t C = g->C;
-    int rc;
-    if (C == 0) return AMPC_OK;
-    ampc_cu_chan_scratch s;
-    if ((rc = ampc__cu_chan_scratch(&s, g, training ? 2 : 0, coef ? 0 : 3 * C)) < 0) return rc;
-    ampc_cu_bn_fwd_args a = {.training = training, .relu = relu, .momentum = momentum, .eps = eps, .z = z ? ampc__data(z) : NULL,
-                             .w = f32_or_null(weight), .b = f32_or_null(bias), .rm = f32_or_null(running_mean),
-                             .rv = f32_or_null(running_var), .save_mean = save_mean, .save_invstd = save_invstd,
-                             .coef = coef ? coef : s.f, .part = s.part, .P = s.P};
-    rc = ampc__cu_check(ampc_cu_bn_forward(g, x->dtype, ampc__data(x), ampc__data(y), &a, ampc__cu_stream()), k);
-    ampc__cu_chan_scratch_free(&s);
+/* The host's side of SyncBatchNorm's exchanges: n doubles of this process's from the device
+   (dev), with `count` stored at [at] first (the device leaves it), exchanged by `exchange`
+   (bn_sync.c; arg its first argument), and the world's written back over them. Blocking: the
+   stream is drained twice. */
+static int exchange_on_host(const char *k, double *dev, int64_t n, int64_t at, double count, int (*exchange)(int64_t, double *),
+                            int64_t arg) {
+    cudaStream_t st = ampc__cu_stream();
+    double *h = malloc((size_t)n * sizeof(double));
+    if (!h) return ampc__err(AMPC_ERR_OOM, "cuda %s: %lld doubles of host memory for the exchange", k, (long long)n);
+    int rc = ampc__cu_check(cudaMemcpyAsync(h, dev, (size_t)n * sizeof(double), cudaMemcpyDeviceToHost, st), k);
+    if (rc >= 0) rc = ampc__cu_check(cudaStreamSynchronize(st), k);
+    if (rc >= 0) {
+        h[at] = count;
+        rc = exchange(arg, h);
+    }
+    if (rc >= 0) rc = ampc__cu_check(cudaMemcpyAsync(dev, h, (size_t)n * sizeof(double), cudaMemcpyHostToDevice, st), k);
+    if (rc >= 0) rc = ampc__cu_check(cudaStreamSynchronize(st), k);
+    free(h);
     return rc;
 }
 
-/* SyncBatchNorm's exchange of statistics is not done on this device yet (its kernels compute the
-   statistics and normalise in one launch sequence; the exchange would sit between them). */
-static int no_sync(const char *k, bool sync, bool training) {
-    return sync && training ? ampc__err(AMPC_ERR_UNSUPPORTED, "cuda %s: synchronised batch norm (--sync-bn) runs on the CPU only "
-                                                              "for now; train without it on cuda",
-                                        k)
-                            : AMPC_OK;
+static int sync_stats(int64_t C, double *st) { return ampc__bn_sync_stats(C, st); }
+static int sync_sums(int64_t n, double *sums) { return ampc__bn_sync_sums(sums, n); }
+
+/* The forward once the statistics outputs (save_mean, save_invstd, coef: device f32 (C) / (3, C),
+   each may be NULL) were checked. sync (training; SyncBatchNorm): the statistics of every
+   process, exchanged between this process's statistics pass and the normalisation. */
+static int bn_forward(const char *k, const ampc_cu_chan_geom *g, const ampc_tensor *x, const ampc_tensor *weight,
+                      const ampc_tensor *bias, ampc_tensor *running_mean, ampc_tensor *running_var, ampc_tensor *y,
+                      float *save_mean, float *save_invstd, float *coef, bool relu, bool training, double momentum, double eps,
+                      const ampc_tensor *z, bool sync) {
+    int64_t C = g->C;
+    int rc;
+    if (C == 0) return AMPC_OK;
+    sync = sync && training;
+    /* scratch floats: the coefficients when the caller keeps none; then (sync, 8-byte aligned)
+       the 3 C + 1 doubles of the exchange */
+    int64_t cf = coef ? 0 : 3 * C, cfa = cf + (cf & 1), nst = sync ? 3 * C + 1 : 0;
+    ampc_cu_chan_scratch s;
+    if ((rc = ampc__cu_chan_scratch(&s, g, training ? 2 : 0, cfa + 2 * nst)) < 0) return rc;
+    double *st = sync ? (double *)(void *)(s.f + cfa) : NULL;
+    ampc_cu_bn_fwd_args a = {.training = training, .relu = relu, .momentum = momentum, .eps = eps, .z = z ? ampc__data(z) : NULL,
+                             .w = f32_or_null(weight), .b = f32_or_null(bias), .rm = f32_or_null(running_mean),
+                             .rv = f32_or_null(running_var), .save_mean = save_mean, .save_invstd = save_invstd,
+                             .coef = coef ? coef : s.f, .part = s.part, .P = s.P, .stats_out = st};
+    cudaStream_t cs = ampc__cu_stream();
+    rc = ampc__cu_check(ampc_cu_bn_forward(g, x->dtype, ampc__data(x), ampc__data(y), &a, cs), k);
+    if (sync && rc >= 0) {
+        rc = exchange_on_host(k, st, nst, C, (double)(g->N * g->S), sync_stats, C);
+        a.stats_out = NULL;
+        a.stats_in = st;
+        if (rc >= 0) rc = ampc__cu_check(ampc_cu_bn_forward(g, x->dtype, ampc__data(x), ampc__data(y), &a, cs), k);
+    }
+    ampc__cu_chan_scratch_free(&s);
+    return rc;
 }
 
 static int cu_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const ampc_tensor *bias, ampc_tensor *running_mean,
@@ -78,9 +111,9 @@ static int cu_batch_norm(const ampc_tensor *x, const ampc_tensor *weight, const 
     const char *k = "batch_norm";
     ampc_cu_chan_geom g;
     int rc;
-    if ((rc = no_sync(k, sync, training)) < 0 || (rc = bn_geom(x, &g)) < 0) return rc;
+    if ((rc = bn_geom(x, &g)) < 0) return rc;
     return bn_forward(k, &g, x, weight, bias, running_mean, running_var, y, f32_or_null(save_mean), f32_or_null(save_invstd),
-                      NULL, false, training, momentum, eps, NULL);
+                      NULL, false, training, momentum, eps, NULL, sync);
 }
 
 /* stats rows: mean, invstd, then the f32 m, scale, shift the normalisation applied
@@ -91,27 +124,39 @@ static int cu_batch_norm_relu(const ampc_tensor *x, const ampc_tensor *weight, c
     const char *k = "batch_norm_relu";
     ampc_cu_chan_geom g;
     int rc;
-    if ((rc = no_sync(k, sync, training)) < 0 || (rc = bn_geom(x, &g)) < 0) return rc;
+    if ((rc = bn_geom(x, &g)) < 0) return rc;
     float *s = f32_or_null(stats);
     return bn_forward(k, &g, x, weight, bias, running_mean, running_var, y, s, s ? s + g.C : NULL, s ? s + 2 * g.C : NULL, true,
-                      training, momentum, eps, NULL);
+                      training, momentum, eps, NULL, sync);
 }
 
-/* The backward once the statistics were checked (rc: the fused ReLU's coefficients, or NULL). */
+/* The backward once the statistics were checked (rc: the fused ReLU's coefficients, or NULL).
+   sync (training, with gx; SyncBatchNorm): gx from every process's sums, exchanged between this
+   process's pass (which writes gw and gb, its own share) and gx's. */
 static int bn_backward(const char *k, const ampc_cu_chan_geom *g, const ampc_tensor *x, const ampc_tensor *gy,
                        const ampc_tensor *weight, const float *mean, const float *invstd, const float *rc_coef, bool training,
-                       ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb, const ampc_tensor *ymask, ampc_tensor *gz) {
+                       ampc_tensor *gx, ampc_tensor *gw, ampc_tensor *gb, const ampc_tensor *ymask, ampc_tensor *gz, bool sync) {
     int64_t C = g->C;
     int rc;
     if (C == 0) return AMPC_OK;
+    sync = sync && training && gx;   /* without gx nothing is exchanged */
+    /* scratch floats: kab (3 C); then (sync, 8-byte aligned) the 2 C + 1 doubles of the exchange */
+    int64_t ka = 3 * C + ((3 * C) & 1), nsum = sync ? 2 * C + 1 : 0;
     ampc_cu_chan_scratch s;
-    if ((rc = ampc__cu_chan_scratch(&s, g, 1, 3 * C)) < 0) return rc;
+    if ((rc = ampc__cu_chan_scratch(&s, g, 1, ka + 2 * nsum)) < 0) return rc;
+    double *sums = sync ? (double *)(void *)(s.f + ka) : NULL;
     ampc_cu_bn_bwd_args a = {.training = training, .ymask = ymask ? ampc__data(ymask) : NULL, .gz = gz ? ampc__data(gz) : NULL,
                              .w = f32_or_null(weight), .mean = mean, .invstd = invstd, .rc = rc_coef,
-                             .gw = f32_or_null(gw), .gb = f32_or_null(gb), .kab = s.f, .part = s.part, .P = s.P};
-    rc = ampc__cu_check(ampc_cu_bn_backward(g, x->dtype, ampc__data(x), ampc__data(gy), gx ? ampc__data(gx) : NULL, &a,
-                                            ampc__cu_stream()),
-                        k);
+                             .gw = f32_or_null(gw), .gb = f32_or_null(gb), .kab = s.f, .part = s.part, .P = s.P, .sums_out = sums};
+    cudaStream_t cs = ampc__cu_stream();
+    void *gxp = gx ? ampc__data(gx) : NULL;
+    rc = ampc__cu_check(ampc_cu_bn_backward(g, x->dtype, ampc__data(x), ampc__data(gy), gxp, &a, cs), k);
+    if (sync && rc >= 0) {
+        rc = exchange_on_host(k, sums, nsum, 2 * C, (double)(g->N * g->S), sync_sums, nsum);
+        a.sums_out = NULL;
+        a.sums_in = sums;
+        if (rc >= 0) rc = ampc__cu_check(ampc_cu_bn_backward(g, x->dtype, ampc__data(x), ampc__data(gy), gxp, &a, cs), k);
+    }
     ampc__cu_chan_scratch_free(&s);
     return rc;
 }
@@ -122,8 +167,9 @@ static int cu_batch_norm_backward(const ampc_tensor *x, const ampc_tensor *gy, c
     const char *k = "batch_norm_backward";
     ampc_cu_chan_geom g;
     int rc;
-    if ((rc = no_sync(k, sync, training)) < 0 || (rc = bn_geom(x, &g)) < 0) return rc;
-    return bn_backward(k, &g, x, gy, weight, ampc__data(save_mean), ampc__data(save_invstd), NULL, training, gx, gw, gb, NULL, NULL);
+    if ((rc = bn_geom(x, &g)) < 0) return rc;
+    return bn_backward(k, &g, x, gy, weight, ampc__data(save_mean), ampc__data(save_invstd), NULL, training, gx, gw, gb, NULL, NULL,
+                       sync);
 }
 
 static int cu_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *weight,
@@ -132,9 +178,9 @@ static int cu_batch_norm_relu_backward(const ampc_tensor *x, const ampc_tensor *
     const char *k = "batch_norm_relu_backward";
     ampc_cu_chan_geom g;
     int rc;
-    if ((rc = no_sync(k, sync, training)) < 0 || (rc = bn_geom(x, &g)) < 0) return rc;
+    if ((rc = bn_geom(x, &g)) < 0) return rc;
     const float *s = ampc__data(stats);
-    return bn_backward(k, &g, x, gy, weight, s, s + g.C, s + 2 * g.C, training, gx, gw, gb, NULL, NULL);
+    return bn_backward(k, &g, x, gy, weight, s, s + g.C, s + 2 * g.C, training, gx, gw, gb, NULL, NULL, sync);
 }
 
 /* relu(batch_norm(x) + z): stats rows mean, invstd */
@@ -147,7 +193,7 @@ static int cu_batch_norm_add_relu(const ampc_tensor *x, const ampc_tensor *weigh
     if ((rc = bn_geom(x, &g)) < 0) return rc;
     float *s = f32_or_null(stats);
     return bn_forward(k, &g, x, weight, bias, running_mean, running_var, y, s, s ? s + g.C : NULL, NULL, true, training, momentum,
-                      eps, z);
+                      eps, z, false);
 }
 
 static int cu_batch_norm_add_relu_backward(const ampc_tensor *x, const ampc_tensor *gy, const ampc_tensor *y,
@@ -158,7 +204,7 @@ static int cu_batch_norm_add_relu_backward(const ampc_tensor *x, const ampc_tens
     int rc;
     if ((rc = bn_geom(x, &g)) < 0) return rc;
     const float *s = ampc__data(stats);
-    return bn_backward(k, &g, x, gy, weight, s, s + g.C, NULL, training, gx, gw, gb, y, gz);
+    return bn_backward(k, &g, x, gy, weight, s, s + g.C, NULL, training, gx, gw, gb, y, gz, false);
 }
 
 // ---------------------------------------------------------------------------------------------

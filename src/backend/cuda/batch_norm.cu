@@ -221,14 +221,51 @@ __global__ void bn_finish_fwd(long long C, long long M, ampc_cu_bn_fwd_args a) {
    summed by warp_parts: S = sum(x - K), Q = sum((x - K)^2) with K = x[0, c], the channel's first
    value): mean = K + S / M, centred sum of squares Q - S^2 / M. K is one of the values, so
    (K - mean)^2 <= M var: the cancellation costs at most log2(M + 1) of f64's 53 bits. */
-template <class T> __global__ void bn_finish_fwd_shift(long long C, long long M, const T *x, ampc_cu_bn_fwd_args a) {
+template <class T>
+__device__ __forceinline__ bool shift_stats(long long C, long long M, const T *x, const double *part, int P, long long *c,
+                                            double *mean, double *q) {
     double S, Q;
+    if (!warp_parts(part, P, C, c, &S, &Q)) return false;
+    double K = (double)to_f<T>(x[*c]);
+    *q = Q - S * (S / (double)M);
+    if (*q < 0) *q = 0;
+    *mean = K + S / (double)M;
+    return true;
+}
+
+template <class T> __global__ void bn_finish_fwd_shift(long long C, long long M, const T *x, ampc_cu_bn_fwd_args a) {
+    double mean, q;
     long long c;
-    if (!warp_parts(a.part, a.P, C, &c, &S, &Q)) return;
-    double K = (double)to_f<T>(x[c]), q = Q - S * (S / (double)M);
-    if (q < 0) q = 0;
+    if (!shift_stats<T>(C, M, x, a.part, a.P, &c, &mean, &q)) return;
     double unbiased = M > 1 ? q / (double)(M - 1) : nan_d();
-    bn_set_channel(C, c, K + S / (double)M, q / (double)M, unbiased, a);
+    bn_set_channel(C, c, mean, q / (double)M, unbiased, a);
+}
+
+/* SyncBatchNorm: this process's statistics in ampc__bn_sync_stats's layout (st[c] the mean,
+   st[C + 1 + c] the centred sum of squares; st[C], the count, is the host's), from the same
+   passes as bn_finish_fwd (planar; M 0: zeros) or bn_finish_fwd_shift (channels-last vectors). */
+__global__ void bn_stats_planar(long long C, long long M, const double *part, int P, double *st) {
+    GRID_LOOP(long long, c, C) {
+        st[c] = M > 0 ? part_total(part, P, C, c, 0) / (double)M : 0.0;
+        st[C + 1 + c] = M > 0 ? part_total(part + 2 * (long long)P * C, P, C, c, 0) : 0.0;
+    }
+}
+
+template <class T> __global__ void bn_stats_shift(long long C, long long M, const T *x, const double *part, int P, double *st) {
+    double mean, q;
+    long long c;
+    if (!shift_stats<T>(C, M, x, part, P, &c, &mean, &q)) return;
+    st[c] = mean;
+    st[C + 1 + c] = q;
+}
+
+/* The world's statistics (st after the exchange, the count in st[C]) -> bn_set_channel */
+__global__ void bn_finish_fwd_world(long long C, const double *st, ampc_cu_bn_fwd_args a) {
+    const double M = st[C];
+    GRID_LOOP(long long, c, C) {
+        double q = st[C + 1 + c] > 0 ? st[C + 1 + c] : 0.0;
+        bn_set_channel(C, c, st[c], q / M, M > 1 ? q / (M - 1) : nan_d(), a);
+    }
 }
 
 
@@ -285,6 +322,31 @@ __global__ void bn_finish_bwd_warp(long long C, long long M, ampc_cu_bn_bwd_args
     long long c;
     if (!warp_parts(a.part, a.P, C, &c, &sg, &sgx)) return;
     bn_bwd_channel(C, M, c, sg, sgx, a);
+}
+
+/* SyncBatchNorm: bn_finish_bwd and bn_finish_bwd_warp that also keep this process's sums for
+   the exchange (a.sums_out: sum(g) in [0, C), sum(g (x - mean)) in [C, 2 C)) */
+__device__ __forceinline__ void bn_bwd_local(long long C, long long M, long long c, double sg, double sgx,
+                                             const ampc_cu_bn_bwd_args &a) {
+    bn_bwd_channel(C, M, c, sg, sgx, a);
+    a.sums_out[c] = sg;
+    a.sums_out[C + c] = sgx;
+}
+
+__global__ void bn_sums_out(long long C, long long M, ampc_cu_bn_bwd_args a) {
+    GRID_LOOP(long long, c, C) bn_bwd_local(C, M, c, part_total(a.part, a.P, C, c, 0), part_total(a.part, a.P, C, c, 1), a);
+}
+
+__global__ void bn_sums_out_warp(long long C, long long M, ampc_cu_bn_bwd_args a) {
+    double sg, sgx;
+    long long c;
+    if (warp_parts(a.part, a.P, C, &c, &sg, &sgx)) bn_bwd_local(C, M, c, sg, sgx, a);
+}
+
+/* The coefficients of gx from the world's sums (the count in sums[2 C]); a.gw, a.gb NULL */
+__global__ void bn_finish_bwd_world(long long C, const double *sums, ampc_cu_bn_bwd_args a) {
+    const long long M = (long long)sums[2 * C];
+    GRID_LOOP(long long, c, C) bn_bwd_channel(C, M, c, sums[c], sums[C + c], a);
 }
 
 template <class T, class I>
@@ -569,37 +631,49 @@ extern "C" cudaError_t ampc_cu_bn_forward(const ampc_cu_chan_geom *g, ampc_dtype
                                           const ampc_cu_bn_fwd_args *a, cudaStream_t s) {
     int64_t total = g->N * g->C * g->S, M = g->N * g->S;
     if (g->C <= 0) return cudaSuccess;
-    bool vec = vec_ok(g, dt) && al16(x) && al16(y) && (!a->z || al16(a->z));
-    if (vec) {
-        ampc_cu_bn_fwd_args b = *a;
-        vec_launch l = vec_shape(g, dt, a->training ? a->P : 1);
-        if (a->training) {
-            b.P = l.P;
+    const bool vec = vec_ok(g, dt) && al16(x) && al16(y) && (!a->z || al16(a->z));
+    const bool pass = a->training && !a->stats_in;   /* this process's statistics pass */
+    ampc_cu_bn_fwd_args b = *a;
+    vec_launch l = vec ? vec_shape(g, dt, pass ? a->P : 1) : vec_launch{};
+    if (pass && vec) {
+        b.P = l.P;
+        AMPC_CU_FLOAT_TYPES(dt, T, launch_reduce_vec<T, RED_SUM>(g, l, (const T *)x, nullptr, nullptr, nullptr, a->part, s));
+        if (a->stats_out) {
             AMPC_CU_FLOAT_TYPES(dt, T,
-                                launch_reduce_vec<T, RED_SUM>(g, l, (const T *)x, nullptr, nullptr, nullptr, a->part, s);
-                                bn_finish_fwd_shift<T><<<(unsigned)((g->C + 7) / 8), 256, 0, s>>>(g->C, M, (const T *)x, b));
+                                bn_stats_shift<T><<<(unsigned)((g->C + 7) / 8), 256, 0, s>>>(g->C, M, (const T *)x, a->part, b.P,
+                                                                                            a->stats_out));
         } else {
-            bn_finish_fwd<<<chan_blocks(g->C), 128, 0, s>>>(g->C, M, b);
+            AMPC_CU_FLOAT_TYPES(dt, T, bn_finish_fwd_shift<T><<<(unsigned)((g->C + 7) / 8), 256, 0, s>>>(g->C, M, (const T *)x, b));
         }
+    } else if (pass) {
+        if (M <= 0 && !a->stats_out) return cudaErrorInvalidValue;
+        double *p1 = a->part, *p2 = a->part + 2 * (int64_t)a->P * g->C;
+        if (M > 0) {
+            AMPC_CU_FLOAT_TYPES(dt, T, launch_reduce<T, RED_SUM>(*g, (const T *)x, nullptr, nullptr, nullptr, nullptr, p1, a->P, s);
+                                launch_reduce<T, RED_SQDEV>(*g, (const T *)x, nullptr, p1, nullptr, nullptr, p2, a->P, s));
+        }
+        if (a->stats_out)
+            bn_stats_planar<<<chan_blocks(g->C), 128, 0, s>>>(g->C, M, a->part, a->P, a->stats_out);
+        else
+            bn_finish_fwd<<<chan_blocks(g->C), 128, 0, s>>>(g->C, M, b);
+    } else if (a->stats_in) {
+        bn_finish_fwd_world<<<chan_blocks(g->C), 128, 0, s>>>(g->C, a->stats_in, b);
+    } else {
+        bn_finish_fwd<<<chan_blocks(g->C), 128, 0, s>>>(g->C, M, b);   /* evaluation: the running statistics */
+    }
+    if (a->stats_out && pass) return cudaGetLastError();
+    if (vec) {
         dim3 grid = rows_grid(g, l);
         AMPC_CU_FLOAT_TYPES(dt, T,
                             bn_apply_rows<T><<<grid, l.TX * l.TY, 0, s>>>((int)M, (int)g->C, l.TX, l.TY, (const T *)x, (T *)y,
                                                                           a->coef, a->relu, (const T *)a->z));
-        return cudaGetLastError();
-    }
-    if (a->training) {
-        if (M <= 0) return cudaErrorInvalidValue;
-        double *p1 = a->part, *p2 = a->part + 2 * (int64_t)a->P * g->C;
-        AMPC_CU_FLOAT_TYPES(dt, T, launch_reduce<T, RED_SUM>(*g, (const T *)x, nullptr, nullptr, nullptr, nullptr, p1, a->P, s);
-                            launch_reduce<T, RED_SQDEV>(*g, (const T *)x, nullptr, p1, nullptr, nullptr, p2, a->P, s));
-    }
-    bn_finish_fwd<<<chan_blocks(g->C), 128, 0, s>>>(g->C, M, *a);
-    if (total > 0)
+    } else if (total > 0) {
         AMPC_CU_FLOAT_TYPES(dt, T,
                             AMPC_CU_INDEX(total, I,
                                           bn_apply_kernel<T, I><<<blocks_for(total), 256, 0, s>>>(
                                               (I)total, (I)g->C, (I)g->S, g->cl, (const T *)x, (T *)y, a->coef, a->relu,
                                               (const T *)a->z)));
+    }
     return cudaGetLastError();
 }
 
@@ -608,10 +682,16 @@ extern "C" cudaError_t ampc_cu_bn_backward(const ampc_cu_chan_geom *g, ampc_dtyp
     int64_t total = g->N * g->C * g->S, M = g->N * g->S;
     if (g->C <= 0) return cudaSuccess;
     ampc_cu_bn_bwd_args b = *a;
-    bool sums = a->gw || a->gb || (gx && a->training);
-    if (vec_ok(g, dt) && al16(x) && al16(gy) && (!gx || al16(gx)) && (!a->ymask || (al16(a->ymask) && al16(a->gz)))) {
-        vec_launch l = vec_shape(g, dt, sums || a->ymask ? a->P : 1);
-        b.P = 0;   /* no sums: both 0 */
+    b.P = 0;   /* no sums: both 0 */
+    const bool sums = a->gw || a->gb || (gx && a->training) || a->sums_out;
+    const bool vec = vec_ok(g, dt) && al16(x) && al16(gy) && (!gx || al16(gx)) && (!a->ymask || (al16(a->ymask) && al16(a->gz)));
+    const bool pass = !a->sums_in;   /* this process's pass (sums_in: the first call's did it) */
+    vec_launch l = vec ? vec_shape(g, dt, pass && (sums || a->ymask) ? a->P : 1) : vec_launch{};
+    if (!pass) {
+        if (a->ymask) gy = a->gz;   /* masked by the first call */
+        b.gw = b.gb = nullptr;
+        bn_finish_bwd_world<<<chan_blocks(g->C), 128, 0, s>>>(g->C, a->sums_in, b);
+    } else if (vec) {
         if (a->ymask) {   /* the masked gradient written as it is summed; the rest reads it */
             AMPC_CU_FLOAT_TYPES(dt, T,
                                 launch_reduce_vec<T, RED_GRADM>(g, l, (const T *)x, (const T *)gy, a->mean, nullptr, a->part, s,
@@ -623,34 +703,41 @@ extern "C" cudaError_t ampc_cu_bn_backward(const ampc_cu_chan_geom *g, ampc_dtyp
                                 launch_reduce_vec<T, RED_GRAD>(g, l, (const T *)x, (const T *)gy, a->mean, a->rc, a->part, s));
             b.P = l.P;
         }
-        bn_finish_bwd_warp<<<(unsigned)((g->C + 7) / 8), 256, 0, s>>>(g->C, M, b);
-        if (gx) {
-            dim3 grid = rows_grid(g, l);
-            AMPC_CU_FLOAT_TYPES(dt, T,
-                                bn_grad_apply_rows<T><<<grid, l.TX * l.TY, 0, s>>>((int)M, (int)g->C, l.TX, l.TY, (const T *)x,
-                                                                                   (const T *)gy, (T *)gx, a->mean, a->kab, a->rc));
-        }
-        return cudaGetLastError();
-    }
-    if (a->ymask && total > 0) {   /* relu's backward first: gz, which the batch norm backward reads */
-        AMPC_CU_FLOAT_TYPES(dt, T,
-                            AMPC_CU_INDEX(total, I,
-                                          relu_mask_kernel<T, I><<<blocks_for(total), 256, 0, s>>>(
-                                              (I)total, (const T *)a->ymask, (const T *)gy, (T *)a->gz)));
-        gy = a->gz;
-    }
-    if (sums && M > 0) {
-        AMPC_CU_FLOAT_TYPES(dt, T,
-                            launch_reduce<T, RED_GRAD>(*g, (const T *)x, (const T *)gy, nullptr, a->mean, a->rc, a->part, a->P, s));
+        if (a->sums_out)
+            bn_sums_out_warp<<<(unsigned)((g->C + 7) / 8), 256, 0, s>>>(g->C, M, b);
+        else
+            bn_finish_bwd_warp<<<(unsigned)((g->C + 7) / 8), 256, 0, s>>>(g->C, M, b);
     } else {
-        b.P = 0;   /* no sums: both 0 */
+        if (a->ymask && total > 0) {   /* relu's backward first: gz, which the batch norm backward reads */
+            AMPC_CU_FLOAT_TYPES(dt, T,
+                                AMPC_CU_INDEX(total, I,
+                                              relu_mask_kernel<T, I><<<blocks_for(total), 256, 0, s>>>(
+                                                  (I)total, (const T *)a->ymask, (const T *)gy, (T *)a->gz)));
+            gy = a->gz;
+        }
+        if (sums && M > 0) {
+            AMPC_CU_FLOAT_TYPES(dt, T,
+                                launch_reduce<T, RED_GRAD>(*g, (const T *)x, (const T *)gy, nullptr, a->mean, a->rc, a->part, a->P,
+                                                           s));
+            b.P = a->P;
+        }
+        if (a->sums_out)
+            bn_sums_out<<<chan_blocks(g->C), 128, 0, s>>>(g->C, M, b);
+        else
+            bn_finish_bwd<<<chan_blocks(g->C), 128, 0, s>>>(g->C, M, b);
     }
-    bn_finish_bwd<<<chan_blocks(g->C), 128, 0, s>>>(g->C, M, b);
-    if (gx && total > 0)
+    if (a->sums_out || !gx) return cudaGetLastError();
+    if (vec) {
+        dim3 grid = rows_grid(g, l);
+        AMPC_CU_FLOAT_TYPES(dt, T,
+                            bn_grad_apply_rows<T><<<grid, l.TX * l.TY, 0, s>>>((int)M, (int)g->C, l.TX, l.TY, (const T *)x,
+                                                                               (const T *)gy, (T *)gx, a->mean, b.kab, a->rc));
+    } else if (total > 0) {
         AMPC_CU_FLOAT_TYPES(dt, T,
                             AMPC_CU_INDEX(total, I,
                                           bn_grad_apply_kernel<T, I><<<blocks_for(total), 256, 0, s>>>(
                                               (I)total, (I)g->C, (I)g->S, g->cl, (const T *)x, (const T *)gy, (T *)gx, a->mean,
-                                              a->kab, a->rc)));
+                                              b.kab, a->rc)));
+    }
     return cudaGetLastError();
 }

@@ -47,6 +47,13 @@ typedef struct {
     float *rm, *rv, *save_mean, *save_invstd, *coef;
     double *part;
     int P;
+    /* SyncBatchNorm (training) in two calls around the exchange (ampc__bn_sync_stats):
+       stats_out set: this process's statistics pass only, into stats_out (3 * C + 1 doubles in
+       that function's layout: the means, [C] left to the caller, the centred sums of squares),
+       nothing else written; then stats_in set: the world's statistics (that layout after the
+       exchange, [C] the world's count) in place of the pass, and the rest as usual. */
+    double *stats_out;
+    const double *stats_in;
 } ampc_cu_bn_fwd_args;
 cudaError_t ampc_cu_bn_forward(const ampc_cu_chan_geom *g, ampc_dtype dt, const void *x, void *y, const ampc_cu_bn_fwd_args *a,
                                cudaStream_t s);
@@ -62,6 +69,13 @@ typedef struct {
     float *gw, *gb, *kab;
     double *part;
     int P;
+    /* SyncBatchNorm (training, with gx) in two calls around the exchange (ampc__bn_sync_sums):
+       sums_out set: this process's pass only: gw, gb (its own share), gz where ymask, and its
+       sums into sums_out (2 * C doubles: sum(g), then sum(g (x - mean))); then sums_in set: the
+       world's sums (2 * C + 1 doubles, [2 C] the world's count) in place of the pass, and only gx
+       written (from gz where ymask: the first call's masked gradient). */
+    double *sums_out;
+    const double *sums_in;
 } ampc_cu_bn_bwd_args;
 cudaError_t ampc_cu_bn_backward(const ampc_cu_chan_geom *g, ampc_dtype dt, const void *x, const void *gy, void *gx,
                                 const ampc_cu_bn_bwd_args *a, cudaStream_t s);
