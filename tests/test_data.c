@@ -793,6 +793,68 @@ static void test_loader_workers_bit_exact(void **state) {
     ampc_dataset_free(ds);
 }
 
+/* options.device: the images on the device (REF: in its f64; on a GPU: CUDA f32, with workers
+   through the page-locked slots' asynchronous uploads), the labels on the CPU, each batch the
+   CPU loader's values; with 0 and 2 workers, over an epoch, an epoch abandoned after 3 batches
+   and the next one whole; a loader freed with an upload in flight. */
+static void test_loader_device(void **state) {
+    (void)state;
+    ampc_dataset *ds = synth_new(77, 3, 8, 6, -1);
+    const ampc_device devs[] = {AMPC_DEVICE_REF, AMPC_DEVICE_CUDA};
+    for (int d = 0; d < 2; d++) {
+        if (devs[d] == AMPC_DEVICE_CUDA && !tu_cuda_available()) {
+            print_message("loader on a device: no GPU here, CUDA skipped\n");
+            continue;
+        }
+        for (int workers = 0; workers <= 2; workers += 2) {
+            ampc_loader_options o = ampc_loader_defaults();
+            o.batch_size = 8;
+            o.seed = 5;
+            o.num_workers = workers;
+            ampc_loader *cpu = ampc_loader_new(ds, &o);
+            o.device = devs[d];
+            ampc_loader *dl = ampc_loader_new(ds, &o);
+            ASSERT_NOT_NULL_MSG(cpu && dl);
+            for (int64_t epoch = 0; epoch < 3; epoch++) {
+                ASSERT_OK(ampc_loader_start_epoch(cpu, epoch));
+                ASSERT_OK(ampc_loader_start_epoch(dl, epoch));
+                ampc_scope_begin();
+                for (int k = 0; epoch != 1 || k < 3; k++) {
+                    ampc_tensor *x, *y, *xd, *yd;
+                    int a = ampc_loader_next(cpu, &x, &y), b = ampc_loader_next(dl, &xd, &yd);
+                    assert_int_equal(a, b);
+                    if (a != 1) break;
+                    assert_int_equal(ampc_tensor_device(xd), devs[d]);
+                    assert_int_equal(ampc_tensor_device(yd), AMPC_DEVICE_CPU);
+                    assert_int_equal(ampc_tensor_numel(xd), ampc_tensor_numel(x));
+                    double *vx = tu_values(x), *vd = tu_values(xd);
+                    assert_memory_equal(vx, vd, (size_t)ampc_tensor_numel(x) * sizeof(double));
+                    assert_memory_equal(ampc_tensor_data(y), ampc_tensor_data(yd), (size_t)ampc_tensor_numel(y) * sizeof(int64_t));
+                    free(vx), free(vd);
+                    ampc_scope_end();
+                    ampc_scope_begin();
+                }
+                ampc_scope_end();
+            }
+            ampc_loader_free(cpu);
+            ampc_loader_free(dl);
+            /* freed with the next batch's upload started */
+            ampc_loader *early = ampc_loader_new(ds, &o);
+            ASSERT_NOT_NULL_MSG(early);
+            ampc_tensor *x, *y;
+            ampc_scope_begin();
+            assert_int_equal(ampc_loader_next(early, &x, &y), 1);
+            ampc_scope_end();
+            ampc_loader_free(early);
+        }
+    }
+    ampc_loader_options o = ampc_loader_defaults();
+    o.device = AMPC_DEVICE_COUNT;
+    assert_null(ampc_loader_new(ds, &o));
+    assert_int_equal(ampc_last_status(), AMPC_ERR_INVALID);
+    ampc_dataset_free(ds);
+}
+
 static void test_loader_early_free_and_restart(void **state) {
     (void)state;
     ampc_dataset *ds = synth_new(3000, 3, 16, 16, -1);
@@ -1371,6 +1433,7 @@ int main(void) {
         cmocka_unit_test(test_shift_scale_rotate),
         cmocka_unit_test(test_loader_coverage),
         cmocka_unit_test(test_loader_workers_bit_exact),
+        cmocka_unit_test(test_loader_device),
         cmocka_unit_test(test_loader_early_free_and_restart),
         cmocka_unit_test(test_loader_errors),
         cmocka_unit_test(test_loader_start_at),

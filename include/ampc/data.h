@@ -171,6 +171,12 @@ typedef struct {
     int shard_count;       /* default 1 (no sharding: every sample here): the number of ranks */
     bool drop_short_tail;  /* default false: an epoch's last global batch with fewer samples than
                               ranks is dropped (some rank would get none: SyncBatchNorm needs one) */
+    ampc_device device;    /* default CPU: where ampc_loader_next puts the images (a token
+                              dataset's x); the labels (y) stay on the CPU, where a training loop
+                              counts them. A GPU with num_workers > 0: the workers' batch buffers
+                              are page-locked and each batch is copied on the GPU's copy stream,
+                              the next batch's copy started while this one is in use (PyTorch's
+                              pin_memory with non_blocking copies); otherwise one copy per batch */
 } ampc_loader_options;
 typedef struct ampc_loader ampc_loader;
 

@@ -26,7 +26,8 @@
 #       tests     the test programs that run ops on CUDA ($TESTS: others)
 #       e2e       tests/e2e_cuda.sh (Fashion-MNIST from $AMPC_FASHION_MNIST_DIR or .gpu/fashion-mnist)
 #       train     ampc-train --device cuda on Fashion-MNIST (the cnn, bf16, batch 256): its samples/s
-#                 and data wait beside ampc-bench's cnn step on the same batch
+#                 and data wait as it is, with 2 loader workers, and with them and --pin-memory yes,
+#                 beside ampc-bench's cnn step on the same batch
 #       compile   the peer through torch.compile on resnet50 amp-fp16
 #       cpusuite  every test program on the CPU alone (CUDA hidden), the GPU machine's Xeon with AMX
 #       tensorboard  ampc-train's event files (a CPU run stopped, killed and resumed) read by the real
@@ -96,6 +97,11 @@ step() {
         --batch 256 --channels-last yes --steps 10 --warmup 3 --json "$J/peer_fp32.json"
     step train 40 $R train --device cuda --model cnn --epochs 2 --batch-size 256 --amp-dtype bf16 --progress off \
         --out /tmp/ampc-train-run --overwrite yes
+    # the loader's workers, then its page-locked buffers and asynchronous uploads (--pin-memory)
+    step train 30 $R train --device cuda --model cnn --epochs 2 --batch-size 256 --amp-dtype bf16 --progress off \
+        --num-workers 2 --out /tmp/ampc-train-run2 --overwrite yes
+    step train 30 $R train --device cuda --model cnn --epochs 2 --batch-size 256 --amp-dtype bf16 --progress off \
+        --num-workers 2 --pin-memory yes --out /tmp/ampc-train-run3 --overwrite yes
     step train 20 $R bench --device cuda --workloads cnn --modes amp-bf16 --batch 256 --steps 50 --warmup 5 --no-peak
     step compile 100 $R peer --device cuda --workloads resnet50 --modes amp-fp16 --batch 256 --channels-last yes \
         --steps 10 --warmup 3 --compile yes

@@ -297,6 +297,17 @@ typedef struct {
        optimisation: false when it could not (the memory stays usable as it was). May be NULL. */
     bool (*host_pin)(void *p, size_t nbytes);
     void (*host_unpin)(void *p);
+    /* Uploads that overlap the device's work (the data loader's; NULL where the device has no
+       copy queue of its own: transfer serves). upload queues a copy of nbytes from page-locked
+       host memory (host_pin) at src into dst (on this device, dense) on the copy queue, after
+       the work queued on the device so far (dst's memory may have served it) and alongside what
+       is queued later; *fence gets its handle. fence_order makes the device's work queued from
+       then on wait for that copy (the host does not wait); fence_done: 1 once the copy finished
+       (src may be rewritten), 0 not yet, < 0 an error; fence_free waits for it, then frees it. */
+    int (*upload)(ampc_tensor *dst, const void *src, size_t nbytes, void **fence);
+    int (*fence_order)(void *fence);
+    int (*fence_done)(void *fence);
+    void (*fence_free)(void *fence);
 } ampc_device_ops;
 void ampc__device_register(ampc_device dev, const ampc_device_ops *ops);
 /* dev's table (never NULL: an unregistered or out-of-range device gets an empty one). */

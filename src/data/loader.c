@@ -21,6 +21,15 @@
  * and frees the slot. start_epoch and free bump a generation counter that workers check
  * between samples, so they drop stale work quickly; both wait until no fill is in flight
  * before touching the permutation or the buffers.
+ *
+ * A device (options.device) without host memory and with a copy queue (CUDA), and workers: the
+ * slots' image buffers are page-locked once, and a ready batch is copied straight from its slot
+ * into a new device tensor on the device's copy queue (upload); the slot stays UPLOADING, not
+ * to be refilled, until the copy is done (reap; only the calling thread touches UPLOADING
+ * slots). ampc_loader_next hands out the batch whose upload it started before (the device's
+ * work from then on waits for that copy, the host does not) and starts the next batch's upload
+ * when that batch is ready, so the copy runs beside the step that uses this one. Other devices:
+ * one copy of the batch after it is made.
  */
 #include "data/data.h"
 
@@ -30,7 +39,7 @@
 
 #define LOADER_MAX_WORKERS 64
 
-typedef enum { SLOT_FREE, SLOT_FILLING, SLOT_READY } slot_state;
+typedef enum { SLOT_FREE, SLOT_FILLING, SLOT_READY, SLOT_UPLOADING } slot_state;
 
 typedef struct {
     float *images;      /* (batch_size, C, H, W) */
@@ -39,6 +48,8 @@ typedef struct {
     slot_state state;
     int status;         /* < 0: the fill failed, msg says why */
     char msg[512];
+    void *fence;        /* UPLOADING: the device's handle of the copy from images */
+    bool pinned;        /* images page-locked for the device (host_unpin at free) */
 } slot;
 
 typedef struct ampc_loader ampc_loader;
@@ -81,6 +92,10 @@ struct ampc_loader {
     int n_filling;
     bool active, stop;
     atomic_int gen;              /* bumped when in-flight fills become stale */
+    bool async;                  /* uploads from page-locked slots (see the top) */
+    ampc_tensor *ahead_x, *ahead_y;   /* the batch whose upload started (owned until handed out) */
+    int64_t ahead_b;             /* its number */
+    void *ahead_fence;           /* its copy, while not yet reaped (NULL: done) */
     uint64_t handle_gen;         /* the handle's generation while live, 0 once freed */
 };
 
@@ -94,7 +109,7 @@ static bool stale(const ampc_loader *ld, const char *call) {
 ampc_loader_options ampc_loader_defaults(void) {
     return (ampc_loader_options){.batch_size = 64, .shuffle = true, .drop_last = false, .seed = 0,
                                  .num_workers = 0, .prefetch = 0, .transforms = NULL, .shard_rank = 0,
-                                 .shard_count = 1};
+                                 .shard_count = 1, .device = AMPC_DEVICE_CPU};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -204,10 +219,123 @@ static void quiesce_locked(ampc_loader *ld) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Uploads (calling thread; see the top)
+
+/* UPLOADING slots whose copy is done (wait: every one, waiting for it) become FREE. */
+static void reap(ampc_loader *ld, bool wait) {
+    const ampc_device_ops *dev = ampc__device(ld->o.device);
+    for (int i = 0; i < ld->n_slots; i++) {
+        slot *s = &ld->slots[i];
+        pthread_mutex_lock(&ld->mu);
+        void *f = s->state == SLOT_UPLOADING ? s->fence : NULL;
+        bool up = s->state == SLOT_UPLOADING;
+        pthread_mutex_unlock(&ld->mu);
+        if (!up || (!wait && f && dev->fence_done(f) == 0)) continue;
+        dev->fence_free(f);
+        if (f == ld->ahead_fence) ld->ahead_fence = NULL;
+        pthread_mutex_lock(&ld->mu);
+        s->fence = NULL;
+        s->state = SLOT_FREE;
+        pthread_cond_broadcast(&ld->work);
+        pthread_mutex_unlock(&ld->mu);
+    }
+}
+
+/* Every upload finished and the batch ahead, if any, dropped (before a new epoch or free). */
+static void drop_uploads(ampc_loader *ld) {
+    reap(ld, true);
+    ampc__release(ld->ahead_x);
+    ampc__release(ld->ahead_y);
+    ld->ahead_x = ld->ahead_y = NULL;
+    ld->ahead_fence = NULL;
+}
+
+/* Waits for batch b in its slot (an older batch's finished upload freed first), then starts its
+   upload into a new device tensor: the batch ahead. < 0 with failed_msg set on failure. */
+static int start_upload(ampc_loader *ld, int64_t b) {
+    const ampc_device_ops *dev = ampc__device(ld->o.device);
+    slot *s = &ld->slots[b % ld->n_slots];
+    for (;;) {
+        pthread_mutex_lock(&ld->mu);
+        while (!(s->state == SLOT_READY && s->batch == b) && s->state != SLOT_UPLOADING) pthread_cond_wait(&ld->ready, &ld->mu);
+        bool ready = s->state == SLOT_READY;
+        pthread_mutex_unlock(&ld->mu);
+        if (ready) break;
+        reap(ld, true);   /* the slot still holds an older batch's copy: let it finish */
+    }
+    int64_t first, rows;
+    batch_span(ld, b, &first, &rows);
+    const int64_t xs[4] = {rows, ld->oc, ld->oh, ld->ow};
+    int rc = s->status;
+    ampc_tensor *x = NULL, *y = NULL;
+    void *fence = NULL;
+    if (rc < 0) {
+        memcpy(ld->failed_msg, s->msg, sizeof s->msg);
+    } else if (!(x = ampc__tensor_new(AMPC_F32, ld->o.device, 4, xs)) || !(y = ampc__tensor_new(AMPC_I64, AMPC_DEVICE_CPU, 1, xs))) {
+        rc = ampc_last_status();
+    } else {
+        memcpy(ampc__data(y), s->labels, (size_t)rows * sizeof(int64_t));
+        size_t bytes = ampc__nbytes(x);
+        if (bytes) rc = dev->upload(x, s->images, bytes, &fence);
+    }
+    if (rc < 0 && !ld->failed_msg[0]) snprintf(ld->failed_msg, sizeof ld->failed_msg, "%s", bare_message(rc));
+    pthread_mutex_lock(&ld->mu);
+    s->fence = fence;
+    s->state = fence ? SLOT_UPLOADING : SLOT_FREE;
+    if (!fence) pthread_cond_broadcast(&ld->work);
+    pthread_mutex_unlock(&ld->mu);
+    if (rc < 0) {
+        ampc__release(x);
+        ampc__release(y);
+        return rc;
+    }
+    ld->ahead_x = x;
+    ld->ahead_y = y;
+    ld->ahead_b = b;
+    ld->ahead_fence = fence;
+    return AMPC_OK;
+}
+
+/* ampc_loader_next's asynchronous path: the batch ahead (batch cur) handed out, the next one's
+   upload started if it is ready. */
+static int next_async(ampc_loader *ld, ampc_tensor **images, ampc_tensor **labels) {
+    const ampc_device_ops *dev = ampc__device(ld->o.device);
+    const int64_t b = ld->cur;
+    reap(ld, false);
+    ld->failed_msg[0] = 0;
+    if (ld->ahead_x && ld->ahead_b != b) drop_uploads(ld);   /* not expected: ahead is always batch cur */
+    int rc = ld->ahead_x ? AMPC_OK : start_upload(ld, b);
+    if (rc >= 0 && ld->ahead_fence) rc = dev->fence_order(ld->ahead_fence);
+    if (rc < 0) {
+        if (!ld->failed_msg[0]) snprintf(ld->failed_msg, sizeof ld->failed_msg, "%s", bare_message(rc));
+        ld->failed = rc;
+        return ampc__err(rc, "%s", ld->failed_msg);
+    }
+    ampc_tensor *x = ld->ahead_x, *y = ld->ahead_y;
+    ld->ahead_x = ld->ahead_y = NULL;
+    ld->ahead_fence = NULL;
+    ld->cur++;
+    const int64_t left = ld->n - (ld->start + b * ld->global_batch);
+    ld->global_rows = left < ld->global_batch ? left : ld->global_batch;
+    if (ld->cur < ld->n_batches) {   /* the next batch's copy beside this one's step, if it is made already */
+        slot *n = &ld->slots[ld->cur % ld->n_slots];
+        pthread_mutex_lock(&ld->mu);
+        bool ready = n->state == SLOT_READY && n->batch == ld->cur;
+        pthread_mutex_unlock(&ld->mu);
+        int up = ready ? start_upload(ld, ld->cur) : AMPC_OK;
+        if (up < 0) ld->failed = up;   /* the next call reports it (this batch is handed out) */
+    }
+    *images = ampc__scope_adopt(x);
+    *labels = ampc__scope_adopt(y);
+    return 1;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Life cycle
 
 void ampc_loader_free(ampc_loader *ld) {
     if (!ld || stale(ld, "ampc_loader_free")) return;
+    if (ld->async) drop_uploads(ld);
     if (ld->threads) {
         pthread_mutex_lock(&ld->mu);
         ld->stop = true;
@@ -226,6 +354,7 @@ void ampc_loader_free(ampc_loader *ld) {
         free(ld->bufs);
     }
     for (int i = 0; ld->slots && i < ld->n_slots; i++) {
+        if (ld->slots[i].pinned) ampc__device(ld->o.device)->host_unpin(ld->slots[i].images);
         free(ld->slots[i].images);
         free(ld->slots[i].labels);
     }
@@ -264,6 +393,9 @@ ampc_loader *ampc_loader_new(ampc_dataset *ds, const ampc_loader_options *opts) 
     if (ds->block_size && o.transforms)
         return ampc__err_null(AMPC_ERR_INVALID, "loader_new: transforms apply to images, not to a token dataset's windows");
     if (ds->block_size) o.num_workers = 0;   /* a window is a copy of T + 1 tokens: no worker would gain */
+    if ((unsigned)o.device >= AMPC_DEVICE_COUNT) return ampc__err_null(AMPC_ERR_INVALID, "loader_new: unknown device %d", (int)o.device);
+    const char *why = ampc_device_unavailable_reason(o.device);
+    if (why) return ampc__err_null(AMPC_ERR_UNSUPPORTED, "loader_new: device %s: %s", ampc_device_name(o.device), why);
 
     ampc_loader *ld = ampc__handle_pool_get(&loader_pool);
     if (!ld) return NULL;
@@ -312,6 +444,12 @@ ampc_loader *ampc_loader_new(ampc_dataset *ds, const ampc_loader_options *opts) 
         return ampc__err_null(AMPC_ERR_OOM, "loader_new: out of memory for %d batch buffers of %zu floats", ld->n_slots,
                               per_batch);
     }
+    const ampc_device_ops *dev = ampc__device(o.device);
+    ld->async = ld->n_workers > 0 && !dev->host_memory && dev->upload && dev->host_pin && dev->host_unpin;
+    for (int i = 0; ld->async && i < ld->n_slots; i++)
+        ld->async = ld->slots[i].pinned = dev->host_pin(ld->slots[i].images, per_batch * sizeof(float));
+    for (int i = 0; !ld->async && i < ld->n_slots; i++)   /* some could not be pinned: copies per batch */
+        if (ld->slots[i].pinned) dev->host_unpin(ld->slots[i].images), ld->slots[i].pinned = false;
     for (int i = 0; i < ld->n_workers; i++) {
         if (pthread_create(&ld->threads[i], NULL, worker_main, &ld->bufs[i]) != 0) {
             ld->n_workers = i;   /* join only those that started */
@@ -325,6 +463,7 @@ ampc_loader *ampc_loader_new(ampc_dataset *ds, const ampc_loader_options *opts) 
 /* Starts epoch `epoch` with its samples from position start, handing out batch first_batch
    next (arguments checked by the callers). */
 static int start_epoch(ampc_loader *ld, int64_t epoch, int64_t start, int64_t first_batch) {
+    if (ld->async) drop_uploads(ld);
     if (ld->n_workers) {
         pthread_mutex_lock(&ld->mu);
         quiesce_locked(ld);
@@ -420,6 +559,7 @@ int ampc_loader_next(ampc_loader *ld, ampc_tensor **images, ampc_tensor **labels
     }
     if (ld->failed) return ampc__err(ld->failed, "%s", ld->failed_msg);
     if (ld->cur >= ld->n_batches) return 0;
+    if (ld->async) return next_async(ld, images, labels);
 
     const int64_t b = ld->cur;
     int64_t first, rows;
@@ -463,6 +603,20 @@ int ampc_loader_next(ampc_loader *ld, ampc_tensor **images, ampc_tensor **labels
         ampc__release(y);
         ld->failed = rc;
         return ampc__err(rc, "%s", ld->failed_msg);
+    }
+    if (ld->o.device != AMPC_DEVICE_CPU) {   /* one copy to the device (REF: its f64 for images) */
+        ampc_dtype dt = ampc__device(ld->o.device)->dtypes[x->dtype] ? x->dtype : AMPC_F64;
+        ampc_tensor *xd = ampc__tensor_new(dt, ld->o.device, x->ndim, x->shape);
+        rc = xd ? ampc__copy(x, xd) : ampc_last_status();
+        ampc__release(x);
+        x = xd;
+        if (rc < 0) {
+            ampc__release(x);
+            ampc__release(y);
+            snprintf(ld->failed_msg, sizeof ld->failed_msg, "%s", bare_message(rc));
+            ld->failed = rc;   /* sticky, as a failed fill: the batch is gone from its slot */
+            return ampc__err(rc, "%s", ld->failed_msg);
+        }
     }
     ld->cur++;
     const int64_t left = ld->n - (ld->start + b * ld->global_batch);

@@ -112,7 +112,7 @@ static int agree(const facts *mine, const char *stage) {
 /* The flags that may differ from process to process: paths and names (the files' contents are
    compared instead; rank 0 alone writes --out), threads, devices, memory budgets and the display. */
 static bool per_process(int i) {
-    return i == OPT_DATA || i == OPT_INDEX_CSV || i == OPT_THREADS || i == OPT_DEVICE || i == OPT_NUM_WORKERS || i == OPT_MAX_MEMORY ||
+    return i == OPT_DATA || i == OPT_INDEX_CSV || i == OPT_THREADS || i == OPT_DEVICE || i == OPT_NUM_WORKERS || i == OPT_PIN_MEMORY || i == OPT_MAX_MEMORY ||
            i == OPT_OUT || i == OPT_NAME || i == OPT_OVERWRITE || i == OPT_RESUME || i == OPT_PROGRESS || i == OPT_PRETRAINED || i == OPT_EXPLAIN;
 }
 

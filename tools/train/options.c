@@ -70,6 +70,10 @@ const opt_def OPTS[OPT_COUNT] = {
                     "mpirun each process the GPU of its rank on its machine, modulo the GPUs there), or cuda:N (GPU N)"},
     [OPT_NUM_WORKERS] = {"num-workers", V_INT, "auto", NULL, 0, 64, false, O_SAVE | O_AUTO, "N",
                          "data loader threads (auto: 0 for IDX data, 2 for image folders)"},
+    [OPT_PIN_MEMORY] = {"pin-memory", V_YESNO, "no", NULL, 0, 0, false, 0, "yes|no",
+                        "on a GPU, the loader hands out batches already on it: with --num-workers > 0 its buffers "
+                        "page-locked and each batch copied on the GPU's copy stream beside the previous step "
+                        "(PyTorch's pin_memory with non_blocking copies); no: one copy per batch before its step"},
     [OPT_MAX_MEMORY] = {"max-memory", V_SIZE, "none", NULL, 0, 0, false, O_SAVE, "SIZE",
                         "memory budget emulating a device of that size, e.g. 512M, 2G, 1.5GiB (K, M, G, T are "
                         "powers of 1024; none: what the machine or its cgroup allows at start)"},

@@ -95,7 +95,8 @@ static int pass_stops(pass *ps) {
 static int batch_forward(pass *ps, ampc_tensor **x, ampc_tensor **y, ampc_tensor **logits, ampc_tensor **loss) {
     run *r = ps->r;
     if (r->m.device != AMPC_DEVICE_CPU && ampc_tensor_dim(*y, 0) > 0 &&
-        (!(*x = ampc_tensor_to(*x, r->m.device, ampc_tensor_dtype(*x))) || !(*y = ampc_tensor_to(*y, r->m.device, AMPC_I64))))
+        ((ampc_tensor_device(*x) != r->m.device && !(*x = ampc_tensor_to(*x, r->m.device, ampc_tensor_dtype(*x)))) ||
+         !(*y = ampc_tensor_to(*y, r->m.device, AMPC_I64))))
         return fail_lib("copying the batch to the device");
     if (ps->training && r->m.ddp && ampc_ddp_sync_buffers(r->m.ddp) < 0)   /* rank 0's BatchNorm statistics, as DDP */
         return fail_lib("data-parallel buffers");

@@ -413,6 +413,7 @@ static int make_loaders(run *r) {
     lo.batch_size = bs;
     lo.seed = (uint64_t)ival(s, OPT_SEED);
     lo.num_workers = (int)ival(s, OPT_NUM_WORKERS);
+    lo.device = yes(s, OPT_PIN_MEMORY) ? r->m.device : AMPC_DEVICE_CPU;   /* batches made on the device (--pin-memory) */
     lo.shuffle = true;
     lo.transforms = r->d.tf_train;
     lo.shard_rank = r->rank = ampc_dist_rank();   /* data-parallel: each rank its shard of every epoch */

@@ -13,6 +13,7 @@ static struct {
     int status;               /* AMPC_OK once started */
     char why[256];            /* why not, else "" */
     cudaStream_t stream;
+    cudaStream_t copies;      /* the uploads' own stream (cu_upload) */
     int sm_count;
     int gpu;                  /* which GPU (ampc_cuda_set_device) */
 } G = {.once = PTHREAD_ONCE_INIT};
@@ -46,6 +47,7 @@ static void start(void) {
         return;
     }
     if ((e = cudaSetDevice(G.gpu)) == cudaSuccess) e = cudaStreamCreateWithFlags(&G.stream, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&G.copies, cudaStreamNonBlocking);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&G.sm_count, cudaDevAttrMultiProcessorCount, G.gpu);
     if (e != cudaSuccess) {
         snprintf(G.why, sizeof G.why, "CUDA GPU %d could not be started (%s)", G.gpu, cudaGetErrorString(e));
@@ -163,8 +165,53 @@ static void cu_host_unpin(void *p) {
     if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
 }
 
+/* The loader's uploads: the copy stream waits for the work queued so far (an event recorded
+   on the compute stream: dst's block may have served kernels still queued there, the caching
+   allocator being one-stream), copies, and records the fence, an event the compute stream
+   waits on (cu_fence_order) before the work that reads dst. */
+static int cu_upload(ampc_tensor *dst, const void *src, size_t n, void **fence) {
+    *fence = NULL;
+    int rc = ampc__cu_ready();
+    if (rc < 0) return rc;
+    cudaEvent_t before = NULL, done = NULL;
+    cudaError_t e = cudaEventCreateWithFlags(&before, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventRecord(before, G.stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(G.copies, before, 0);
+    if (e == cudaSuccess) e = cudaMemcpyAsync(ampc__data(dst), src, n, cudaMemcpyHostToDevice, G.copies);
+    if (e == cudaSuccess) e = cudaEventRecord(done, G.copies);
+    if (before) cudaEventDestroy(before);   /* released once the wait on it is done */
+    if (e != cudaSuccess) {
+        if (done) cudaEventDestroy(done);
+        return ampc__cu_check(e, "upload to the GPU");
+    }
+    *fence = done;
+    return AMPC_OK;
+}
+
+static int cu_fence_order(void *fence) {
+    int rc = ampc__cu_ready();
+    return rc < 0 ? rc : ampc__cu_check(cudaStreamWaitEvent(G.stream, (cudaEvent_t)fence, 0), "ordering after an upload");
+}
+
+static int cu_fence_done(void *fence) {
+    cudaError_t e = cudaEventQuery((cudaEvent_t)fence);
+    if (e == cudaErrorNotReady) {
+        cudaGetLastError();
+        return 0;
+    }
+    return e == cudaSuccess ? 1 : ampc__cu_check(e, "upload to the GPU");
+}
+
+static void cu_fence_free(void *fence) {
+    if (!fence) return;
+    if (cudaEventSynchronize((cudaEvent_t)fence) != cudaSuccess) cudaGetLastError();
+    cudaEventDestroy((cudaEvent_t)fence);
+}
+
 static void cu_shutdown(void) {
     if (G.status == AMPC_OK && G.stream) cudaStreamSynchronize(G.stream);
+    if (G.status == AMPC_OK && G.copies) cudaStreamSynchronize(G.copies);
 }
 
 /* tensor cores for every float dtype: matmuls and convolutions compute in any of them */
@@ -186,6 +233,10 @@ void ampc__cuda_backend_init(ampc_backend *be) {
     be->device.synchronize = cu_synchronize;
     be->device.host_pin = cu_host_pin;
     be->device.host_unpin = cu_host_unpin;
+    be->device.upload = cu_upload;
+    be->device.fence_order = cu_fence_order;
+    be->device.fence_done = cu_fence_done;
+    be->device.fence_free = cu_fence_free;
     be->computes = cu_computes;
     be->native = cu_native;
     be->channels_last = true;   /* conv (conv.c), pooling (pool.c) and batch norm (batch_norm.c) take NHWC */
