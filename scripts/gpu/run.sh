@@ -52,7 +52,14 @@ dist)
     rc=$?
     grep -E -i "cuda|skipped|FAIL|ERROR|PASSED|rank [0-9]:" /tmp/ampc/dist.txt | head -40
     if [ $rc -ne 0 ] && [ -n "${OUT:-}" ]; then tail -80 /tmp/ampc/dist.txt >"$OUT/dist_failed.log"; fi
-    exit $rc ;;
+    # and ampc-train itself: resnet18 with SyncBatchNorm, the ranks on the one GPU
+    timeout 120 mpirun --oversubscribe --bind-to none -np "${1:-2}" "$BIN/ampc-train" --device cuda --model resnet18 --sync-bn yes \
+        --amp-dtype bf16 --limit-train 2048 --limit-val 512 --batch-size 64 --epochs 1 --progress off \
+        --out /tmp/ampc-dist-run --overwrite yes >/tmp/ampc/dist_train.txt 2>&1
+    rc2=$?
+    grep -E "sync-bn|final:|error" /tmp/ampc/dist_train.txt | head -8
+    if [ $rc2 -ne 0 ] && [ -n "${OUT:-}" ]; then tail -40 /tmp/ampc/dist_train.txt >>"$OUT/dist_failed.log"; fi
+    [ $rc -eq 0 ] && [ $rc2 -eq 0 ] ;;
 train) "$BIN/ampc-train" "$@" ;;
 e2e) bash tests/e2e_cuda.sh "$BIN/ampc-train" ;;
 bench) "$BIN/ampc-bench" "$@" ;;
