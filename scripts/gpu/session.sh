@@ -17,7 +17,8 @@
 #       bench     ampc-bench resnet50 amp-fp16,amp-bf16 batch 256, then the PyTorch peer (eager,
 #                 cudnn.benchmark) on the same configs; ampc without the batch norm + add + ReLU
 #                 fusion (AMPC_CUDA_BN_ADD_RELU=0), then the default again
-#       cudnn     (not by default) ampc-bench's resnet50 rows with --cudnn-benchmark yes
+#       cudnn     (not by default) ampc-bench's resnet50 rows with --cudnn-benchmark yes, and the
+#                 resnet18/resnet50 fp32 rows with it off and on
 #       profile   one resnet50 amp-fp16 step under Nsight Compute beside torch.profiler
 #       memory    the largest resnet50 batch whose step fits 16 GiB, fp32 and AMP (the seed's "double
 #                 the batch")
@@ -85,6 +86,11 @@ step() {
     step bench 30 env AMPC_CUDA_BN_ADD_RELU=0 $R bench $RN --json "$J/ampc_unfused.json"
     step bench 30 $R bench $RN --json "$J/ampc_default2.json"   # the default again: the run's drift
     step cudnn 40 $R bench $RN --cudnn-benchmark yes --json "$J/ampc_cudnn_benchmark.json"
+    # the fp32 rows (TF32 off: 1.44-1.47x PyTorch's with cuDNN's heuristics) with the algorithms timed
+    for cb in no yes; do
+        step cudnn 40 $R bench --device cuda --workloads resnet18,resnet50 --modes fp32 --batch 256 --steps 10 --warmup 3 \
+            --no-peak --cudnn-benchmark $cb --json "$J/ampc_fp32_cudnn_$cb.json"
+    done
     step profile 60 $R profile resnet50 amp-fp16 256
     # the test programs that run ops on the GPU (the rest are the CPU suite, which CI runs)
     step tests 60 $R tests ${TESTS:-test_ops test_norm test_pool test_loss test_matmul test_conv test_conv_cl test_channels_last \
