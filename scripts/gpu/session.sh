@@ -94,7 +94,7 @@ step() {
     step profile 60 $R profile resnet50 amp-fp16 256
     # the test programs that run ops on the GPU (the rest are the CPU suite, which CI runs)
     step tests 60 $R tests ${TESTS:-test_ops test_norm test_pool test_loss test_matmul test_conv test_conv_cl test_channels_last \
-        test_gemm_skinny test_optim test_scaler test_autocast test_models test_train test_kept_casts test_dtype}
+        test_gemm_skinny test_optim test_scaler test_autocast test_models test_train test_kept_casts test_dtype test_data}
     step e2e 90 $R e2e
     step memory 90 $R bench --device cuda --workloads resnet50 --modes fp32,amp-fp16 --max-memory 16G --largest-batch --no-peak
     step benchall 60 $R bench --device cuda --workloads mlp,cnn,resnet18,resnet50 --modes fp32,tf32,amp-bf16,amp-fp16 \
