@@ -93,8 +93,7 @@ struct ampc_loader {
     bool active, stop;
     atomic_int gen;              /* bumped when in-flight fills become stale */
     bool async;                  /* uploads from page-locked slots (see the top) */
-    ampc_tensor *ahead_x, *ahead_y;   /* the batch whose upload started (owned until handed out) */
-    int64_t ahead_b;             /* its number */
+    ampc_tensor *ahead_x, *ahead_y;   /* batch cur, its upload started (owned until handed out) */
     void *ahead_fence;           /* its copy, while not yet reaped (NULL: done) */
     uint64_t handle_gen;         /* the handle's generation while live, 0 once freed */
 };
@@ -291,19 +290,18 @@ static int start_upload(ampc_loader *ld, int64_t b) {
     }
     ld->ahead_x = x;
     ld->ahead_y = y;
-    ld->ahead_b = b;
     ld->ahead_fence = fence;
     return AMPC_OK;
 }
 
-/* ampc_loader_next's asynchronous path: the batch ahead (batch cur) handed out, the next one's
-   upload started if it is ready. */
+/* ampc_loader_next's asynchronous path: the batch ahead (always batch cur: it is started for
+   cur just after cur moves, and dropped with a new epoch) handed out, the next one's upload
+   started if it is ready. */
 static int next_async(ampc_loader *ld, ampc_tensor **images, ampc_tensor **labels) {
     const ampc_device_ops *dev = ampc__device(ld->o.device);
     const int64_t b = ld->cur;
     reap(ld, false);
     ld->failed_msg[0] = 0;
-    if (ld->ahead_x && ld->ahead_b != b) drop_uploads(ld);   /* not expected: ahead is always batch cur */
     int rc = ld->ahead_x ? AMPC_OK : start_upload(ld, b);
     if (rc >= 0 && ld->ahead_fence) rc = dev->fence_order(ld->ahead_fence);
     if (rc < 0) {

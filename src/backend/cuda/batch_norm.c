@@ -48,12 +48,13 @@ static int bn_geom(const ampc_tensor *x, ampc_cu_chan_geom *g) {
 
 static float *f32_or_null(const ampc_tensor *t) { return t ? (float *)ampc__data(t) : NULL; }
 
-/* The host's side of SyncBatchNorm's exchanges: n doubles of this process's from the device
-   (dev), with `count` stored at [at] first (the device leaves it), exchanged by `exchange`
-   (bn_sync.c; arg its first argument), and the world's written back over them. Blocking: the
-   stream is drained twice. */
-static int exchange_on_host(const char *k, double *dev, int64_t n, int64_t at, double count, int (*exchange)(int64_t, double *),
-                            int64_t arg) {
+/* The host's side of SyncBatchNorm's exchanges (bn_sync.c) for C channels: this process's
+   doubles from the device (dev), with `count` stored where the device left it, exchanged, and
+   the world's written back over them. stats: the forward's statistics (3 C + 1 doubles, the
+   count at [C]; ampc__bn_sync_stats); else the backward's sums (2 C + 1, the count at [2 C];
+   ampc__bn_sync_sums). Blocking: the stream is drained twice. */
+static int exchange_on_host(const char *k, double *dev, int64_t C, double count, bool stats) {
+    const int64_t n = (stats ? 3 : 2) * C + 1, at = stats ? C : 2 * C;
     cudaStream_t st = ampc__cu_stream();
     double *h = malloc((size_t)n * sizeof(double));
     if (!h) return ampc__err(AMPC_ERR_OOM, "cuda %s: %lld doubles of host memory for the exchange", k, (long long)n);
@@ -61,16 +62,13 @@ static int exchange_on_host(const char *k, double *dev, int64_t n, int64_t at, d
     if (rc >= 0) rc = ampc__cu_check(cudaStreamSynchronize(st), k);
     if (rc >= 0) {
         h[at] = count;
-        rc = exchange(arg, h);
+        rc = stats ? ampc__bn_sync_stats(C, h) : ampc__bn_sync_sums(h, n);
     }
     if (rc >= 0) rc = ampc__cu_check(cudaMemcpyAsync(dev, h, (size_t)n * sizeof(double), cudaMemcpyHostToDevice, st), k);
     if (rc >= 0) rc = ampc__cu_check(cudaStreamSynchronize(st), k);
     free(h);
     return rc;
 }
-
-static int sync_stats(int64_t C, double *st) { return ampc__bn_sync_stats(C, st); }
-static int sync_sums(int64_t n, double *sums) { return ampc__bn_sync_sums(sums, n); }
 
 /* The forward once the statistics outputs (save_mean, save_invstd, coef: device f32 (C) / (3, C),
    each may be NULL) were checked. sync (training; SyncBatchNorm): the statistics of every
@@ -96,7 +94,7 @@ static int bn_forward(const char *k, const ampc_cu_chan_geom *g, const ampc_tens
     cudaStream_t cs = ampc__cu_stream();
     rc = ampc__cu_check(ampc_cu_bn_forward(g, x->dtype, ampc__data(x), ampc__data(y), &a, cs), k);
     if (sync && rc >= 0) {
-        rc = exchange_on_host(k, st, nst, C, (double)(g->N * g->S), sync_stats, C);
+        rc = exchange_on_host(k, st, C, (double)(g->N * g->S), true);
         a.stats_out = NULL;
         a.stats_in = st;
         if (rc >= 0) rc = ampc__cu_check(ampc_cu_bn_forward(g, x->dtype, ampc__data(x), ampc__data(y), &a, cs), k);
@@ -152,7 +150,7 @@ static int bn_backward(const char *k, const ampc_cu_chan_geom *g, const ampc_ten
     void *gxp = gx ? ampc__data(gx) : NULL;
     rc = ampc__cu_check(ampc_cu_bn_backward(g, x->dtype, ampc__data(x), ampc__data(gy), gxp, &a, cs), k);
     if (sync && rc >= 0) {
-        rc = exchange_on_host(k, sums, nsum, 2 * C, (double)(g->N * g->S), sync_sums, nsum);
+        rc = exchange_on_host(k, sums, C, (double)(g->N * g->S), false);
         a.sums_out = NULL;
         a.sums_in = sums;
         if (rc >= 0) rc = ampc__cu_check(ampc_cu_bn_backward(g, x->dtype, ampc__data(x), ampc__data(gy), gxp, &a, cs), k);
