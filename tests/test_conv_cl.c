@@ -569,7 +569,8 @@ static void test_cl_im2col_rule(void **state) {
 // Winograd forced on every shape oneDNN's kernels take (partial tiles, one-row maps, several
 // images), over chunks of the batch (a smaller last one; weight gradients added up) and whole,
 // and the rule: 3x3
-// stride-1 f32/f16 without bias, channels multiples of 16, C x O <= 128 x 128, switched by
+// stride-1 f32/f16 without bias, channels multiples of 16, C x O <= 128 x 128 (forward and
+// backward data: 256 x 256), switched by
 // ampc_set_conv_winograd; bf16 never
 
 static const cl_case wino_cases[] = {
@@ -608,13 +609,16 @@ static void test_cl_winograd_rule(void **state) {
     static const cl_case rule[] = {
         {"wino rule: 128->128 (yes)", 2, 128, 8, 8, 128, 3, 3, 1, 1, 1, 1, false},
         {"wino rule: 64->64 (yes)", 2, 64, 8, 8, 64, 3, 3, 1, 1, 1, 1, false},
-        {"wino rule: 128->144 (workspace)", 2, 128, 8, 8, 144, 3, 3, 1, 1, 1, 1, false},
+        {"wino rule: 128->144 (weight gradient's workspace)", 2, 128, 8, 8, 144, 3, 3, 1, 1, 1, 1, false},
+        {"wino rule: 256->256 (but the weight gradient)", 1, 256, 4, 4, 256, 3, 3, 1, 1, 1, 1, false},
+        {"wino rule: 256->272 (workspace)", 1, 256, 4, 4, 272, 3, 3, 1, 1, 1, 1, false},
         {"wino rule: 64->64 bias", 2, 64, 8, 8, 64, 3, 3, 1, 1, 1, 1, true},
         {"wino rule: 64->56", 2, 64, 8, 8, 56, 3, 3, 1, 1, 1, 1, false},
         {"wino rule: 64->64 stride 2", 2, 64, 8, 8, 64, 3, 3, 2, 1, 1, 1, false},
         {"wino rule: 64->64 padding 2, dilation 2", 2, 64, 8, 8, 64, 3, 3, 1, 2, 2, 1, false},
     };
-    const bool want[] = {true, true, false, false, false, false, false};
+    /* per case: the passes (bit p) that take Winograd */
+    const int want[] = {7, 7, 3, 3, 0, 0, 0, 0, 0};
     const bool has = ampc__dnnl_wino();
     ampc__cpu_conv_winograd = -1;   /* the rule (a failed test above may have left it forced) */
     for (int on = 0; on < 2; on++) {
@@ -622,7 +626,7 @@ static void test_cl_winograd_rule(void **state) {
         for (size_t ci = 0; ci < sizeof rule / sizeof *rule; ci++)
             for (int p = 0; p < 3; p++) {
                 /* backward data has no bias: a biased layer's data gradient may take it */
-                bool w = on && has && (want[ci] || (p == 1 && rule[ci].bias));
+                bool w = on && has && ((want[ci] >> p & 1) || (p == 1 && rule[ci].bias));
                 if (runs_wino(&rule[ci], true, AMPC_F32, p) != w || runs_wino(&rule[ci], false, AMPC_F32, p) != w ||
                     runs_wino(&rule[ci], true, AMPC_BF16, p))
                     fail_msg("%s, Winograd %s, pass %d: want %s", rule[ci].name, on ? "on" : "off", p, w ? "Winograd" : "direct");

@@ -35,7 +35,8 @@
  * - weight gradients with many output channels on small maps are im2col + one matmul instead
  *   (cl_im2col).
  * On either layout, f32 (and f16) 3x3 stride-1 convolutions without bias whose weights are small
- * (channels multiples of 16, C x O <= 128 x 128) run on oneDNN's Winograd F(4x4, 3x3) kernels
+ * (channels multiples of 16, C x O <= 128 x 128; forward and backward data up to 256 x 256) run
+ * on oneDNN's Winograd F(4x4, 3x3) kernels
  * (use_wino; blocked activations, reordered from and to the user's, a chunk of the batch at a
  * time: conv_wino.c), unless switched off by ampc_set_conv_winograd.
  *

@@ -96,16 +96,20 @@ int ampc__cpu_conv_winograd = -1;
 /* oneDNN's Winograd F(4x4, 3x3) kernels (f32 on AVX-512: 3x3, stride 1, padding 1, channels in
    multiples of 16) for f32 and f16 (computed in f32), without a bias (ResNets' convolutions).
    Faster for every pass of every ResNet-18 3x3 layer (bench/NOTES.md, "Winograd"), but their
-   scratchpad holds the transformed weights, 4x the weights (and per thread for the weight
-   gradient: 125 MiB for 512->512), so only small weights take them (C x O <= 128 x 128:
-   scratchpads of 8.8-15.3 MiB at batch 64), keeping the step's peak memory where it was. */
-static bool use_wino(const ampc_conv_desc *d, ampc_dtype dt, bool has_bias) {
+   scratchpad holds the transformed weights, 4x the weights, and the weight gradient's holds a
+   copy per thread (125 MiB for 512->512 at batch 64), so only small weights take them, keeping
+   the step's peak memory where it was: C x O <= 128 x 128 for every pass, and up to 256 x 256
+   for the forward and backward data passes (ResNet-18's 256->256 layers: 0.95x the fp32 step,
+   allocator peak +3.2 MiB with the 2 MiB chunks of conv_wino.c, RSS and reserved lower;
+   their weight gradient too would add 45 MiB). */
+static bool use_wino(int family, const ampc_conv_desc *d, ampc_dtype dt, bool has_bias) {
     int mode = ampc__cpu_conv_winograd;
     if (!mode || (mode < 0 && !ampc_conv_winograd()) || ampc__cpu_conv_im2col > 0) return false;   /* im2col forced */
     if (dt == AMPC_BF16 || has_bias || d->KH != 3 || d->KW != 3 || d->stride[0] != 1 || d->stride[1] != 1) return false;
     if (d->dilation[0] != 1 || d->dilation[1] != 1 || d->padding[0] != 1 || d->padding[1] != 1 || d->groups != 1) return false;
     if (d->C % 16 || d->O % 16 || !ampc__dnnl_wino()) return false;
-    return mode > 0 || d->C * d->O <= 128 * 128;
+    int64_t most = family == AMPC_DNNL_CONV_BWD_WEIGHTS ? 128 : 256;
+    return mode > 0 || d->C * d->O <= most * most;
 }
 
 /* grad_dt: the dtype of gw/gb for the backward weights pass (dt elsewhere). */
@@ -115,7 +119,7 @@ conv_key ampc__conv_make_key(int family, const ampc_conv_desc *d, ampc_dtype dt,
     k.dt = dt == AMPC_BF16 ? dnnl_bf16 : dnnl_f32;
     k.grad_f32 = dt == AMPC_BF16 && grad_dt == AMPC_F32;   /* f16 runs in f32 anyway */
     k.has_bias = has_bias;
-    k.wino = use_wino(d, dt, has_bias);
+    k.wino = use_wino(family, d, dt, has_bias);
     if (k.wino) {   /* blocked activations and weights, reordered from and to the user's */
         k.cl = d->channels_last;
         k.blocked = 1;
