@@ -91,8 +91,6 @@ typedef struct {
     unsigned need;   /* NEED | SAME_FORMAT (true: NEED) */
 } k_arg;
 
-static ampc_dtype stat_dtype(ampc_device dev) { return ampc__device(dev)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64; }
-
 static bool float_on(ampc_dtype dt, ampc_device dev) {
     return (unsigned)dt < AMPC_DTYPE_COUNT && ampc__dt(dt)->is_float && ampc__device(dev)->dtypes[dt];
 }
@@ -106,7 +104,7 @@ static int check_args(ampc_kernel kern, const k_arg *a, int n) {
     int rc = ampc__backend_check(kern, t0->dtype, t0->device);
     for (int i = 0; i < n && rc >= 0; i++) {
         const ampc_tensor *t = a[i].t;
-        ampc_dtype want = a[i].dtype == FIRST ? t0->dtype : a[i].dtype == STAT ? stat_dtype(t0->device) : (ampc_dtype)a[i].dtype;
+        ampc_dtype want = a[i].dtype == FIRST ? t0->dtype : a[i].dtype == STAT ? ampc__device_float(t0->device) : (ampc_dtype)a[i].dtype;
         if (!t)
             rc = a[i].need & NEED ? ampc__err(AMPC_ERR_INVALID, "%s: %s missing", k, a[i].name) : AMPC_OK;
         else if (t->device != t0->device)

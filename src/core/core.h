@@ -312,6 +312,11 @@ typedef struct {
 void ampc__device_register(ampc_device dev, const ampc_device_ops *ops);
 /* dev's table (never NULL: an unregistered or out-of-range device gets an empty one). */
 const ampc_device_ops *ampc__device(ampc_device dev);
+/* The full-precision float dtype of dev: f32, or f64 on a device without f32 (REF, whose
+   kernels compute in f64): the dtype of statistics, master weights and gradient buckets. */
+static inline ampc_dtype ampc__device_float(ampc_device dev) {
+    return ampc__device(dev)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64;
+}
 
 /* ampc_shutdown calls the RELEASE hooks first (they drop references: autocast's cast cache),
    then clears scopes, shuts the devices down and empties the allocator's cache, then calls the

@@ -382,7 +382,7 @@ ampc_ddp *ampc_ddp_new(ampc_module *model, const ampc_ddp_options *opts) {
         if (!params[i]->requires_grad) continue;
         if (!d->n_params) {
             d->dev = params[i]->device;
-            d->gdt = ampc__device(d->dev)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64;
+            d->gdt = ampc__device_float(d->dev);
         }
         if (params[i]->device != d->dev) {
             ampc_device other = params[i]->device;

@@ -223,7 +223,7 @@ ampc_tensor *ampc__module_param(const ampc_module *m, const char *name) { return
 ampc_tensor *ampc__module_buffer(const ampc_module *m, const char *name) { return list_find(&m->buffers, name); }
 
 ampc_dtype ampc__param_dtype(void) {
-    return ampc__device(ampc__default_device())->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64;
+    return ampc__device_float(ampc__default_device());
 }
 
 ampc_tensor *ampc__param_uniform(int ndim, const int64_t *shape, double bound) {

@@ -111,7 +111,7 @@ static ampc_tensor *run_attention(ampc_op_args *a, ampc_attn_desc *d, const ampc
                                   const ampc_tensor *v, ampc_tensor *mask, int nd, const int64_t *oshape, ampc_backward_fn bwd) {
     if (d->scale == 0) d->scale = d->E > 0 ? 1.0 / sqrt((double)d->E) : 1.0;
     if (d->dropout > 0) d->rng = ampc__rng_reserve((uint64_t)(d->batch * d->Tq * d->Tk));
-    const ampc_dtype sdt = ampc__device(q->device)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64;
+    const ampc_dtype sdt = ampc__device_float(q->device);
     int64_t nl = d->batch * d->Tq;
     bool grad = ampc__needs_grad(a->in, a->n);
     ampc_tensor *o = ampc__tensor_new(q->dtype, q->device, nd, oshape);
@@ -156,7 +156,7 @@ ampc_tensor *ampc_scaled_dot_product_attention(ampc_tensor *q_, ampc_tensor *k_,
     }
     if (check_settings(name, scale, dropout_p) < 0) return ampc__op_finish(&a, NULL, NULL);
     const int nd = q->ndim;
-    const ampc_dtype sdt = ampc__device(q->device)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64;
+    const ampc_dtype sdt = ampc__device_float(q->device);
     if (a.in[3] && !(mask = mask_for_kernels(q, a.in[3], k->shape[nd - 2], sdt, name))) return ampc__op_finish(&a, NULL, NULL);
     ampc_attn_desc d = make_desc(q, k, v, mask, is_causal, scale, dropout_p);
     int64_t oshape[AMPC_MAX_DIMS];

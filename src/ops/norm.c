@@ -26,9 +26,6 @@ static ampc_tensor *fail_args(ampc_op_args *a) {
     return NULL;
 }
 
-/* Statistics dtype of a device: f32 where the device holds it (CPU), else f64 (REF). */
-static ampc_dtype stat_dtype(ampc_device dev) { return ampc__device(dev)->dtypes[AMPC_F32] ? AMPC_F32 : AMPC_F64; }
-
 /* The gradients a norm node (inputs x, weight, bias) must produce: gx like x, gw/gb with their
    input's metadata; NULL where no gradient is needed. */
 static int alloc_grads(const ampc_node *n, const ampc_tensor *x, ampc_tensor *out[3]) {
@@ -122,7 +119,7 @@ static ampc_tensor *bn_op(ampc_tensor *x, ampc_tensor *weight, ampc_tensor *bias
                   ampc__shape_str(X, s1, sizeof s1));
         return fail_args(&a);
     }
-    ampc_dtype sdt = stat_dtype(X->device);
+    ampc_dtype sdt = ampc__device_float(X->device);
     if (check_channel_param(X, W, "weight", sdt) < 0 || check_channel_param(X, B, "bias", sdt) < 0 ||
         check_channel_param(X, running_mean, "running_mean", sdt) < 0 ||
         check_channel_param(X, running_var, "running_var", sdt) < 0)
@@ -294,7 +291,7 @@ ampc_tensor *ampc_layer_norm(ampc_tensor *x, int norm_ndim, ampc_tensor *weight,
     }
     int64_t rows = 1;
     for (int i = 0; i < X->ndim - norm_ndim; i++) rows *= X->shape[i];
-    ampc_dtype sdt = stat_dtype(X->device);
+    ampc_dtype sdt = ampc__device_float(X->device);
     ampc_tensor *y = ampc__tensor_like(X, X->dtype), *mean = NULL, *rstd = NULL;
     ampc_node *node = NULL;
     int rc = AMPC_OK;

@@ -69,7 +69,7 @@ static int check_adam(const ampc_adam_options *o, const char *name) {
 /* Master weights: fp32, or f64 on a device that holds no fp32 (REF, the oracle). */
 static int check_param(const ampc_tensor *p, ampc_optim_kind kind, int i) {
     if (!p) return ampc__err(AMPC_ERR_INVALID, "%s: parameter %d is NULL", kind_name(kind), i);
-    bool master = p->dtype == AMPC_F32 || (p->dtype == AMPC_F64 && !ampc__device(p->device)->dtypes[AMPC_F32]);
+    bool master = p->dtype == AMPC_F32 || (p->dtype == AMPC_F64 && ampc__device_float(p->device) == AMPC_F64);
     if (!master)
         return ampc__err(AMPC_ERR_DTYPE, "%s: parameter %d is %s; optimizers update fp32 master weights", kind_name(kind), i,
                          ampc_dtype_name(p->dtype));
