@@ -56,8 +56,9 @@ static float *f32_or_null(const ampc_tensor *t) { return t ? (float *)ampc__data
 static int exchange_on_host(const char *k, double *dev, int64_t C, double count, bool stats) {
     const int64_t n = (stats ? 3 : 2) * C + 1, at = stats ? C : 2 * C;
     cudaStream_t st = ampc__cu_stream();
-    double *h = malloc((size_t)n * sizeof(double));
-    if (!h) return ampc__err(AMPC_ERR_OOM, "cuda %s: %lld doubles of host memory for the exchange", k, (long long)n);
+    size_t block = 0;   /* from the caching allocator: no system allocation in a steady-state step */
+    double *h = ampc__alloc(AMPC_DEVICE_CPU, (size_t)n * sizeof(double), AMPC_MEM_WORKSPACE, &block);
+    if (!h) return ampc_last_status();
     int rc = ampc__cu_check(cudaMemcpyAsync(h, dev, (size_t)n * sizeof(double), cudaMemcpyDeviceToHost, st), k);
     if (rc >= 0) rc = ampc__cu_check(cudaStreamSynchronize(st), k);
     if (rc >= 0) {
@@ -66,7 +67,7 @@ static int exchange_on_host(const char *k, double *dev, int64_t C, double count,
     }
     if (rc >= 0) rc = ampc__cu_check(cudaMemcpyAsync(dev, h, (size_t)n * sizeof(double), cudaMemcpyHostToDevice, st), k);
     if (rc >= 0) rc = ampc__cu_check(cudaStreamSynchronize(st), k);
-    free(h);
+    ampc__free(AMPC_DEVICE_CPU, h, block, AMPC_MEM_WORKSPACE);
     return rc;
 }
 
