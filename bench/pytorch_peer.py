@@ -437,7 +437,7 @@ def compare(args):
                    "ampc_ms_runs": [r["ms_median"] for r in a_runs]}
             if t_runs:
                 row.update({"torch_ms": median_of(t_runs, "ms_median"), "torch_blas": t_runs[0]["blas"],
-                            "torch_allocator": t_runs[0]["allocator"] if args.tuning == "guide" else "glibc (as installed)",
+                            "torch_allocator": t_runs[0]["allocator"] if args.tuning == "guide" else "as-is",
                             "torch_ms_by_allocator": {n: median_of(r, "ms_median") for n, r in alloc_runs.items()},
                             "torch_rss_growth_bytes": median_of(t_runs, "rss_growth_bytes"),
                             "torch_ms_runs": [r["ms_median"] for r in t_runs]})
