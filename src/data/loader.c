@@ -217,6 +217,24 @@ static void quiesce_locked(ampc_loader *ld) {
     while (ld->n_filling > 0) pthread_cond_wait(&ld->idle, &ld->mu);
 }
 
+/* A batch that could not be made: the failure is sticky until the next epoch (the batch is gone
+   from its slot), with the fill's own message if it left one in failed_msg, else rc's. */
+static int fail_batch(ampc_loader *ld, int rc) {
+    if (!ld->failed_msg[0]) snprintf(ld->failed_msg, sizeof ld->failed_msg, "%s", bare_message(rc));
+    ld->failed = rc;
+    return ampc__err(rc, "%s", ld->failed_msg);
+}
+
+/* Batch b handed out: images x, labels y. */
+static int hand_out(ampc_loader *ld, int64_t b, ampc_tensor *x, ampc_tensor *y, ampc_tensor **images, ampc_tensor **labels) {
+    ld->cur = b + 1;
+    const int64_t left = ld->n - (ld->start + b * ld->global_batch);
+    ld->global_rows = left < ld->global_batch ? left : ld->global_batch;
+    *images = ampc__scope_adopt(x);
+    *labels = ampc__scope_adopt(y);
+    return 1;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Uploads (calling thread; see the top)
 
@@ -301,31 +319,21 @@ static int next_async(ampc_loader *ld, ampc_tensor **images, ampc_tensor **label
     const ampc_device_ops *dev = ampc__device(ld->o.device);
     const int64_t b = ld->cur;
     reap(ld, false);
-    ld->failed_msg[0] = 0;
     int rc = ld->ahead_x ? AMPC_OK : start_upload(ld, b);
     if (rc >= 0 && ld->ahead_fence) rc = dev->fence_order(ld->ahead_fence);
-    if (rc < 0) {
-        if (!ld->failed_msg[0]) snprintf(ld->failed_msg, sizeof ld->failed_msg, "%s", bare_message(rc));
-        ld->failed = rc;
-        return ampc__err(rc, "%s", ld->failed_msg);
-    }
+    if (rc < 0) return fail_batch(ld, rc);
     ampc_tensor *x = ld->ahead_x, *y = ld->ahead_y;
     ld->ahead_x = ld->ahead_y = NULL;
     ld->ahead_fence = NULL;
-    ld->cur++;
-    const int64_t left = ld->n - (ld->start + b * ld->global_batch);
-    ld->global_rows = left < ld->global_batch ? left : ld->global_batch;
-    if (ld->cur < ld->n_batches) {   /* the next batch's copy beside this one's step, if it is made already */
-        slot *n = &ld->slots[ld->cur % ld->n_slots];
+    if (b + 1 < ld->n_batches) {   /* the next batch's copy beside this one's step, if it is made already */
+        slot *n = &ld->slots[(b + 1) % ld->n_slots];
         pthread_mutex_lock(&ld->mu);
-        bool ready = n->state == SLOT_READY && n->batch == ld->cur;
+        bool ready = n->state == SLOT_READY && n->batch == b + 1;
         pthread_mutex_unlock(&ld->mu);
-        int up = ready ? start_upload(ld, ld->cur) : AMPC_OK;
+        int up = ready ? start_upload(ld, b + 1) : AMPC_OK;
         if (up < 0) ld->failed = up;   /* the next call reports it (this batch is handed out) */
     }
-    *images = ampc__scope_adopt(x);
-    *labels = ampc__scope_adopt(y);
-    return 1;
+    return hand_out(ld, b, x, y, images, labels);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -557,6 +565,7 @@ int ampc_loader_next(ampc_loader *ld, ampc_tensor **images, ampc_tensor **labels
     }
     if (ld->failed) return ampc__err(ld->failed, "%s", ld->failed_msg);
     if (ld->cur >= ld->n_batches) return 0;
+    ld->failed_msg[0] = 0;   /* a failure below writes it (fail_batch) */
     if (ld->async) return next_async(ld, images, labels);
 
     const int64_t b = ld->cur;
@@ -574,10 +583,8 @@ int ampc_loader_next(ampc_loader *ld, ampc_tensor **images, ampc_tensor **labels
         int64_t *xd = ampc__data(x), *yd = ampc__data(y);
         for (int64_t k = 0; k < rows && rc >= 0; k++)
             rc = ld->ds->vt->get_window(ld->ds, ld->perm[first + k], ld->shift, xd + k * T, yd + k * T);
-        if (rc < 0) snprintf(ld->failed_msg, sizeof ld->failed_msg, "%s", bare_message(rc));
     } else if (ld->n_workers == 0) {
         rc = fill_batch(ld, &ld->bufs[0], b, ampc__data(x), ampc__data(y), -1);
-        if (rc < 0) snprintf(ld->failed_msg, sizeof ld->failed_msg, "%s", bare_message(rc));
     } else {
         slot *s = &ld->slots[b % ld->n_slots];
         pthread_mutex_lock(&ld->mu);
@@ -596,30 +603,17 @@ int ampc_loader_next(ampc_loader *ld, ampc_tensor **images, ampc_tensor **labels
         pthread_cond_broadcast(&ld->work);
         pthread_mutex_unlock(&ld->mu);
     }
-    if (rc < 0) {
-        ampc__release(x);
-        ampc__release(y);
-        ld->failed = rc;
-        return ampc__err(rc, "%s", ld->failed_msg);
-    }
-    if (ld->o.device != AMPC_DEVICE_CPU) {   /* one copy to the device (REF: its f64 for images) */
+    if (rc >= 0 && ld->o.device != AMPC_DEVICE_CPU) {   /* one copy to the device (REF: its f64 for images) */
         ampc_dtype dt = ampc__device(ld->o.device)->dtypes[x->dtype] ? x->dtype : AMPC_F64;
         ampc_tensor *xd = ampc__tensor_new(dt, ld->o.device, x->ndim, x->shape);
         rc = xd ? ampc__copy(x, xd) : ampc_last_status();
         ampc__release(x);
         x = xd;
-        if (rc < 0) {
-            ampc__release(x);
-            ampc__release(y);
-            snprintf(ld->failed_msg, sizeof ld->failed_msg, "%s", bare_message(rc));
-            ld->failed = rc;   /* sticky, as a failed fill: the batch is gone from its slot */
-            return ampc__err(rc, "%s", ld->failed_msg);
-        }
     }
-    ld->cur++;
-    const int64_t left = ld->n - (ld->start + b * ld->global_batch);
-    ld->global_rows = left < ld->global_batch ? left : ld->global_batch;
-    *images = ampc__scope_adopt(x);
-    *labels = ampc__scope_adopt(y);
-    return 1;
+    if (rc < 0) {
+        ampc__release(x);
+        ampc__release(y);
+        return fail_batch(ld, rc);
+    }
+    return hand_out(ld, b, x, y, images, labels);
 }
